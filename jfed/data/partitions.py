@@ -1,0 +1,317 @@
+"""Label-skew partitions of a training set over federated clients.
+
+Each scheme reproduces the partition code of the paper whose numbers we compare against
+(reference-code.md §10, §3.6): the same heterogeneity knob means different things in
+DENSE, FedDF and FedCVAE, so "Dirichlet alpha=0.5" is only comparable within one scheme.
+
+All functions take the label vector, draw every random number from
+`np.random.default_rng(seed)` (one generator per call, so a partition is a pure function of
+its arguments), and return one int64 index array per client. Within a client the index
+order is random. Impossible requests raise `PartitionError` (a ValueError) instead of
+looping forever or silently returning empty clients.
+"""
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+
+class PartitionError(ValueError):
+  """A partition request that cannot be satisfied (bad arguments or too little data)."""
+
+
+def _as_labels(labels) -> np.ndarray:
+  labels = np.asarray(labels)
+  if labels.ndim != 1:
+    raise PartitionError(f'labels must be 1-D, got shape {labels.shape}.')
+  if labels.size and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0):
+    raise PartitionError('labels must be non-negative integers.')
+  return labels.astype(np.int64)
+
+
+def _num_classes(labels: np.ndarray, num_classes: Optional[int]) -> int:
+  inferred = int(labels.max()) + 1 if labels.size else 0
+  if num_classes is None:
+    return inferred
+  if num_classes < inferred:
+    raise PartitionError(f'num_classes={num_classes} but labels go up to {inferred - 1}.')
+  return int(num_classes)
+
+
+def _check_num_clients(num_clients: int, num_samples: int) -> None:
+  if num_clients < 1:
+    raise PartitionError(f'num_clients must be >= 1, got {num_clients}.')
+  if num_clients > num_samples:
+    raise PartitionError(
+        f'num_clients={num_clients} exceeds the number of samples ({num_samples}).')
+
+
+def _check_alpha(alpha: float) -> None:
+  if not alpha > 0:  # Also rejects NaN.
+    raise PartitionError(f'Dirichlet concentration alpha must be > 0, got {alpha}.')
+
+
+def _finish(parts: Sequence, rng: np.random.Generator) -> list:
+  """Shuffles each client's indices (order is arbitrary in every scheme) as int64."""
+  return [rng.permutation(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def partition_iid(labels, num_clients: int, seed: int) -> list:
+  """Uniformly random split into near-equal parts (sizes differ by at most one)."""
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(labels))
+  return [p.astype(np.int64) for p in np.array_split(order, num_clients)]
+
+
+def _balanced_dirichlet_split(labels: np.ndarray, pool: np.ndarray, num_clients: int,
+                              alpha: float, num_classes: int, rng: np.random.Generator,
+                              min_size: int, max_tries: int, shuffle_classes: bool) -> list:
+  """NIID-Bench's per-class Dirichlet split of `pool` with the balance rule.
+
+  For every class a proportion vector p ~ Dir(alpha * 1) is drawn; clients that already
+  hold >= len(pool) / num_clients samples get p_j = 0 (the balance rule that keeps one
+  client from swallowing everything), p is renormalised and the class's indices are cut at
+  cumsum(p) * n_c. The whole draw is repeated until every client holds >= min_size samples.
+
+  When a tiny alpha makes p vanish on every still-open client (0/0 in the reference code,
+  which then splits at garbage positions), the attempt is discarded and redrawn.
+  """
+  cap = len(pool) / num_clients
+  pool_labels = labels[pool]
+  for _ in range(max_tries):
+    chunks = [[] for _ in range(num_clients)]
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    failed = False
+    for c in range(num_classes):
+      idx_c = pool[pool_labels == c]
+      if shuffle_classes:
+        idx_c = rng.permutation(idx_c)
+      p = rng.dirichlet(np.full(num_clients, alpha))
+      p = p * (sizes < cap)
+      total = p.sum()
+      if not total > 0:
+        failed = True
+        break
+      cuts = (np.cumsum(p / total) * len(idx_c)).astype(np.int64)[:-1]
+      for j, piece in enumerate(np.split(idx_c, cuts)):
+        chunks[j].append(piece)
+        sizes[j] += len(piece)
+    if not failed and sizes.min() >= min_size:
+      return [np.concatenate(c) if c else np.zeros(0, np.int64) for c in chunks]
+  raise PartitionError(
+      f'Dirichlet partition (alpha={alpha}, {num_clients} clients, {len(pool)} samples) did '
+      f'not give every client >= {min_size} samples in {max_tries} tries. Use a larger '
+      f'alpha, fewer clients, a smaller min_size or more max_tries.')
+
+
+def partition_dirichlet(labels, num_clients: int, alpha: float, seed: int,
+                        min_size: int = 10, max_tries: int = 1000) -> list:
+  """DENSE / NIID-Bench "noniid-labeldir" Dirichlet label skew (reference-code.md §10.1).
+
+  Per class: shuffle its indices, p ~ Dir(alpha * 1_n), zero out clients already holding
+  >= N/n samples, renormalise, split by cumsum; redraw everything until the smallest client
+  has >= min_size samples (NIID-Bench/DENSE use 10); finally shuffle each client. Client
+  sizes are unequal. Used by DENSE, FedHydra (FL-SA) and the NIID-Bench baselines.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  _check_alpha(alpha)
+  if min_size * num_clients > len(labels):
+    raise PartitionError(f'min_size={min_size} for {num_clients} clients needs '
+                         f'{min_size * num_clients} samples, only {len(labels)} given.')
+  rng = np.random.default_rng(seed)
+  parts = _balanced_dirichlet_split(
+      labels, np.arange(len(labels)), num_clients, alpha, _num_classes(labels, None), rng,
+      min_size, max_tries, shuffle_classes=True)
+  return _finish(parts, rng)
+
+
+def partition_shards_k(labels, num_clients: int, k: int, seed: int,
+                       num_classes: Optional[int] = None) -> list:
+  """NIID-Bench "#C=k" (noniid-#label{k}): every client sees exactly k classes (§10.2).
+
+  Client i owns class i mod C plus k-1 further distinct classes drawn uniformly at random;
+  each class's shuffled indices are `array_split` equally among its owners. A class that no
+  client owns (possible when num_clients * k < C) is dropped: its samples go to no one.
+  (NIID-Bench itself would crash there, `np.array_split(idx, 0)`.) k = C gives each client
+  an equal share of every class.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  num_classes = _num_classes(labels, num_classes)
+  if not 1 <= k <= num_classes:
+    raise PartitionError(f'k (classes per client) must be in [1, {num_classes}], got {k}.')
+  rng = np.random.default_rng(seed)
+  owned = []
+  for i in range(num_clients):
+    classes = [i % num_classes]
+    while len(classes) < k:
+      c = int(rng.integers(num_classes))
+      if c not in classes:
+        classes.append(c)
+    owned.append(classes)
+  parts = [[] for _ in range(num_clients)]
+  for c in range(num_classes):
+    owners = [i for i in range(num_clients) if c in owned[i]]
+    idx_c = rng.permutation(np.flatnonzero(labels == c))
+    if not owners:
+      continue
+    for i, piece in zip(owners, np.array_split(idx_c, len(owners))):
+      parts[i].append(piece)
+  return _finish([np.concatenate(p) for p in parts], rng)
+
+
+def partition_disjoint(labels, num_clients: int, seed: int,
+                       num_classes: Optional[int] = None) -> list:
+  """FedHydra Table 2 "2c/c"-style: clients own disjoint sets of whole classes.
+
+  The classes are shuffled and `array_split` into num_clients groups (C/m each; when m
+  does not divide C the first C mod m clients get one class more); a client receives every
+  sample of its classes. This is the most extreme label skew: no class is shared.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  num_classes = _num_classes(labels, num_classes)
+  if num_clients > num_classes:
+    raise PartitionError(f'Disjoint partition needs num_clients <= num_classes, got '
+                         f'{num_clients} clients for {num_classes} classes.')
+  rng = np.random.default_rng(seed)
+  groups = np.array_split(rng.permutation(num_classes), num_clients)
+  return _finish([np.flatnonzero(np.isin(labels, g)) for g in groups], rng)
+
+
+def partition_feddf_dirichlet(labels, num_clients: int, alpha: float, seed: int,
+                              group_size: int = 10, max_tries: int = 1000) -> list:
+  """FedDF / FedMHO `build_non_iid_by_dirichlet` + `DataPartitioner` (§10.3).
+
+  The samples are shuffled and cut into ceil(n / group_size) consecutive blocks, one per
+  group of `group_size` (10) "auxiliary workers" (the last block takes the remainder); each
+  block gets the balanced per-class Dirichlet split, redrawn until every worker of the group
+  holds >= int(0.5 * block / workers) samples. The per-worker lists are concatenated and
+  the concatenation is re-sliced into n equal chunks of N // n: final sizes are equal, the
+  label skew comes from the ordering, and the N mod n trailing samples are dropped (as
+  FedDF's `int(N / n)` slicing does). FedDF asserts n >= group_size.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  _check_alpha(alpha)
+  if num_clients < group_size:
+    raise PartitionError(f'FedDF Dirichlet partition needs num_clients >= {group_size} '
+                         f'(its auxiliary-worker group size), got {num_clients}.')
+  num_classes = _num_classes(labels, None)
+  n = len(labels)
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(n)
+  num_groups = math.ceil(num_clients / group_size)
+  block = int(group_size / num_clients * n)
+  lists, remaining = [], num_clients
+  for g in range(num_groups):
+    pool = order[g * block:(n if g == num_groups - 1 else (g + 1) * block)]
+    workers = min(group_size, remaining)
+    remaining -= group_size
+    lists += _balanced_dirichlet_split(
+        labels, pool, workers, alpha, num_classes, rng,
+        min_size=int(0.5 * len(pool) / workers), max_tries=max_tries, shuffle_classes=False)
+  flat = np.concatenate(lists)
+  chunk = n // num_clients
+  return _finish([flat[i * chunk:(i + 1) * chunk] for i in range(num_clients)], rng)
+
+
+def partition_fedcvae_dirichlet(labels, num_clients: int, alpha: float, seed: int,
+                                sample_ratio: float = 1.0,
+                                num_classes: Optional[int] = None) -> list:
+  """FedCVAE `split_data_dirichlet` (reference-code.md §3.6).
+
+  Unlike DENSE, the Dirichlet is drawn per *client* over classes: props_u ~ Dir(alpha * 1_C),
+  stacked [U, C] and normalised per class column; client u gets int(props[u, c] * n_c) of
+  class c (consecutive pieces of the shuffled class), and the samples left over by the
+  flooring go one by one to uniformly random clients. Optionally only a random
+  `sample_ratio` of the data is used first (FedCVAE: 0.5 on MNIST/FMNIST). There is no
+  minimum size: with tiny alpha some clients can be (nearly) empty, as in the original.
+  A class column that is all zero (possible for tiny alpha) is handed out entirely as
+  leftovers instead of the original's 0/0.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  _check_alpha(alpha)
+  if not 0 < sample_ratio <= 1:
+    raise PartitionError(f'sample_ratio must be in (0, 1], got {sample_ratio}.')
+  num_classes = _num_classes(labels, num_classes)
+  rng = np.random.default_rng(seed)
+  pool = np.arange(len(labels))
+  if sample_ratio < 1:
+    pool = rng.permutation(len(labels))[:int(len(labels) * sample_ratio)]
+    if num_clients > len(pool):
+      raise PartitionError(f'num_clients={num_clients} exceeds the {len(pool)} samples '
+                           f'kept by sample_ratio={sample_ratio}.')
+  class_idx = [rng.permutation(pool[labels[pool] == c]) for c in range(num_classes)]
+  props = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)  # [U, C]
+  col = props.sum(axis=0, keepdims=True)
+  scaled = np.divide(props, col, out=np.zeros_like(props), where=col > 0)
+  parts = [[] for _ in range(num_clients)]
+  for c, idx_c in enumerate(class_idx):
+    counts = (scaled[:, c] * len(idx_c)).astype(np.int64)
+    ends = np.cumsum(counts)
+    for u in range(num_clients):
+      parts[u].append(idx_c[ends[u] - counts[u]:ends[u]])
+    leftover = idx_c[ends[-1]:]
+    owners = rng.integers(num_clients, size=len(leftover))
+    for u in range(num_clients):
+      parts[u].append(leftover[owners == u])
+  return _finish([np.concatenate(p) for p in parts], rng)
+
+
+_SCHEMES: dict = {
+    'iid': partition_iid,
+    'dirichlet': partition_dirichlet,
+    'shards': partition_shards_k,
+    'disjoint': partition_disjoint,
+    'feddf_dirichlet': partition_feddf_dirichlet,
+    'fedcvae_dirichlet': partition_fedcvae_dirichlet,
+}
+
+
+def available_schemes() -> list:
+  return list(_SCHEMES)
+
+
+def make_partition(labels, num_clients: int, scheme: str, seed: int, **kw) -> list:
+  """Dispatches to the partition function of `scheme`; `kw` are its extra arguments.
+
+  E.g. make_partition(y, 5, 'dirichlet', 0, alpha=0.5) or
+  make_partition(y, 10, 'shards', 0, k=2).
+  """
+  fn: Optional[Callable] = _SCHEMES.get(scheme)
+  if fn is None:
+    raise PartitionError(f'Unknown partition scheme {scheme!r}; valid: '
+                         f'{", ".join(_SCHEMES)}.')
+  return fn(labels, num_clients, seed=seed, **kw)
+
+
+def class_count_table(labels, parts: Sequence, num_classes: int) -> np.ndarray:
+  """[clients, classes] int64 table: how many samples of each class each client holds."""
+  labels = _as_labels(labels)
+  if labels.size and labels.max() >= num_classes:
+    raise PartitionError(f'labels go up to {labels.max()}, num_classes={num_classes}.')
+  table = np.zeros((len(parts), num_classes), dtype=np.int64)
+  for i, p in enumerate(parts):
+    table[i] = np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=num_classes)
+  return table
+
+
+def format_count_table(table) -> str:
+  """Plain-text class-count table, one row per client, with row and column totals."""
+  table = np.asarray(table, dtype=np.int64)
+  num_classes = table.shape[1]
+  header = ['client'] + [f'c{c}' for c in range(num_classes)] + ['total']
+  rows = [[str(i)] + [str(v) for v in row] + [str(row.sum())] for i, row in enumerate(table)]
+  rows.append(['total'] + [str(v) for v in table.sum(axis=0)] + [str(table.sum())])
+  widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
+
+  def fmt(row):
+    return '  '.join(cell.rjust(w) for cell, w in zip(row, widths))
+
+  rule = '-' * len(fmt(header))
+  return '\n'.join([fmt(header), rule] + [fmt(r) for r in rows[:-1]] + [rule, fmt(rows[-1])])

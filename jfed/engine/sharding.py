@@ -1,0 +1,43 @@
+"""Placing a client group on a device mesh with a `clients` axis."""
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+CLIENTS = 'clients'
+
+
+def client_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A 1-D mesh over `devices` (default: all) whose axis shards the client dimension."""
+  devices = np.asarray(devices if devices is not None else jax.devices())
+  return Mesh(devices, (CLIENTS,))
+
+
+def padded_count(n: int, mesh: Mesh) -> int:
+  d = mesh.shape[CLIENTS]
+  return -(-n // d) * d
+
+
+def pad_clients(tree: Any, n_total: int) -> Any:
+  """Pads the leading client axis to `n_total` with zeros.
+
+  Padded clients have size 0, so every training step leaves them untouched; callers slice them
+  off afterwards.
+  """
+  def pad(a):
+    a = jnp.asarray(a)
+    extra = n_total - a.shape[0]
+    if extra <= 0:
+      return a
+    return jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)])
+  return jax.tree.map(pad, tree)
+
+
+def shard_group(mesh: Mesh, tree: Any) -> Any:
+  """Pads a stacked tree to a multiple of the mesh size and shards its client axis."""
+  n = jax.tree.leaves(tree)[0].shape[0]
+  tree = pad_clients(tree, padded_count(n, mesh))
+  spec = NamedSharding(mesh, P(CLIENTS))
+  return jax.device_put(tree, spec)

@@ -1,0 +1,204 @@
+"""Local training of a group of clients that share an architecture.
+
+A group's state is stacked along a leading client axis and its data is a padded
+`FederatedArrays`. Every strategy runs the *same* per-client step function, so they give the
+same numbers and differ only in how the (client, step) grid is mapped onto the machine:
+
+- `loop`:  Python loop over clients and steps, one jitted single-client step. Fastest on XLA:CPU,
+           where client-batched convolutions and convolutions inside `lax.scan` are
+           pathologically slow (design.md, measured table).
+- `vmap`:  one jitted step vmapped over clients, Python loop over steps.
+- `scan`:  one jitted program per epoch: vmap over clients of a `lax.scan` over steps. The fast
+           form on GPU/TPU.
+- `auto`:  `loop` on CPU, `scan` elsewhere (confirmed by experiments/bench/client_training.py).
+
+Exactness for unequal client sizes: each epoch, client k visits a fresh permutation of its own
+`sizes[k]` samples in batches of `batch_size` (the last one partial, like a PyTorch DataLoader
+with drop_last=False). Padded positions are masked out of the loss, the accuracy and the
+BatchNorm statistics, and a step in which a client has no real sample leaves its parameters and
+optimiser state untouched, so a padded client trains exactly as it would alone.
+"""
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+
+from jfed.engine import sharding
+from jfed.engine.state import ModelState, TrainState
+
+STRATEGIES = ('auto', 'loop', 'vmap', 'scan')
+
+
+def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
+  if strategy not in STRATEGIES:
+    raise ValueError(f'Unknown client-map strategy {strategy!r}; valid: {", ".join(STRATEGIES)}')
+  if strategy != 'auto':
+    return strategy
+  backend = backend or jax.default_backend()
+  return 'loop' if backend == 'cpu' else 'scan'
+
+
+class TrainMetrics(NamedTuple):
+  loss: np.ndarray      # [clients, epochs] mean training loss over the client's samples
+  accuracy: np.ndarray  # [clients, epochs] training accuracy
+
+
+def client_orders(key: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max: int,
+                  padded_len: int) -> jax.Array:
+  """[clients, padded_len] visiting orders: a permutation of each client's real samples first.
+
+  Sample i of client c gets the sort key uniform(fold_in(fold_in(key, c), i)), so a client's
+  order depends only on (key, its id, its size): not on the group's padding or its position in
+  the group. That is what makes a padded client train exactly as it would alone.
+  """
+  positions = jnp.arange(n_max)
+
+  def one(client_id, size):
+    ckey = jax.random.fold_in(key, client_id)
+    u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(ckey, i)))(positions)
+    u = jnp.where(positions < size, u, 2.0)
+    return jnp.pad(jnp.argsort(u), (0, padded_len - n_max))
+  return jax.vmap(one)(client_ids, sizes)
+
+
+def supervised_loss(logits, labels, weights):
+  """Mean cross entropy over real samples; integer labels or soft-label distributions."""
+  if jnp.issubdtype(labels.dtype, jnp.integer):
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    hard = labels
+  else:
+    per_example = optax.softmax_cross_entropy(logits, labels)
+    hard = jnp.argmax(labels, -1)
+  count = jnp.sum(weights)
+  loss = jnp.sum(per_example * weights) / jnp.maximum(count, 1.0)
+  correct = jnp.sum((jnp.argmax(logits, -1) == hard) * weights)
+  return loss, correct, count
+
+
+def _tree_where(pred, new, old):
+  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def _squared_distance(a, b):
+  return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+class GroupTrainer:
+  """Compiles a group's local training once and runs it with the chosen client-map strategy.
+
+  Build one per (architecture, optimiser, batch size) and reuse it across rounds: its jitted
+  functions are traced once per input shape.
+  """
+
+  def __init__(self, module, tx: optax.GradientTransformation, batch_size: int,
+               prox_mu: float = 0.0, strategy: str = 'auto', mesh=None):
+    self.module = module
+    self.tx = tx
+    self.batch_size = int(batch_size)
+    self.prox_mu = float(prox_mu)
+    self.strategy = resolve_strategy(strategy)
+    self.mesh = mesh
+    step = self._client_step
+    self._step = jax.jit(step)
+    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, None, None)))
+    self._scan_epoch = jax.jit(jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, None, None)),
+                               static_argnums=(5,))
+    self._orders = jax.jit(client_orders, static_argnums=(3, 4))
+
+  # -- the one step every strategy runs ------------------------------------------------------
+  def _client_step(self, ts: TrainState, x, y, order, size, step, anchor):
+    b = self.batch_size
+    idx = lax.dynamic_slice(order, (step * b,), (b,))
+    real = step * b + jnp.arange(b) < size
+    xb, yb = x[idx], y[idx]
+    weights = real.astype(jnp.float32)
+
+    def objective(params):
+      logits, updates = self.module.apply(
+          {'params': params, 'batch_stats': ts.model.batch_stats}, xb, train=True, mask=real,
+          mutable=['batch_stats'])
+      loss, correct, count = supervised_loss(logits, yb, weights)
+      total = loss
+      if self.prox_mu:
+        total = total + 0.5 * self.prox_mu * _squared_distance(params, anchor)
+      return total, (loss, correct, count, updates.get('batch_stats', ts.model.batch_stats))
+
+    grads, (loss, correct, count, new_stats) = jax.grad(objective, has_aux=True)(ts.model.params)
+    updates, new_opt = self.tx.update(grads, ts.opt_state, ts.model.params)
+    new_ts = TrainState(ModelState(optax.apply_updates(ts.model.params, updates), new_stats),
+                        new_opt)
+    new_ts = _tree_where(count > 0, new_ts, ts)
+    return new_ts, jnp.stack([loss * count, correct, count])
+
+  def _client_epoch(self, ts, x, y, order, size, num_steps, anchor):
+    def body(carry, s):
+      return self._client_step(carry, x, y, order, size, s, anchor)
+    ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
+    return ts, stats.sum(0)
+
+  # -- strategies ----------------------------------------------------------------------------
+  def train(self, state: TrainState, fed, epochs: int, key: jax.Array,
+            anchor: Any = None, progress: Optional[Callable[[int, int], None]] = None,
+            client_ids=None):
+    """Trains every client of the group for `epochs` epochs over its own samples.
+
+    Args:
+      state: stacked TrainState of the group (leading axis = clients of `fed`).
+      fed: FederatedArrays (x [m, n_max, ...], y [m, n_max] or [m, n_max, C], sizes [m]).
+      epochs: local epochs.
+      key: data-order key; a client's order in epoch e depends only on (key, e, its id).
+      anchor: FedProx reference parameters (single model), required when prox_mu > 0.
+      progress: called as progress(epochs_done, epochs) after each epoch.
+      client_ids: global ids of the group's clients (default 0..m-1).
+    Returns:
+      (new stacked TrainState, TrainMetrics).
+    """
+    if self.prox_mu and anchor is None:
+      raise ValueError('FedProx training (prox_mu > 0) needs the global parameters as anchor.')
+    m, n_max = fed.y.shape[:2]
+    num_steps = max(1, math.ceil(int(np.max(fed.sizes)) / self.batch_size))
+    padded_len = max(num_steps * self.batch_size, n_max)
+    sizes = jnp.asarray(fed.sizes, jnp.int32)
+    ids = jnp.asarray(np.arange(m) if client_ids is None else client_ids, jnp.int32)
+    x, y = jnp.asarray(fed.x), jnp.asarray(fed.y)
+    if self.strategy != 'loop' and self.mesh is not None:
+      state, x, y, sizes = sharding.shard_group(self.mesh, (state, x, y, sizes))
+      ids = sharding.pad_clients(ids, sizes.shape[0])
+    stats = []
+    for epoch in range(epochs):
+      orders = self._orders(jax.random.fold_in(key, epoch), ids, sizes, n_max, padded_len)
+      if self.strategy == 'loop':
+        state, epoch_stats = self._loop_epoch(state, x, y, orders, fed.sizes, anchor)
+      elif self.strategy == 'vmap':
+        epoch_stats = 0.0
+        for s in range(num_steps):
+          state, st = self._vmap_step(state, x, y, orders, sizes, s, anchor)
+          epoch_stats = epoch_stats + st
+      else:
+        state, epoch_stats = self._scan_epoch(state, x, y, orders, sizes, num_steps, anchor)
+      stats.append(np.asarray(epoch_stats)[:m])
+      if progress is not None:
+        progress(epoch + 1, epochs)
+    if self.strategy != 'loop' and self.mesh is not None:
+      state = jax.tree.map(lambda a: a[:m], state)
+    stats = np.stack(stats, axis=1) if stats else np.zeros((m, 0, 3))
+    count = np.maximum(stats[..., 2], 1.0)
+    return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
+
+  def _loop_epoch(self, state, x, y, orders, sizes_np, anchor):
+    new_states, epoch_stats = [], []
+    for k in range(len(sizes_np)):
+      ts = jax.tree.map(lambda a, k=k: a[k], state)
+      xk, yk, order, size = x[k], y[k], orders[k], jnp.int32(sizes_np[k])
+      acc = jnp.zeros(3)
+      for s in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
+        ts, st = self._step(ts, xk, yk, order, size, s, anchor)
+        acc = acc + st
+      new_states.append(ts)
+      epoch_stats.append(acc)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *new_states)
+    return stacked, jnp.stack(epoch_stats)
