@@ -1,0 +1,165 @@
+"""Blocks shared by methods: client groups, local training, server-side validation, evaluation."""
+import pathlib
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jfed import engine
+from jfed.data import FederatedArrays, federate
+from jfed.engine import GroupTrainer, ModelState
+from jfed.io import Checkpointer, ModelUpload, serialized_nbytes, validate_model_upload
+from jfed.methods.context import KEY_LOCAL_TRAINING, KEY_MODEL_INIT, RunContext
+from jfed.models import get_model
+from jfed.reporting import Progress
+
+
+class ClientGroup(NamedTuple):
+  """Clients that share an architecture: trained as one stacked, compiled program."""
+  spec: str                 # model spec, e.g. 'cnn_mnist' or 'resnet18:width_mult=0.5'
+  module: nn.Module
+  client_ids: np.ndarray    # global client ids, in the order of `fed`'s client axis
+  fed: FederatedArrays
+
+
+def parse_model_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
+  """'resnet18:width_mult=0.5,depth=2' -> ('resnet18', {'width_mult': 0.5, 'depth': 2})."""
+  name, _, args = spec.strip().partition(':')
+  kwargs = {}
+  for item in filter(None, args.split(',')):
+    key, sep, value = item.partition('=')
+    if not sep:
+      raise ValueError(f'Malformed model spec {spec!r}: expected name:key=value,...')
+    try:
+      kwargs[key.strip()] = int(value)
+    except ValueError:
+      try:
+        kwargs[key.strip()] = float(value)
+      except ValueError:
+        kwargs[key.strip()] = value.strip()
+  return name, kwargs
+
+
+def build_module(spec: str, dataset) -> nn.Module:
+  name, kwargs = parse_model_spec(spec)
+  return get_model(name, dataset.num_classes, dataset.input_shape, **kwargs)
+
+
+def client_model_specs(ctx: RunContext) -> List[str]:
+  """Per-client model specs: `client_models` ('a;b;c', cycled over clients) or `model`."""
+  specs = [s for s in ctx.config.get('client_models', '').split(';') if s.strip()]
+  if not specs:
+    specs = [ctx.config.model]
+  return [specs[k % len(specs)].strip() for k in range(ctx.num_clients)]
+
+
+def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -> List[ClientGroup]:
+  """Groups the (selected) clients by architecture, in order of first appearance."""
+  specs = client_model_specs(ctx)
+  ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
+  groups = []
+  for spec in dict.fromkeys(specs[k] for k in ids):
+    members = np.array([k for k in ids if specs[k] == spec])
+    fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in members])
+    groups.append(ClientGroup(spec, build_module(spec, ctx.dataset), members, fed))
+  return groups
+
+
+def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
+  """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model)."""
+  all_specs = list(dict.fromkeys(client_model_specs(ctx)))
+  return [engine.init_models(g.module, ctx.dataset.input_shape,
+                             ctx.derive_key(KEY_MODEL_INIT, all_specs.index(g.spec)),
+                             len(g.client_ids)) for g in groups]
+
+
+def make_trainers(ctx: RunContext, groups: Sequence[ClientGroup], prox_mu: float = 0.0,
+                  optimizer=None) -> List[GroupTrainer]:
+  cfg = ctx.config
+  tx = engine.optimizer_from_config(optimizer or cfg.optimizer)
+  return [GroupTrainer(g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy,
+                       mesh=ctx.mesh) for g in groups]
+
+
+def train_groups(trainers: Sequence[GroupTrainer], groups: Sequence[ClientGroup],
+                 models: Sequence[ModelState], epochs: int, key: jax.Array,
+                 anchors: Optional[Sequence[Any]] = None, label: str = 'local training'
+                 ) -> Tuple[List[ModelState], List[engine.TrainMetrics]]:
+  """Local training of every group; a fresh optimiser per call, as PyTorch FL code does."""
+  out_models, out_metrics = [], []
+  for i, (trainer, group, model) in enumerate(zip(trainers, groups, models)):
+    progress = Progress(f'{label} [{group.spec} x{len(group.client_ids)}]', epochs, 'epoch')
+    state = engine.init_train_state(trainer.tx, model)
+    state, metrics = trainer.train(state, group.fed, epochs, key,
+                                   anchor=None if anchors is None else anchors[i],
+                                   progress=progress, client_ids=group.client_ids)
+    out_models.append(state.model)
+    out_metrics.append(metrics)
+  return out_models, out_metrics
+
+
+def receive_uploads(groups: Sequence[ClientGroup], models: Sequence[ModelState],
+                    templates: Sequence[ModelState]) -> int:
+  """Server side of a model upload: validates every client's model, returns the bytes received.
+
+  Bytes are measured by serialising one upload per group: msgpack's size depends only on the
+  shapes and dtypes, which validation has just checked are the template's.
+  """
+  total = 0
+  for group, stacked, template in zip(groups, models, templates):
+    for i, cid in enumerate(group.client_ids):
+      upload = ModelUpload(int(cid), int(group.fed.sizes[i]), engine.take(stacked, i))
+      validate_model_upload(upload, template)
+    total += serialized_nbytes(engine.take(stacked, 0)) * len(group.client_ids)
+  return total
+
+
+class LocalModels(NamedTuple):
+  """The uploads of one-shot methods: every client's locally trained model, per group."""
+  groups: List[ClientGroup]
+  models: List[ModelState]   # stacked per group
+  upload_bytes: int
+
+
+def local_models(ctx: RunContext, epochs: int) -> LocalModels:
+  """Trains every client for `epochs` local epochs from a shared init, or restores them.
+
+  The result is checkpointed under workdir/local_models (or read from `local_models_dir`), so an
+  interrupted one-shot run and a sweep of server-side methods train the clients only once.
+  """
+  groups = client_groups(ctx)
+  init = init_group_models(ctx, groups)
+  source = ctx.config.get('local_models_dir') or str(ctx.workdir / 'local_models')
+  ckpt = Checkpointer(pathlib.Path(source))
+  step, models = ckpt.restore_latest(init)
+  if step is not None and step != epochs:
+    raise ValueError(f'{source} holds local models trained for {step} epochs, not {epochs}')
+  if step is None:
+    trainers = make_trainers(ctx, groups)
+    models, metrics = train_groups(trainers, groups, init, epochs,
+                                   ctx.derive_key(KEY_LOCAL_TRAINING))
+    for g, m in zip(groups, metrics):
+      logging.info('local training [%s]: final train accuracy %s', g.spec,
+                   np.round(m.accuracy[:, -1], 4).tolist())
+    ckpt.save(epochs, models)
+  ckpt.close()
+  upload_bytes = receive_uploads(groups, models, [engine.take(m, 0) for m in init])
+  return LocalModels(groups, list(models), upload_bytes)
+
+
+def client_accuracies(ctx: RunContext, local: LocalModels) -> np.ndarray:
+  """Test accuracy of every client's own model, indexed by global client id."""
+  acc = np.zeros(ctx.num_clients)
+  bs = ctx.config.eval_batch_size
+  for g, m in zip(local.groups, local.models):
+    ev = engine.Evaluator(g.module, bs, ctx.config.strategy)
+    acc[g.client_ids] = ev.group_accuracy(m, ctx.dataset.test_x, ctx.dataset.test_y)
+  return acc
+
+
+def test_accuracy(ctx: RunContext, module, model: ModelState, evaluator=None) -> float:
+  ev = evaluator or engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+  return ev.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)

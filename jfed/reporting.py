@@ -1,0 +1,130 @@
+"""What a run writes for a researcher: metrics as JSON lines, a summary, plots, progress."""
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.ndarray) or hasattr(value, '__array__'):
+    arr = np.asarray(value)
+    return arr.item() if arr.ndim == 0 else arr.tolist()
+  if isinstance(value, (np.integer,)):
+    return int(value)
+  if isinstance(value, (np.floating,)):
+    return float(value)
+  return value
+
+
+class MetricsWriter:
+  """Appends one JSON object per line to `metrics.jsonl`.
+
+  `truncate_after(step)` drops records written after the step a resumed run restarts from, so
+  the file of a resumed run equals that of an uninterrupted one.
+  """
+
+  def __init__(self, path):
+    self.path = pathlib.Path(path)
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+
+  def write(self, record: Dict[str, Any]) -> None:
+    with self.path.open('a') as f:
+      f.write(json.dumps(_jsonable(record)) + '\n')
+
+  def read(self) -> List[Dict[str, Any]]:
+    if not self.path.exists():
+      return []
+    return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+  def truncate_after(self, step: Optional[int], key: str = 'step') -> None:
+    records = [r for r in self.read() if step is not None and r.get(key, -1) <= step]
+    self.path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+
+
+def write_json(path, obj: Any) -> None:
+  pathlib.Path(path).write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=True) + '\n')
+
+
+class Progress:
+  """A progress line on stderr for long work: `label  done/total  rate  eta`.
+
+  Rewrites one line on a terminal; elsewhere (CI logs, files) prints at most every `every_s`.
+  """
+
+  def __init__(self, label: str, total: int, unit: str = 'step', every_s: float = 10.0,
+               stream=None):
+    self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
+    self.stream = stream or sys.stderr
+    self.start = self.last = time.monotonic()
+    self.tty = hasattr(self.stream, 'isatty') and self.stream.isatty()
+
+  def update(self, done: int, extra: str = '') -> None:
+    now = time.monotonic()
+    final = done >= self.total
+    if not (self.tty or final or now - self.last >= self.every_s):
+      return
+    self.last = now
+    elapsed = now - self.start
+    rate = done / elapsed if elapsed > 0 else 0.0
+    eta = (self.total - done) / rate if rate > 0 else math.inf
+    eta_s = f'eta {eta:5.0f}s' if math.isfinite(eta) else ''
+    line = (f'{self.label} {done}/{self.total} {self.unit}s  {rate:6.2f} {self.unit}/s  '
+            f'{elapsed:5.0f}s {eta_s} {extra}')
+    self.stream.write(('\r' + line) if self.tty else line + '\n')
+    if self.tty and final:
+      self.stream.write('\n')
+    self.stream.flush()
+
+  def __call__(self, done: int, total: int) -> None:
+    self.update(done)
+
+
+def plot_curves(path, series: Dict[str, Sequence[float]], xlabel: str, ylabel: str,
+                title: Optional[str] = None, x: Optional[Dict[str, Sequence[float]]] = None,
+                hlines: Optional[Dict[str, float]] = None) -> None:
+  """Line plot of named series (e.g. test accuracy per round, one line per method)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6, 4), dpi=120)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  for name, ys in series.items():
+    xs = (x or {}).get(name, range(1, len(ys) + 1))
+    ax.plot(list(xs), list(ys), marker='o' if len(ys) < 30 else None, label=name)
+  for name, value in (hlines or {}).items():
+    ax.axhline(value, linestyle='--', linewidth=1, color='gray')
+    ax.annotate(name, (0, value), xycoords=('axes fraction', 'data'), fontsize=8,
+                va='bottom')
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  if title:
+    ax.set_title(title)
+  ax.grid(alpha=0.3)
+  if series:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(str(path))
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  """A plain fixed-width text table (also valid Markdown)."""
+  rows = [[_fmt(c) for c in r] for r in rows]
+  widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+            for i, h in enumerate(header)]
+  line = lambda cells: '| ' + ' | '.join(str(c).ljust(w) for c, w in zip(cells, widths)) + ' |'
+  sep = '|' + '|'.join('-' * (w + 2) for w in widths) + '|'
+  return '\n'.join([line(header), sep] + [line(r) for r in rows])
+
+
+def _fmt(value: Any) -> str:
+  if isinstance(value, float):
+    return f'{value:.4g}' if abs(value) < 1e4 else f'{value:.3e}'
+  return str(value)
