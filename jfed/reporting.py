@@ -103,6 +103,8 @@ def plot_curves(path, series: Dict[str, Sequence[float]], xlabel: str, ylabel: s
     ax.axhline(value, linestyle='--', linewidth=1, color='gray')
     ax.annotate(name, (0, value), xycoords=('axes fraction', 'data'), fontsize=8,
                 va='bottom')
+  from matplotlib.ticker import MaxNLocator
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   if title:
