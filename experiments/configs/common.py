@@ -14,7 +14,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.client_models = ''          # heterogeneous: 'spec;spec;...' cycled over clients
   c.local_models_dir = ''       # reuse local models checkpointed by an earlier run
   c.optimizer = ml_collections.ConfigDict(
-      {'name': 'sgd', 'lr': 0.01, 'momentum': 0.9, 'weight_decay': 0.0})
+      {'name': 'sgd', 'lr': 0.01, 'momentum': 0.9, 'weight_decay': 0.0,
+       'schedule': 'constant'})  # schedule: constant | cosine (centralized only)
   c.batch_size = 64
   c.strategy = 'auto'           # client map: auto | loop | vmap | scan
   c.shard = False               # shard client groups over all devices ('clients' mesh axis)

@@ -19,7 +19,8 @@ def centralized(ctx: RunContext) -> dict:
   ds = ctx.dataset
   fed = federate(ds.train_x, ds.train_y, [np.arange(len(ds.train_y))])
   group = common.ClientGroup(spec, module, np.array([0]), fed)
-  trainer = common.make_trainers(ctx, [group])[0]
+  steps_per_epoch = -(-len(ds.train_y) // ctx.config.batch_size)
+  trainer = common.make_trainers(ctx, [group], total_steps=cfg.epochs * steps_per_epoch)[0]
   init = engine.init_models(module, ds.input_shape, ctx.derive_key(KEY_MODEL_INIT, 0), 1)
   # The optimiser state carries across epochs here, so it is part of the checkpoint.
   ckpt = ctx.checkpointer()

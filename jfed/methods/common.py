@@ -77,9 +77,9 @@ def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[Mo
 
 
 def make_trainers(ctx: RunContext, groups: Sequence[ClientGroup], prox_mu: float = 0.0,
-                  optimizer=None) -> List[GroupTrainer]:
+                  optimizer=None, total_steps: int = 0) -> List[GroupTrainer]:
   cfg = ctx.config
-  tx = engine.optimizer_from_config(optimizer or cfg.optimizer)
+  tx = engine.optimizer_from_config(optimizer or cfg.optimizer, total_steps)
   return [GroupTrainer(g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy,
                        mesh=ctx.mesh) for g in groups]
 
