@@ -63,6 +63,8 @@ def run_rounds(ctx: RunContext, cfg, prox_mu: float = 0.0) -> dict:
         'clients': len(selected), 'upload_bytes': upload_bytes,
         'download_bytes': download_bytes, 'seconds': time.perf_counter() - t0})
     ckpt.save(r + 1, global_model)
+    print(f'round {r + 1}/{cfg.rounds}: test accuracy {accuracy:.4f} '
+          f'({time.perf_counter() - t0:.1f}s)', flush=True)
   ckpt.close()
   history = ctx.metrics.read()
   accs = [h['test_accuracy'] for h in history]
