@@ -1,0 +1,133 @@
+"""DENSE / Co-Boosting / FedHydra image generator (reference-code.md §1.4).
+
+    z[nz] → Dense(nz, 2·ngf·s_h·s_w) → reshape (s_h, s_w, 2·ngf)          (s = img_size // 4)
+    → BN(2ngf) → Upsample×2 (nearest)
+    → Conv3×3 2ngf→2ngf pad 1 no-bias → BN → LeakyReLU(0.2) → Upsample×2
+    → Conv3×3 2ngf→ngf pad 1 no-bias → BN → LeakyReLU(0.2)
+    → Conv3×3 ngf→C pad 1 (bias) → Sigmoid                                  (output in [0, 1])
+
+s = H // 4 gives 8 for 32 px, 7 for 28 px and 2 for the 8×8 sklearn digits; H and W must be
+multiples of 4. The generator's BatchNorm layers use the batch statistics whenever `train=True`
+(the reference code keeps the generator in train mode during synthesis), PyTorch semantics
+(flax momentum 0.9, eps 1e-5).
+
+The module's initialisers are DENSE's `reset_model` distribution: Conv/Dense kernels ~ N(0, 0.02),
+biases 0, BN scale ~ N(1, 0.02), BN bias 0. `dense_generator_init` draws the same distribution with
+a single random call (fast to compile) and is what synthesis / model stratification use; it is
+jittable and vmappable over keys (MS initialises m·c generators in one call).
+"""
+import functools
+import math
+from typing import Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jfed.engine.state import ModelState
+
+GEN_BN_MOMENTUM = 0.9   # PyTorch momentum 0.1
+GEN_BN_EPSILON = 1e-5
+
+
+def _normal(stddev: float, mean: float = 0.0):
+  def init(key, shape, dtype=jnp.float32):
+    return mean + stddev * jax.random.normal(key, shape, dtype)
+  return init
+
+
+def upsample_nearest_2x(x: jnp.ndarray) -> jnp.ndarray:
+  """`nn.Upsample(scale_factor=2)` (nearest) on NHWC."""
+  return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+
+
+class DenseGenerator(nn.Module):
+  """DENSE generator producing images of shape `img_shape` = (H, W, C) in [0, 1]."""
+  img_shape: Sequence[int]
+  nz: int = 256
+  ngf: int = 64
+
+  def _bn(self, train: bool, name: str):
+    return nn.BatchNorm(use_running_average=not train, momentum=GEN_BN_MOMENTUM,
+                        epsilon=GEN_BN_EPSILON, scale_init=_normal(0.02, 1.0),
+                        bias_init=nn.initializers.zeros, name=name)
+
+  @nn.compact
+  def __call__(self, z: jnp.ndarray, train: bool = True) -> jnp.ndarray:
+    h, w, c = self.img_shape
+    if h % 4 or w % 4:
+      raise ValueError(f'DenseGenerator needs H, W divisible by 4, got {self.img_shape}')
+    sh, sw = h // 4, w // 4
+    kinit, binit = _normal(0.02), nn.initializers.zeros
+    x = nn.Dense(2 * self.ngf * sh * sw, kernel_init=kinit, bias_init=binit, name='l1')(z)
+    # PyTorch reshapes to (N, 2ngf, s, s); in NHWC the same numbers are laid out channel-first
+    # and then moved last, so a weight port would permute; for training from scratch it is moot.
+    x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
+    x = self._bn(train, 'bn0')(x)
+    x = upsample_nearest_2x(x)
+    x = nn.Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit,
+                name='conv1')(x)
+    x = nn.leaky_relu(self._bn(train, 'bn1')(x), 0.2)
+    x = upsample_nearest_2x(x)
+    x = nn.Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
+    x = nn.leaky_relu(self._bn(train, 'bn2')(x), 0.2)
+    x = nn.Conv(c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit,
+                name='conv3')(x)
+    return nn.sigmoid(x)
+
+
+def make_generator(input_shape: Sequence[int], nz: int = 256, ngf: int = 64) -> DenseGenerator:
+  """Generator for a dataset's `input_shape` (H, W, C)."""
+  return DenseGenerator(img_shape=tuple(int(v) for v in input_shape), nz=nz, ngf=ngf)
+
+
+@functools.lru_cache(maxsize=None)
+def _variable_shapes(generator: DenseGenerator):
+  z = jax.ShapeDtypeStruct((2, generator.nz), jnp.float32)
+  return jax.eval_shape(functools.partial(generator.init, train=False), jax.random.PRNGKey(0), z)
+
+
+def dense_generator_init(key: jax.Array, generator: DenseGenerator,
+                         noise_batch: int = 0):
+  """DENSE `reset_model`: fresh generator variables — kernels ~ N(0, 0.02), biases 0,
+  BN scale ~ N(1, 0.02), BN bias 0, running mean 0 / var 1. Jittable and vmappable over `key`.
+
+  All random numbers come from ONE `jax.random.normal` draw (XLA:CPU spends ~0.4 s compiling every
+  threefry call, so the per-leaf draws of `generator.init` cost seconds per compiled program);
+  the distribution is DENSE's, the stream differs from `generator.init`. With `noise_batch` > 0 the
+  same draw also yields z ~ N(0, I) of shape [noise_batch, nz], returned as (state, z).
+  """
+  shapes = _variable_shapes(generator)
+  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes['params']))
+  random_leaves = [k for k in sorted(flat) if k[-1] in ('kernel', 'scale')]
+  sizes = [math.prod(flat[k].shape) for k in random_leaves]
+  total = sum(sizes) + noise_batch * generator.nz
+  draw = jax.random.normal(key, (total,), jnp.float32)
+  params, off = {}, 0
+  for k in sorted(flat):
+    shape = flat[k].shape
+    if k[-1] in ('kernel', 'scale'):
+      n = math.prod(shape)
+      v = draw[off:off + n].reshape(shape) * 0.02
+      off += n
+      params[k] = v + 1.0 if k[-1] == 'scale' else v
+    else:
+      params[k] = jnp.zeros(shape, jnp.float32)
+  bs = {k: (jnp.ones if k[-1] == 'var' else jnp.zeros)(v.shape, jnp.float32) for k, v in
+        flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes['batch_stats'])).items()}
+  state = ModelState(params=flax.traverse_util.unflatten_dict(params),
+                     batch_stats=flax.traverse_util.unflatten_dict(bs))
+  if noise_batch:
+    return state, draw[off:].reshape(noise_batch, generator.nz)
+  return state
+
+
+def generate(generator: DenseGenerator, state: ModelState, z: jnp.ndarray, train: bool = True):
+  """G(z). In train mode returns (images, new ModelState) with updated running statistics;
+  in eval mode returns (images, state)."""
+  variables = {'params': state.params, 'batch_stats': state.batch_stats}
+  if train:
+    x, upd = generator.apply(variables, z, train=True, mutable=['batch_stats'])
+    return x, ModelState(state.params, upd['batch_stats'])
+  return generator.apply(variables, z, train=False), state

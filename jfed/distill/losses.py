@@ -1,0 +1,202 @@
+"""Distillation / synthesis losses of DENSE, FedDF, Co-Boosting and FedHydra (pure functions).
+
+Notation: s = student logits [B, C], t = teacher logits [B, C], y = int labels [B],
+p = softmax(t/T), q = softmax(s/T). All functions are differentiable w.r.t. both logits; callers
+that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses need gradients
+through the teacher, because the generator's input reaches the teacher).
+"""
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+
+_REDUCTIONS = ('batchmean', 'mean', 'sum', 'none')
+
+
+def kl_divergence(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
+                  reduction: str = 'batchmean', t_squared: bool = False) -> jnp.ndarray:
+  """PyTorch `F.kl_div(log_softmax(s/T), softmax(t/T), reduction)` (× T² if `t_squared`).
+
+  Element-wise  KL_elem[b, c] = p[b,c] · (log p[b,c] − log q[b,c]),  p = softmax(t/T), q = softmax(s/T).
+  reduction: 'none' → KL_elem [B, C]; 'sum' → Σ_bc; 'batchmean' → Σ_bc / B (the true KL averaged over
+  the batch; DENSE / FedDF); 'mean' → Σ_bc / (B·C) (PyTorch's element mean; FedMHO, FL-SA).
+  DENSE/Co-Boosting KD use 'batchmean' with T² ; FedDF uses 'batchmean' without T².
+  """
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f'reduction must be one of {_REDUCTIONS}, got {reduction!r}')
+  log_q = jax.nn.log_softmax(student_logits / T, axis=-1)
+  log_p = jax.nn.log_softmax(teacher_logits / T, axis=-1)
+  p = jnp.exp(log_p)
+  elem = p * (log_p - log_q)
+  if t_squared:
+    elem = elem * (T * T)
+  if reduction == 'none':
+    return elem
+  if reduction == 'sum':
+    return jnp.sum(elem)
+  if reduction == 'batchmean':
+    return jnp.sum(elem) / elem.shape[0]
+  return jnp.mean(elem)
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'mean') -> jnp.ndarray:
+  """CE_b = −log softmax(logits)[b, y_b];  'mean' → mean_b CE_b, 'sum' → Σ_b, 'none' → [B]."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  if reduction == 'none':
+    return ce
+  if reduction == 'sum':
+    return jnp.sum(ce)
+  if reduction == 'mean':
+    return jnp.mean(ce)
+  raise ValueError(f'reduction must be mean/sum/none, got {reduction!r}')
+
+
+def hard_sample_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray,
+                              hs: float = 1.0) -> jnp.ndarray:
+  """Co-Boosting hard-sample synthesis loss (coboost.py):
+
+      L = mean_b ( (1 − p_y[b])^hs · CE_b ),   p_y[b] = softmax(logits)[b, y_b]  (p_y detached).
+  """
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  logp_y = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  p_y = jax.lax.stop_gradient(jnp.exp(logp_y))
+  return jnp.mean(jnp.power(1.0 - p_y, hs) * (-logp_y))
+
+
+def disagreement_mask(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray) -> jnp.ndarray:
+  """DENSE mask_b = 1[argmax s_b ≠ argmax t_b] (float, no gradient)."""
+  m = jnp.argmax(student_logits, -1) != jnp.argmax(teacher_logits, -1)
+  return jax.lax.stop_gradient(m.astype(student_logits.dtype))
+
+
+def adversarial_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
+                     use_mask: bool = True, t_squared: bool = False) -> jnp.ndarray:
+  """Generator adversarial (model-discrepancy) loss:
+
+      L_adv = − mean_b ( mask_b · Σ_c KL_elem[b, c] )    [× T² if t_squared]
+      KL_elem = softmax(t/T) · (log_softmax(t/T) − log_softmax(s/T))
+
+  DENSE: T=1, mask = 1[argmax s ≠ argmax t], no T². Co-Boosting: T=3, no mask, × T².
+  FedHydra Eq. 15 (−KL(P, F_g)): T=1, no mask (the paper states none).
+  """
+  per_sample = jnp.sum(kl_divergence(student_logits, teacher_logits, T, 'none', t_squared), -1)
+  if use_mask:
+    per_sample = per_sample * disagreement_mask(student_logits, teacher_logits)
+  return -jnp.mean(per_sample)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepInversion BN-statistics loss
+# ---------------------------------------------------------------------------------------------
+
+def _bn_pairs(bn_inputs: Any, batch_stats: Any):
+  """Yield (mean_in, var_in, running_mean, running_var) for every sown BN input statistic."""
+  flat_in = flax.traverse_util.flatten_dict(flax.core.unfreeze(bn_inputs))
+  flat_bs = flax.traverse_util.flatten_dict(flax.core.unfreeze(batch_stats))
+  for path, sown in sorted(flat_in.items()):
+    prefix = path[:-1]  # drop the sow name ('stats')
+    for suffix in (('bn',), ()):
+      mkey, vkey = prefix + suffix + ('mean',), prefix + suffix + ('var',)
+      if mkey in flat_bs and vkey in flat_bs:
+        break
+    else:
+      raise KeyError(f'no running statistics for BN input statistics at {"/".join(path)}')
+    for mean_in, var_in in sown:  # one entry per call of the layer
+      yield mean_in, var_in, flat_bs[mkey], flat_bs[vkey]
+
+
+def bn_statistics_loss(bn_inputs: Any, batch_stats: Any, model_reduction: str = 'sum') -> jnp.ndarray:
+  """DeepInversion / DENSE BN-statistics loss (helpers/utils.py:DeepInversionHook):
+
+      L_bn = Σ_layers ( ||running_var_l − var_l(x)||₂ + ||running_mean_l − mean_l(x)||₂ )
+
+  with mean_l / var_l the per-channel mean and *biased* variance of the BN layer's input over
+  (N, H, W) (sown by jfed.models.layers.BatchNorm into collection 'bn_inputs'). Plain L2 norms,
+  not squared, no division. `bn_inputs` / `batch_stats` are the 'bn_inputs' collection and the
+  model's 'batch_stats'; both may carry leading model axes (a vmapped stacked group), in which
+  case the loss of each model is computed and `model_reduction` ('sum' — DENSE's sum over hooks of
+  all models — or 'mean' — FedHydra Eq. 14's 1/m Σ_k and Co-Boosting's DENSE / num_models — or
+  'none' → per-model array) combines them.
+  """
+  total = 0.0
+  for mean_in, var_in, rmean, rvar in _bn_pairs(bn_inputs, batch_stats):
+    total = total + (jnp.linalg.norm(rvar - var_in, axis=-1)
+                     + jnp.linalg.norm(rmean - mean_in, axis=-1))
+  total = jnp.asarray(total, jnp.float32)
+  if model_reduction == 'none':
+    return total
+  if model_reduction == 'sum':
+    return jnp.sum(total)
+  if model_reduction == 'mean':
+    return jnp.mean(total)
+  raise ValueError(f'model_reduction must be sum/mean/none, got {model_reduction!r}')
+
+
+def apply_with_bn_loss(module, params: Any, batch_stats: Any, x: jnp.ndarray,
+                       **apply_kwargs) -> Tuple[jnp.ndarray, jnp.ndarray]:
+  """Eval-mode forward of one model that also returns its BN-statistics loss on `x`:
+  `module.apply(..., train=False, mutable=['bn_inputs'])` → (logits, L_bn). A model without
+  BatchNorm returns L_bn = 0."""
+  logits, col = module.apply({'params': params, 'batch_stats': batch_stats}, x, train=False,
+                             mutable=['bn_inputs'], **apply_kwargs)
+  return logits, bn_statistics_loss(col.get('bn_inputs', {}), batch_stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# FedHydra (seed 000 §3.3)
+# ---------------------------------------------------------------------------------------------
+
+class GeneratorLoss(NamedTuple):
+  total: jnp.ndarray
+  ce: jnp.ndarray
+  bn: jnp.ndarray
+  adv: jnp.ndarray
+
+
+def fedhydra_generator_loss(sa_logits: jnp.ndarray, labels: jnp.ndarray,
+                            global_logits: jnp.ndarray, bn_loss: jnp.ndarray,
+                            lambda1: float = 1.0, lambda2: float = 1.0, T: float = 1.0,
+                            adv_mask: bool = False) -> GeneratorLoss:
+  """FedHydra generator loss, Eq. 16:
+
+      L_Gen = L_CE + λ1·L_BN + λ2·L_AD
+      L_CE  = CE(P, y)                                   (Eq. 13; P = SA logits, Eq. 12)
+      L_BN  = (1/m) Σ_k Σ_l (||μ_l − μ_{k,l}|| + ||σ²_l − σ²_{k,l}||)   (Eq. 14; pass it in, e.g.
+              `bn_statistics_loss(..., model_reduction='mean')`)
+      L_AD  = −KL(P, F_g(x̂)) = −mean_b Σ_c softmax(P/T)(log softmax(P/T) − log softmax(F_g/T))  (Eq. 15)
+
+  The paper gives no temperature and no mask for Eq. 15 (defaults T=1, no mask); `adv_mask=True`
+  gives DENSE's disagreement-masked form used by the FL-SA precursor code.
+  """
+  ce = cross_entropy(sa_logits, labels)
+  adv = adversarial_loss(global_logits, sa_logits, T=T, use_mask=adv_mask)
+  bn = jnp.asarray(bn_loss, jnp.float32)
+  return GeneratorLoss(total=ce + lambda1 * bn + lambda2 * adv, ce=ce, bn=bn, adv=adv)
+
+
+def fedhydra_global_loss(global_logits: jnp.ndarray, sa_logits: jnp.ndarray, beta: float = 1.0,
+                         T: float = 1.0, reduction: str = 'batchmean',
+                         t_squared: bool = False) -> jnp.ndarray:
+  """FedHydra global-model (distillation) loss, Eq. 19:
+
+      L_Glo = L_KL + β·L_ĈE
+      L_KL  = KL(P, F_g(x̂)) = F.kl_div(log_softmax(F_g/T), softmax(P/T), reduction) [× T²]   (Eq. 17)
+      L_ĈE  = CE(F_g(x̂), H[P]),   H[P] = argmax_c P (hard label of the SA logits)          (Eq. 18)
+
+  The SA logits P are treated as constants (stop_gradient). The paper does not state T or the KL
+  reduction: defaults T=1, 'batchmean' (true KL per sample); the FL-SA code uses 'mean'.
+  """
+  P = jax.lax.stop_gradient(sa_logits)
+  kl = kl_divergence(global_logits, P, T, reduction, t_squared)
+  hard = jnp.argmax(P, axis=-1)
+  return kl + beta * cross_entropy(global_logits, hard)
+
+
+def kd_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
+            t_squared: bool = True) -> jnp.ndarray:
+  """DENSE `KLDiv(T)`: KL(softmax(t/T) ‖ softmax(s/T)) 'batchmean' × T² (teacher constant).
+  FedDF: same with `t_squared=False`."""
+  return kl_divergence(student_logits, jax.lax.stop_gradient(teacher_logits), T, 'batchmean',
+                       t_squared)

@@ -1,0 +1,269 @@
+"""FedHydra Model Stratification (MS, Algorithm 2) and Stratified Aggregation (SA, Algorithm 3).
+
+Seed 000 §3.2 / §3.3.1. Orientation: like the paper, U, U_r and U_c are c × m matrices
+(row j = class j, column k = client k); the raw capabilities u_{k,j} are also returned client-major
+as `u` [m, c] (so `U = u.T`, Eq. 3).
+
+    (1)  ℓ^t_{k,j} = CE(F_k(G(z; θ_G^t)), y^j),  t = 1..T_G   (fresh G per (k, j); loss before step t)
+    (2)  u_{k,j}   = (max L_{k,j} − min L_{k,j}) / min L_{k,j}
+    (3)  U         = ([u_{k,j}]_{m×c})ᵀ                          (c × m)
+    (4,5) U_r[j,k] = u_{k,j} / Σ_{k'} u_{k',j}      (each row of U sums to 1 over clients)
+    (6,7) U_c[j,k] = u_{k,j} / Σ_{j'} u_{k,j'}      (each column of U sums to 1 over classes)
+    (8)  P̂_k = P_k ⊙ (1_{b×1} · U_c(:,k)ᵀ)           i.e. P̂_k[i,j] = P_k[i,j] · U_c[j,k]
+    (9)  Pⁱ = [P̂_1(i,:); …; P̂_m(i,:)]              (m × c)
+    (10) V(i,:) = U_r(y(i), :)                       (b × m)
+    (11) P(i,:) = V(i,:) · Pⁱ  ⇒  P[i,j] = Σ_k U_r[y_i, k] · U_c[j, k] · P_k[i, j]
+
+MS runs the m·c generator trainings as ONE jitted program per architecture group: the (k, j)
+runs are flattened into an N = m_g·c axis, `jax.vmap` maps over it (each run has its own generator
+parameters, noise and label; client parameters are gathered by k), and `lax.scan` runs the T_G
+steps. With more than one device the N axis is sharded over a `Mesh(devices, ('clients',))` with
+`NamedSharding(mesh, P('clients'))` (padded to a multiple of the device count).
+`model_stratification_loop` runs the same jitted single-run function one (k, j) at a time.
+"""
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jfed.distill.ensemble import TeacherGroup, _as_groups
+from jfed.distill.generator import DenseGenerator, dense_generator_init
+from jfed.distill.losses import cross_entropy
+from jfed.distill.pool import augment as augment_images
+
+
+# ---------------------------------------------------------------------------------------------
+# U, U_r, U_c
+# ---------------------------------------------------------------------------------------------
+
+def variation_degree(losses: jnp.ndarray, min_clip: float = 1e-12) -> jnp.ndarray:
+  """Eq. 2 over the last axis (the T_G recorded losses): u = (max L − min L) / min L.
+  min L is clipped to `min_clip` so that a loss that reaches exactly 0 gives a large finite u."""
+  losses = jnp.asarray(losses)
+  lo, hi = jnp.min(losses, -1), jnp.max(losses, -1)
+  return (hi - lo) / jnp.maximum(lo, min_clip)
+
+
+def _safe_normalise(a: jnp.ndarray, axis: int) -> jnp.ndarray:
+  s = jnp.sum(a, axis=axis, keepdims=True)
+  return jnp.where(s > 0, a / jnp.where(s > 0, s, 1.0), 1.0 / a.shape[axis])
+
+
+def normalise_U(U: jnp.ndarray) -> Tuple[jnp.ndarray, jnp.ndarray]:
+  """Eqs. 4–7 on the paper's U (c × m, U[j, k] = u_{k,j}):
+
+      U_r[j, k] = u_{k,j} / Σ_{k'=1..m} u_{k',j}     (Eqs. 4, 5: rows sum to 1 over clients)
+      U_c[j, k] = u_{k,j} / Σ_{j'=1..c} u_{k,j'}     (Eqs. 6, 7: columns sum to 1 over classes)
+
+  A row (column) that sums to 0 — no client (class) gave any guidance — becomes uniform.
+  Returns (U_r, U_c), both c × m.
+  """
+  U = jnp.asarray(U, jnp.float32)
+  return _safe_normalise(U, axis=1), _safe_normalise(U, axis=0)
+
+
+class StratificationResult(NamedTuple):
+  losses: Any   # [m, c, T_G] ℓ^t_{k,j}
+  u: Any        # [m, c] u_{k,j} (Eq. 2), client-major
+  U: Any        # [c, m] Eq. 3
+  U_r: Any      # [c, m] Eq. 5
+  U_c: Any      # [c, m] Eq. 7
+
+
+def stratification_from_losses(losses) -> StratificationResult:
+  losses = jnp.asarray(losses)
+  u = variation_degree(losses)
+  U = u.T
+  U_r, U_c = normalise_U(U)
+  return StratificationResult(losses, u, U, U_r, U_c)
+
+
+# ---------------------------------------------------------------------------------------------
+# SA
+# ---------------------------------------------------------------------------------------------
+
+def stratified_weights(U_r: jnp.ndarray, U_c: jnp.ndarray, labels: jnp.ndarray,
+                       in_model: bool = True) -> jnp.ndarray:
+  """Per-(sample, client, class) weights W[i, k, j] = U_r[y_i, k] · U_c[j, k]  ([B, K, C]);
+  `in_model=False` drops the U_c factor (W[i, k, j] = U_r[y_i, k], inter-model weighting only).
+  `ensemble.combine_logits(per_client, W, normalize=False)` then equals `stratified_aggregation`."""
+  V = U_r[labels]                                   # [B, K]      Eq. 10
+  if not in_model:
+    return jnp.broadcast_to(V[:, :, None], V.shape + (U_c.shape[0],))
+  return V[:, :, None] * jnp.transpose(U_c)[None]   # [B, K, C]
+
+
+def stratified_aggregation(per_client_logits: jnp.ndarray, U_r: jnp.ndarray, U_c: jnp.ndarray,
+                           labels: jnp.ndarray, in_model: bool = True) -> jnp.ndarray:
+  """SA logits (Algorithm 3, Eqs. 8–11), vectorised over samples and clients:
+
+      P[i, j] = Σ_k U_r[y_i, k] · U_c[j, k] · P_k[i, j]
+
+  per_client_logits: [K, B, C] (P_k = F_k(x)); U_r, U_c: [c, K]; labels y [B]: the generator's
+  target labels during synthesis, or stored / predicted labels (e.g. argmax of the average
+  ensemble) when no target label exists. `in_model=False` skips Eq. 8 (U_c) for ablations.
+  """
+  V = U_r[labels]                                             # [B, K]   Eq. 10
+  if in_model:
+    hat = per_client_logits * jnp.transpose(U_c)[:, None, :]  # [K, B, C] Eq. 8
+  else:
+    hat = per_client_logits
+  return jnp.einsum('bk,kbc->bc', V, hat)                     # Eq. 11
+
+
+def average_ensemble(per_client_logits: jnp.ndarray) -> jnp.ndarray:
+  """AE (DENSE's ensemble, the Fig. 7 ablation baseline): (1/K) Σ_k P_k."""
+  return jnp.mean(per_client_logits, axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# MS
+# ---------------------------------------------------------------------------------------------
+
+class MSConfig(NamedTuple):
+  """Static settings of one MS generator run (Algorithm 2, lines 6–14)."""
+  T_G: int = 30                 # generator iterations (paper: T_G = 30)
+  lr: float = 1e-3              # η_G (paper: Adam, 0.001)
+  b1: float = 0.5               # Adam betas of DENSE / FL-SA generators
+  b2: float = 0.999
+  batch_size: int = 256         # b (not stated in the paper; DENSE synthesis batch 256)
+  optimize_z: bool = False      # Algorithm 2 updates θ_G only (FL-SA: z has no requires_grad)
+  augment: bool = False         # FL-SA's interview feeds aug(G(z)); the paper feeds G(z)
+  crop_padding: int = 4
+  flip: bool = True
+
+
+def _ms_single_run(teacher_module, generator: DenseGenerator, init_fn: Callable, cfg: MSConfig,
+                   t_params, t_batch_stats, key: jax.Array, label: jnp.ndarray) -> jnp.ndarray:
+  """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
+  (each evaluated before its step, Eq. 1)."""
+  k_init, k_aug = key, jax.random.fold_in(key, 1)
+  if init_fn is None:   # one random draw for G and z (compile time, see dense_generator_init)
+    g, z = dense_generator_init(k_init, generator, noise_batch=cfg.batch_size)
+  else:
+    g = init_fn(k_init)
+    z = jax.random.normal(jax.random.fold_in(key, 2), (cfg.batch_size, generator.nz))
+  y = jnp.full((cfg.batch_size,), label, jnp.int32)
+  tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
+  opt_vars = (g.params, z) if cfg.optimize_z else g.params
+  teacher_vars = {'params': t_params, 'batch_stats': t_batch_stats}
+
+  def loss_fn(ov, gen_bs, k):
+    gp, zz = ov if cfg.optimize_z else (ov, z)
+    x, upd = generator.apply({'params': gp, 'batch_stats': gen_bs}, zz, train=True,
+                             mutable=['batch_stats'])
+    if cfg.augment:
+      x = augment_images(k, x, cfg.crop_padding, cfg.flip)
+    logits = teacher_module.apply(teacher_vars, x, train=False)
+    return cross_entropy(logits, y), upd['batch_stats']
+
+  def step(carry, k):
+    ov, gen_bs, opt_state = carry
+    (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(ov, gen_bs, k)
+    updates, opt_state = tx.update(grads, opt_state, ov)
+    return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
+
+  carry = (opt_vars, g.batch_stats, tx.init(opt_vars))
+  step_keys = jax.random.split(k_aug, cfg.T_G) if cfg.augment else jnp.zeros((cfg.T_G,))
+  _, losses = jax.lax.scan(step, carry, step_keys)
+  return losses
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _ms_single_run_jit(teacher_module, generator, init_fn, cfg, t_params, t_bs, key, label):
+  return _ms_single_run(teacher_module, generator, init_fn, cfg, t_params, t_bs, key, label)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _ms_batched(teacher_module, generator, init_fn, cfg, chunk_size, t_states, keys, labels,
+                clients):
+  def run(args):
+    key, label, k = args
+    p = jax.tree.map(lambda a: a[k], t_states.params)
+    bs = jax.tree.map(lambda a: a[k], t_states.batch_stats)
+    return _ms_single_run(teacher_module, generator, init_fn, cfg, p, bs, key, label)
+  if chunk_size:
+    return jax.lax.map(run, (keys, labels, clients), batch_size=chunk_size)
+  return jax.vmap(run)((keys, labels, clients))
+
+
+def _run_keys(key: jax.Array, client_offset: int, m: int, c: int) -> jnp.ndarray:
+  """Per-(k, j) keys fold_in(key, (offset + k)·c + j): identical in the batched and loop forms."""
+  ids = (client_offset + np.arange(m))[:, None] * c + np.arange(c)[None, :]
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids.reshape(-1), jnp.uint32))
+
+
+def _prepare(generator, generator_init_fn, cfg, kw):
+  cfg = cfg or MSConfig()
+  if kw:
+    cfg = cfg._replace(**kw)
+  return cfg, generator_init_fn  # None → dense_generator_init (hashable, no recompiles)
+
+
+def model_stratification(teacher_groups, generator: DenseGenerator, num_classes: int,
+                         key: jax.Array, cfg: Optional[MSConfig] = None, *,
+                         generator_init_fn: Optional[Callable] = None,
+                         chunk_size: Optional[int] = None,
+                         devices: Optional[Sequence[Any]] = None,
+                         **cfg_overrides) -> StratificationResult:
+  """Algorithm 2 for all clients: m·c fresh-generator runs of T_G steps, batched.
+
+  teacher_groups: TeacherGroup(module, stacked ModelState) or a list of them (heterogeneous; one
+  batched program per group, clients ordered by concatenation). generator: the DenseGenerator to
+  train (`generator_init_fn(key) -> ModelState`, default `dense_generator_init`). Settings come
+  from `cfg` (MSConfig) and keyword overrides (T_G=, lr=, batch_size=, ...). `chunk_size` bounds
+  memory: `lax.map` over chunks of that many vmapped runs. `devices` (default all devices of the
+  default backend) shards the run axis when more than one.
+  Returns StratificationResult(losses [m,c,T_G], u [m,c], U, U_r, U_c [c,m]).
+  """
+  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+  devices = list(devices) if devices is not None else jax.devices()
+  all_losses, offset = [], 0
+  for module, states in _as_groups(teacher_groups):
+    m = jax.tree.leaves(states.params)[0].shape[0]
+    keys = _run_keys(key, offset, m, num_classes)
+    labels = jnp.tile(jnp.arange(num_classes, dtype=jnp.int32), m)
+    clients = jnp.repeat(jnp.arange(m, dtype=jnp.int32), num_classes)
+    n = m * num_classes
+    if len(devices) > 1:
+      nd = len(devices)
+      pad = (-n) % nd
+      if pad:
+        sel = jnp.concatenate([jnp.arange(n), jnp.full((pad,), n - 1)])
+        keys, labels, clients = keys[sel], labels[sel], clients[sel]
+      mesh = Mesh(np.asarray(devices), ('clients',))
+      shard, repl = NamedSharding(mesh, P('clients')), NamedSharding(mesh, P())
+      keys, labels, clients = (jax.device_put(a, shard) for a in (keys, labels, clients))
+      states = jax.device_put(states, repl)
+    losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels,
+                         clients)
+    all_losses.append(np.asarray(losses)[:n].reshape(m, num_classes, cfg.T_G))
+    offset += m
+  return stratification_from_losses(np.concatenate(all_losses, 0))
+
+
+def model_stratification_loop(teacher_groups, generator: DenseGenerator, num_classes: int,
+                              key: jax.Array, cfg: Optional[MSConfig] = None, *,
+                              generator_init_fn: Optional[Callable] = None,
+                              **cfg_overrides) -> StratificationResult:
+  """Same as `model_stratification`, one (k, j) run at a time: a Python loop over the same
+  jitted single-run program (the reference code's structure; for equivalence tests and benchmarks)."""
+  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+  all_losses, offset = [], 0
+  for module, states in _as_groups(teacher_groups):
+    m = jax.tree.leaves(states.params)[0].shape[0]
+    keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
+    out = np.zeros((m, num_classes, cfg.T_G), np.float32)
+    for k in range(m):
+      p = jax.tree.map(lambda a: a[k], states.params)
+      bs = jax.tree.map(lambda a: a[k], states.batch_stats)
+      for j in range(num_classes):
+        out[k, j] = np.asarray(_ms_single_run_jit(module, generator, init_fn, cfg, p, bs,
+                                                  keys[k, j], jnp.int32(j)))
+    all_losses.append(out)
+    offset += m
+  return stratification_from_losses(np.concatenate(all_losses, 0))

@@ -1,0 +1,159 @@
+"""OT fusion (Singh & Jaggi weight mode): permuted copies are recovered, identical models are a
+fixed point, exact alignment preserves the function, plans satisfy their marginals."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfed.distill import ot_fusion as F
+from jfed.engine.state import ModelState
+from jfed.models.layers import BatchNorm
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    x = x.reshape(x.shape[0], -1)
+    x = nn.relu(nn.Dense(8, name='fc1')(x))
+    x = nn.relu(nn.Dense(6, name='fc2')(x))
+    return nn.Dense(3, name='fc3')(x)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    x = nn.relu(BatchNorm(name='bn1')(nn.Conv(4, (3, 3), name='conv1')(x), train, mask))
+    x = nn.relu(BatchNorm(name='bn2')(nn.Conv(5, (3, 3), name='conv2')(x), train, mask))
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    return nn.Dense(3, name='fc')(x.reshape(x.shape[0], -1))
+
+
+MLP_LAYERS = ['fc1', 'fc2', 'fc3']
+CNN_LAYERS = [F.FusionLayer('conv1', 'bn1'), F.FusionLayer('conv2', 'bn2'), 'fc']
+X = jax.random.uniform(jax.random.PRNGKey(9), (5, 6, 6, 1))
+
+
+def init(module, seed, random_stats=True):
+  v = module.init(jax.random.PRNGKey(seed), jnp.zeros((2, 6, 6, 1)))
+  bs = v.get('batch_stats', {})
+  if random_stats and bs:
+    rng = np.random.default_rng(seed)
+    bs = jax.tree_util.tree_map_with_path(
+        lambda p, a: jnp.asarray(rng.random(a.shape) + (0.5 if p[-1].key == 'var' else -0.5),
+                                 jnp.float32), bs)
+    v = {'params': jax.tree.map(lambda a: a + 0.05 * jnp.asarray(
+        rng.normal(size=a.shape), jnp.float32), v['params']), 'batch_stats': bs}
+  return ModelState(v['params'], bs)
+
+
+def apply(module, st, x=X):
+  return module.apply({'params': st.params, 'batch_stats': st.batch_stats}, x, train=False)
+
+
+def permute_mlp(st, p1, p2):
+  P = jax.tree.map(np.asarray, st.params)
+  P['fc1']['kernel'] = P['fc1']['kernel'][:, p1]
+  P['fc1']['bias'] = P['fc1']['bias'][p1]
+  P['fc2']['kernel'] = P['fc2']['kernel'][p1][:, p2]
+  P['fc2']['bias'] = P['fc2']['bias'][p2]
+  P['fc3']['kernel'] = P['fc3']['kernel'][p2]
+  return ModelState(jax.tree.map(jnp.asarray, P), {})
+
+
+def permute_cnn(st, p1, p2):
+  P = jax.tree.map(np.asarray, st.params)
+  B = jax.tree.map(np.asarray, st.batch_stats)
+  P['conv1']['kernel'] = P['conv1']['kernel'][..., p1]
+  P['conv1']['bias'] = P['conv1']['bias'][p1]
+  for tree in (P, B):
+    for k in tree['bn1']['bn']:
+      tree['bn1']['bn'][k] = tree['bn1']['bn'][k][p1]
+    for k in tree['bn2']['bn']:
+      tree['bn2']['bn'][k] = tree['bn2']['bn'][k][p2]
+  P['conv2']['kernel'] = P['conv2']['kernel'][:, :, p1][..., p2]
+  P['conv2']['bias'] = P['conv2']['bias'][p2]
+  k = P['fc']['kernel']            # NHWC flatten: [S·C, out] with the channel fastest
+  P['fc']['kernel'] = k.reshape(-1, 5, k.shape[-1])[:, p2].reshape(k.shape)
+  return ModelState(jax.tree.map(jnp.asarray, P), jax.tree.map(jnp.asarray, B))
+
+
+def assert_tree_close(a, b, **kw):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+P1, P2 = np.array([3, 0, 7, 5, 1, 6, 2, 4]), np.array([4, 2, 0, 5, 1, 3])
+
+
+def test_mlp_permuted_copy_recovered():
+  net, st = MLP(), init(MLP(), 0)
+  perm = permute_mlp(st, P1, P2)
+  np.testing.assert_allclose(apply(net, perm), apply(net, st), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(perm.params['fc1']['kernel'], st.params['fc1']['kernel'])
+  fused, _ = F.ot_fuse([st.params, perm.params], MLP_LAYERS, anchor=0)
+  assert_tree_close(fused, st.params, rtol=1e-6, atol=1e-7)
+  fused, _ = F.ot_fuse([st.params, perm.params], MLP_LAYERS, anchor=1)
+  assert_tree_close(fused, perm.params, rtol=1e-6, atol=1e-7)
+  # entropic plan with a small epsilon recovers it approximately
+  fused, _ = F.ot_fuse([st.params, perm.params], MLP_LAYERS, method='sinkhorn', epsilon=1e-3)
+  assert_tree_close(fused, st.params, rtol=0, atol=2e-3)
+
+
+def test_cnn_bn_flatten_permuted_copy_recovered():
+  net, st = CNN(), init(CNN(), 1)
+  p1, p2 = np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2])
+  perm = permute_cnn(st, p1, p2)
+  np.testing.assert_allclose(apply(net, perm), apply(net, st), rtol=1e-5, atol=1e-5)
+  fp, fbs = F.ot_fuse([st.params, perm.params], CNN_LAYERS,
+                      batch_stats_list=[st.batch_stats, perm.batch_stats], anchor=0)
+  assert_tree_close(fp, st.params, rtol=1e-6, atol=1e-7)
+  assert_tree_close(fbs, st.batch_stats, rtol=1e-6, atol=1e-7)
+  # stacked-state entry point, three models (orig, permuted, orig)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), st, perm, st)
+  fused = F.ot_fuse_states(stacked, CNN_LAYERS)
+  np.testing.assert_allclose(apply(net, fused), apply(net, st), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('method', ['exact', 'sinkhorn'])
+def test_identical_models_are_a_fixed_point(method):
+  for net, layers, seed in [(MLP(), MLP_LAYERS, 2), (CNN(), CNN_LAYERS, 3)]:
+    st = init(net, seed)
+    bsl = [st.batch_stats] * 3 if st.batch_stats else None
+    fp, fbs = F.ot_fuse([st.params] * 3, layers, batch_stats_list=bsl, method=method,
+                        epsilon=1e-3)
+    tol = dict(rtol=1e-6, atol=1e-7) if method == 'exact' else dict(rtol=0, atol=2e-3)
+    assert_tree_close(fp, st.params, **tol)
+    if bsl:
+      assert_tree_close(fbs, st.batch_stats, **tol)
+
+
+def test_exact_alignment_preserves_function_and_fusion_averages():
+  net, a, b = CNN(), init(CNN(), 4), init(CNN(), 5)
+  pb, bsb, plans = F.align_to_anchor(b.params, a.params, CNN_LAYERS, b.batch_stats,
+                                     return_plans=True)
+  for T in plans:   # equal widths + exact ⇒ permutation matrices
+    np.testing.assert_allclose(T.sum(0), 1.0)
+    np.testing.assert_allclose(T.sum(1), 1.0)
+    assert set(np.unique(T)) <= {0.0, 1.0}
+  np.testing.assert_allclose(apply(net, ModelState(pb, bsb)), apply(net, b), rtol=1e-5, atol=1e-5)
+  fp, fbs = F.ot_fuse([a.params, b.params], CNN_LAYERS,
+                      batch_stats_list=[a.batch_stats, b.batch_stats], weights=[3.0, 1.0])
+  want = jax.tree.map(lambda x, y: 0.75 * x + 0.25 * y, a.params, pb)
+  assert_tree_close(fp, want, rtol=1e-5, atol=1e-6)
+
+
+def test_transport_plans():
+  rng = np.random.default_rng(0)
+  for n, m in [(5, 5), (4, 6)]:
+    C = rng.random((n, m))
+    T = F.transport_plan(C, 'exact')
+    np.testing.assert_allclose(T.sum(1), 1 / n, atol=1e-9)
+    np.testing.assert_allclose(T.sum(0), 1 / m, atol=1e-9)
+    Ts = F.transport_plan(C, 'sinkhorn', epsilon=1e-2, threshold=1e-7)
+    np.testing.assert_allclose(Ts.sum(0), 1 / m, atol=1e-4)
+    assert (T * C).sum() <= (Ts * C).sum() + 1e-6       # exact plan is optimal
+    Tt = F.transport_plan(C, 'sinkhorn', epsilon=1e-4, threshold=1e-7)
+    assert abs((Tt * C).sum() - (T * C).sum()) < 5e-3     # small ε → exact cost

@@ -1,0 +1,167 @@
+"""FedHydra model stratification (U, U_r, U_c; batched MS == per-(k, j) loop) and SA (Eqs. 8–11)."""
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfed.distill import ensemble, generator, stratification as S
+from jfed.engine.state import ModelState
+from jfed.models.layers import BatchNorm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- U, U_r, U_c
+
+def test_U_hand_example():
+  # losses[k, j, t]: m = 2 clients, c = 2 classes, T_G = 3
+  losses = np.array([[[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]],
+                     [[4.0, 2.0, 1.0], [3.0, 2.0, 2.0]]], np.float32)
+  # u_{k,j} = (max − min) / min:  u00 = 1.5/0.5 = 3, u01 = 0, u10 = 3/1 = 3, u11 = 1/2 = 0.5
+  u = np.array([[3.0, 0.0], [3.0, 0.5]])
+  np.testing.assert_allclose(S.variation_degree(losses), u, rtol=1e-6)
+  r = S.stratification_from_losses(losses)
+  U = np.array([[3.0, 3.0],     # class 0: clients 0, 1
+                [0.0, 0.5]])    # class 1
+  np.testing.assert_allclose(r.U, U, rtol=1e-6)
+  # Eq. 4/5: each row over clients sums to 1
+  np.testing.assert_allclose(r.U_r, [[0.5, 0.5], [0.0, 1.0]], rtol=1e-6)
+  # Eq. 6/7: each column over classes sums to 1: client 0 [3, 0]/3, client 1 [3, .5]/3.5
+  np.testing.assert_allclose(r.U_c, [[1.0, 6 / 7], [0.0, 1 / 7]], rtol=1e-6)
+  # a class nobody guides → uniform row
+  U_r, U_c = S.normalise_U(np.array([[1.0, 3.0], [0.0, 0.0]]))
+  np.testing.assert_allclose(U_r, [[0.25, 0.75], [0.5, 0.5]])
+  np.testing.assert_allclose(U_c, [[1.0, 1.0], [0.0, 0.0]])
+
+
+def naive_sa(P, U_r, U_c, y):
+  """Algorithm 3 with Python loops: Eq. 8 P̂_k, Eq. 9 Pⁱ, Eq. 10 V, Eq. 11 P."""
+  m, b, c = P.shape
+  P_hat = np.zeros_like(P)
+  for k in range(m):                                   # Eq. 8: P_k ⊙ (1_{b×1} × U_c(:,k)ᵀ)
+    ones_b = np.ones((b, 1))
+    P_hat[k] = P[k] * (ones_b @ U_c[:, k][None, :])
+  V = np.stack([U_r[y[i], :] for i in range(b)])       # Eq. 10, b × m
+  out = np.zeros((b, c))
+  for i in range(b):
+    P_i = np.stack([P_hat[k][i, :] for k in range(m)])  # Eq. 9, m × c
+    for j in range(c):                                 # Eq. 11: V(i,:) × Pⁱ
+      out[i, j] = sum(V[i, k] * P_i[k, j] for k in range(m))
+  return out
+
+
+def test_stratified_aggregation_matches_loops():
+  rng = np.random.default_rng(0)
+  m, b, c = 3, 7, 4
+  P = rng.normal(size=(m, b, c)).astype(np.float32)
+  U = rng.random((c, m)).astype(np.float32)
+  U_r, U_c = (np.asarray(a) for a in S.normalise_U(U))
+  y = rng.integers(0, c, b).astype(np.int32)
+  want = naive_sa(P, U_r, U_c, y)
+  got = S.stratified_aggregation(jnp.asarray(P), U_r, U_c, jnp.asarray(y))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # the same through ensemble.combine_logits with per-(sample, client, class) weights
+  W = S.stratified_weights(U_r, U_c, jnp.asarray(y))
+  np.testing.assert_allclose(ensemble.combine_logits(jnp.asarray(P), W, normalize=False), want,
+                             rtol=1e-5, atol=1e-6)
+  # without Eq. 8 (inter-model only) and AE
+  want_inter = naive_sa(P, U_r, np.ones_like(U_c), y)
+  np.testing.assert_allclose(S.stratified_aggregation(P, U_r, U_c, y, in_model=False), want_inter,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(S.average_ensemble(P), P.mean(0), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- MS
+
+class ConvNet(nn.Module):
+  nc: int = 3
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    x = nn.Conv(3, (3, 3))(x)
+    x = nn.relu(BatchNorm()(x, train, mask))
+    return nn.Dense(self.nc)(x.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+  nc: int = 3
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    return nn.Dense(self.nc)(nn.tanh(nn.Dense(5)(x.reshape(x.shape[0], -1))))
+
+
+def stacked(module, seed, n):
+  sts = []
+  for k in jax.random.split(jax.random.PRNGKey(seed), n):
+    v = module.init(k, jnp.zeros((2, 8, 8, 1)))
+    sts.append(ModelState(v['params'], v.get('batch_stats', {})))
+  return jax.tree.map(lambda *a: jnp.stack(a), *sts)
+
+
+GEN = generator.make_generator((8, 8, 1), nz=8, ngf=4)
+CFG = S.MSConfig(T_G=4, batch_size=4, lr=1e-2)
+KEY = jax.random.PRNGKey(7)
+
+
+@pytest.fixture(scope='module')
+def batched_conv():
+  return S.model_stratification(ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2)), GEN, 3,
+                                KEY, CFG)
+
+
+def test_batched_ms_equals_loop(batched_conv):
+  loop = S.model_stratification_loop((ConvNet(), stacked(ConvNet(), 0, 2)), GEN, 3, KEY, CFG)
+  a = batched_conv
+  assert a.losses.shape == (2, 3, 4) and a.U.shape == (3, 2)
+  np.testing.assert_allclose(a.losses, loop.losses, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(a.U_r, loop.U_r, rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(a.U_c, loop.U_c, rtol=1e-3, atol=1e-5)
+  # the generator actually trains: the CE of the guided class goes down
+  assert np.all(np.asarray(a.losses)[..., -1] < np.asarray(a.losses)[..., 0])
+  np.testing.assert_allclose(np.asarray(a.U_r).sum(1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(a.U_c).sum(0), 1.0, rtol=1e-5)
+
+
+def test_heterogeneous_ms(batched_conv):
+  groups = [(ConvNet(), stacked(ConvNet(), 0, 2)), (MLP(), stacked(MLP(), 1, 1))]
+  r = S.model_stratification(groups, GEN, 3, KEY, CFG)
+  assert r.losses.shape == (3, 3, 4) and r.U_r.shape == (3, 3)
+  np.testing.assert_allclose(r.losses[:2], batched_conv.losses, rtol=1e-6)
+  # client 2 (the MLP group) uses the run keys of global client index 2
+  keys = S._run_keys(KEY, 2, 1, 3)
+  st = stacked(MLP(), 1, 1)
+  p, bs = jax.tree.map(lambda a: a[0], st.params), jax.tree.map(lambda a: a[0], st.batch_stats)
+  for j in range(3):
+    want = S._ms_single_run_jit(MLP(), GEN, None, CFG, p, bs, keys[j], jnp.int32(j))
+    np.testing.assert_allclose(r.losses[2, j], want, rtol=2e-5, atol=1e-6)
+
+
+SHARD_SCRIPT = r'''
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {root!r}); sys.path.insert(0, {testdir!r})
+import test_stratification as T
+from jfed.distill import stratification as S
+assert len(jax.devices()) == 4
+r = S.model_stratification((T.ConvNet(), T.stacked(T.ConvNet(), 0, 2)), T.GEN, 3, T.KEY, T.CFG)
+print(json.dumps(np.asarray(r.losses).tolist()))
+'''
+
+
+def test_sharded_ms_matches(batched_conv):
+  """m·c = 6 runs sharded over 4 (forced host) devices, padded to 8."""
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+             JAX_PLATFORMS='cpu')
+  code = SHARD_SCRIPT.format(root=ROOT, testdir=os.path.join(ROOT, 'tests'))
+  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  losses = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
+  np.testing.assert_allclose(losses, batched_conv.losses, rtol=2e-5, atol=1e-6)
