@@ -1,0 +1,68 @@
+"""CIFAR ResNet-18 (kuangliu/pytorch-cifar, as used by DENSE, FedHydra, FedTSA, HeteroFL).
+
+Stem Conv3x3(stride 1, pad 1, no bias) BN ReLU (no max pool) -> BasicBlock stages [2, 2, 2, 2]
+with strides 1, 2, 2, 2 -> global average pooling -> Linear. Convs have no bias; shortcut is
+Conv1x1(stride) + BN when the shape changes. PyTorch default init (see `jfed.models.layers`).
+Width 1, 32x32x3, 10 classes: 11,173,962 parameters, as PyTorch (BN running stats excluded).
+
+`width_mult` (HeteroFL's model rate / FedTSA's pruning rate) scales the hidden sizes of the
+stem and every block to ceil(width_mult * [64, 128, 256, 512]); the classifier keeps all classes.
+Inputs: 32px -> final map 4x4, 28px -> 4x4, 8px -> 1x1 (strided convs pad 1 like PyTorch);
+global average pooling equals kuangliu's avg_pool2d(4) on 32px inputs.
+"""
+import math
+from typing import Sequence, Tuple
+
+import flax.linen as nn
+
+from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool
+from jfed.models.registry import register_model
+
+
+def scaled_widths(widths: Sequence[int], width_mult: float) -> Tuple[int, ...]:
+  """HeteroFL's `ceil(rate * width)` (at least 1)."""
+  return tuple(max(1, int(math.ceil(width_mult * w))) for w in widths)
+
+
+class BasicBlock(nn.Module):
+  features: int
+  stride: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool, mask=None):
+    out = conv(x, self.features, 3, stride=self.stride, padding=1, use_bias=False)
+    out = nn.relu(BatchNorm()(out, train, mask))
+    out = conv(out, self.features, 3, stride=1, padding=1, use_bias=False)
+    out = BatchNorm()(out, train, mask)
+    shortcut = x
+    if self.stride != 1 or x.shape[-1] != self.features:
+      shortcut = conv(x, self.features, 1, stride=self.stride, padding=0, use_bias=False)
+      shortcut = BatchNorm()(shortcut, train, mask)
+    return nn.relu(out + shortcut)
+
+
+class ResNet(nn.Module):
+  """CIFAR-style ResNet with BasicBlocks (see module docstring)."""
+  num_classes: int
+  stage_sizes: Tuple[int, ...] = (2, 2, 2, 2)
+  widths: Tuple[int, ...] = (64, 128, 256, 512)
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    x = conv(x, self.widths[0], 3, stride=1, padding=1, use_bias=False)
+    x = nn.relu(BatchNorm()(x, train, mask))
+    for i, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
+      for j in range(blocks):
+        stride = 2 if (i > 0 and j == 0) else 1
+        x = BasicBlock(width, stride)(x, train, mask)
+    return dense(global_avg_pool(x), self.num_classes)
+
+
+@register_model('resnet18')
+def resnet18(num_classes, input_shape, width_mult: float = 1.0):
+  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512])."""
+  del input_shape
+  if width_mult <= 0:
+    raise ValueError(f'width_mult must be > 0, got {width_mult}')
+  return ResNet(num_classes=num_classes, stage_sizes=(2, 2, 2, 2),
+                widths=scaled_widths((64, 128, 256, 512), width_mult))
