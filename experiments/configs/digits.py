@@ -3,8 +3,8 @@
 Command (the README's):
   python -m experiments.main --method=fedavg --config=experiments/configs/digits.py \
       --workdir=runs/digits_fedavg
-Expected: FedAvg, 5 clients, Dir(0.5), DENSE CNNMnist, 20 rounds x 2 local epochs reaches
-~0.93-0.96 test accuracy (measured: see BUILD_NOTES.md) in well under 2 minutes on a 2-core CPU.
+Expected: FedAvg, 5 clients, Dir(0.5), DENSE CNNMnist, 20 rounds x 2 local epochs.
+Measured (CPU, 2 cores): 97.78% test accuracy in 42 s wall (36 s in the runner).
 Variants: `digits.py:smoke` (seconds, used by the tests), `digits.py:iid`.
 Other methods: --method=centralized | fedprox | local (each reads its own sub-config).
 """

@@ -4,17 +4,19 @@ Variants (get_config(arg)); measured results and times are in BUILD_NOTES.md:
   centralized:  python -m experiments.main --method=centralized \
                   --config=experiments/configs/fashion_mnist.py:centralized --workdir=runs/fm_central
                 Upper bound: all 60k training images, SGD 0.01 m0.9 with cosine decay,
-                batch 64, 10 epochs.
-                Issue target >= 90% test accuracy.
+                batch 64, 10 epochs. Measured (CPU, 2 cores): 91.57% test accuracy, 13 min.
   iid:          python -m experiments.main --method=fedavg \
                   --config=experiments/configs/fashion_mnist.py:iid --workdir=runs/fm_fedavg_iid
-                Multi-round FedAvg, IID, 10 rounds x 1 local epoch. Issue target >= 88%.
+                Multi-round FedAvg, IID, 10 rounds x 1 local epoch.
+                Measured (CPU, 2 cores): 90.24% test accuracy, 11.5 min.
   oneshot:      python -m experiments.main --method=fedavg \
                   --config=experiments/configs/fashion_mnist.py:oneshot --workdir=runs/fm_oneshot
-                One-shot FedAvg (1 round) at Dir(0.5), 10 local epochs; FedHydra Table 1
+                One-shot FedAvg (1 round) at Dir(0.5), 10 local epochs.
+                Measured (CPU, 2 cores): 54.06% test accuracy, 12 min. FedHydra Table 1
                 reports 75.76% for one-shot FedAvg at Dir(0.5) with E=200, B=128 (seed 000
                 §4.1.5). Add `,paper` for that budget (~3 h on a 2-core CPU).
-Add `,smoke` to any variant for a seconds-long run on 5% of the budget.
+Add `,smoke` to any variant for a 1-2 minute run (1 epoch / 1 round).
+Times were measured while other jobs shared the 2 cores (load average 5-8): expect less alone.
 """
 from experiments.configs.common import base_config
 
