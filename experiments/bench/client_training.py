@@ -42,6 +42,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list('clients', ['5', '20', '100'], 'Numbers of clients m to benchmark.')
 flags.DEFINE_integer('steps', None, 'Local steps (batches of 64) per client; default depends on '
                      'm: 4 for m <= 5, else 2.')
+flags.DEFINE_integer('torch_threads', 0, 'PyTorch intra-op threads (0: one per CPU). With other '
+                     'jobs on the machine, 1 avoids OpenMP contention that inflates its time.')
 flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
 flags.DEFINE_bool('skip_slow', True, 'On a CPU backend, skip vmap/scan for m >= 100 '
                   '(minutes each on XLA:CPU). Use --noskip_slow to measure them.')
@@ -282,7 +284,7 @@ def main(argv):
 
   torch_device = None
   if torch is not None:
-    torch.set_num_threads(ncpu)
+    torch.set_num_threads(FLAGS.torch_threads or ncpu)
     use_cuda = backend == 'gpu' and torch.cuda.is_available()
     torch_device = torch.device('cuda' if use_cuda else 'cpu')
 
