@@ -1,16 +1,14 @@
 """HFLDD, HFLDD w/o DD, FedSeq and DynaFed end to end on digits; resume; the MTT loss."""
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments.configs import hfldd_digits
-from jfed.io import Checkpointer
 from jfed.methods.dynafed import trajectory_matching_loss
 from jfed.methods.hfldd import kip_label_distribution
 from jfed.runner import run_experiment
+from tests.support import Interrupted, interrupt_after, override, read_metrics
 
 
 def _config(**overrides):
@@ -25,35 +23,7 @@ def _config(**overrides):
   c.dynafed.rounds, c.dynafed.trajectory_rounds, c.dynafed.expert_epochs = 3, 2, 1
   c.dynafed.ipc, c.dynafed.syn_steps, c.dynafed.iterations = 1, 2, 3
   c.dynafed.finetune_epochs = 2
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return c
-
-
-class _Interrupted(Exception):
-  pass
-
-
-def _interrupt_after(monkeypatch, step):
-  """Simulates a kill right after the checkpoint of `step` is written."""
-  save = Checkpointer.save
-
-  def save_then_die(self, s, state):
-    save(self, s, state)
-    if s == step:
-      raise _Interrupted()
-  monkeypatch.setattr(Checkpointer, 'save', save_then_die)
-
-
-def _metrics(workdir):
-  records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  for r in records:
-    r.pop('seconds', None)
-  return records
+  return override(c, **overrides)
 
 
 @pytest.fixture(scope='module')
@@ -67,7 +37,7 @@ def test_hfldd_end_to_end(hfldd_run):
   for name in ('topology.png', 'metrics.jsonl', 'summary.json', 'accuracy.png', 'checkpoints',
                'local_models', 'distilled'):
     assert (workdir / name).exists(), name
-  records = _metrics(workdir)
+  records = read_metrics(workdir)
   assert [r['step'] for r in records] == [0, 1, 2]
   assert all(0.0 <= r['test_accuracy'] <= 1.0 for r in records[1:])
   assert summary['eval_samples'] == 360 - 60          # the public split is not evaluated on
@@ -95,14 +65,14 @@ def test_hfldd_end_to_end(hfldd_run):
 def test_hfldd_resumes_to_the_same_result(hfldd_run, tmp_path, monkeypatch):
   whole_dir, whole = hfldd_run
   with monkeypatch.context() as m:
-    _interrupt_after(m, 1)
-    with pytest.raises(_Interrupted):
+    interrupt_after(m, 1)
+    with pytest.raises(Interrupted):
       run_experiment('hfldd', _config(), tmp_path)
-  assert [r['step'] for r in _metrics(tmp_path)] == [0, 1]
+  assert [r['step'] for r in read_metrics(tmp_path)] == [0, 1]
   resumed = run_experiment('hfldd', _config(), tmp_path)
   assert resumed['final_test_accuracy'] == whole['final_test_accuracy']
   assert resumed['total_bytes'] == whole['total_bytes']
-  assert _metrics(tmp_path)[1:] == _metrics(whole_dir)[1:]
+  assert read_metrics(tmp_path)[1:] == read_metrics(whole_dir)[1:]
 
 
 def test_hfldd_without_distillation_sends_raw_data(hfldd_run, tmp_path):
@@ -118,7 +88,7 @@ def test_hfldd_without_distillation_sends_raw_data(hfldd_run, tmp_path):
 
 def test_fedseq_runs_end_to_end(tmp_path):
   summary = run_experiment('fedseq', _config(), tmp_path)
-  records = _metrics(tmp_path)
+  records = read_metrics(tmp_path)
   assert [r['step'] for r in records] == [1, 2]
   assert sorted(c for cl in summary['superclients'] for c in cl) == list(range(20))
   assert summary['total_bytes'] == sum(summary['bytes_by_stage'].values())
@@ -131,7 +101,7 @@ def test_fedseq_runs_end_to_end(tmp_path):
 
 def test_dynafed_runs_end_to_end(tmp_path):
   summary = run_experiment('dynafed', _config(), tmp_path)
-  records = _metrics(tmp_path)
+  records = read_metrics(tmp_path)
   assert [r['step'] for r in records] == [1, 2, 3]
   assert summary['distilled'] and summary['num_synthetic'] == 10
   last = records[-1]        # round T + 1 = 3: distilled, then fine-tuned after aggregation

@@ -1,5 +1,4 @@
 """The runner and the foundation methods: outputs, resume, heterogeneity, errors for bad input."""
-import json
 import subprocess
 import sys
 
@@ -9,43 +8,16 @@ import pytest
 
 from experiments.configs import digits
 from jfed import engine
-from jfed.io import Checkpointer, ModelUpload, UploadError, validate_model_upload
+from jfed.io import ModelUpload, UploadError, validate_model_upload
 from jfed.methods import available_methods, get_method
 from jfed.runner import run_experiment
+from tests.support import Interrupted, interrupt_after, override, read_metrics
 
 
 def _config(**overrides):
   c = digits.get_config('smoke')
   c.fedavg.rounds = 3
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return c
-
-
-class _Interrupted(Exception):
-  pass
-
-
-def _interrupt_after(monkeypatch, step):
-  """Simulates a kill right after the checkpoint of `step` is written."""
-  save = Checkpointer.save
-
-  def save_then_die(self, s, state):
-    save(self, s, state)
-    if s == step:
-      raise _Interrupted()
-  monkeypatch.setattr(Checkpointer, 'save', save_then_die)
-
-
-def _metrics(workdir):
-  records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  for r in records:
-    r.pop('seconds', None)
-  return records
+  return override(c, **overrides)
 
 
 def test_fedavg_writes_every_output(tmp_path):
@@ -53,7 +25,7 @@ def test_fedavg_writes_every_output(tmp_path):
   for name in ('config.json', 'metrics.jsonl', 'summary.json', 'accuracy.png', 'partition.txt',
                'partition.png', 'checkpoints'):
     assert (tmp_path / name).exists(), name
-  assert len(_metrics(tmp_path)) == 3
+  assert len(read_metrics(tmp_path)) == 3
   assert summary['backend'] == jax.default_backend()
   assert 0.0 <= summary['final_test_accuracy'] <= 1.0
   assert summary['total_bytes'] > 0
@@ -64,13 +36,13 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, monkeypatch, metho
   config = _config()
   whole = run_experiment(method, config, tmp_path / 'whole')
   with monkeypatch.context() as m:
-    _interrupt_after(m, interrupt_at)
-    with pytest.raises(_Interrupted):
+    interrupt_after(m, interrupt_at)
+    with pytest.raises(Interrupted):
       run_experiment(method, config, tmp_path / 'resumed')
-  assert len(_metrics(tmp_path / 'resumed')) == interrupt_at
+  assert len(read_metrics(tmp_path / 'resumed')) == interrupt_at
   resumed = run_experiment(method, config, tmp_path / 'resumed')
   assert resumed['final_test_accuracy'] == whole['final_test_accuracy']
-  assert _metrics(tmp_path / 'resumed') == _metrics(tmp_path / 'whole')
+  assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
 
 
 def test_fedprox_and_fedavg_differ_only_by_the_proximal_term(tmp_path):

@@ -31,12 +31,13 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 from absl import app, flags
 import jax
 import numpy as np
+
+from experiments.bench.machine import cpu_count, cpu_model, load_average, log
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('clients', ['5', '20', '100'], 'Numbers of clients m to benchmark.')
@@ -60,36 +61,6 @@ SLOW_MIN_CLIENTS = 100
 
 def default_steps(m: int) -> int:
   return 4 if m <= 5 else 2
-
-
-def cpu_count() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not Linux
-    return os.cpu_count() or 1
-
-
-def cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def load_average():
-  """1-minute load average: a busy machine (load > CPUs) distorts every figure, torch's most."""
-  try:
-    return round(os.getloadavg()[0], 2)
-  except (AttributeError, OSError):
-    return None
-
-
-def log(msg: str):
-  print(msg, file=sys.stderr, flush=True)
 
 
 def make_data(m: int, steps: int, seed: int = 0):

@@ -34,13 +34,14 @@ form is meant for accelerators, where the loop is dispatch-bound); the reference
 import json
 import os
 import platform
-import sys
 import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.bench.machine import cpu_count, load_average, log
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('clients', ['10', '100'], 'Numbers of clients m.')
@@ -56,24 +57,6 @@ flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw n
 
 NUM_CLASSES = 10
 NOTEBOOK_SECONDS = 63.0   # the public KIP notebook's reported time for its default loop
-
-
-def cpu_count() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:
-    return os.cpu_count() or 1
-
-
-def load_average():
-  try:
-    return round(os.getloadavg()[0], 2)
-  except (AttributeError, OSError):
-    return None
-
-
-def log(msg: str):
-  print(msg, file=sys.stderr, flush=True)
 
 
 def make_clients(m: int, n: int, shape, seed: int = 0):
