@@ -42,13 +42,14 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.bench.machine import cpu_count, cpu_model, load_average, log
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('clients', 5, 'm: client models.')
@@ -74,35 +75,6 @@ flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw n
 SHAPE = (28, 28, 1)
 LR_G = 1e-3
 BETAS = (0.5, 0.999)
-
-
-def log(msg: str):
-  print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_count() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:
-    return os.cpu_count() or 1
-
-
-def cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def load_average():
-  try:
-    return round(os.getloadavg()[0], 2)
-  except (AttributeError, OSError):
-    return None
 
 
 def twice(fn):
