@@ -354,3 +354,13 @@ def test_bubble_plot_writes_png(tmp_path, labels):
   assert os.path.getsize(path) > 1000
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_match_input_shape_resizes_and_matches_channels():
+  from jfed.data.transforms import match_input_shape
+  gray = np.full((2, 28, 28, 1), 0.25, np.float32)
+  rgb = match_input_shape(gray, (8, 8, 3))
+  assert rgb.shape == (2, 8, 8, 3) and rgb.dtype == np.float32
+  np.testing.assert_allclose(rgb, 0.25, atol=1e-6)  # a constant image stays constant
+  color = np.stack([np.zeros((1, 4, 4)), np.ones((1, 4, 4)), np.ones((1, 4, 4))], -1)
+  np.testing.assert_allclose(match_input_shape(color, (4, 4, 1)), 2 / 3, atol=1e-6)

@@ -27,17 +27,10 @@ Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
   rounds=N  N global rounds for every one-shot method (seed 000 Tables 5, 8, 11–18)
 """
 from experiments.configs.common import base_config
-
-METHODS = ('dense', 'feddf', 'coboosting', 'ot', 'fedhydra')
+from experiments.configs.fedhydra_fashion_mnist import METHODS, _set
 HETERO_CLIENTS = ('googlenet:width_mult=0.0625;resnet18:width_mult=0.125;fedhydra_cnn3;'
                   'cnn_mnist;lenet')
 HETERO_SERVER = 'resnet18:width_mult=0.125'
-
-
-def _set(c, method: str, **kw):
-  for k, v in kw.items():
-    if k in c[method]:
-      c[method][k] = v
 
 
 def get_config(arg: str = ''):

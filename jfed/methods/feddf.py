@@ -29,12 +29,12 @@ kd_grad_clip, kd_schedule, kd_augment.
 import math
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
 from jfed.data import load_dataset
+from jfed.data.transforms import match_input_shape
 from jfed.distill import ImagePool
 from jfed.engine import ModelState
 from jfed.methods import common, oneshot
@@ -56,18 +56,6 @@ class FedDFExtra(NamedTuple):
   best_val: Any          # its validation accuracy (float32 scalar)
   best_test: Any         # its test accuracy
   bad_epochs: Any        # evaluations since the last improvement (int32 scalar)
-
-
-def match_input_shape(x: np.ndarray, shape) -> np.ndarray:
-  """NHWC images resized bilinearly to (H, W) with the channel count matched (mean / repeat)."""
-  h, w, c = shape
-  x = np.asarray(x, np.float32)
-  if x.shape[1:3] != (h, w):
-    x = np.asarray(jax.image.resize(jnp.asarray(x), (len(x), h, w, x.shape[3]), 'linear'))
-  if x.shape[3] != c:
-    x = x.mean(-1, keepdims=True)
-    x = np.repeat(x, c, axis=-1) if c > 1 else x
-  return np.clip(x, 0.0, 1.0).astype(np.float32)
 
 
 def distillation_data(ctx: RunContext, cfg) -> DistillationData:

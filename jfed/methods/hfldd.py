@@ -46,6 +46,7 @@ import numpy as np
 
 from jfed import engine
 from jfed.data import FederatedArrays, class_count_table, federate, load_dataset
+from jfed.data.transforms import match_input_shape
 from jfed.hfldd import build_topology, cluster_label_coverage, comm
 from jfed.hfldd.plots import plot_topology
 from jfed.io import validate_tree
@@ -68,19 +69,6 @@ class PublicData(NamedTuple):
   eval_x: np.ndarray   # the test samples used for evaluation
   eval_y: np.ndarray
   source: str
-
-
-def match_input_shape(x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-  """Resizes NHWC images to (H, W) bilinearly and matches the channel count (mean / repeat)."""
-  h, w, c = shape
-  x = np.asarray(x, np.float32)
-  if x.shape[1:3] != (h, w):
-    x = np.asarray(jax.image.resize(jnp.asarray(x), (x.shape[0], h, w, x.shape[3]), 'linear',
-                                    antialias=True))
-  if x.shape[3] != c:
-    x = x.mean(-1, keepdims=True)
-    x = np.repeat(x, c, axis=-1) if c > 1 else x
-  return np.clip(x, 0.0, 1.0).astype(np.float32)
 
 
 def public_data(ctx: RunContext, source: str, size: int) -> PublicData:
