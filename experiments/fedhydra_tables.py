@@ -8,8 +8,9 @@ Each (partition, method) runs through `jfed.runner.run_experiment` into
 OUT/<partition>/<method>/ (all its usual outputs: metrics, summary, plots, checkpoints; rerunning
 the command resumes or skips finished runs). The one-shot distillation methods and OT share one
 set of client models per partition (`local_models_dir` = OUT/<partition>/local_models), so the
-clients train once per partition; one-shot FedAvg (method 'fedavg' with rounds = 1) trains its
-own clients from the same initial model for the same number of epochs.
+clients train once per partition; one-shot FedAvg (method 'fedavg' with rounds = 1) averages
+those same local models (`fedavg.reuse_local_models`), as in the paper, where every method
+starts from one set of local models. Multi-round FedAvg (rounds=N) trains its own clients.
 
 Writes OUT/tables.md — Table 1 (methods × Dirichlet α) and Table 2 (2c/c) in the paper's layout,
 each cell "ours (paper)" in %, the paper's Fashion-MNIST numbers copied from seed 000 Tables 1
@@ -75,7 +76,8 @@ def budget_lines(c) -> list:
       f'- data: {c.dataset.name}, {c.partition.num_clients} clients, seed {c.seed}; clients '
       f"{c.client_models or c.model}; local SGD lr {c.optimizer.lr} momentum "
       f'{c.optimizer.momentum}, batch {c.batch_size}',
-      f'- local epochs E: FedAvg {o.local_epochs} (rounds {o.rounds}), OT {h.local_epochs}, '
+      f'- local epochs E: FedAvg {o.local_epochs} (rounds {o.rounds}'
+      f"{': the shared local models averaged' if o.rounds == 1 else ''}), OT {h.local_epochs}, "
       f'FedDF {df.local_epochs}, DENSE {d.local_epochs}, Co-Boosting {cb.local_epochs}, '
       f'FedHydra {f.local_epochs} (paper: E = 200)',
       f'- DENSE: server {server("dense")} ({d.init} init), {d.epochs} epochs x {d.g_steps} '
@@ -167,6 +169,7 @@ def main(argv):
   for partition in FLAGS.partitions:
     base = partition_config(config, partition)
     base.local_models_dir = str((out / dirname(partition) / 'local_models').absolute())
+    base.fedavg.reuse_local_models = base.fedavg.rounds == 1
     results[partition] = {}
     for method in FLAGS.methods:
       workdir = out / dirname(partition) / method

@@ -6,6 +6,7 @@ FedHydra's model stratification finds each 2c/c client's own classes (seed 000 F
 do not check accuracy. Most of their time is XLA:CPU compilation.
 """
 import json
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -17,10 +18,10 @@ from experiments.configs import fedhydra_digits
 from jfed.data import load_dataset
 from jfed import engine
 from jfed.distill import (MSConfig, TeacherGroup, fedhydra_global_loss, kd_loss, make_generator,
-                          model_stratification_loop)
+                          model_stratification_loop, model_stratification_python)
 from jfed.io import Checkpointer
 from jfed.methods import available_methods, oneshot
-from jfed.methods.fedhydra import model_stratification_python, resolve_ms_impl
+from jfed.methods.fedhydra import resolve_ms_impl
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
@@ -207,3 +208,26 @@ def test_multi_round_dense(tmp_path, local_dir):
   assert len(summary['round_test_accuracy']) == 2 and summary['rounds'] == 2
   assert (tmp_path / 'round_models').exists()
   assert summary['final_test_accuracy'] == summary['round_test_accuracy'][-1]
+
+
+def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
+  """`fedavg.reuse_local_models` (the Table 1/2 sweep): one-shot FedAvg is the size-weighted
+  average of the very client models the distillation methods start from."""
+  config = _config(local_models_dir=local_dir, **{'fedavg.reuse_local_models': True})
+  run_experiment('dense', config, tmp_path / 'dense')       # makes sure local_dir is filled
+  summary = run_experiment('fedavg', config, tmp_path / 'fedavg')
+  assert summary['reused_local_models'] and summary['rounds'] == 1
+
+  ds = load_dataset('digits')
+  parts = partition_clients(config, ds.train_y)
+  module = get_model(config.model, ds.num_classes, ds.input_shape)
+  template = engine.init_models(module, ds.input_shape, jax.random.PRNGKey(0), len(parts))
+  step, (models,) = Checkpointer(pathlib.Path(local_dir)).restore_latest(
+      [template])
+  assert step == config.fedavg.local_epochs
+  average = engine.weighted_average(models, np.array([len(p) for p in parts]))
+  want = engine.Evaluator(module, 256).accuracy(average, ds.test_x, ds.test_y)
+  assert summary['final_test_accuracy'] == pytest.approx(want, abs=1e-6)
+
+  with pytest.raises(ValueError, match='rounds = 1'):
+    run_experiment('fedavg', override(config, **{'fedavg.rounds': 2}), tmp_path / 'bad')

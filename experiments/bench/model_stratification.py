@@ -14,7 +14,7 @@ a fresh DENSE generator (nz, ngf; 28×28×1 output) and fixed z ~ N(0, I) of `ms
     runs of a lax.scan over the T_G steps);
   - jfed loop:    `jfed.distill.model_stratification_loop` — the same jitted single-run program
     (lax.scan over T_G) called once per (k, j);
-  - jfed python:  `jfed.methods.fedhydra.model_stratification_python` — the same run as T_G
+  - jfed python:  `jfed.distill.model_stratification_python` — the same run as T_G
     calls of one jitted step (same numbers; FedHydra's `ms_impl='auto'` on CPU);
   - PyTorch:      the reference structure (FL-SA `interview`): a Python loop over (k, j), each
     building a generator, DENSE `reset_model`, Adam, T_G steps; torch.set_num_threads(CPUs).
@@ -411,7 +411,7 @@ def report(meta, rows) -> str:
   fastest = min(ms_jfed, key=ms_jfed.get) if ms_jfed else None
   names = {'batched': 'jfed batched (model_stratification: ONE program, vmap + lax.scan)',
            'loop': 'jfed loop (model_stratification_loop: per-run lax.scan)',
-           'python': 'jfed python (fedhydra.model_stratification_python: per-run jitted steps)',
+           'python': 'jfed python (distill.model_stratification_python: per-run jitted steps)',
            'torch': 'PyTorch (reference structure, one run at a time)',
            'jfed': 'jfed (synthesize + oneshot.kd_step)'}
   for r in rows:

@@ -21,7 +21,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.shard = False               # shard client groups over all devices ('clients' mesh axis)
   c.eval_batch_size = 1000
 
-  c.fedavg = ml_collections.ConfigDict({'rounds': 1, 'local_epochs': 1, 'participation': 1.0})
+  c.fedavg = ml_collections.ConfigDict({'rounds': 1, 'local_epochs': 1, 'participation': 1.0,
+                                       'reuse_local_models': False})
   c.fedprox = ml_collections.ConfigDict(
       {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'mu': 0.01})
   c.centralized = ml_collections.ConfigDict({'epochs': 1})

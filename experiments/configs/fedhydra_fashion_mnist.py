@@ -12,7 +12,7 @@ The Table 1/2 sweep (every method x partition, clients trained once per partitio
       --out=runs/fedhydra_tables
 
 Budgets (get_config(arg), comma-separated):
-  (default) CPU budget: 10 local epochs; 40 distillation epochs for DENSE / Co-Boosting /
+  (default) CPU budget: 10 local epochs; 30 distillation epochs for DENSE / Co-Boosting /
             FedHydra with 30 generator steps on 64 images each (DENSE generator nz 256, ngf 64),
             KD batch 128; FedHydra MS with T_G = 30 on 16 images per (client, class) run; FedDF
             2,000 Adam steps of 128 on 4,000 held-out test images. Expected accuracy: not
@@ -58,7 +58,7 @@ def set_budget(c, name: str) -> None:
   if name == 'paper':
     local, epochs, syn, ms, kd, g, feddf_steps = 200, 200, 256, 256, 256, 30, 10000
   elif name == 'cpu':
-    local, epochs, syn, ms, kd, g, feddf_steps = 10, 40, 64, 16, 128, 30, 2000
+    local, epochs, syn, ms, kd, g, feddf_steps = 10, 30, 64, 16, 128, 30, 2000
   elif name == 'smoke':
     local, epochs, syn, ms, kd, g, feddf_steps = 1, 2, 32, 8, 64, 5, 20
   else:

@@ -14,6 +14,7 @@ from jfed.distill.pool import (ImagePool, augment, epoch_batches, pool_add, pool
                                pool_init, pool_sample, pool_size)
 from jfed.distill.stratification import (MSConfig, StratificationResult, average_ensemble,
                                          model_stratification, model_stratification_loop,
+                                         model_stratification_python,
                                          normalise_U, stratification_from_losses,
                                          stratified_aggregation, stratified_weights,
                                          variation_degree)

@@ -137,38 +137,49 @@ class MSConfig(NamedTuple):
   flip: bool = True
 
 
-def _ms_single_run(teacher_module, generator: DenseGenerator, init_fn: Callable, cfg: MSConfig,
-                   t_params, t_batch_stats, key: jax.Array, label: jnp.ndarray) -> jnp.ndarray:
-  """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
-  (each evaluated before its step, Eq. 1)."""
-  k_init, k_aug = key, jax.random.fold_in(key, 1)
+def _ms_run_init(generator: DenseGenerator, init_fn: Optional[Callable], cfg: MSConfig,
+                 key: jax.Array):
+  """A (k, j) run's fresh G, z, Adam state and per-step augmentation keys."""
   if init_fn is None:   # one random draw for G and z (compile time, see dense_generator_init)
-    g, z = dense_generator_init(k_init, generator, noise_batch=cfg.batch_size)
+    g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
   else:
-    g = init_fn(k_init)
+    g = init_fn(key)
     z = jax.random.normal(jax.random.fold_in(key, 2), (cfg.batch_size, generator.nz))
+  opt_vars = (g.params, z) if cfg.optimize_z else g.params
+  tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
+  step_keys = (jax.random.split(jax.random.fold_in(key, 1), cfg.T_G) if cfg.augment
+               else jnp.zeros((cfg.T_G,)))
+  return (opt_vars, g.batch_stats, tx.init(opt_vars)), z, step_keys
+
+
+def _ms_step(teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z, teacher_vars,
+             label, k_aug):
+  """One Adam step of G on CE(F_k(G(z)), label); returns (carry, the loss before the step)."""
+  ov, gen_bs, opt_state = carry
   y = jnp.full((cfg.batch_size,), label, jnp.int32)
   tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
-  opt_vars = (g.params, z) if cfg.optimize_z else g.params
-  teacher_vars = {'params': t_params, 'batch_stats': t_batch_stats}
 
-  def loss_fn(ov, gen_bs, k):
+  def loss_fn(ov, gen_bs):
     gp, zz = ov if cfg.optimize_z else (ov, z)
     x, upd = generator.apply({'params': gp, 'batch_stats': gen_bs}, zz, train=True,
                              mutable=['batch_stats'])
     if cfg.augment:
-      x = augment_images(k, x, cfg.crop_padding, cfg.flip)
+      x = augment_images(k_aug, x, cfg.crop_padding, cfg.flip)
     logits = teacher_module.apply(teacher_vars, x, train=False)
     return cross_entropy(logits, y), upd['batch_stats']
 
-  def step(carry, k):
-    ov, gen_bs, opt_state = carry
-    (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(ov, gen_bs, k)
-    updates, opt_state = tx.update(grads, opt_state, ov)
-    return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
+  (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(ov, gen_bs)
+  updates, opt_state = tx.update(grads, opt_state, ov)
+  return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
 
-  carry = (opt_vars, g.batch_stats, tx.init(opt_vars))
-  step_keys = jax.random.split(k_aug, cfg.T_G) if cfg.augment else jnp.zeros((cfg.T_G,))
+
+def _ms_single_run(teacher_module, generator: DenseGenerator, init_fn: Callable, cfg: MSConfig,
+                   t_params, t_batch_stats, key: jax.Array, label: jnp.ndarray) -> jnp.ndarray:
+  """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
+  (each evaluated before its step, Eq. 1)."""
+  carry, z, step_keys = _ms_run_init(generator, init_fn, cfg, key)
+  teacher_vars = {'params': t_params, 'batch_stats': t_batch_stats}
+  step = lambda c, k: _ms_step(teacher_module, generator, cfg, c, z, teacher_vars, label, k)
   _, losses = jax.lax.scan(step, carry, step_keys)
   return losses
 
@@ -246,6 +257,25 @@ def model_stratification(teacher_groups, generator: DenseGenerator, num_classes:
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
+def _run_by_run(teacher_groups, num_classes: int, key: jax.Array, T_G: int,
+                run: Callable) -> StratificationResult:
+  """Algorithm 2 one (k, j) run at a time: `run(module, teacher_vars, run_key, j)` returns the
+  run's T_G losses; keys as in the batched form."""
+  all_losses, offset = [], 0
+  for module, states in _as_groups(teacher_groups):
+    m = jax.tree.leaves(states.params)[0].shape[0]
+    keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
+    out = np.zeros((m, num_classes, T_G), np.float32)
+    for k in range(m):
+      teacher_vars = {'params': jax.tree.map(lambda a: a[k], states.params),
+                      'batch_stats': jax.tree.map(lambda a: a[k], states.batch_stats)}
+      for j in range(num_classes):
+        out[k, j] = np.asarray(run(module, teacher_vars, keys[k, j], jnp.int32(j)))
+    all_losses.append(out)
+    offset += m
+  return stratification_from_losses(np.concatenate(all_losses, 0))
+
+
 def model_stratification_loop(teacher_groups, generator: DenseGenerator, num_classes: int,
                               key: jax.Array, cfg: Optional[MSConfig] = None, *,
                               generator_init_fn: Optional[Callable] = None,
@@ -253,17 +283,35 @@ def model_stratification_loop(teacher_groups, generator: DenseGenerator, num_cla
   """Same as `model_stratification`, one (k, j) run at a time: a Python loop over the same
   jitted single-run program (the reference code's structure; for equivalence tests and benchmarks)."""
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
-  all_losses, offset = [], 0
-  for module, states in _as_groups(teacher_groups):
-    m = jax.tree.leaves(states.params)[0].shape[0]
-    keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
-    out = np.zeros((m, num_classes, cfg.T_G), np.float32)
-    for k in range(m):
-      p = jax.tree.map(lambda a: a[k], states.params)
-      bs = jax.tree.map(lambda a: a[k], states.batch_stats)
-      for j in range(num_classes):
-        out[k, j] = np.asarray(_ms_single_run_jit(module, generator, init_fn, cfg, p, bs,
-                                                  keys[k, j], jnp.int32(j)))
-    all_losses.append(out)
-    offset += m
-  return stratification_from_losses(np.concatenate(all_losses, 0))
+
+  def run(module, teacher_vars, run_key, label):
+    return _ms_single_run_jit(module, generator, init_fn, cfg, teacher_vars['params'],
+                              teacher_vars['batch_stats'], run_key, label)
+  return _run_by_run(teacher_groups, num_classes, key, cfg.T_G, run)
+
+
+# XLA:CPU runs convolutions inside `lax.scan` pathologically slowly (~1 s per step of the 28x28
+# DENSE generator vs ~25 ms as separate jitted steps, docs/design.md), so on CPU the T_G steps
+# of each run are a Python loop of one jitted step: the same run (keys, init, z, Adam, loss
+# recorded before each step) as the scan forms; tests assert equality.
+_ms_run_init_jit = jax.jit(_ms_run_init, static_argnums=(0, 1, 2))
+_ms_step_jit = jax.jit(_ms_step, static_argnums=(0, 1, 2))
+
+
+def model_stratification_python(teacher_groups, generator: DenseGenerator, num_classes: int,
+                                key: jax.Array, cfg: Optional[MSConfig] = None, *,
+                                generator_init_fn: Optional[Callable] = None,
+                                **cfg_overrides) -> StratificationResult:
+  """Same as `model_stratification`, run by run, each run a Python loop of T_G jitted steps
+  (the fastest form on CPU: experiments/bench/model_stratification.py)."""
+  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+
+  def run(module, teacher_vars, run_key, label):
+    carry, z, step_keys = _ms_run_init_jit(generator, init_fn, cfg, run_key)
+    losses = []
+    for t in range(cfg.T_G):
+      carry, loss = _ms_step_jit(module, generator, cfg, carry, z, teacher_vars, label,
+                                 step_keys[t])
+      losses.append(loss)
+    return jnp.stack(losses)
+  return _run_by_run(teacher_groups, num_classes, key, cfg.T_G, run)

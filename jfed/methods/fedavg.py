@@ -3,6 +3,11 @@
 Each round: the selected clients start from the global model, train `local_epochs` epochs on
 their own data (FedProx adds mu/2 ||w - w_global||^2), upload their models, and the server
 averages them weighted by client size. The global model is checkpointed after every round.
+
+`reuse_local_models` (one-shot FedAvg only): average the shared one-shot client models
+(`common.local_models`, read from `local_models_dir` when set) instead of training the clients
+again. FedHydra's tables compare every method on the same local models; this also saves one
+round of local training per partition in `experiments.fedhydra_tables`.
 """
 import time
 
@@ -32,7 +37,33 @@ def single_architecture(ctx: RunContext) -> str:
   return specs.pop()
 
 
+def oneshot_from_local_models(ctx: RunContext, cfg) -> dict:
+  """One-shot FedAvg as the size-weighted average of the shared local models."""
+  if cfg.rounds != 1 or cfg.get('participation', 1.0) != 1.0:
+    raise ValueError('reuse_local_models needs rounds = 1 and participation = 1 (one-shot FedAvg '
+                     f'over every client); got rounds = {cfg.rounds}, participation = '
+                     f"{cfg.get('participation', 1.0)}")
+  single_architecture(ctx)
+  t0 = time.perf_counter()
+  local = common.local_models(ctx, cfg.local_epochs)
+  (group,), (models,) = local.groups, local.models
+  global_model = engine.weighted_average(models, group.fed.sizes)
+  accuracy = common.test_accuracy(ctx, group.module, global_model)
+  ctx.metrics.truncate_after(0)
+  ctx.metrics.write({
+      'step': 1, 'round': 1, 'test_accuracy': accuracy, 'clients': ctx.num_clients,
+      'upload_bytes': local.upload_bytes, 'download_bytes': 0,
+      'seconds': time.perf_counter() - t0})
+  print(f'one-shot average of the shared local models: test accuracy {accuracy:.4f}', flush=True)
+  return {'final_test_accuracy': accuracy, 'best_test_accuracy': accuracy, 'rounds': 1,
+          'total_bytes': local.upload_bytes, 'step_name': 'round', 'reused_local_models': True}
+
+
 def run_rounds(ctx: RunContext, cfg, prox_mu: float = 0.0) -> dict:
+  if cfg.get('reuse_local_models', False):
+    if prox_mu:
+      raise ValueError('reuse_local_models is for one-shot FedAvg, not FedProx')
+    return oneshot_from_local_models(ctx, cfg)
   single_architecture(ctx)
   full_group = common.client_groups(ctx)[0]
   module = full_group.module

@@ -7,7 +7,7 @@ distillation loop (`jfed.methods.oneshot`, whose docstring defines a round).
    U, U_r, U_c (Eqs. 1–7). Saved to workdir/model_stratification.npz (teacher order and global
    client order) with the Fig. 5b heatmap workdir/ms_heatmap.png (clients × classes U_r).
    `ms_impl`: 'batched' (that one program), 'loop' (`model_stratification_loop`, one (k, j)
-   run at a time), 'python' (`model_stratification_python` below: one (k, j) run at a time,
+   run at a time), 'python' (`model_stratification_python`: one (k, j) run at a time,
    each a Python loop of T_G jitted steps; same numbers) or 'auto' = the fastest form on the
    backend, measured by experiments/bench/model_stratification.py: 'python' on CPU (XLA:CPU
    runs convolutions inside lax.scan very slowly), 'batched' elsewhere.
@@ -35,20 +35,14 @@ synthesis_batch, lambda1, lambda2, adv_T, generator_reset, nz, ngf, ms_T_G, ms_l
 ms_impl, ms_chunk, aggregation, beta, kd_T, kd_lr, kd_momentum, kd_weight_decay, kd_batch,
 kd_data, kd_augment, pool_quantize.
 """
-import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jfed.distill import (MSConfig, SAWeights, cross_entropy, dense_generator_init,
-                          fedhydra_config, make_generator, model_stratification,
-                          model_stratification_loop, plots, stratification_from_losses)
-from jfed.distill.ensemble import _as_groups
-from jfed.distill.pool import augment as augment_images
-from jfed.distill.stratification import _run_keys
+from jfed.distill import (MSConfig, SAWeights, fedhydra_config, make_generator,
+                          model_stratification, model_stratification_loop,
+                          model_stratification_python, plots)
 from jfed.methods import common, oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
@@ -65,72 +59,6 @@ def resolve_ms_impl(impl: str, backend: str = None) -> str:
   if impl != 'auto':
     return impl
   return 'python' if (backend or jax.default_backend()) == 'cpu' else 'batched'
-
-
-# ---------------------------------------------------------------------------------------------
-# MS with a Python loop over the T_G steps (the CPU form)
-# ---------------------------------------------------------------------------------------------
-# `model_stratification` / `model_stratification_loop` run the T_G generator steps of a (k, j)
-# run inside `lax.scan`; XLA:CPU runs convolutions inside scan pathologically slowly (~1 s per
-# step of the 28x28 DENSE generator vs ~25 ms as separate jitted steps, docs/design.md). This
-# driver runs the SAME run — same keys (`_run_keys`), same generator init, z, Adam, loss, loss
-# recorded before each step — as a Python loop of one jitted step; tests assert it equals
-# `model_stratification_loop`. (It belongs next to them in jfed/distill/stratification.py.)
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _ms_init(generator, cfg: MSConfig, key):
-  g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
-  opt_vars = (g.params, z) if cfg.optimize_z else g.params
-  tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
-  step_keys = (jax.random.split(jax.random.fold_in(key, 1), cfg.T_G) if cfg.augment
-               else jnp.zeros((cfg.T_G,)))
-  return (opt_vars, g.batch_stats, tx.init(opt_vars)), z, step_keys
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _ms_step(teacher_module, generator, cfg: MSConfig, carry, z, t_params, t_batch_stats,
-             label, k_aug):
-  ov, gen_bs, opt_state = carry
-  y = jnp.full((cfg.batch_size,), label, jnp.int32)
-  tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
-
-  def loss_fn(ov, gen_bs):
-    gp, zz = ov if cfg.optimize_z else (ov, z)
-    x, upd = generator.apply({'params': gp, 'batch_stats': gen_bs}, zz, train=True,
-                             mutable=['batch_stats'])
-    if cfg.augment:
-      x = augment_images(k_aug, x, cfg.crop_padding, cfg.flip)
-    logits = teacher_module.apply({'params': t_params, 'batch_stats': t_batch_stats}, x,
-                                  train=False)
-    return cross_entropy(logits, y), upd['batch_stats']
-
-  (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(ov, gen_bs)
-  updates, opt_state = tx.update(grads, opt_state, ov)
-  return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
-
-
-def model_stratification_python(teacher_groups, generator, num_classes: int, key,
-                                cfg: MSConfig):
-  """Algorithm 2 run by run, each run a Python loop of T_G jitted steps (see above)."""
-  all_losses, offset = [], 0
-  for module, states in _as_groups(teacher_groups):
-    m = jax.tree.leaves(states.params)[0].shape[0]
-    keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
-    out = []
-    for k in range(m):
-      p = jax.tree.map(lambda a: a[k], states.params)
-      bs = jax.tree.map(lambda a: a[k], states.batch_stats)
-      for j in range(num_classes):
-        carry, z, step_keys = _ms_init(generator, cfg, keys[k, j])
-        losses = []
-        for t in range(cfg.T_G):
-          carry, loss = _ms_step(module, generator, cfg, carry, z, p, bs, jnp.int32(j),
-                                 step_keys[t])
-          losses.append(loss)
-        out.append(jnp.stack(losses))
-    all_losses.append(np.asarray(jnp.stack(out)).reshape(m, num_classes, cfg.T_G))
-    offset += m
-  return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
 MS_FUNCTIONS = {'batched': model_stratification, 'loop': model_stratification_loop,
