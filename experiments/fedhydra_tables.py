@@ -106,11 +106,27 @@ def cell(ours, paper):
   return f'{100 * ours:.2f} ({paper:.2f})' if paper is not None else f'{100 * ours:.2f}'
 
 
+def references(results: dict, partition: str) -> dict:
+  """Not methods: what the clients' models reach on their own (from the distillation runs,
+  which evaluate the teachers they received): the mean-logit teacher ensemble, the upper end
+  of what one-shot distillation can recover, and the best single client."""
+  runs = [r for m, r in results.get(partition, {}).items() if m != 'feddf']  # FedDF: test subset
+  ens = next((r['teacher_ensemble_test_accuracy'] for r in runs
+              if r.get('teacher_ensemble_test_accuracy') is not None), None)
+  best = next((max(r['client_test_accuracy']) for r in runs if r.get('client_test_accuracy')),
+              None)
+  return {'Teacher ensemble (mean logits)': ens, 'Best single client': best}
+
+
 def render(config, results, methods, partitions, meta) -> str:
   dir_parts = [p for p in partitions if p.startswith('dir')]
+  paper = PAPER if config.dataset.name == 'fashion_mnist' else {}   # the paper's FMNIST columns
+  cells = ('each cell **ours (paper)**; paper numbers: seed 000 Table 1 (Dir(α)) and Table 2 '
+           '(2c/c), Fashion-MNIST columns' if paper else
+           'in the layout of seed 000 Tables 1 and 2 (the paper reports no numbers for '
+           'this dataset)')
   lines = [f'# FedHydra Tables 1 and 2 on {config.dataset.name}: jfed vs the paper', '',
-           'Top-1 test accuracy (%) of the final model, each cell **ours (paper)**; paper numbers: '
-           'seed 000 Table 1 (Dir(α)) and Table 2 (2c/c), Fashion-MNIST columns. FedDF: '
+           f'Top-1 test accuracy (%) of the final model, {cells}. FedDF: '
            'best-on-validation student, evaluated on the test images not held out.', '',
            f"Backend {meta['backend']}, jax {meta['jax_version']}, {meta['date']}. Budget:"]
   lines += budget_lines(config)
@@ -123,15 +139,24 @@ def render(config, results, methods, partitions, meta) -> str:
       lines.append(f'| {NAMES.get(m, m)} | ' + ' | '.join(
           cell(results.get(p, {}).get(m, {}).get('final_test_accuracy',
                                                  results.get(p, {}).get(m, {}).get('status')),
-               PAPER.get(m, {}).get(p)) for p in dir_parts) + ' |')
+               paper.get(m, {}).get(p)) for p in dir_parts) + ' |')
+    for name in references(results, dir_parts[0]):
+      lines.append(f'| *{name}* | ' + ' | '.join(
+          cell(references(results, p)[name], None) for p in dir_parts) + ' |')
     lines.append('')
   if '2c/c' in partitions:
     lines += ['## Table 2 (2c/c)', '', f'| Method | {config.dataset.name} |', '|---|---:|']
     for m in methods:
       r = results.get('2c/c', {}).get(m, {})
       ours = r.get('final_test_accuracy', r.get('status'))
-      lines.append(f"| {NAMES.get(m, m)} | {cell(ours, PAPER.get(m, {}).get('2c/c'))} |")
+      lines.append(f"| {NAMES.get(m, m)} | {cell(ours, paper.get(m, {}).get('2c/c'))} |")
+    for name, value in references(results, '2c/c').items():
+      lines.append(f'| *{name}* | {cell(value, None)} |')
     lines.append('')
+  lines.append('Rows in italics are references, not methods: the test accuracy of the mean-logit '
+               'ensemble of the uploaded client models (the upper end of what distillation can '
+               'recover) and of the best client model alone.')
+  lines.append('')
   lines.append('Per run: OUT/<partition>/<method>/ (metrics.jsonl, summary.json, plots); FedHydra '
                'MS weights: OUT/<partition>/fedhydra/ms_heatmap.png.')
   return '\n'.join(lines) + '\n'
@@ -150,46 +175,53 @@ def plot_partition(out: pathlib.Path, partition: str, results: dict) -> None:
       series[NAMES[m]] = ([x['epoch'] for x in recs], [x['test_accuracy'] for x in recs])
     else:
       hlines[NAMES.get(m, m)] = r['final_test_accuracy']
+  ensemble = references(results, partition)['Teacher ensemble (mean logits)']
+  if ensemble is not None:
+    hlines['teacher ensemble'] = ensemble
   if series or hlines:
     plots.plot_accuracy_vs_epoch(out / dirname(partition) / 'accuracy_vs_epoch.png', series,
                                  title=f'test accuracy vs distillation epoch ({partition})',
                                  hlines=hlines)
 
 
-def main(argv):
-  del argv
+def run_sweep(config, out: pathlib.Path, methods, partitions) -> str:
+  """Runs every (partition, method) not finished yet; writes results.json, tables.md and the
+  per-partition plots; returns the tables' text."""
   import jax
   from jfed.runner import run_experiment
-  out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
-  config = FLAGS.config
   meta = {'backend': jax.default_backend(), 'jax_version': jax.__version__,
           'date': datetime.date.today().isoformat()}
   results = {}
-  for partition in FLAGS.partitions:
+  for partition in partitions:
     base = partition_config(config, partition)
     base.local_models_dir = str((out / dirname(partition) / 'local_models').absolute())
     base.fedavg.reuse_local_models = base.fedavg.rounds == 1
     results[partition] = {}
-    for method in FLAGS.methods:
+    for method in methods:
       workdir = out / dirname(partition) / method
       print(f'=== {partition} / {method} -> {workdir}', flush=True)
       try:
         summary = run_experiment(method, base, workdir)
         results[partition][method] = {
             k: summary.get(k) for k in ('final_test_accuracy', 'best_test_accuracy',
-                                        'client_test_accuracy', 'seconds_this_invocation')}
+                                        'client_test_accuracy', 'teacher_ensemble_test_accuracy',
+                                        'seconds_this_invocation')}
       except Exception as e:  # one failed run must not lose the sweep
         traceback.print_exc()
         results[partition][method] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
       (out / 'results.json').write_text(json.dumps({'meta': meta, 'results': results},
                                                    indent=2) + '\n')
-      (out / 'tables.md').write_text(render(config, results, FLAGS.methods, FLAGS.partitions,
-                                            meta))
+      (out / 'tables.md').write_text(render(config, results, methods, partitions, meta))
     plot_partition(out, partition, results)
-  table = render(config, results, FLAGS.methods, FLAGS.partitions, meta)
+  table = render(config, results, methods, partitions, meta)
   (out / 'tables.md').write_text(table)
-  print(table)
+  return table
+
+
+def main(argv):
+  del argv
+  print(run_sweep(FLAGS.config, pathlib.Path(FLAGS.out), FLAGS.methods, FLAGS.partitions))
 
 
 if __name__ == '__main__':

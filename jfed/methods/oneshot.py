@@ -50,8 +50,8 @@ from absl import logging
 
 from jfed import engine
 from jfed.distill import (TeacherGroup, augment, cross_entropy, dense_generator_init,
-                          epoch_batches, kl_divergence, make_generator, pool_add, pool_gather,
-                          pool_init, pool_size, synthesize, teacher_outputs)
+                          ensemble_logits, epoch_batches, kl_divergence, make_generator, pool_add,
+                          pool_gather, pool_init, pool_size, synthesize, teacher_outputs)
 from jfed.distill.synthesis import SynthesisConfig, aggregate_teachers
 from jfed.engine import ModelState, TrainState
 from jfed.io import Checkpointer
@@ -349,6 +349,16 @@ def teacher_client_ids(local: common.LocalModels) -> np.ndarray:
   return np.concatenate([g.client_ids for g in local.groups])
 
 
+def teacher_ensemble_accuracy(teachers: Sequence[TeacherGroup], x, y, batch_size: int,
+                              strategy: str = 'auto') -> float:
+  """Test accuracy of the teachers' mean-logit ensemble: what distillation tries to reach."""
+  correct = 0
+  for i in range(0, len(y), batch_size):
+    logits = ensemble_logits(teachers, jnp.asarray(x[i:i + batch_size]), strategy=strategy)
+    correct += int(np.sum(np.asarray(jnp.argmax(logits, -1)) == y[i:i + batch_size]))
+  return correct / len(y)
+
+
 def fedavg_of_matching(local: common.LocalModels, spec: str) -> Optional[ModelState]:
   """FedAvg (size-weighted) of the uploaded models whose architecture is `spec`, if any."""
   for g, m in zip(local.groups, local.models):
@@ -548,6 +558,8 @@ def run_distillation(method: DistillMethod) -> Dict[str, Any]:
       'local_epochs': s.local_epochs, 'server_model': server_spec,
       'client_models': common.client_model_specs(ctx),
       'client_test_accuracy': common.client_accuracies(ctx, local).tolist(),
+      'teacher_ensemble_test_accuracy': teacher_ensemble_accuracy(
+          teachers, eval_x, eval_y, ctx.config.eval_batch_size, teacher_strategy(ctx)),
       'upload_bytes_last_round': upload_bytes,
       'distill_seconds_this_invocation': time.perf_counter() - t_round}
   summary.update(method.summary(state, aux))
