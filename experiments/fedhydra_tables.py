@@ -108,8 +108,8 @@ def cell(ours, paper):
 
 def references(results: dict, partition: str) -> dict:
   """Not methods: what the clients' models reach on their own (from the distillation runs,
-  which evaluate the teachers they received): the mean-logit teacher ensemble, the upper end
-  of what one-shot distillation can recover, and the best single client."""
+  which evaluate the teachers they received): the mean-logit ensemble (DENSE's teacher;
+  Co-Boosting and FedHydra weight their teachers and can beat it) and the best single client."""
   runs = [r for m, r in results.get(partition, {}).items() if m != 'feddf']  # FedDF: test subset
   ens = next((r['teacher_ensemble_test_accuracy'] for r in runs
               if r.get('teacher_ensemble_test_accuracy') is not None), None)
@@ -154,8 +154,9 @@ def render(config, results, methods, partitions, meta) -> str:
       lines.append(f'| *{name}* | {cell(value, None)} |')
     lines.append('')
   lines.append('Rows in italics are references, not methods: the test accuracy of the mean-logit '
-               'ensemble of the uploaded client models (the upper end of what distillation can '
-               'recover) and of the best client model alone.')
+               'ensemble of the uploaded client models (the teacher DENSE distils; Co-Boosting '
+               'and FedHydra weight their teachers per model or per class and can beat it) and '
+               'of the best client model alone.')
   lines.append('')
   lines.append('Per run: OUT/<partition>/<method>/ (metrics.jsonl, summary.json, plots); FedHydra '
                'MS weights: OUT/<partition>/fedhydra/ms_heatmap.png.')

@@ -31,8 +31,10 @@ final test accuracy after 30 rounds:
   c1: HFLDD 82.04% (KIP for 90 members x 300 iterations in one jitted program: 198 s; 6 min in
       all; 80% reached at round 26 with 104 MB of traffic), FedAvg 10.00%, FedProx 12.63%,
       FedSeq 10.12%, DynaFed 14.24%, centralized 88.08%; 37 minutes for the comparison.
-  c2: see BUILD_NOTES.md (HFLDD section).
-FedSeq near chance at this label skew is the algorithm, not a bug (BUILD_NOTES.md, "Known gaps").
+  c2: HFLDD 78.61% (60% at round 5, 70% at round 11), FedAvg 45.17%, FedProx 60.12%, FedSeq
+      72.12% (at chance until round 10, then rising), DynaFed 59.66%, centralized 88.08%;
+      40 minutes for the comparison.
+FedSeq near chance at #C=1 is the algorithm, not a bug (BUILD_NOTES.md, "Known gaps").
 `paper` (KIP 400 x 3000) adds hours of KIP on a CPU (experiments/bench/kip.py: ~40-120 ms per
 client-iteration at 400 images): use an accelerator.
 Add `smoke` for a shorter end-to-end check (10 rounds, 2 pre-training epochs, KIP 50 x 100,

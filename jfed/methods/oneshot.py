@@ -351,7 +351,8 @@ def teacher_client_ids(local: common.LocalModels) -> np.ndarray:
 
 def teacher_ensemble_accuracy(teachers: Sequence[TeacherGroup], x, y, batch_size: int,
                               strategy: str = 'auto') -> float:
-  """Test accuracy of the teachers' mean-logit ensemble: what distillation tries to reach."""
+  """Test accuracy of the teachers' mean-logit ensemble (DENSE's teacher), a reference for the
+  students."""
   correct = 0
   for i in range(0, len(y), batch_size):
     logits = ensemble_logits(teachers, jnp.asarray(x[i:i + batch_size]), strategy=strategy)
