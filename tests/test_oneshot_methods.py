@@ -214,16 +214,14 @@ def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   """`fedavg.reuse_local_models` (the Table 1/2 sweep): one-shot FedAvg is the size-weighted
   average of the very client models the distillation methods start from."""
   config = _config(local_models_dir=local_dir, **{'fedavg.reuse_local_models': True})
-  run_experiment('dense', config, tmp_path / 'dense')       # makes sure local_dir is filled
-  summary = run_experiment('fedavg', config, tmp_path / 'fedavg')
+  summary = run_experiment('fedavg', config, tmp_path / 'fedavg')   # fills local_dir if empty
   assert summary['reused_local_models'] and summary['rounds'] == 1
 
   ds = load_dataset('digits')
   parts = partition_clients(config, ds.train_y)
   module = get_model(config.model, ds.num_classes, ds.input_shape)
   template = engine.init_models(module, ds.input_shape, jax.random.PRNGKey(0), len(parts))
-  step, (models,) = Checkpointer(pathlib.Path(local_dir)).restore_latest(
-      [template])
+  step, (models,) = Checkpointer(pathlib.Path(local_dir)).restore_latest([template])
   assert step == config.fedavg.local_epochs
   average = engine.weighted_average(models, np.array([len(p) for p in parts]))
   want = engine.Evaluator(module, 256).accuracy(average, ds.test_x, ds.test_y)

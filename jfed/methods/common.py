@@ -150,14 +150,26 @@ def local_models(ctx: RunContext, epochs: int) -> LocalModels:
   return LocalModels(groups, list(models), upload_bytes)
 
 
+def client_test_logits(ctx: RunContext, local: LocalModels) -> np.ndarray:
+  """Test-set logits of every client's own model, [clients, N, C] by global client id."""
+  logits = None
+  for g, m in zip(local.groups, local.models):
+    ev = engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    group = ev.group_logits(m, ctx.dataset.test_x)
+    if logits is None:
+      logits = np.zeros((ctx.num_clients,) + group.shape[1:], group.dtype)
+    logits[g.client_ids] = group
+  return logits
+
+
+def accuracy_of_logits(logits: np.ndarray, labels) -> np.ndarray:
+  """Accuracy of logits [..., N, C] against labels [N], over the N axis."""
+  return np.mean(np.argmax(logits, -1) == np.asarray(labels), axis=-1)
+
+
 def client_accuracies(ctx: RunContext, local: LocalModels) -> np.ndarray:
   """Test accuracy of every client's own model, indexed by global client id."""
-  acc = np.zeros(ctx.num_clients)
-  bs = ctx.config.eval_batch_size
-  for g, m in zip(local.groups, local.models):
-    ev = engine.Evaluator(g.module, bs, ctx.config.strategy)
-    acc[g.client_ids] = ev.group_accuracy(m, ctx.dataset.test_x, ctx.dataset.test_y)
-  return acc
+  return accuracy_of_logits(client_test_logits(ctx, local), ctx.dataset.test_y)
 
 
 def test_accuracy(ctx: RunContext, module, model: ModelState, evaluator=None) -> float:

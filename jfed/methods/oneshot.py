@@ -50,7 +50,7 @@ from absl import logging
 
 from jfed import engine
 from jfed.distill import (TeacherGroup, augment, cross_entropy, dense_generator_init,
-                          ensemble_logits, epoch_batches, kl_divergence, make_generator, pool_add,
+                          combine_logits, epoch_batches, kl_divergence, make_generator, pool_add,
                           pool_gather, pool_init, pool_size, synthesize, teacher_outputs)
 from jfed.distill.synthesis import SynthesisConfig, aggregate_teachers
 from jfed.engine import ModelState, TrainState
@@ -349,17 +349,6 @@ def teacher_client_ids(local: common.LocalModels) -> np.ndarray:
   return np.concatenate([g.client_ids for g in local.groups])
 
 
-def teacher_ensemble_accuracy(teachers: Sequence[TeacherGroup], x, y, batch_size: int,
-                              strategy: str = 'auto') -> float:
-  """Test accuracy of the teachers' mean-logit ensemble (DENSE's teacher), a reference for the
-  students."""
-  correct = 0
-  for i in range(0, len(y), batch_size):
-    logits = ensemble_logits(teachers, jnp.asarray(x[i:i + batch_size]), strategy=strategy)
-    correct += int(np.sum(np.asarray(jnp.argmax(logits, -1)) == y[i:i + batch_size]))
-  return correct / len(y)
-
-
 def fedavg_of_matching(local: common.LocalModels, spec: str) -> Optional[ModelState]:
   """FedAvg (size-weighted) of the uploaded models whose architecture is `spec`, if any."""
   for g, m in zip(local.groups, local.models):
@@ -552,15 +541,17 @@ def run_distillation(method: DistillMethod) -> Dict[str, Any]:
        for rr in sorted({h['round'] for h in history})},
       title=f'{method.name} on {ctx.dataset.name}: test accuracy vs distillation epoch')
   final = round_acc[-1] if round_acc else accs[-1]
+  client_logits, test_y = common.client_test_logits(ctx, local), ctx.dataset.test_y
   summary = {
       'final_test_accuracy': final, 'best_test_accuracy': max(accs + [final]),
       'last_epoch_test_accuracy': accs[-1], 'round_test_accuracy': round_acc,
       'step_name': 'epoch', 'rounds': s.rounds, 'epochs': s.epochs,
       'local_epochs': s.local_epochs, 'server_model': server_spec,
       'client_models': common.client_model_specs(ctx),
-      'client_test_accuracy': common.client_accuracies(ctx, local).tolist(),
-      'teacher_ensemble_test_accuracy': teacher_ensemble_accuracy(
-          teachers, eval_x, eval_y, ctx.config.eval_batch_size, teacher_strategy(ctx)),
+      'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
+      # the mean-logit ensemble (DENSE's teacher), a reference for the students
+      'teacher_ensemble_test_accuracy': float(common.accuracy_of_logits(
+          np.asarray(combine_logits(client_logits)), test_y)),
       'upload_bytes_last_round': upload_bytes,
       'distill_seconds_this_invocation': time.perf_counter() - t_round}
   summary.update(method.summary(state, aux))
