@@ -1,41 +1,77 @@
 """The one entry point: python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR].
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
+`--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
+unwritable workdir, training that turns non-finite) end in one `error: ...` line and exit
+status 1; `--traceback` shows the stack instead.
 """
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jfed.methods import available_methods
-
 FLAGS = flags.FLAGS
-flags.DEFINE_string('method', None, 'Method to run (see --helpfull for the list).')
+flags.DEFINE_string('method', None, 'Method to run; --method=? lists them.')
 flags.DEFINE_string('workdir', None, 'Output directory (default: runs/<method>_<dataset>).')
+flags.DEFINE_bool('traceback', False, 'Show the full stack of an error instead of one line.')
 config_flags.DEFINE_config_file('config', None, 'Experiment config file (get_config(arg)).',
                                 lock_config=True)
-flags.mark_flags_as_required(['method', 'config'])
+
+
+def _fail(message: str, status: int = 1):
+  first = str(message).strip().splitlines() or ['unknown error']
+  print(f'error: {first[0]}', file=sys.stderr)
+  sys.exit(status)
+
+
+def _parse_flags(argv):
+  """absl's parser, with one `error:` line for a bad flag, config file or config key."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    if '--traceback' in argv:
+      raise
+    message = str(e)
+    # config_flags wraps the real cause (a missing file, a typo'd key) in a long text.
+    cause = e.__cause__ or e.__context__
+    if cause is not None and not isinstance(cause, flags.Error):
+      message = f'{message.splitlines()[0].split(":")[0]}: {cause}'
+    _fail(message.replace('\n', ' '), 2)
 
 
 def main(argv):
   del argv
-  from jfed.runner import run_experiment
+  from jfed.methods import available_methods  # pylint: disable=g-import-not-at-top
   method = FLAGS.method
-  if method not in available_methods():
-    sys.exit(f'Unknown method {method!r}; valid methods: {", ".join(available_methods())}')
-  config = FLAGS.config
-  workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
+  if method in (None, '', '?', 'list', 'help'):
+    print('methods: ' + ', '.join(available_methods()))
+    if method is None:
+      _fail('--method is required (--method=? lists the methods)', 2)
+    return
+  if FLAGS.config is None:
+    _fail('--config is required, e.g. --config=experiments/configs/digits.py', 2)
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   try:
+    from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+    from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
+    config = FLAGS.config
+    workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
     summary = run_experiment(method, config, workdir)
-  except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
-    sys.exit(f'error: {e}')
-  keys = [k for k in ('final_test_accuracy', 'best_test_accuracy', 'mean_test_accuracy',
-                      'backend', 'seconds_this_invocation') if k in summary]
+  except KeyboardInterrupt:
+    _fail('interrupted; run the same command again to resume', 130)
+  except (JfedError, ValueError, OSError, EOFError) as e:
+    # ValueError: a library's check of our input; OSError: an unreadable or truncated file.
+    if FLAGS.traceback:
+      raise
+    name = getattr(e, 'filename', None)
+    message = str(e) if not name or str(name) in str(e) else f'{name}: {e}'
+    _fail(message or type(e).__name__)
   print(f'{method} done; outputs in {workdir}')
-  for k in keys:
-    print(f'  {k}: {summary[k]}')
+  for k in ('final_test_accuracy', 'best_test_accuracy', 'mean_test_accuracy', 'backend',
+            'seconds_this_invocation'):
+    if k in summary:
+      print(f'  {k}: {summary[k]}')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,7 +1,7 @@
 """Helpers shared by the end-to-end tests."""
 import json
 
-from jfed.io import Checkpointer
+from jfed.driver import RunCheckpointer
 
 
 def override(config, **overrides):
@@ -20,14 +20,14 @@ class Interrupted(Exception):
 
 
 def interrupt_after(monkeypatch, step):
-  """Simulates a kill right after the checkpoint of `step` is written."""
-  save = Checkpointer.save
+  """Simulates a kill right after the driver's checkpoint of `step` is written."""
+  save = RunCheckpointer.save
 
-  def save_then_die(self, s, state):
-    save(self, s, state)
+  def save_then_die(self, s, state, history=None):
+    save(self, s, state, history)
     if s == step:
       raise Interrupted()
-  monkeypatch.setattr(Checkpointer, 'save', save_then_die)
+  monkeypatch.setattr(RunCheckpointer, 'save', save_then_die)
 
 
 def read_metrics(workdir):

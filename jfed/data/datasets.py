@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jfed.errors import DataError
+
 DATA_DIR_ENV = 'JFED_DATA_DIR'
 SYSTEM_DATA_DIR = pathlib.Path('/usr/share/datasets')
 IDX_DATASETS = ('mnist', 'fashion_mnist', 'kmnist', 'emnist')
@@ -63,7 +65,7 @@ _IDX_DTYPES = {
 }
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(DataError, FileNotFoundError):
   """A known dataset whose files are not on this machine; the message says how to get them."""
 
 

@@ -15,8 +15,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jfed.errors import ConfigError
 
-class PartitionError(ValueError):
+
+class PartitionError(ConfigError):
   """A partition request that cannot be satisfied (bad arguments or too little data)."""
 
 
@@ -273,8 +275,22 @@ _SCHEMES: dict = {
 }
 
 
+# The config.partition keys each scheme takes as arguments.
+_SCHEME_ARGUMENTS = {
+    'iid': (), 'disjoint': (), 'shards': ('k',), 'dirichlet': ('alpha', 'min_size'),
+    'feddf_dirichlet': ('alpha',), 'fedcvae_dirichlet': ('alpha',),
+}
+
+
 def available_schemes() -> list:
   return list(_SCHEMES)
+
+
+def partition_arguments(scheme: str) -> tuple:
+  """The config.partition keys that `scheme` takes (e.g. ('alpha', 'min_size'))."""
+  if scheme not in _SCHEME_ARGUMENTS:
+    raise PartitionError(f'Unknown partition scheme {scheme!r}; valid: {", ".join(_SCHEMES)}.')
+  return _SCHEME_ARGUMENTS[scheme]
 
 
 def make_partition(labels, num_clients: int, scheme: str, seed: int, **kw) -> list:

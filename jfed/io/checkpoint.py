@@ -1,38 +1,79 @@
-"""Step checkpoints of a run's typed state through orbax-checkpoint."""
+"""Step checkpoints of a run's typed state through orbax-checkpoint.
+
+Each checkpoint holds the state and, for the driver's run checkpoints, the run's metric history
+as JSON in the same orbax step: the two are committed together, so a resumed run never pairs a
+state with a history of another step. A checkpoint that fails to restore (a deleted or
+truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning.
+"""
 import pathlib
-from typing import Any, Optional
+import sys
+from typing import Any, List, Optional, Tuple
 
 import orbax.checkpoint as ocp
 
+from jfed.errors import WorkdirError
+
 
 class Checkpointer:
-  """Saves the run state after each completed step (round, epoch) and restores the latest.
+  """Saves a state per completed step (round, epoch, stage) and restores the latest that loads.
 
   A run killed at any point resumes from the last completed step; since every random key is
-  derived from (seed, step), the resumed run ends with the same result as an uninterrupted one.
+  derived from (seed, purpose, step), the resumed run ends with the result of an uninterrupted
+  one.
   """
 
   def __init__(self, directory, max_to_keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
     self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+        self.directory, item_names=('state', 'history'),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
-  def save(self, step: int, state: Any) -> None:
-    self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+  def save(self, step: int, state: Any, history: Optional[List[Any]] = None) -> None:
+    items = {'state': ocp.args.StandardSave(state)}
+    if history is not None:
+      items['history'] = ocp.args.JsonSave({'records': history})
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._manager.wait_until_finished()
+
+  def steps(self) -> List[int]:
+    return sorted(self._manager.all_steps())
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def restore(self, step: int, template: Any) -> Any:
-    return self._manager.restore(step, args=ocp.args.StandardRestore(template))
+  def restore(self, step: int, template: Any, with_history: bool = False):
+    items = {'state': ocp.args.StandardRestore(template)}
+    if with_history:
+      items['history'] = ocp.args.JsonRestore()
+    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    if with_history:
+      return restored['state'], list(restored['history']['records'])
+    return restored['state']
 
-  def restore_latest(self, template: Any):
-    """(step, state) of the latest checkpoint, or (None, template) when there is none."""
-    step = self.latest_step()
-    if step is None:
-      return None, template
-    return step, self.restore(step, template)
+  def restore_latest(self, template: Any, with_history: bool = False
+                     ) -> Tuple[Optional[int], Any, List[Any]]:
+    """(step, state, history) of the newest checkpoint that restores; (None, template, [])
+    when there is none. Raises WorkdirError when checkpoints exist but none restores."""
+    steps = self.steps()
+    errors = []
+    for step in reversed(steps):
+      try:
+        out = self.restore(step, template, with_history)
+      except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        errors.append(f'step {step}: {type(e).__name__}: {first_line}')
+        print(f'warning: checkpoint {step} in {self.directory} does not restore '
+              f'({errors[-1]}); trying an older one', file=sys.stderr, flush=True)
+        continue
+      state, history = out if with_history else (out, [])
+      if errors:
+        print(f'warning: restored the older checkpoint {step} in {self.directory}',
+              file=sys.stderr, flush=True)
+      return step, state, history
+    if steps:
+      raise WorkdirError(f'no checkpoint in {self.directory} restores ({"; ".join(errors)}); '
+                         'delete that directory to start the stage again')
+    return None, template, []
 
   def close(self) -> None:
     self._manager.close()

@@ -1,3 +1,3 @@
-"""Federated methods, each a small module registered by name."""
-from jfed.methods.context import RunContext
+"""Federated methods, each a small `Algorithm` module registered by name."""
+from jfed.driver import Algorithm, RunContext, RunSummary
 from jfed.methods.registry import available_methods, get_method, register_method

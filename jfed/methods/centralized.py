@@ -1,46 +1,72 @@
 """Centralized training: the upper bound, all training data, same model, optimiser and epochs."""
-import time
+from typing import NamedTuple
 
 import numpy as np
 
 from jfed import engine
+from jfed import typed_config as tc
 from jfed.data import federate
+from jfed.driver import Algorithm
+from jfed.engine import GroupTrainer, TrainState
+from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import KEY_LOCAL_TRAINING, KEY_MODEL_INIT, RunContext
-from jfed.methods.fedavg import single_architecture
+from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
+class CentralizedConfig(NamedTuple):
+  epochs: int
+
+
+class CentralizedAux(NamedTuple):
+  group: common.ClientGroup
+  trainer: GroupTrainer
+  evaluator: engine.Evaluator
+
+
 @register_method('centralized')
-def centralized(ctx: RunContext) -> dict:
-  cfg = ctx.config.centralized
-  spec = single_architecture(ctx)
-  module = common.build_module(spec, ctx.dataset)
-  ds = ctx.dataset
-  fed = federate(ds.train_x, ds.train_y, [np.arange(len(ds.train_y))])
-  group = common.ClientGroup(spec, module, np.array([0]), fed)
-  steps_per_epoch = -(-len(ds.train_y) // ctx.config.batch_size)
-  trainer = common.make_trainers(ctx, [group], total_steps=cfg.epochs * steps_per_epoch)[0]
-  init = engine.init_models(module, ds.input_shape, ctx.derive_key(KEY_MODEL_INIT, 0), 1)
-  # The optimiser state carries across epochs here, so it is part of the checkpoint.
-  ckpt = ctx.checkpointer()
-  start, state = ckpt.restore_latest(engine.init_train_state(trainer.tx, init))
-  start = start or 0
-  ctx.metrics.truncate_after(start)
-  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
-  for epoch in range(start, cfg.epochs):
-    t0 = time.perf_counter()
-    state, metrics = trainer.train(state, fed, 1, ctx.derive_key(KEY_LOCAL_TRAINING, epoch),
-                                   progress=None)
-    accuracy = evaluator.accuracy(engine.take(state.model, 0), ds.test_x, ds.test_y)
-    ctx.metrics.write({'step': epoch + 1, 'epoch': epoch + 1, 'test_accuracy': accuracy,
-                       'train_loss': float(metrics.loss[0, -1]),
-                       'train_accuracy': float(metrics.accuracy[0, -1]),
-                       'seconds': time.perf_counter() - t0})
-    print(f'epoch {epoch + 1}/{cfg.epochs}: test accuracy {accuracy:.4f} '
-          f'({time.perf_counter() - t0:.1f}s)', flush=True)
-    ckpt.save(epoch + 1, state)
-  ckpt.close()
-  accs = [h['test_accuracy'] for h in ctx.metrics.read()]
-  return {'final_test_accuracy': accs[-1], 'best_test_accuracy': max(accs),
-          'epochs': cfg.epochs, 'step_name': 'epoch'}
+class Centralized(Algorithm):
+  """One model on the union of the clients' data; a step is an epoch."""
+  section = 'centralized'
+  Config = CentralizedConfig
+  step_name = 'epoch'
+
+  def validate(self, config) -> None:
+    tc.require_positive(self.config, self.section, ('epochs',))
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.epochs
+
+  def setup(self, ctx: RunContext) -> CentralizedAux:
+    spec = common.single_architecture(ctx)
+    module = common.build_module(spec, ctx.dataset)
+    ds = ctx.dataset
+    fed = federate(ds.train_x, ds.train_y, [np.arange(len(ds.train_y))])
+    group = common.ClientGroup(spec, module, np.array([0]), fed)
+    steps_per_epoch = -(-len(ds.train_y) // ctx.config.batch_size)
+    trainer = common.make_trainers(ctx, [group],
+                                   total_steps=self.config.epochs * steps_per_epoch)[0]
+    evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+    return CentralizedAux(group, trainer, evaluator)
+
+  def init(self, ctx: RunContext, aux: CentralizedAux) -> TrainState:
+    # The optimiser state carries across epochs here, so it is part of the state.
+    init = engine.init_models(aux.group.module, ctx.dataset.input_shape,
+                              ctx.derive_key(Purpose.MODEL_INIT, 0), 1)
+    return engine.init_train_state(aux.trainer.tx, init)
+
+  def step(self, ctx: RunContext, aux: CentralizedAux, state: TrainState, i: int):
+    ds = ctx.dataset
+    state, metrics = aux.trainer.train(state, aux.group.fed, 1,
+                                       ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None)
+    loss = float(metrics.loss[0, -1])
+    if not np.isfinite(loss):
+      from jfed.errors import NonFiniteError  # pylint: disable=g-import-not-at-top
+      raise NonFiniteError(f'centralized epoch {i + 1}: the training loss became {loss}; lower '
+                           'the learning rate or check the data')
+    accuracy = aux.evaluator.accuracy(engine.take(state.model, 0), ds.test_x, ds.test_y)
+    return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss,
+                    'train_accuracy': float(metrics.accuracy[0, -1])}]
+
+  def summarize(self, ctx, aux, state, history):
+    return {'epochs': self.config.epochs}

@@ -1,5 +1,5 @@
-"""Blocks shared by methods: client groups, local training, server-side validation, evaluation."""
-import pathlib
+"""Blocks shared by methods: client groups, local training, the FedAvg round, server-side
+validation, evaluation."""
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -11,8 +11,10 @@ from absl import logging
 from jfed import engine
 from jfed.data import FederatedArrays, federate
 from jfed.engine import GroupTrainer, ModelState
-from jfed.io import Checkpointer, ModelUpload, serialized_nbytes, validate_model_upload
-from jfed.methods.context import KEY_LOCAL_TRAINING, KEY_MODEL_INIT, RunContext
+from jfed.errors import ConfigError, NonFiniteError
+from jfed.io import ModelUpload, serialized_nbytes, validate_model_upload
+from jfed.keys import Purpose
+from jfed.methods.context import RunContext
 from jfed.models import get_model
 from jfed.reporting import Progress
 
@@ -56,6 +58,24 @@ def client_model_specs(ctx: RunContext) -> List[str]:
   return [specs[k % len(specs)].strip() for k in range(ctx.num_clients)]
 
 
+def single_architecture(ctx: RunContext) -> str:
+  """The one model spec of all clients; parameter averaging needs exactly one."""
+  specs = set(client_model_specs(ctx))
+  if len(specs) != 1:
+    raise ConfigError(f'Parameter averaging needs one architecture; clients use {sorted(specs)}')
+  return specs.pop()
+
+
+def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
+  """Seeded client sampling: round(participation * n) clients (at least one), sorted."""
+  if not 0.0 < participation <= 1.0:
+    raise ConfigError(f'participation must be in (0, 1], got {participation}')
+  count = max(1, int(round(participation * num_clients)))
+  if count == num_clients:
+    return np.arange(num_clients)
+  return np.sort(np.asarray(jax.random.choice(key, num_clients, (count,), replace=False)))
+
+
 def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -> List[ClientGroup]:
   """Groups the (selected) clients by architecture, in order of first appearance."""
   specs = client_model_specs(ctx)
@@ -72,7 +92,7 @@ def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[Mo
   """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model)."""
   all_specs = list(dict.fromkeys(client_model_specs(ctx)))
   return [engine.init_models(g.module, ctx.dataset.input_shape,
-                             ctx.derive_key(KEY_MODEL_INIT, all_specs.index(g.spec)),
+                             ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec)),
                              len(g.client_ids)) for g in groups]
 
 
@@ -96,6 +116,12 @@ def train_groups(trainers: Sequence[GroupTrainer], groups: Sequence[ClientGroup]
     state, metrics = trainer.train(state, group.fed, epochs, key,
                                    anchor=None if anchors is None else anchors[i],
                                    progress=progress, client_ids=group.client_ids)
+    final_loss = np.asarray(metrics.loss)[:, -1]
+    bad = [int(c) for c, l, n in zip(group.client_ids, final_loss, group.fed.sizes)
+           if n > 0 and not np.isfinite(l)]
+    if bad:
+      raise NonFiniteError(f'{label}: the training loss of client(s) {bad} ({group.spec}) became '
+                           'non-finite; lower the learning rate or check the data')
     out_models.append(state.model)
     out_metrics.append(metrics)
   return out_models, out_metrics
@@ -125,29 +151,58 @@ class LocalModels(NamedTuple):
 
 
 def local_models(ctx: RunContext, epochs: int) -> LocalModels:
-  """Trains every client for `epochs` local epochs from a shared init, or restores them.
+  """Every client trained for `epochs` local epochs from a shared init, once per run.
 
-  The result is checkpointed under workdir/local_models (or read from `local_models_dir`), so an
-  interrupted one-shot run and a sweep of server-side methods train the clients only once.
+  A stage of the driver (`ctx.stage('local_models', epochs, ...)`): checkpointed under
+  workdir/local_models, or read from `local_models_dir` when set, so an interrupted one-shot run
+  and a sweep of server-side methods train the clients only once.
   """
   groups = client_groups(ctx)
   init = init_group_models(ctx, groups)
-  source = ctx.config.get('local_models_dir') or str(ctx.workdir / 'local_models')
-  ckpt = Checkpointer(pathlib.Path(source))
-  step, models = ckpt.restore_latest(init)
-  if step is not None and step != epochs:
-    raise ValueError(f'{source} holds local models trained for {step} epochs, not {epochs}')
-  if step is None:
+
+  def train():
     trainers = make_trainers(ctx, groups)
     models, metrics = train_groups(trainers, groups, init, epochs,
-                                   ctx.derive_key(KEY_LOCAL_TRAINING))
+                                   ctx.derive_key(Purpose.LOCAL_TRAINING))
     for g, m in zip(groups, metrics):
       logging.info('local training [%s]: final train accuracy %s', g.spec,
                    np.round(m.accuracy[:, -1], 4).tolist())
-    ckpt.save(epochs, models)
-  ckpt.close()
+    return list(models)
+
+  models = ctx.stage('local_models', epochs, list(init), train,
+                     directory=ctx.config.get('local_models_dir') or None)
   upload_bytes = receive_uploads(groups, models, [engine.take(m, 0) for m in init])
   return LocalModels(groups, list(models), upload_bytes)
+
+
+def participating_group(ctx: RunContext, full_group: ClientGroup,
+                        selected: np.ndarray) -> ClientGroup:
+  """The group of the selected clients (the full group when every client takes part)."""
+  if len(selected) == len(full_group.client_ids):
+    return full_group
+  return client_groups(ctx, selected)[0]
+
+
+def fedavg_round(trainer: GroupTrainer, group: ClientGroup, global_model: ModelState,
+                 epochs: int, key: jax.Array, template: ModelState,
+                 weights: Optional[np.ndarray] = None, prox_mu: float = 0.0,
+                 label: str = 'local training') -> Tuple[ModelState, Dict[str, Any]]:
+  """One FedAvg round: replicate the global model, train the group, receive and validate the
+  uploads, and average them (weighted by client size unless `weights` are given).
+
+  Returns:
+    The new global model and the round's record fields (train_loss, clients, upload_bytes,
+    download_bytes: the new global model goes back to the same clients).
+  """
+  n = len(group.client_ids)
+  starts = engine.replicate(global_model, n)
+  anchors = [global_model.params] if prox_mu else None
+  (models,), (metrics,) = train_groups([trainer], [group], [starts], epochs, key, anchors,
+                                       label=label)
+  upload_bytes = receive_uploads([group], [models], [template])
+  new_model = engine.weighted_average(models, group.fed.sizes if weights is None else weights)
+  return new_model, {'train_loss': float(np.mean(np.asarray(metrics.loss)[:, -1])),
+                     'clients': n, 'upload_bytes': upload_bytes, 'download_bytes': upload_bytes}
 
 
 def client_test_logits(ctx: RunContext, local: LocalModels) -> np.ndarray:

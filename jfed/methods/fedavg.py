@@ -1,115 +1,128 @@
 """FedAvg (McMahan et al.) and FedProx (Li et al.): one-shot (rounds=1) or multi-round.
 
-Each round: the selected clients start from the global model, train `local_epochs` epochs on
-their own data (FedProx adds mu/2 ||w - w_global||^2), upload their models, and the server
-averages them weighted by client size. The global model is checkpointed after every round.
+Each round (`common.fedavg_round`): the selected clients start from the global model, train
+`local_epochs` epochs on their own data (FedProx adds mu/2 ||w - w_global||^2), upload their
+models, and the server averages them weighted by client size; the driver checkpoints the global
+model after every round.
 
 `reuse_local_models` (one-shot FedAvg only): average the shared one-shot client models
 (`common.local_models`, read from `local_models_dir` when set) instead of training the clients
 again. FedHydra's tables compare every method on the same local models; this also saves one
 round of local training per partition in `experiments.fedhydra_tables`.
 """
-import time
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-import jax
 import numpy as np
 
 from jfed import engine
+from jfed.engine import GroupTrainer, ModelState
+from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import KEY_MODEL_INIT, KEY_ROUNDS, KEY_SAMPLING, RunContext
+from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
+from jfed.driver import Algorithm
+from jfed import typed_config as tc
 
 
-def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
-  """Seeded client sampling: round(participation * n) clients (at least one), sorted."""
-  if not 0.0 < participation <= 1.0:
-    raise ValueError(f'participation must be in (0, 1], got {participation}')
-  count = max(1, int(round(participation * num_clients)))
-  if count == num_clients:
-    return np.arange(num_clients)
-  return np.sort(np.asarray(jax.random.choice(key, num_clients, (count,), replace=False)))
+class FedAvgConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  participation: float
+  reuse_local_models: bool
 
 
-def single_architecture(ctx: RunContext) -> str:
-  specs = set(common.client_model_specs(ctx))
-  if len(specs) != 1:
-    raise ValueError(f'Parameter averaging needs one architecture; clients use {sorted(specs)}')
-  return specs.pop()
+class FedProxConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  participation: float
+  mu: float
 
 
-def oneshot_from_local_models(ctx: RunContext, cfg) -> dict:
-  """One-shot FedAvg as the size-weighted average of the shared local models."""
-  if cfg.rounds != 1 or cfg.get('participation', 1.0) != 1.0:
-    raise ValueError('reuse_local_models needs rounds = 1 and participation = 1 (one-shot FedAvg '
-                     f'over every client); got rounds = {cfg.rounds}, participation = '
-                     f"{cfg.get('participation', 1.0)}")
-  single_architecture(ctx)
-  t0 = time.perf_counter()
-  local = common.local_models(ctx, cfg.local_epochs)
-  (group,), (models,) = local.groups, local.models
-  global_model = engine.weighted_average(models, group.fed.sizes)
-  accuracy = common.test_accuracy(ctx, group.module, global_model)
-  ctx.metrics.truncate_after(0)
-  ctx.metrics.write({
-      'step': 1, 'round': 1, 'test_accuracy': accuracy, 'clients': ctx.num_clients,
-      'upload_bytes': local.upload_bytes, 'download_bytes': 0,
-      'seconds': time.perf_counter() - t0})
-  print(f'one-shot average of the shared local models: test accuracy {accuracy:.4f}', flush=True)
-  return {'final_test_accuracy': accuracy, 'best_test_accuracy': accuracy, 'rounds': 1,
-          'total_bytes': local.upload_bytes, 'step_name': 'round', 'reused_local_models': True}
-
-
-def run_rounds(ctx: RunContext, cfg, prox_mu: float = 0.0) -> dict:
-  if cfg.get('reuse_local_models', False):
-    if prox_mu:
-      raise ValueError('reuse_local_models is for one-shot FedAvg, not FedProx')
-    return oneshot_from_local_models(ctx, cfg)
-  single_architecture(ctx)
-  full_group = common.client_groups(ctx)[0]
-  module = full_group.module
-  init = engine.init_model(module, ctx.dataset.input_shape, ctx.derive_key(KEY_MODEL_INIT, 0))
-  ckpt = ctx.checkpointer()
-  start, global_model = ckpt.restore_latest(init)
-  start = start or 0
-  ctx.metrics.truncate_after(start)
-  trainer = common.make_trainers(ctx, [full_group], prox_mu)[0]
-  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
-  participation = cfg.get('participation', 1.0)
-  for r in range(start, cfg.rounds):
-    t0 = time.perf_counter()
-    key = ctx.derive_key(KEY_ROUNDS, r)
-    selected = select_clients(ctx.derive_key(KEY_SAMPLING, r), ctx.num_clients, participation)
-    group = full_group if len(selected) == ctx.num_clients else common.client_groups(ctx, selected)[0]
-    starts = engine.replicate(global_model, len(selected))
-    anchors = [global_model.params] if prox_mu else None
-    (models,), (metrics,) = common.train_groups([trainer], [group], [starts], cfg.local_epochs,
-                                                key, anchors, label=f'round {r + 1}/{cfg.rounds}')
-    upload_bytes = common.receive_uploads([group], [models], [init])
-    global_model = engine.weighted_average(models, group.fed.sizes)
-    accuracy = evaluator.accuracy(global_model, ctx.dataset.test_x, ctx.dataset.test_y)
-    download_bytes = upload_bytes  # the new global model goes back to the same clients
-    ctx.metrics.write({
-        'step': r + 1, 'round': r + 1, 'test_accuracy': accuracy,
-        'train_loss': float(np.mean(metrics.loss[:, -1])),
-        'clients': len(selected), 'upload_bytes': upload_bytes,
-        'download_bytes': download_bytes, 'seconds': time.perf_counter() - t0})
-    ckpt.save(r + 1, global_model)
-    print(f'round {r + 1}/{cfg.rounds}: test accuracy {accuracy:.4f} '
-          f'({time.perf_counter() - t0:.1f}s)', flush=True)
-  ckpt.close()
-  history = ctx.metrics.read()
-  accs = [h['test_accuracy'] for h in history]
-  return {
-      'final_test_accuracy': accs[-1], 'best_test_accuracy': max(accs), 'rounds': cfg.rounds,
-      'total_bytes': sum(h['upload_bytes'] + h['download_bytes'] for h in history),
-      'step_name': 'round'}
+class FedAvgAux(NamedTuple):
+  full_group: common.ClientGroup
+  trainer: Optional[GroupTrainer]
+  evaluator: engine.Evaluator
+  init: ModelState
+  local: Optional[common.LocalModels]   # reuse_local_models: the shared one-shot models
 
 
 @register_method('fedavg')
-def fedavg(ctx: RunContext) -> dict:
-  return run_rounds(ctx, ctx.config.fedavg)
+class FedAvg(Algorithm):
+  """Size-weighted parameter averaging of the clients' models, every round."""
+  section = 'fedavg'
+  Config = FedAvgConfig
+  step_name = 'round'
+
+  @property
+  def prox_mu(self) -> float:
+    return 0.0
+
+  @property
+  def reuse_local_models(self) -> bool:
+    return bool(getattr(self.config, 'reuse_local_models', False))
+
+  def validate(self, config) -> None:
+    c = self.config
+    tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
+    tc.require_fraction(c.participation, f'{self.section}.participation')
+    if self.reuse_local_models:
+      tc.require(c.rounds == 1 and c.participation == 1.0,
+                 'reuse_local_models needs rounds = 1 and participation = 1 (one-shot FedAvg '
+                 f'over every client); got rounds = {c.rounds}, participation = '
+                 f'{c.participation}')
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds
+
+  def setup(self, ctx: RunContext) -> FedAvgAux:
+    spec = common.single_architecture(ctx)
+    full_group = common.client_groups(ctx)[0]
+    init = engine.init_model(full_group.module, ctx.dataset.input_shape,
+                             ctx.derive_key(Purpose.MODEL_INIT, 0))
+    evaluator = engine.Evaluator(full_group.module, ctx.config.eval_batch_size,
+                                 ctx.config.strategy)
+    if self.reuse_local_models:
+      local = common.local_models(ctx, self.config.local_epochs)
+      assert local.groups[0].spec == spec
+      return FedAvgAux(full_group, None, evaluator, init, local)
+    trainer = common.make_trainers(ctx, [full_group], self.prox_mu)[0]
+    return FedAvgAux(full_group, trainer, evaluator, init, None)
+
+  def init(self, ctx: RunContext, aux: FedAvgAux) -> ModelState:
+    return aux.init
+
+  def step(self, ctx: RunContext, aux: FedAvgAux, state: ModelState, i: int
+           ) -> Tuple[ModelState, List[Dict[str, Any]]]:
+    c = self.config
+    if aux.local is not None:   # one-shot average of the shared local models
+      (group,), (models,) = aux.local.groups, aux.local.models
+      model = engine.weighted_average(models, group.fed.sizes)
+      record = {'clients': ctx.num_clients, 'upload_bytes': aux.local.upload_bytes,
+                'download_bytes': 0, 'reused_local_models': True}
+    else:
+      selected = common.select_clients(ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients,
+                                       c.participation)
+      group = common.participating_group(ctx, aux.full_group, selected)
+      model, record = common.fedavg_round(
+          aux.trainer, group, state, c.local_epochs, ctx.derive_key(Purpose.ROUNDS, i),
+          aux.init, prox_mu=self.prox_mu, label=f'round {i + 1}/{c.rounds}')
+    accuracy = aux.evaluator.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
+    return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
+
+  def summarize(self, ctx, aux, state, history) -> Dict[str, Any]:
+    return {'rounds': self.config.rounds, 'reused_local_models': self.reuse_local_models}
 
 
 @register_method('fedprox')
-def fedprox(ctx: RunContext) -> dict:
-  return run_rounds(ctx, ctx.config.fedprox, prox_mu=ctx.config.fedprox.mu)
+class FedProx(FedAvg):
+  """FedAvg with the proximal term mu/2 ||w - w_global||^2 in every client's loss."""
+  section = 'fedprox'
+  Config = FedProxConfig
+
+  @property
+  def prox_mu(self) -> float:
+    return self.config.mu
+
+  def validate(self, config) -> None:
+    super().validate(config)
+    tc.require_non_negative(self.config, self.section, ('mu',))

@@ -1,19 +1,58 @@
-"""Local: each client's own model on the global test set (FedHydra Table 3's M1..Mm columns)."""
+"""Local: each client's own model on the global test set (FedHydra Table 3's M1..Mm columns).
+
+Setup trains every client (`common.local_models`, one compiled program per architecture group)
+and evaluates them in one pass; step k records client k.
+"""
+from typing import NamedTuple
+
 import numpy as np
 
+from jfed import typed_config as tc
+from jfed.driver import Algorithm
 from jfed.methods import common
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
+class LocalConfig(NamedTuple):
+  epochs: int
+
+
+class LocalAux(NamedTuple):
+  accuracies: np.ndarray   # test accuracy of every client's model, by client id
+  specs: list
+  upload_bytes: int
+
+
 @register_method('local')
-def local(ctx: RunContext) -> dict:
-  models = common.local_models(ctx, ctx.config.local.epochs)
-  acc = common.client_accuracies(ctx, models)
-  specs = common.client_model_specs(ctx)
-  for k, a in enumerate(acc):
-    ctx.metrics.write({'step': k + 1, 'client': k, 'model': specs[k], 'test_accuracy': float(a),
-                       'train_size': int(ctx.client_sizes[k])})
-  return {'client_test_accuracy': acc.tolist(), 'mean_test_accuracy': float(np.mean(acc)),
-          'best_test_accuracy': float(np.max(acc)), 'final_test_accuracy': float(np.mean(acc)),
-          'upload_bytes': models.upload_bytes, 'step_name': 'client'}
+class Local(Algorithm):
+  """Every client's locally trained model, evaluated alone; a step is a client."""
+  section = 'local'
+  Config = LocalConfig
+  step_name = 'client'
+
+  def validate(self, config) -> None:
+    tc.require_positive(self.config, self.section, ('epochs',))
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return ctx.num_clients
+
+  def setup(self, ctx: RunContext) -> LocalAux:
+    models = common.local_models(ctx, self.config.epochs)
+    return LocalAux(common.client_accuracies(ctx, models), common.client_model_specs(ctx),
+                    models.upload_bytes)
+
+  def init(self, ctx: RunContext, aux: LocalAux) -> np.ndarray:
+    return np.zeros((), np.int32)
+
+  def step(self, ctx: RunContext, aux: LocalAux, state, k: int):
+    return state, [{'client': k, 'model': aux.specs[k], 'test_accuracy': float(aux.accuracies[k]),
+                    'train_size': int(ctx.client_sizes[k])}]
+
+  def final_accuracy(self, history):
+    return float(np.mean([r['test_accuracy'] for r in history]))
+
+  def summarize(self, ctx, aux: LocalAux, state, history):
+    return {'client_test_accuracy': aux.accuracies.tolist(),
+            'mean_test_accuracy': float(np.mean(aux.accuracies)),
+            'upload_bytes': aux.upload_bytes}

@@ -1,8 +1,10 @@
 """Methods registered by name: `python -m experiments.main --method=NAME` looks them up here."""
 import importlib
-from typing import Callable, Dict, List
+from typing import Dict, List, Type
 
-_METHODS: Dict[str, Callable] = {}
+from jfed.errors import ConfigError
+
+_METHODS: Dict[str, type] = {}
 # Modules that register methods when imported. A module whose optional dependency is missing
 # is skipped, so one broken method never hides the others.
 _METHOD_MODULES = ('fedavg', 'centralized', 'local', 'dense', 'feddf', 'coboosting', 'ot',
@@ -10,11 +12,13 @@ _METHOD_MODULES = ('fedavg', 'centralized', 'local', 'dense', 'feddf', 'coboosti
 
 
 def register_method(name: str):
-  def wrap(fn):
-    if name in _METHODS and _METHODS[name] is not fn:
+  """Class decorator: registers an `Algorithm` subclass as `--method=name` (sets its name)."""
+  def wrap(cls: Type):
+    if name in _METHODS and _METHODS[name] is not cls:
       raise ValueError(f'method {name!r} registered twice')
-    _METHODS[name] = fn
-    return fn
+    cls.name = name
+    _METHODS[name] = cls
+    return cls
   return wrap
 
 
@@ -32,8 +36,9 @@ def available_methods() -> List[str]:
   return sorted(_METHODS)
 
 
-def get_method(name: str) -> Callable:
+def get_method(name: str) -> Type:
+  """The Algorithm class registered as `name`."""
   _load_all()
   if name not in _METHODS:
-    raise ValueError(f'Unknown method {name!r}; valid methods: {", ".join(sorted(_METHODS))}')
+    raise ConfigError(f'Unknown method {name!r}; valid methods: {", ".join(sorted(_METHODS))}')
   return _METHODS[name]

@@ -1,0 +1,476 @@
+"""One driver runs every method: checkpoints, resume, metrics, the run summary, progress, plots.
+
+A method is an `Algorithm` (in the spirit of fedjax's `FederatedAlgorithm` and optax's pairs of
+pure functions): a typed config parsed once from the config file, and
+
+  setup(ctx) -> aux                    one-off stages (local models, clustering, KIP, ...),
+                                       cached by the driver's stage checkpoints (`ctx.stage`);
+  init(ctx, aux) -> state              the state before step 0 (also the restore template);
+  step(ctx, aux, state, i) -> (state, records)
+                                       step i of `num_steps(ctx)` (a round, an epoch, ...).
+
+The driver owns everything else: after each step it checks the records and the state are finite,
+numbers the records (`step` = i + 1), adds `seconds` and the running `cumulative_bytes`, saves
+the state together with the whole metric history in one checkpoint, rewrites `metrics.jsonl`
+atomically and prints progress. A resumed run restores state and history from the newest
+checkpoint that loads; history is never re-read from `metrics.jsonl`. At the end it builds the
+typed `RunSummary` (final and best accuracy, bytes, the method's extras), writes
+`summary.json` and plots `accuracy.png`.
+
+`run(algorithm, ctx)` needs no workdir: with `ctx.workdir=None` nothing is written and stages
+are cached in memory, so a notebook can call a method and get a `RunSummary` back.
+`run_experiment(method, config, workdir)` is the command line's path: validation, workdir
+identity and lock, data, partition, then `run`.
+"""
+import dataclasses
+import math
+import pathlib
+import json
+import platform
+import time
+from typing import Any, Callable, ClassVar, Dict, Generic, Iterator, List, Mapping, Optional
+from typing import Sequence, Tuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jfed import __version__
+from jfed.data import Dataset
+from jfed.errors import ConfigError, NonFiniteError
+from jfed.io import Checkpointer
+from jfed.keys import Purpose
+from jfed.workdir import Workdir, atomic_write_text, dumps, jsonable, write_json
+
+Record = Dict[str, Any]
+ConfigT = TypeVar('ConfigT')
+AuxT = TypeVar('AuxT')
+StateT = TypeVar('StateT')
+
+# Record fields that count as communication; their running sum is `cumulative_bytes`.
+BYTE_FIELDS = ('upload_bytes', 'download_bytes', 'peer_bytes')
+
+
+# ------------------------------------------------------------------------------------------------
+# what a method sees
+# ------------------------------------------------------------------------------------------------
+class RunContext:
+  """Everything a method needs, built once by the driver.
+
+  Attributes:
+    config: the whole resolved config (shared keys: data, model, optimiser, batch sizes, ...).
+    dataset: the loaded dataset.
+    parts: one index array into `dataset.train_x` per client.
+    key: the root key; methods derive theirs with `derive_key(Purpose.X, ...)`.
+    mesh: a `jax.sharding.Mesh` with a 'clients' axis, or None.
+    workdir: where the run writes, or None for a run in memory.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, dataset: Dataset,
+               parts: Sequence[np.ndarray], key: jax.Array, mesh: Any = None,
+               workdir: Optional[pathlib.Path] = None):
+    self.config, self.dataset, self.parts = config, dataset, list(parts)
+    self.key, self.mesh = key, mesh
+    self.workdir = None if workdir is None else pathlib.Path(workdir)
+    self._memo: Dict[Tuple[str, int], Any] = {}
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.parts)
+
+  @property
+  def client_sizes(self) -> np.ndarray:
+    return np.array([len(p) for p in self.parts])
+
+  def derive_key(self, purpose: Purpose, *path: int) -> jax.Array:
+    key = jax.random.fold_in(self.key, int(purpose))
+    for p in path:
+      key = jax.random.fold_in(key, int(p))
+    return key
+
+  def output_path(self, name: str) -> Optional[pathlib.Path]:
+    """Where a method writes a figure or file of its own; None for a run in memory."""
+    return None if self.workdir is None else self.workdir / name
+
+  def stage(self, name: str, tag: int, template: Any, compute: Callable[[], Any],
+            directory: Optional[str] = None, max_to_keep: int = 2) -> Any:
+    """The result of a one-off stage, computed once per run and cached.
+
+    Args:
+      name: the stage (its checkpoints live in `<workdir>/<name>`).
+      tag: what distinguishes versions of the stage (epochs trained, a round number); a cached
+        result with another tag is not reused.
+      template: a pytree with the result's structure, shapes and dtypes (restore target).
+      compute: produces the result when no cached one exists.
+      directory: read (and write) the cache there instead, e.g. `local_models_dir`.
+      max_to_keep: tags kept.
+
+    Returns:
+      The result, from the cache when the workdir (or `directory`) holds it.
+    """
+    memo_key = (directory or name, int(tag))
+    if memo_key in self._memo:
+      return self._memo[memo_key]
+    if self.workdir is None and directory is None:
+      result = compute()
+    else:
+      ckpt = Checkpointer(pathlib.Path(directory) if directory else self.workdir / name,
+                          max_to_keep=max_to_keep)
+      try:
+        result = None
+        if int(tag) in ckpt.steps():
+          result = ckpt.restore(int(tag), template)
+        if result is None:
+          result = compute()
+          ckpt.save(int(tag), result)
+      finally:
+        ckpt.close()
+    self._memo[memo_key] = result
+    return result
+
+  def stage_tags(self, name: str, directory: Optional[str] = None) -> List[int]:
+    """Tags of the cached results of a stage (empty for a run in memory)."""
+    if self.workdir is None and directory is None:
+      return sorted(t for (n, t) in self._memo if n == name)
+    path = pathlib.Path(directory) if directory else self.workdir / name
+    if not path.exists():
+      return []
+    ckpt = Checkpointer(path)
+    try:
+      return ckpt.steps()
+    finally:
+      ckpt.close()
+
+
+class Algorithm(Generic[ConfigT, AuxT, StateT]):
+  """A method: a typed config and setup / init / step. Subclass, then `@register_method`.
+
+  Class attributes:
+    name: the `--method` name.
+    section: the config section it reads (`config.<section>`).
+    Config: a NamedTuple type of the section's keys (no defaults: see typed_config).
+    step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
+  """
+  name: ClassVar[str] = ''
+  section: ClassVar[str] = ''
+  Config: ClassVar[type] = type(None)
+  step_name: ClassVar[str] = 'round'
+
+  def __init__(self, config: ConfigT):
+    self.config = config
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> 'Algorithm':
+    from jfed import typed_config  # pylint: disable=g-import-not-at-top
+    algorithm = cls(typed_config.parse(cls.Config, config.get(cls.section), cls.section))
+    algorithm.validate(config)
+    return algorithm
+
+  def validate(self, config: ml_collections.ConfigDict) -> None:
+    """Checks the typed config (and shared keys it depends on); raises ConfigError."""
+
+  def num_steps(self, ctx: RunContext) -> int:
+    raise NotImplementedError
+
+  def setup(self, ctx: RunContext) -> AuxT:
+    return None
+
+  def setup_records(self, ctx: RunContext, aux: AuxT) -> List[Record]:
+    """Records of the setup stages (bytes of one-off uploads, ...), written as step 0."""
+    return []
+
+  def init(self, ctx: RunContext, aux: AuxT) -> StateT:
+    raise NotImplementedError
+
+  def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int
+           ) -> Tuple[StateT, List[Record]]:
+    raise NotImplementedError
+
+  def step_label(self, i: int, n: int) -> str:
+    return f'{self.step_name} {i + 1}/{n}'
+
+  def final_accuracy(self, history: Sequence[Record]) -> Optional[float]:
+    """The run's result: by default the last recorded test accuracy."""
+    accs = [r['test_accuracy'] for r in history if r.get('test_accuracy') is not None]
+    return accs[-1] if accs else None
+
+  def summarize(self, ctx: RunContext, aux: AuxT, state: StateT,
+                history: Sequence[Record]) -> Dict[str, Any]:
+    """The method's extras for the summary (cluster assignments, client accuracies, ...)."""
+    return {}
+
+
+# ------------------------------------------------------------------------------------------------
+# the summary
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunSummary(Mapping):
+  """The typed result of a run. Also a read-only mapping of its flat JSON form, so
+  `summary['final_test_accuracy']` and `summary['<extra>']` both work."""
+  method: str
+  dataset: str
+  step_name: str
+  steps: int
+  final_test_accuracy: Optional[float]
+  best_test_accuracy: Optional[float]
+  best_step: Optional[int]
+  total_bytes: Optional[int]
+  seconds: float                      # compute time of every step and stage, all invocations
+  seconds_this_invocation: float
+  num_clients: int
+  partition: str
+  backend: str
+  extras: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  environment: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def as_dict(self) -> Dict[str, Any]:
+    out = dict(self.extras)
+    out.update(self.environment)
+    for f in dataclasses.fields(self):
+      if f.name not in ('extras', 'environment'):
+        out[f.name] = getattr(self, f.name)
+    out['extras'] = sorted(self.extras)
+    return jsonable(out)
+
+  @classmethod
+  def from_dict(cls, d: Dict[str, Any]) -> 'RunSummary':
+    names = {f.name for f in dataclasses.fields(cls)} - {'extras', 'environment'}
+    extra_names = set(d.get('extras', []))
+    return cls(**{n: d.get(n) for n in names},
+               extras={k: d[k] for k in extra_names if k in d},
+               environment={k: v for k, v in d.items()
+                            if k not in names and k not in extra_names and k != 'extras'})
+
+  def __getitem__(self, key: str) -> Any:
+    return self.as_dict()[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.as_dict())
+
+  def __len__(self) -> int:
+    return len(self.as_dict())
+
+
+def _environment() -> Dict[str, Any]:
+  return {'devices': [str(d) for d in jax.devices()], 'jax_version': jax.__version__,
+          'jfed_version': __version__, 'host': platform.node()}
+
+
+# ------------------------------------------------------------------------------------------------
+# the loop
+# ------------------------------------------------------------------------------------------------
+class RunCheckpointer(Checkpointer):
+  """The driver's per-step checkpoints (state + history); tests patch its `save`."""
+
+
+def _check_finite_records(records: Sequence[Record], where: str) -> None:
+  for record in records:
+    for k, v in record.items():
+      if isinstance(v, (float, np.floating)) and not math.isfinite(v) and (
+          'loss' in k or 'accuracy' in k):
+        raise NonFiniteError(f'{k} became {v} at {where}')
+
+
+def _check_finite_state(state: Any, where: str) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact):
+      if not bool(jnp.all(jnp.isfinite(leaf))):
+        raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')
+
+
+def _add_cumulative_bytes(history: List[Record]) -> None:
+  total = 0
+  for r in history:
+    if any(k in r for k in BYTE_FIELDS):
+      total += sum(int(r.get(k) or 0) for k in BYTE_FIELDS)
+      r['cumulative_bytes'] = total
+
+
+def _total_bytes(history: Sequence[Record]) -> Optional[int]:
+  if not any(k in r for r in history for k in BYTE_FIELDS):
+    return None
+  return int(sum(int(r.get(k) or 0) for r in history for k in BYTE_FIELDS))
+
+
+class _Metrics:
+  """metrics.jsonl, rewritten atomically from the in-memory history after every step."""
+
+  def __init__(self, workdir: Optional[pathlib.Path]):
+    self.path = None if workdir is None else workdir / 'metrics.jsonl'
+
+  def write(self, history: Sequence[Record]) -> None:
+    if self.path is not None:
+      atomic_write_text(self.path, ''.join(dumps(r) + '\n' for r in history))
+
+
+def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSummary:
+  """Runs `algorithm` to completion, resuming from `ctx.workdir`'s checkpoints if any."""
+  invocation_start = time.perf_counter()
+  say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
+  workdir = ctx.workdir
+  n = algorithm.num_steps(ctx)
+  if n < 1:
+    raise ConfigError(f'{algorithm.name} has no {algorithm.step_name}s to run (num_steps = {n})')
+  if workdir is not None and (workdir / 'summary.json').exists():
+    summary = RunSummary.from_dict(json.loads((workdir / 'summary.json').read_text()))
+    if summary.steps == n:
+      say(f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
+          'summary.json kept')
+      return summary
+
+  t0 = time.perf_counter()
+  aux = algorithm.setup(ctx)
+  template = algorithm.init(ctx, aux)
+  setup_seconds = time.perf_counter() - t0
+  ckpt = None if workdir is None else RunCheckpointer(workdir / 'checkpoints')
+  metrics = _Metrics(workdir)
+  try:
+    start, state, history = (ckpt.restore_latest(template, with_history=True) if ckpt
+                             else (None, template, []))
+    if start:
+      if start > n:
+        raise ConfigError(f'{workdir / "checkpoints"} holds {algorithm.step_name} {start} but '
+                          f'the run has only {n}')
+      say(f'{algorithm.name}: resuming from {algorithm.step_name} {start}')
+    else:
+      start, history = 0, []
+      for r in algorithm.setup_records(ctx, aux):
+        history.append({'step': 0, **r, 'seconds': setup_seconds})
+      _check_finite_records(history, 'setup')
+      _add_cumulative_bytes(history)
+    metrics.write(history)
+    for i in range(start, n):
+      t_step = time.perf_counter()
+      state, records = algorithm.step(ctx, aux, state, i)
+      where = f'{algorithm.step_label(i, n)} of {algorithm.name}'
+      _check_finite_records(records, where)
+      _check_finite_state(state, where)
+      seconds = time.perf_counter() - t_step
+      for r in records:
+        history.append({'step': i + 1, **r, 'seconds': seconds})
+      _add_cumulative_bytes(history)
+      metrics.write(history)
+      if ckpt is not None:
+        ckpt.save(i + 1, state, jsonable(history))
+      accuracy = next((r['test_accuracy'] for r in reversed(records)
+                       if r.get('test_accuracy') is not None), None)
+      say(f'{algorithm.name} {algorithm.step_label(i, n)}: ' +
+          (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '') +
+          f'({seconds:.1f}s)')
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+  extras = dict(algorithm.summarize(ctx, aux, state, history))
+  accs = [(r['test_accuracy'], r['step']) for r in history if r.get('test_accuracy') is not None]
+  final = extras.pop('final_test_accuracy', None)
+  final = algorithm.final_accuracy(history) if final is None else final
+  best, best_step = max(accs, key=lambda a: a[0]) if accs else (None, None)
+  if final is not None and (best is None or final > best):
+    best, best_step = final, n
+  summary = RunSummary(
+      method=algorithm.name, dataset=ctx.dataset.name, step_name=algorithm.step_name, steps=n,
+      final_test_accuracy=final, best_test_accuracy=best, best_step=best_step,
+      total_bytes=_total_bytes(history),
+      seconds=float(sum({r['step']: r.get('seconds') or 0.0 for r in history}.values())),
+      seconds_this_invocation=time.perf_counter() - invocation_start,
+      num_clients=ctx.num_clients, partition=str(ctx.config.partition.scheme),
+      backend=jax.default_backend(), extras=extras, environment=_environment())
+  if workdir is not None:
+    write_json(workdir / 'summary.json', summary.as_dict())
+    _plot_accuracy(workdir / 'accuracy.png', summary, history)
+  return summary
+
+
+def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Record]) -> None:
+  from jfed.reporting import plot_curves  # pylint: disable=g-import-not-at-top
+  records = [r for r in history if r.get('test_accuracy') is not None]
+  if not records:
+    return
+  plot_curves(path, {summary.method: [r['test_accuracy'] for r in records]},
+              xlabel=summary.step_name, ylabel='test accuracy',
+              x={summary.method: [r['step'] for r in records]},
+              title=f'{summary.method} on {summary.dataset} '
+                    f'({summary.num_clients} clients, {summary.partition})')
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line's path
+# ------------------------------------------------------------------------------------------------
+def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> List[np.ndarray]:
+  """The seeded client partition of `config.partition`."""
+  from jfed.data import make_partition  # pylint: disable=g-import-not-at-top
+  from jfed.data.partitions import partition_arguments  # pylint: disable=g-import-not-at-top
+  p = config.partition
+  kwargs = {name: p[name] for name in partition_arguments(p.scheme) if name in p}
+  return make_partition(labels, p.num_clients, p.scheme, config.seed, **kwargs)
+
+
+def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm:
+  """The registered algorithm `method` with its typed config; validates the whole config."""
+  from jfed.methods.registry import get_method  # pylint: disable=g-import-not-at-top
+  from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
+  cls = get_method(method)
+  validate_run_config(config)
+  return cls.from_config(config)
+
+
+def make_context(config: ml_collections.ConfigDict, dataset: Dataset,
+                 parts: Sequence[np.ndarray], workdir=None) -> RunContext:
+  from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
+  mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
+  return RunContext(config, dataset, parts, jax.random.PRNGKey(config.seed), mesh, workdir)
+
+
+def run_experiment(method: str, config: ml_collections.ConfigDict, workdir,
+                   progress: bool = True) -> RunSummary:
+  """Validates, claims the workdir, loads and partitions the data, and runs `method`.
+
+  Outputs in `workdir`: identity.json and config.json (what the workdir holds), partition.txt
+  and partition.png, metrics.jsonl, summary.json, accuracy.png, checkpoints/ and the method's
+  own stages and figures. Running the same command again resumes.
+  """
+  from jfed.data import class_count_table, format_count_table, load_dataset  # pylint: disable=g-import-not-at-top
+  from jfed.data.plots import plot_partition_bubbles  # pylint: disable=g-import-not-at-top
+  from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
+  algorithm = build_algorithm(method, config)
+  wd = Workdir(workdir)
+  wd.prepare()
+  config_json = config.to_json_best_effort(sort_keys=True, indent=2)
+  identity = {'method': method, 'config': ml_collections.ConfigDict(config).to_dict(),
+              'jfed_version': __version__}
+  identity = jsonable(identity)
+  with wd.lock():
+    wd.check_identity(identity)
+    dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+    identity['dataset'] = {'name': dataset.name, 'fingerprint': array_fingerprint(
+        dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y)}
+    wd.check_identity(identity)
+    parts = partition_clients(config, dataset.train_y)
+    wd.write_identity(identity, config_json)
+    table = class_count_table(dataset.train_y, parts, dataset.num_classes)
+    unassigned = len(dataset.train_y) - int(sum(len(p) for p in parts))
+    note = (f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no '
+            'client.' if unassigned else '')
+    atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
+    plot_partition_bubbles(table, wd.path / 'partition.png',
+                           title=f'{dataset.name}: {config.partition.scheme} partition')
+    if progress:
+      print(f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
+            f'sizes {[len(p) for p in parts]}' + (f'; {unassigned} training samples assigned '
+                                                  'to no client' if unassigned else ''),
+            flush=True)
+    ctx = make_context(config, dataset, parts, wd.path)
+    return run(algorithm, ctx, progress)
+
+
+def run_in_memory(method: str, config: ml_collections.ConfigDict,
+                  dataset: Optional[Dataset] = None, progress: bool = False) -> RunSummary:
+  """Runs `method` without a workdir (nothing written): for notebooks and quick studies."""
+  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+  algorithm = build_algorithm(method, config)
+  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
+  return run(algorithm, ctx, progress)
+
