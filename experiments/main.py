@@ -5,6 +5,7 @@ Config values can be overridden on the command line, e.g. --config.fedavg.rounds
 unwritable workdir, training that turns non-finite) end in one `error: ...` line and exit
 status 1; `--traceback` shows the stack instead.
 """
+import os
 import sys
 
 from absl import app, flags, logging
@@ -25,18 +26,32 @@ def _fail(message: str, status: int = 1):
 
 
 def _parse_flags(argv):
-  """absl's parser, with one `error:` line for a bad flag, config file or config key."""
+  """absl's parser, with one `error:` line for a bad flag, config file, variant or config key."""
+  for arg in argv[1:]:
+    if arg.startswith('--config='):
+      path = arg.split('=', 1)[1].split(':', 1)[0]
+      if not os.path.isfile(path):
+        _fail(f'config file {path} not found', 2)
   try:
-    return FLAGS(argv)
-  except flags.Error as e:
+    rest = FLAGS(argv)
+    if FLAGS.config is not None:   # applies the --config.key=value overrides
+      FLAGS.config.get('seed')
+    return rest
+  except Exception as e:  # pylint: disable=broad-except  # absl/ml_collections raise many types
     if '--traceback' in argv:
       raise
-    message = str(e)
-    # config_flags wraps the real cause (a missing file, a typo'd key) in a long text.
-    cause = e.__cause__ or e.__context__
-    if cause is not None and not isinstance(cause, flags.Error):
-      message = f'{message.splitlines()[0].split(":")[0]}: {cause}'
-    _fail(message.replace('\n', ' '), 2)
+    cause = e
+    while cause.__cause__ is not None or (cause.__context__ is not None
+                                          and not isinstance(cause, flags.Error)):
+      cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, (KeyError, AttributeError)) and cause.args:
+      message = f'unknown config key {cause.args[0]}'   # ml_collections suggests the right one
+    else:
+      message = str(cause)
+      if 'Traceback (most recent call last)' in message:   # an error inside get_config(arg)
+        last = [l for l in message.splitlines() if l.strip()][-1]
+        message = last.split(': ', 1)[1] if ': ' in last else last
+    _fail(' '.join(str(message).split()), 2)
 
 
 def main(argv):

@@ -3,7 +3,8 @@
 Each checkpoint holds the state and, for the driver's run checkpoints, the run's metric history
 as JSON in the same orbax step: the two are committed together, so a resumed run never pairs a
 state with a history of another step. A checkpoint that fails to restore (a deleted or
-truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning.
+truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning, and
+removed so the resumed run can write that step again.
 """
 import pathlib
 import sys
@@ -67,8 +68,12 @@ class Checkpointer:
         continue
       state, history = out if with_history else (out, [])
       if errors:
-        print(f'warning: restored the older checkpoint {step} in {self.directory}',
-              file=sys.stderr, flush=True)
+        # The newer steps cannot be restored; remove them so that the resumed run can save
+        # those steps again.
+        for newer in [s for s in steps if s > step]:
+          self._manager.delete(newer)
+        print(f'warning: restored the older checkpoint {step} in {self.directory} and removed '
+              'the newer ones that do not restore', file=sys.stderr, flush=True)
       return step, state, history
     if steps:
       raise WorkdirError(f'no checkpoint in {self.directory} restores ({"; ".join(errors)}); '

@@ -1,0 +1,372 @@
+"""The driver: resume of every method, workdirs that cannot mix or lose results, clean failures."""
+import ast
+import fcntl
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments.configs import digits, fedhydra_digits, hfldd_digits
+from jfed import driver, engine
+from jfed import typed_config as tc
+from jfed.data import load_dataset
+from jfed.errors import ConfigError, NonFiniteError, WorkdirBusy, WorkdirError
+from jfed.keys import Purpose, ServerRoundPurpose
+from jfed.methods import available_methods, common
+from jfed.workdir import dumps
+from tests.support import Interrupted, interrupt_after, override, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ONESHOT = ('dense', 'coboosting', 'feddf', 'fedhydra', 'ot')
+HFLDD_FAMILY = ('hfldd', 'hfldd_nodd', 'fedseq', 'dynafed')
+
+
+def _digits(**overrides):
+  c = digits.get_config('smoke')
+  c.fedavg.rounds = c.fedprox.rounds = 3
+  return override(c, **overrides)
+
+
+def _oneshot(**overrides):
+  return override(fedhydra_digits.get_config('smoke'), **overrides)
+
+
+def _hfldd(**overrides):
+  c = hfldd_digits.get_config('smoke')
+  c.model = 'mlp'
+  c.partition.num_clients = 20
+  c.hfldd.public_size = c.fedseq.public_size = 60
+  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 2, 1
+  c.hfldd.kip.support_size, c.hfldd.kip.iterations = 10, 5
+  c.fedseq.pretrain_epochs, c.fedseq.rounds = 1, 2
+  c.dynafed.rounds, c.dynafed.trajectory_rounds, c.dynafed.expert_epochs = 3, 1, 1
+  c.dynafed.ipc, c.dynafed.syn_steps, c.dynafed.iterations = 1, 2, 2
+  c.dynafed.finetune_epochs = 1
+  return override(c, **overrides)
+
+
+def smoke_config(method: str):
+  """The smallest config on which `method` runs at least two steps."""
+  if method in ONESHOT:
+    return _oneshot()
+  if method in HFLDD_FAMILY:
+    return _hfldd()
+  return _digits()
+
+
+# (method, config, step to interrupt after). dense over two rounds checks resume at a round
+# boundary of the one-shot loop.
+RESUME_CASES = [(m, None, 1) for m in sorted(available_methods())] + [
+    ('dense', {'dense.rounds': 2}, 2)]
+
+
+def _comparable_summary(summary):
+  return {k: v for k, v in summary.as_dict().items() if 'seconds' not in k}
+
+
+@pytest.mark.parametrize('method,extra,interrupt_at', RESUME_CASES,
+                         ids=[f'{m}{"-rounds2" if e else ""}' for m, e, _ in RESUME_CASES])
+def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, monkeypatch,
+                                                                    method, extra, interrupt_at):
+  config = override(smoke_config(method), **(extra or {}))
+  whole = driver.run_experiment(method, config, tmp_path / 'whole', progress=False)
+  assert whole.steps > interrupt_at
+  with monkeypatch.context() as m:
+    interrupt_after(m, interrupt_at)
+    with pytest.raises(Interrupted):
+      driver.run_experiment(method, config, tmp_path / 'resumed', progress=False)
+  assert max(r['step'] for r in read_metrics(tmp_path / 'resumed')) == interrupt_at
+  resumed = driver.run_experiment(method, config, tmp_path / 'resumed', progress=False)
+  assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
+  assert _comparable_summary(resumed) == _comparable_summary(whole)
+
+
+class _FedAvgMConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  server_momentum: float
+
+
+class _FedAvgM(driver.Algorithm):
+  """BUILD_NOTES.md's example of a new method on the interface (not registered)."""
+  name, section, Config, step_name = 'fedavgm', 'fedavgm', _FedAvgMConfig, 'round'
+
+  def validate(self, config):
+    tc.require_positive(self.config, self.section, ('rounds', 'local_epochs'))
+
+  def num_steps(self, ctx):
+    return self.config.rounds
+
+  def setup(self, ctx):
+    common.single_architecture(ctx)
+    group = common.client_groups(ctx)[0]
+    return group, common.make_trainers(ctx, [group])[0], engine.init_model(
+        group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
+
+  def init(self, ctx, aux):
+    return aux[2], jax.tree.map(jnp.zeros_like, aux[2])    # (global model, velocity)
+
+  def step(self, ctx, aux, state, i):
+    group, trainer, template = aux
+    (model, velocity) = state
+    avg, record = common.fedavg_round(trainer, group, model, self.config.local_epochs,
+                                      ctx.derive_key(Purpose.ROUNDS, i), template)
+    velocity = jax.tree.map(lambda v, a, m: self.config.server_momentum * v + (m - a),
+                            velocity, avg, model)
+    model = jax.tree.map(lambda m, v: m - v, model, velocity)
+    accuracy = engine.Evaluator(group.module, 1000).accuracy(model, ctx.dataset.test_x,
+                                                             ctx.dataset.test_y)
+    return (model, velocity), [{'round': i + 1, 'test_accuracy': accuracy, **record}]
+
+
+def test_the_documented_new_method_runs_on_the_interface_and_equals_fedavg_at_momentum_0():
+  config = _digits()
+  config.fedavgm = ml_collections.ConfigDict(
+      {'rounds': 3, 'local_epochs': config.fedavg.local_epochs, 'server_momentum': 0.0})
+  dataset = load_dataset('digits')
+  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  summary = driver.run(_FedAvgM.from_config(config), ctx, progress=False)
+  reference = driver.run_in_memory('fedavg', config)
+  assert summary.final_test_accuracy > 0.5
+  assert summary.final_test_accuracy == pytest.approx(reference.final_test_accuracy, abs=0.01)
+  assert summary.total_bytes == reference.total_bytes
+  with pytest.raises(ConfigError, match='fedavgm.rounds must be positive'):
+    _FedAvgM.from_config(override(config, **{'fedavgm.rounds': 0}))
+
+
+def test_fedavg_writes_every_output_and_learns(tmp_path):
+  summary = driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
+  for name in ('identity.json', 'config.json', 'metrics.jsonl', 'summary.json', 'accuracy.png',
+               'partition.txt', 'partition.png', 'checkpoints'):
+    assert (tmp_path / name).exists(), name
+  records = read_metrics(tmp_path)
+  assert [r['step'] for r in records] == [1, 2, 3]
+  assert summary.final_test_accuracy > 0.5  # chance is 0.1
+  assert summary.best_test_accuracy == max(r['test_accuracy'] for r in records)
+  assert summary.total_bytes == records[-1]['cumulative_bytes'] > 0
+  assert json.loads((tmp_path / 'summary.json').read_text())['final_test_accuracy'] == (
+      summary.final_test_accuracy)
+
+
+def test_a_finished_run_is_kept_and_says_so(tmp_path, capsys):
+  first = driver.run_experiment('fedavg', _digits(), tmp_path)
+  again = driver.run_experiment('fedavg', _digits(), tmp_path)
+  assert 'already complete' in capsys.readouterr().out
+  assert again.seconds == first.seconds
+  assert again.seconds_this_invocation == first.seconds_this_invocation
+
+
+def test_resume_says_where_it_resumes(tmp_path, monkeypatch, capsys):
+  with monkeypatch.context() as m:
+    interrupt_after(m, 2)
+    with pytest.raises(Interrupted):
+      driver.run_experiment('fedavg', _digits(), tmp_path)
+  driver.run_experiment('fedavg', _digits(), tmp_path)
+  assert 'resuming from round 2' in capsys.readouterr().out
+
+
+def test_an_algorithm_runs_in_memory_without_a_workdir(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  summary = driver.run_in_memory('fedavg', _digits())
+  assert isinstance(summary, driver.RunSummary)
+  assert summary.final_test_accuracy > 0.5
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_another_method_into_a_finished_workdir_is_refused(tmp_path):
+  driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
+  with pytest.raises(WorkdirError, match='differs in .*method'):
+    driver.run_experiment('fedprox', _digits(), tmp_path, progress=False)
+  with pytest.raises(WorkdirError, match='differs in .*method'):
+    driver.run_experiment('centralized', _digits(), tmp_path, progress=False)
+  with pytest.raises(WorkdirError, match=r'config\.seed'):
+    driver.run_experiment('fedavg', _digits(seed=7), tmp_path, progress=False)
+
+
+def test_a_busy_workdir_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+  tmp_path.mkdir(exist_ok=True)
+  with open(tmp_path / '.lock', 'w') as holder:
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(WorkdirBusy, match='busy'):
+      driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
+  assert not (tmp_path / 'config.json').exists()
+  # the lock file of a killed run (no process holds it any more) does not block
+  (tmp_path / '.lock').write_text('pid 999999 on a dead host\n')
+  summary = driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
+  assert summary.steps == 3
+
+
+def test_a_torn_metrics_file_cannot_shorten_the_history(tmp_path, monkeypatch):
+  whole = driver.run_experiment('fedavg', _digits(), tmp_path / 'whole', progress=False)
+  with monkeypatch.context() as m:
+    interrupt_after(m, 2)
+    with pytest.raises(Interrupted):
+      driver.run_experiment('fedavg', _digits(), tmp_path / 'torn', progress=False)
+  metrics = tmp_path / 'torn' / 'metrics.jsonl'
+  metrics.write_text(metrics.read_text()[:25])   # a kill in the middle of a rewrite
+  resumed = driver.run_experiment('fedavg', _digits(), tmp_path / 'torn', progress=False)
+  assert read_metrics(tmp_path / 'torn') == read_metrics(tmp_path / 'whole')
+  assert resumed.best_test_accuracy == whole.best_test_accuracy
+  assert resumed.total_bytes == whole.total_bytes
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch,
+                                                                      capsys):
+  whole = driver.run_experiment('fedavg', _digits(), tmp_path / 'whole', progress=False)
+  with monkeypatch.context() as m:
+    interrupt_after(m, 2)
+    with pytest.raises(Interrupted):
+      driver.run_experiment('fedavg', _digits(), tmp_path / 'run', progress=False)
+  latest = tmp_path / 'run' / 'checkpoints' / '2'
+  for f in (latest / 'state').rglob('*'):
+    if f.is_file() and f.stat().st_size > 0 and 'metadata' not in f.name:
+      f.unlink()
+  resumed = driver.run_experiment('fedavg', _digits(), tmp_path / 'run')
+  out = capsys.readouterr()
+  assert 'does not restore' in out.err and 'resuming from round 1' in out.out
+  assert read_metrics(tmp_path / 'run') == read_metrics(tmp_path / 'whole')
+  assert resumed.final_test_accuracy == whole.final_test_accuracy
+  # when no checkpoint restores, the error names the directory
+  for step_dir in (tmp_path / 'run' / 'checkpoints').iterdir():
+    if step_dir.name.isdigit():
+      shutil.rmtree(step_dir / 'state')
+  (tmp_path / 'run' / 'summary.json').unlink()
+  with pytest.raises(WorkdirError, match='checkpoints'):
+    driver.run_experiment('fedavg', _digits(), tmp_path / 'run', progress=False)
+
+
+def test_a_config_that_fails_after_the_start_does_not_block_the_fixed_run(tmp_path):
+  with pytest.raises(ValueError, match='clients'):   # found when the data are partitioned
+    driver.run_experiment('fedavg', _digits(**{'partition.num_clients': 5000}), tmp_path,
+                          progress=False)
+  summary = driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
+  assert summary.steps == 3
+
+
+def test_training_that_turns_non_finite_stops_with_the_step_and_client(tmp_path):
+  with pytest.raises(NonFiniteError, match=r'client\(s\) \[\d.*non-finite'):
+    driver.run_experiment('fedavg', _digits(**{'optimizer.lr': 1e30}), tmp_path,
+                          progress=False)
+  with pytest.raises(NonFiniteError, match='epoch 1'):
+    driver.run_experiment('centralized', _digits(**{'optimizer.lr': 1e30}), tmp_path / 'c',
+                          progress=False)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'fedavg.rounds': 0}, 'fedavg.rounds must be positive'),
+    ({'batch_size': -32}, 'batch_size must be positive'),
+    ({'batch_size': 0}, 'batch_size must be positive'),
+    ({'optimizer.lr': float('nan')}, 'optimizer.lr must be finite'),
+    ({'fedavg.participation': 1.5}, r'participation must be in \(0, 1\]'),
+    ({'partition.alpha': -1.0}, 'alpha'),
+    ({'partition.scheme': 'zipf'}, 'valid'),
+    ({'model': 'transformer'}, 'valid'),
+    ({'strategy': 'pmap'}, 'valid'),
+])
+def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    driver.run_experiment('fedavg', _digits(**overrides), tmp_path / 'w', progress=False)
+  assert not (tmp_path / 'w').exists()
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / 'file').write_text('x')
+  with pytest.raises(WorkdirError, match='not a directory'):
+    driver.run_experiment('fedavg', _digits(), tmp_path / 'file', progress=False)
+
+
+def test_metrics_hold_no_bare_non_finite_tokens():
+  text = dumps({'loss': float('nan'), 'x': [float('inf'), 1.5], 'y': np.float32('nan')})
+  assert json.loads(text) == {'loss': None, 'x': [None, 1.5], 'y': None}
+
+
+def test_every_key_purpose_is_distinct():
+  assert len({int(p) for p in Purpose}) == len(Purpose)
+  assert len({int(p) for p in ServerRoundPurpose}) == len(ServerRoundPurpose)
+
+
+def test_no_method_module_imports_another_method_module():
+  methods_dir = ROOT / 'jfed' / 'methods'
+  method_modules = {p.stem for p in methods_dir.glob('*.py')} - {
+      '__init__', 'common', 'context', 'registry', 'oneshot'}
+  for path in methods_dir.glob('*.py'):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module:
+        if node.module == 'jfed.methods':
+          names = [a.name for a in node.names]
+        elif node.module.startswith('jfed.methods.'):
+          names = [node.module.rsplit('.', 1)[1]]
+      elif isinstance(node, ast.Import):
+        names = [a.name.rsplit('.', 1)[1] for a in node.names
+                 if a.name.startswith('jfed.methods.')]
+      bad = (set(names) & method_modules) - {path.stem}
+      assert not bad, f'{path.name} imports the method module(s) {sorted(bad)}'
+
+
+def test_no_method_module_checkpoints_or_reads_metrics_itself():
+  for path in (ROOT / 'jfed' / 'methods').glob('*.py'):
+    text = path.read_text()
+    for word in ('Checkpointer', 'metrics.jsonl', 'ctx.metrics', 'restore_latest'):
+      assert word not in text, f'{path.name} uses {word}'
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line
+# ------------------------------------------------------------------------------------------------
+def _main(*args, cwd=ROOT):
+  return subprocess.run([sys.executable, '-m', 'experiments.main', *args], capture_output=True,
+                        text=True, timeout=300, cwd=cwd)
+
+
+def _one_error_line(proc):
+  assert proc.returncode != 0
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr
+  return lines[0]
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--config.fedavg.rounds=0'], 'fedavg.rounds must be positive'),
+    (['--config.batch_size=-32'], 'batch_size must be positive'),
+    (['--config.optimizer.lr=nan'], 'optimizer.lr must be finite'),
+    (['--config=experiments/configs/digits.py:smok'], 'smok'),
+    (['--config.fedavg.roundz=3'], 'roundz'),
+    (['--config=experiments/configs/nonexistent.py'], 'nonexistent.py'),
+    (['--method=nope'], 'Unknown method'),
+])
+def test_main_turns_bad_input_into_one_error_line(tmp_path, args, message):
+  base = ['--method=fedavg', '--config=experiments/configs/digits.py:smoke',
+          f'--workdir={tmp_path / "w"}']
+  keys = {a.split('=')[0] for a in args}
+  proc = _main(*[a for a in base if a.split('=')[0] not in keys], *args)
+  assert message in _one_error_line(proc)
+  assert not (tmp_path / 'w' / 'config.json').exists()
+
+
+def test_main_lists_methods_without_a_config():
+  proc = _main('--method=?')
+  assert proc.returncode == 0
+  assert 'fedavg' in proc.stdout and 'hfldd' in proc.stdout
+
+
+def test_main_runs_and_resumes_a_finished_run(tmp_path):
+  args = ['--method=fedavg', '--config=experiments/configs/digits.py:smoke',
+          f'--workdir={tmp_path}']
+  first = _main(*args)
+  assert first.returncode == 0, first.stderr
+  assert 'final_test_accuracy' in first.stdout
+  again = _main(*args)
+  assert again.returncode == 0 and 'already complete' in again.stdout
+  other = _main(*args[1:], '--method=fedprox')
+  assert 'differs in' in _one_error_line(other)
