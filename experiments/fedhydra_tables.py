@@ -4,7 +4,7 @@
         --out=runs/fedhydra_tables [--methods=fedavg,ot,feddf,dense,coboosting,fedhydra] \
         [--partitions=dir0.5,dir0.3,dir0.1,dir0.01,2c/c] [--config.fedhydra.epochs=...]
 
-Each (partition, method) runs through `jfed.runner.run_experiment` into
+Each (partition, method) runs through `jfed.driver.run_experiment` into
 OUT/<partition>/<method>/ (all its usual outputs: metrics, summary, plots, checkpoints; rerunning
 the command resumes or skips finished runs). The one-shot distillation methods and OT share one
 set of client models per partition (`local_models_dir` = OUT/<partition>/local_models), so the
@@ -172,7 +172,7 @@ def plot_partition(out: pathlib.Path, partition: str, results: dict) -> None:
     if m in DISTILL:
       path = out / dirname(partition) / m / 'metrics.jsonl'
       recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-      recs = [x for x in recs if x.get('round', 1) == 1]
+      recs = [x for x in recs if x.get('round', 1) == 1 and x.get('test_accuracy') is not None]
       series[NAMES[m]] = ([x['epoch'] for x in recs], [x['test_accuracy'] for x in recs])
     else:
       hlines[NAMES.get(m, m)] = r['final_test_accuracy']
@@ -189,7 +189,7 @@ def run_sweep(config, out: pathlib.Path, methods, partitions) -> str:
   """Runs every (partition, method) not finished yet; writes results.json, tables.md and the
   per-partition plots; returns the tables' text."""
   import jax
-  from jfed.runner import run_experiment
+  from jfed.driver import run_experiment
   out.mkdir(parents=True, exist_ok=True)
   meta = {'backend': jax.default_backend(), 'jax_version': jax.__version__,
           'date': datetime.date.today().isoformat()}

@@ -5,17 +5,18 @@ Tables III-V (rounds and traffic to reach a target accuracy).
       --out=runs/hfldd_compare_c1 [--methods=hfldd,fedavg,fedprox,fedseq,dynafed,centralized] \
       [--targets=0.6,0.7,0.8]
 
-Each method runs through `jfed.runner.run_experiment` into OUT/<method> (so each one resumes
+Each method runs through `jfed.driver.run_experiment` into OUT/<method> (so each one resumes
 from its checkpoints when the command is repeated, and can be inspected on its own). Then OUT
 gets:
 - accuracy.png: test accuracy per round, every method (centralized: per epoch);
 - traffic.png: test accuracy against cumulative traffic (MB, setup stages included);
 - results.md: the budget, a summary table (final/best accuracy, traffic, time) and, per target
   accuracy, the Tables III-V layout (rounds/accuracy, traffic, ratio vs HFLDD) built with
-  `jfed.hfldd.comm.target_table_rows` from each method's measured cumulative bytes;
+  `jfed.io.comm.target_table_rows` from each method's measured cumulative bytes;
 - results.json: the same numbers.
 Centralized training has no communication and is left out of the target tables.
 """
+
 import json
 import pathlib
 import time
@@ -25,14 +26,17 @@ from typing import Any, Dict, List, Optional
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
-import numpy as np
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file('config', None, 'Experiment config file (get_config(arg)).',
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+  'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
+)
 flags.DEFINE_string('out', None, 'Output directory; each method runs in OUT/<method>.')
-flags.DEFINE_list('methods', ['hfldd', 'fedavg', 'fedprox', 'fedseq', 'dynafed', 'centralized'],
-                  'Methods to run, in this order.')
+flags.DEFINE_list(
+  'methods',
+  ['hfldd', 'fedavg', 'fedprox', 'fedseq', 'dynafed', 'centralized'],
+  'Methods to run, in this order.',
+)
 flags.DEFINE_list('targets', ['0.6', '0.7', '0.8'], 'Target test accuracies for the tables.')
 flags.DEFINE_string('reference', 'hfldd', 'Method whose traffic is 1X in the tables.')
 flags.mark_flags_as_required(['config', 'out'])
@@ -43,18 +47,20 @@ def method_curve(records: List[Dict[str, Any]]):
   rows = [r for r in records if 'test_accuracy' in r and r.get('step', 0) >= 1]
   steps = [int(r['step']) for r in rows]
   accs = [float(r['test_accuracy']) for r in rows]
-  if rows and all('cumulative_bytes' in r for r in rows):
-    cum = [int(r['cumulative_bytes']) for r in rows]
-  elif rows and all('upload_bytes' in r for r in rows):
-    cum = np.cumsum([r['upload_bytes'] + r.get('download_bytes', 0) for r in rows]).tolist()
-  else:
-    cum = None
+  # the driver adds the running `cumulative_bytes` (setup records included) to every record
+  # that carries bytes
+  cum = (
+    [int(r['cumulative_bytes']) for r in rows]
+    if rows and all('cumulative_bytes' in r for r in rows)
+    else None
+  )
   return steps, accs, cum
 
 
 def round_transfers(cumulative: List[int]):
   """One Transfer per round carrying that round's bytes (round 1 includes the setup)."""
-  from jfed.hfldd.comm import Transfer
+  from jfed.io.comm import Transfer
+
   prev, out = 0, []
   for r, c in enumerate(cumulative, start=1):
     out.append(Transfer(r, 'round', 'all', 'all', int(c) - prev))
@@ -66,22 +72,24 @@ def budget_lines(config) -> List[str]:
   c = config
   h, s, d = c.hfldd, c.fedseq, c.dynafed
   return [
-      f'- data: {c.dataset.name}, {c.partition.num_clients} clients, partition '
-      f'{c.partition.scheme}' + (f' (#C={c.partition.k})' if c.partition.scheme == 'shards'
-                                 else '') + f', model {c.model}, optimiser {c.optimizer.name} '
-      f'lr {c.optimizer.lr}, batch {c.batch_size}, seed {c.seed}',
-      f'- HFLDD: {h.rounds} rounds x {h.local_epochs} local epochs over the heads, pre-training '
-      f'{h.pretrain_epochs} epochs, public {h.public} ({h.public_size}), K={h.K}, KIP '
-      f'{h.kip.support_size} images/member x {h.kip.iterations} iterations (lr {h.kip.lr}, '
-      f'target batch {h.kip.target_batch}, {h.kip.kernel}), images sent as {h.image_dtype}',
-      f'- FedAvg: {c.fedavg.rounds} x {c.fedavg.local_epochs}; FedProx: {c.fedprox.rounds} x '
-      f'{c.fedprox.local_epochs} (mu {c.fedprox.mu}); FedSeq: {s.rounds} x {s.local_epochs} '
-      f'(pre-training {s.pretrain_epochs} epochs, min_examples {s.min_examples}, max_clients '
-      f'{s.max_clients})',
-      f'- DynaFed: {d.rounds} x {d.local_epochs}, trajectory {d.trajectory_rounds} rounds, '
-      f'ipc {d.ipc}, syn_steps {d.syn_steps}, expert_epochs {d.expert_epochs}, '
-      f'{d.iterations} matching iterations, {d.finetune_epochs} fine-tuning epochs',
-      f'- centralized: {c.centralized.epochs} epochs']
+    f'- data: {c.dataset.name}, {c.partition.num_clients} clients, partition '
+    f'{c.partition.scheme}'
+    + (f' (#C={c.partition.k})' if c.partition.scheme == 'shards' else '')
+    + f', model {c.model}, optimiser {c.optimizer.name} '
+    f'lr {c.optimizer.lr}, batch {c.batch_size}, seed {c.seed}',
+    f'- HFLDD: {h.rounds} rounds x {h.local_epochs} local epochs over the heads, pre-training '
+    f'{h.pretrain_epochs} epochs, public {h.public} ({h.public_size}), K={h.K}, KIP '
+    f'{h.kip.support_size} images/member x {h.kip.iterations} iterations (lr {h.kip.lr}, '
+    f'target batch {h.kip.target_batch}, {h.kip.kernel}), images sent as {h.image_dtype}',
+    f'- FedAvg: {c.fedavg.rounds} x {c.fedavg.local_epochs}; FedProx: {c.fedprox.rounds} x '
+    f'{c.fedprox.local_epochs} (mu {c.fedprox.mu}); FedSeq: {s.rounds} x {s.local_epochs} '
+    f'(pre-training {s.pretrain_epochs} epochs, min_examples {s.min_examples}, max_clients '
+    f'{s.max_clients})',
+    f'- DynaFed: {d.rounds} x {d.local_epochs}, trajectory {d.trajectory_rounds} rounds, '
+    f'ipc {d.ipc}, syn_steps {d.syn_steps}, expert_epochs {d.expert_epochs}, '
+    f'{d.iterations} matching iterations, {d.finetune_epochs} fine-tuning epochs',
+    f'- centralized: {c.centralized.epochs} epochs',
+  ]
 
 
 def _fmt_acc(a: Optional[float]) -> str:
@@ -90,9 +98,10 @@ def _fmt_acc(a: Optional[float]) -> str:
 
 def main(argv):
   del argv
-  from jfed.hfldd.comm import format_target_table, target_table_rows
+  from jfed.driver import run_experiment
+  from jfed.io.comm import format_target_table, target_table_rows
   from jfed.reporting import plot_curves, write_json
-  from jfed.runner import run_experiment
+
   logging.set_verbosity(logging.WARNING)
   config = FLAGS.config
   out = pathlib.Path(FLAGS.out)
@@ -107,63 +116,102 @@ def main(argv):
       traceback.print_exc()
       results[method] = {'error': f'{type(e).__name__}: {e}'}
       continue
-    records = [json.loads(l) for l in (out / method / 'metrics.jsonl').read_text().splitlines()
-               if l.strip()]
+    records = [
+      json.loads(l) for l in (out / method / 'metrics.jsonl').read_text().splitlines() if l.strip()
+    ]
     steps, accs, cum = method_curve(records)
     results[method] = {
-        'steps': steps, 'accuracy': accs, 'cumulative_bytes': cum,
-        'final_test_accuracy': summary.get('final_test_accuracy'),
-        'best_test_accuracy': summary.get('best_test_accuracy'),
-        'step_name': summary.get('step_name', 'round'),
-        'total_bytes': cum[-1] if cum else None,
-        'eval_samples': summary.get('eval_samples'),
-        'seconds': time.perf_counter() - t0}
+      'steps': steps,
+      'accuracy': accs,
+      'cumulative_bytes': cum,
+      'final_test_accuracy': summary.final_test_accuracy,
+      'best_test_accuracy': summary.best_test_accuracy,
+      'step_name': summary.step_name,
+      'total_bytes': summary.total_bytes,
+      'eval_samples': summary.extras.get('eval_samples'),
+      'seconds': time.perf_counter() - t0,
+    }
 
   ok = {m: r for m, r in results.items() if 'error' not in r}
-  title = (f'{config.dataset.name}, {config.partition.num_clients} clients, '
-           f'{config.partition.scheme}' +
-           (f' #C={config.partition.k}' if config.partition.scheme == 'shards' else ''))
+  title = (
+    f'{config.dataset.name}, {config.partition.num_clients} clients, '
+    f'{config.partition.scheme}'
+    + (f' #C={config.partition.k}' if config.partition.scheme == 'shards' else '')
+  )
   if ok:
-    plot_curves(out / 'accuracy.png',
-                {(m if r['step_name'] == 'round' else f'{m} (per {r["step_name"]})'):
-                 r['accuracy'] for m, r in ok.items()},
-                xlabel='round', ylabel='test accuracy', title=title,
-                x={(m if r['step_name'] == 'round' else f'{m} (per {r["step_name"]})'):
-                   r['steps'] for m, r in ok.items()})
+    plot_curves(
+      out / 'accuracy.png',
+      {
+        (m if r['step_name'] == 'round' else f'{m} (per {r["step_name"]})'): r['accuracy']
+        for m, r in ok.items()
+      },
+      xlabel='round',
+      ylabel='test accuracy',
+      title=title,
+      x={
+        (m if r['step_name'] == 'round' else f'{m} (per {r["step_name"]})'): r['steps']
+        for m, r in ok.items()
+      },
+    )
     comm_ok = {m: r for m, r in ok.items() if r['cumulative_bytes']}
     if comm_ok:
-      plot_curves(out / 'traffic.png', {m: r['accuracy'] for m, r in comm_ok.items()},
-                  xlabel='cumulative traffic (MB)', ylabel='test accuracy', title=title,
-                  x={m: [b / 1e6 for b in r['cumulative_bytes']] for m, r in comm_ok.items()})
+      plot_curves(
+        out / 'traffic.png',
+        {m: r['accuracy'] for m, r in comm_ok.items()},
+        xlabel='cumulative traffic (MB)',
+        ylabel='test accuracy',
+        title=title,
+        x={m: [b / 1e6 for b in r['cumulative_bytes']] for m, r in comm_ok.items()},
+      )
 
-  lines = [f'# HFLDD comparison: {title}', '',
-           f'Backend {jax.default_backend()} ({jax.devices()[0].device_kind}), '
-           f'jax {jax.__version__}. Budget:', *budget_lines(config), '',
-           '| method | final accuracy | best accuracy | steps | traffic (MB) | eval samples '
-           '| seconds |', '|---|---|---|---|---|---|---|']
+  lines = [
+    f'# HFLDD comparison: {title}',
+    '',
+    f'Backend {jax.default_backend()} ({jax.devices()[0].device_kind}), '
+    f'jax {jax.__version__}. Budget:',
+    *budget_lines(config),
+    '',
+    '| method | final accuracy | best accuracy | steps | traffic (MB) | eval samples | seconds |',
+    '|---|---|---|---|---|---|---|',
+  ]
   for m, r in results.items():
     if 'error' in r:
       lines.append(f'| {m} | failed: {r["error"]} | | | | | |')
       continue
     mb = '—' if r['total_bytes'] is None else f'{r["total_bytes"] / 1e6:.1f}'
-    lines.append(f'| {m} | {_fmt_acc(r["final_test_accuracy"])} | '
-                 f'{_fmt_acc(r["best_test_accuracy"])} | {len(r["steps"])} {r["step_name"]}s '
-                 f'| {mb} | {r["eval_samples"] or "all"} | {r["seconds"]:.0f} |')
-  table_methods = [(m, r['accuracy'], round_transfers(r['cumulative_bytes']))
-                   for m, r in ok.items() if r['cumulative_bytes']]
+    lines.append(
+      f'| {m} | {_fmt_acc(r["final_test_accuracy"])} | '
+      f'{_fmt_acc(r["best_test_accuracy"])} | {len(r["steps"])} {r["step_name"]}s '
+      f'| {mb} | {r["eval_samples"] or "all"} | {r["seconds"]:.0f} |'
+    )
+  table_methods = [
+    (m, r['accuracy'], round_transfers(r['cumulative_bytes']))
+    for m, r in ok.items()
+    if r['cumulative_bytes']
+  ]
   tables = {}
   if table_methods:
     reference = FLAGS.reference if any(m == FLAGS.reference for m, _, _ in table_methods) else None
-    lines += ['', '## Rounds and traffic to reach a target accuracy (seed 003, Tables III-V '
-              'layout; traffic = measured serialised bytes, setup stages included; ratio vs '
-              f'{reference or table_methods[0][0]})', '']
+    lines += [
+      '',
+      '## Rounds and traffic to reach a target accuracy (seed 003, Tables III-V '
+      'layout; traffic = measured serialised bytes, setup stages included; ratio vs '
+      f'{reference or table_methods[0][0]})',
+      '',
+    ]
     for target in (float(t) for t in FLAGS.targets):
       rows = target_table_rows(table_methods, target, reference=reference)
       tables[str(target)] = [row._asdict() for row in rows]
       lines += [format_target_table(rows), '']
   (out / 'results.md').write_text('\n'.join(lines) + '\n')
-  write_json(out / 'results.json', {'config': json.loads(config.to_json_best_effort()),
-                                    'methods': results, 'target_tables': tables})
+  write_json(
+    out / 'results.json',
+    {
+      'config': json.loads(config.to_json_best_effort()),
+      'methods': results,
+      'target_tables': tables,
+    },
+  )
   print('\n'.join(lines))
   print(f'\noutputs in {out}')
 

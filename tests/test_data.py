@@ -1,4 +1,5 @@
 """Tests for jfed.data: loaders, partitions, padded federated arrays and the bubble plot."""
+
 import gzip
 import os
 import pathlib
@@ -8,19 +9,32 @@ import numpy as np
 import pytest
 
 from jfed import data
-from jfed.data import datasets
-from jfed.data import partitions
+from jfed.data import datasets, partitions
+from jfed.errors import DataError
 
 FMNIST_DIR = pathlib.Path('/usr/share/datasets/fashion-mnist')
 
 
-def write_idx(path, array, compress=True):
-  """Writes `array` (uint8) as an IDX file: the format the MNIST-family loaders read."""
-  array = np.asarray(array, dtype=np.uint8)
-  header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f'>{array.ndim}I', *array.shape)
+# NumPy dtype -> IDX type byte (the inverse of datasets._IDX_DTYPES).
+IDX_TYPE_BYTES = {
+  'uint8': 0x08,
+  'int8': 0x09,
+  'int16': 0x0B,
+  'int32': 0x0C,
+  'float32': 0x0D,
+  'float64': 0x0E,
+}
+
+
+def write_idx(path, array, compress=True, dtype=np.uint8):
+  """Writes `array` as an IDX file of `dtype`: the format the MNIST-family loaders read."""
+  array = np.asarray(array, dtype=dtype)
+  header = bytes([0, 0, IDX_TYPE_BYTES[array.dtype.name], array.ndim]) + struct.pack(
+    f'>{array.ndim}I', *array.shape
+  )
   opener = gzip.open if compress else open
   with opener(path, 'wb') as f:
-    f.write(header + array.tobytes())
+    f.write(header + array.astype(array.dtype.newbyteorder('>')).tobytes())
 
 
 def write_fake_mnist(directory, n_train=12, n_test=6, compress=True, prefix=''):
@@ -29,10 +43,10 @@ def write_fake_mnist(directory, n_train=12, n_test=6, compress=True, prefix=''):
   directory.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(0)
   arrays = {
-      'train-images-idx3-ubyte': rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-      'train-labels-idx1-ubyte': (np.arange(n_train) % 10).astype(np.uint8),
-      't10k-images-idx3-ubyte': rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-      't10k-labels-idx1-ubyte': (np.arange(n_test) % 10).astype(np.uint8),
+    'train-images-idx3-ubyte': rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+    'train-labels-idx1-ubyte': (np.arange(n_train) % 10).astype(np.uint8),
+    't10k-images-idx3-ubyte': rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+    't10k-labels-idx1-ubyte': (np.arange(n_test) % 10).astype(np.uint8),
   }
   for stem, array in arrays.items():
     write_idx(directory / (prefix + stem + ('.gz' if compress else '')), array, compress)
@@ -81,8 +95,124 @@ def test_idx_round_trip(tmp_path, compress):
 def test_idx_rejects_garbage(tmp_path):
   path = tmp_path / 'bad'
   path.write_bytes(b'\x01\x02\x03\x04junk')
-  with pytest.raises(ValueError, match='not an IDX'):
+  with pytest.raises(DataError, match='not an IDX') as info:
     data.read_idx(path)
+  assert str(path) in str(info.value) and isinstance(info.value, ValueError)
+
+
+def test_idx_typed_round_trip(tmp_path):
+  array = np.array([[-1.5, 0.0], [2.0, 255.0]], dtype=np.float32)
+  write_idx(tmp_path / 'f.gz', array, dtype=np.float32)
+  np.testing.assert_array_equal(data.read_idx(tmp_path / 'f.gz'), array)
+
+
+def test_idx_truncated_gzip_names_the_file(tmp_path):
+  path = tmp_path / 'train-images-idx3-ubyte.gz'
+  write_idx(path, np.zeros((20, 28, 28)))
+  path.write_bytes(path.read_bytes()[:-30])
+  with pytest.raises(DataError, match='truncated or corrupt gzip') as info:
+    data.read_idx(path)
+  assert str(path) in str(info.value)
+
+
+def test_idx_corrupt_gzip_names_the_file(tmp_path):
+  path = tmp_path / 'labels.gz'
+  write_idx(path, np.arange(100) % 10)
+  raw = bytearray(path.read_bytes())
+  raw[12:40] = b'\xff' * 28  # Garbage in the deflate stream.
+  path.write_bytes(bytes(raw))
+  with pytest.raises(DataError, match='gzip') as info:
+    data.read_idx(path)
+  assert str(path) in str(info.value)
+
+
+def test_idx_short_file_names_the_file(tmp_path):
+  path = tmp_path / 'short'
+  write_idx(path, np.zeros((4, 3, 3)), compress=False)
+  path.write_bytes(path.read_bytes()[:-5])
+  with pytest.raises(DataError, match='data bytes') as info:
+    data.read_idx(path)
+  assert str(path) in str(info.value)
+
+
+def test_truncated_dataset_file_is_a_data_error(tmp_path):
+  write_fake_mnist(tmp_path)
+  path = tmp_path / 't10k-images-idx3-ubyte.gz'
+  path.write_bytes(path.read_bytes()[:100])
+  with pytest.raises(DataError) as info:
+    data.load_dataset('mnist', data_dir=str(tmp_path))
+  assert str(path) in str(info.value)
+  assert not isinstance(info.value, EOFError)
+
+
+@pytest.mark.parametrize(
+  'name,bad_labels,match',
+  [
+    ('mnist', np.array([0, 1, 10, 3], np.uint8), r'1 labels are not in \[0, 10\)'),
+    ('fashion_mnist', np.array([0, 255, 254, 3], np.uint8), r'2 labels are not in \[0, 10\)'),
+    ('kmnist', np.array([0, -1, 2, 3], np.int8), r'in \[0, 10\)'),
+    ('emnist', np.array([0, -3, 2, 3], np.int8), '>= 0'),
+  ],
+)
+def test_labels_outside_class_range_name_the_file(tmp_path, name, bad_labels, match):
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  path = tmp_path / 'train-labels-idx1-ubyte.gz'
+  write_idx(path, bad_labels, dtype=bad_labels.dtype)
+  with pytest.raises(DataError, match=match) as info:
+    data.load_dataset(name, data_dir=str(tmp_path))
+  assert str(path) in str(info.value)
+
+
+def test_emnist_class_count_is_max_label_plus_one(tmp_path):
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  write_idx(tmp_path / 't10k-labels-idx1-ubyte.gz', [1, 26, 3, 4])
+  assert data.load_dataset('emnist', data_dir=str(tmp_path)).num_classes == 27
+
+
+def test_float_labels_are_rejected(tmp_path):
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  path = tmp_path / 'train-labels-idx1-ubyte.gz'
+  write_idx(path, [0.0, 1.0, 2.0, 3.0], dtype=np.float32)
+  with pytest.raises(DataError, match='integers') as info:
+    data.load_dataset('mnist', data_dir=str(tmp_path))
+  assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+  'value,match',
+  [
+    (300.0, r'span \[0.0, 300.0\]'),
+    (-0.5, r'span \[-0.5'),
+    (np.nan, 'NaN or infinite'),
+    (np.inf, 'NaN or infinite'),
+  ],
+)
+def test_float_images_must_be_pixel_values(tmp_path, value, match):
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  images = np.zeros((4, 28, 28), np.float32)
+  images[2, 5, 5] = value
+  path = tmp_path / 't10k-images-idx3-ubyte.gz'
+  write_idx(path, images, dtype=np.float32)
+  with pytest.raises(DataError, match=match) as info:
+    data.load_dataset('mnist', data_dir=str(tmp_path))
+  assert str(path) in str(info.value)
+
+
+def test_float_images_in_pixel_range_load(tmp_path):
+  raw = write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  write_idx(
+    tmp_path / 'train-images-idx3-ubyte.gz', raw['train-images-idx3-ubyte'], dtype=np.float64
+  )
+  ds = data.load_dataset('mnist', data_dir=str(tmp_path))
+  np.testing.assert_allclose(ds.train_x[..., 0] * 255, raw['train-images-idx3-ubyte'], atol=1e-3)
+
+
+def test_images_labels_length_mismatch(tmp_path):
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  write_idx(tmp_path / 'train-labels-idx1-ubyte.gz', [0, 1, 2])
+  with pytest.raises(DataError, match='differ in length') as info:
+    data.load_dataset('mnist', data_dir=str(tmp_path))
+  assert 'train-labels-idx1-ubyte.gz' in str(info.value)
 
 
 def test_idx_dataset_from_data_dir(tmp_path):
@@ -91,8 +221,7 @@ def test_idx_dataset_from_data_dir(tmp_path):
     ds = data.load_dataset('mnist', data_dir=str(data_dir))
     assert ds.train_x.shape == (12, 28, 28, 1) and ds.test_x.shape == (6, 28, 28, 1)
     assert ds.train_x.dtype == np.float32 and ds.train_y.dtype == np.int32
-    np.testing.assert_allclose(ds.train_x[..., 0] * 255, raw['train-images-idx3-ubyte'],
-                               atol=1e-3)
+    np.testing.assert_allclose(ds.train_x[..., 0] * 255, raw['train-images-idx3-ubyte'], atol=1e-3)
     np.testing.assert_array_equal(ds.test_y, raw['t10k-labels-idx1-ubyte'])
     assert ds.num_classes == 10
 
@@ -178,12 +307,12 @@ def mean_entropy(labels, parts, num_classes=10):
 
 
 SCHEME_KWARGS = [
-    ('iid', {}, 7),
-    ('dirichlet', {'alpha': 0.5}, 7),
-    ('shards', {'k': 2}, 7),
-    ('disjoint', {}, 5),
-    ('feddf_dirichlet', {'alpha': 0.5}, 12),
-    ('fedcvae_dirichlet', {'alpha': 0.5}, 7),
+  ('iid', {}, 7),
+  ('dirichlet', {'alpha': 0.5}, 7),
+  ('shards', {'k': 2}, 7),
+  ('disjoint', {}, 5),
+  ('feddf_dirichlet', {'alpha': 0.5}, 12),
+  ('fedcvae_dirichlet', {'alpha': 0.5}, 7),
 ]
 
 
@@ -197,8 +326,9 @@ def test_every_scheme_disjoint_and_seeded(labels, scheme, kw, m):
 
 
 # FedDF drops the N mod n tail; shards drop classes nobody owns (tested separately).
-@pytest.mark.parametrize('scheme,kw,m', [s for s in SCHEME_KWARGS
-                                         if s[0] not in ('feddf_dirichlet', 'shards')])
+@pytest.mark.parametrize(
+  'scheme,kw,m', [s for s in SCHEME_KWARGS if s[0] not in ('feddf_dirichlet', 'shards')]
+)
 def test_schemes_cover_all_samples(labels, scheme, kw, m):
   parts = data.make_partition(labels, m, scheme, seed=0, **kw)
   assert sum(len(p) for p in parts) == len(labels)
@@ -221,10 +351,12 @@ def test_dirichlet_min_size_and_seed(labels):
 
 
 def test_dirichlet_small_alpha_more_skewed(labels):
-  skewed = np.mean([mean_entropy(labels, data.partition_dirichlet(labels, 10, 0.05, s))
-                    for s in range(3)])
-  mild = np.mean([mean_entropy(labels, data.partition_dirichlet(labels, 10, 100.0, s))
-                  for s in range(3)])
+  skewed = np.mean(
+    [mean_entropy(labels, data.partition_dirichlet(labels, 10, 0.05, s)) for s in range(3)]
+  )
+  mild = np.mean(
+    [mean_entropy(labels, data.partition_dirichlet(labels, 10, 100.0, s)) for s in range(3)]
+  )
   assert skewed < mild - 1.0
   assert mild > 0.95 * np.log(10)  # Large alpha approaches IID.
 
@@ -242,6 +374,24 @@ def test_shards_unowned_classes_are_dropped(labels):
   parts = data.partition_shards_k(labels, 3, k=1, seed=0)  # Classes 3..9 have no owner.
   table = data.class_count_table(labels, parts, 10)
   np.testing.assert_array_equal(table.sum(axis=0), [300] * 3 + [0] * 7)
+
+
+def test_unassigned_count(labels):
+  n = len(labels)
+  assert partitions.unassigned_count(data.partition_iid(labels, 7, seed=0), n) == 0
+  # Three clients of one class each: classes 3..9 (7 x 300 samples) have no owner.
+  assert partitions.unassigned_count(data.partition_shards_k(labels, 3, k=1, seed=0), n) == 2100
+  # The brief's case: k=2 on 5 clients of 10 classes leaves whole classes out.
+  parts = data.partition_shards_k(labels, 5, k=2, seed=0)
+  dropped = partitions.unassigned_count(parts, n)
+  assert dropped == n - sum(len(p) for p in parts) and dropped % 300 == 0 and dropped > 0
+  assert partitions.unassigned_count(data.partition_feddf_dirichlet(labels, 13, 0.5, 0), n) == (
+    n % 13
+  )
+  assert partitions.unassigned_count([np.array([0, 1]), np.array([1, 2])], 5) == 2
+  assert partitions.unassigned_count([], 4) == 4
+  with pytest.raises(data.PartitionError, match=r'parts\[1\]'):
+    partitions.unassigned_count([np.array([0]), np.array([5])], 5)
 
 
 def test_disjoint_classes(labels):
@@ -269,7 +419,9 @@ def test_fedcvae_small_alpha_more_skewed(labels):
   assert sum(len(p) for p in half) == len(labels) // 2
 
 
-@pytest.mark.parametrize('call,match', [
+@pytest.mark.parametrize(
+  'call,match',
+  [
     (lambda y: data.partition_dirichlet(y, 5, alpha=0.0, seed=0), 'alpha'),
     (lambda y: data.partition_dirichlet(y, 5, alpha=-1.0, seed=0), 'alpha'),
     (lambda y: data.partition_feddf_dirichlet(y, 10, alpha=0.0, seed=0), 'alpha'),
@@ -285,7 +437,8 @@ def test_fedcvae_small_alpha_more_skewed(labels):
     (lambda y: data.partition_feddf_dirichlet(y, 9, alpha=0.5, seed=0), '>= 10'),
     (lambda y: data.partition_fedcvae_dirichlet(y, 5, 0.5, 0, sample_ratio=0.0), 'ratio'),
     (lambda y: data.make_partition(y, 5, 'pathological', seed=0), 'iid'),
-])
+  ],
+)
 def test_partition_errors(labels, call, match):
   with pytest.raises(data.PartitionError, match=match):
     call(labels)
@@ -311,8 +464,7 @@ def test_count_table(labels):
   text = data.format_count_table(table)
   lines = text.splitlines()
   assert lines[0].split()[0] == 'client' and lines[0].split()[-1] == 'total'
-  assert lines[-1].split() == ['total'] + [str(v) for v in table.sum(axis=0)] + [
-      str(len(labels))]
+  assert lines[-1].split() == ['total'] + [str(v) for v in table.sum(axis=0)] + [str(len(labels))]
   assert len(lines) == 6 + 4  # Header, rule, 6 clients, rule, totals.
 
 
@@ -349,6 +501,7 @@ def test_federate_rejects_bad_indices(digits):
 
 def test_bubble_plot_writes_png(tmp_path, labels):
   from jfed.data import plots  # pylint: disable=g-import-not-at-top
+
   table = data.class_count_table(labels, data.partition_dirichlet(labels, 5, 0.5, 0), 10)
   path = plots.plot_partition_bubbles(table, tmp_path / 'sub' / 'bubbles.png', title='t')
   assert os.path.getsize(path) > 1000
@@ -358,6 +511,7 @@ def test_bubble_plot_writes_png(tmp_path, labels):
 
 def test_match_input_shape_resizes_and_matches_channels():
   from jfed.data.transforms import match_input_shape
+
   gray = np.full((2, 28, 28, 1), 0.25, np.float32)
   rgb = match_input_shape(gray, (8, 8, 3))
   assert rgb.shape == (2, 8, 8, 3) and rgb.dtype == np.float32

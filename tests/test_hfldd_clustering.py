@@ -1,145 +1,160 @@
-"""HFLDD clustering (Eq. 4, K-means, Algorithm 1, heads), FedSeq greedy clustering, topology plot."""
+"""HFLDD clustering (Eq. 4, K-means, Algorithm 1, heads), FedSeq greedy clustering, topology
+plot."""
 
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 from sklearn.metrics import adjusted_rand_score
 
-from jfed.hfldd import (build_topology, choose_heads, cluster_label_coverage, fedseq_clusters,
-                        fedseq_confidence, heterogeneous_clusters, homogeneous_clusters,
-                        kl_similarity_matrix)
-from jfed.hfldd.clustering import kullback_measure
-from jfed.hfldd.plots import plot_topology
+from jfed.clustering import (
+  build_topology,
+  choose_heads,
+  cluster_label_coverage,
+  fedseq_clusters,
+  fedseq_confidence,
+  heterogeneous_clusters,
+  homogeneous_clusters,
+  kl_similarity_matrix,
+  kullback_measure,
+  plot_topology,
+)
 
 
 def _softmax(z):
-    z = z - z.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
+  z = z - z.max(-1, keepdims=True)
+  e = np.exp(z)
+  return e / e.sum(-1, keepdims=True)
 
 
 def _c1_partition(clients_per_class, seed=0):
-    """#C=1 on sklearn digits: client i holds only class client_class[i]; its "locally trained
-    model" predicts mostly its own class on the public set (one-hot-ish soft labels + noise)."""
-    d = load_digits()
-    rng = np.random.default_rng(seed)
-    client_class = np.repeat(np.arange(10), clients_per_class)
-    parts = []
-    for c in client_class:
-        pool = np.flatnonzero(d.target == c)
-        parts.append(rng.choice(pool, 30, replace=False))
-    table = np.stack([np.bincount(d.target[p], minlength=10) for p in parts])
-    n_pub = 60
-    logits = 4.0 * np.eye(10)[client_class][:, None, :] + rng.normal(size=(len(parts), n_pub, 10))
-    return client_class, table, _softmax(logits)
+  """#C=1 on sklearn digits: client i holds only class client_class[i]; its "locally trained
+  model" predicts mostly its own class on the public set (one-hot-ish soft labels + noise)."""
+  d = load_digits()
+  rng = np.random.default_rng(seed)
+  client_class = np.repeat(np.arange(10), clients_per_class)
+  parts = []
+  for c in client_class:
+    pool = np.flatnonzero(d.target == c)
+    parts.append(rng.choice(pool, 30, replace=False))
+  table = np.stack([np.bincount(d.target[p], minlength=10) for p in parts])
+  n_pub = 60
+  logits = 4.0 * np.eye(10)[client_class][:, None, :] + rng.normal(size=(len(parts), n_pub, 10))
+  return client_class, table, _softmax(logits)
 
 
 def test_kl_matrix_equals_mean_kl():
-    rng = np.random.default_rng(0)
-    p = _softmax(rng.normal(size=(4, 7, 5)))
-    S = kl_similarity_matrix(p)
-    ref = np.zeros((4, 4))
-    for i in range(4):
-        for j in range(4):
-            ref[i, j] = np.mean(np.sum(p[i] * np.log(p[i] / p[j]), -1))
-    np.testing.assert_allclose(S, ref, rtol=1e-4, atol=1e-6)
-    assert np.all(np.diag(S) == 0) and np.all(S >= 0)
-    assert not np.allclose(S, S.T)                     # Eq. 4 is a (non-symmetric) divergence
-    np.testing.assert_allclose(kl_similarity_matrix(p, symmetric=True), (ref + ref.T) / 2,
-                               rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(kl_similarity_matrix(p, reduction="sum"), ref * 7, rtol=1e-4,
-                               atol=1e-5)
+  rng = np.random.default_rng(0)
+  p = _softmax(rng.normal(size=(4, 7, 5)))
+  S = kl_similarity_matrix(p)
+  ref = np.zeros((4, 4))
+  for i in range(4):
+    for j in range(4):
+      ref[i, j] = np.mean(np.sum(p[i] * np.log(p[i] / p[j]), -1))
+  np.testing.assert_allclose(S, ref, rtol=1e-4, atol=1e-6)
+  assert np.all(np.diag(S) == 0) and np.all(S >= 0)
+  assert not np.allclose(S, S.T)  # Eq. 4 is a (non-symmetric) divergence
+  np.testing.assert_allclose(
+    kl_similarity_matrix(p, symmetric=True), (ref + ref.T) / 2, rtol=1e-4, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    kl_similarity_matrix(p, reduction='sum'), ref * 7, rtol=1e-4, atol=1e-5
+  )
 
 
 def test_c1_partition_recovers_label_groups_and_balanced_clusters():
-    client_class, table, soft = _c1_partition(2)
-    S = kl_similarity_matrix(soft)
-    homog = homogeneous_clusters(S, K=10, seed=0)
-    assert adjusted_rand_score(client_class, homog) == 1.0
-    clusters = heterogeneous_clusters(homog, seed=0)
-    assert sorted(np.concatenate(clusters).tolist()) == list(range(20))
-    assert [len(c) for c in clusters] == [10, 10]
-    assert cluster_label_coverage(clusters, table).tolist() == [10, 10]
-    heads = choose_heads(clusters, seed=0)
-    assert all(h in c for h, c in zip(heads, clusters))
-    # the one-call helper gives a topology with the same structure
-    topo = build_topology(soft, K=10, seed=1)
-    assert adjusted_rand_score(client_class, topo.homog_labels) == 1.0
-    assert cluster_label_coverage(topo.clusters, table).tolist() == [10, 10]
-    assert [len(m) for m in topo.members] == [9, 9]
+  client_class, table, soft = _c1_partition(2)
+  S = kl_similarity_matrix(soft)
+  homog = homogeneous_clusters(S, K=10, seed=0)
+  assert adjusted_rand_score(client_class, homog) == 1.0
+  clusters = heterogeneous_clusters(homog, seed=0)
+  assert sorted(np.concatenate(clusters).tolist()) == list(range(20))
+  assert [len(c) for c in clusters] == [10, 10]
+  assert cluster_label_coverage(clusters, table).tolist() == [10, 10]
+  heads = choose_heads(clusters, seed=0)
+  assert all(h in c for h, c in zip(heads, clusters))
+  # the one-call helper gives a topology with the same structure
+  topo = build_topology(soft, K=10, seed=1)
+  assert adjusted_rand_score(client_class, topo.homog_labels) == 1.0
+  assert cluster_label_coverage(topo.clusters, table).tolist() == [10, 10]
+  assert [len(m) for m in topo.members] == [9, 9]
 
 
 def test_c1_unequal_groups_nearly_all_labels():
-    # 3 clients for classes 0-4, 2 for classes 5-9: first two clusters cover all 10 labels, the
-    # third one gets the 5 leftovers (still >= 2 homogeneous pools non-empty -> one cluster)
-    client_class, table, soft = _c1_partition(np.array([3] * 5 + [2] * 5), seed=1)
-    topo = build_topology(soft, K=10, seed=3)
-    sizes = sorted(len(c) for c in topo.clusters)
-    assert sizes == [5, 10, 10]
-    cov = cluster_label_coverage(topo.clusters, table)
-    assert sorted(cov.tolist()) == [5, 10, 10]
+  # 3 clients for classes 0-4, 2 for classes 5-9: first two clusters cover all 10 labels, the
+  # third one gets the 5 leftovers (still >= 2 homogeneous pools non-empty -> one cluster)
+  client_class, table, soft = _c1_partition(np.array([3] * 5 + [2] * 5), seed=1)
+  topo = build_topology(soft, K=10, seed=3)
+  sizes = sorted(len(c) for c in topo.clusters)
+  assert sizes == [5, 10, 10]
+  cov = cluster_label_coverage(topo.clusters, table)
+  assert sorted(cov.tolist()) == [5, 10, 10]
 
 
 def test_leftovers_rule():
-    homog = np.array([0, 0, 0, 0, 0, 1, 1, 2])
-    clusters = heterogeneous_clusters(homog, seed=0)
-    assert [len(c) for c in clusters] == [3, 2, 1, 1, 1]
-    assert sorted(np.concatenate(clusters).tolist()) == list(range(8))
-    assert set(homog[clusters[0]].tolist()) == {0, 1, 2}
-    assert set(homog[clusters[1]].tolist()) == {0, 1}
-    assert all(homog[c[0]] == 0 for c in clusters[2:])            # singletons of the big pool
-    dist = heterogeneous_clusters(homog, seed=0, leftover="distribute")
-    assert sorted(len(c) for c in dist) == [3, 5]
-    assert sorted(np.concatenate(dist).tolist()) == list(range(8))
-    # one homogeneous cluster only: everyone is isolated
-    assert [len(c) for c in heterogeneous_clusters(np.zeros(3, int), seed=0)] == [1, 1, 1]
-    # deterministic in the seed
-    a = heterogeneous_clusters(homog, seed=5)
-    b = heterogeneous_clusters(homog, seed=5)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  homog = np.array([0, 0, 0, 0, 0, 1, 1, 2])
+  clusters = heterogeneous_clusters(homog, seed=0)
+  assert [len(c) for c in clusters] == [3, 2, 1, 1, 1]
+  assert sorted(np.concatenate(clusters).tolist()) == list(range(8))
+  assert set(homog[clusters[0]].tolist()) == {0, 1, 2}
+  assert set(homog[clusters[1]].tolist()) == {0, 1}
+  assert all(homog[c[0]] == 0 for c in clusters[2:])  # singletons of the big pool
+  dist = heterogeneous_clusters(homog, seed=0, leftover='distribute')
+  assert sorted(len(c) for c in dist) == [3, 5]
+  assert sorted(np.concatenate(dist).tolist()) == list(range(8))
+  # one homogeneous cluster only: everyone is isolated
+  assert [len(c) for c in heterogeneous_clusters(np.zeros(3, int), seed=0)] == [1, 1, 1]
+  # deterministic in the seed
+  a = heterogeneous_clusters(homog, seed=5)
+  b = heterogeneous_clusters(homog, seed=5)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def test_fedseq_confidence_and_measure():
-    probs = np.array([[[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.4, 0.1]]])
-    labels = np.array([0, 1, 2, 0])
-    conf = fedseq_confidence(probs, labels)
-    raw = np.array([0.7 + 0.5, 0.6, 0.6])
-    np.testing.assert_allclose(conf[0], raw / raw.sum())
-    u = np.full(4, 0.25)
-    assert kullback_measure(u, u) == pytest.approx(1.0)
-    m = (u + np.eye(4)[0]) / 2
-    assert kullback_measure(u, np.eye(4)[0]) == pytest.approx(1 - np.sum(m * np.log(m * 4)))
-    assert kullback_measure(np.eye(4)[0], np.eye(4)[0]) == pytest.approx(1 - np.log(4))
+  probs = np.array([[[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.4, 0.1]]])
+  labels = np.array([0, 1, 2, 0])
+  conf = fedseq_confidence(probs, labels)
+  raw = np.array([0.7 + 0.5, 0.6, 0.6])
+  np.testing.assert_allclose(conf[0], raw / raw.sum())
+  u = np.full(4, 0.25)
+  assert kullback_measure(u, u) == pytest.approx(1.0)
+  m = (u + np.eye(4)[0]) / 2
+  assert kullback_measure(u, np.eye(4)[0]) == pytest.approx(1 - np.sum(m * np.log(m * 4)))
+  assert kullback_measure(np.eye(4)[0], np.eye(4)[0]) == pytest.approx(1 - np.log(4))
 
 
 def test_fedseq_greedy_clusters_heterogeneous_and_redistribution():
-    cls = np.repeat(np.arange(10), 2)                      # 20 single-class clients
-    conf = np.eye(10)[cls]
-    clusters = fedseq_clusters(conf, np.full(20, 100), min_examples=800, max_clients=11)
-    # clusters of 8 (800 examples) are closed; the last 4 clients (400 < 800) are redistributed
-    assert [len(c) for c in clusters] == [10, 10]
-    assert sorted(np.concatenate(clusters).tolist()) == list(range(20))
-    for c in clusters:                                    # greedy picks distinct classes first
-        assert len(set(cls[c[:8]].tolist())) == 8
-    # max_clients closes clusters; a big enough last cluster is kept
-    clusters = fedseq_clusters(conf, np.full(20, 100), min_examples=10**6, max_clients=5)
-    assert [len(c) for c in clusters] == [5, 5, 5, 5]
-    assert all(len(set(cls[c].tolist())) == 5 for c in clusters)
-    # the reference's search starts at best_diff = 0: with one-hot confidences every
-    # 'kullback' score after the first pick is negative, so it takes clients in index order
-    clusters = fedseq_clusters(conf, np.full(20, 100), min_examples=10**6, max_clients=5,
-                               code_compat=True)
-    assert [c.tolist() for c in clusters] == [list(range(i, i + 5)) for i in range(0, 20, 5)]
-    # undersized last cluster with no room elsewhere is kept (never drops clients)
-    clusters = fedseq_clusters(conf[:5], np.full(5, 100), min_examples=400, max_clients=4)
-    assert sorted(np.concatenate(clusters).tolist()) == list(range(5))
+  cls = np.repeat(np.arange(10), 2)  # 20 single-class clients
+  conf = np.eye(10)[cls]
+  clusters = fedseq_clusters(conf, np.full(20, 100), min_examples=800, max_clients=11)
+  # clusters of 8 (800 examples) are closed; the last 4 clients (400 < 800) are redistributed
+  assert [len(c) for c in clusters] == [10, 10]
+  assert sorted(np.concatenate(clusters).tolist()) == list(range(20))
+  for c in clusters:  # greedy picks distinct classes first
+    assert len(set(cls[c[:8]].tolist())) == 8
+  # max_clients closes clusters; a big enough last cluster is kept
+  clusters = fedseq_clusters(conf, np.full(20, 100), min_examples=10**6, max_clients=5)
+  assert [len(c) for c in clusters] == [5, 5, 5, 5]
+  assert all(len(set(cls[c].tolist())) == 5 for c in clusters)
+  # the reference's search starts at best_diff = 0: with one-hot confidences every
+  # 'kullback' score after the first pick is negative, so it takes clients in index order
+  clusters = fedseq_clusters(
+    conf, np.full(20, 100), min_examples=10**6, max_clients=5, code_compat=True
+  )
+  assert [c.tolist() for c in clusters] == [list(range(i, i + 5)) for i in range(0, 20, 5)]
+  # undersized last cluster with no room elsewhere is kept (never drops clients)
+  clusters = fedseq_clusters(conf[:5], np.full(5, 100), min_examples=400, max_clients=4)
+  assert sorted(np.concatenate(clusters).tolist()) == list(range(5))
 
 
 def test_topology_plot_png(tmp_path):
-    client_class, table, soft = _c1_partition(np.array([3] * 5 + [2] * 5), seed=1)
-    topo = build_topology(soft, K=10, seed=3)
-    path = plot_topology(topo.homog_labels, topo.clusters, topo.heads,
-                         str(tmp_path / "topology.png"),
-                         client_classes=[str(c) for c in client_class])
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+  client_class, table, soft = _c1_partition(np.array([3] * 5 + [2] * 5), seed=1)
+  topo = build_topology(soft, K=10, seed=3)
+  path = plot_topology(
+    topo.homog_labels,
+    topo.clusters,
+    topo.heads,
+    str(tmp_path / 'topology.png'),
+    client_classes=[str(c) for c in client_class],
+  )
+  data = open(path, 'rb').read()
+  assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000

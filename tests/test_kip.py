@@ -8,251 +8,285 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from jfed.kip import (KIPConfig, centered_one_hot, fc_kernels, fc_nngp_kernel, fc_ntk_kernel,
-                      init_support, kip_distill, kip_distill_batched, kip_distill_loop,
-                      krr_loss, make_kernel_fn, rbf_kernel, sample_target_indices)
-
+from jfed.kip import (
+  KIPConfig,
+  centered_one_hot,
+  fc_kernels,
+  fc_nngp_kernel,
+  fc_ntk_kernel,
+  init_support,
+  kip_distill,
+  kip_distill_batched,
+  kip_distill_loop,
+  krr_loss,
+  make_kernel_fn,
+  rbf_kernel,
+  sample_target_indices,
+)
 
 # ---------------------------------------------------------------------------------------------
 # independent NumPy reference (float64, explicit per-pair angles)
 # ---------------------------------------------------------------------------------------------
 
+
 def np_fc_kernels(x1, x2, depth, W_std=2**0.5, b_std=0.1):
-    x1 = np.asarray(x1, np.float64).reshape(len(x1), -1)
-    x2 = np.asarray(x2, np.float64).reshape(len(x2), -1)
-    d = x1.shape[1]
-    n1, n2 = len(x1), len(x2)
-    nngp = np.zeros((n1, n2))
-    ntk = np.zeros((n1, n2))
-    for i in range(n1):
-        for j in range(n2):
-            q11 = x1[i] @ x1[i] / d
-            q22 = x2[j] @ x2[j] / d
-            q12 = x1[i] @ x2[j] / d
-            t12 = 0.0
-            for _ in range(depth):
-                q11 = W_std**2 * q11 + b_std**2
-                q22 = W_std**2 * q22 + b_std**2
-                q12 = W_std**2 * q12 + b_std**2
-                t12 = q12 + W_std**2 * t12
-                theta = math.acos(max(-1.0, min(1.0, q12 / math.sqrt(q11 * q22))))
-                new12 = math.sqrt(q11 * q22) / (2 * math.pi) * (
-                    math.sin(theta) + (math.pi - theta) * math.cos(theta))
-                t12 = t12 * (math.pi - theta) / (2 * math.pi)
-                q12, q11, q22 = new12, q11 / 2, q22 / 2
-            q12 = W_std**2 * q12 + b_std**2
-            nngp[i, j] = q12
-            ntk[i, j] = q12 + W_std**2 * t12
-    return nngp, ntk
+  x1 = np.asarray(x1, np.float64).reshape(len(x1), -1)
+  x2 = np.asarray(x2, np.float64).reshape(len(x2), -1)
+  d = x1.shape[1]
+  n1, n2 = len(x1), len(x2)
+  nngp = np.zeros((n1, n2))
+  ntk = np.zeros((n1, n2))
+  for i in range(n1):
+    for j in range(n2):
+      q11 = x1[i] @ x1[i] / d
+      q22 = x2[j] @ x2[j] / d
+      q12 = x1[i] @ x2[j] / d
+      t12 = 0.0
+      for _ in range(depth):
+        q11 = W_std**2 * q11 + b_std**2
+        q22 = W_std**2 * q22 + b_std**2
+        q12 = W_std**2 * q12 + b_std**2
+        t12 = q12 + W_std**2 * t12
+        theta = math.acos(max(-1.0, min(1.0, q12 / math.sqrt(q11 * q22))))
+        new12 = (
+          math.sqrt(q11 * q22)
+          / (2 * math.pi)
+          * (math.sin(theta) + (math.pi - theta) * math.cos(theta))
+        )
+        t12 = t12 * (math.pi - theta) / (2 * math.pi)
+        q12, q11, q22 = new12, q11 / 2, q22 / 2
+      q12 = W_std**2 * q12 + b_std**2
+      nngp[i, j] = q12
+      ntk[i, j] = q12 + W_std**2 * t12
+  return nngp, ntk
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize('depth', [1, 2])
 def test_fc_kernels_equal_numpy_closed_form(depth):
-    rng = np.random.default_rng(depth)
-    x1 = rng.normal(size=(5, 3, 3, 2))
-    x2 = rng.normal(size=(4, 3, 3, 2))
-    x2[0] = x1[1]                                   # exact duplicate -> c = 1 off the diagonal
-    ref_nngp, ref_ntk = np_fc_kernels(x1, x2, depth)
-    with jax.enable_x64(True):
-        nngp, ntk = fc_kernels(jnp.asarray(x1), jnp.asarray(x2), depth=depth)
-        np.testing.assert_allclose(np.asarray(ntk), ref_ntk, rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(nngp), ref_nngp, rtol=1e-6)
-        sym = fc_ntk_kernel(jnp.asarray(x1), None, depth=depth)
-        np.testing.assert_allclose(np.asarray(sym), np_fc_kernels(x1, x1, depth)[1], rtol=1e-6)
-    # float32 path
-    ntk32 = fc_ntk_kernel(jnp.asarray(x1, jnp.float32), jnp.asarray(x2, jnp.float32), depth=depth)
-    np.testing.assert_allclose(np.asarray(ntk32), ref_ntk, rtol=2e-3)
-    nngp32 = fc_nngp_kernel(jnp.asarray(x1, jnp.float32), jnp.asarray(x2, jnp.float32), depth=depth)
-    np.testing.assert_allclose(np.asarray(nngp32), ref_nngp, rtol=2e-3)
+  rng = np.random.default_rng(depth)
+  x1 = rng.normal(size=(5, 3, 3, 2))
+  x2 = rng.normal(size=(4, 3, 3, 2))
+  x2[0] = x1[1]  # exact duplicate -> c = 1 off the diagonal
+  ref_nngp, ref_ntk = np_fc_kernels(x1, x2, depth)
+  with jax.enable_x64(True):
+    nngp, ntk = fc_kernels(jnp.asarray(x1), jnp.asarray(x2), depth=depth)
+    np.testing.assert_allclose(np.asarray(ntk), ref_ntk, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nngp), ref_nngp, rtol=1e-6)
+    sym = fc_ntk_kernel(jnp.asarray(x1), None, depth=depth)
+    np.testing.assert_allclose(np.asarray(sym), np_fc_kernels(x1, x1, depth)[1], rtol=1e-6)
+  # float32 path
+  ntk32 = fc_ntk_kernel(jnp.asarray(x1, jnp.float32), jnp.asarray(x2, jnp.float32), depth=depth)
+  np.testing.assert_allclose(np.asarray(ntk32), ref_ntk, rtol=2e-3)
+  nngp32 = fc_nngp_kernel(jnp.asarray(x1, jnp.float32), jnp.asarray(x2, jnp.float32), depth=depth)
+  np.testing.assert_allclose(np.asarray(nngp32), ref_nngp, rtol=2e-3)
 
 
 def _mlp_init(key, d, width, depth):
-    dims = [d] + [width] * depth + [1]
-    params = []
-    for i in range(depth + 1):
-        key, kw, kb = jax.random.split(key, 3)
-        params.append((jax.random.normal(kw, (dims[i], dims[i + 1])),
-                       jax.random.normal(kb, (dims[i + 1],))))
-    return params
+  dims = [d] + [width] * depth + [1]
+  params = []
+  for i in range(depth + 1):
+    key, kw, kb = jax.random.split(key, 3)
+    params.append(
+      (jax.random.normal(kw, (dims[i], dims[i + 1])), jax.random.normal(kb, (dims[i + 1],)))
+    )
+  return params
 
 
 def _mlp(params, x, W_std=2**0.5, b_std=0.1, return_hidden=False):
-    h = x.reshape(x.shape[0], -1)
-    for i, (W, b) in enumerate(params):
-        if i == len(params) - 1 and return_hidden:
-            return h
-        h = W_std / math.sqrt(W.shape[0]) * (h @ W) + b_std * b     # NTK parameterisation
-        if i < len(params) - 1:
-            h = jax.nn.relu(h)
-    return h[:, 0]
+  h = x.reshape(x.shape[0], -1)
+  for i, (W, b) in enumerate(params):
+    if i == len(params) - 1 and return_hidden:
+      return h
+    h = W_std / math.sqrt(W.shape[0]) * (h @ W) + b_std * b  # NTK parameterisation
+    if i < len(params) - 1:
+      h = jax.nn.relu(h)
+  return h[:, 0]
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize('depth', [1, 2])
 def test_fc_ntk_matches_empirical_wide_network(depth):
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(6, 4, 4, 1)), jnp.float32)
-    params = _mlp_init(jax.random.PRNGKey(depth), 16, 4096, depth)
-    jac = jax.jacobian(_mlp)(params, x)
-    J = jnp.concatenate([j.reshape(x.shape[0], -1) for j in jax.tree_util.tree_leaves(jac)], 1)
-    emp = np.asarray(J @ J.T)
-    ntk = np.asarray(fc_ntk_kernel(x, x, depth=depth))
-    rel = np.linalg.norm(emp - ntk) / np.linalg.norm(ntk)      # ~2-7% over seeds at width 4096
-    assert rel < 0.1, rel
-    # NNGP: readout covariance given the last hidden layer, W_std² φ·φ'/width + b_std²
-    phi = _mlp(params, x, return_hidden=True)
-    emp_nngp = np.asarray(2.0 * phi @ phi.T / phi.shape[1] + 0.01)
-    nngp = np.asarray(fc_nngp_kernel(x, x, depth=depth))
-    assert np.linalg.norm(emp_nngp - nngp) / np.linalg.norm(nngp) < 0.1
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(6, 4, 4, 1)), jnp.float32)
+  params = _mlp_init(jax.random.PRNGKey(depth), 16, 4096, depth)
+  jac = jax.jacobian(_mlp)(params, x)
+  J = jnp.concatenate([j.reshape(x.shape[0], -1) for j in jax.tree_util.tree_leaves(jac)], 1)
+  emp = np.asarray(J @ J.T)
+  ntk = np.asarray(fc_ntk_kernel(x, x, depth=depth))
+  rel = np.linalg.norm(emp - ntk) / np.linalg.norm(ntk)  # ~2-7% over seeds at width 4096
+  assert rel < 0.1, rel
+  # NNGP: readout covariance given the last hidden layer, W_std² φ·φ'/width + b_std²
+  phi = _mlp(params, x, return_hidden=True)
+  emp_nngp = np.asarray(2.0 * phi @ phi.T / phi.shape[1] + 0.01)
+  nngp = np.asarray(fc_nngp_kernel(x, x, depth=depth))
+  assert np.linalg.norm(emp_nngp - nngp) / np.linalg.norm(nngp) < 0.1
 
 
 def test_rbf_kernel_formula():
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=(4, 2, 3)), rng.normal(size=(3, 2, 3))
-    ref = np.exp(-0.3 * ((a.reshape(4, 1, -1) - b.reshape(1, 3, -1)) ** 2).sum(-1))
-    np.testing.assert_allclose(np.asarray(rbf_kernel(jnp.asarray(a, jnp.float32),
-                                                     jnp.asarray(b, jnp.float32), 0.3)),
-                               ref, rtol=1e-5)
+  rng = np.random.default_rng(1)
+  a, b = rng.normal(size=(4, 2, 3)), rng.normal(size=(3, 2, 3))
+  ref = np.exp(-0.3 * ((a.reshape(4, 1, -1) - b.reshape(1, 3, -1)) ** 2).sum(-1))
+  np.testing.assert_allclose(
+    np.asarray(rbf_kernel(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), 0.3)),
+    ref,
+    rtol=1e-5,
+  )
 
 
 def test_kernel_gradients_finite_with_duplicates():
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(6, 10)).astype(np.float32)
-    x[3] = x[0]
-    for name in ("fc_ntk", "fc_nngp", "rbf"):
-        k = make_kernel_fn(name, depth=2)
-        g = jax.grad(lambda z: jnp.sum(k(z, z) ** 2))(jnp.asarray(x))
-        assert np.isfinite(np.asarray(g)).all(), name
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(6, 10)).astype(np.float32)
+  x[3] = x[0]
+  for name in ('fc_ntk', 'fc_nngp', 'rbf'):
+    k = make_kernel_fn(name, depth=2)
+    g = jax.grad(lambda z: jnp.sum(k(z, z) ** 2))(jnp.asarray(x))
+    assert np.isfinite(np.asarray(g)).all(), name
 
 
 # ---------------------------------------------------------------------------------------------
 # KRR loss
 # ---------------------------------------------------------------------------------------------
 
+
 def test_krr_loss_equals_numpy_formula():
-    rng = np.random.default_rng(3)
-    C, reg = 4, 1e-3
-    xs, xt = rng.normal(size=(7, 5)), rng.normal(size=(9, 5))
-    ys = centered_one_hot(jnp.asarray(rng.integers(0, C, 7)), C)
-    yt = centered_one_hot(jnp.asarray(rng.integers(0, C, 9)), C)
-    np.testing.assert_allclose(np.asarray(ys).sum(-1), 0.0, atol=1e-6)
-    with jax.enable_x64(True):
-        for name in ("fc_ntk", "rbf"):
-            kfn = make_kernel_fn(name)
-            loss, acc = krr_loss(jnp.asarray(xs), jnp.asarray(ys, jnp.float64), jnp.asarray(xt),
-                                 jnp.asarray(yt, jnp.float64), kfn, reg=reg)
-            if name == "fc_ntk":
-                kss, kts = np_fc_kernels(xs, xs, 1)[1], np_fc_kernels(xt, xs, 1)[1]
-            else:
-                sq = lambda a, b: ((a[:, None] - b[None]) ** 2).sum(-1)
-                kss, kts = np.exp(-sq(xs, xs) / 5), np.exp(-sq(xt, xs) / 5)
-            kreg = kss + reg * np.trace(kss) / 7 * np.eye(7)
-            pred = kts @ np.linalg.solve(kreg, np.asarray(ys, np.float64))
-            ref = 0.5 * np.mean((pred - np.asarray(yt)) ** 2)
-            np.testing.assert_allclose(float(loss), ref, rtol=1e-8)
-            assert float(acc) == pytest.approx(np.mean(pred.argmax(-1) == np.asarray(yt).argmax(-1)))
+  rng = np.random.default_rng(3)
+  C, reg = 4, 1e-3
+  xs, xt = rng.normal(size=(7, 5)), rng.normal(size=(9, 5))
+  ys = centered_one_hot(jnp.asarray(rng.integers(0, C, 7)), C)
+  yt = centered_one_hot(jnp.asarray(rng.integers(0, C, 9)), C)
+  np.testing.assert_allclose(np.asarray(ys).sum(-1), 0.0, atol=1e-6)
+  with jax.enable_x64(True):
+    for name in ('fc_ntk', 'rbf'):
+      kfn = make_kernel_fn(name)
+      loss, acc = krr_loss(
+        jnp.asarray(xs),
+        jnp.asarray(ys, jnp.float64),
+        jnp.asarray(xt),
+        jnp.asarray(yt, jnp.float64),
+        kfn,
+        reg=reg,
+      )
+      if name == 'fc_ntk':
+        kss, kts = np_fc_kernels(xs, xs, 1)[1], np_fc_kernels(xt, xs, 1)[1]
+      else:
+        sq = lambda a, b: ((a[:, None] - b[None]) ** 2).sum(-1)
+        kss, kts = np.exp(-sq(xs, xs) / 5), np.exp(-sq(xt, xs) / 5)
+      kreg = kss + reg * np.trace(kss) / 7 * np.eye(7)
+      pred = kts @ np.linalg.solve(kreg, np.asarray(ys, np.float64))
+      ref = 0.5 * np.mean((pred - np.asarray(yt)) ** 2)
+      np.testing.assert_allclose(float(loss), ref, rtol=1e-8)
+      assert float(acc) == pytest.approx(np.mean(pred.argmax(-1) == np.asarray(yt).argmax(-1)))
 
 
 def test_label_gradient_only_when_learned():
-    rng = np.random.default_rng(4)
-    xs, xt = jnp.asarray(rng.normal(size=(5, 6)), jnp.float32), jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
-    ys, yt = centered_one_hot(jnp.arange(5) % 3, 3), centered_one_hot(jnp.arange(8) % 3, 3)
-    kfn = make_kernel_fn("fc_ntk")
-    g_fixed = jax.jit(jax.grad(lambda y: krr_loss(xs, y, xt, yt, kfn)[0]))(ys)
-    g_learn = jax.jit(jax.grad(lambda y: krr_loss(xs, y, xt, yt, kfn, learn_labels=True)[0]))(ys)
-    assert np.all(np.asarray(g_fixed) == 0)
-    assert np.abs(np.asarray(g_learn)).max() > 0
+  rng = np.random.default_rng(4)
+  xs, xt = (
+    jnp.asarray(rng.normal(size=(5, 6)), jnp.float32),
+    jnp.asarray(rng.normal(size=(8, 6)), jnp.float32),
+  )
+  ys, yt = centered_one_hot(jnp.arange(5) % 3, 3), centered_one_hot(jnp.arange(8) % 3, 3)
+  kfn = make_kernel_fn('fc_ntk')
+  g_fixed = jax.jit(jax.grad(lambda y: krr_loss(xs, y, xt, yt, kfn)[0]))(ys)
+  g_learn = jax.jit(jax.grad(lambda y: krr_loss(xs, y, xt, yt, kfn, learn_labels=True)[0]))(ys)
+  assert np.all(np.asarray(g_fixed) == 0)
+  assert np.abs(np.asarray(g_learn)).max() > 0
 
 
 # ---------------------------------------------------------------------------------------------
 # sampling only real samples
 # ---------------------------------------------------------------------------------------------
 
+
 def test_init_support_class_balanced_from_real_samples():
-    y = np.array([0] * 20 + [1] * 3 + [2] * 10 + [5] * 30, np.int32)
-    size, n_max = len(y), 80
-    y_pad = np.concatenate([y, np.full(n_max - size, 7, np.int32)])     # pads carry a fake class
-    idx = np.asarray(init_support(jax.random.PRNGKey(0), jnp.asarray(y_pad), size, 12, 10))
-    assert idx.max() < size and len(set(idx.tolist())) == 12
-    counts = np.bincount(y[idx], minlength=10)
-    assert counts[1] == 3 and counts[0] == counts[2] == counts[5] == 3
-    # support larger than the client: every real sample once, then cycles
-    idx = np.asarray(init_support(jax.random.PRNGKey(1), jnp.asarray(y_pad), size, 70, 10))
-    assert idx.max() < size and set(idx[:size].tolist()) == set(range(size))
+  y = np.array([0] * 20 + [1] * 3 + [2] * 10 + [5] * 30, np.int32)
+  size, n_max = len(y), 80
+  y_pad = np.concatenate([y, np.full(n_max - size, 7, np.int32)])  # pads carry a fake class
+  idx = np.asarray(init_support(jax.random.PRNGKey(0), jnp.asarray(y_pad), size, 12, 10))
+  assert idx.max() < size and len(set(idx.tolist())) == 12
+  counts = np.bincount(y[idx], minlength=10)
+  assert counts[1] == 3 and counts[0] == counts[2] == counts[5] == 3
+  # support larger than the client: every real sample once, then cycles
+  idx = np.asarray(init_support(jax.random.PRNGKey(1), jnp.asarray(y_pad), size, 70, 10))
+  assert idx.max() < size and set(idx[:size].tolist()) == set(range(size))
 
 
 def test_target_indices_real_only():
-    for size, batch in [(30, 10), (4, 10), (1, 3), (6, 50)]:
-        idx = np.asarray(sample_target_indices(jax.random.PRNGKey(size), size, 40, batch))
-        assert idx.shape == (batch,) and idx.max() < size
-        if batch <= size:
-            assert len(set(idx.tolist())) == batch
+  for size, batch in [(30, 10), (4, 10), (1, 3), (6, 50)]:
+    idx = np.asarray(sample_target_indices(jax.random.PRNGKey(size), size, 40, batch))
+    assert idx.shape == (batch,) and idx.max() < size
+    if batch <= size:
+      assert len(set(idx.tolist())) == batch
 
 
 # ---------------------------------------------------------------------------------------------
 # distillation
 # ---------------------------------------------------------------------------------------------
 
+
 def _digits_clients(sizes, n_max, seed=0, single_class=()):
-    d = load_digits()
-    X = (d.images / 16.0).astype(np.float32)[..., None]
-    Y = d.target.astype(np.int32)
-    rng = np.random.default_rng(seed)
-    fx = np.zeros((len(sizes), n_max, 8, 8, 1), np.float32)
-    fy = np.zeros((len(sizes), n_max), np.int32)
-    for i, s in enumerate(sizes):
-        pool = np.flatnonzero(Y == 3) if i in single_class else np.arange(len(Y))
-        idx = rng.choice(pool, s, replace=False)
-        fx[i, :s], fy[i, :s] = X[idx], Y[idx]
-    return fx, fy, np.asarray(sizes, np.int32)
+  d = load_digits()
+  X = (d.images / 16.0).astype(np.float32)[..., None]
+  Y = d.target.astype(np.int32)
+  rng = np.random.default_rng(seed)
+  fx = np.zeros((len(sizes), n_max, 8, 8, 1), np.float32)
+  fy = np.zeros((len(sizes), n_max), np.int32)
+  for i, s in enumerate(sizes):
+    pool = np.flatnonzero(Y == 3) if i in single_class else np.arange(len(Y))
+    idx = rng.choice(pool, s, replace=False)
+    fx[i, :s], fy[i, :s] = X[idx], Y[idx]
+  return fx, fy, np.asarray(sizes, np.int32)
 
 
 def test_batched_equals_loop_unequal_clients():
-    # 5 clients (padded to 8 on the 4 fake devices of conftest): unequal sizes, one single-class
-    # client, two clients smaller than the support set (incl. a 1-sample client).
-    fx, fy, sizes = _digits_clients([40, 17, 9, 5, 1], 40, single_class=(2,))
-    cfg = KIPConfig(support_size=8, iterations=6, lr=0.01, target_batch=6, x64=True,
-                    learn_labels=True)
-    key = jax.random.PRNGKey(7)
-    batched = kip_distill_batched(fx, fy, sizes, cfg, key, 10)
-    loop = kip_distill_loop(fx, fy, sizes, cfg, key, 10)
-    assert batched.x.shape == (5, 8, 8, 8, 1) and batched.y.shape == (5, 8)
-    assert batched.y_matrix.shape == (5, 8, 10) and batched.loss.shape == (5, 6)
-    for i in range(5):
-        np.testing.assert_allclose(np.asarray(batched.x[i]), np.asarray(loop[i].x), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(batched.loss[i]), np.asarray(loop[i].loss),
-                                   rtol=1e-5, atol=1e-12)
-        np.testing.assert_array_equal(np.asarray(batched.y[i]), np.asarray(loop[i].y))
-        np.testing.assert_allclose(np.asarray(batched.y_matrix[i]), np.asarray(loop[i].y_matrix),
-                                   atol=1e-5)
-        assert np.isfinite(np.asarray(loop[i].x)).all()
-    assert batched.x.dtype == jnp.float32
-    # learned labels moved away from their centred one-hot init; hard labels (argmax) still come
-    # from the client's own real samples after these few steps
-    init_y = np.asarray(centered_one_hot(jnp.asarray(batched.y), 10))
-    assert np.abs(np.asarray(batched.y_matrix) - init_y).max() > 0
-    for i, s in enumerate(sizes):
-        assert set(np.asarray(batched.y[i]).tolist()) <= set(fy[i, :s].tolist())
-    assert set(np.asarray(batched.y[2]).tolist()) == {3}
+  # 5 clients (padded to 8 on the 4 fake devices of conftest): unequal sizes, one single-class
+  # client, two clients smaller than the support set (incl. a 1-sample client).
+  fx, fy, sizes = _digits_clients([40, 17, 9, 5, 1], 40, single_class=(2,))
+  cfg = KIPConfig(
+    support_size=8, iterations=6, lr=0.01, target_batch=6, x64=True, learn_labels=True
+  )
+  key = jax.random.PRNGKey(7)
+  batched = kip_distill_batched(fx, fy, sizes, cfg, key, 10)
+  loop = kip_distill_loop(fx, fy, sizes, cfg, key, 10)
+  assert batched.x.shape == (5, 8, 8, 8, 1) and batched.y.shape == (5, 8)
+  assert batched.y_matrix.shape == (5, 8, 10) and batched.loss.shape == (5, 6)
+  for i in range(5):
+    np.testing.assert_allclose(np.asarray(batched.x[i]), np.asarray(loop[i].x), atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(batched.loss[i]), np.asarray(loop[i].loss), rtol=1e-5, atol=1e-12
+    )
+    np.testing.assert_array_equal(np.asarray(batched.y[i]), np.asarray(loop[i].y))
+    np.testing.assert_allclose(
+      np.asarray(batched.y_matrix[i]), np.asarray(loop[i].y_matrix), atol=1e-5
+    )
+    assert np.isfinite(np.asarray(loop[i].x)).all()
+  assert batched.x.dtype == jnp.float32
+  # learned labels moved away from their centred one-hot init; hard labels (argmax) still come
+  # from the client's own real samples after these few steps
+  init_y = np.asarray(centered_one_hot(jnp.asarray(batched.y), 10))
+  assert np.abs(np.asarray(batched.y_matrix) - init_y).max() > 0
+  for i, s in enumerate(sizes):
+    assert set(np.asarray(batched.y[i]).tolist()) <= set(fy[i, :s].tolist())
+  assert set(np.asarray(batched.y[2]).tolist()) == {3}
 
 
 def test_kip_loss_decreases_and_generalises():
-    fx, fy, sizes = _digits_clients([300], 300, seed=2)
-    cfg = KIPConfig(support_size=10, iterations=150, lr=0.02, target_batch=100)
-    res = kip_distill(fx[0], fy[0], 300, cfg, jax.random.PRNGKey(0), 10)
-    loss = np.asarray(res.loss)
-    assert np.isfinite(loss).all()
-    assert loss[-20:].mean() < 0.8 * loss[:20].mean(), (loss[:20].mean(), loss[-20:].mean())
-    # the distilled support beats its own initialisation as a KRR predictor on held-out digits
-    d = load_digits()
-    X = (d.images / 16.0).astype(np.float32)[..., None]
-    mean, std = fx[0].mean(), fx[0].std() + 1e-6
-    k_init = jax.random.split(jax.random.PRNGKey(0), 3)[0]        # kip_distill's init key
-    idx = np.asarray(init_support(k_init, jnp.asarray(fy[0]), 300, 10, 10))
-    kfn = make_kernel_fn("fc_ntk")
-    yt = centered_one_hot(jnp.asarray(d.target), 10)
-    xt = jnp.asarray((X - mean) / std)
-    l_init = krr_loss(jnp.asarray((fx[0][idx] - mean) / std), centered_one_hot(fy[0][idx], 10),
-                      xt, yt, kfn)[0]
-    l_kip = krr_loss(jnp.asarray((np.asarray(res.x) - mean) / std), res.y_matrix, xt, yt, kfn)[0]
-    np.testing.assert_array_equal(np.asarray(res.y), fy[0][idx])
-    assert float(l_kip) < float(l_init)
+  fx, fy, sizes = _digits_clients([300], 300, seed=2)
+  cfg = KIPConfig(support_size=10, iterations=150, lr=0.02, target_batch=100)
+  res = kip_distill(fx[0], fy[0], 300, cfg, jax.random.PRNGKey(0), 10)
+  loss = np.asarray(res.loss)
+  assert np.isfinite(loss).all()
+  assert loss[-20:].mean() < 0.8 * loss[:20].mean(), (loss[:20].mean(), loss[-20:].mean())
+  # the distilled support beats its own initialisation as a KRR predictor on held-out digits
+  d = load_digits()
+  X = (d.images / 16.0).astype(np.float32)[..., None]
+  mean, std = fx[0].mean(), fx[0].std() + 1e-6
+  k_init = jax.random.split(jax.random.PRNGKey(0), 3)[0]  # kip_distill's init key
+  idx = np.asarray(init_support(k_init, jnp.asarray(fy[0]), 300, 10, 10))
+  kfn = make_kernel_fn('fc_ntk')
+  yt = centered_one_hot(jnp.asarray(d.target), 10)
+  xt = jnp.asarray((X - mean) / std)
+  l_init = krr_loss(
+    jnp.asarray((fx[0][idx] - mean) / std), centered_one_hot(fy[0][idx], 10), xt, yt, kfn
+  )[0]
+  l_kip = krr_loss(jnp.asarray((np.asarray(res.x) - mean) / std), res.y_matrix, xt, yt, kfn)[0]
+  np.testing.assert_array_equal(np.asarray(res.y), fy[0][idx])
+  assert float(l_kip) < float(l_init)

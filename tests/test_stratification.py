@@ -165,3 +165,14 @@ def test_sharded_ms_matches(batched_conv):
   assert out.returncode == 0, out.stderr[-3000:]
   losses = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
   np.testing.assert_allclose(losses, batched_conv.losses, rtol=2e-5, atol=1e-6)
+
+
+def test_ms_heatmap_numbers_clients_from_zero(tmp_path):
+  """Clients are 0..m-1 in the heatmap, as in partition.txt and partition.png."""
+  from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+  U_r, _ = S.normalise_U(np.random.default_rng(0).random((10, 5)))
+  fig = plots.plot_ms_heatmap(tmp_path / 'ms.png', U_r)
+  assert (tmp_path / 'ms.png').exists()
+  labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+  assert labels == [f'client {k}' for k in range(5)]
+  assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [str(j) for j in range(10)]

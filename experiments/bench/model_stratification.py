@@ -24,7 +24,7 @@ the full stage is extrapolated per step; `--scan_runs=0` times all m·c runs (~2
 Stage 2, one DENSE distillation epoch (reference-code §1.5–1.6): synthesis (fresh generator and
 z, `g_steps` Adam steps on BN (hooks, 'paper' mode) + CE(mean of m teachers) + masked adversarial
 KL against the student, RandomCrop(4) + HFlip view, best batch kept) then one KD pass over a pool
-of `pool` images (KL T = 20 × T², SGD 0.005 m0.9, HFlip) — jfed (`synthesize` + `oneshot.kd_step`)
+of `pool` images (KL T = 20 × T², SGD 0.005 m0.9, HFlip) — jfed (`synthesize` + `distill.kd_step`)
 vs the same in PyTorch.
 
 Timed calls follow a warm-up call that compiles (jfed) / warms up (torch); both are reported.
@@ -35,7 +35,7 @@ synthesis batch is 256: `--ms_batch=256` on an accelerator).
 
 Output: a Markdown table (backend, versions, CPUs, load average in the header) with seconds per
 call, ms per generator step and the ratio to PyTorch (> 1: jfed faster); it names the fastest
-jfed MS form and whether FedHydra's `ms_impl='auto'` (jfed.methods.fedhydra.resolve_ms_impl)
+jfed MS form and whether FedHydra's `ms_impl='auto'` (jfed.distill.resolve_ms_impl)
 picks it on this backend. `--out` also writes the table and raw numbers as JSON.
 """
 import json
@@ -103,28 +103,28 @@ def jfed_ms(form: str, teachers, generator, m: int, c: int):
   """MS over the first m clients and c classes with the given form."""
   from jfed.distill import MSConfig
   from jfed.engine import take
-  from jfed.methods.fedhydra import MS_FUNCTIONS
+  from jfed.distill import MS_FUNCTIONS
   cfg = MSConfig(T_G=FLAGS.T_G, lr=LR_G, b1=BETAS[0], b2=BETAS[1], batch_size=FLAGS.ms_batch)
   group = teachers._replace(states=take(teachers.states, np.arange(m)))
   return lambda: MS_FUNCTIONS[form](group, generator, c, jax.random.PRNGKey(1), cfg).U
 
 
 def jfed_dense_epoch(teachers, generator, c: int):
-  from jfed.distill import dense_config, pool_add, pool_init, synthesize, epoch_batches
+  from jfed.distill import (KDConfig, committed, dense_config, epoch_batches, kd_step, pool_add,
+                            pool_init, student_state, synthesize)
   from jfed.engine import init_model
-  from jfed.methods import oneshot
+  from jfed.engine.optim import OptimizerSpec
   student_module = teachers.module
   student = init_model(student_module, SHAPE, jax.random.PRNGKey(2))
   syn = dense_config(g_steps=FLAGS.g_steps, batch_size=FLAGS.synthesis_batch, lr_g=LR_G)
-  kcfg = oneshot.KDConfig(loss='kl', T=20.0, t_squared=True, aggregation='mean', augment='flip')
-  ocfg = oneshot.OptConfig(lr=0.005, momentum=0.9)
+  kcfg = KDConfig(loss='kl', T=20.0, t_squared=True, aggregation='mean', augment='flip')
+  ocfg = OptimizerSpec('sgd', lr=0.005, momentum=0.9)
   rng = np.random.default_rng(0)
   pool = pool_init(FLAGS.pool + FLAGS.synthesis_batch, SHAPE, quantize=True)
   pool = pool_add(pool, jnp.asarray(rng.random((FLAGS.pool, *SHAPE), np.float32)))
-  pool = oneshot.committed(pool)
-  teachers = teachers._replace(states=oneshot.committed(teachers.states))
-  ts = oneshot.committed(oneshot.TrainState(student, oneshot.student_tx(ocfg).init(
-      student.params)))
+  pool = committed(pool)
+  teachers = teachers._replace(states=committed(teachers.states))
+  ts = committed(student_state(ocfg, student))
   modules, states = (teachers.module,), (teachers.states,)
 
   def epoch():
@@ -133,9 +133,8 @@ def jfed_dense_epoch(teachers, generator, c: int):
     idx, mask = epoch_batches(p, np.random.default_rng(1), FLAGS.kd_batch)
     t = ts
     for b in range(idx.shape[0]):
-      t, _ = oneshot.kd_step(kcfg, ocfg, modules, student_module, t, states, None, p,
-                             jnp.asarray(idx[b]), jnp.asarray(mask[b]), jax.random.PRNGKey(b),
-                             0.005)
+      t, _ = kd_step(kcfg, ocfg, modules, student_module, t, states, None, p,
+                     jnp.asarray(idx[b]), jnp.asarray(mask[b]), jax.random.PRNGKey(b), 0.005)
     return t.model.params
   return epoch
 
@@ -307,7 +306,7 @@ def main(argv):
   import flax
   import jaxlib
   from jfed.distill import make_generator
-  from jfed.methods.fedhydra import resolve_ms_impl
+  from jfed.distill import resolve_ms_impl
   try:
     import torch
     torch.set_num_threads(cpu_count())
@@ -413,7 +412,7 @@ def report(meta, rows) -> str:
            'loop': 'jfed loop (model_stratification_loop: per-run lax.scan)',
            'python': 'jfed python (distill.model_stratification_python: per-run jitted steps)',
            'torch': 'PyTorch (reference structure, one run at a time)',
-           'jfed': 'jfed (synthesize + oneshot.kd_step)'}
+           'jfed': 'jfed (synthesize + distill.kd_step)'}
   for r in rows:
     name = names[r['form']]
     if r['stage'] == 'MS' and r['form'] == fastest:

@@ -1,5 +1,61 @@
-"""The base config every experiment config starts from; each method reads its own sub-config."""
+"""The base config every experiment config starts from; each method reads its own sub-config.
+
+Also `variant_words`, which every `get_config(arg)` uses to split its variant argument (the part
+after `:` in `--config=file.py:a,b`) and to refuse words it does not know.
+"""
+
+from typing import Callable, Iterable, List, TypeVar
+
 import ml_collections
+
+from jfed.errors import ConfigError
+
+T = TypeVar('T')
+
+
+def variant_words(arg: str, known: Iterable[str]) -> List[str]:
+  """The comma-separated variant words of `arg`, in order; ConfigError on an unknown one.
+
+  Args:
+    arg: the config argument, e.g. 'iid,smoke' or 'dir=0.1,rounds=3' ('' or None: no words).
+      Spaces around words and empty words (',,', a trailing comma) are ignored; a word given
+      twice is kept once.
+    known: the valid words. An entry ending in '=' (e.g. 'rounds=') is a prefix: it accepts
+      any word 'rounds=<value>' with a non-empty value (see `variant_value`).
+
+  Returns:
+    The words of `arg`, stripped, without duplicates, in the order given.
+
+  Raises:
+    ConfigError: a word that is not known; the message lists the valid words.
+  """
+  known = tuple(known)
+  words = []
+  for word in (arg or '').split(','):
+    word = word.strip()
+    if word and word not in words:
+      words.append(word)
+  for word in words:
+    name, eq, value = word.partition('=')
+    if (not eq and word in known) or (eq and value and name + eq in known):
+      continue
+    valid = ', '.join(k + '<value>' if k.endswith('=') else k for k in known)
+    raise ConfigError(
+      f'unknown config variant {word!r} in {arg!r}; valid variants (comma-separated): {valid}'
+    )
+  return words
+
+
+def variant_value(word: str, cast: Callable[[str], T]) -> T:
+  """The value of a 'name=value' variant word, converted by `cast`; ConfigError if it fails."""
+  name, _, value = word.partition('=')
+  try:
+    return cast(value)
+  except ValueError:
+    raise ConfigError(
+      f'config variant {word!r}: {value!r} is not a valid {name} '
+      f'({getattr(cast, "__name__", "value")} expected)'
+    ) from None
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -9,78 +65,229 @@ def base_config() -> ml_collections.ConfigDict:
   # scheme: iid | dirichlet (alpha, min_size) | shards (#C=k: k) | disjoint (2c/c)
   #         | feddf_dirichlet (alpha) | fedcvae_dirichlet (alpha)
   c.partition = ml_collections.ConfigDict(
-      {'scheme': 'dirichlet', 'num_clients': 5, 'alpha': 0.5, 'min_size': 10, 'k': 2})
+    {'scheme': 'dirichlet', 'num_clients': 5, 'alpha': 0.5, 'min_size': 10, 'k': 2}
+  )
   c.model = 'cnn_mnist'
-  c.client_models = ''          # heterogeneous: 'spec;spec;...' cycled over clients
-  c.local_models_dir = ''       # reuse local models checkpointed by an earlier run
+  c.client_models = ''  # heterogeneous: 'spec;spec;...' cycled over clients
+  c.local_models_dir = ''  # reuse local models checkpointed by an earlier run
   c.optimizer = ml_collections.ConfigDict(
-      {'name': 'sgd', 'lr': 0.01, 'momentum': 0.9, 'weight_decay': 0.0,
-       'schedule': 'constant'})  # schedule: constant | cosine (centralized only)
+    {'name': 'sgd', 'lr': 0.01, 'momentum': 0.9, 'weight_decay': 0.0, 'schedule': 'constant'}
+  )  # schedule: constant | cosine (centralized only)
   c.batch_size = 64
-  c.strategy = 'auto'           # client map: auto | loop | vmap | scan
-  c.shard = False               # shard client groups over all devices ('clients' mesh axis)
+  c.strategy = 'auto'  # client map: auto | loop | vmap | scan
+  c.shard = False  # shard client groups over all devices ('clients' mesh axis)
   c.eval_batch_size = 1000
 
-  c.fedavg = ml_collections.ConfigDict({'rounds': 1, 'local_epochs': 1, 'participation': 1.0,
-                                       'reuse_local_models': False})
+  c.fedavg = ml_collections.ConfigDict(
+    {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'reuse_local_models': False}
+  )
   c.fedprox = ml_collections.ConfigDict(
-      {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'mu': 0.01})
+    {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'mu': 0.01}
+  )
   c.centralized = ml_collections.ConfigDict({'epochs': 1})
   c.local = ml_collections.ConfigDict({'epochs': 1})
   # HFLDD (seed 003): label knowledge collection -> clustering -> KIP -> FedAvg over heads.
   # Paper values (Sec. VI-A4) where the paper gives them; see jfed/methods/hfldd.py.
-  c.hfldd = ml_collections.ConfigDict({
-      'pretrain_epochs': 1, 'public': 'test_split', 'public_size': 1000, 'K': 10,
-      'symmetric': False, 'leftover': 'singleton', 'distill': True, 'image_dtype': 'uint8',
-      'rounds': 1, 'local_epochs': 1,
-      'kip': ml_collections.ConfigDict({
-          'support_size': 400, 'iterations': 3000, 'lr': 0.004, 'target_batch': 10,
-          'learn_labels': False, 'kernel': 'fc_ntk', 'depth': 1, 'reg': 1e-6, 'x64': False})})
+  c.hfldd = ml_collections.ConfigDict(
+    {
+      'pretrain_epochs': 1,
+      'public': 'test_split',
+      'public_size': 1000,
+      'K': 10,
+      'symmetric': False,
+      'leftover': 'singleton',
+      'distill': True,
+      'image_dtype': 'uint8',
+      'rounds': 1,
+      'local_epochs': 1,
+      'kip': ml_collections.ConfigDict(
+        {
+          'support_size': 400,
+          'iterations': 3000,
+          'lr': 0.004,
+          'target_batch': 10,
+          'learn_labels': False,
+          'kernel': 'fc_ntk',
+          'depth': 1,
+          'reg': 1e-6,
+          'x64': False,
+        }
+      ),
+    }
+  )
   # FedSeq (RickZack/FedSeq): greedy superclients from confidence vectors, sequential training.
-  c.fedseq = ml_collections.ConfigDict({
-      'pretrain_epochs': 10, 'public': 'test_split', 'public_size': 1000, 'min_examples': 800,
-      'max_clients': 11, 'measure': 'kullback', 'code_compat': False, 'rounds': 1,
-      'local_epochs': 1, 'participation': 1.0})
+  c.fedseq = ml_collections.ConfigDict(
+    {
+      'pretrain_epochs': 10,
+      'public': 'test_split',
+      'public_size': 1000,
+      'min_examples': 800,
+      'max_clients': 11,
+      'measure': 'kullback',
+      'code_compat': False,
+      'rounds': 1,
+      'local_epochs': 1,
+      'participation': 1.0,
+    }
+  )
   # DynaFed (pipilurj/DynaFed): FedAvg + server-side trajectory matching + fine-tuning.
   # Reference defaults (CIFAR-10 scripts); experiment configs shrink them for CPU.
-  c.dynafed = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'weighting': 'uniform',
-      'trajectory_rounds': 24, 'ipc': 15, 'syn_steps': 20, 'expert_epochs': 3,
-      'min_start_epoch': 0, 'max_start_epoch': 50, 'weight_averaging': True,
-      'least_ave_num': 2, 'max_ave_num': 10,
-      'iterations': 3000, 'batch_syn': 0, 'lr_img': 0.05, 'lr_label': 0.01, 'lr_lr': 1e-5,
-      'lr_teacher': 0.04, 'label_init': 0.0, 'noise_mean': 0.5, 'noise_std': 0.25,
-      'finetune_epochs': 20, 'finetune_lr': 1e-4, 'finetune_batch': 256})
+  c.dynafed = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 1,
+      'participation': 1.0,
+      'weighting': 'uniform',
+      'trajectory_rounds': 24,
+      'ipc': 15,
+      'syn_steps': 20,
+      'expert_epochs': 3,
+      'min_start_epoch': 0,
+      'max_start_epoch': 50,
+      'weight_averaging': True,
+      'least_ave_num': 2,
+      'max_ave_num': 10,
+      'iterations': 3000,
+      'batch_syn': 0,
+      'lr_img': 0.05,
+      'lr_label': 0.01,
+      'lr_lr': 1e-5,
+      'lr_teacher': 0.04,
+      'label_init': 0.0,
+      'noise_mean': 0.5,
+      'noise_std': 0.25,
+      'finetune_epochs': 20,
+      'finetune_lr': 1e-4,
+      'finetune_batch': 256,
+    }
+  )
   # One-shot distillation methods (jfed/methods/oneshot.py defines a round; each module's
   # docstring its settings). Defaults: the reference code / seed 000 §4.1.5 (E = T_g = 200);
   # experiment configs shrink them for CPU.
-  c.dense = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 200, 'epochs': 200, 'server_model': '', 'init': 'random',
-      'g_steps': 30, 'synthesis_batch': 256, 'lr_g': 1e-3, 'bn': 1.0, 'oh': 1.0, 'adv': 1.0,
-      'bn_loss_mode': 'paper', 'nz': 256, 'ngf': 64, 'kd_T': 20.0, 'kd_lr': 0.005,
-      'kd_momentum': 0.9, 'kd_weight_decay': 0.0, 'kd_batch': 256, 'kd_augment': 'auto',
-      'pool_quantize': True})
-  c.feddf = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 200, 'server_model': '', 'init': 'fedavg',
-      'source': 'test_split', 'source_size': 4000, 'val_size': 1000, 'kd_T': 1.0,
-      'kd_optimizer': 'adam', 'kd_lr': 1e-3, 'kd_batch': 128, 'total_steps': 10000,
-      'eval_every': 100, 'patience': 1000, 'kd_grad_clip': 5.0, 'kd_schedule': 'cosine_steps',
-      'kd_augment': 'none'})
-  c.coboosting = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 200, 'epochs': 200, 'server_model': '', 'init': 'random',
-      'g_steps': 30, 'synthesis_batch': 128, 'lr_g': 1e-3, 'bn': 0.0, 'oh': 1.0, 'adv': 1.0,
-      'hs': 1.0, 'adv_T': 3.0, 'g_grad_clip': 10.0, 'nz': 256, 'ngf': 64, 'mu': 0.01,
-      'wdc': 0.99, 'wa_steps': 1, 'odseta': 8 / 255, 'ods_T': 4.0, 'kd_T': 4.0, 'kd_lr': 0.01,
-      'kd_momentum': 0.9, 'kd_weight_decay': 1e-4, 'kd_schedule': 'cosine_epochs',
-      'kd_grad_clip': 10.0, 'kd_batch': 128, 'kd_augment': 'auto', 'pool_quantize': True})
-  c.ot = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 200, 'method': 'exact', 'epsilon': 0.01, 'anchor': 0,
-      'skip_last_layer': True, 'weights': 'uniform', 'squared': False, 'bias_in_cost': True})
-  c.fedhydra = ml_collections.ConfigDict({
-      'rounds': 1, 'local_epochs': 200, 'epochs': 200, 'server_model': '', 'init': 'random',
-      'T_G': 30, 'lr_g': 1e-3, 'synthesis_batch': 256, 'lambda1': 1.0, 'lambda2': 1.0,
-      'adv_T': 1.0, 'generator_reset': False, 'nz': 256, 'ngf': 64, 'ms_T_G': 30,
-      'ms_lr': 1e-3, 'ms_batch': 256, 'ms_impl': 'auto', 'ms_chunk': 0, 'aggregation': 'sa',
-      'beta': 1.0, 'kd_T': 1.0, 'kd_lr': 0.01, 'kd_momentum': 0.9, 'kd_weight_decay': 0.0,
-      'kd_batch': 256, 'kd_data': 'pool', 'kd_augment': 'none', 'pool_quantize': True})
+  c.dense = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 200,
+      'epochs': 200,
+      'server_model': '',
+      'init': 'random',
+      'g_steps': 30,
+      'synthesis_batch': 256,
+      'lr_g': 1e-3,
+      'bn': 1.0,
+      'oh': 1.0,
+      'adv': 1.0,
+      'bn_loss_mode': 'paper',
+      'nz': 256,
+      'ngf': 64,
+      'kd_T': 20.0,
+      'kd_lr': 0.005,
+      'kd_momentum': 0.9,
+      'kd_weight_decay': 0.0,
+      'kd_batch': 256,
+      'kd_augment': 'auto',
+      'pool_quantize': True,
+    }
+  )
+  c.feddf = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 200,
+      'server_model': '',
+      'init': 'fedavg',
+      'source': 'test_split',
+      'source_size': 4000,
+      'val_size': 1000,
+      'kd_T': 1.0,
+      'kd_optimizer': 'adam',
+      'kd_lr': 1e-3,
+      'kd_batch': 128,
+      'total_steps': 10000,
+      'eval_every': 100,
+      'patience': 1000,
+      'kd_grad_clip': 5.0,
+      'kd_schedule': 'cosine_steps',
+      'kd_augment': 'none',
+    }
+  )
+  c.coboosting = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 200,
+      'epochs': 200,
+      'server_model': '',
+      'init': 'random',
+      'g_steps': 30,
+      'synthesis_batch': 128,
+      'lr_g': 1e-3,
+      'bn': 0.0,
+      'oh': 1.0,
+      'adv': 1.0,
+      'hs': 1.0,
+      'adv_T': 3.0,
+      'g_grad_clip': 10.0,
+      'nz': 256,
+      'ngf': 64,
+      'mu': 0.01,
+      'wdc': 0.99,
+      'wa_steps': 1,
+      'odseta': 8 / 255,
+      'ods_T': 4.0,
+      'kd_T': 4.0,
+      'kd_lr': 0.01,
+      'kd_momentum': 0.9,
+      'kd_weight_decay': 1e-4,
+      'kd_schedule': 'cosine_epochs',
+      'kd_grad_clip': 10.0,
+      'kd_batch': 128,
+      'kd_augment': 'auto',
+      'pool_quantize': True,
+    }
+  )
+  c.ot = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 200,
+      'method': 'exact',
+      'epsilon': 0.01,
+      'anchor': 0,
+      'skip_last_layer': True,
+      'weights': 'uniform',
+      'squared': False,
+      'bias_in_cost': True,
+    }
+  )
+  c.fedhydra = ml_collections.ConfigDict(
+    {
+      'rounds': 1,
+      'local_epochs': 200,
+      'epochs': 200,
+      'server_model': '',
+      'init': 'random',
+      'T_G': 30,
+      'lr_g': 1e-3,
+      'synthesis_batch': 256,
+      'lambda1': 1.0,
+      'lambda2': 1.0,
+      'adv_T': 1.0,
+      'generator_reset': False,
+      'nz': 256,
+      'ngf': 64,
+      'ms_T_G': 30,
+      'ms_lr': 1e-3,
+      'ms_batch': 256,
+      'ms_impl': 'auto',
+      'ms_chunk': 0,
+      'aggregation': 'sa',
+      'beta': 1.0,
+      'kd_T': 1.0,
+      'kd_lr': 0.01,
+      'kd_momentum': 0.9,
+      'kd_weight_decay': 0.0,
+      'kd_batch': 256,
+      'kd_data': 'pool',
+      'kd_augment': 'none',
+      'pool_quantize': True,
+    }
+  )
   return c

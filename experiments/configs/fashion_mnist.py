@@ -2,7 +2,8 @@
 
 Variants (get_config(arg)); measured results and times are in BUILD_NOTES.md:
   centralized:  python -m experiments.main --method=centralized \
-                  --config=experiments/configs/fashion_mnist.py:centralized --workdir=runs/fm_central
+                  --config=experiments/configs/fashion_mnist.py:centralized \
+                  --workdir=runs/fm_central
                 Upper bound: all 60k training images, SGD 0.01 m0.9 with cosine decay,
                 batch 64, 10 epochs. Measured (CPU, 2 cores): 91.57% test accuracy, 13 min.
   iid:          python -m experiments.main --method=fedavg \
@@ -15,14 +16,18 @@ Variants (get_config(arg)); measured results and times are in BUILD_NOTES.md:
                 Measured (CPU, 2 cores): 54.06% test accuracy, 12 min. FedHydra Table 1
                 reports 75.76% for one-shot FedAvg at Dir(0.5) with E=200, B=128 (seed 000
                 §4.1.5). Add `,paper` for that budget (~3 h on a 2-core CPU).
-Add `,smoke` to any variant for a 1-2 minute run (1 epoch / 1 round).
+Add `,smoke` to any variant for a 1-2 minute run (1 epoch / 1 round). An unknown variant word
+is an error that lists these.
 Times were measured while other jobs shared the 2 cores (load average 5-8): expect less alone.
 """
-from experiments.configs.common import base_config
+
+from experiments.configs.common import base_config, variant_words
+
+VARIANTS = ('centralized', 'iid', 'oneshot', 'paper', 'smoke')
 
 
 def get_config(arg: str = 'centralized'):
-  args = set(filter(None, arg.split(',')))
+  args = variant_words(arg, VARIANTS)
   c = base_config()
   c.dataset.name = 'fashion_mnist'
   c.model = 'cnn_mnist'

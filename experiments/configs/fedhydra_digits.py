@@ -19,22 +19,28 @@ training ~30 s once; FedHydra ~90 s (MS 9 s), DENSE ~170 s, Co-Boosting ~250 s, 
 OT ~3 s.
 
 Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
-  smoke     seconds-long budgets (used by tests/test_oneshot_methods.py; accuracy meaningless)
+  smoke     seconds-long budgets with two steps per method (OT: two rounds), for the driver's
+            resume tests; accuracy meaningless
+  quick     the smallest budgets on which every method learns (tests/test_oneshot_methods.py):
+            10 local epochs, 20 distillation epochs of 10 generator steps on 32 images, FedDF
+            100 Adam steps
   disjoint  FedHydra's 2c/c partition (each client owns 2 whole classes; Fig. 5 / Table 2)
   hetero    Table 3's five client architectures (GoogLeNet, ResNet18, two CNNs, LeNet) at small
             widths, ResNet18 server for dense/coboosting/feddf/fedhydra
   ae        FedHydra with the average ensemble instead of SA (Fig. 7 ablation)
   rounds=N  N global rounds for every one-shot method (seed 000 Tables 5, 8, 11–18)
 """
-from experiments.configs.common import base_config
+from experiments.configs.common import base_config, variant_value, variant_words
 from experiments.configs.fedhydra_fashion_mnist import METHODS, _set
+
+VARIANTS = ('smoke', 'quick', 'disjoint', 'hetero', 'ae', 'rounds=')
 HETERO_CLIENTS = ('googlenet:width_mult=0.0625;resnet18:width_mult=0.125;fedhydra_cnn3;'
                   'cnn_mnist;lenet')
 HETERO_SERVER = 'resnet18:width_mult=0.125'
 
 
 def get_config(arg: str = ''):
-  args = [a for a in arg.split(',') if a]
+  args = variant_words(arg, VARIANTS)
   c = base_config()
   c.dataset.name = 'digits'
   c.model = 'cnn_mnist'
@@ -57,10 +63,17 @@ def get_config(arg: str = ''):
     c.fedhydra.aggregation = 'ae'
   for a in args:
     if a.startswith('rounds='):
-      rounds = int(a.split('=', 1)[1])
+      rounds = variant_value(a, int)
       c.fedavg.rounds = rounds
       for m in METHODS:
         c[m].rounds = rounds
+  if 'quick' in args:
+    c.fedavg.local_epochs = c.local.epochs = 10
+    for m in METHODS:
+      _set(c, m, local_epochs=10, epochs=20, g_steps=10, T_G=10, synthesis_batch=32, nz=32,
+           ngf=16, kd_batch=32, ms_T_G=10, ms_batch=8)
+    c.feddf.update({'source_size': 90, 'val_size': 60, 'total_steps': 100, 'eval_every': 10,
+                    'patience': 40, 'kd_batch': 32})
   if 'smoke' in args:
     c.fedavg.local_epochs = c.local.epochs = 2
     for m in METHODS:
@@ -68,4 +81,6 @@ def get_config(arg: str = ''):
            kd_batch=16, ms_T_G=4, ms_batch=8, ms_lr=0.05)
     c.feddf.update({'source_size': 40, 'val_size': 20, 'total_steps': 4, 'eval_every': 2,
                     'patience': 4, 'kd_batch': 16})
+    if not any(a.startswith('rounds=') for a in args):
+      c.ot.rounds = 2   # two steps for every method (OT's step is a round)
   return c

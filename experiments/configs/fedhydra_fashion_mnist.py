@@ -48,9 +48,10 @@ GoogLeNet 15 min, ResNet18 2.4 min, the CNNs and LeNet under 2 min each; MS 2.4 
 distillation epochs into the ResNet18 server); clients 27-50% after one epoch, server 11.15%
 (smoke budget: 2 distillation epochs, accuracy meaningless).
 """
-from experiments.configs.common import base_config
+from experiments.configs.common import base_config, variant_value, variant_words
 
 METHODS = ('dense', 'feddf', 'coboosting', 'ot', 'fedhydra')
+VARIANTS = ('paper', 'smoke', 'dir=', '2cc', 'hetero', 'narrow', 'ae', 'rounds=')
 HETERO_CLIENTS = 'googlenet;resnet18;fedhydra_cnn3;cnn_cifar;lenet'
 HETERO_SERVER = 'resnet18'
 HETERO_CLIENTS_NARROW = ('googlenet:width_mult=0.25;resnet18:width_mult=0.25;fedhydra_cnn3;'
@@ -59,6 +60,7 @@ HETERO_SERVER_NARROW = 'resnet18:width_mult=0.25'
 
 
 def _set(c, method: str, **kw):
+  """Sets the keys of `kw` that the method's section has (the sections differ)."""
   for k, v in kw.items():
     if k in c[method]:
       c[method][k] = v
@@ -87,7 +89,7 @@ def set_budget(c, name: str) -> None:
 
 
 def get_config(arg: str = ''):
-  args = [a for a in arg.split(',') if a]
+  args = variant_words(arg, VARIANTS)
   c = base_config()
   c.dataset.name = 'fashion_mnist'
   c.model = 'cnn_mnist'
@@ -98,9 +100,9 @@ def get_config(arg: str = ''):
   set_budget(c, budget)
   for a in args:
     if a.startswith('dir='):
-      c.partition.scheme, c.partition.alpha = 'dirichlet', float(a.split('=', 1)[1])
+      c.partition.scheme, c.partition.alpha = 'dirichlet', variant_value(a, float)
     elif a.startswith('rounds='):
-      rounds = int(a.split('=', 1)[1])
+      rounds = variant_value(a, int)
       c.fedavg.rounds = rounds
       for m in METHODS:
         c[m].rounds = rounds

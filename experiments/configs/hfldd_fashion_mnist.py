@@ -16,8 +16,8 @@ Setup (paper Sec. VI-A where it gives values): 100 clients, #C=1 ('c1', default)
 ('hfldd_cnn_mnist', 44,426 parameters); SGD lr 0.01 momentum 0.9, batch 32 (the paper uses 64
 for pre-training and 32 for the heads; jfed has one batch size); K=10; public set = 1000 images
 held out of the test split (the paper uses 1000 images of another dataset: FMNIST for MNIST
-clients; `--config.hfldd.public=mnist` would be the mirror image, but MNIST is not installed), evaluation on
-the other 9000 test images for HFLDD/FedSeq and on all 10000 for the others.
+clients; `--config.hfldd.public=mnist` would be the mirror image, but MNIST is not installed),
+evaluation on the other 9000 test images for HFLDD/FedSeq and on all 10000 for the others.
 
 Budget (default, for a 2-core CPU) vs the paper (`paper` variant):
   HFLDD pre-training 5 epochs; KIP 100 images per member, 300 iterations, lr 0.004, target
@@ -40,11 +40,14 @@ client-iteration at 400 images): use an accelerator.
 Add `smoke` for a shorter end-to-end check (10 rounds, 2 pre-training epochs, KIP 50 x 100,
 DynaFed 50 matching iterations): hfldd ~3 minutes, the whole comparison ~20-30 minutes.
 """
-from experiments.configs.common import base_config
+
+from experiments.configs.common import base_config, variant_words
+
+VARIANTS = ('c1', 'c2', 'iid', 'paper', 'smoke')
 
 
 def get_config(arg: str = 'c1'):
-  args = set(filter(None, arg.split(',')))
+  args = set(variant_words(arg, VARIANTS))
   c = base_config()
   c.dataset.name = 'fashion_mnist'
   c.partition.scheme, c.partition.num_clients = 'shards', 100
@@ -71,7 +74,7 @@ def get_config(arg: str = 'c1'):
   d.rounds, d.local_epochs = rounds, epochs
   d.trajectory_rounds, d.ipc, d.syn_steps, d.expert_epochs = 10, 10, 10, 2
   d.iterations, d.finetune_epochs = 200, 20
-  d.noise_mean, d.noise_std = 0.1307, 0.3081   # the reference's constants for (f)mnist
+  d.noise_mean, d.noise_std = 0.1307, 0.3081  # the reference's constants for (f)mnist
 
   if 'paper' in args:
     h.kip.support_size, h.kip.iterations = 400, 3000

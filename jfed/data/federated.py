@@ -8,6 +8,7 @@ entries are real, so a padded client trains exactly as on its own samples.
 Memory: the stacked images take m * n_max / N times the memory of the training set, i.e.
 more than the data itself when the partition is very unbalanced.
 """
+
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ class FederatedArrays(NamedTuple):
     y: [m, n_max] int32 labels, zero beyond each client's size.
     sizes: [m] int32 true sizes: sample i of client k is real iff i < sizes[k].
   """
+
   x: np.ndarray
   y: np.ndarray
   sizes: np.ndarray
@@ -40,8 +42,9 @@ class FederatedArrays(NamedTuple):
     return self.x[k, :n], self.y[k, :n]
 
 
-def federate(x: np.ndarray, y: np.ndarray, parts: Sequence,
-             pad_to_multiple: int = 1) -> FederatedArrays:
+def federate(
+  x: np.ndarray, y: np.ndarray, parts: Sequence, pad_to_multiple: int = 1
+) -> FederatedArrays:
   """Gathers each client's samples (x[parts[k]], y[parts[k]]) into zero-padded arrays.
 
   Args:
@@ -70,6 +73,6 @@ def federate(x: np.ndarray, y: np.ndarray, parts: Sequence,
   fx = np.zeros((len(parts), n_max) + x.shape[1:], dtype=x.dtype)
   fy = np.zeros((len(parts), n_max), dtype=np.int32)
   for k, p in enumerate(parts):
-    fx[k, :len(p)] = x[p]
-    fy[k, :len(p)] = y[p]
+    fx[k, : len(p)] = x[p]
+    fy[k, : len(p)] = y[p]
   return FederatedArrays(fx, fy, sizes)

@@ -10,6 +10,7 @@ its arguments), and return one int64 index array per client. Within a client the
 order is random. Impossible requests raise `PartitionError` (a ValueError) instead of
 looping forever or silently returning empty clients.
 """
+
 import math
 from typing import Callable, Optional, Sequence
 
@@ -45,7 +46,8 @@ def _check_num_clients(num_clients: int, num_samples: int) -> None:
     raise PartitionError(f'num_clients must be >= 1, got {num_clients}.')
   if num_clients > num_samples:
     raise PartitionError(
-        f'num_clients={num_clients} exceeds the number of samples ({num_samples}).')
+      f'num_clients={num_clients} exceeds the number of samples ({num_samples}).'
+    )
 
 
 def _check_alpha(alpha: float) -> None:
@@ -67,9 +69,17 @@ def partition_iid(labels, num_clients: int, seed: int) -> list:
   return [p.astype(np.int64) for p in np.array_split(order, num_clients)]
 
 
-def _balanced_dirichlet_split(labels: np.ndarray, pool: np.ndarray, num_clients: int,
-                              alpha: float, num_classes: int, rng: np.random.Generator,
-                              min_size: int, max_tries: int, shuffle_classes: bool) -> list:
+def _balanced_dirichlet_split(
+  labels: np.ndarray,
+  pool: np.ndarray,
+  num_clients: int,
+  alpha: float,
+  num_classes: int,
+  rng: np.random.Generator,
+  min_size: int,
+  max_tries: int,
+  shuffle_classes: bool,
+) -> list:
   """NIID-Bench's per-class Dirichlet split of `pool` with the balance rule.
 
   For every class a proportion vector p ~ Dir(alpha * 1) is drawn; clients that already
@@ -103,13 +113,15 @@ def _balanced_dirichlet_split(labels: np.ndarray, pool: np.ndarray, num_clients:
     if not failed and sizes.min() >= min_size:
       return [np.concatenate(c) if c else np.zeros(0, np.int64) for c in chunks]
   raise PartitionError(
-      f'Dirichlet partition (alpha={alpha}, {num_clients} clients, {len(pool)} samples) did '
-      f'not give every client >= {min_size} samples in {max_tries} tries. Use a larger '
-      f'alpha, fewer clients, a smaller min_size or more max_tries.')
+    f'Dirichlet partition (alpha={alpha}, {num_clients} clients, {len(pool)} samples) did '
+    f'not give every client >= {min_size} samples in {max_tries} tries. Use a larger '
+    f'alpha, fewer clients, a smaller min_size or more max_tries.'
+  )
 
 
-def partition_dirichlet(labels, num_clients: int, alpha: float, seed: int,
-                        min_size: int = 10, max_tries: int = 1000) -> list:
+def partition_dirichlet(
+  labels, num_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000
+) -> list:
   """DENSE / NIID-Bench "noniid-labeldir" Dirichlet label skew (reference-code.md §10.1).
 
   Per class: shuffle its indices, p ~ Dir(alpha * 1_n), zero out clients already holding
@@ -121,24 +133,41 @@ def partition_dirichlet(labels, num_clients: int, alpha: float, seed: int,
   _check_num_clients(num_clients, len(labels))
   _check_alpha(alpha)
   if min_size * num_clients > len(labels):
-    raise PartitionError(f'min_size={min_size} for {num_clients} clients needs '
-                         f'{min_size * num_clients} samples, only {len(labels)} given.')
+    raise PartitionError(
+      f'min_size={min_size} for {num_clients} clients needs '
+      f'{min_size * num_clients} samples, only {len(labels)} given.'
+    )
   rng = np.random.default_rng(seed)
   parts = _balanced_dirichlet_split(
-      labels, np.arange(len(labels)), num_clients, alpha, _num_classes(labels, None), rng,
-      min_size, max_tries, shuffle_classes=True)
+    labels,
+    np.arange(len(labels)),
+    num_clients,
+    alpha,
+    _num_classes(labels, None),
+    rng,
+    min_size,
+    max_tries,
+    shuffle_classes=True,
+  )
   return _finish(parts, rng)
 
 
-def partition_shards_k(labels, num_clients: int, k: int, seed: int,
-                       num_classes: Optional[int] = None) -> list:
+def partition_shards_k(
+  labels, num_clients: int, k: int, seed: int, num_classes: Optional[int] = None
+) -> list:
   """NIID-Bench "#C=k" (noniid-#label{k}): every client sees exactly k classes (§10.2).
 
   Client i owns class i mod C plus k-1 further distinct classes drawn uniformly at random;
-  each class's shuffled indices are `array_split` equally among its owners. A class that no
-  client owns (possible when num_clients * k < C) is dropped: its samples go to no one.
-  (NIID-Bench itself would crash there, `np.array_split(idx, 0)`.) k = C gives each client
-  an equal share of every class.
+  each class's shuffled indices are `array_split` equally among its owners. k = C gives each
+  client an equal share of every class.
+
+  Unassigned samples: a class that no client owns is dropped, its samples go to no one
+  (NIID-Bench itself would crash there, `np.array_split(idx, 0)`). That is certain when
+  num_clients * k < C and possible whenever num_clients < C, because the k-1 extra classes
+  are random: e.g. k=2 on 5 clients of 10 classes covers classes 0-4 plus at most five
+  random others, so usually some classes (and their samples) are left out. Only with
+  num_clients >= C is every class owned. `unassigned_count(parts, len(labels))` tells how
+  many samples were dropped; the command-line driver notes it in partition.txt and prints it.
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -165,8 +194,9 @@ def partition_shards_k(labels, num_clients: int, k: int, seed: int,
   return _finish([np.concatenate(p) for p in parts], rng)
 
 
-def partition_disjoint(labels, num_clients: int, seed: int,
-                       num_classes: Optional[int] = None) -> list:
+def partition_disjoint(
+  labels, num_clients: int, seed: int, num_classes: Optional[int] = None
+) -> list:
   """FedHydra Table 2 "2c/c"-style: clients own disjoint sets of whole classes.
 
   The classes are shuffled and `array_split` into num_clients groups (C/m each; when m
@@ -177,15 +207,18 @@ def partition_disjoint(labels, num_clients: int, seed: int,
   _check_num_clients(num_clients, len(labels))
   num_classes = _num_classes(labels, num_classes)
   if num_clients > num_classes:
-    raise PartitionError(f'Disjoint partition needs num_clients <= num_classes, got '
-                         f'{num_clients} clients for {num_classes} classes.')
+    raise PartitionError(
+      f'Disjoint partition needs num_clients <= num_classes, got '
+      f'{num_clients} clients for {num_classes} classes.'
+    )
   rng = np.random.default_rng(seed)
   groups = np.array_split(rng.permutation(num_classes), num_clients)
   return _finish([np.flatnonzero(np.isin(labels, g)) for g in groups], rng)
 
 
-def partition_feddf_dirichlet(labels, num_clients: int, alpha: float, seed: int,
-                              group_size: int = 10, max_tries: int = 1000) -> list:
+def partition_feddf_dirichlet(
+  labels, num_clients: int, alpha: float, seed: int, group_size: int = 10, max_tries: int = 1000
+) -> list:
   """FedDF / FedMHO `build_non_iid_by_dirichlet` + `DataPartitioner` (§10.3).
 
   The samples are shuffled and cut into ceil(n / group_size) consecutive blocks, one per
@@ -200,8 +233,10 @@ def partition_feddf_dirichlet(labels, num_clients: int, alpha: float, seed: int,
   _check_num_clients(num_clients, len(labels))
   _check_alpha(alpha)
   if num_clients < group_size:
-    raise PartitionError(f'FedDF Dirichlet partition needs num_clients >= {group_size} '
-                         f'(its auxiliary-worker group size), got {num_clients}.')
+    raise PartitionError(
+      f'FedDF Dirichlet partition needs num_clients >= {group_size} '
+      f'(its auxiliary-worker group size), got {num_clients}.'
+    )
   num_classes = _num_classes(labels, None)
   n = len(labels)
   rng = np.random.default_rng(seed)
@@ -210,20 +245,33 @@ def partition_feddf_dirichlet(labels, num_clients: int, alpha: float, seed: int,
   block = int(group_size / num_clients * n)
   lists, remaining = [], num_clients
   for g in range(num_groups):
-    pool = order[g * block:(n if g == num_groups - 1 else (g + 1) * block)]
+    pool = order[g * block : (n if g == num_groups - 1 else (g + 1) * block)]
     workers = min(group_size, remaining)
     remaining -= group_size
     lists += _balanced_dirichlet_split(
-        labels, pool, workers, alpha, num_classes, rng,
-        min_size=int(0.5 * len(pool) / workers), max_tries=max_tries, shuffle_classes=False)
+      labels,
+      pool,
+      workers,
+      alpha,
+      num_classes,
+      rng,
+      min_size=int(0.5 * len(pool) / workers),
+      max_tries=max_tries,
+      shuffle_classes=False,
+    )
   flat = np.concatenate(lists)
   chunk = n // num_clients
-  return _finish([flat[i * chunk:(i + 1) * chunk] for i in range(num_clients)], rng)
+  return _finish([flat[i * chunk : (i + 1) * chunk] for i in range(num_clients)], rng)
 
 
-def partition_fedcvae_dirichlet(labels, num_clients: int, alpha: float, seed: int,
-                                sample_ratio: float = 1.0,
-                                num_classes: Optional[int] = None) -> list:
+def partition_fedcvae_dirichlet(
+  labels,
+  num_clients: int,
+  alpha: float,
+  seed: int,
+  sample_ratio: float = 1.0,
+  num_classes: Optional[int] = None,
+) -> list:
   """FedCVAE `split_data_dirichlet` (reference-code.md §3.6).
 
   Unlike DENSE, the Dirichlet is drawn per *client* over classes: props_u ~ Dir(alpha * 1_C),
@@ -244,10 +292,12 @@ def partition_fedcvae_dirichlet(labels, num_clients: int, alpha: float, seed: in
   rng = np.random.default_rng(seed)
   pool = np.arange(len(labels))
   if sample_ratio < 1:
-    pool = rng.permutation(len(labels))[:int(len(labels) * sample_ratio)]
+    pool = rng.permutation(len(labels))[: int(len(labels) * sample_ratio)]
     if num_clients > len(pool):
-      raise PartitionError(f'num_clients={num_clients} exceeds the {len(pool)} samples '
-                           f'kept by sample_ratio={sample_ratio}.')
+      raise PartitionError(
+        f'num_clients={num_clients} exceeds the {len(pool)} samples '
+        f'kept by sample_ratio={sample_ratio}.'
+      )
   class_idx = [rng.permutation(pool[labels[pool] == c]) for c in range(num_classes)]
   props = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)  # [U, C]
   col = props.sum(axis=0, keepdims=True)
@@ -257,8 +307,8 @@ def partition_fedcvae_dirichlet(labels, num_clients: int, alpha: float, seed: in
     counts = (scaled[:, c] * len(idx_c)).astype(np.int64)
     ends = np.cumsum(counts)
     for u in range(num_clients):
-      parts[u].append(idx_c[ends[u] - counts[u]:ends[u]])
-    leftover = idx_c[ends[-1]:]
+      parts[u].append(idx_c[ends[u] - counts[u] : ends[u]])
+    leftover = idx_c[ends[-1] :]
     owners = rng.integers(num_clients, size=len(leftover))
     for u in range(num_clients):
       parts[u].append(leftover[owners == u])
@@ -266,19 +316,23 @@ def partition_fedcvae_dirichlet(labels, num_clients: int, alpha: float, seed: in
 
 
 _SCHEMES: dict = {
-    'iid': partition_iid,
-    'dirichlet': partition_dirichlet,
-    'shards': partition_shards_k,
-    'disjoint': partition_disjoint,
-    'feddf_dirichlet': partition_feddf_dirichlet,
-    'fedcvae_dirichlet': partition_fedcvae_dirichlet,
+  'iid': partition_iid,
+  'dirichlet': partition_dirichlet,
+  'shards': partition_shards_k,
+  'disjoint': partition_disjoint,
+  'feddf_dirichlet': partition_feddf_dirichlet,
+  'fedcvae_dirichlet': partition_fedcvae_dirichlet,
 }
 
 
 # The config.partition keys each scheme takes as arguments.
 _SCHEME_ARGUMENTS = {
-    'iid': (), 'disjoint': (), 'shards': ('k',), 'dirichlet': ('alpha', 'min_size'),
-    'feddf_dirichlet': ('alpha',), 'fedcvae_dirichlet': ('alpha',),
+  'iid': (),
+  'disjoint': (),
+  'shards': ('k',),
+  'dirichlet': ('alpha', 'min_size'),
+  'feddf_dirichlet': ('alpha',),
+  'fedcvae_dirichlet': ('alpha',),
 }
 
 
@@ -301,9 +355,29 @@ def make_partition(labels, num_clients: int, scheme: str, seed: int, **kw) -> li
   """
   fn: Optional[Callable] = _SCHEMES.get(scheme)
   if fn is None:
-    raise PartitionError(f'Unknown partition scheme {scheme!r}; valid: '
-                         f'{", ".join(_SCHEMES)}.')
+    raise PartitionError(f'Unknown partition scheme {scheme!r}; valid: {", ".join(_SCHEMES)}.')
   return fn(labels, num_clients, seed=seed, **kw)
+
+
+def unassigned_count(parts: Sequence, num_samples: int) -> int:
+  """How many of the samples 0..num_samples-1 no client holds.
+
+  Nonzero for `shards` when some class has no owner (see `partition_shards_k`), for
+  `feddf_dirichlet` (the N mod n tail) and for `fedcvae_dirichlet` with sample_ratio < 1.
+  A sample held by two clients counts once.
+
+  Raises:
+    PartitionError: an index outside [0, num_samples) or a negative num_samples.
+  """
+  if num_samples < 0:
+    raise PartitionError(f'num_samples must be >= 0, got {num_samples}.')
+  assigned = np.zeros(int(num_samples), dtype=bool)
+  for i, p in enumerate(parts):
+    p = np.asarray(p, dtype=np.int64).reshape(-1)
+    if p.size and (p.min() < 0 or p.max() >= num_samples):
+      raise PartitionError(f'parts[{i}] holds indices outside [0, {num_samples}).')
+    assigned[p] = True
+  return int(num_samples - np.count_nonzero(assigned))
 
 
 def class_count_table(labels, parts: Sequence, num_classes: int) -> np.ndarray:

@@ -1,14 +1,16 @@
 """Pictures of partitions, for reports and for eyeballing heterogeneity."""
+
 import pathlib
 from typing import Optional
 
-import numpy as np
-from matplotlib.backends import backend_agg
 from matplotlib import figure as mpl_figure
+from matplotlib.backends import backend_agg
+import numpy as np
 
 
-def plot_partition_bubbles(table, path, title: Optional[str] = None,
-                           annotate: bool = True, max_bubble_area: float = 900.0) -> str:
+def plot_partition_bubbles(
+  table, path, title: Optional[str] = None, annotate: bool = True, max_bubble_area: float = 900.0
+) -> str:
   """FedHydra Fig. 9-style bubble plot of a [clients, classes] count table, saved as PNG.
 
   x = client id, y = class, bubble area proportional to the count (the largest cell gets
@@ -30,19 +32,34 @@ def plot_partition_bubbles(table, path, title: Optional[str] = None,
   if table.ndim != 2:
     raise ValueError(f'table must be [clients, classes], got shape {table.shape}.')
   num_clients, num_classes = table.shape
-  fig = mpl_figure.Figure(figsize=(max(4.0, 0.6 * num_clients + 1.5),
-                                   max(3.0, 0.4 * num_classes + 1.2)), dpi=120)
+  fig = mpl_figure.Figure(
+    figsize=(max(4.0, 0.6 * num_clients + 1.5), max(3.0, 0.4 * num_classes + 1.2)), dpi=120
+  )
   backend_agg.FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 1, 1)
   clients, classes = np.nonzero(table > 0)
   counts = table[clients, classes].astype(np.float64)
   scale = max_bubble_area / counts.max() if counts.size else 0.0
-  ax.scatter(clients, classes, s=counts * scale, c='tab:red', alpha=0.55,
-             edgecolors='darkred', linewidths=0.6)
+  ax.scatter(
+    clients,
+    classes,
+    s=counts * scale,
+    c='tab:red',
+    alpha=0.55,
+    edgecolors='darkred',
+    linewidths=0.6,
+  )
   if annotate and num_clients * num_classes <= 400:
     for i, c, n in zip(clients, classes, counts):
-      ax.annotate(str(int(n)), (i, c), xytext=(0, 0), textcoords='offset points',
-                  ha='center', va='center', fontsize=6)
+      ax.annotate(
+        str(int(n)),
+        (i, c),
+        xytext=(0, 0),
+        textcoords='offset points',
+        ha='center',
+        va='center',
+        fontsize=6,
+      )
   ax.set_xticks(range(num_clients))
   ax.set_yticks(range(num_classes))
   ax.set_xlim(-0.7, num_clients - 0.3)

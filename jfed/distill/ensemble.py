@@ -123,7 +123,8 @@ def ensemble_logits(groups, x: jnp.ndarray, weights: Optional[jnp.ndarray] = Non
 
 def coboosting_weight_update(w: jnp.ndarray, w_orig: jnp.ndarray, grad: jnp.ndarray,
                              mu: float = 0.01, wdc: float = 0.99, epoch: int = 0) -> jnp.ndarray:
-  """Co-Boosting ensemble-weight step (reference-code §2.1), with grad = ∇_w CE(Σ w_k f_k / Σ w_k, y):
+  """Co-Boosting ensemble-weight step (reference-code §2.1), with
+  grad = ∇_w CE(Σ w_k f_k / Σ w_k, y):
 
       w ← w − mu · wdc^epoch · sign(grad);   w ← clip(w_orig + clip(w − w_orig, −1, 1), 0, 1)
   """

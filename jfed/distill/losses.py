@@ -5,7 +5,7 @@ p = softmax(t/T), q = softmax(s/T). All functions are differentiable w.r.t. both
 that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses need gradients
 through the teacher, because the generator's input reaches the teacher).
 """
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import flax
 import jax
@@ -18,9 +18,10 @@ def kl_divergence(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: f
                   reduction: str = 'batchmean', t_squared: bool = False) -> jnp.ndarray:
   """PyTorch `F.kl_div(log_softmax(s/T), softmax(t/T), reduction)` (× T² if `t_squared`).
 
-  Element-wise  KL_elem[b, c] = p[b,c] · (log p[b,c] − log q[b,c]),  p = softmax(t/T), q = softmax(s/T).
-  reduction: 'none' → KL_elem [B, C]; 'sum' → Σ_bc; 'batchmean' → Σ_bc / B (the true KL averaged over
-  the batch; DENSE / FedDF); 'mean' → Σ_bc / (B·C) (PyTorch's element mean; FedMHO, FL-SA).
+  Element-wise  KL_elem[b, c] = p[b,c] · (log p[b,c] − log q[b,c]),
+  p = softmax(t/T), q = softmax(s/T).
+  reduction: 'none' → KL_elem [B, C]; 'sum' → Σ_bc; 'batchmean' → Σ_bc / B (the true KL averaged
+  over the batch; DENSE / FedDF); 'mean' → Σ_bc / (B·C) (PyTorch's element mean; FedMHO, FL-SA).
   DENSE/Co-Boosting KD use 'batchmean' with T² ; FedDF uses 'batchmean' without T².
   """
   if reduction not in _REDUCTIONS:
@@ -107,7 +108,8 @@ def _bn_pairs(bn_inputs: Any, batch_stats: Any):
       yield mean_in, var_in, flat_bs[mkey], flat_bs[vkey]
 
 
-def bn_statistics_loss(bn_inputs: Any, batch_stats: Any, model_reduction: str = 'sum') -> jnp.ndarray:
+def bn_statistics_loss(bn_inputs: Any, batch_stats: Any,
+                       model_reduction: str = 'sum') -> jnp.ndarray:
   """DeepInversion / DENSE BN-statistics loss (helpers/utils.py:DeepInversionHook):
 
       L_bn = Σ_layers ( ||running_var_l − var_l(x)||₂ + ||running_mean_l − mean_l(x)||₂ )
@@ -165,7 +167,8 @@ def fedhydra_generator_loss(sa_logits: jnp.ndarray, labels: jnp.ndarray,
       L_CE  = CE(P, y)                                   (Eq. 13; P = SA logits, Eq. 12)
       L_BN  = (1/m) Σ_k Σ_l (||μ_l − μ_{k,l}|| + ||σ²_l − σ²_{k,l}||)   (Eq. 14; pass it in, e.g.
               `bn_statistics_loss(..., model_reduction='mean')`)
-      L_AD  = −KL(P, F_g(x̂)) = −mean_b Σ_c softmax(P/T)(log softmax(P/T) − log softmax(F_g/T))  (Eq. 15)
+      L_AD  = −KL(P, F_g(x̂))                                                         (Eq. 15)
+            = −mean_b Σ_c softmax(P/T)(log softmax(P/T) − log softmax(F_g/T))
 
   The paper gives no temperature and no mask for Eq. 15 (defaults T=1, no mask); `adv_mask=True`
   gives DENSE's disagreement-masked form used by the FL-SA precursor code.
@@ -182,8 +185,9 @@ def fedhydra_global_loss(global_logits: jnp.ndarray, sa_logits: jnp.ndarray, bet
   """FedHydra global-model (distillation) loss, Eq. 19:
 
       L_Glo = L_KL + β·L_ĈE
-      L_KL  = KL(P, F_g(x̂)) = F.kl_div(log_softmax(F_g/T), softmax(P/T), reduction) [× T²]   (Eq. 17)
-      L_ĈE  = CE(F_g(x̂), H[P]),   H[P] = argmax_c P (hard label of the SA logits)          (Eq. 18)
+      L_KL  = KL(P, F_g(x̂))                                                          (Eq. 17)
+            = F.kl_div(log_softmax(F_g/T), softmax(P/T), reduction) [× T²]
+      L_ĈE  = CE(F_g(x̂), H[P]),   H[P] = argmax_c P (hard label of the SA logits)    (Eq. 18)
 
   The SA logits P are treated as constants (stop_gradient). The paper does not state T or the KL
   reduction: defaults T=1, 'batchmean' (true KL per sample); the FL-SA code uses 'mean'.

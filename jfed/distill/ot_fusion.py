@@ -1,6 +1,6 @@
 """Optimal-transport model fusion (Singh & Jaggi, NeurIPS'20), weight mode —
-`sidak/otfusion:wasserstein_ensemble.py:get_wassersteinized_layers_modularized` (reference-code §9.2),
-extended from 2 models to m (each aligned to an anchor, then averaged).
+`sidak/otfusion:wasserstein_ensemble.py:get_wassersteinized_layers_modularized`
+(reference-code §9.2), extended from 2 models to m (each aligned to an anchor, then averaged).
 
 For every model i ≠ anchor r, layer by layer in forward order (rows = output neurons;
 Dense kernel [in, out] → rows [out, in]; Conv kernel [kh, kw, in, out] → rows [out, in, kh·kw]):
@@ -28,16 +28,16 @@ Limits (documented, not hidden):
     listed layer; residual connections, concatenations, grouped/depthwise convs are not handled.
   * pooling / activations between layers are fine (they act per channel); a Dense layer must see
     either C_prev features (global pooling) or an NHWC flatten of a C_prev-channel map.
-  * BatchNorm: the BN that follows a layer (`FusionLayer(name, bn=...)`) has its scale, bias, running
-    mean and running var transported with the layer's outputs (T_cᵀ v: an exact permutation for
-    'exact' with equal widths; a convex combination otherwise — for running variances this
-    ignores the between-neuron spread). BN parameters are not part of the ground metric.
+  * BatchNorm: the BN that follows a layer (`FusionLayer(name, bn=...)`) has its scale, bias,
+    running mean and running var transported with the layer's outputs (T_cᵀ v: an exact
+    permutation for 'exact' with equal widths; a convex combination otherwise — for running
+    variances this ignores the between-neuron spread). BN parameters are not part of the ground metric.
   * last layer: its outputs are the classes, so by default (`skip_last_layer=True`, otfusion's
     `--skip-last-layer`) only its input side is aligned and the output side is not transported;
     `skip_last_layer=False` computes T for it like any other layer (otfusion's default).
   * parameters outside the listed layers / BNs are averaged without alignment.
 """
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import flax
 import jax

@@ -19,11 +19,12 @@ def _figure(size):
 def plot_ms_heatmap(path, weights, title: Optional[str] = None,
                     client_names: Optional[Sequence[str]] = None,
                     class_names: Optional[Sequence[str]] = None, annotate: bool = True,
-                    value_name: str = 'U_r') -> None:
-  """Fig. 5b: the MS weights as a clients × classes heatmap.
+                    value_name: str = 'U_r'):
+  """Fig. 5b: the MS weights as a clients × classes heatmap; returns the (saved) Figure.
 
   `weights`: the paper's c × m matrix (U, U_r or U_c; row j = class, column k = client, as
   returned by `model_stratification`), drawn transposed so that rows are clients, as in Fig. 5b.
+  Clients are numbered 0..m−1 by default, like partition.txt and partition.png.
   Every cell is annotated with its value when `annotate` (and the matrix is small enough).
   """
   w = np.asarray(weights, np.float64).T          # [m, c]
@@ -35,7 +36,7 @@ def plot_ms_heatmap(path, weights, title: Optional[str] = None,
   ax.set_xticks(range(c))
   ax.set_xticklabels(class_names or [str(j) for j in range(c)])
   ax.set_yticks(range(m))
-  ax.set_yticklabels(client_names or [f'client {k + 1}' for k in range(m)])
+  ax.set_yticklabels(client_names or [f'client {k}' for k in range(m)])
   ax.set_xlabel('class')
   ax.set_ylabel('client model')
   if annotate and m * c <= 400:
@@ -48,6 +49,7 @@ def plot_ms_heatmap(path, weights, title: Optional[str] = None,
     ax.set_title(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(str(path))
+  return fig
 
 
 def plot_accuracy_vs_epoch(path, series: Dict[str, Tuple[Sequence[float], Sequence[float]]],

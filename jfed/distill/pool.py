@@ -82,7 +82,8 @@ def epoch_batches(pool: ImagePool, seed_or_rng, batch_size: int, drop_last: bool
   [num_batches, batch_size] and mask [num_batches, batch_size] (False = padding in the last batch),
   so a jitted scan / loop over batches keeps one shape."""
   n = int(pool_size(pool))
-  rng = seed_or_rng if isinstance(seed_or_rng, np.random.Generator) else np.random.default_rng(seed_or_rng)
+  rng = (seed_or_rng if isinstance(seed_or_rng, np.random.Generator)
+         else np.random.default_rng(seed_or_rng))
   perm = rng.permutation(n)
   nb = n // batch_size if drop_last else -(-n // batch_size)
   idx = np.zeros((nb * batch_size,), np.int32)
@@ -117,7 +118,8 @@ def random_hflip(key: jax.Array, x: jnp.ndarray, p: float = 0.5) -> jnp.ndarray:
   return jnp.where(flip[:, None, None, None], x[:, :, ::-1, :], x)
 
 
-def augment(key: jax.Array, x: jnp.ndarray, crop_padding: int = 4, flip: bool = True) -> jnp.ndarray:
+def augment(key: jax.Array, x: jnp.ndarray, crop_padding: int = 4,
+            flip: bool = True) -> jnp.ndarray:
   """DENSE's synthesis view: RandomCrop(pad, zero fill) then RandomHorizontalFlip(0.5), per
   sample. One uniform draw supplies both crop offsets and the flip (each threefry call costs
   ~0.4 s of XLA:CPU compile time)."""

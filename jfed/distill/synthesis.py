@@ -7,9 +7,10 @@ z ~ N(0, I); targets y ~ U{0..C−1} (sorted for DENSE); Adam([G, z] or [G]) wit
 
     x = G(z) (train-mode BN);  x_a = aug(x) (RandomCrop(pad) + HFlip, optional);  x_n = norm(x_a)
     P_k = F_k(x_n) (teachers in eval mode; BN input statistics collected when bn > 0)
-    t   = aggregate(P_1..P_K; y)          mean (DENSE) | Σ w_k P_k / Σ w_k (Co-Boosting) | SA (FedHydra)
+    t   = aggregate(P_1..P_K; y): mean (DENSE) | Σ w_k P_k / Σ w_k (Co-Boosting) | SA (FedHydra)
     L   = bn · L_bn + oh · L_oh(t, y) + adv · L_adv(s = F_student(x_n), t)
-          L_bn : Σ_layers ||rv − var|| + ||rm − mean|| reduced over models ('sum' DENSE, 'mean' Eq. 14)
+          L_bn : Σ_layers ||rv − var|| + ||rm − mean||, reduced over models ('sum' DENSE,
+                 'mean' Eq. 14)
           L_oh : CE(t, y) | (1 − p_y)^hs · CE  (Co-Boosting hard-sample)
           L_adv: −mean_b(mask_b · Σ_c KL_elem(t ‖ s)) at temperature T (× T² optional)
     keep the batch x with the lowest L, evaluated before the step (DENSE `best_inputs`);
@@ -20,7 +21,7 @@ fast form on accelerators) and `loop='python'` (a jitted step in a Python loop; 
 convolutions inside scan slowly, docs/design.md). 'auto' picks 'python' on CPU.
 """
 import functools
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp

@@ -1,39 +1,127 @@
-"""Optimisers with PyTorch semantics, built from a config."""
+"""The one optimiser builder (PyTorch semantics) and the learning-rate schedules it knows.
+
+Client training (`GroupTrainer`, via `optimizer_from_config`) and the servers' distillation
+students (`jfed.distill.kd`) build their optimisers here and name their schedules from the one
+set `SCHEDULES`:
+
+  'constant'       the learning rate throughout;
+  'cosine'         CosineAnnealingLR stepped every optimiser step: T_max = total_steps;
+  'cosine_epochs'  CosineAnnealingLR stepped once per epoch: T_max = epochs.
+
+The learning rate is an injected hyperparameter (`optax.inject_hyperparams`): it lives in the
+optimiser state, so it is checkpointed with it and can be read back for the metrics. Built with
+`total_steps` (and `epochs` for 'cosine_epochs'), the rate follows the schedule from the
+optimiser's own step count. A caller whose epochs differ in length (a student distilled on a
+growing pool) builds with 'constant' and sets every step's rate itself:
+`set_learning_rate(opt_state, scheduled_lr(schedule, lr, step, total_steps, epoch, epochs))`.
+"""
+import math
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ('sgd', 'adam')
+SCHEDULES = ('constant', 'cosine', 'cosine_epochs')
 
 
-SCHEDULES = ('constant', 'cosine')
+class OptimizerSpec(NamedTuple):
+  """A static (hashable) description of an optimiser: `make_optimizer`'s arguments."""
+  name: str
+  lr: float
+  momentum: float = 0.0
+  weight_decay: float = 0.0
+  grad_clip: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  schedule: str = 'constant'
+
+
+def check_schedule(schedule: str) -> None:
+  if schedule not in SCHEDULES:
+    raise ValueError(f'Unknown lr schedule {schedule!r}; valid: {", ".join(SCHEDULES)}')
+
+
+def scheduled_lr(schedule: str, lr: float, step: int = 0, total_steps: int = 0, epoch: int = 0,
+                 epochs: int = 0) -> float:
+  """The learning rate after `step` of `total_steps` steps, in epoch `epoch` (0-based) of
+  `epochs`: 'constant', 'cosine' (per step) or 'cosine_epochs' (per epoch)."""
+  check_schedule(schedule)
+  if schedule == 'constant':
+    return float(lr)
+  if schedule == 'cosine':
+    if total_steps <= 0:
+      raise ValueError("the 'cosine' schedule needs total_steps > 0")
+    return 0.5 * lr * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
+  if epochs <= 0:
+    raise ValueError("the 'cosine_epochs' schedule needs epochs > 0")
+  return 0.5 * lr * (1.0 + math.cos(math.pi * min(epoch, epochs) / epochs))
+
+
+def _schedule_fn(schedule: str, lr: float, total_steps: int, epochs: int):
+  """The schedule as a function of the optimiser's step count (a float for 'constant')."""
+  check_schedule(schedule)
+  if schedule == 'constant':
+    return lr
+  if total_steps <= 0:
+    raise ValueError(f'a {schedule!r} schedule needs total_steps > 0')
+  if schedule == 'cosine':
+    return optax.cosine_decay_schedule(lr, total_steps)
+  if epochs <= 0:
+    raise ValueError("the 'cosine_epochs' schedule needs epochs > 0")
+
+  def per_epoch(count):
+    epoch = jnp.minimum(count * epochs // total_steps, epochs)
+    return 0.5 * lr * (1.0 + jnp.cos(jnp.pi * epoch / epochs))
+  return per_epoch
 
 
 def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                    b1: float = 0.9, b2: float = 0.999, schedule: str = 'constant',
-                   total_steps: int = 0) -> optax.GradientTransformation:
-  """torch.optim.SGD / Adam: weight decay is added to the gradient before momentum/Adam.
-
-  schedule='cosine' decays lr to 0 over `total_steps` optimiser steps (CosineAnnealingLR); the
-  step count lives in the optimiser state, so it only makes sense where that state persists
-  (centralized training), not with a fresh optimiser per FL round.
-  """
-  if schedule == 'cosine':
-    if total_steps <= 0:
-      raise ValueError('a cosine schedule needs total_steps > 0')
-    lr = optax.cosine_decay_schedule(lr, total_steps)
-  elif schedule != 'constant':
-    raise ValueError(f'Unknown lr schedule {schedule!r}; valid: {", ".join(SCHEDULES)}')
-  if name == 'sgd':
-    opt = optax.sgd(lr, momentum=momentum or None)
-  elif name == 'adam':
-    opt = optax.adam(lr, b1=b1, b2=b2)
-  else:
+                   total_steps: int = 0, grad_clip: float = 0.0, epochs: int = 0
+                   ) -> optax.GradientTransformation:
+  """torch.optim.SGD / Adam: the gradient norm clipped (clip_grad_norm_, when grad_clip > 0),
+  weight decay added to the gradient, then momentum / Adam; lr per `schedule` (module doc)."""
+  if name not in OPTIMIZERS:
     raise ValueError(f'Unknown optimizer {name!r}; valid: {", ".join(OPTIMIZERS)}')
-  if weight_decay:
-    return optax.chain(optax.add_decayed_weights(weight_decay), opt)
-  return opt
+
+  def build(learning_rate):
+    parts = []
+    if grad_clip:
+      parts.append(optax.clip_by_global_norm(grad_clip))
+    if weight_decay:
+      parts.append(optax.add_decayed_weights(weight_decay))
+    if name == 'sgd':
+      parts.append(optax.sgd(learning_rate, momentum=momentum or None))
+    else:
+      parts.append(optax.adam(learning_rate, b1=b1, b2=b2))
+    return parts[0] if len(parts) == 1 else optax.chain(*parts)
+  return optax.inject_hyperparams(build)(
+      learning_rate=_schedule_fn(schedule, lr, total_steps, epochs))
 
 
-def optimizer_from_config(cfg, total_steps: int = 0) -> optax.GradientTransformation:
+def build_optimizer(spec: OptimizerSpec, total_steps: int = 0, epochs: int = 0
+                    ) -> optax.GradientTransformation:
+  return make_optimizer(spec.name, spec.lr, momentum=spec.momentum,
+                        weight_decay=spec.weight_decay, b1=spec.b1, b2=spec.b2,
+                        schedule=spec.schedule, total_steps=total_steps,
+                        grad_clip=spec.grad_clip, epochs=epochs)
+
+
+def set_learning_rate(opt_state: Any, lr) -> Any:
+  """`opt_state` of a 'constant' optimiser with its learning rate replaced (jit-safe)."""
+  return opt_state._replace(hyperparams={**opt_state.hyperparams,
+                                         'learning_rate': jnp.asarray(lr, jnp.float32)})
+
+
+def learning_rate_of(opt_state: Any) -> Any:
+  return opt_state.hyperparams['learning_rate']
+
+
+def optimizer_from_config(cfg, total_steps: int = 0, epochs: int = 0
+                          ) -> optax.GradientTransformation:
+  """The client optimiser of `config.optimizer` (name, lr, momentum, weight_decay, schedule)."""
   return make_optimizer(cfg.name, cfg.lr, momentum=cfg.get('momentum', 0.0),
                         weight_decay=cfg.get('weight_decay', 0.0),
-                        schedule=cfg.get('schedule', 'constant'), total_steps=total_steps)
+                        schedule=cfg.get('schedule', 'constant'), total_steps=total_steps,
+                        epochs=epochs)

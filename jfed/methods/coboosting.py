@@ -1,5 +1,5 @@
 """Co-Boosting (Dai et al., ICLR'24; rong-dai/Co-Boosting, reference-code.md §2) on the shared
-one-shot distillation loop (`jfed.methods.oneshot`, whose docstring defines a round).
+one-shot distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a step).
 
 Per distillation epoch e:
 1. synthesis (`jfed.distill.coboosting_config`): fresh generator, g_steps Adam steps on the
@@ -11,7 +11,8 @@ Per distillation epoch e:
    with w₀ the weights at the start of the epoch (`coboosting_weight_update`).
 3. KD over the whole pool with ODS: per batch x ← x + η·sign(∇_x Σ r ⊙ softmax(t_w(x)/4)),
    r ~ U(−1, 1)^{B×C}; loss KL_{T=4} 'batchmean' × T² against t_w; SGD(0.01, momentum 0.9,
-   wd 1e-4), CosineAnnealingLR over the epochs, student gradient norm clipped to 10.
+   wd 1e-4), CosineAnnealingLR over the epochs ('cosine_epochs'), student gradient norm clipped
+   to 10.
 
 Difference from the reference, by construction: Co-Boosting normalises inputs with
 mean = std = 0.5, but jfed clients train on raw [0, 1] inputs (DENSE convention, no Normalize),
@@ -19,19 +20,19 @@ so teachers, student and generator all work in [0, 1]. The ODS step `odseta` is 
 reference's normalised units (8/255) and applied as odseta · 0.5 in [0, 1] units (the same
 perturbation of the same image).
 
-Config (`config.coboosting`): rounds, local_epochs, epochs, server_model, init, g_steps,
-synthesis_batch, lr_g, bn, oh, adv, hs, adv_T, g_grad_clip, nz, ngf, mu, wdc, wa_steps, odseta,
-ods_T, kd_T, kd_lr, kd_momentum, kd_weight_decay, kd_schedule, kd_grad_clip, kd_batch,
-kd_augment, pool_quantize.
+Config (`config.coboosting`): the fields of `CoBoostingConfig`.
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfed import typed_config as tc
 from jfed.distill import (coboosting_config, coboosting_weight_update, combine_logits,
-                          cross_entropy, epoch_batches, pool_gather, teacher_outputs)
+                          cross_entropy, epoch_batches, pool_gather, teacher_groups,
+                          teacher_outputs)
 from jfed.methods import oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
@@ -39,12 +40,45 @@ from jfed.methods.registry import register_method
 NORMALISED_STD = 0.5   # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
 
 
+class CoBoostingConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  epochs: int
+  server_model: str
+  init: str
+  g_steps: int
+  synthesis_batch: int
+  lr_g: float
+  bn: float
+  oh: float
+  adv: float
+  hs: float
+  adv_T: float
+  g_grad_clip: float
+  nz: int
+  ngf: int
+  mu: float
+  wdc: float
+  wa_steps: int
+  odseta: float
+  ods_T: float
+  kd_T: float
+  kd_lr: float
+  kd_momentum: float
+  kd_weight_decay: float
+  kd_schedule: str
+  kd_grad_clip: float
+  kd_batch: int
+  kd_augment: str
+  pool_quantize: bool
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, pool, idx, mask, mu, wdc,
                 epoch):
   """One Co-Boosting ensemble-weight step on pool[idx] (reference-code §2.1)."""
   x, y = pool_gather(pool, idx)
-  per_client, _ = teacher_outputs(oneshot._groups(teacher_modules, teacher_states), x, False,
+  per_client, _ = teacher_outputs(teacher_groups(teacher_modules, teacher_states), x, False,
                                   strategy)
   per_client = jax.lax.stop_gradient(per_client)
   real = mask.astype(jnp.float32)
@@ -56,58 +90,59 @@ def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, pool, idx,
   return coboosting_weight_update(w, w_orig, jax.grad(ce)(w), mu, wdc, epoch)
 
 
-def coboosting_settings(ctx: RunContext, cfg) -> oneshot.Settings:
-  synthesis = coboosting_config(**oneshot.synthesis_common(ctx, cfg), bn=float(cfg.bn),
-                                oh=float(cfg.oh), adv=float(cfg.adv), hs=float(cfg.hs), adv_T=float(cfg.adv_T),
-                                grad_clip=float(cfg.g_grad_clip) or None, input_mean=None,
-                                input_std=None)
-  kd = oneshot.KDConfig(loss='kl', T=float(cfg.kd_T), t_squared=True, aggregation='weighted',
-                        augment=oneshot.resolve_augment(cfg.kd_augment, ctx.dataset.name),
-                        crop_padding=oneshot.crop_padding(ctx.dataset.input_shape),
-                        ods_eta=float(cfg.odseta) * NORMALISED_STD, ods_T=float(cfg.ods_T),
-                        strategy=oneshot.teacher_strategy(ctx))
-  return oneshot.base_settings(ctx, cfg, synthesis, kd, oneshot.opt_config(cfg))
+def _by_client(w, client_ids) -> list:
+  out = np.zeros(len(client_ids))
+  out[np.asarray(client_ids)] = np.asarray(w)
+  return out.tolist()
 
 
-class CoBoosting(oneshot.DistillMethod):
-  name = 'coboosting'
+@register_method('coboosting')
+class CoBoosting(oneshot.DistillationAlgorithm):
+  """Hard-sample synthesis against a per-model weighted ensemble, ODS, weight updates."""
+  section = 'coboosting'
+  Config = CoBoostingConfig
 
-  def init_extra(self, student, num_teachers):
-    return jnp.full((num_teachers,), 1.0 / num_teachers, jnp.float32)
+  def validate(self, config) -> None:
+    super().validate(config)
+    c = self.config
+    tc.require_non_negative(c, self.section, ('bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu',
+                                              'wa_steps', 'odseta'))
+    tc.require_positive(c, self.section, ('adv_T', 'ods_T', 'wdc'))
 
-  def synthesis_agg(self, state, aux):
+  def settings(self, ctx: RunContext) -> oneshot.Settings:
+    c = self.config
+    synthesis = coboosting_config(**self.synthesis_common(ctx), bn=c.bn, oh=c.oh, adv=c.adv,
+                                  hs=c.hs, adv_T=c.adv_T, grad_clip=c.g_grad_clip or None,
+                                  input_mean=None, input_std=None)
+    kd = self.kd_config(ctx, loss='kl', t_squared=True, aggregation='weighted',
+                        ods_eta=c.odseta * NORMALISED_STD, ods_T=c.ods_T)
+    return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
+
+  def init_extra(self, ctx, aux, student):
+    return jnp.full((ctx.num_clients,), 1.0 / ctx.num_clients, jnp.float32)
+
+  def synthesis_agg(self, state, rd):
     return state.extra
 
   kd_agg = synthesis_agg
 
-  def setup_round(self, r, local, teachers):
+  def round_data(self, ctx, aux, r, local, teachers):
     return oneshot.teacher_client_ids(local)
 
-  def before_kd(self, state, aux, teachers, r, e):
+  def before_kd(self, ctx, aux, rd, state, r, e):
     if e == 0:
       return state, {}
-    cfg = self.ctx.config.coboosting
-    modules = tuple(t.module for t in teachers)
-    t_states = tuple(t.states for t in teachers)
+    c = self.config
+    modules = tuple(t.module for t in rd.teachers)
+    t_states = tuple(t.states for t in rd.teachers)
     w = w_orig = state.extra
-    rng = np.random.default_rng((int(self.ctx.config.seed), r, e, 7))
-    for _ in range(int(cfg.wa_steps)):
-      idx, mask = epoch_batches(state.pool, rng, self.s.kd_batch)
+    rng = np.random.default_rng((int(ctx.config.seed), r, e, 7))
+    for _ in range(c.wa_steps):
+      idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
       for b in range(idx.shape[0]):
-        w = weight_step(self.s.kd.strategy, modules, t_states, w, w_orig, state.pool,
-                        jnp.asarray(idx[b]), jnp.asarray(mask[b]), float(cfg.mu),
-                        float(cfg.wdc), jnp.float32(e))
-    return state._replace(extra=w), {'ensemble_weights': self._by_client(w, aux)}
+        w = weight_step(aux.settings.kd.strategy, modules, t_states, w, w_orig, state.pool,
+                        jnp.asarray(idx[b]), jnp.asarray(mask[b]), c.mu, c.wdc, jnp.float32(e))
+    return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
 
-  def _by_client(self, w, client_ids):
-    out = np.zeros(len(client_ids))
-    out[client_ids] = np.asarray(w)
-    return out.tolist()
-
-  def summary(self, state, aux):
-    return {'ensemble_weights': self._by_client(state.extra, aux)}
-
-
-@register_method('coboosting')
-def coboosting(ctx: RunContext) -> dict:
-  return oneshot.run_distillation(CoBoosting(ctx, coboosting_settings(ctx, ctx.config.coboosting)))
+  def method_summary(self, ctx, aux, rd, state, history):
+    return {'ensemble_weights': _by_client(state.extra, rd.data)}

@@ -230,3 +230,12 @@ def client_accuracies(ctx: RunContext, local: LocalModels) -> np.ndarray:
 def test_accuracy(ctx: RunContext, module, model: ModelState, evaluator=None) -> float:
   ev = evaluator or engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
   return ev.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
+
+
+def client_probabilities(ctx: RunContext, local: LocalModels, x: np.ndarray) -> np.ndarray:
+  """Softmax outputs [m, n, C] of every client's own model on x, indexed by global client id."""
+  out = np.zeros((ctx.num_clients, len(x), ctx.dataset.num_classes), np.float32)
+  for g, models in zip(local.groups, local.models):
+    ev = engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    out[g.client_ids] = np.asarray(jax.nn.softmax(jnp.asarray(ev.group_logits(models, x)), -1))
+  return out

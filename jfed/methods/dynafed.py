@@ -35,12 +35,18 @@ distill_lr 1e-4, batch 256; 80 clients, participation 0.4, client Adam 1e-3.
 Not implemented: DiffAugment (DSA) during matching and fine-tuning. Client training uses the
 run's optimiser (the same as the other methods of a comparison).
 
-Communication = FedAvg's (Eq. 3): the distillation is server-side.
+Rounds are steps; the round body is `common.fedavg_round` (uniform weights passed as
+`weights`). The state (global model, trajectory, synthetic set) is checkpointed by the driver
+after every round, so a run resumed after round T does not distil again.
+
+Communication = FedAvg's (Eq. 3): the distillation is server-side. Every round records the
+measured model uploads and downloads; the summary's `bytes_by_stage` is the protocol's account
+(`jfed.io.comm.fedavg_transfers` over each round's participants).
 """
+
 import functools
 import math
-import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,30 +54,61 @@ import numpy as np
 import optax
 
 from jfed import engine
+from jfed import typed_config as tc
 from jfed.data import FederatedArrays
+from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
+from jfed.io import comm
+from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import KEY_MODEL_INIT, KEY_ROUNDS, KEY_SAMPLING, RunContext
-from jfed.methods.fedavg import select_clients, single_architecture
+from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 from jfed.reporting import Progress
 
-KEY_SYNTH = 51      # fold_in purposes: synthetic-set init / matching iterations / fine-tuning
-KEY_FINETUNE = 52
+WEIGHTINGS = ('uniform', 'size')
+
+
+class DynaFedConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  participation: float
+  weighting: str
+  trajectory_rounds: int
+  ipc: int
+  syn_steps: int
+  expert_epochs: int
+  min_start_epoch: int
+  max_start_epoch: int
+  weight_averaging: bool
+  least_ave_num: int
+  max_ave_num: int
+  iterations: int
+  batch_syn: int
+  lr_img: float
+  lr_label: float
+  lr_lr: float
+  lr_teacher: float
+  label_init: float
+  noise_mean: float
+  noise_std: float
+  finetune_epochs: int
+  finetune_lr: float
+  finetune_batch: int
 
 
 class DynaFedState(NamedTuple):
   """Everything a resumed run needs, checkpointed after every round."""
-  model: ModelState   # global model
-  trajectory: Any     # params stacked [T + 1, ...]: θ_0 .. θ_T (zeros beyond the rounds done)
-  syn_x: Any          # [ipc·C, H, W, C] synthetic images in [0, 1]-space (zeros until distilled)
-  syn_labels: Any     # [ipc·C, C] label logits
-  syn_lr: Any         # [] learned student learning rate
+
+  model: ModelState  # global model
+  trajectory: Any  # params stacked [T + 1, ...]: θ_0 .. θ_T (zeros beyond the rounds done)
+  syn_x: Any  # [ipc·C, H, W, C] synthetic images in [0, 1]-space (zeros until distilled)
+  syn_labels: Any  # [ipc·C, C] label logits
+  syn_lr: Any  # [] learned student learning rate
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # trajectory matching
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 def kd_loss(logits, label_logits):
   """DynaFed's utils.kd_loss: mean over B·C of −softmax(labels) · log_softmax(logits)."""
   return jnp.mean(-jax.nn.softmax(label_logits, -1) * jax.nn.log_softmax(logits, -1))
@@ -82,63 +119,70 @@ def _squared_distance(a, b):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def trajectory_matching_loss(apply_fn: Callable, syn_x, syn_labels, syn_lr, start_params,
-                             target_params, batches):
+def trajectory_matching_loss(
+  apply_fn: Callable, syn_x, syn_labels, syn_lr, start_params, target_params, batches
+):
   """‖θ_student − θ*‖² / ‖θ_start − θ*‖² after len(batches) SGD steps on synthetic data.
 
   apply_fn(params, x) -> logits; batches: int [syn_steps, batch] indices of the synthetic
   minibatch of each student step; the step is θ ← θ − syn_lr · ∇_θ kd_loss(apply_fn(θ, x_b),
   syn_labels_b). Differentiable in syn_x, syn_labels and syn_lr.
   """
+
   def step(params, idx):
     grads = jax.grad(lambda p: kd_loss(apply_fn(p, syn_x[idx]), syn_labels[idx]))(params)
     return jax.tree.map(lambda p, g: p - syn_lr * g, params, grads), None
 
   student, _ = jax.lax.scan(step, start_params, batches)
-  return _squared_distance(student, target_params) / _squared_distance(start_params,
-                                                                       target_params)
+  return _squared_distance(student, target_params) / _squared_distance(start_params, target_params)
 
 
 def student_apply_fn(module, batch_stats) -> Callable:
   """apply(params, x) -> logits in train mode (BatchNorm on batch statistics, not updated)."""
+
   def apply(params, x):
     if not batch_stats:
       return module.apply({'params': params}, x, train=True)
-    logits, _ = module.apply({'params': params, 'batch_stats': batch_stats}, x, train=True,
-                             mutable=['batch_stats'])
+    logits, _ = module.apply(
+      {'params': params, 'batch_stats': batch_stats}, x, train=True, mutable=['batch_stats']
+    )
     return logits
+
   return apply
 
 
 def student_batches(key, num_syn: int, syn_steps: int, batch: int) -> jax.Array:
   """[syn_steps, batch] indices: consecutive chunks of fresh random permutations."""
   perms = math.ceil(syn_steps * batch / num_syn)
-  idx = jnp.concatenate([jax.random.permutation(jax.random.fold_in(key, i), num_syn)
-                         for i in range(perms)])
-  return idx[:syn_steps * batch].reshape(syn_steps, batch)
+  idx = jnp.concatenate(
+    [jax.random.permutation(jax.random.fold_in(key, i), num_syn) for i in range(perms)]
+  )
+  return idx[: syn_steps * batch].reshape(syn_steps, batch)
 
 
 class MatchingSchedule(NamedTuple):
   """Static sampling ranges of one trajectory (Python ints, fixed for a run)."""
+
   min_start: int
-  max_start: int        # inclusive
+  max_start: int  # inclusive
   expert_epochs: int
   weight_averaging: bool
   least_ave: int
-  max_ave: int          # inclusive
+  max_ave: int  # inclusive
 
 
 def matching_schedule(cfg, trajectory_len: int) -> MatchingSchedule:
+  """The sampling ranges of `distill_synthetic_set` for a trajectory θ_0 .. θ_{len - 1}."""
   expert = int(cfg.expert_epochs)
   if trajectory_len - 1 - expert < 0:
-    raise ValueError(f'dynafed: trajectory_rounds={trajectory_len - 1} must be >= '
-                     f'expert_epochs={expert}')
+    raise ValueError(
+      f'dynafed: trajectory_rounds={trajectory_len - 1} must be >= expert_epochs={expert}'
+    )
   max_start = min(int(cfg.max_start_epoch), trajectory_len - 1 - expert)
   min_start = 0 if max_start == 0 else min(int(cfg.min_start_epoch), max_start)
-  max_ave = min(int(cfg.max_ave_num), expert)     # reference: range(least, min(max+1, e+1))
+  max_ave = min(int(cfg.max_ave_num), expert)  # reference: range(least, min(max+1, e+1))
   least = max(1, min(int(cfg.least_ave_num), max_ave))
-  return MatchingSchedule(min_start, max_start, expert, bool(cfg.weight_averaging), least,
-                          max_ave)
+  return MatchingSchedule(min_start, max_start, expert, bool(cfg.weight_averaging), least, max_ave)
 
 
 def sample_target(key, trajectory, schedule: MatchingSchedule):
@@ -151,13 +195,13 @@ def sample_target(key, trajectory, schedule: MatchingSchedule):
   num = jax.random.randint(k_num, (), schedule.least_ave, schedule.max_ave + 1)
   picks = jax.random.randint(k_pick, (schedule.max_ave,), s + 1, s + schedule.expert_epochs + 1)
   w = (jnp.arange(schedule.max_ave) < num) / num
-  target = jax.tree.map(lambda t: jnp.tensordot(w.astype(t.dtype), t[picks], axes=1),
-                        trajectory)
+  target = jax.tree.map(lambda t: jnp.tensordot(w.astype(t.dtype), t[picks], axes=1), trajectory)
   return start, target
 
 
-def distill_synthetic_set(module, model: ModelState, trajectory, cfg, num_classes: int,
-                          input_shape, key):
+def distill_synthetic_set(
+  module, model: ModelState, trajectory, cfg, num_classes: int, input_shape, key
+):
   """Trajectory matching: returns (images in [0,1]-space, label logits, lr_syn, losses)."""
   ipc, C = int(cfg.ipc), num_classes
   n = ipc * C
@@ -166,20 +210,22 @@ def distill_synthetic_set(module, model: ModelState, trajectory, cfg, num_classe
   apply = student_apply_fn(module, model.batch_stats)
   mean, std = float(cfg.noise_mean), float(cfg.noise_std)
   k_init, k_iter = jax.random.split(key)
-  params = (jax.random.normal(k_init, (n, *input_shape), jnp.float32),              # z
-            float(cfg.label_init) * jax.nn.one_hot(jnp.repeat(jnp.arange(C), ipc), C),
-            jnp.asarray(float(cfg.lr_teacher), jnp.float32))
+  params = (
+    jax.random.normal(k_init, (n, *input_shape), jnp.float32),  # z
+    float(cfg.label_init) * jax.nn.one_hot(jnp.repeat(jnp.arange(C), ipc), C),
+    jnp.asarray(float(cfg.lr_teacher), jnp.float32),
+  )
   tx = optax.multi_transform(
-      {'img': optax.adam(cfg.lr_img), 'label': optax.adam(cfg.lr_label),
-       'lr': optax.adam(cfg.lr_lr)}, ('img', 'label', 'lr'))
+    {'img': optax.adam(cfg.lr_img), 'label': optax.adam(cfg.lr_label), 'lr': optax.adam(cfg.lr_lr)},
+    ('img', 'label', 'lr'),
+  )
   opt_state = tx.init(params)
 
   def objective(p, k):
     k_target, k_batch = jax.random.split(k)
     start, target = sample_target(k_target, trajectory, schedule)
     batches = student_batches(k_batch, n, int(cfg.syn_steps), batch)
-    return trajectory_matching_loss(apply, mean + std * p[0], p[1], p[2], start, target,
-                                    batches)
+    return trajectory_matching_loss(apply, mean + std * p[0], p[1], p[2], start, target, batches)
 
   @jax.jit
   def iteration(p, s, k):
@@ -197,9 +243,9 @@ def distill_synthetic_set(module, model: ModelState, trajectory, cfg, num_classe
   return mean + std * params[0], params[1], params[2], losses
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # server-side fine-tuning on the synthetic set
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 def _bn_passes(module, model: ModelState, x, batch: int, passes: int, key) -> ModelState:
   """The reference's `with no_grad: for _ in range(3): model(x_dis)` in train mode."""
   if not model.batch_stats:
@@ -207,20 +253,23 @@ def _bn_passes(module, model: ModelState, x, batch: int, passes: int, key) -> Mo
 
   @jax.jit
   def forward(stats, xb):
-    _, upd = module.apply({'params': model.params, 'batch_stats': stats}, xb, train=True,
-                          mutable=['batch_stats'])
+    _, upd = module.apply(
+      {'params': model.params, 'batch_stats': stats}, xb, train=True, mutable=['batch_stats']
+    )
     return upd['batch_stats']
 
   stats = model.batch_stats
   for p in range(passes):
     order = np.asarray(jax.random.permutation(jax.random.fold_in(key, p), len(x)))
     for i in range(0, len(x), batch):
-      stats = forward(stats, x[order[i:i + batch]])
+      stats = forward(stats, x[order[i : i + batch]])
   return ModelState(model.params, stats)
 
 
-def finetune(trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels, epochs: int,
-             key) -> ModelState:
+def finetune(
+  trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels, epochs: int, key
+) -> ModelState:
+  """BN re-estimation on the synthetic set, then `epochs` epochs of soft-label training."""
   x = np.asarray(syn_x)
   model = _bn_passes(module, model, x, trainer.batch_size, 3, jax.random.fold_in(key, 1))
   y = np.asarray(jax.nn.softmax(syn_labels, -1), np.float32)
@@ -230,84 +279,163 @@ def finetune(trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels
   return engine.take(state.model, 0)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the method
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+class DynaFedAux(NamedTuple):
+  full_group: common.ClientGroup
+  trainer: GroupTrainer  # the clients' local training
+  tuner: GroupTrainer  # the server's fine-tuning on the synthetic set
+  evaluator: engine.Evaluator
+  init: ModelState
+
+
 @register_method('dynafed')
-def dynafed(ctx: RunContext) -> dict:
-  cfg = ctx.config.dynafed
-  single_architecture(ctx)
-  ds = ctx.dataset
-  full_group = common.client_groups(ctx)[0]
-  module = full_group.module
-  init = engine.init_model(module, ds.input_shape, ctx.derive_key(KEY_MODEL_INIT, 0))
-  T = int(cfg.trajectory_rounds)
-  n_syn = int(cfg.ipc) * ds.num_classes
-  template = DynaFedState(
-      init, jax.tree.map(lambda p: jnp.zeros((T + 1, *p.shape), p.dtype), init.params),
+class DynaFed(Algorithm):
+  """FedAvg whose global model is fine-tuned on a synthetic set distilled from its trajectory."""
+
+  section = 'dynafed'
+  Config = DynaFedConfig
+  step_name = 'round'
+
+  def validate(self, config) -> None:
+    c, where = self.config, self.section
+    tc.require_positive(
+      c,
+      where,
+      (
+        'rounds',
+        'local_epochs',
+        'trajectory_rounds',
+        'ipc',
+        'syn_steps',
+        'expert_epochs',
+        'least_ave_num',
+        'max_ave_num',
+        'iterations',
+        'lr_img',
+        'lr_teacher',
+        'noise_std',
+        'finetune_epochs',
+        'finetune_lr',
+        'finetune_batch',
+      ),
+    )
+    tc.require_non_negative(
+      c, where, ('min_start_epoch', 'max_start_epoch', 'batch_syn', 'lr_label', 'lr_lr')
+    )
+    tc.require_fraction(c.participation, f'{where}.participation')
+    tc.require_choice(c.weighting, WEIGHTINGS, f'{where}.weighting')
+    tc.require(
+      c.expert_epochs <= c.trajectory_rounds,
+      f'{where}.expert_epochs ({c.expert_epochs}) must be <= '
+      f'{where}.trajectory_rounds ({c.trajectory_rounds}): a matching target lies '
+      'expert_epochs rounds after its start on the trajectory',
+    )
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds
+
+  def setup(self, ctx: RunContext) -> DynaFedAux:
+    cfg = self.config
+    common.single_architecture(ctx)
+    full_group = common.client_groups(ctx)[0]
+    module = full_group.module
+    init = engine.init_model(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
+    tuner = GroupTrainer(
+      module, optax.adam(cfg.finetune_lr), cfg.finetune_batch, strategy=ctx.config.strategy
+    )
+    return DynaFedAux(
+      full_group,
+      common.make_trainers(ctx, [full_group])[0],
+      tuner,
+      engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
+      init,
+    )
+
+  def init(self, ctx: RunContext, aux: DynaFedAux) -> DynaFedState:
+    ds, init = ctx.dataset, aux.init
+    T = self.config.trajectory_rounds
+    n_syn = self.config.ipc * ds.num_classes
+    trajectory = jax.tree.map(
+      lambda p: jnp.zeros((T + 1, *p.shape), p.dtype).at[0].set(p), init.params
+    )
+    return DynaFedState(
+      init,
+      trajectory,
       jnp.zeros((n_syn, *ds.input_shape), jnp.float32),
-      jnp.zeros((n_syn, ds.num_classes), jnp.float32), jnp.zeros((), jnp.float32))
-  template = template._replace(trajectory=jax.tree.map(lambda t, p: t.at[0].set(p),
-                                                       template.trajectory, init.params))
-  ckpt = ctx.checkpointer()
-  start, state = ckpt.restore_latest(template)
-  start = start or 0
-  ctx.metrics.truncate_after(start)
-  trainer = common.make_trainers(ctx, [full_group])[0]
-  tuner = GroupTrainer(module, optax.adam(cfg.finetune_lr), cfg.finetune_batch,
-                       strategy=ctx.config.strategy)
-  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
-  participation = cfg.get('participation', 1.0)
-  if cfg.weighting not in ('uniform', 'size'):
-    raise ValueError(f"dynafed.weighting must be 'uniform' or 'size', got {cfg.weighting!r}")
-  for r in range(start, cfg.rounds):
-    t0 = time.perf_counter()
+      jnp.zeros((n_syn, ds.num_classes), jnp.float32),
+      jnp.zeros((), jnp.float32),
+    )
+
+  def _participants(self, ctx: RunContext, i: int) -> np.ndarray:
+    return common.select_clients(
+      ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, self.config.participation
+    )
+
+  def step(self, ctx: RunContext, aux: DynaFedAux, state: DynaFedState, i: int):
+    cfg, ds = self.config, ctx.dataset
+    T = cfg.trajectory_rounds
     record = {}
-    if r == T:   # the trajectory θ_0..θ_T is complete: distil once
-      t_syn = time.perf_counter()
+    if i == T:  # the trajectory θ_0..θ_T is complete: distil once
       syn_x, syn_labels, syn_lr, losses = distill_synthetic_set(
-          module, state.model, state.trajectory, cfg, ds.num_classes, ds.input_shape,
-          ctx.derive_key(KEY_SYNTH))
+        aux.full_group.module,
+        state.model,
+        state.trajectory,
+        cfg,
+        ds.num_classes,
+        ds.input_shape,
+        ctx.derive_key(Purpose.SYNTHETIC_SET),
+      )
       state = state._replace(syn_x=syn_x, syn_labels=syn_labels, syn_lr=syn_lr)
-      record.update({'matching_loss_first': float(losses[0]) if len(losses) else None,
-                     'matching_loss_last': float(losses[-1]) if len(losses) else None,
-                     'syn_lr': float(syn_lr), 'distill_seconds': time.perf_counter() - t_syn})
-    selected = select_clients(ctx.derive_key(KEY_SAMPLING, r), ctx.num_clients, participation)
-    group = (full_group if len(selected) == ctx.num_clients
-             else common.client_groups(ctx, selected)[0])
-    (models,), (metrics,) = common.train_groups(
-        [trainer], [group], [engine.replicate(state.model, len(selected))], cfg.local_epochs,
-        ctx.derive_key(KEY_ROUNDS, r), label=f'round {r + 1}/{cfg.rounds}')
-    upload_bytes = common.receive_uploads([group], [models], [init])
-    weights = np.ones(len(selected)) if cfg.weighting == 'uniform' else group.fed.sizes
-    model = engine.weighted_average(models, weights)
-    if r >= T:
-      record['test_accuracy_before_finetune'] = evaluator.accuracy(model, ds.test_x, ds.test_y)
-      model = finetune(tuner, module, model, state.syn_x, state.syn_labels,
-                       int(cfg.finetune_epochs), ctx.derive_key(KEY_FINETUNE, r))
+      record.update(
+        {
+          'matching_loss_first': float(losses[0]) if len(losses) else None,
+          'matching_loss_last': float(losses[-1]) if len(losses) else None,
+          'syn_lr': float(syn_lr),
+        }
+      )
+    group = common.participating_group(ctx, aux.full_group, self._participants(ctx, i))
+    weights = np.ones(len(group.client_ids)) if cfg.weighting == 'uniform' else None
+    model, round_record = common.fedavg_round(
+      aux.trainer,
+      group,
+      state.model,
+      cfg.local_epochs,
+      ctx.derive_key(Purpose.ROUNDS, i),
+      aux.init,
+      weights=weights,
+      label=f'round {i + 1}/{cfg.rounds}',
+    )
+    if i >= T:
+      record['test_accuracy_before_finetune'] = aux.evaluator.accuracy(model, ds.test_x, ds.test_y)
+      model = finetune(
+        aux.tuner,
+        aux.full_group.module,
+        model,
+        state.syn_x,
+        state.syn_labels,
+        cfg.finetune_epochs,
+        ctx.derive_key(Purpose.FINETUNE, i),
+      )
     state = state._replace(model=model)
-    if r + 1 <= T:
-      state = state._replace(trajectory=jax.tree.map(
-          lambda t, p: t.at[r + 1].set(p), state.trajectory, model.params))
-    accuracy = evaluator.accuracy(model, ds.test_x, ds.test_y)
-    history_bytes = ctx.metrics.read()
-    previous = history_bytes[-1]['cumulative_bytes'] if history_bytes else 0
-    ctx.metrics.write({
-        'step': r + 1, 'round': r + 1, 'test_accuracy': accuracy,
-        'train_loss': float(np.mean(metrics.loss[:, -1])), 'clients': len(selected),
-        'upload_bytes': upload_bytes, 'download_bytes': upload_bytes,
-        'cumulative_bytes': previous + 2 * upload_bytes, **record,
-        'seconds': time.perf_counter() - t0})
-    print(f'round {r + 1}/{cfg.rounds}: test accuracy {accuracy:.4f} '
-          f'({time.perf_counter() - t0:.1f}s)', flush=True)
-    ckpt.save(r + 1, state)
-  ckpt.close()
-  history = ctx.metrics.read()
-  accs = [h['test_accuracy'] for h in history]
-  total = int(sum(h['upload_bytes'] + h['download_bytes'] for h in history))
-  return {'final_test_accuracy': accs[-1], 'best_test_accuracy': max(accs),
-          'rounds': cfg.rounds, 'step_name': 'round', 'distilled': cfg.rounds > T,
-          'num_synthetic': n_syn, 'bytes_by_stage': {
-              'model_down': int(sum(h['download_bytes'] for h in history)),
-              'model_up': int(sum(h['upload_bytes'] for h in history))},
-          'total_bytes': total}
+    if i + 1 <= T:
+      state = state._replace(
+        trajectory=jax.tree.map(lambda t, p: t.at[i + 1].set(p), state.trajectory, model.params)
+      )
+    accuracy = aux.evaluator.accuracy(model, ds.test_x, ds.test_y)
+    return state, [{'round': i + 1, 'test_accuracy': accuracy, **round_record, **record}]
+
+  def summarize(self, ctx, aux: DynaFedAux, state, history) -> Dict[str, Any]:
+    cfg = self.config
+    transfers = comm.fedavg_transfers(
+      comm.serialized_nbytes(aux.init),
+      cfg.rounds,
+      [self._participants(ctx, i).tolist() for i in range(cfg.rounds)],
+    )
+    return {
+      'rounds': cfg.rounds,
+      'distilled': cfg.rounds > cfg.trajectory_rounds,
+      'num_synthetic': cfg.ipc * ctx.dataset.num_classes,
+      'bytes_by_stage': dict(comm.bytes_by_stage(transfers)),
+    }

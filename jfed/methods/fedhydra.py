@@ -1,11 +1,12 @@
 """FedHydra (Bai et al., KDD'25; seed 000 §3, Algorithms 1–3) on the shared one-shot
-distillation loop (`jfed.methods.oneshot`, whose docstring defines a round).
+distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a step).
 
 1. Clients upload their local models once (Algorithm 1, lines 4–7).
 2. MS (Algorithm 2): `jfed.distill.model_stratification` — m·c fresh-generator trainings of
    `ms_T_G` Adam steps on CE(F_k(G(z)), j), one batched program per architecture group — gives
-   U, U_r, U_c (Eqs. 1–7). Saved to workdir/model_stratification.npz (teacher order and global
-   client order) with the Fig. 5b heatmap workdir/ms_heatmap.png (clients × classes U_r).
+   U, U_r, U_c (Eqs. 1–7). A driver stage per round ('model_stratification', tag r), also saved
+   as workdir/model_stratification.npz (teacher order and global client order) with the
+   Fig. 5b heatmap workdir/ms_heatmap.png (clients 0..m−1 × classes, U_r).
    `ms_impl`: 'batched' (that one program), 'loop' (`model_stratification_loop`, one (k, j)
    run at a time), 'python' (`model_stratification_python`: one (k, j) run at a time,
    each a Python loop of T_G jitted steps; same numbers) or 'auto' = the fastest form on the
@@ -30,123 +31,170 @@ momentum 0.9 (DENSE / FL-SA), synthesis and MS batch 256 (DENSE), generator Adam
 (0.5, 0.999) (DENSE / FL-SA), server model = client model (ResNet18 in the heterogeneous
 setting, Table 3: set `fedhydra.server_model`).
 
-Config (`config.fedhydra`): rounds, local_epochs, epochs, server_model, init, T_G, lr_g,
-synthesis_batch, lambda1, lambda2, adv_T, generator_reset, nz, ngf, ms_T_G, ms_lr, ms_batch,
-ms_impl, ms_chunk, aggregation, beta, kd_T, kd_lr, kd_momentum, kd_weight_decay, kd_batch,
-kd_data, kd_augment, pool_quantize.
+Config (`config.fedhydra`): the fields of `FedHydraConfig`.
 """
 import time
+from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
-from jfed.distill import (MSConfig, SAWeights, fedhydra_config, make_generator,
-                          model_stratification, model_stratification_loop,
-                          model_stratification_python, plots)
+from jfed import typed_config as tc
+from jfed.distill import (MS_FUNCTIONS, MS_IMPLS, MSConfig, SAWeights, fedhydra_config,
+                          make_generator, plots, resolve_ms_impl)
+from jfed.keys import ServerRoundPurpose
 from jfed.methods import common, oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 AGGREGATIONS = {'sa': 'sa', 'sa_inter': 'sa_inter', 'ae': 'mean'}
-MS_IMPLS = ('auto', 'batched', 'loop', 'python')
 
 
-def resolve_ms_impl(impl: str, backend: str = None) -> str:
-  """'auto': 'python' on CPU (measured ~35x faster there than the lax.scan-based forms:
-  experiments/bench/model_stratification.py), 'batched' (one program) elsewhere."""
-  if impl not in MS_IMPLS:
-    raise ValueError(f'fedhydra.ms_impl must be one of {MS_IMPLS}, got {impl!r}')
-  if impl != 'auto':
-    return impl
-  return 'python' if (backend or jax.default_backend()) == 'cpu' else 'batched'
+class FedHydraConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  epochs: int
+  server_model: str
+  init: str
+  T_G: int
+  lr_g: float
+  synthesis_batch: int
+  lambda1: float
+  lambda2: float
+  adv_T: float
+  generator_reset: bool
+  nz: int
+  ngf: int
+  ms_T_G: int
+  ms_lr: float
+  ms_batch: int
+  ms_impl: str
+  ms_chunk: int
+  aggregation: str
+  beta: float
+  kd_T: float
+  kd_lr: float
+  kd_momentum: float
+  kd_weight_decay: float
+  kd_batch: int
+  kd_data: str
+  kd_augment: str
+  pool_quantize: bool
 
 
-MS_FUNCTIONS = {'batched': model_stratification, 'loop': model_stratification_loop,
-                'python': model_stratification_python}
+class Stratification(NamedTuple):
+  """The result of MS for one round's uploads, in the teachers' order (a driver stage)."""
+  losses: Any    # [m, c, T_G]
+  u: Any         # [m, c]
+  U: Any         # [c, m]
+  U_r: Any       # [c, m]
+  U_c: Any       # [c, m]
+  seconds: Any   # scalar: how long MS took when it ran
 
 
-def fedhydra_settings(ctx: RunContext, cfg) -> oneshot.Settings:
-  if cfg.aggregation not in AGGREGATIONS:
-    raise ValueError(f'fedhydra.aggregation must be one of {sorted(AGGREGATIONS)}, '
-                     f'got {cfg.aggregation!r}')
-  agg = AGGREGATIONS[cfg.aggregation]
-  synthesis = fedhydra_config(float(cfg.lambda1), float(cfg.lambda2), g_steps=int(cfg.T_G),
-                              lr_g=float(cfg.lr_g), batch_size=int(cfg.synthesis_batch),
-                              adv_T=float(cfg.adv_T), aggregation=agg,
-                              strategy=oneshot.teacher_strategy(ctx))
-  kd = oneshot.KDConfig(loss='fedhydra', T=float(cfg.kd_T), t_squared=False,
-                        beta=float(cfg.beta), aggregation=agg,
-                        augment=oneshot.resolve_augment(cfg.kd_augment, ctx.dataset.name),
-                        crop_padding=oneshot.crop_padding(ctx.dataset.input_shape),
-                        strategy=oneshot.teacher_strategy(ctx))
-  return oneshot.base_settings(ctx, cfg, synthesis, kd, oneshot.opt_config(cfg),
-                       keep_generator=not bool(cfg.generator_reset))
+class HydraRound(NamedTuple):
+  sa: SAWeights
+  ms: Stratification
+  client_ids: Any   # global client id of each teacher
 
 
-class FedHydra(oneshot.DistillMethod):
-  name = 'fedhydra'
+def _by_client(a: np.ndarray, ids: np.ndarray, client_major: bool) -> np.ndarray:
+  """The matrix with its client axis (rows if client_major, else columns) in global order."""
+  out = np.zeros_like(a)
+  if client_major:
+    out[ids] = a
+  else:
+    out[:, ids] = a
+  return out
 
-  def _ms_path(self, r):
-    return self.ctx.workdir / ('model_stratification.npz' if r == 1 else
-                               f'model_stratification_round{r}.npz')
 
-  def setup_round(self, r, local, teachers):
-    """MS for round r's uploads (Algorithm 2); reloaded from its npz on resume."""
-    cfg, ctx = self.ctx.config.fedhydra, self.ctx
-    if cfg.aggregation == 'ae':
-      return None
-    ids = oneshot.teacher_client_ids(local)
-    path = self._ms_path(r)
-    if path.exists():
-      with np.load(path) as f:
-        return SAWeights(f['U_r'], f['U_c'])
-    impl = resolve_ms_impl(cfg.ms_impl)
-    gen = make_generator(ctx.dataset.input_shape, int(cfg.nz), int(cfg.ngf))
-    ms_cfg = MSConfig(T_G=int(cfg.ms_T_G), lr=float(cfg.ms_lr), batch_size=int(cfg.ms_batch))
-    key = oneshot.round_key(ctx, r, oneshot.ROUND_KEY_MS)
-    t0 = time.perf_counter()
-    kw = {'chunk_size': int(cfg.get('ms_chunk', 0)) or None} if impl == 'batched' else {}
-    res = MS_FUNCTIONS[impl](teachers, gen, ctx.dataset.num_classes, key, ms_cfg, **kw)
-    seconds = time.perf_counter() - t0
-    print(f'fedhydra round {r}: model stratification ({impl}, {len(ids)} clients x '
-          f'{ctx.dataset.num_classes} classes x T_G={ms_cfg.T_G}) in {seconds:.1f}s', flush=True)
-    arrays = {name: np.asarray(getattr(res, name)) for name in ('losses', 'u', 'U', 'U_r', 'U_c')}
-    by_client = {}   # the same matrices with columns (or rows of u/losses) in global client order
-    for name, a in arrays.items():
-      out = np.zeros_like(a)
-      if name in ('losses', 'u'):
-        out[ids] = a
-      else:
-        out[:, ids] = a
-      by_client[name + '_by_client'] = out
-    np.savez(path, teacher_client_ids=ids, seconds=seconds, impl=impl, **arrays, **by_client)
-    specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
-    heat = 'ms_heatmap.png' if r == 1 else f'ms_heatmap_round{r}.png'
-    plots.plot_ms_heatmap(
-        ctx.workdir / heat, by_client['U_r_by_client'],
-        title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, '
-              f'{ctx.config.partition.scheme})',
-        client_names=[f'client {k + 1} ({s})' for k, s in enumerate(specs)])
-    return SAWeights(arrays['U_r'], arrays['U_c'])
-
-  def synthesis_agg(self, state, aux):
-    return aux
-
-  def kd_agg(self, state, aux):
-    return None if aux is None else (aux.U_r, aux.U_c)
-
-  def summary(self, state, aux):
-    out = {'aggregation': self.ctx.config.fedhydra.aggregation,
-           'generator_reset': bool(self.ctx.config.fedhydra.generator_reset)}
-    path = self._ms_path(self.s.rounds)
-    if aux is not None and path.exists():
-      with np.load(path) as f:
-        out.update({'ms_file': path.name, 'ms_impl': str(f['impl']),
-                    'ms_seconds': float(f['seconds']),
-                    'U_r_by_client': f['U_r_by_client'].tolist()})
-    return out
+def _file_name(stem: str, r: int, ext: str) -> str:
+  return f'{stem}.{ext}' if r == 1 else f'{stem}_round{r}.{ext}'
 
 
 @register_method('fedhydra')
-def fedhydra(ctx: RunContext) -> dict:
-  return oneshot.run_distillation(FedHydra(ctx, fedhydra_settings(ctx, ctx.config.fedhydra)))
+class FedHydra(oneshot.DistillationAlgorithm):
+  """Model stratification, then HASA: SA-guided synthesis and Eq. 19 distillation."""
+  section = 'fedhydra'
+  Config = FedHydraConfig
+
+  def validate(self, config) -> None:
+    super().validate(config)
+    c, where = self.config, self.section
+    tc.require_positive(c, where, ('adv_T', 'ms_T_G', 'ms_lr', 'ms_batch'))
+    tc.require_non_negative(c, where, ('lambda1', 'lambda2', 'beta', 'ms_chunk'))
+    tc.require_choice(c.aggregation, AGGREGATIONS, f'{where}.aggregation')
+    tc.require_choice(c.ms_impl, MS_IMPLS, f'{where}.ms_impl')
+
+  def settings(self, ctx: RunContext) -> oneshot.Settings:
+    c = self.config
+    agg = AGGREGATIONS[c.aggregation]
+    synthesis = fedhydra_config(c.lambda1, c.lambda2, g_steps=c.T_G, lr_g=c.lr_g,
+                                batch_size=c.synthesis_batch, adv_T=c.adv_T, aggregation=agg,
+                                strategy=oneshot.teacher_strategy(ctx))
+    kd = self.kd_config(ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
+    return self.base_settings(ctx, synthesis, kd, self.student_optimizer(),
+                              keep_generator=not c.generator_reset)
+
+  def round_data(self, ctx, aux, r, local, teachers):
+    """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it."""
+    if self.config.aggregation == 'ae':
+      return None
+    c = self.config
+    ids = oneshot.teacher_client_ids(local)
+    m, k, t_g = len(ids), ctx.dataset.num_classes, c.ms_T_G
+    zeros = lambda *shape: np.zeros(shape, np.float32)
+    template = Stratification(zeros(m, k, t_g), zeros(m, k), zeros(k, m), zeros(k, m),
+                              zeros(k, m), zeros())
+
+    def compute() -> Stratification:
+      impl = resolve_ms_impl(c.ms_impl)
+      gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf)
+      ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
+      kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
+      t0 = time.perf_counter()
+      res = MS_FUNCTIONS[impl](teachers, gen, k, oneshot.round_key(
+          ctx, r, ServerRoundPurpose.MODEL_STRATIFICATION), ms_cfg, **kw)
+      seconds = time.perf_counter() - t0
+      out = Stratification(*(np.asarray(a, np.float32) for a in res),
+                           np.asarray(seconds, np.float32))
+      self._write_ms(ctx, r, out, ids, impl)
+      return out
+
+    ms = ctx.stage('model_stratification', r, template, compute)
+    return HydraRound(SAWeights(ms.U_r, ms.U_c), ms, ids)
+
+  def _write_ms(self, ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray,
+                impl: str) -> None:
+    """workdir/model_stratification.npz and the Fig. 5b heatmap (runs with a workdir only)."""
+    path = ctx.output_path(_file_name('model_stratification', r, 'npz'))
+    if path is None:
+      return
+    arrays = {name: getattr(ms, name) for name in ('losses', 'u', 'U', 'U_r', 'U_c')}
+    by_client = {f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u'))
+                 for name, a in arrays.items()}
+    np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays,
+             **by_client)
+    specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
+    plots.plot_ms_heatmap(
+        ctx.output_path(_file_name('ms_heatmap', r, 'png')), by_client['U_r_by_client'],
+        title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, '
+              f'{ctx.config.partition.scheme})',
+        client_names=[f'client {k} ({s})' for k, s in enumerate(specs)])
+
+  def synthesis_agg(self, state, rd):
+    return None if rd.data is None else rd.data.sa
+
+  def kd_agg(self, state, rd):
+    return None if rd.data is None else (rd.data.sa.U_r, rd.data.sa.U_c)
+
+  def method_summary(self, ctx, aux, rd, state, history):
+    out = {'aggregation': self.config.aggregation,
+           'generator_reset': self.config.generator_reset}
+    if rd.data is not None:
+      ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)
+      out.update({'ms_impl': resolve_ms_impl(self.config.ms_impl),
+                  'ms_seconds': float(ms.seconds),
+                  'U_r_by_client': _by_client(np.asarray(ms.U_r), ids, False).tolist()})
+      if ctx.output_path('') is not None:
+        out['ms_file'] = _file_name('model_stratification', aux.settings.rounds, 'npz')
+    return out

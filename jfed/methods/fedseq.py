@@ -1,137 +1,224 @@
 """FedSeq (Zaccone et al.; RickZack/FedSeq, reference-code.md §9.6): superclients trained
 sequentially, then FedAvg over superclients.
 
+Setup:
 1. Client representers: every client trains locally (`common.local_models`,
    `fedseq.pretrain_epochs`; the reference trains LeNet for 10 epochs, we use the run's model),
-   predicts the public exemplars (`fedseq.public`, default 'test_split': held out of the test
-   split and excluded from evaluation, as in the reference) and uploads its confidence vector
-   `conf[c] = Σ_{x of class c} p(x, c)`, normalised (`jfed.hfldd.fedseq_confidence`).
-2. The server groups clients greedily into superclients (`jfed.hfldd.fedseq_clusters`:
+   predicts the public exemplars (`jfed.data.public`, default 'test_split': held out of the
+   test split and excluded from evaluation, as in the reference) and uploads its confidence
+   vector `conf[c] = Σ_{x of class c} p(x, c)`, normalised (`jfed.clustering.fedseq_confidence`).
+2. The server groups clients greedily into superclients (`jfed.clustering.fedseq_clusters`:
    maximise `1 − KL(mean(cluster, client) ‖ uniform)` until a superclient holds
    `min_examples` examples or `max_clients` clients).
-3. Each round, every (sampled, `participation`) superclient visits its clients in a fresh seeded
-   random order; each client starts from the previous client's model (the first from the global
-   model), trains `local_epochs` epochs on its own data with a fresh optimiser, and hands the
-   model on; the last client uploads it. The server averages the superclient models weighted by
-   their data size, evaluates and checkpoints the global model.
 
-Superclients run in parallel: step j of the sequence trains the j-th client of every
+Steps: each round, every (sampled, `participation`) superclient visits its clients in a fresh
+seeded random order; each client starts from the previous client's model (the first from the
+global model), trains `local_epochs` epochs on its own data with a fresh optimiser, and hands
+the model on; the last client uploads it. The server averages the superclient models weighted
+by their data size and evaluates the global model.
+
+Superclients run in parallel: step j of the sequences trains the j-th client of every
 superclient that has one as one client group (`common.train_groups`), so a round costs
 max(superclient length) group calls, not one call per client.
 
-Communication (comm.fedseq_transfers, Eq. 19): per round and superclient the server sends
-the model to the first client, it is handed on n_c − 1 times and uploaded by the last client;
-the one-off confidence-vector uploads are counted as a setup stage.
+Communication (`jfed.io.comm.fedseq_transfers`, Eq. 19): per round and superclient the server
+sends the model to the first client (`download_bytes`), it is handed on n_c − 1 times
+(`peer_bytes`) and uploaded by the last client (`upload_bytes`); the one-off confidence-vector
+uploads are the setup record (step 0).
 """
-import time
+
+from typing import Any, Dict, List, NamedTuple
 
 import jax
 import numpy as np
 
 from jfed import engine
+from jfed import typed_config as tc
+from jfed.clustering import MEASURES, fedseq_clusters, fedseq_confidence
 from jfed.data import federate
-from jfed.hfldd import comm, fedseq_clusters, fedseq_confidence
-from jfed.io import ModelUpload, validate_model_upload, validate_tree
+from jfed.data.public import PublicData, check_source, public_data
+from jfed.driver import Algorithm
+from jfed.engine import GroupTrainer, ModelState
+from jfed.io import ModelUpload, comm, validate_model_upload, validate_tree
+from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import KEY_MODEL_INIT, KEY_ROUNDS, KEY_SAMPLING, RunContext
-from jfed.methods.fedavg import select_clients, single_architecture
-from jfed.methods.hfldd import client_probabilities, public_data
+from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
-KEY_ORDER = 41   # fold_in purpose of the per-round client orders inside superclients
+
+class FedSeqConfig(NamedTuple):
+  pretrain_epochs: int
+  public: str
+  public_size: int
+  min_examples: int
+  max_clients: int
+  measure: str
+  code_compat: bool
+  rounds: int
+  local_epochs: int
+  participation: float
 
 
-def superclient_orders(key: jax.Array, clusters, selected) -> list:
+class FedSeqAux(NamedTuple):
+  public: PublicData
+  superclients: List[np.ndarray]
+  superclient_sizes: np.ndarray  # examples per superclient
+  full_group: common.ClientGroup
+  trainer: GroupTrainer
+  evaluator: engine.Evaluator
+  init: ModelState
+  model_bytes: int
+  setup_transfers: List[comm.Transfer]  # the confidence-vector uploads
+
+
+def superclient_orders(key: jax.Array, clusters, selected) -> List[np.ndarray]:
   """Seeded random client order of every selected superclient for one round."""
-  return [np.asarray(clusters[c])[np.asarray(jax.random.permutation(
-      jax.random.fold_in(key, int(c)), len(clusters[c])))] for c in selected]
+  return [
+    np.asarray(clusters[c])[
+      np.asarray(jax.random.permutation(jax.random.fold_in(key, int(c)), len(clusters[c])))
+    ]
+    for c in selected
+  ]
 
 
 def _step_group(ctx: RunContext, full_group: common.ClientGroup, ids) -> common.ClientGroup:
   """The clients at one step of the sequences, padded to the largest client of the run, so
   that every step has the same array shapes and the step function compiles once."""
-  fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in ids],
-                 pad_to_multiple=int(full_group.fed.x.shape[1]))
+  fed = federate(
+    ctx.dataset.train_x,
+    ctx.dataset.train_y,
+    [ctx.parts[k] for k in ids],
+    pad_to_multiple=int(full_group.fed.x.shape[1]),
+  )
   return common.ClientGroup(full_group.spec, full_group.module, np.asarray(ids), fed)
 
 
 @register_method('fedseq')
-def fedseq(ctx: RunContext) -> dict:
-  cfg = ctx.config.fedseq
-  spec = single_architecture(ctx)
-  ds = ctx.dataset
+class FedSeq(Algorithm):
+  """Superclients of complementary clients, trained sequentially; FedAvg over superclients."""
 
-  # client representers and superclients
-  local = common.local_models(ctx, cfg.pretrain_epochs)
-  public = public_data(ctx, cfg.public, cfg.public_size)
-  probs = client_probabilities(ctx, local, public.x)
-  conf = fedseq_confidence(probs, public.y, ds.num_classes).astype(np.float32)
-  for k in range(ctx.num_clients):
-    validate_tree(conf[k], np.zeros(ds.num_classes, np.float32), f'confidence of client {k}')
-  clusters = fedseq_clusters(conf, ctx.client_sizes, cfg.min_examples, cfg.max_clients,
-                             cfg.measure, cfg.code_compat)
-  cluster_sizes = np.array([ctx.client_sizes[c].sum() for c in clusters])
-  setup = [comm.Transfer(0, 'confidence', f'client{k}', 'server',
-                         comm.serialized_nbytes(conf[k])) for k in range(ctx.num_clients)]
-  setup_bytes = comm.total_bytes(setup)
+  section = 'fedseq'
+  Config = FedSeqConfig
+  step_name = 'round'
 
-  module = common.build_module(spec, ds)
-  full_group = common.client_groups(ctx)[0]
-  trainer = common.make_trainers(ctx, [full_group])[0]
-  init = engine.init_model(module, ds.input_shape, ctx.derive_key(KEY_MODEL_INIT, 0))
-  model_bytes = comm.serialized_nbytes(init)
-  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+  def validate(self, config) -> None:
+    c, where = self.config, self.section
+    tc.require_positive(
+      c,
+      where,
+      ('pretrain_epochs', 'public_size', 'min_examples', 'max_clients', 'rounds', 'local_epochs'),
+    )
+    tc.require_fraction(c.participation, f'{where}.participation')
+    tc.require_choice(c.measure, MEASURES, f'{where}.measure')
+    check_source(c.public, f'{where}.public')
 
-  ckpt = ctx.checkpointer()
-  start, global_model = ckpt.restore_latest(init)
-  start = start or 0
-  ctx.metrics.truncate_after(start)
-  history = ctx.metrics.read()
-  cumulative = history[-1]['cumulative_bytes'] if history else setup_bytes
-  participation = cfg.get('participation', 1.0)
-  for r in range(start, cfg.rounds):
-    t0 = time.perf_counter()
-    selected = select_clients(ctx.derive_key(KEY_SAMPLING, r), len(clusters), participation)
-    orders = superclient_orders(ctx.derive_key(KEY_ORDER, r), clusters, selected)
-    models = engine.replicate(global_model, len(selected))
-    key = ctx.derive_key(KEY_ROUNDS, r)
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds
+
+  def setup(self, ctx: RunContext) -> FedSeqAux:
+    cfg, ds = self.config, ctx.dataset
+    common.single_architecture(ctx)
+    local = common.local_models(ctx, cfg.pretrain_epochs)
+    public = public_data(ds, cfg.public, cfg.public_size, ctx.config.seed)
+    probs = common.client_probabilities(ctx, local, public.x)
+    conf = fedseq_confidence(probs, public.y, ds.num_classes).astype(np.float32)
+    for k in range(ctx.num_clients):
+      validate_tree(conf[k], np.zeros(ds.num_classes, np.float32), f'confidence of client {k}')
+    clusters = fedseq_clusters(
+      conf, ctx.client_sizes, cfg.min_examples, cfg.max_clients, cfg.measure, cfg.code_compat
+    )
+    setup = [
+      comm.Transfer(
+        comm.SETUP_ROUND, 'confidence', f'client{k}', 'server', comm.serialized_nbytes(conf[k])
+      )
+      for k in range(ctx.num_clients)
+    ]
+    full_group = common.client_groups(ctx)[0]
+    module = full_group.module
+    init = engine.init_model(module, ds.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
+    return FedSeqAux(
+      public,
+      clusters,
+      np.array([ctx.client_sizes[c].sum() for c in clusters]),
+      full_group,
+      common.make_trainers(ctx, [full_group])[0],
+      engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
+      init,
+      comm.serialized_nbytes(init),
+      setup,
+    )
+
+  def setup_records(self, ctx: RunContext, aux: FedSeqAux) -> List[Dict[str, Any]]:
+    return [
+      {
+        'stage': 'setup',
+        **comm.record_bytes(aux.setup_transfers),
+        'superclients': len(aux.superclients),
+      }
+    ]
+
+  def init(self, ctx: RunContext, aux: FedSeqAux) -> ModelState:
+    return aux.init
+
+  def _round_plan(self, ctx: RunContext, aux: FedSeqAux, i: int):
+    """(selected superclients, their client orders) of round i: a function of the seed."""
+    selected = common.select_clients(
+      ctx.derive_key(Purpose.SAMPLING, i), len(aux.superclients), self.config.participation
+    )
+    orders = superclient_orders(
+      ctx.derive_key(Purpose.SUPERCLIENT_ORDER, i), aux.superclients, selected
+    )
+    return selected, orders
+
+  def step(self, ctx: RunContext, aux: FedSeqAux, state: ModelState, i: int):
+    cfg = self.config
+    selected, orders = self._round_plan(ctx, aux, i)
+    models = engine.replicate(state, len(selected))
+    key = ctx.derive_key(Purpose.ROUNDS, i)
     losses = []
     for j in range(max(len(o) for o in orders)):
-      active = np.array([i for i, o in enumerate(orders) if len(o) > j])
-      group = _step_group(ctx, full_group, [int(orders[i][j]) for i in active])
+      active = np.array([s for s, o in enumerate(orders) if len(o) > j])
+      group = _step_group(ctx, aux.full_group, [int(orders[s][j]) for s in active])
       (trained,), (metrics,) = common.train_groups(
-          [trainer], [group], [engine.take(models, active)], cfg.local_epochs,
-          jax.random.fold_in(key, j), label=f'round {r + 1}/{cfg.rounds} step {j + 1}')
+        [aux.trainer],
+        [group],
+        [engine.take(models, active)],
+        cfg.local_epochs,
+        jax.random.fold_in(key, j),
+        label=f'round {i + 1}/{cfg.rounds} step {j + 1}',
+      )
       models = jax.tree.map(lambda a, b: a.at[active].set(b), models, trained)
       losses.append(metrics.loss[:, -1])
-    for i, order in enumerate(orders):   # the last client of each superclient uploads
-      validate_model_upload(ModelUpload(int(order[-1]), int(cluster_sizes[selected[i]]),
-                                        engine.take(models, i)), init)
-    global_model = engine.weighted_average(models, cluster_sizes[selected])
-    accuracy = evaluator.accuracy(global_model, public.eval_x, public.eval_y)
-    transfers = [t._replace(round=r + 1) for t in comm.fedseq_transfers(orders, model_bytes, 1)]
-    stage = dict(comm.bytes_by_stage(transfers))
-    cumulative += comm.total_bytes(transfers)
-    ctx.metrics.write({
-        'step': r + 1, 'round': r + 1, 'test_accuracy': accuracy,
-        'train_loss': float(np.mean(np.concatenate(losses))), 'superclients': len(selected),
-        'upload_bytes': stage.get('model_up', 0), 'download_bytes': stage.get('model_down', 0),
-        'peer_bytes': stage.get('model_peer', 0), 'cumulative_bytes': int(cumulative),
-        'seconds': time.perf_counter() - t0})
-    print(f'round {r + 1}/{cfg.rounds}: test accuracy {accuracy:.4f} '
-          f'({time.perf_counter() - t0:.1f}s)', flush=True)
-    ckpt.save(r + 1, global_model)
-  ckpt.close()
+    sizes = aux.superclient_sizes[selected]
+    for s, order in enumerate(orders):  # the last client of each superclient uploads
+      validate_model_upload(
+        ModelUpload(int(order[-1]), int(sizes[s]), engine.take(models, s)), aux.init
+      )
+    model = engine.weighted_average(models, sizes)
+    accuracy = aux.evaluator.accuracy(model, aux.public.eval_x, aux.public.eval_y)
+    transfers = comm.fedseq_transfers(orders, aux.model_bytes, 1, first_round=i + 1)
+    return model, [
+      {
+        'round': i + 1,
+        'test_accuracy': accuracy,
+        'train_loss': float(np.mean(np.concatenate(losses))),
+        'superclients': len(selected),
+        **comm.record_bytes(transfers),
+      }
+    ]
 
-  history = [h for h in ctx.metrics.read() if 'test_accuracy' in h]
-  accs = [h['test_accuracy'] for h in history]
-  stages = {'confidence': setup_bytes,
-            'model_down': int(sum(h['download_bytes'] for h in history)),
-            'model_peer': int(sum(h['peer_bytes'] for h in history)),
-            'model_up': int(sum(h['upload_bytes'] for h in history))}
-  return {
-      'final_test_accuracy': accs[-1], 'best_test_accuracy': max(accs), 'rounds': cfg.rounds,
-      'step_name': 'round', 'public': public.source, 'eval_samples': int(len(public.eval_y)),
-      'superclients': [c.tolist() for c in clusters],
-      'superclient_sizes': cluster_sizes.tolist(), 'bytes_by_stage': stages,
-      'total_bytes': int(sum(stages.values())), 'model_bytes': model_bytes}
+  def summarize(self, ctx, aux: FedSeqAux, state, history) -> Dict[str, Any]:
+    transfers = list(aux.setup_transfers)
+    for i in range(self.config.rounds):
+      transfers += comm.fedseq_transfers(
+        self._round_plan(ctx, aux, i)[1], aux.model_bytes, 1, first_round=i + 1
+      )
+    return {
+      'rounds': self.config.rounds,
+      'public': aux.public.source,
+      'eval_samples': int(len(aux.public.eval_y)),
+      'superclients': [c.tolist() for c in aux.superclients],
+      'superclient_sizes': aux.superclient_sizes.tolist(),
+      'bytes_by_stage': dict(comm.bytes_by_stage(transfers)),
+      'model_bytes': aux.model_bytes,
+    }

@@ -1,0 +1,140 @@
+"""Knowledge distillation into a server (student) model: the compiled KD step and its settings.
+
+`kd_step` is one student step on a batch of a pool (synthetic images with their generator
+targets, or a fixed unlabelled set): the KD view of the images (augmentation, Co-Boosting ODS),
+the teachers' combined logits, the student loss (`KDConfig`) and one optimiser step
+(`jfed.engine.optim`, with the learning rate set by the caller for this step). It is jitted at
+module level, so one process compiles it once per (settings, architectures, shapes).
+"""
+import functools
+from typing import Any, List, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jfed.distill.ensemble import TeacherGroup, teacher_outputs
+from jfed.distill.losses import cross_entropy, kl_divergence
+from jfed.distill.pool import augment, pool_gather
+from jfed.distill.synthesis import aggregate_teachers
+from jfed.engine.optim import OptimizerSpec, build_optimizer, set_learning_rate
+from jfed.engine.state import ModelState, TrainState
+
+KD_LOSSES = ('kl', 'fedhydra')
+KD_AUGMENT = ('auto', 'none', 'flip', 'crop_flip')
+
+
+class KDConfig(NamedTuple):
+  """How one KD step turns a batch into a student loss (static: part of the compiled step).
+
+  loss 'kl':       Σ_c KL_elem(softmax(t/T) ‖ softmax(s/T)) per sample (× T² if t_squared),
+                   averaged over the real samples = F.kl_div(..., 'batchmean') (DENSE, FedDF,
+                   Co-Boosting `KLDiv`).
+  loss 'fedhydra': Eq. 19 per sample: the same KL (Eq. 17) + β · CE(s, argmax t) (Eq. 18).
+  aggregation:     teacher logits t from the per-client logits (synthesis.aggregate_teachers):
+                   'mean' (DENSE, FedDF avg_logits), 'weighted' (Co-Boosting, weights from the
+                   method), 'sa' / 'sa_inter' (FedHydra SA with the pool's target labels).
+  augment:         KD view of a stored image: 'none', 'flip' (HFlip), 'crop_flip'
+                   (RandomCrop(pad) + HFlip).
+  ods_eta:         Co-Boosting ODS: x ← x + eta · sign(∇_x Σ r ⊙ softmax(t(x)/ods_T)), r ~ U(−1, 1).
+  """
+  loss: str = 'kl'
+  T: float = 1.0
+  t_squared: bool = False
+  beta: float = 1.0
+  aggregation: str = 'mean'
+  augment: str = 'none'
+  crop_padding: int = 4
+  ods_eta: float = 0.0
+  ods_T: float = 4.0
+  strategy: str = 'auto'
+
+
+def resolve_augment(kind: str, dataset_name: str) -> str:
+  """'auto' = DENSE's KD transform: RandomCrop + HFlip for CIFAR, HFlip for the others."""
+  if kind not in KD_AUGMENT:
+    raise ValueError(f'Unknown KD augmentation {kind!r}; valid: {", ".join(KD_AUGMENT)}')
+  if kind != 'auto':
+    return kind
+  return 'crop_flip' if 'cifar' in dataset_name.lower() else 'flip'
+
+
+def crop_padding(input_shape: Sequence[int]) -> int:
+  """RandomCrop padding 4 (DENSE, 28/32 px); H // 8 for small images (1 px on 8×8 digits)."""
+  return 4 if min(input_shape[:2]) >= 28 else max(1, int(input_shape[0]) // 8)
+
+
+def committed(tree: Any) -> Any:
+  """The tree on the default device, committed. jit's cache key includes whether an argument
+  is committed, and the outputs of a jitted step are: committing the inputs up front keeps the
+  first and later epochs on one compiled program instead of two."""
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def teacher_groups(modules: Sequence[Any], states: Sequence[ModelState]) -> List[TeacherGroup]:
+  """TeacherGroups from the parallel tuples a jitted function takes (modules are static)."""
+  return [TeacherGroup(m, s) for m, s in zip(modules, states)]
+
+
+def student_optimizer(spec: OptimizerSpec) -> optax.GradientTransformation:
+  """The student's optimiser; `kd_step` sets the learning rate of every step (see optim)."""
+  return build_optimizer(spec._replace(schedule='constant'))
+
+
+def student_state(spec: OptimizerSpec, model: ModelState) -> TrainState:
+  return TrainState(model, student_optimizer(spec).init(model.params))
+
+
+def teacher_logits(kcfg: KDConfig, modules, states, x, y, agg):
+  per_client, _ = teacher_outputs(teacher_groups(modules, states), x, False, kcfg.strategy)
+  return aggregate_teachers(kcfg, per_client, y, agg)
+
+
+def per_sample_loss(kcfg: KDConfig, s: jnp.ndarray, t: jnp.ndarray) -> jnp.ndarray:
+  t = jax.lax.stop_gradient(t)
+  kl = jnp.sum(kl_divergence(s, t, kcfg.T, 'none', kcfg.t_squared), axis=-1)
+  if kcfg.loss == 'kl':
+    return kl
+  if kcfg.loss == 'fedhydra':
+    return kl + kcfg.beta * cross_entropy(s, jnp.argmax(t, -1), 'none')
+  raise ValueError(f'KD loss must be one of {KD_LOSSES}, got {kcfg.loss!r}')
+
+
+def _kd_view(kcfg: KDConfig, key, x):
+  if kcfg.augment == 'none':
+    return x
+  return augment(key, x, kcfg.crop_padding if kcfg.augment == 'crop_flip' else 0, True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def kd_step(kcfg: KDConfig, spec: OptimizerSpec, teacher_modules, student_module,
+            ts: TrainState, teacher_states, agg, pool, idx, mask, key, lr):
+  """One student step on pool[idx] (mask: real samples) with learning rate `lr`.
+
+  Returns:
+    (new TrainState, mean loss over the real samples).
+  """
+  x, y = pool_gather(pool, idx)
+  k_aug, k_ods = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+  x = _kd_view(kcfg, k_aug, x)
+  if kcfg.ods_eta > 0:
+    r = jax.random.uniform(k_ods, (x.shape[0], student_module.num_classes), minval=-1.0,
+                           maxval=1.0)
+    score = lambda xx: jnp.sum(r * jax.nn.softmax(
+        teacher_logits(kcfg, teacher_modules, teacher_states, xx, y, agg) / kcfg.ods_T))
+    x = jax.lax.stop_gradient(x + kcfg.ods_eta * jnp.sign(jax.grad(score)(x)))
+  t = jax.lax.stop_gradient(teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg))
+  w = mask.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(w), 1.0)
+
+  def objective(params):
+    s, upd = student_module.apply({'params': params, 'batch_stats': ts.model.batch_stats}, x,
+                                  train=True, mask=mask, mutable=['batch_stats'])
+    loss = jnp.sum(per_sample_loss(kcfg, s, t) * w) / count
+    return loss, upd.get('batch_stats', ts.model.batch_stats)
+
+  (loss, new_bs), grads = jax.value_and_grad(objective, has_aux=True)(ts.model.params)
+  opt_state = set_learning_rate(ts.opt_state, lr)
+  updates, opt_state = student_optimizer(spec).update(grads, opt_state, ts.model.params)
+  return TrainState(ModelState(optax.apply_updates(ts.model.params, updates), new_bs),
+                    opt_state), loss

@@ -1,0 +1,395 @@
+"""Communication cost from the real serialised bytes of what crosses the network.
+
+Every transfer of a run is a `Transfer` (round, stage, sender, receiver, nbytes), with `nbytes`
+measured by `serialized_nbytes` = `len(flax.serialization.msgpack_serialize(to_state_dict(
+payload)))` (never pickle). A float32 array of n entries serialises to `4·n + ~16–26` bytes
+(msgpack ext header, shape, dtype name), plus the keys of the dict structure, so the measured
+totals are the paper's analytic counts plus a small, exact overhead.
+
+Run-level builders produce the transfer lists of the protocols compared in seed 003 (HFLDD,
+Shi et al.):
+
+* FedAvg / FedProx / DynaFed, Eq. 3: per round every participating client downloads the global
+  model and uploads its local model: `2 · T · N · |w| · b` bits (`fedavg_transfers`,
+  `fedavg_cost_bits`).
+* HFLDD, Eq. 18: (i) every client uploads its soft labels `[n_public, C]` once
+  (`N · n_public · C · b`); (ii) every non-head member sends its distilled set to its head
+  (`Σ_k Σ_{i ∈ H_k, i ≠ head_k} |D̃_i| · b_d`, b_d = 8 bits per grey pixel or 3·8 per RGB
+  pixel in the paper, i.e. uint8 images: `to_uint8_images`); (iii) per round the server <->
+  head model exchange (`2 · T · |H| · |w| · b`) (`hfldd_transfers`, `hfldd_cost_bits`). The
+  initial model is sent as a random seed (not counted).
+* FedSeq, Eq. 19 (lost in the seed's extraction; "parameter sharing between clients within
+  cluster and across clusters", N_c clusters of n_c clients): per round and cluster the server
+  sends the model to the first client, it is handed client -> client n_c − 1 times, and the last
+  client uploads it: `T · N_c · (n_c + 1) · |w| · b` (`fedseq_transfers`, `fedseq_cost_bits`).
+  This is a reconstruction; the seed's Table III figure for FedSeq on MNIST (1 round, 39.0 MB,
+  44,426 params, 10×10 clients) is closer to twice that count.
+
+Rounds are 1-based; setup stages (soft labels, distilled sets) have `round = 0` and count
+towards every cumulative total. MB = 10⁶ bytes. `record_bytes` maps transfers to the
+`upload_bytes` / `download_bytes` / `peer_bytes` fields of the driver's metric records.
+"""
+
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from jfed.io.uploads import serialized_nbytes
+
+SETUP_ROUND = 0
+
+
+def to_uint8_images(x) -> np.ndarray:
+  """Quantises [0, 1] images to uint8, `round(255 · clip(x, 0, 1))`.
+
+  The paper counts distilled images at 8 bits per channel value.
+  """
+  return np.round(np.clip(np.asarray(x, np.float64), 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------
+# transfers
+# ------------------------------------------------------------------------------------------------
+class Transfer(NamedTuple):
+  """One message of a protocol."""
+
+  round: int  # 1-based FL round; 0 = one-off setup stage
+  stage: str  # 'model_down' | 'model_up' | 'model_peer' | 'soft_labels' | 'distilled' | ...
+  sender: str  # 'server' or f'client{i}'
+  receiver: str
+  nbytes: int
+
+
+def _nbytes(payload_or_nbytes: Any) -> int:
+  if isinstance(payload_or_nbytes, (int, np.integer)):
+    return int(payload_or_nbytes)
+  return serialized_nbytes(payload_or_nbytes)
+
+
+def _client(i) -> str:
+  return f'client{int(i)}'
+
+
+def model_round_transfers(
+  round: int,
+  model: Any,
+  participants: Iterable[int],
+  *,  # pylint: disable=redefined-builtin
+  down: bool = True,
+  up: bool = True,
+  up_model: Any = None,
+) -> List[Transfer]:
+  """One FL round: server -> client (the global model) and client -> server (its local model).
+
+  Args:
+    round: the 1-based round.
+    model: the global model payload (a pytree) or its byte count.
+    participants: client ids.
+    down: count the downloads.
+    up: count the uploads.
+    up_model: the uploaded payload or its byte count (default: `model`).
+
+  Returns:
+    The round's transfers, client by client.
+  """
+  nb_down = _nbytes(model)
+  nb_up = nb_down if up_model is None else _nbytes(up_model)
+  out = []
+  for c in participants:
+    if down:
+      out.append(Transfer(round, 'model_down', 'server', _client(c), nb_down))
+    if up:
+      out.append(Transfer(round, 'model_up', _client(c), 'server', nb_up))
+  return out
+
+
+def fedavg_transfers(
+  model: Any, rounds: int, participants: Union[Sequence[int], Sequence[Sequence[int]]]
+) -> List[Transfer]:
+  """FedAvg / FedProx / DynaFed (Eq. 3).
+
+  Args:
+    model: the model payload or its byte count.
+    rounds: number of rounds T.
+    participants: one list of clients used every round, or one list per round (partial
+      participation).
+
+  Returns:
+    The transfers of all rounds.
+  """
+  nb = _nbytes(model)
+  parts = list(participants)
+  per_round = parts if len(parts) and not np.isscalar(parts[0]) else [parts] * rounds
+  if len(per_round) != rounds:
+    raise ValueError(f'{len(per_round)} participant lists for {rounds} rounds')
+  out: List[Transfer] = []
+  for r, clients in enumerate(per_round, start=1):
+    out += model_round_transfers(r, nb, clients)
+  return out
+
+
+def hfldd_transfers(
+  soft_labels: Sequence[Any],
+  distilled: Union[Mapping[int, Any], Sequence[Any]],
+  clusters: Sequence[Sequence[int]],
+  heads: Sequence[int],
+  model: Any,
+  rounds: int,
+  data_stage: str = 'distilled',
+) -> List[Transfer]:
+  """HFLDD (Eq. 18) from the actual uploads.
+
+  Args:
+    soft_labels: per client (index = client id) the uploaded soft-label payload or its bytes.
+    distilled: per client the distilled-set payload or its bytes: a sequence indexed by client
+      id or a mapping {client id: payload}. Only non-head members send theirs (to their head).
+    clusters: the heterogeneous clusters (client ids).
+    heads: the head of every cluster.
+    model: the model payload or its byte count, exchanged server <-> every head each round.
+    rounds: number of rounds T.
+    data_stage: the stage name of the member -> head sets ('raw_data' for HFLDD w/o DD).
+
+  Returns:
+    Setup transfers (round 0: soft labels, then the members' sets), then every round's.
+  """
+  out = [
+    Transfer(SETUP_ROUND, 'soft_labels', _client(i), 'server', _nbytes(p))
+    for i, p in enumerate(soft_labels)
+  ]
+  get = distilled.__getitem__
+  for cl, h in zip(clusters, heads):
+    for c in cl:
+      if int(c) != int(h):
+        out.append(Transfer(SETUP_ROUND, data_stage, _client(c), _client(h), _nbytes(get(int(c)))))
+  nb = _nbytes(model)
+  for r in range(1, rounds + 1):
+    out += model_round_transfers(r, nb, heads)
+  return out
+
+
+def fedseq_transfers(
+  clusters: Sequence[Sequence[int]], model: Any, rounds: int, first_round: int = 1
+) -> List[Transfer]:
+  """FedSeq (Eq. 19, reconstructed).
+
+  Per round and cluster: server -> first client, client -> next client (n_c − 1 hand-offs),
+  last client -> server. FedSeq shuffles the order every round; the count does not depend on
+  it.
+
+  Args:
+    clusters: client ids of every superclient, in the order they are visited.
+    model: the model payload or its byte count.
+    rounds: number of rounds with these clusters.
+    first_round: the number of the first of them.
+
+  Returns:
+    The transfers of all rounds.
+  """
+  nb = _nbytes(model)
+  out: List[Transfer] = []
+  for r in range(first_round, first_round + rounds):
+    for cl in clusters:
+      cl = [int(c) for c in cl]
+      if not cl:
+        continue
+      out.append(Transfer(r, 'model_down', 'server', _client(cl[0]), nb))
+      for a, b in zip(cl[:-1], cl[1:]):
+        out.append(Transfer(r, 'model_peer', _client(a), _client(b), nb))
+      out.append(Transfer(r, 'model_up', _client(cl[-1]), 'server', nb))
+  return out
+
+
+def total_bytes(
+  transfers: Iterable[Transfer], upto_round: Optional[int] = None, stage: Optional[str] = None
+) -> int:
+  """Sum of `nbytes`, optionally only of rounds <= `upto_round` and of one `stage`."""
+  return int(
+    sum(
+      t.nbytes
+      for t in transfers
+      if (upto_round is None or t.round <= upto_round) and (stage is None or t.stage == stage)
+    )
+  )
+
+
+def bytes_by_stage(transfers: Iterable[Transfer]) -> List[Tuple[str, int]]:
+  """[(stage, bytes)] in order of first appearance."""
+  acc: Dict[str, int] = {}
+  for t in transfers:
+    acc[t.stage] = acc.get(t.stage, 0) + t.nbytes
+  return list(acc.items())
+
+
+def cumulative_bytes(transfers: Iterable[Transfer], rounds: int) -> np.ndarray:
+  """int64 [rounds]: the total bytes after round r at index r − 1, setup included."""
+  per = np.zeros(rounds + 1, np.int64)
+  for t in transfers:
+    if t.round <= rounds:
+      per[t.round] += t.nbytes
+  return np.cumsum(per)[1:]
+
+
+def record_bytes(transfers: Iterable[Transfer]) -> Dict[str, int]:
+  """The byte fields of a driver record: to the server, from the server, between clients.
+
+  Args:
+    transfers: the transfers of one step (or of the setup).
+
+  Returns:
+    {'upload_bytes', 'download_bytes', 'peer_bytes'}.
+  """
+  out = {'upload_bytes': 0, 'download_bytes': 0, 'peer_bytes': 0}
+  for t in transfers:
+    field = (
+      'upload_bytes'
+      if t.receiver == 'server'
+      else 'download_bytes'
+      if t.sender == 'server'
+      else 'peer_bytes'
+    )
+    out[field] += int(t.nbytes)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# analytic formulas (bits), for cross-checks against the measured counts
+# ------------------------------------------------------------------------------------------------
+def fedavg_cost_bits(rounds: int, num_clients: int, num_params: int, bits: int = 32) -> int:
+  """Eq. 3: `2 · T · N · |w| · b`."""
+  return 2 * rounds * num_clients * num_params * bits
+
+
+def hfldd_cost_bits(
+  num_clients: int,
+  n_public: int,
+  num_classes: int,
+  distilled_sizes: Sequence[int],
+  sample_bits: int,
+  rounds: int,
+  num_heads: int,
+  num_params: int,
+  bits: int = 32,
+) -> int:
+  """Eq. 18: `N · n_pub · C · b + Σ_{members} |D̃_i| · b_d + 2 · T · |H| · |w| · b`.
+
+  Args:
+    num_clients: N.
+    n_public: public samples (soft labels per client).
+    num_classes: C.
+    distilled_sizes: |D̃_i| of every non-head member.
+    sample_bits: b_d per image (H · W · channels · 8 for uint8 images).
+    rounds: T.
+    num_heads: |H|.
+    num_params: |w|.
+    bits: b, bits per soft label and parameter.
+
+  Returns:
+    The cost in bits.
+  """
+  return (
+    num_clients * n_public * num_classes * bits
+    + int(sum(distilled_sizes)) * sample_bits
+    + 2 * rounds * num_heads * num_params * bits
+  )
+
+
+def fedseq_cost_bits(
+  rounds: int, num_clusters: int, clients_per_cluster: int, num_params: int, bits: int = 32
+) -> int:
+  """Eq. 19 (reconstructed, see the module docstring): `T · N_c · (n_c + 1) · |w| · b`."""
+  return rounds * num_clusters * (clients_per_cluster + 1) * num_params * bits
+
+
+# ------------------------------------------------------------------------------------------------
+# rounds and traffic to reach a target accuracy (seed 003, Tables III–V)
+# ------------------------------------------------------------------------------------------------
+def rounds_to_target(acc_per_round, target: float) -> Optional[int]:
+  """The first round whose accuracy reaches `target`.
+
+  Args:
+    acc_per_round: `acc_per_round[r - 1]` is the accuracy after round r.
+    target: in the same unit as the accuracies.
+
+  Returns:
+    The 1-based round, or None if the target is never reached.
+  """
+  acc = np.asarray(acc_per_round, np.float64)
+  hit = np.flatnonzero(acc >= target)
+  return int(hit[0]) + 1 if hit.size else None
+
+
+class TargetRow(NamedTuple):
+  """One method's column of Tables III–V."""
+
+  method: str
+  target: float
+  rounds: Optional[int]  # None: target never reached
+  accuracy: Optional[float]  # accuracy at that round
+  traffic_bytes: Optional[int]  # total bytes up to and including that round (setup included)
+  ratio: Optional[float]  # traffic / traffic of the reference method
+
+  @property
+  def traffic_mb(self) -> Optional[float]:
+    return None if self.traffic_bytes is None else self.traffic_bytes / 1e6
+
+
+def target_table_rows(
+  results: Sequence[Tuple[str, Any, Sequence[Transfer]]],
+  target: float,
+  reference: Optional[str] = None,
+) -> List[TargetRow]:
+  """Rows of the seed's Tables III–V.
+
+  Args:
+    results: (method, accuracy per round, transfers) per method.
+    target: the target accuracy.
+    reference: the method whose traffic is 1X (default: the first).
+
+  Returns:
+    One row per method; `ratio` is None when either method misses the target.
+  """
+  rows = []
+  for name, acc, transfers in results:
+    r = rounds_to_target(acc, target)
+    if r is None:
+      rows.append(TargetRow(name, target, None, None, None, None))
+    else:
+      rows.append(
+        TargetRow(
+          name, target, r, float(np.asarray(acc)[r - 1]), total_bytes(transfers, upto_round=r), None
+        )
+      )
+  ref_name = rows[0].method if (reference is None and rows) else reference
+  ref = next((row for row in rows if row.method == ref_name), None)
+  out = []
+  for row in rows:
+    ratio = None
+    if ref is not None and ref.traffic_bytes and row.traffic_bytes is not None:
+      ratio = row.traffic_bytes / ref.traffic_bytes
+    out.append(row._replace(ratio=ratio))
+  return out
+
+
+def format_target_table(rows: Sequence[TargetRow], percent: bool = True) -> str:
+  """A Markdown table in the layout of Tables III–V (metrics as rows, methods as columns)."""
+  if not rows:
+    return ''
+  scale = 100.0 if percent else 1.0
+  unit = '%' if percent else ''
+  tgt = f'{rows[0].target * scale:g}{unit}'
+  head = '| Metrics | ' + ' | '.join(r.method for r in rows) + ' |'
+  sep = '|---|' + '---|' * len(rows)
+  cell_r = [
+    ('—' if r.rounds is None else f'{r.rounds}/{r.accuracy * scale:.2f}{unit}') for r in rows
+  ]
+  cell_t = [('—' if r.traffic_mb is None else f'{r.traffic_mb:.1f}M') for r in rows]
+  cell_x = [('—' if r.ratio is None else f'{r.ratio:.1f}X') for r in rows]
+  lines = [
+    f'Accuracy={tgt}',
+    head,
+    sep,
+    '| rounds/Accuracy | ' + ' | '.join(cell_r) + ' |',
+    '| Traffic (MB) | ' + ' | '.join(cell_t) + ' |',
+    '| Ratio | ' + ' | '.join(cell_x) + ' |',
+  ]
+  return '\n'.join(lines)

@@ -1,0 +1,103 @@
+"""Tests for experiments/configs: every file builds its default config; variants are checked."""
+
+import importlib
+import pathlib
+
+import pytest
+
+from experiments.configs import common
+from jfed.errors import ConfigError
+
+CONFIG_DIR = pathlib.Path(common.__file__).parent
+CONFIG_MODULES = sorted(
+  p.stem for p in CONFIG_DIR.glob('*.py') if p.stem not in ('__init__', 'common')
+)
+# Config files whose get_config(arg) goes through `common.variant_words` (extend as files move).
+CHECKED_MODULES = ('digits', 'fashion_mnist')
+ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
+
+
+def load(name: str):
+  return importlib.import_module(f'experiments.configs.{name}')
+
+
+def test_config_modules_found():
+  assert {'digits', 'fashion_mnist'} <= set(CONFIG_MODULES)
+
+
+@pytest.mark.parametrize('name', CONFIG_MODULES)
+def test_default_config_builds(name):
+  c = load(name).get_config('')
+  assert c.dataset.name and c.partition.num_clients >= 1
+
+
+@pytest.mark.parametrize('name', CHECKED_MODULES)
+def test_every_listed_variant_builds(name):
+  module = load(name)
+  for word in module.VARIANTS:
+    assert module.get_config(word) is not None
+  assert module.get_config(','.join(module.VARIANTS)) is not None
+
+
+@pytest.mark.parametrize('name', CHECKED_MODULES)
+def test_typo_variant_is_refused_with_the_valid_words(name):
+  module = load(name)
+  with pytest.raises(ConfigError) as info:
+    module.get_config('smoke,smok')
+  message = str(info.value)
+  assert "'smok'" in message
+  for word in module.VARIANTS:
+    assert word in message
+
+
+def test_variant_words_splits_and_keeps_order():
+  known = ('iid', 'smoke', 'rounds=')
+  assert common.variant_words('', known) == []
+  assert common.variant_words(None, known) == []
+  assert common.variant_words('smoke, iid,,smoke,', known) == ['smoke', 'iid']
+  assert common.variant_words('rounds=3,iid', known) == ['rounds=3', 'iid']
+
+
+@pytest.mark.parametrize(
+  'arg,bad',
+  [
+    ('smok', 'smok'),
+    ('iid,IID', 'IID'),
+    ('rounds=', 'rounds='),
+    ('round=3', 'round=3'),
+    ('iid=1', 'iid=1'),
+  ],
+)
+def test_variant_words_refuses_unknown(arg, bad):
+  with pytest.raises(ConfigError) as info:
+    common.variant_words(arg, ('iid', 'smoke', 'rounds='))
+  message = str(info.value)
+  assert repr(bad) in message and 'iid, smoke, rounds=<value>' in message
+  assert isinstance(info.value, ValueError)
+
+
+def test_variant_value():
+  assert common.variant_value('rounds=3', int) == 3
+  assert common.variant_value('dir=0.1', float) == 0.1
+  with pytest.raises(ConfigError, match="'rounds=x'"):
+    common.variant_value('rounds=x', int)
+
+
+def test_digits_serves_every_method_at_a_digits_budget():
+  """common.py's defaults (200 local + 200 distillation epochs) are for accelerators."""
+  c = load('digits').get_config('')
+  base = common.base_config()
+  for section in ONESHOT_SECTIONS:
+    assert c[section].local_epochs <= 20, section
+    assert c[section].get('epochs', 0) <= 40, section
+  assert c.feddf.total_steps < base.feddf.total_steps
+  digits_test_size = 360
+  for section in ('hfldd', 'fedseq'):
+    assert c[section].public_size <= digits_test_size // 2, section
+  assert c.hfldd.kip.iterations < base.hfldd.kip.iterations
+  assert c.dynafed.iterations < base.dynafed.iterations
+  smoke = load('digits').get_config('smoke')
+  for section in ('fedavg', 'fedprox', 'hfldd', 'fedseq', 'dynafed'):
+    assert smoke[section].rounds <= 2, section
+  for section in ONESHOT_SECTIONS:
+    assert smoke[section].local_epochs <= 2 and smoke[section].get('epochs', 0) <= 2, section
