@@ -431,7 +431,7 @@ def run_experiment(method: str, config: ml_collections.ConfigDict, workdir,
   and partition.png, metrics.jsonl, summary.json, accuracy.png, checkpoints/ and the method's
   own stages and figures. Running the same command again resumes.
   """
-  from jfed.data import class_count_table, format_count_table, load_dataset  # pylint: disable=g-import-not-at-top
+  from jfed.data import class_count_table, format_count_table, load_dataset, unassigned_count  # pylint: disable=g-import-not-at-top
   from jfed.data.plots import plot_partition_bubbles  # pylint: disable=g-import-not-at-top
   from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
   algorithm = build_algorithm(method, config)
@@ -450,7 +450,7 @@ def run_experiment(method: str, config: ml_collections.ConfigDict, workdir,
     parts = partition_clients(config, dataset.train_y)
     wd.write_identity(identity, config_json)
     table = class_count_table(dataset.train_y, parts, dataset.num_classes)
-    unassigned = len(dataset.train_y) - int(sum(len(p) for p in parts))
+    unassigned = unassigned_count(parts, len(dataset.train_y))
     note = (f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no '
             'client.' if unassigned else '')
     atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')

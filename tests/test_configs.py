@@ -13,7 +13,7 @@ CONFIG_MODULES = sorted(
   p.stem for p in CONFIG_DIR.glob('*.py') if p.stem not in ('__init__', 'common')
 )
 # Config files whose get_config(arg) goes through `common.variant_words` (extend as files move).
-CHECKED_MODULES = ('digits', 'fashion_mnist')
+CHECKED_MODULES = ('digits', 'fashion_mnist', 'hfldd_digits', 'hfldd_fashion_mnist')
 ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
 
 

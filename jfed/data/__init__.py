@@ -17,3 +17,4 @@ from jfed.data.partitions import partition_feddf_dirichlet
 from jfed.data.partitions import partition_iid
 from jfed.data.partitions import partition_shards_k
 from jfed.data.partitions import PartitionError
+from jfed.data.partitions import unassigned_count
