@@ -1,10 +1,13 @@
-"""The one entry point: python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR].
+"""The one entry point.
+
+  python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR]
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
 `--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
 unwritable workdir, training that turns non-finite) end in one `error: ...` line and exit
 status 1; `--traceback` shows the stack instead.
 """
+
 import os
 import sys
 
@@ -15,8 +18,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('method', None, 'Method to run; --method=? lists them.')
 flags.DEFINE_string('workdir', None, 'Output directory (default: runs/<method>_<dataset>).')
 flags.DEFINE_bool('traceback', False, 'Show the full stack of an error instead of one line.')
-config_flags.DEFINE_config_file('config', None, 'Experiment config file (get_config(arg)).',
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+  'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
+)
 
 
 def _fail(message: str, status: int = 1):
@@ -34,21 +38,22 @@ def _parse_flags(argv):
         _fail(f'config file {path} not found', 2)
   try:
     rest = FLAGS(argv)
-    if FLAGS.config is not None:   # applies the --config.key=value overrides
+    if FLAGS.config is not None:  # applies the --config.key=value overrides
       FLAGS.config.get('seed')
     return rest
   except Exception as e:  # pylint: disable=broad-except  # absl/ml_collections raise many types
     if '--traceback' in argv:
       raise
     cause = e
-    while cause.__cause__ is not None or (cause.__context__ is not None
-                                          and not isinstance(cause, flags.Error)):
+    while cause.__cause__ is not None or (
+      cause.__context__ is not None and not isinstance(cause, flags.Error)
+    ):
       cause = cause.__cause__ or cause.__context__
     if isinstance(cause, (KeyError, AttributeError)) and cause.args:
-      message = f'unknown config key {cause.args[0]}'   # ml_collections suggests the right one
+      message = f'unknown config key {cause.args[0]}'  # ml_collections suggests the right one
     else:
       message = str(cause)
-      if 'Traceback (most recent call last)' in message:   # an error inside get_config(arg)
+      if 'Traceback (most recent call last)' in message:  # an error inside get_config(arg)
         last = [l for l in message.splitlines() if l.strip()][-1]
         message = last.split(': ', 1)[1] if ': ' in last else last
     _fail(' '.join(str(message).split()), 2)
@@ -57,6 +62,7 @@ def _parse_flags(argv):
 def main(argv):
   del argv
   from jfed.methods import available_methods  # pylint: disable=g-import-not-at-top
+
   method = FLAGS.method
   if method in (None, '', '?', 'list', 'help'):
     print('methods: ' + ', '.join(available_methods()))
@@ -69,6 +75,7 @@ def main(argv):
   try:
     from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
     from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
+
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
     summary = run_experiment(method, config, workdir)
@@ -82,8 +89,13 @@ def main(argv):
     message = str(e) if not name or str(name) in str(e) else f'{name}: {e}'
     _fail(message or type(e).__name__)
   print(f'{method} done; outputs in {workdir}')
-  for k in ('final_test_accuracy', 'best_test_accuracy', 'mean_test_accuracy', 'backend',
-            'seconds_this_invocation'):
+  for k in (
+    'final_test_accuracy',
+    'best_test_accuracy',
+    'mean_test_accuracy',
+    'backend',
+    'seconds_this_invocation',
+  ):
     if k in summary:
       print(f'  {k}: {summary[k]}')
 

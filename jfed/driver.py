@@ -22,14 +22,27 @@ are cached in memory, so a notebook can call a method and get a `RunSummary` bac
 `run_experiment(method, config, workdir)` is the command line's path: validation, workdir
 identity and lock, data, partition, then `run`.
 """
+
 import dataclasses
+import json
 import math
 import pathlib
-import json
 import platform
 import time
-from typing import Any, Callable, ClassVar, Dict, Generic, Iterator, List, Mapping, Optional
-from typing import Sequence, Tuple, TypeVar
+from typing import (
+  Any,
+  Callable,
+  ClassVar,
+  Dict,
+  Generic,
+  Iterator,
+  List,
+  Mapping,
+  Optional,
+  Sequence,
+  Tuple,
+  TypeVar,
+)
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +80,15 @@ class RunContext:
     workdir: where the run writes, or None for a run in memory.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, dataset: Dataset,
-               parts: Sequence[np.ndarray], key: jax.Array, mesh: Any = None,
-               workdir: Optional[pathlib.Path] = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    dataset: Dataset,
+    parts: Sequence[np.ndarray],
+    key: jax.Array,
+    mesh: Any = None,
+    workdir: Optional[pathlib.Path] = None,
+  ):
     self.config, self.dataset, self.parts = config, dataset, list(parts)
     self.key, self.mesh = key, mesh
     self.workdir = None if workdir is None else pathlib.Path(workdir)
@@ -93,8 +112,15 @@ class RunContext:
     """Where a method writes a figure or file of its own; None for a run in memory."""
     return None if self.workdir is None else self.workdir / name
 
-  def stage(self, name: str, tag: int, template: Any, compute: Callable[[], Any],
-            directory: Optional[str] = None, max_to_keep: int = 2) -> Any:
+  def stage(
+    self,
+    name: str,
+    tag: int,
+    template: Any,
+    compute: Callable[[], Any],
+    directory: Optional[str] = None,
+    max_to_keep: int = 2,
+  ) -> Any:
     """The result of a one-off stage, computed once per run and cached.
 
     Args:
@@ -115,8 +141,9 @@ class RunContext:
     if self.workdir is None and directory is None:
       result = compute()
     else:
-      ckpt = Checkpointer(pathlib.Path(directory) if directory else self.workdir / name,
-                          max_to_keep=max_to_keep)
+      ckpt = Checkpointer(
+        pathlib.Path(directory) if directory else self.workdir / name, max_to_keep=max_to_keep
+      )
       try:
         result = None
         if int(tag) in ckpt.steps():
@@ -152,6 +179,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     Config: a NamedTuple type of the section's keys (no defaults: see typed_config).
     step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
   """
+
   name: ClassVar[str] = ''
   section: ClassVar[str] = ''
   Config: ClassVar[type] = type(None)
@@ -163,6 +191,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> 'Algorithm':
     from jfed import typed_config  # pylint: disable=g-import-not-at-top
+
     algorithm = cls(typed_config.parse(cls.Config, config.get(cls.section), cls.section))
     algorithm.validate(config)
     return algorithm
@@ -183,8 +212,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
   def init(self, ctx: RunContext, aux: AuxT) -> StateT:
     raise NotImplementedError
 
-  def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int
-           ) -> Tuple[StateT, List[Record]]:
+  def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int) -> Tuple[StateT, List[Record]]:
     raise NotImplementedError
 
   def step_label(self, i: int, n: int) -> str:
@@ -195,8 +223,9 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     accs = [r['test_accuracy'] for r in history if r.get('test_accuracy') is not None]
     return accs[-1] if accs else None
 
-  def summarize(self, ctx: RunContext, aux: AuxT, state: StateT,
-                history: Sequence[Record]) -> Dict[str, Any]:
+  def summarize(
+    self, ctx: RunContext, aux: AuxT, state: StateT, history: Sequence[Record]
+  ) -> Dict[str, Any]:
     """The method's extras for the summary (cluster assignments, client accuracies, ...)."""
     return {}
 
@@ -208,6 +237,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
 class RunSummary(Mapping):
   """The typed result of a run. Also a read-only mapping of its flat JSON form, so
   `summary['final_test_accuracy']` and `summary['<extra>']` both work."""
+
   method: str
   dataset: str
   step_name: str
@@ -216,7 +246,7 @@ class RunSummary(Mapping):
   best_test_accuracy: Optional[float]
   best_step: Optional[int]
   total_bytes: Optional[int]
-  seconds: float                      # compute time of every step and stage, all invocations
+  seconds: float  # compute time of every step and stage, all invocations
   seconds_this_invocation: float
   num_clients: int
   partition: str
@@ -237,10 +267,13 @@ class RunSummary(Mapping):
   def from_dict(cls, d: Dict[str, Any]) -> 'RunSummary':
     names = {f.name for f in dataclasses.fields(cls)} - {'extras', 'environment'}
     extra_names = set(d.get('extras', []))
-    return cls(**{n: d.get(n) for n in names},
-               extras={k: d[k] for k in extra_names if k in d},
-               environment={k: v for k, v in d.items()
-                            if k not in names and k not in extra_names and k != 'extras'})
+    return cls(
+      **{n: d.get(n) for n in names},
+      extras={k: d[k] for k in extra_names if k in d},
+      environment={
+        k: v for k, v in d.items() if k not in names and k not in extra_names and k != 'extras'
+      },
+    )
 
   def __getitem__(self, key: str) -> Any:
     return self.as_dict()[key]
@@ -253,8 +286,12 @@ class RunSummary(Mapping):
 
 
 def _environment() -> Dict[str, Any]:
-  return {'devices': [str(d) for d in jax.devices()], 'jax_version': jax.__version__,
-          'jfed_version': __version__, 'host': platform.node()}
+  return {
+    'devices': [str(d) for d in jax.devices()],
+    'jax_version': jax.__version__,
+    'jfed_version': __version__,
+    'host': platform.node(),
+  }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,8 +304,11 @@ class RunCheckpointer(Checkpointer):
 def _check_finite_records(records: Sequence[Record], where: str) -> None:
   for record in records:
     for k, v in record.items():
-      if isinstance(v, (float, np.floating)) and not math.isfinite(v) and (
-          'loss' in k or 'accuracy' in k):
+      if (
+        isinstance(v, (float, np.floating))
+        and not math.isfinite(v)
+        and ('loss' in k or 'accuracy' in k)
+      ):
         raise NonFiniteError(f'{k} became {v} at {where}')
 
 
@@ -315,8 +355,10 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   if workdir is not None and (workdir / 'summary.json').exists():
     summary = RunSummary.from_dict(json.loads((workdir / 'summary.json').read_text()))
     if summary.steps == n:
-      say(f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
-          'summary.json kept')
+      say(
+        f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
+        'summary.json kept'
+      )
       return summary
 
   t0 = time.perf_counter()
@@ -326,12 +368,14 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   ckpt = None if workdir is None else RunCheckpointer(workdir / 'checkpoints')
   metrics = _Metrics(workdir)
   try:
-    start, state, history = (ckpt.restore_latest(template, with_history=True) if ckpt
-                             else (None, template, []))
+    start, state, history = (
+      ckpt.restore_latest(template, with_history=True) if ckpt else (None, template, [])
+    )
     if start:
       if start > n:
-        raise ConfigError(f'{workdir / "checkpoints"} holds {algorithm.step_name} {start} but '
-                          f'the run has only {n}')
+        raise ConfigError(
+          f'{workdir / "checkpoints"} holds {algorithm.step_name} {start} but the run has only {n}'
+        )
       say(f'{algorithm.name}: resuming from {algorithm.step_name} {start}')
     else:
       start, history = 0, []
@@ -353,11 +397,14 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       metrics.write(history)
       if ckpt is not None:
         ckpt.save(i + 1, state, jsonable(history))
-      accuracy = next((r['test_accuracy'] for r in reversed(records)
-                       if r.get('test_accuracy') is not None), None)
-      say(f'{algorithm.name} {algorithm.step_label(i, n)}: ' +
-          (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '') +
-          f'({seconds:.1f}s)')
+      accuracy = next(
+        (r['test_accuracy'] for r in reversed(records) if r.get('test_accuracy') is not None), None
+      )
+      say(
+        f'{algorithm.name} {algorithm.step_label(i, n)}: '
+        + (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '')
+        + f'({seconds:.1f}s)'
+      )
   finally:
     if ckpt is not None:
       ckpt.close()
@@ -370,13 +417,22 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   if final is not None and (best is None or final > best):
     best, best_step = final, n
   summary = RunSummary(
-      method=algorithm.name, dataset=ctx.dataset.name, step_name=algorithm.step_name, steps=n,
-      final_test_accuracy=final, best_test_accuracy=best, best_step=best_step,
-      total_bytes=_total_bytes(history),
-      seconds=float(sum({r['step']: r.get('seconds') or 0.0 for r in history}.values())),
-      seconds_this_invocation=time.perf_counter() - invocation_start,
-      num_clients=ctx.num_clients, partition=str(ctx.config.partition.scheme),
-      backend=jax.default_backend(), extras=extras, environment=_environment())
+    method=algorithm.name,
+    dataset=ctx.dataset.name,
+    step_name=algorithm.step_name,
+    steps=n,
+    final_test_accuracy=final,
+    best_test_accuracy=best,
+    best_step=best_step,
+    total_bytes=_total_bytes(history),
+    seconds=float(sum({r['step']: r.get('seconds') or 0.0 for r in history}.values())),
+    seconds_this_invocation=time.perf_counter() - invocation_start,
+    num_clients=ctx.num_clients,
+    partition=str(ctx.config.partition.scheme),
+    backend=jax.default_backend(),
+    extras=extras,
+    environment=_environment(),
+  )
   if workdir is not None:
     write_json(workdir / 'summary.json', summary.as_dict())
     _plot_accuracy(workdir / 'accuracy.png', summary, history)
@@ -385,14 +441,19 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
 
 def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Record]) -> None:
   from jfed.reporting import plot_curves  # pylint: disable=g-import-not-at-top
+
   records = [r for r in history if r.get('test_accuracy') is not None]
   if not records:
     return
-  plot_curves(path, {summary.method: [r['test_accuracy'] for r in records]},
-              xlabel=summary.step_name, ylabel='test accuracy',
-              x={summary.method: [r['step'] for r in records]},
-              title=f'{summary.method} on {summary.dataset} '
-                    f'({summary.num_clients} clients, {summary.partition})')
+  plot_curves(
+    path,
+    {summary.method: [r['test_accuracy'] for r in records]},
+    xlabel=summary.step_name,
+    ylabel='test accuracy',
+    x={summary.method: [r['step'] for r in records]},
+    title=f'{summary.method} on {summary.dataset} '
+    f'({summary.num_clients} clients, {summary.partition})',
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,6 +463,7 @@ def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> 
   """The seeded client partition of `config.partition`."""
   from jfed.data import make_partition  # pylint: disable=g-import-not-at-top
   from jfed.data.partitions import partition_arguments  # pylint: disable=g-import-not-at-top
+
   p = config.partition
   kwargs = {name: p[name] for name in partition_arguments(p.scheme) if name in p}
   return make_partition(labels, p.num_clients, p.scheme, config.seed, **kwargs)
@@ -411,20 +473,24 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
   """The registered algorithm `method` with its typed config; validates the whole config."""
   from jfed.methods.registry import get_method  # pylint: disable=g-import-not-at-top
   from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
+
   cls = get_method(method)
   validate_run_config(config)
   return cls.from_config(config)
 
 
-def make_context(config: ml_collections.ConfigDict, dataset: Dataset,
-                 parts: Sequence[np.ndarray], workdir=None) -> RunContext:
+def make_context(
+  config: ml_collections.ConfigDict, dataset: Dataset, parts: Sequence[np.ndarray], workdir=None
+) -> RunContext:
   from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
+
   mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
   return RunContext(config, dataset, parts, jax.random.PRNGKey(config.seed), mesh, workdir)
 
 
-def run_experiment(method: str, config: ml_collections.ConfigDict, workdir,
-                   progress: bool = True) -> RunSummary:
+def run_experiment(
+  method: str, config: ml_collections.ConfigDict, workdir, progress: bool = True
+) -> RunSummary:
   """Validates, claims the workdir, loads and partitions the data, and runs `method`.
 
   Outputs in `workdir`: identity.json and config.json (what the workdir holds), partition.txt
@@ -434,43 +500,61 @@ def run_experiment(method: str, config: ml_collections.ConfigDict, workdir,
   from jfed.data import class_count_table, format_count_table, load_dataset, unassigned_count  # pylint: disable=g-import-not-at-top
   from jfed.data.plots import plot_partition_bubbles  # pylint: disable=g-import-not-at-top
   from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
+
   algorithm = build_algorithm(method, config)
   wd = Workdir(workdir)
   wd.prepare()
   config_json = config.to_json_best_effort(sort_keys=True, indent=2)
-  identity = {'method': method, 'config': ml_collections.ConfigDict(config).to_dict(),
-              'jfed_version': __version__}
+  identity = {
+    'method': method,
+    'config': ml_collections.ConfigDict(config).to_dict(),
+    'jfed_version': __version__,
+  }
   identity = jsonable(identity)
   with wd.lock():
     wd.check_identity(identity)
     dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-    identity['dataset'] = {'name': dataset.name, 'fingerprint': array_fingerprint(
-        dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y)}
+    identity['dataset'] = {
+      'name': dataset.name,
+      'fingerprint': array_fingerprint(
+        dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y
+      ),
+    }
     wd.check_identity(identity)
     parts = partition_clients(config, dataset.train_y)
     wd.write_identity(identity, config_json)
     table = class_count_table(dataset.train_y, parts, dataset.num_classes)
     unassigned = unassigned_count(parts, len(dataset.train_y))
-    note = (f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no '
-            'client.' if unassigned else '')
+    note = (
+      f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no client.'
+      if unassigned
+      else ''
+    )
     atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
-    plot_partition_bubbles(table, wd.path / 'partition.png',
-                           title=f'{dataset.name}: {config.partition.scheme} partition')
+    plot_partition_bubbles(
+      table, wd.path / 'partition.png', title=f'{dataset.name}: {config.partition.scheme} partition'
+    )
     if progress:
-      print(f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
-            f'sizes {[len(p) for p in parts]}' + (f'; {unassigned} training samples assigned '
-                                                  'to no client' if unassigned else ''),
-            flush=True)
+      print(
+        f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
+        f'sizes {[len(p) for p in parts]}'
+        + (f'; {unassigned} training samples assigned to no client' if unassigned else ''),
+        flush=True,
+      )
     ctx = make_context(config, dataset, parts, wd.path)
     return run(algorithm, ctx, progress)
 
 
-def run_in_memory(method: str, config: ml_collections.ConfigDict,
-                  dataset: Optional[Dataset] = None, progress: bool = False) -> RunSummary:
+def run_in_memory(
+  method: str,
+  config: ml_collections.ConfigDict,
+  dataset: Optional[Dataset] = None,
+  progress: bool = False,
+) -> RunSummary:
   """Runs `method` without a workdir (nothing written): for notebooks and quick studies."""
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+
   algorithm = build_algorithm(method, config)
   dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
   ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
   return run(algorithm, ctx, progress)
-

@@ -5,21 +5,23 @@ with the purpose, then with the step. Distinct purposes give independent streams
 keys depend only on (seed, purpose, step), so a resumed run draws the same numbers as an
 uninterrupted one. The values are part of every recorded result: never renumber a member.
 """
+
 import enum
 
 
 @enum.unique
 class Purpose(enum.IntEnum):
   """First `fold_in` of the root key."""
-  MODEL_INIT = 1        # initial (global or per-architecture) models
-  LOCAL_TRAINING = 2    # one-shot local training (round r > 1: fold_in(r))
-  ROUNDS = 3            # multi-round client training, per round
-  SERVER = 4            # one-shot server: distillation epochs and round-level draws
-  SAMPLING = 5          # client participation, per round
-  KIP = 31              # HFLDD members' KIP distillation
+
+  MODEL_INIT = 1  # initial (global or per-architecture) models
+  LOCAL_TRAINING = 2  # one-shot local training (round r > 1: fold_in(r))
+  ROUNDS = 3  # multi-round client training, per round
+  SERVER = 4  # one-shot server: distillation epochs and round-level draws
+  SAMPLING = 5  # client participation, per round
+  KIP = 31  # HFLDD members' KIP distillation
   SUPERCLIENT_ORDER = 41  # FedSeq client order inside superclients, per round
-  SYNTHETIC_SET = 51     # DynaFed trajectory matching
-  FINETUNE = 52         # DynaFed fine-tuning on the synthetic set, per round
+  SYNTHETIC_SET = 51  # DynaFed trajectory matching
+  FINETUNE = 52  # DynaFed fine-tuning on the synthetic set, per round
 
 
 @enum.unique
@@ -28,6 +30,7 @@ class ServerRoundPurpose(enum.IntEnum):
 
   Epoch e of round r uses derive_key(Purpose.SERVER, r, e) with r >= 1, a disjoint path.
   """
-  STUDENT = 1           # the random server model
-  GENERATOR = 2         # a generator kept across the epochs of a round
+
+  STUDENT = 1  # the random server model
+  GENERATOR = 2  # a generator kept across the epochs of a round
   MODEL_STRATIFICATION = 3  # FedHydra MS

@@ -1,4 +1,5 @@
 """What a run writes for a researcher: metrics as JSON lines, a summary, plots, progress."""
+
 import json
 import math
 import pathlib
@@ -59,8 +60,9 @@ class Progress:
   Rewrites one line on a terminal; elsewhere (CI logs, files) prints at most every `every_s`.
   """
 
-  def __init__(self, label: str, total: int, unit: str = 'step', every_s: float = 10.0,
-               stream=None):
+  def __init__(
+    self, label: str, total: int, unit: str = 'step', every_s: float = 10.0, stream=None
+  ):
     self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
     self.stream = stream or sys.stderr
     self.start = self.last = time.monotonic()
@@ -76,8 +78,10 @@ class Progress:
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (self.total - done) / rate if rate > 0 else math.inf
     eta_s = f'eta {eta:5.0f}s' if math.isfinite(eta) else ''
-    line = (f'{self.label} {done}/{self.total} {self.unit}s  {rate:6.2f} {self.unit}/s  '
-            f'{elapsed:5.0f}s {eta_s} {extra}')
+    line = (
+      f'{self.label} {done}/{self.total} {self.unit}s  {rate:6.2f} {self.unit}/s  '
+      f'{elapsed:5.0f}s {eta_s} {extra}'
+    )
     self.stream.write(('\r' + line) if self.tty else line + '\n')
     if self.tty and final:
       self.stream.write('\n')
@@ -87,12 +91,19 @@ class Progress:
     self.update(done)
 
 
-def plot_curves(path, series: Dict[str, Sequence[float]], xlabel: str, ylabel: str,
-                title: Optional[str] = None, x: Optional[Dict[str, Sequence[float]]] = None,
-                hlines: Optional[Dict[str, float]] = None) -> None:
+def plot_curves(
+  path,
+  series: Dict[str, Sequence[float]],
+  xlabel: str,
+  ylabel: str,
+  title: Optional[str] = None,
+  x: Optional[Dict[str, Sequence[float]]] = None,
+  hlines: Optional[Dict[str, float]] = None,
+) -> None:
   """Line plot of named series (e.g. test accuracy per round, one line per method)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
+
   fig = Figure(figsize=(6, 4), dpi=120)
   FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 1, 1)
@@ -101,9 +112,9 @@ def plot_curves(path, series: Dict[str, Sequence[float]], xlabel: str, ylabel: s
     ax.plot(list(xs), list(ys), marker='o' if len(ys) < 30 else None, label=name)
   for name, value in (hlines or {}).items():
     ax.axhline(value, linestyle='--', linewidth=1, color='gray')
-    ax.annotate(name, (0, value), xycoords=('axes fraction', 'data'), fontsize=8,
-                va='bottom')
+    ax.annotate(name, (0, value), xycoords=('axes fraction', 'data'), fontsize=8, va='bottom')
   from matplotlib.ticker import MaxNLocator
+
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
@@ -119,8 +130,10 @@ def plot_curves(path, series: Dict[str, Sequence[float]], xlabel: str, ylabel: s
 def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
   """A plain fixed-width text table (also valid Markdown)."""
   rows = [[_fmt(c) for c in r] for r in rows]
-  widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
-            for i, h in enumerate(header)]
+  widths = [
+    max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+    for i, h in enumerate(header)
+  ]
   line = lambda cells: '| ' + ' | '.join(str(c).ljust(w) for c, w in zip(cells, widths)) + ' |'
   sep = '|' + '|'.join('-' * (w + 2) for w in widths) + '|'
   return '\n'.join([line(header), sep] + [line(r) for r in rows])

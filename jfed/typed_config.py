@@ -6,6 +6,7 @@ each field, converts it to the annotated type and names the key when it cannot; 
 NamedTuples are parsed recursively. `validate_run_config` checks the keys every method shares.
 All checks run before anything is written or loaded.
 """
+
 import math
 import typing
 from typing import Any, Iterable, Type, TypeVar
@@ -23,8 +24,11 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
       return value
     raise ConfigError(f'{where} must be true or false, got {value!r}')
   if kind is int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-        isinstance(value, float) and not value.is_integer()):
+    if (
+      isinstance(value, bool)
+      or not isinstance(value, (int, float))
+      or (isinstance(value, float) and not value.is_integer())
+    ):
       raise ConfigError(f'{where} must be an integer, got {value!r}')
     return int(value)
   if kind is float:
@@ -86,15 +90,20 @@ def validate_run_config(config: Any) -> None:
   from jfed.data.partitions import available_schemes  # pylint: disable=g-import-not-at-top
   from jfed.engine.optim import OPTIMIZERS, SCHEDULES  # pylint: disable=g-import-not-at-top
   from jfed.models import available_models  # pylint: disable=g-import-not-at-top
+
   _convert(config.seed, int, 'seed')
   _convert(config.dataset.name, str, 'dataset.name')
   p = config.partition
   require_choice(p.scheme, available_schemes(), 'partition.scheme')
-  require(_convert(p.num_clients, int, 'partition.num_clients') >= 1,
-          f'partition.num_clients must be positive, got {p.num_clients}')
+  require(
+    _convert(p.num_clients, int, 'partition.num_clients') >= 1,
+    f'partition.num_clients must be positive, got {p.num_clients}',
+  )
   if 'dirichlet' in p.scheme:
-    require(_convert(p.alpha, float, 'partition.alpha') > 0,
-            f'partition.alpha must be positive, got {p.alpha}')
+    require(
+      _convert(p.alpha, float, 'partition.alpha') > 0,
+      f'partition.alpha must be positive, got {p.alpha}',
+    )
   if p.scheme == 'shards':
     require(_convert(p.k, int, 'partition.k') >= 1, f'partition.k must be positive, got {p.k}')
   for name in ('batch_size', 'eval_batch_size'):
@@ -113,4 +122,7 @@ def validate_run_config(config: Any) -> None:
   specs = [config.model] + [s for s in config.get('client_models', '').split(';') if s.strip()]
   for spec in specs:
     name = spec.strip().partition(':')[0]
-    require(name.lower() in known, f'Unknown model {name!r} in {spec!r}; valid: {", ".join(sorted(known))}')
+    require(
+      name.lower() in known,
+      f'Unknown model {name!r} in {spec!r}; valid: {", ".join(sorted(known))}',
+    )

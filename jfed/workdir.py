@@ -11,6 +11,7 @@
   summary; before that, the identity of a failed start is simply replaced, so a config that
   failed late does not block the corrected run.
 """
+
 import contextlib
 import errno
 import fcntl
@@ -132,8 +133,10 @@ class Workdir:
           raise
         f.seek(0)
         holder = f.read().strip() or 'another process'
-        raise WorkdirBusy(f'workdir {self.path} is busy: a run ({holder}) is using it; wait for '
-                          'it to finish or choose another --workdir') from None
+        raise WorkdirBusy(
+          f'workdir {self.path} is busy: a run ({holder}) is using it; wait for '
+          'it to finish or choose another --workdir'
+        ) from None
       f.seek(0)
       f.truncate()
       f.write(f'pid {os.getpid()} on {os.uname().nodename}\n')
@@ -169,8 +172,10 @@ class Workdir:
     old = self.read_identity()
     if old is None:
       if self.has_progress():
-        raise WorkdirError(f'workdir {self.path} holds results of an unknown run (no '
-                           f'{IDENTITY_FILE}); use a new --workdir or delete it')
+        raise WorkdirError(
+          f'workdir {self.path} holds results of an unknown run (no '
+          f'{IDENTITY_FILE}); use a new --workdir or delete it'
+        )
       return
     if not self.has_progress():
       return
@@ -178,9 +183,11 @@ class Workdir:
     diff = identity_differences(old, jsonable(identity))
     if diff:
       shown = ', '.join(diff[:8]) + (f' and {len(diff) - 8} more' if len(diff) > 8 else '')
-      raise WorkdirError(f'workdir {self.path} holds a run of {old.get("method")!r} that '
-                         f'differs in {shown}; use a new --workdir (or delete {self.path}) '
-                         'to start this one')
+      raise WorkdirError(
+        f'workdir {self.path} holds a run of {old.get("method")!r} that '
+        f'differs in {shown}; use a new --workdir (or delete {self.path}) '
+        'to start this one'
+      )
 
   def write_identity(self, identity: Dict[str, Any], config_json: str) -> None:
     write_json(self.path / IDENTITY_FILE, identity)

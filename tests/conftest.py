@@ -4,6 +4,7 @@ Many tests compile the same small programs (the same model and step on digits) i
 objects or new processes; the persistent cache turns those recompilations into disk reads. The
 environment variables reach the `experiments.main` subprocesses too.
 """
+
 import os
 import pathlib
 import tempfile
@@ -11,7 +12,8 @@ import tempfile
 import jax
 
 _CACHE = os.environ.setdefault(
-    'JAX_COMPILATION_CACHE_DIR', str(pathlib.Path(tempfile.gettempdir()) / 'jfed-test-jax-cache'))
+  'JAX_COMPILATION_CACHE_DIR', str(pathlib.Path(tempfile.gettempdir()) / 'jfed-test-jax-cache')
+)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 jax.config.update('jax_compilation_cache_dir', _CACHE)

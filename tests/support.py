@@ -1,4 +1,5 @@
 """Helpers shared by the end-to-end tests."""
+
 import json
 
 from jfed.driver import RunCheckpointer
@@ -27,6 +28,7 @@ def interrupt_after(monkeypatch, step):
     save(self, s, state, history)
     if s == step:
       raise Interrupted()
+
   monkeypatch.setattr(RunCheckpointer, 'save', save_then_die)
 
 

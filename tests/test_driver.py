@@ -1,4 +1,5 @@
 """The driver: resume of every method, workdirs that cannot mix or lose results, clean failures."""
+
 import ast
 import fcntl
 import json
@@ -6,7 +7,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-
 from typing import NamedTuple
 
 import jax
@@ -66,17 +66,22 @@ def smoke_config(method: str):
 # (method, config, step to interrupt after). dense over two rounds checks resume at a round
 # boundary of the one-shot loop.
 RESUME_CASES = [(m, None, 1) for m in sorted(available_methods())] + [
-    ('dense', {'dense.rounds': 2}, 2)]
+  ('dense', {'dense.rounds': 2}, 2)
+]
 
 
 def _comparable_summary(summary):
   return {k: v for k, v in summary.as_dict().items() if 'seconds' not in k}
 
 
-@pytest.mark.parametrize('method,extra,interrupt_at', RESUME_CASES,
-                         ids=[f'{m}{"-rounds2" if e else ""}' for m, e, _ in RESUME_CASES])
-def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, monkeypatch,
-                                                                    method, extra, interrupt_at):
+@pytest.mark.parametrize(
+  'method,extra,interrupt_at',
+  RESUME_CASES,
+  ids=[f'{m}{"-rounds2" if e else ""}' for m, e, _ in RESUME_CASES],
+)
+def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(
+  tmp_path, monkeypatch, method, extra, interrupt_at
+):
   config = override(smoke_config(method), **(extra or {}))
   whole = driver.run_experiment(method, config, tmp_path / 'whole', progress=False)
   assert whole.steps > interrupt_at
@@ -98,6 +103,7 @@ class _FedAvgMConfig(NamedTuple):
 
 class _FedAvgM(driver.Algorithm):
   """BUILD_NOTES.md's example of a new method on the interface (not registered)."""
+
   name, section, Config, step_name = 'fedavgm', 'fedavgm', _FedAvgMConfig, 'round'
 
   def validate(self, config):
@@ -109,29 +115,38 @@ class _FedAvgM(driver.Algorithm):
   def setup(self, ctx):
     common.single_architecture(ctx)
     group = common.client_groups(ctx)[0]
-    return group, common.make_trainers(ctx, [group])[0], engine.init_model(
-        group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
+    return (
+      group,
+      common.make_trainers(ctx, [group])[0],
+      engine.init_model(
+        group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
+      ),
+    )
 
   def init(self, ctx, aux):
-    return aux[2], jax.tree.map(jnp.zeros_like, aux[2])    # (global model, velocity)
+    return aux[2], jax.tree.map(jnp.zeros_like, aux[2])  # (global model, velocity)
 
   def step(self, ctx, aux, state, i):
     group, trainer, template = aux
     (model, velocity) = state
-    avg, record = common.fedavg_round(trainer, group, model, self.config.local_epochs,
-                                      ctx.derive_key(Purpose.ROUNDS, i), template)
-    velocity = jax.tree.map(lambda v, a, m: self.config.server_momentum * v + (m - a),
-                            velocity, avg, model)
+    avg, record = common.fedavg_round(
+      trainer, group, model, self.config.local_epochs, ctx.derive_key(Purpose.ROUNDS, i), template
+    )
+    velocity = jax.tree.map(
+      lambda v, a, m: self.config.server_momentum * v + (m - a), velocity, avg, model
+    )
     model = jax.tree.map(lambda m, v: m - v, model, velocity)
-    accuracy = engine.Evaluator(group.module, 1000).accuracy(model, ctx.dataset.test_x,
-                                                             ctx.dataset.test_y)
+    accuracy = engine.Evaluator(group.module, 1000).accuracy(
+      model, ctx.dataset.test_x, ctx.dataset.test_y
+    )
     return (model, velocity), [{'round': i + 1, 'test_accuracy': accuracy, **record}]
 
 
 def test_the_documented_new_method_runs_on_the_interface_and_equals_fedavg_at_momentum_0():
   config = _digits()
   config.fedavgm = ml_collections.ConfigDict(
-      {'rounds': 3, 'local_epochs': config.fedavg.local_epochs, 'server_momentum': 0.0})
+    {'rounds': 3, 'local_epochs': config.fedavg.local_epochs, 'server_momentum': 0.0}
+  )
   dataset = load_dataset('digits')
   ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
   summary = driver.run(_FedAvgM.from_config(config), ctx, progress=False)
@@ -145,8 +160,16 @@ def test_the_documented_new_method_runs_on_the_interface_and_equals_fedavg_at_mo
 
 def test_fedavg_writes_every_output_and_learns(tmp_path):
   summary = driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
-  for name in ('identity.json', 'config.json', 'metrics.jsonl', 'summary.json', 'accuracy.png',
-               'partition.txt', 'partition.png', 'checkpoints'):
+  for name in (
+    'identity.json',
+    'config.json',
+    'metrics.jsonl',
+    'summary.json',
+    'accuracy.png',
+    'partition.txt',
+    'partition.png',
+    'checkpoints',
+  ):
     assert (tmp_path / name).exists(), name
   records = read_metrics(tmp_path)
   assert [r['step'] for r in records] == [1, 2, 3]
@@ -154,7 +177,8 @@ def test_fedavg_writes_every_output_and_learns(tmp_path):
   assert summary.best_test_accuracy == max(r['test_accuracy'] for r in records)
   assert summary.total_bytes == records[-1]['cumulative_bytes'] > 0
   assert json.loads((tmp_path / 'summary.json').read_text())['final_test_accuracy'] == (
-      summary.final_test_accuracy)
+    summary.final_test_accuracy
+  )
 
 
 def test_a_finished_run_is_kept_and_says_so(tmp_path, capsys):
@@ -212,15 +236,16 @@ def test_a_torn_metrics_file_cannot_shorten_the_history(tmp_path, monkeypatch):
     with pytest.raises(Interrupted):
       driver.run_experiment('fedavg', _digits(), tmp_path / 'torn', progress=False)
   metrics = tmp_path / 'torn' / 'metrics.jsonl'
-  metrics.write_text(metrics.read_text()[:25])   # a kill in the middle of a rewrite
+  metrics.write_text(metrics.read_text()[:25])  # a kill in the middle of a rewrite
   resumed = driver.run_experiment('fedavg', _digits(), tmp_path / 'torn', progress=False)
   assert read_metrics(tmp_path / 'torn') == read_metrics(tmp_path / 'whole')
   assert resumed.best_test_accuracy == whole.best_test_accuracy
   assert resumed.total_bytes == whole.total_bytes
 
 
-def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch,
-                                                                      capsys):
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(
+  tmp_path, monkeypatch, capsys
+):
   whole = driver.run_experiment('fedavg', _digits(), tmp_path / 'whole', progress=False)
   with monkeypatch.context() as m:
     interrupt_after(m, 2)
@@ -245,23 +270,26 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
 
 
 def test_a_config_that_fails_after_the_start_does_not_block_the_fixed_run(tmp_path):
-  with pytest.raises(ValueError, match='clients'):   # found when the data are partitioned
-    driver.run_experiment('fedavg', _digits(**{'partition.num_clients': 5000}), tmp_path,
-                          progress=False)
+  with pytest.raises(ValueError, match='clients'):  # found when the data are partitioned
+    driver.run_experiment(
+      'fedavg', _digits(**{'partition.num_clients': 5000}), tmp_path, progress=False
+    )
   summary = driver.run_experiment('fedavg', _digits(), tmp_path, progress=False)
   assert summary.steps == 3
 
 
 def test_training_that_turns_non_finite_stops_with_the_step_and_client(tmp_path):
   with pytest.raises(NonFiniteError, match=r'client\(s\) \[\d.*non-finite'):
-    driver.run_experiment('fedavg', _digits(**{'optimizer.lr': 1e30}), tmp_path,
-                          progress=False)
+    driver.run_experiment('fedavg', _digits(**{'optimizer.lr': 1e30}), tmp_path, progress=False)
   with pytest.raises(NonFiniteError, match='epoch 1'):
-    driver.run_experiment('centralized', _digits(**{'optimizer.lr': 1e30}), tmp_path / 'c',
-                          progress=False)
+    driver.run_experiment(
+      'centralized', _digits(**{'optimizer.lr': 1e30}), tmp_path / 'c', progress=False
+    )
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     ({'fedavg.rounds': 0}, 'fedavg.rounds must be positive'),
     ({'batch_size': -32}, 'batch_size must be positive'),
     ({'batch_size': 0}, 'batch_size must be positive'),
@@ -271,7 +299,8 @@ def test_training_that_turns_non_finite_stops_with_the_step_and_client(tmp_path)
     ({'partition.scheme': 'zipf'}, 'valid'),
     ({'model': 'transformer'}, 'valid'),
     ({'strategy': 'pmap'}, 'valid'),
-])
+  ],
+)
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
   with pytest.raises(ConfigError, match=message):
     driver.run_experiment('fedavg', _digits(**overrides), tmp_path / 'w', progress=False)
@@ -297,7 +326,12 @@ def test_every_key_purpose_is_distinct():
 def test_no_method_module_imports_another_method_module():
   methods_dir = ROOT / 'jfed' / 'methods'
   method_modules = {p.stem for p in methods_dir.glob('*.py')} - {
-      '__init__', 'common', 'context', 'registry', 'oneshot'}
+    '__init__',
+    'common',
+    'context',
+    'registry',
+    'oneshot',
+  }
   for path in methods_dir.glob('*.py'):
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
@@ -308,8 +342,7 @@ def test_no_method_module_imports_another_method_module():
         elif node.module.startswith('jfed.methods.'):
           names = [node.module.rsplit('.', 1)[1]]
       elif isinstance(node, ast.Import):
-        names = [a.name.rsplit('.', 1)[1] for a in node.names
-                 if a.name.startswith('jfed.methods.')]
+        names = [a.name.rsplit('.', 1)[1] for a in node.names if a.name.startswith('jfed.methods.')]
       bad = (set(names) & method_modules) - {path.stem}
       assert not bad, f'{path.name} imports the method module(s) {sorted(bad)}'
 
@@ -325,8 +358,13 @@ def test_no_method_module_checkpoints_or_reads_metrics_itself():
 # the command line
 # ------------------------------------------------------------------------------------------------
 def _main(*args, cwd=ROOT):
-  return subprocess.run([sys.executable, '-m', 'experiments.main', *args], capture_output=True,
-                        text=True, timeout=300, cwd=cwd)
+  return subprocess.run(
+    [sys.executable, '-m', 'experiments.main', *args],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=cwd,
+  )
 
 
 def _one_error_line(proc):
@@ -336,7 +374,9 @@ def _one_error_line(proc):
   return lines[0]
 
 
-@pytest.mark.parametrize('args,message', [
+@pytest.mark.parametrize(
+  'args,message',
+  [
     (['--config.fedavg.rounds=0'], 'fedavg.rounds must be positive'),
     (['--config.batch_size=-32'], 'batch_size must be positive'),
     (['--config.optimizer.lr=nan'], 'optimizer.lr must be finite'),
@@ -344,10 +384,14 @@ def _one_error_line(proc):
     (['--config.fedavg.roundz=3'], 'roundz'),
     (['--config=experiments/configs/nonexistent.py'], 'nonexistent.py'),
     (['--method=nope'], 'Unknown method'),
-])
+  ],
+)
 def test_main_turns_bad_input_into_one_error_line(tmp_path, args, message):
-  base = ['--method=fedavg', '--config=experiments/configs/digits.py:smoke',
-          f'--workdir={tmp_path / "w"}']
+  base = [
+    '--method=fedavg',
+    '--config=experiments/configs/digits.py:smoke',
+    f'--workdir={tmp_path / "w"}',
+  ]
   keys = {a.split('=')[0] for a in args}
   proc = _main(*[a for a in base if a.split('=')[0] not in keys], *args)
   assert message in _one_error_line(proc)
@@ -361,8 +405,11 @@ def test_main_lists_methods_without_a_config():
 
 
 def test_main_runs_and_resumes_a_finished_run(tmp_path):
-  args = ['--method=fedavg', '--config=experiments/configs/digits.py:smoke',
-          f'--workdir={tmp_path}']
+  args = [
+    '--method=fedavg',
+    '--config=experiments/configs/digits.py:smoke',
+    f'--workdir={tmp_path}',
+  ]
   first = _main(*args)
   assert first.returncode == 0, first.stderr
   assert 'final_test_accuracy' in first.stdout

@@ -1,4 +1,5 @@
 """Client engine: every strategy gives the same numbers, padding is exact, sharding is neutral."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -33,17 +34,20 @@ def _toy_group(sizes=(13, 5, 9, 1), seed=0):
   return x, y, parts
 
 
-def _train(strategy, fed, tx_name='sgd', epochs=2, prox_mu=0.0, mesh=None, batch_size=4,
-           client_ids=None):
+def _train(
+  strategy, fed, tx_name='sgd', epochs=2, prox_mu=0.0, mesh=None, batch_size=4, client_ids=None
+):
   module = TinyBNNet()
   tx = engine.make_optimizer(tx_name, 0.05, momentum=0.9 if tx_name == 'sgd' else 0.0)
   models = engine.init_models(module, (4, 4, 1), jax.random.PRNGKey(0), fed.num_clients)
   state = engine.init_train_state(tx, models)
   anchor = engine.take(models.params, 0) if prox_mu else None
-  trainer = engine.GroupTrainer(module, tx, batch_size, prox_mu=prox_mu, strategy=strategy,
-                                mesh=mesh)
-  return trainer.train(state, fed, epochs, jax.random.PRNGKey(1), anchor=anchor,
-                       client_ids=client_ids)
+  trainer = engine.GroupTrainer(
+    module, tx, batch_size, prox_mu=prox_mu, strategy=strategy, mesh=mesh
+  )
+  return trainer.train(
+    state, fed, epochs, jax.random.PRNGKey(1), anchor=anchor, client_ids=client_ids
+  )
 
 
 def _assert_trees_close(a, b, atol=1e-5):
@@ -78,8 +82,9 @@ def test_padded_client_trains_exactly_on_its_own_samples():
 def test_padding_content_is_irrelevant():
   x, y, parts = _toy_group()
   fed = federate(x, y, parts)
-  garbage = fed._replace(x=np.where(fed.mask[..., None, None, None], fed.x, 1e3),
-                         y=np.where(fed.mask, fed.y, 2))
+  garbage = fed._replace(
+    x=np.where(fed.mask[..., None, None, None], fed.x, 1e3), y=np.where(fed.mask, fed.y, 2)
+  )
   _assert_trees_close(_train('scan', fed)[0], _train('scan', garbage)[0])
 
 
@@ -112,8 +117,9 @@ def test_training_learns_and_prox_pulls_towards_anchor():
   far, _ = _train('loop', fed, epochs=4)
   near, _ = _train('loop', fed, epochs=4, prox_mu=50.0)
   init = engine.init_model(TinyBNNet(), (4, 4, 1), jax.random.PRNGKey(0)).params
-  dist = lambda p: sum(float(jnp.sum((a[0] - b) ** 2)) for a, b in
-                       zip(jax.tree.leaves(p), jax.tree.leaves(init)))
+  dist = lambda p: sum(
+    float(jnp.sum((a[0] - b) ** 2)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(init))
+  )
   assert dist(near.model.params) < dist(far.model.params)
 
 

@@ -1,4 +1,5 @@
 """Tests of the model zoo (jfed.models): registry, shapes, masks, BN sowing, PyTorch parity."""
+
 import math
 
 import jax
@@ -6,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.models import available_models, get_model, param_count, register_model
-from jfed.models import layers
+from jfed.models import available_models, get_model, layers, param_count, register_model
 
 SHAPES = [(8, 8, 1), (28, 28, 1), (32, 32, 3)]
 NUM_CLASSES = 7
@@ -18,16 +18,27 @@ BATCH = 8
 
 # Cheap settings for the big models; every other model is built with its defaults.
 TINY_KW = {
-    'resnet18': dict(width_mult=1e-3),  # every conv 1 channel (shortcut convs still exist)
-    'googlenet': dict(width_mult=1e-3),  # every conv 1 channel: modules share shapes
-    'vgg9': dict(width_mult=1 / 8, fc_width=32),
-    'hfldd_cnn_cifar': dict(channels=(8, 8, 16, 16)),
-    'cnn_cifar': dict(channels=(16, 16, 16)),
-    'hfldd_cnn_cinic': dict(width=16),
+  'resnet18': dict(width_mult=1e-3),  # every conv 1 channel (shortcut convs still exist)
+  'googlenet': dict(width_mult=1e-3),  # every conv 1 channel: modules share shapes
+  'vgg9': dict(width_mult=1 / 8, fc_width=32),
+  'hfldd_cnn_cifar': dict(channels=(8, 8, 16, 16)),
+  'cnn_cifar': dict(channels=(16, 16, 16)),
+  'hfldd_cnn_cinic': dict(width=16),
 }
 BN_MODELS = ['cnn_mnist', 'fedhydra_cnn2', 'hfldd_cnn_cifar', 'resnet18', 'googlenet']
-EXPECTED = {'cnn_mnist', 'cnn_cifar', 'fedhydra_cnn2', 'fedhydra_cnn3', 'lenet', 'resnet18',
-            'googlenet', 'vgg9', 'hfldd_cnn_mnist', 'hfldd_cnn_cifar', 'mlp'}
+EXPECTED = {
+  'cnn_mnist',
+  'cnn_cifar',
+  'fedhydra_cnn2',
+  'fedhydra_cnn3',
+  'lenet',
+  'resnet18',
+  'googlenet',
+  'vgg9',
+  'hfldd_cnn_mnist',
+  'hfldd_cnn_cifar',
+  'mlp',
+}
 
 
 def _build(name, shape, num_classes=NUM_CLASSES):
@@ -98,8 +109,9 @@ def test_forward_train_and_eval(name, shape):
   assert np.all(np.isfinite(eval_logits))
   # eval mode is per-sample: a sample's logits do not depend on the rest of the batch
   x_other = np.concatenate([x[:1], _images(shape, BATCH - 1, seed=9)])
-  np.testing.assert_allclose(model.apply(variables, x_other, train=False)[0], eval_logits[0],
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    model.apply(variables, x_other, train=False)[0], eval_logits[0], rtol=1e-4, atol=1e-5
+  )
 
 
 # ------------------------------------------------------------------------------- BN mask
@@ -118,17 +130,27 @@ def test_mask_excludes_padded_rows(name):
   garbage = 50.0 * _images(shape, BATCH - n_real, seed=4) - 7.0
   padded = np.concatenate([real, garbage])
   mask = np.arange(BATCH) < n_real
-  out_alone, upd_alone = model.apply(variables, np.concatenate([real, real]), train=True,
-                                     mutable=['batch_stats'])
-  out_masked, upd_masked = model.apply(variables, padded, train=True, mask=mask,
-                                       mutable=['batch_stats'])
+  out_alone, upd_alone = model.apply(
+    variables, np.concatenate([real, real]), train=True, mutable=['batch_stats']
+  )
+  out_masked, upd_masked = model.apply(
+    variables, padded, train=True, mask=mask, mutable=['batch_stats']
+  )
   np.testing.assert_allclose(out_masked[:n_real], out_alone[:n_real], rtol=1e-4, atol=1e-4)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-               upd_masked['batch_stats'], upd_alone['batch_stats'])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+    upd_masked['batch_stats'],
+    upd_alone['batch_stats'],
+  )
   # without the mask the garbage rows do change the statistics
   _, upd_unmasked = model.apply(variables, padded, train=True, mutable=['batch_stats'])
-  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))),
-                                       upd_unmasked['batch_stats'], upd_alone['batch_stats']))
+  diffs = jax.tree.leaves(
+    jax.tree.map(
+      lambda a, b: float(np.max(np.abs(np.asarray(a) - b))),
+      upd_unmasked['batch_stats'],
+      upd_alone['batch_stats'],
+    )
+  )
   assert max(diffs) > 1e-3
 
 
@@ -140,11 +162,15 @@ def test_mask_on_really_smaller_batch():
   real = _images(shape, 5, seed=3)
   padded = np.concatenate([real, 9.0 * _images(shape, BATCH - 5, seed=4)])
   out_alone, upd_alone = model.apply(variables, real, train=True, mutable=['batch_stats'])
-  out_masked, upd_masked = model.apply(variables, padded, train=True,
-                                       mask=np.arange(BATCH) < 5, mutable=['batch_stats'])
+  out_masked, upd_masked = model.apply(
+    variables, padded, train=True, mask=np.arange(BATCH) < 5, mutable=['batch_stats']
+  )
   np.testing.assert_allclose(out_masked[:5], out_alone, rtol=1e-4, atol=1e-4)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-               upd_masked['batch_stats'], upd_alone['batch_stats'])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+    upd_masked['batch_stats'],
+    upd_alone['batch_stats'],
+  )
 
 
 # --------------------------------------------------------------------------- bn_inputs sow
@@ -160,8 +186,11 @@ def test_bn_inputs_sows_one_pair_per_bn_layer(name, shape):
   sown = jax.tree.leaves(state['bn_inputs'])
   assert len(sown) == 2 * num_bn
   # each layer sowed exactly one (mean, var) pair whose size is the layer's channel count
-  means = [l for l in jax.tree_util.tree_leaves_with_path(variables['batch_stats'])
-           if 'mean' in jax.tree_util.keystr(l[0])]
+  means = [
+    l
+    for l in jax.tree_util.tree_leaves_with_path(variables['batch_stats'])
+    if 'mean' in jax.tree_util.keystr(l[0])
+  ]
   assert sorted(m.shape for _, m in means) == sorted(s.shape for s in sown[::2])
   assert all(np.all(np.asarray(v) >= 0) for v in sown[1::2])
 
@@ -172,9 +201,16 @@ def test_cnn_mnist_first_bn_input_stats():
   variables = _init(model, shape)
   x = _images(shape, BATCH)
   _, state = model.apply(variables, x, train=False, mutable=['bn_inputs'])
-  conv_out = jax.lax.conv_general_dilated(
-      x, variables['params']['Conv_0']['kernel'], (1, 1), ((2, 2), (2, 2)),
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC')) + variables['params']['Conv_0']['bias']
+  conv_out = (
+    jax.lax.conv_general_dilated(
+      x,
+      variables['params']['Conv_0']['kernel'],
+      (1, 1),
+      ((2, 2), (2, 2)),
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+    )
+    + variables['params']['Conv_0']['bias']
+  )
   mean, var = state['bn_inputs']['BatchNorm_0']['stats'][0]
   np.testing.assert_allclose(mean, conv_out.mean((0, 1, 2)), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(var, conv_out.var((0, 1, 2)), rtol=1e-4, atol=1e-6)
@@ -190,17 +226,20 @@ def test_cnn_mnist_param_count_matches_pytorch():
   assert _count_params('cnn_mnist', (28, 28, 1)) == conv1 + bn1 + conv2 + bn2 + fc == 29034
 
 
-@pytest.mark.parametrize('name,shape,kw,expected', [
-    ('resnet18', (32, 32, 3), {}, 11_173_962),          # kuangliu CIFAR ResNet18
-    ('googlenet', (32, 32, 3), {}, 6_166_250),          # kuangliu CIFAR GoogLeNet
-    ('cnn_cifar', (32, 32, 3), {}, 319_242),            # DENSE CNNCifar
-    ('fedhydra_cnn3', (32, 32, 3), {}, 122_570),        # DENSE CNNCifar2
-    ('lenet', (32, 32, 3), {}, 62_006),                 # kuangliu LeNet
-    ('hfldd_cnn_mnist', (28, 28, 1), {}, 44_426),       # HFLDD Sec. VI-A2
-    ('hfldd_cnn_cinic', (32, 32, 3), {}, 320_010),      # HFLDD Sec. VI-A2
-    ('mlp', (28, 28, 1), {}, 199_210),                  # FedAvg 2NN
-    ('vgg9', (32, 32, 3), {}, 69_167_498),              # FedMHO VGG9 (PyTorch count)
-])
+@pytest.mark.parametrize(
+  'name,shape,kw,expected',
+  [
+    ('resnet18', (32, 32, 3), {}, 11_173_962),  # kuangliu CIFAR ResNet18
+    ('googlenet', (32, 32, 3), {}, 6_166_250),  # kuangliu CIFAR GoogLeNet
+    ('cnn_cifar', (32, 32, 3), {}, 319_242),  # DENSE CNNCifar
+    ('fedhydra_cnn3', (32, 32, 3), {}, 122_570),  # DENSE CNNCifar2
+    ('lenet', (32, 32, 3), {}, 62_006),  # kuangliu LeNet
+    ('hfldd_cnn_mnist', (28, 28, 1), {}, 44_426),  # HFLDD Sec. VI-A2
+    ('hfldd_cnn_cinic', (32, 32, 3), {}, 320_010),  # HFLDD Sec. VI-A2
+    ('mlp', (28, 28, 1), {}, 199_210),  # FedAvg 2NN
+    ('vgg9', (32, 32, 3), {}, 69_167_498),  # FedMHO VGG9 (PyTorch count)
+  ],
+)
 def test_reference_param_counts(name, shape, kw, expected):
   assert _count_params(name, shape, **kw) == expected
 
@@ -268,8 +307,9 @@ def test_strided_conv_and_padded_max_pool_match_pytorch():
     k = np.array(variables['params']['Conv_0']['kernel'])  # HWIO (writable copy for torch)
     b = np.array(variables['params']['Conv_0']['bias'])
     xt = torch.from_numpy(x).permute(0, 3, 1, 2)
-    ref_conv = torch.nn.functional.conv2d(xt, torch.from_numpy(k).permute(3, 2, 0, 1),
-                                          torch.from_numpy(b), stride=2, padding=1)
+    ref_conv = torch.nn.functional.conv2d(
+      xt, torch.from_numpy(k).permute(3, 2, 0, 1), torch.from_numpy(b), stride=2, padding=1
+    )
     ref_pool = torch.nn.functional.max_pool2d(xt, 3, stride=2, padding=1)
     np.testing.assert_allclose(y_conv, ref_conv.permute(0, 2, 3, 1).numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(y_pool, ref_pool.permute(0, 2, 3, 1).numpy(), rtol=1e-6)
@@ -279,9 +319,17 @@ def test_cnn_mnist_matches_pytorch_dense_cnnmnist():
   torch = pytest.importorskip('torch')
   tnn = torch.nn
   ref = tnn.Sequential(
-      tnn.Conv2d(1, 16, 5, padding=2), tnn.BatchNorm2d(16), tnn.ReLU(), tnn.MaxPool2d(2),
-      tnn.Conv2d(16, 32, 5, padding=2), tnn.BatchNorm2d(32), tnn.ReLU(), tnn.MaxPool2d(2),
-      tnn.Flatten(), tnn.Linear(7 * 7 * 32, 10))
+    tnn.Conv2d(1, 16, 5, padding=2),
+    tnn.BatchNorm2d(16),
+    tnn.ReLU(),
+    tnn.MaxPool2d(2),
+    tnn.Conv2d(16, 32, 5, padding=2),
+    tnn.BatchNorm2d(32),
+    tnn.ReLU(),
+    tnn.MaxPool2d(2),
+    tnn.Flatten(),
+    tnn.Linear(7 * 7 * 32, 10),
+  )
   shape = (28, 28, 1)
   model = get_model('cnn_mnist', 10, shape)
   variables = _init(model, shape)
@@ -310,10 +358,15 @@ def test_cnn_mnist_matches_pytorch_dense_cnnmnist():
   np.testing.assert_allclose(ours_train, ref_train, rtol=1e-4, atol=1e-4)
   # PyTorch updates running_var with the unbiased batch variance (x n/(n-1)), flax with the
   # biased one: with n = 6*28*28 samples per channel the two differ by ~2e-5 (relative).
-  np.testing.assert_allclose(upd['batch_stats']['BatchNorm_0']['bn']['var'],
-                             ref[1].running_var.numpy(), rtol=1e-3)
-  np.testing.assert_allclose(upd['batch_stats']['BatchNorm_1']['bn']['mean'],
-                             ref[5].running_mean.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    upd['batch_stats']['BatchNorm_0']['bn']['var'], ref[1].running_var.numpy(), rtol=1e-3
+  )
+  np.testing.assert_allclose(
+    upd['batch_stats']['BatchNorm_1']['bn']['mean'],
+    ref[5].running_mean.numpy(),
+    rtol=1e-5,
+    atol=1e-6,
+  )
   ref.eval()
   with torch.no_grad():
     ref_eval = ref(xt).numpy()

@@ -1,6 +1,7 @@
 """The foundation methods through the runner: FedProx vs FedAvg, heterogeneous groups, input
 errors found with the data, and server-side upload validation. (Resume, workdir and command-line
 cases: tests/test_driver.py.)"""
+
 import numpy as np
 import pytest
 
@@ -28,8 +29,7 @@ def test_fedprox_and_fedavg_differ_only_by_the_proximal_term(tmp_path):
 
 
 def test_local_runs_heterogeneous_clients_as_groups(tmp_path):
-  c = _config(client_models='cnn_mnist;lenet;mlp', **{'partition.scheme': 'iid',
-                                                       'local.epochs': 3})
+  c = _config(client_models='cnn_mnist;lenet;mlp', **{'partition.scheme': 'iid', 'local.epochs': 3})
   summary = run_experiment('local', c, tmp_path, progress=False)
   assert len(summary['client_test_accuracy']) == 5
   assert summary['mean_test_accuracy'] > 0.3  # IID clients learn: well above chance (0.1)
@@ -48,11 +48,14 @@ def test_unknown_method_lists_the_valid_ones():
   assert {'fedavg', 'fedprox', 'centralized', 'local'} <= set(available_methods())
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     ({'partition.num_clients': 5000}, 'clients'),
     ({'partition.scheme': 'shards', 'partition.k': 11}, 'k'),
     ({'dataset.name': 'mnist', 'dataset.data_dir': '/nonexistent'}, 'IDX'),
-])
+  ],
+)
 def test_input_errors_found_with_the_data_have_clear_messages(tmp_path, overrides, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     run_experiment('fedavg', _config(**overrides), tmp_path, progress=False)
@@ -66,10 +69,12 @@ def test_server_rejects_malformed_uploads():
   with pytest.raises(UploadError, match=r'expected float32\[2, 3\]'):
     validate_model_upload(bad_shape, template)
   with pytest.raises(UploadError, match='non-finite'):
-    validate_model_upload(ok._replace(model=engine.ModelState(
-        {'w': np.full((2, 3), np.nan, np.float32)}, {})), template)
+    validate_model_upload(
+      ok._replace(model=engine.ModelState({'w': np.full((2, 3), np.nan, np.float32)}, {})), template
+    )
   with pytest.raises(UploadError, match='structure'):
-    validate_model_upload(ok._replace(model=engine.ModelState({'v': np.ones((2, 3))}, {})),
-                          template)
+    validate_model_upload(
+      ok._replace(model=engine.ModelState({'v': np.ones((2, 3))}, {})), template
+    )
   with pytest.raises(UploadError, match='num_samples'):
     validate_model_upload(ok._replace(num_samples=0), template)

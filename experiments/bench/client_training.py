@@ -27,6 +27,7 @@ client-step), so by default (`--skip_slow`, on CPU backends only) they are skipp
 m >= 100; the default run then takes about 5 minutes on 2 cores. `--noskip_slow` measures them
 as well (about 10-15 more minutes on 2 cores).
 """
+
 import json
 import math
 import os
@@ -41,13 +42,24 @@ from experiments.bench.machine import cpu_count, cpu_model, load_average, log
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('clients', ['5', '20', '100'], 'Numbers of clients m to benchmark.')
-flags.DEFINE_integer('steps', None, 'Local steps (batches of 64) per client; default depends on '
-                     'm: 4 for m <= 5, else 2.')
-flags.DEFINE_integer('torch_threads', 0, 'PyTorch intra-op threads (0: one per CPU). With other '
-                     'jobs on the machine, 1 avoids OpenMP contention that inflates its time.')
+flags.DEFINE_integer(
+  'steps',
+  None,
+  'Local steps (batches of 64) per client; default depends on m: 4 for m <= 5, else 2.',
+)
+flags.DEFINE_integer(
+  'torch_threads',
+  0,
+  'PyTorch intra-op threads (0: one per CPU). With other '
+  'jobs on the machine, 1 avoids OpenMP contention that inflates its time.',
+)
 flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
-flags.DEFINE_bool('skip_slow', True, 'On a CPU backend, skip vmap/scan for m >= 100 '
-                  '(minutes each on XLA:CPU). Use --noskip_slow to measure them.')
+flags.DEFINE_bool(
+  'skip_slow',
+  True,
+  'On a CPU backend, skip vmap/scan for m >= 100 '
+  '(minutes each on XLA:CPU). Use --noskip_slow to measure them.',
+)
 
 BATCH = 64
 LR = 0.01
@@ -66,6 +78,7 @@ def default_steps(m: int) -> int:
 def make_data(m: int, steps: int, seed: int = 0):
   """Random 28x28x1 images and labels, steps*64 per client, as a jfed FederatedArrays."""
   from jfed.data.federated import federate
+
   n = steps * BATCH
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((m * n, *INPUT_SHAPE), dtype=np.float32)
@@ -80,6 +93,7 @@ def make_data(m: int, steps: int, seed: int = 0):
 def time_jfed(trainer, state0, fed, steps: int) -> float:
   """Seconds of the second (compiled) GroupTrainer.train call on `fed` (1 epoch)."""
   from jfed.data.federated import FederatedArrays
+
   m = fed.num_clients
   key = jax.random.key(0)
   if trainer.strategy in ('loop', 'vmap'):
@@ -107,14 +121,23 @@ def time_jfed(trainer, state0, fed, steps: int) -> float:
 def torch_model(torch):
   nn = torch.nn
   return nn.Sequential(
-      nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-      nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-      nn.Flatten(), nn.Linear(1568, NUM_CLASSES))
+    nn.Conv2d(1, 16, 5, padding=2),
+    nn.BatchNorm2d(16),
+    nn.ReLU(),
+    nn.MaxPool2d(2),
+    nn.Conv2d(16, 32, 5, padding=2),
+    nn.BatchNorm2d(32),
+    nn.ReLU(),
+    nn.MaxPool2d(2),
+    nn.Flatten(),
+    nn.Linear(1568, NUM_CLASSES),
+  )
 
 
 def torch_train_clients(torch, global_model, xs, ys, steps: int, device):
   """Trains every client in turn from the global model (PyTorch FL code's local-update loop)."""
   import copy
+
   loss_fn = torch.nn.CrossEntropyLoss()
   total = torch.zeros((), device=device)
   models = []
@@ -124,7 +147,7 @@ def torch_train_clients(torch, global_model, xs, ys, steps: int, device):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     order = torch.randperm(xs.shape[1], device=device)
     for s in range(steps):
-      idx = order[s * BATCH:(s + 1) * BATCH]
+      idx = order[s * BATCH : (s + 1) * BATCH]
       xb, yb = xs[k][idx], ys[k][idx]
       opt.zero_grad(set_to_none=True)
       loss = loss_fn(model(xb), yb)
@@ -162,19 +185,25 @@ def _fmt(v, spec):
 
 def build_report(meta, results, auto_strategy):
   lines = [
-      '# jfed local-training throughput (CNNMnist, batch 64, SGD lr 0.01 momentum 0.9)', '',
-      f"- backend: **{meta['backend']}** (device kind: {meta['device_kind']}, "
-      f"{meta['num_devices']} device(s)); `auto` resolves to **{auto_strategy}**",
-      f"- jax {meta['jax_version']}, jaxlib {meta['jaxlib_version']}, flax {meta['flax_version']}, "
-      f"torch {meta['torch_version'] or 'not importable'}"
-      + (f" on {meta['torch_device']} ({meta['torch_threads']} threads)"
-         if meta['torch_version'] else ''),
-      f"- CPUs: {meta['cpu_count']} ({meta['cpu_model']}); load average at start "
-      f"{meta['load_average']}; python {meta['python_version']}",
-      '- steps per client: ' + ', '.join(f'm={m}: {s}' for m, s in meta['steps'].items())
-      + ' (1 epoch, random 28x28x1 inputs)', '',
-      '| clients | strategy | ms/client-step | client-steps/s | ratio vs PyTorch |',
-      '|---:|---|---:|---:|---:|',
+    '# jfed local-training throughput (CNNMnist, batch 64, SGD lr 0.01 momentum 0.9)',
+    '',
+    f'- backend: **{meta["backend"]}** (device kind: {meta["device_kind"]}, '
+    f'{meta["num_devices"]} device(s)); `auto` resolves to **{auto_strategy}**',
+    f'- jax {meta["jax_version"]}, jaxlib {meta["jaxlib_version"]}, flax {meta["flax_version"]}, '
+    f'torch {meta["torch_version"] or "not importable"}'
+    + (
+      f' on {meta["torch_device"]} ({meta["torch_threads"]} threads)'
+      if meta['torch_version']
+      else ''
+    ),
+    f'- CPUs: {meta["cpu_count"]} ({meta["cpu_model"]}); load average at start '
+    f'{meta["load_average"]}; python {meta["python_version"]}',
+    '- steps per client: '
+    + ', '.join(f'm={m}: {s}' for m, s in meta['steps'].items())
+    + ' (1 epoch, random 28x28x1 inputs)',
+    '',
+    '| clients | strategy | ms/client-step | client-steps/s | ratio vs PyTorch |',
+    '|---:|---|---:|---:|---:|',
   ]
   summary = {}
   for m in meta['clients']:
@@ -191,27 +220,36 @@ def build_report(meta, results, auto_strategy):
         if r['strategy'] == fastest:
           name += ' **fastest**'
       if r['skipped']:
-        lines.append(f"| {m} | {name} | skipped: {r['skipped']} | | |")
+        lines.append(f'| {m} | {name} | skipped: {r["skipped"]} | | |')
         continue
-      lines.append(f"| {m} | {name} | {_fmt(r['ms_per_client_step'], '.1f')} | "
-                   f"{_fmt(r['client_steps_per_s'], '.1f')} | "
-                   f"{_fmt(r['ratio_vs_torch'], '.2f')} |")
+      lines.append(
+        f'| {m} | {name} | {_fmt(r["ms_per_client_step"], ".1f")} | '
+        f'{_fmt(r["client_steps_per_s"], ".1f")} | '
+        f'{_fmt(r["ratio_vs_torch"], ".2f")} |'
+      )
     ms = {r['strategy']: r['ms_per_client_step'] for r in timed}
-    summary[m] = {'fastest_jfed': fastest, 'auto': auto_strategy,
-                  'auto_is_fastest': fastest == auto_strategy if fastest else None,
-                  'auto_slowdown_vs_fastest': (ms[auto_strategy] / ms[fastest]
-                                               if fastest and auto_strategy in ms else None),
-                  'skipped': skipped}
+    summary[m] = {
+      'fastest_jfed': fastest,
+      'auto': auto_strategy,
+      'auto_is_fastest': fastest == auto_strategy if fastest else None,
+      'auto_slowdown_vs_fastest': (
+        ms[auto_strategy] / ms[fastest] if fastest and auto_strategy in ms else None
+      ),
+      'skipped': skipped,
+    }
   lines.append('')
   for m, s in summary.items():
-    among = f" (among measured; skipped: {', '.join(s['skipped'])})" if s['skipped'] else ''
+    among = f' (among measured; skipped: {", ".join(s["skipped"])})' if s['skipped'] else ''
     verdict = ('yes' if s['auto_is_fastest'] else 'no') if s['fastest_jfed'] else 'n/a'
     if s['fastest_jfed'] and not s['auto_is_fastest']:
       slow = s['auto_slowdown_vs_fastest']
-      verdict += (f" (auto is {100 * (slow - 1):.0f}% slower)" if slow is not None
-                  else ' (auto not measured)')
-    lines.append(f"- m={m}: fastest jfed strategy = {s['fastest_jfed']}{among}; "
-                 f"auto -> {auto_strategy}: picked the fastest: **{verdict}**")
+      verdict += (
+        f' (auto is {100 * (slow - 1):.0f}% slower)' if slow is not None else ' (auto not measured)'
+      )
+    lines.append(
+      f'- m={m}: fastest jfed strategy = {s["fastest_jfed"]}{among}; '
+      f'auto -> {auto_strategy}: picked the fastest: **{verdict}**'
+    )
   lines.append('')
   lines.append('ratio vs PyTorch = torch_ms / jfed_ms: > 1 means jfed is faster.')
   return '\n'.join(lines), summary
@@ -219,9 +257,18 @@ def build_report(meta, results, auto_strategy):
 
 def row(m, steps, framework, strategy, seconds=None, skipped=None):
   client_steps = m * steps
-  r = {'clients': m, 'steps_per_client': steps, 'framework': framework, 'strategy': strategy,
-       'client_steps': client_steps, 'seconds': seconds, 'skipped': skipped,
-       'ms_per_client_step': None, 'client_steps_per_s': None, 'ratio_vs_torch': None}
+  r = {
+    'clients': m,
+    'steps_per_client': steps,
+    'framework': framework,
+    'strategy': strategy,
+    'client_steps': client_steps,
+    'seconds': seconds,
+    'skipped': skipped,
+    'ms_per_client_step': None,
+    'client_steps_per_s': None,
+    'ratio_vs_torch': None,
+  }
   if seconds is not None:
     r['ms_per_client_step'] = 1e3 * seconds / client_steps
     r['client_steps_per_s'] = client_steps / seconds
@@ -233,6 +280,7 @@ def main(argv):
   import flax
   import jaxlib
   import optax
+
   from jfed.engine.state import init_models, init_train_state
   from jfed.engine.training import GroupTrainer, resolve_strategy
   from jfed.models import get_model
@@ -260,20 +308,31 @@ def main(argv):
     torch_device = torch.device('cuda' if use_cuda else 'cpu')
 
   meta = {
-      'backend': backend, 'device_kind': jax.devices()[0].device_kind,
-      'num_devices': jax.device_count(), 'jax_version': jax.__version__,
-      'jaxlib_version': jaxlib.__version__, 'flax_version': flax.__version__,
-      'torch_version': torch.__version__ if torch is not None else None,
-      'torch_device': str(torch_device) if torch is not None else None,
-      'torch_threads': torch.get_num_threads() if torch is not None else None,
-      'cpu_count': ncpu, 'cpu_model': cpu_model(), 'load_average': load_average(),
-      'python_version': platform.python_version(),
-      'clients': clients, 'steps': steps_for, 'batch_size': BATCH,
-      'optimizer': f'sgd(lr={LR}, momentum={MOMENTUM})', 'model': 'cnn_mnist 28x28x1, 10 classes',
-      'auto_strategy': auto_strategy, 'skip_slow': FLAGS.skip_slow,
+    'backend': backend,
+    'device_kind': jax.devices()[0].device_kind,
+    'num_devices': jax.device_count(),
+    'jax_version': jax.__version__,
+    'jaxlib_version': jaxlib.__version__,
+    'flax_version': flax.__version__,
+    'torch_version': torch.__version__ if torch is not None else None,
+    'torch_device': str(torch_device) if torch is not None else None,
+    'torch_threads': torch.get_num_threads() if torch is not None else None,
+    'cpu_count': ncpu,
+    'cpu_model': cpu_model(),
+    'load_average': load_average(),
+    'python_version': platform.python_version(),
+    'clients': clients,
+    'steps': steps_for,
+    'batch_size': BATCH,
+    'optimizer': f'sgd(lr={LR}, momentum={MOMENTUM})',
+    'model': 'cnn_mnist 28x28x1, 10 classes',
+    'auto_strategy': auto_strategy,
+    'skip_slow': FLAGS.skip_slow,
   }
-  log(f"backend {backend} ({meta['device_kind']}), auto -> {auto_strategy}, CPUs {ncpu}, "
-      f'steps per client {steps_for}')
+  log(
+    f'backend {backend} ({meta["device_kind"]}), auto -> {auto_strategy}, CPUs {ncpu}, '
+    f'steps per client {steps_for}'
+  )
 
   module = get_model('cnn_mnist', NUM_CLASSES, INPUT_SHAPE)
   tx = optax.sgd(LR, momentum=MOMENTUM)
@@ -289,17 +348,22 @@ def main(argv):
     if torch is not None:
       log(f'm={m}, {steps} steps/client: PyTorch loop')
       m_rows.append(row(m, steps, 'torch', 'loop', time_torch(torch, fed, steps, torch_device)))
-      log(f"    {m_rows[-1]['ms_per_client_step']:.1f} ms/client-step")
+      log(f'    {m_rows[-1]["ms_per_client_step"]:.1f} ms/client-step')
     for strategy in JFED_STRATEGIES:
-      if (FLAGS.skip_slow and backend == 'cpu' and strategy in SLOW_STRATEGIES
-          and m >= SLOW_MIN_CLIENTS):
+      if (
+        FLAGS.skip_slow
+        and backend == 'cpu'
+        and strategy in SLOW_STRATEGIES
+        and m >= SLOW_MIN_CLIENTS
+      ):
         log(f'm={m}: jfed {strategy} skipped (--skip_slow)')
         m_rows.append(row(m, steps, 'jfed', strategy, skipped='--skip_slow'))
         continue
       log(f'm={m}, {steps} steps/client: jfed {strategy}')
-      m_rows.append(row(m, steps, 'jfed', strategy,
-                        time_jfed(trainers[strategy], state0, fed, steps)))
-      log(f"    {m_rows[-1]['ms_per_client_step']:.1f} ms/client-step")
+      m_rows.append(
+        row(m, steps, 'jfed', strategy, time_jfed(trainers[strategy], state0, fed, steps))
+      )
+      log(f'    {m_rows[-1]["ms_per_client_step"]:.1f} ms/client-step')
     torch_ms = m_rows[0]['ms_per_client_step'] if torch is not None else None
     for r in m_rows:
       if torch_ms is not None and r['ms_per_client_step'] is not None:
@@ -316,10 +380,12 @@ def main(argv):
     out_dir = os.path.dirname(FLAGS.out)
     if out_dir:
       os.makedirs(out_dir, exist_ok=True)
-    payload = {'meta': {**meta, 'steps': {str(k): v for k, v in steps_for.items()}},
-               'results': results,
-               'summary': {str(k): v for k, v in summary.items()},
-               'table_markdown': table}
+    payload = {
+      'meta': {**meta, 'steps': {str(k): v for k, v in steps_for.items()}},
+      'results': results,
+      'summary': {str(k): v for k, v in summary.items()},
+      'table_markdown': table,
+    }
     with open(FLAGS.out, 'w') as f:
       json.dump(payload, f, indent=2)
     log(f'wrote {FLAGS.out}')

@@ -1,4 +1,5 @@
 """What every benchmark reports about the machine it ran on."""
+
 import os
 import platform
 import sys

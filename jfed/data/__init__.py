@@ -1,20 +1,24 @@
 """Datasets, label-skew partitions and padded per-client arrays."""
-from jfed.data.datasets import available_datasets
-from jfed.data.datasets import Dataset
-from jfed.data.datasets import DatasetNotFoundError
-from jfed.data.datasets import load_dataset
-from jfed.data.datasets import read_idx
-from jfed.data.federated import federate
-from jfed.data.federated import FederatedArrays
-from jfed.data.partitions import available_schemes
-from jfed.data.partitions import class_count_table
-from jfed.data.partitions import format_count_table
-from jfed.data.partitions import make_partition
-from jfed.data.partitions import partition_dirichlet
-from jfed.data.partitions import partition_disjoint
-from jfed.data.partitions import partition_fedcvae_dirichlet
-from jfed.data.partitions import partition_feddf_dirichlet
-from jfed.data.partitions import partition_iid
-from jfed.data.partitions import partition_shards_k
-from jfed.data.partitions import PartitionError
-from jfed.data.partitions import unassigned_count
+
+from jfed.data.datasets import (
+  Dataset,
+  DatasetNotFoundError,
+  available_datasets,
+  load_dataset,
+  read_idx,
+)
+from jfed.data.federated import FederatedArrays, federate
+from jfed.data.partitions import (
+  PartitionError,
+  available_schemes,
+  class_count_table,
+  format_count_table,
+  make_partition,
+  partition_dirichlet,
+  partition_disjoint,
+  partition_fedcvae_dirichlet,
+  partition_feddf_dirichlet,
+  partition_iid,
+  partition_shards_k,
+  unassigned_count,
+)

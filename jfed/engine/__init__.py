@@ -1,8 +1,19 @@
 """Client groups, client-map strategies, sharding, evaluation and aggregation."""
+
 from jfed.engine.aggregation import weighted_average
 from jfed.engine.evaluation import Evaluator
 from jfed.engine.optim import make_optimizer, optimizer_from_config
 from jfed.engine.sharding import client_mesh
-from jfed.engine.state import (ModelState, TrainState, init_model, init_models, init_train_state,
-                               num_stacked, replicate, stack, take, unstack)
+from jfed.engine.state import (
+  ModelState,
+  TrainState,
+  init_model,
+  init_models,
+  init_train_state,
+  num_stacked,
+  replicate,
+  stack,
+  take,
+  unstack,
+)
 from jfed.engine.training import STRATEGIES, GroupTrainer, TrainMetrics, resolve_strategy

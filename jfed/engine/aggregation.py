@@ -1,4 +1,5 @@
 """Server-side aggregation of stacked client models."""
+
 from typing import Any
 
 import jax
@@ -10,5 +11,6 @@ def weighted_average(stacked: Any, weights) -> Any:
   as averaging a PyTorch state_dict does)."""
   w = jnp.asarray(weights, jnp.float32)
   w = w / jnp.sum(w)
-  return jax.tree.map(lambda a: jnp.tensordot(w, a.astype(jnp.float32), axes=1).astype(a.dtype),
-                      stacked)
+  return jax.tree.map(
+    lambda a: jnp.tensordot(w, a.astype(jnp.float32), axes=1).astype(a.dtype), stacked
+  )

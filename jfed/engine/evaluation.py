@@ -1,8 +1,6 @@
 """Batched evaluation of one model or many models (a stacked group) at once."""
-from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jfed.engine.state import ModelState
@@ -40,8 +38,7 @@ class Evaluator:
     """Logits [M, N, C] of every model of a stacked group."""
     if self.strategy == 'loop':
       m = jax.tree.leaves(models)[0].shape[0]
-      return np.stack([self.logits(jax.tree.map(lambda a, k=k: a[k], models), x)
-                       for k in range(m)])
+      return np.stack([self.logits(jax.tree.map(lambda a, k=k: a[k], models), x) for k in range(m)])
     xb, n = _pad_batches(np.asarray(x), self.batch_size)
     out = [np.asarray(self._group_logits(models, b)) for b in xb]
     return np.concatenate(out, axis=1)[:, :n]

@@ -1,10 +1,12 @@
 """Placing a client group on a device mesh with a `clients` axis."""
+
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 CLIENTS = 'clients'
 
@@ -26,12 +28,14 @@ def pad_clients(tree: Any, n_total: int) -> Any:
   Padded clients have size 0, so every training step leaves them untouched; callers slice them
   off afterwards.
   """
+
   def pad(a):
     a = jnp.asarray(a)
     extra = n_total - a.shape[0]
     if extra <= 0:
       return a
     return jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)])
+
   return jax.tree.map(pad, tree)
 
 

@@ -1,4 +1,5 @@
 """Typed model and training state, single or stacked over a leading client axis."""
+
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -8,6 +9,7 @@ import optax
 
 class ModelState(NamedTuple):
   """Variables of one model, or of a group stacked along a leading client axis."""
+
   params: Any
   batch_stats: Any  # {} for models without BatchNorm.
 
@@ -23,8 +25,7 @@ class TrainState(NamedTuple):
 def init_model(module, input_shape: Sequence[int], key: jax.Array) -> ModelState:
   dummy = jnp.zeros((2, *input_shape), jnp.float32)
   variables = module.init(key, dummy, train=False)
-  return ModelState(params=variables['params'],
-                    batch_stats=variables.get('batch_stats', {}))
+  return ModelState(params=variables['params'], batch_stats=variables.get('batch_stats', {}))
 
 
 def init_models(module, input_shape, key, num_models: int, same_init: bool = True) -> ModelState:
@@ -54,7 +55,10 @@ def take(tree: Any, index) -> Any:
 
 
 def init_train_state(tx: optax.GradientTransformation, models: ModelState) -> TrainState:
-  """Fresh optimiser state for a stacked group (PyTorch FL code builds a new optimiser per round)."""
+  """Fresh optimiser state for a stacked group.
+
+  PyTorch FL code builds a new optimiser per round.
+  """
   return TrainState(model=models, opt_state=jax.vmap(tx.init)(models.params))
 
 

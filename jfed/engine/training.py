@@ -18,12 +18,13 @@ with drop_last=False). Padded positions are masked out of the loss, the accuracy
 BatchNorm statistics, and a step in which a client has no real sample leaves its parameters and
 optimiser state untouched, so a padded client trains exactly as it would alone.
 """
+
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -43,12 +44,13 @@ def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
 
 
 class TrainMetrics(NamedTuple):
-  loss: np.ndarray      # [clients, epochs] mean training loss over the client's samples
+  loss: np.ndarray  # [clients, epochs] mean training loss over the client's samples
   accuracy: np.ndarray  # [clients, epochs] training accuracy
 
 
-def client_orders(key: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max: int,
-                  padded_len: int) -> jax.Array:
+def client_orders(
+  key: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max: int, padded_len: int
+) -> jax.Array:
   """[clients, padded_len] visiting orders: a permutation of each client's real samples first.
 
   Sample i of client c gets the sort key uniform(fold_in(fold_in(key, c), i)), so a client's
@@ -62,6 +64,7 @@ def client_orders(key: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max
     u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(ckey, i)))(positions)
     u = jnp.where(positions < size, u, 2.0)
     return jnp.pad(jnp.argsort(u), (0, padded_len - n_max))
+
   return jax.vmap(one)(client_ids, sizes)
 
 
@@ -94,8 +97,15 @@ class GroupTrainer:
   functions are traced once per input shape.
   """
 
-  def __init__(self, module, tx: optax.GradientTransformation, batch_size: int,
-               prox_mu: float = 0.0, strategy: str = 'auto', mesh=None):
+  def __init__(
+    self,
+    module,
+    tx: optax.GradientTransformation,
+    batch_size: int,
+    prox_mu: float = 0.0,
+    strategy: str = 'auto',
+    mesh=None,
+  ):
     self.module = module
     self.tx = tx
     self.batch_size = int(batch_size)
@@ -105,8 +115,9 @@ class GroupTrainer:
     step = self._client_step
     self._step = jax.jit(step)
     self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, None, None)))
-    self._scan_epoch = jax.jit(jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, None, None)),
-                               static_argnums=(5,))
+    self._scan_epoch = jax.jit(
+      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, None, None)), static_argnums=(5,)
+    )
     self._orders = jax.jit(client_orders, static_argnums=(3, 4))
 
   # -- the one step every strategy runs ------------------------------------------------------
@@ -119,8 +130,12 @@ class GroupTrainer:
 
     def objective(params):
       logits, updates = self.module.apply(
-          {'params': params, 'batch_stats': ts.model.batch_stats}, xb, train=True, mask=real,
-          mutable=['batch_stats'])
+        {'params': params, 'batch_stats': ts.model.batch_stats},
+        xb,
+        train=True,
+        mask=real,
+        mutable=['batch_stats'],
+      )
       loss, correct, count = supervised_loss(logits, yb, weights)
       total = loss
       if self.prox_mu:
@@ -129,21 +144,30 @@ class GroupTrainer:
 
     grads, (loss, correct, count, new_stats) = jax.grad(objective, has_aux=True)(ts.model.params)
     updates, new_opt = self.tx.update(grads, ts.opt_state, ts.model.params)
-    new_ts = TrainState(ModelState(optax.apply_updates(ts.model.params, updates), new_stats),
-                        new_opt)
+    new_ts = TrainState(
+      ModelState(optax.apply_updates(ts.model.params, updates), new_stats), new_opt
+    )
     new_ts = _tree_where(count > 0, new_ts, ts)
     return new_ts, jnp.stack([loss * count, correct, count])
 
   def _client_epoch(self, ts, x, y, order, size, num_steps, anchor):
     def body(carry, s):
       return self._client_step(carry, x, y, order, size, s, anchor)
+
     ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
     return ts, stats.sum(0)
 
   # -- strategies ----------------------------------------------------------------------------
-  def train(self, state: TrainState, fed, epochs: int, key: jax.Array,
-            anchor: Any = None, progress: Optional[Callable[[int, int], None]] = None,
-            client_ids=None):
+  def train(
+    self,
+    state: TrainState,
+    fed,
+    epochs: int,
+    key: jax.Array,
+    anchor: Any = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    client_ids=None,
+  ):
     """Trains every client of the group for `epochs` epochs over its own samples.
 
     Args:

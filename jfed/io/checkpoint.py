@@ -6,6 +6,7 @@ state with a history of another step. A checkpoint that fails to restore (a dele
 truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning, and
 removed so the resumed run can write that step again.
 """
+
 import pathlib
 import sys
 from typing import Any, List, Optional, Tuple
@@ -26,8 +27,10 @@ class Checkpointer:
   def __init__(self, directory, max_to_keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
     self._manager = ocp.CheckpointManager(
-        self.directory, item_names=('state', 'history'),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+      self.directory,
+      item_names=('state', 'history'),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+    )
 
   def save(self, step: int, state: Any, history: Optional[List[Any]] = None) -> None:
     items = {'state': ocp.args.StandardSave(state)}
@@ -51,8 +54,9 @@ class Checkpointer:
       return restored['state'], list(restored['history']['records'])
     return restored['state']
 
-  def restore_latest(self, template: Any, with_history: bool = False
-                     ) -> Tuple[Optional[int], Any, List[Any]]:
+  def restore_latest(
+    self, template: Any, with_history: bool = False
+  ) -> Tuple[Optional[int], Any, List[Any]]:
     """(step, state, history) of the newest checkpoint that restores; (None, template, [])
     when there is none. Raises WorkdirError when checkpoints exist but none restores."""
     steps = self.steps()
@@ -63,8 +67,12 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         errors.append(f'step {step}: {type(e).__name__}: {first_line}')
-        print(f'warning: checkpoint {step} in {self.directory} does not restore '
-              f'({errors[-1]}); trying an older one', file=sys.stderr, flush=True)
+        print(
+          f'warning: checkpoint {step} in {self.directory} does not restore '
+          f'({errors[-1]}); trying an older one',
+          file=sys.stderr,
+          flush=True,
+        )
         continue
       state, history = out if with_history else (out, [])
       if errors:
@@ -72,12 +80,18 @@ class Checkpointer:
         # those steps again.
         for newer in [s for s in steps if s > step]:
           self._manager.delete(newer)
-        print(f'warning: restored the older checkpoint {step} in {self.directory} and removed '
-              'the newer ones that do not restore', file=sys.stderr, flush=True)
+        print(
+          f'warning: restored the older checkpoint {step} in {self.directory} and removed '
+          'the newer ones that do not restore',
+          file=sys.stderr,
+          flush=True,
+        )
       return step, state, history
     if steps:
-      raise WorkdirError(f'no checkpoint in {self.directory} restores ({"; ".join(errors)}); '
-                         'delete that directory to start the stage again')
+      raise WorkdirError(
+        f'no checkpoint in {self.directory} restores ({"; ".join(errors)}); '
+        'delete that directory to start the stage again'
+      )
     return None, template, []
 
   def close(self) -> None:

@@ -3,6 +3,7 @@
 Communication cost is measured from these real serialised bytes (never estimated from parameter
 counts), and the server rejects a malformed upload with a clear error instead of crashing later.
 """
+
 from typing import Any, NamedTuple
 
 import flax.serialization
@@ -23,7 +24,8 @@ class ModelUpload(NamedTuple):
 
 def serialize(tree: Any) -> bytes:
   return flax.serialization.msgpack_serialize(
-      flax.serialization.to_state_dict(jax.tree.map(np.asarray, tree)))
+    flax.serialization.to_state_dict(jax.tree.map(np.asarray, tree))
+  )
 
 
 def serialized_nbytes(tree: Any) -> int:
@@ -31,7 +33,10 @@ def serialized_nbytes(tree: Any) -> int:
 
 
 def validate_tree(tree: Any, template: Any, what: str = 'upload') -> None:
-  """Raises UploadError unless `tree` has the template's structure, shapes and dtypes and is finite."""
+  """Raises UploadError unless `tree` matches the template's structure, shapes and dtypes.
+
+  Floating leaves must also be finite.
+  """
   got_struct, want_struct = jax.tree.structure(tree), jax.tree.structure(template)
   if got_struct != want_struct:
     raise UploadError(f'{what}: structure {got_struct} differs from the expected {want_struct}')
@@ -39,8 +44,10 @@ def validate_tree(tree: Any, template: Any, what: str = 'upload') -> None:
   for (path, want), got in zip(paths, jax.tree.leaves(tree)):
     name = jax.tree_util.keystr(path)
     if jnp.shape(got) != jnp.shape(want) or jnp.result_type(got) != jnp.result_type(want):
-      raise UploadError(f'{what}: {name} is {jnp.result_type(got)}{list(jnp.shape(got))}, '
-                        f'expected {jnp.result_type(want)}{list(jnp.shape(want))}')
+      raise UploadError(
+        f'{what}: {name} is {jnp.result_type(got)}{list(jnp.shape(got))}, '
+        f'expected {jnp.result_type(want)}{list(jnp.shape(want))}'
+      )
     if jnp.issubdtype(jnp.result_type(got), jnp.inexact) and not bool(jnp.all(jnp.isfinite(got))):
       raise UploadError(f'{what}: {name} has non-finite values')
 

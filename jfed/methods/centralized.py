@@ -1,4 +1,5 @@
 """Centralized training: the upper bound, all training data, same model, optimiser and epochs."""
+
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +28,7 @@ class CentralizedAux(NamedTuple):
 @register_method('centralized')
 class Centralized(Algorithm):
   """One model on the union of the clients' data; a step is an epoch."""
+
   section = 'centralized'
   Config = CentralizedConfig
   step_name = 'epoch'
@@ -44,29 +46,41 @@ class Centralized(Algorithm):
     fed = federate(ds.train_x, ds.train_y, [np.arange(len(ds.train_y))])
     group = common.ClientGroup(spec, module, np.array([0]), fed)
     steps_per_epoch = -(-len(ds.train_y) // ctx.config.batch_size)
-    trainer = common.make_trainers(ctx, [group],
-                                   total_steps=self.config.epochs * steps_per_epoch)[0]
+    trainer = common.make_trainers(ctx, [group], total_steps=self.config.epochs * steps_per_epoch)[
+      0
+    ]
     evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
     return CentralizedAux(group, trainer, evaluator)
 
   def init(self, ctx: RunContext, aux: CentralizedAux) -> TrainState:
     # The optimiser state carries across epochs here, so it is part of the state.
-    init = engine.init_models(aux.group.module, ctx.dataset.input_shape,
-                              ctx.derive_key(Purpose.MODEL_INIT, 0), 1)
+    init = engine.init_models(
+      aux.group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0), 1
+    )
     return engine.init_train_state(aux.trainer.tx, init)
 
   def step(self, ctx: RunContext, aux: CentralizedAux, state: TrainState, i: int):
     ds = ctx.dataset
-    state, metrics = aux.trainer.train(state, aux.group.fed, 1,
-                                       ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None)
+    state, metrics = aux.trainer.train(
+      state, aux.group.fed, 1, ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None
+    )
     loss = float(metrics.loss[0, -1])
     if not np.isfinite(loss):
       from jfed.errors import NonFiniteError  # pylint: disable=g-import-not-at-top
-      raise NonFiniteError(f'centralized epoch {i + 1}: the training loss became {loss}; lower '
-                           'the learning rate or check the data')
+
+      raise NonFiniteError(
+        f'centralized epoch {i + 1}: the training loss became {loss}; lower '
+        'the learning rate or check the data'
+      )
     accuracy = aux.evaluator.accuracy(engine.take(state.model, 0), ds.test_x, ds.test_y)
-    return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss,
-                    'train_accuracy': float(metrics.accuracy[0, -1])}]
+    return state, [
+      {
+        'epoch': i + 1,
+        'test_accuracy': accuracy,
+        'train_loss': loss,
+        'train_accuracy': float(metrics.accuracy[0, -1]),
+      }
+    ]
 
   def summarize(self, ctx, aux, state, history):
     return {'epochs': self.config.epochs}

@@ -1,12 +1,13 @@
 """Blocks shared by methods: client groups, local training, the FedAvg round, server-side
 validation, evaluation."""
+
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from jfed import engine
 from jfed.data import FederatedArrays, federate
@@ -21,9 +22,10 @@ from jfed.reporting import Progress
 
 class ClientGroup(NamedTuple):
   """Clients that share an architecture: trained as one stacked, compiled program."""
-  spec: str                 # model spec, e.g. 'cnn_mnist' or 'resnet18:width_mult=0.5'
+
+  spec: str  # model spec, e.g. 'cnn_mnist' or 'resnet18:width_mult=0.5'
   module: nn.Module
-  client_ids: np.ndarray    # global client ids, in the order of `fed`'s client axis
+  client_ids: np.ndarray  # global client ids, in the order of `fed`'s client axis
   fed: FederatedArrays
 
 
@@ -91,44 +93,76 @@ def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
   """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model)."""
   all_specs = list(dict.fromkeys(client_model_specs(ctx)))
-  return [engine.init_models(g.module, ctx.dataset.input_shape,
-                             ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec)),
-                             len(g.client_ids)) for g in groups]
+  return [
+    engine.init_models(
+      g.module,
+      ctx.dataset.input_shape,
+      ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec)),
+      len(g.client_ids),
+    )
+    for g in groups
+  ]
 
 
-def make_trainers(ctx: RunContext, groups: Sequence[ClientGroup], prox_mu: float = 0.0,
-                  optimizer=None, total_steps: int = 0) -> List[GroupTrainer]:
+def make_trainers(
+  ctx: RunContext,
+  groups: Sequence[ClientGroup],
+  prox_mu: float = 0.0,
+  optimizer=None,
+  total_steps: int = 0,
+) -> List[GroupTrainer]:
   cfg = ctx.config
   tx = engine.optimizer_from_config(optimizer or cfg.optimizer, total_steps)
-  return [GroupTrainer(g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy,
-                       mesh=ctx.mesh) for g in groups]
+  return [
+    GroupTrainer(
+      g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh
+    )
+    for g in groups
+  ]
 
 
-def train_groups(trainers: Sequence[GroupTrainer], groups: Sequence[ClientGroup],
-                 models: Sequence[ModelState], epochs: int, key: jax.Array,
-                 anchors: Optional[Sequence[Any]] = None, label: str = 'local training'
-                 ) -> Tuple[List[ModelState], List[engine.TrainMetrics]]:
+def train_groups(
+  trainers: Sequence[GroupTrainer],
+  groups: Sequence[ClientGroup],
+  models: Sequence[ModelState],
+  epochs: int,
+  key: jax.Array,
+  anchors: Optional[Sequence[Any]] = None,
+  label: str = 'local training',
+) -> Tuple[List[ModelState], List[engine.TrainMetrics]]:
   """Local training of every group; a fresh optimiser per call, as PyTorch FL code does."""
   out_models, out_metrics = [], []
   for i, (trainer, group, model) in enumerate(zip(trainers, groups, models)):
     progress = Progress(f'{label} [{group.spec} x{len(group.client_ids)}]', epochs, 'epoch')
     state = engine.init_train_state(trainer.tx, model)
-    state, metrics = trainer.train(state, group.fed, epochs, key,
-                                   anchor=None if anchors is None else anchors[i],
-                                   progress=progress, client_ids=group.client_ids)
+    state, metrics = trainer.train(
+      state,
+      group.fed,
+      epochs,
+      key,
+      anchor=None if anchors is None else anchors[i],
+      progress=progress,
+      client_ids=group.client_ids,
+    )
     final_loss = np.asarray(metrics.loss)[:, -1]
-    bad = [int(c) for c, l, n in zip(group.client_ids, final_loss, group.fed.sizes)
-           if n > 0 and not np.isfinite(l)]
+    bad = [
+      int(c)
+      for c, l, n in zip(group.client_ids, final_loss, group.fed.sizes)
+      if n > 0 and not np.isfinite(l)
+    ]
     if bad:
-      raise NonFiniteError(f'{label}: the training loss of client(s) {bad} ({group.spec}) became '
-                           'non-finite; lower the learning rate or check the data')
+      raise NonFiniteError(
+        f'{label}: the training loss of client(s) {bad} ({group.spec}) became '
+        'non-finite; lower the learning rate or check the data'
+      )
     out_models.append(state.model)
     out_metrics.append(metrics)
   return out_models, out_metrics
 
 
-def receive_uploads(groups: Sequence[ClientGroup], models: Sequence[ModelState],
-                    templates: Sequence[ModelState]) -> int:
+def receive_uploads(
+  groups: Sequence[ClientGroup], models: Sequence[ModelState], templates: Sequence[ModelState]
+) -> int:
   """Server side of a model upload: validates every client's model, returns the bytes received.
 
   Bytes are measured by serialising one upload per group: msgpack's size depends only on the
@@ -145,8 +179,9 @@ def receive_uploads(groups: Sequence[ClientGroup], models: Sequence[ModelState],
 
 class LocalModels(NamedTuple):
   """The uploads of one-shot methods: every client's locally trained model, per group."""
+
   groups: List[ClientGroup]
-  models: List[ModelState]   # stacked per group
+  models: List[ModelState]  # stacked per group
   upload_bytes: int
 
 
@@ -162,31 +197,44 @@ def local_models(ctx: RunContext, epochs: int) -> LocalModels:
 
   def train():
     trainers = make_trainers(ctx, groups)
-    models, metrics = train_groups(trainers, groups, init, epochs,
-                                   ctx.derive_key(Purpose.LOCAL_TRAINING))
+    models, metrics = train_groups(
+      trainers, groups, init, epochs, ctx.derive_key(Purpose.LOCAL_TRAINING)
+    )
     for g, m in zip(groups, metrics):
-      logging.info('local training [%s]: final train accuracy %s', g.spec,
-                   np.round(m.accuracy[:, -1], 4).tolist())
+      logging.info(
+        'local training [%s]: final train accuracy %s',
+        g.spec,
+        np.round(m.accuracy[:, -1], 4).tolist(),
+      )
     return list(models)
 
-  models = ctx.stage('local_models', epochs, list(init), train,
-                     directory=ctx.config.get('local_models_dir') or None)
+  models = ctx.stage(
+    'local_models', epochs, list(init), train, directory=ctx.config.get('local_models_dir') or None
+  )
   upload_bytes = receive_uploads(groups, models, [engine.take(m, 0) for m in init])
   return LocalModels(groups, list(models), upload_bytes)
 
 
-def participating_group(ctx: RunContext, full_group: ClientGroup,
-                        selected: np.ndarray) -> ClientGroup:
+def participating_group(
+  ctx: RunContext, full_group: ClientGroup, selected: np.ndarray
+) -> ClientGroup:
   """The group of the selected clients (the full group when every client takes part)."""
   if len(selected) == len(full_group.client_ids):
     return full_group
   return client_groups(ctx, selected)[0]
 
 
-def fedavg_round(trainer: GroupTrainer, group: ClientGroup, global_model: ModelState,
-                 epochs: int, key: jax.Array, template: ModelState,
-                 weights: Optional[np.ndarray] = None, prox_mu: float = 0.0,
-                 label: str = 'local training') -> Tuple[ModelState, Dict[str, Any]]:
+def fedavg_round(
+  trainer: GroupTrainer,
+  group: ClientGroup,
+  global_model: ModelState,
+  epochs: int,
+  key: jax.Array,
+  template: ModelState,
+  weights: Optional[np.ndarray] = None,
+  prox_mu: float = 0.0,
+  label: str = 'local training',
+) -> Tuple[ModelState, Dict[str, Any]]:
   """One FedAvg round: replicate the global model, train the group, receive and validate the
   uploads, and average them (weighted by client size unless `weights` are given).
 
@@ -197,12 +245,17 @@ def fedavg_round(trainer: GroupTrainer, group: ClientGroup, global_model: ModelS
   n = len(group.client_ids)
   starts = engine.replicate(global_model, n)
   anchors = [global_model.params] if prox_mu else None
-  (models,), (metrics,) = train_groups([trainer], [group], [starts], epochs, key, anchors,
-                                       label=label)
+  (models,), (metrics,) = train_groups(
+    [trainer], [group], [starts], epochs, key, anchors, label=label
+  )
   upload_bytes = receive_uploads([group], [models], [template])
   new_model = engine.weighted_average(models, group.fed.sizes if weights is None else weights)
-  return new_model, {'train_loss': float(np.mean(np.asarray(metrics.loss)[:, -1])),
-                     'clients': n, 'upload_bytes': upload_bytes, 'download_bytes': upload_bytes}
+  return new_model, {
+    'train_loss': float(np.mean(np.asarray(metrics.loss)[:, -1])),
+    'clients': n,
+    'upload_bytes': upload_bytes,
+    'download_bytes': upload_bytes,
+  }
 
 
 def client_test_logits(ctx: RunContext, local: LocalModels) -> np.ndarray:

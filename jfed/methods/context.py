@@ -1,4 +1,5 @@
 """What a method sees: the run context and the key purposes (defined in jfed.driver/jfed.keys)."""
+
 from jfed.driver import RunContext
 from jfed.keys import Purpose, ServerRoundPurpose
 

@@ -10,18 +10,17 @@ model after every round.
 again. FedHydra's tables compare every method on the same local models; this also saves one
 round of local training per partition in `experiments.fedhydra_tables`.
 """
+
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-import numpy as np
-
 from jfed import engine
+from jfed import typed_config as tc
+from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
-from jfed.driver import Algorithm
-from jfed import typed_config as tc
 
 
 class FedAvgConfig(NamedTuple):
@@ -43,12 +42,13 @@ class FedAvgAux(NamedTuple):
   trainer: Optional[GroupTrainer]
   evaluator: engine.Evaluator
   init: ModelState
-  local: Optional[common.LocalModels]   # reuse_local_models: the shared one-shot models
+  local: Optional[common.LocalModels]  # reuse_local_models: the shared one-shot models
 
 
 @register_method('fedavg')
 class FedAvg(Algorithm):
   """Size-weighted parameter averaging of the clients' models, every round."""
+
   section = 'fedavg'
   Config = FedAvgConfig
   step_name = 'round'
@@ -66,10 +66,12 @@ class FedAvg(Algorithm):
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
     if self.reuse_local_models:
-      tc.require(c.rounds == 1 and c.participation == 1.0,
-                 'reuse_local_models needs rounds = 1 and participation = 1 (one-shot FedAvg '
-                 f'over every client); got rounds = {c.rounds}, participation = '
-                 f'{c.participation}')
+      tc.require(
+        c.rounds == 1 and c.participation == 1.0,
+        'reuse_local_models needs rounds = 1 and participation = 1 (one-shot FedAvg '
+        f'over every client); got rounds = {c.rounds}, participation = '
+        f'{c.participation}',
+      )
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
@@ -77,10 +79,10 @@ class FedAvg(Algorithm):
   def setup(self, ctx: RunContext) -> FedAvgAux:
     spec = common.single_architecture(ctx)
     full_group = common.client_groups(ctx)[0]
-    init = engine.init_model(full_group.module, ctx.dataset.input_shape,
-                             ctx.derive_key(Purpose.MODEL_INIT, 0))
-    evaluator = engine.Evaluator(full_group.module, ctx.config.eval_batch_size,
-                                 ctx.config.strategy)
+    init = engine.init_model(
+      full_group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
+    )
+    evaluator = engine.Evaluator(full_group.module, ctx.config.eval_batch_size, ctx.config.strategy)
     if self.reuse_local_models:
       local = common.local_models(ctx, self.config.local_epochs)
       assert local.groups[0].spec == spec
@@ -91,21 +93,34 @@ class FedAvg(Algorithm):
   def init(self, ctx: RunContext, aux: FedAvgAux) -> ModelState:
     return aux.init
 
-  def step(self, ctx: RunContext, aux: FedAvgAux, state: ModelState, i: int
-           ) -> Tuple[ModelState, List[Dict[str, Any]]]:
+  def step(
+    self, ctx: RunContext, aux: FedAvgAux, state: ModelState, i: int
+  ) -> Tuple[ModelState, List[Dict[str, Any]]]:
     c = self.config
-    if aux.local is not None:   # one-shot average of the shared local models
+    if aux.local is not None:  # one-shot average of the shared local models
       (group,), (models,) = aux.local.groups, aux.local.models
       model = engine.weighted_average(models, group.fed.sizes)
-      record = {'clients': ctx.num_clients, 'upload_bytes': aux.local.upload_bytes,
-                'download_bytes': 0, 'reused_local_models': True}
+      record = {
+        'clients': ctx.num_clients,
+        'upload_bytes': aux.local.upload_bytes,
+        'download_bytes': 0,
+        'reused_local_models': True,
+      }
     else:
-      selected = common.select_clients(ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients,
-                                       c.participation)
+      selected = common.select_clients(
+        ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
+      )
       group = common.participating_group(ctx, aux.full_group, selected)
       model, record = common.fedavg_round(
-          aux.trainer, group, state, c.local_epochs, ctx.derive_key(Purpose.ROUNDS, i),
-          aux.init, prox_mu=self.prox_mu, label=f'round {i + 1}/{c.rounds}')
+        aux.trainer,
+        group,
+        state,
+        c.local_epochs,
+        ctx.derive_key(Purpose.ROUNDS, i),
+        aux.init,
+        prox_mu=self.prox_mu,
+        label=f'round {i + 1}/{c.rounds}',
+      )
     accuracy = aux.evaluator.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
     return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
 
@@ -116,6 +131,7 @@ class FedAvg(Algorithm):
 @register_method('fedprox')
 class FedProx(FedAvg):
   """FedAvg with the proximal term mu/2 ||w - w_global||^2 in every client's loss."""
+
   section = 'fedprox'
   Config = FedProxConfig
 

@@ -3,6 +3,7 @@
 Setup trains every client (`common.local_models`, one compiled program per architecture group)
 and evaluates them in one pass; step k records client k.
 """
+
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +20,7 @@ class LocalConfig(NamedTuple):
 
 
 class LocalAux(NamedTuple):
-  accuracies: np.ndarray   # test accuracy of every client's model, by client id
+  accuracies: np.ndarray  # test accuracy of every client's model, by client id
   specs: list
   upload_bytes: int
 
@@ -27,6 +28,7 @@ class LocalAux(NamedTuple):
 @register_method('local')
 class Local(Algorithm):
   """Every client's locally trained model, evaluated alone; a step is a client."""
+
   section = 'local'
   Config = LocalConfig
   step_name = 'client'
@@ -39,20 +41,29 @@ class Local(Algorithm):
 
   def setup(self, ctx: RunContext) -> LocalAux:
     models = common.local_models(ctx, self.config.epochs)
-    return LocalAux(common.client_accuracies(ctx, models), common.client_model_specs(ctx),
-                    models.upload_bytes)
+    return LocalAux(
+      common.client_accuracies(ctx, models), common.client_model_specs(ctx), models.upload_bytes
+    )
 
   def init(self, ctx: RunContext, aux: LocalAux) -> np.ndarray:
     return np.zeros((), np.int32)
 
   def step(self, ctx: RunContext, aux: LocalAux, state, k: int):
-    return state, [{'client': k, 'model': aux.specs[k], 'test_accuracy': float(aux.accuracies[k]),
-                    'train_size': int(ctx.client_sizes[k])}]
+    return state, [
+      {
+        'client': k,
+        'model': aux.specs[k],
+        'test_accuracy': float(aux.accuracies[k]),
+        'train_size': int(ctx.client_sizes[k]),
+      }
+    ]
 
   def final_accuracy(self, history):
     return float(np.mean([r['test_accuracy'] for r in history]))
 
   def summarize(self, ctx, aux: LocalAux, state, history):
-    return {'client_test_accuracy': aux.accuracies.tolist(),
-            'mean_test_accuracy': float(np.mean(aux.accuracies)),
-            'upload_bytes': aux.upload_bytes}
+    return {
+      'client_test_accuracy': aux.accuracies.tolist(),
+      'mean_test_accuracy': float(np.mean(aux.accuracies)),
+      'upload_bytes': aux.upload_bytes,
+    }

@@ -1,4 +1,5 @@
 """Methods registered by name: `python -m experiments.main --method=NAME` looks them up here."""
+
 import importlib
 from typing import Dict, List, Type
 
@@ -7,18 +8,31 @@ from jfed.errors import ConfigError
 _METHODS: Dict[str, type] = {}
 # Modules that register methods when imported. A module whose optional dependency is missing
 # is skipped, so one broken method never hides the others.
-_METHOD_MODULES = ('fedavg', 'centralized', 'local', 'dense', 'feddf', 'coboosting', 'ot',
-                   'fedhydra', 'hfldd', 'fedseq', 'dynafed')
+_METHOD_MODULES = (
+  'fedavg',
+  'centralized',
+  'local',
+  'dense',
+  'feddf',
+  'coboosting',
+  'ot',
+  'fedhydra',
+  'hfldd',
+  'fedseq',
+  'dynafed',
+)
 
 
 def register_method(name: str):
   """Class decorator: registers an `Algorithm` subclass as `--method=name` (sets its name)."""
+
   def wrap(cls: Type):
     if name in _METHODS and _METHODS[name] is not cls:
       raise ValueError(f'method {name!r} registered twice')
     cls.name = name
     _METHODS[name] = cls
     return cls
+
   return wrap
 
 

@@ -11,6 +11,7 @@ Every model supports 8x8x1 (sklearn digits), 28x28x1 (MNIST family) and 32x32x3 
 inputs; where a paper architecture would shrink an 8x8 input to nothing, the docstring says
 what changes for small inputs (the 28/32 px behaviour is always the paper's).
 """
+
 from typing import Sequence, Tuple
 
 import flax.linen as nn
@@ -34,6 +35,7 @@ class CNNMnist(nn.Module):
   28x28x1: FC input 7*7*32 = 1568, 29,034 parameters for 10 classes (as PyTorch).
   32x32x3 -> FC input 8*8*32; 8x8x1 -> 2*2*32 (no deviation needed: convs are padded).
   """
+
   num_classes: int
   channels: Tuple[int, int] = (16, 32)
 
@@ -56,6 +58,7 @@ class CNNCifar(nn.Module):
   nothing, so for inputs smaller than 18x18 (8x8 digits) the convs use padding 1
   (8x8 -> 2x2x128 FC inputs).
   """
+
   num_classes: int
   channels: Tuple[int, int, int] = (128, 128, 128)
   hidden: Tuple[int, ...] = ()  # extra ReLU FC layers before the classifier (CNNCifar2: (64,))
@@ -86,6 +89,7 @@ class LeNet(nn.Module):
   Deviation for small inputs: for inputs smaller than 16x16 (8x8 digits) the convs use
   padding 2 (8x8 -> 2x2x16 FC inputs).
   """
+
   num_classes: int
   pool: str = 'avg'
   channels: Tuple[int, int] = (6, 16)
@@ -118,6 +122,7 @@ class HFLDDCifarCNN(nn.Module):
   order. 32px -> 2x2x256 FC inputs; 28px -> 1x1x256; 8px -> 1x1x256 (the 4th pooling is
   skipped once the map is 1x1).
   """
+
   num_classes: int
   channels: Tuple[int, ...] = (32, 64, 128, 256)
 
@@ -138,6 +143,7 @@ class ConvNetIN(nn.Module):
   32x32x3, 10 classes: 320,010 parameters (matches the paper). InstanceNorm is GroupNorm with
   one channel per group (PyTorch `GroupNorm(C, C)`, eps 1e-5). 8px -> 1x1x128.
   """
+
   num_classes: int
   width: int = 128
   depth: int = 3
@@ -155,6 +161,7 @@ class ConvNetIN(nn.Module):
 
 class MLP(nn.Module):
   """FedAvg's '2NN': Flatten -> [Linear(200) ReLU] x2 -> Linear (199,210 params on MNIST)."""
+
   num_classes: int
   hidden: Tuple[int, ...] = (200, 200)
 

@@ -11,6 +11,7 @@ whose final map is 8x8; needed for 28px -> 7x7 and 8px -> 2x2 maps). `width_mult
 scales every channel count to ceil(width_mult * c), for cheap tests and width-heterogeneous FL;
 it is not in the reference.
 """
+
 import math
 from typing import Tuple
 
@@ -22,15 +23,15 @@ from jfed.models.registry import register_model
 
 # (n1x1, n3x3red, n3x3, n5x5red, n5x5, pool_planes) of kuangliu's a3 .. b5.
 _INCEPTION_CFG = {
-    'a3': (64, 96, 128, 16, 32, 32),
-    'b3': (128, 128, 192, 32, 96, 64),
-    'a4': (192, 96, 208, 16, 48, 64),
-    'b4': (160, 112, 224, 24, 64, 64),
-    'c4': (128, 128, 256, 24, 64, 64),
-    'd4': (112, 144, 288, 32, 64, 64),
-    'e4': (256, 160, 320, 32, 128, 128),
-    'a5': (256, 160, 320, 32, 128, 128),
-    'b5': (384, 192, 384, 48, 128, 128),
+  'a3': (64, 96, 128, 16, 32, 32),
+  'b3': (128, 128, 192, 32, 96, 64),
+  'a4': (192, 96, 208, 16, 48, 64),
+  'b4': (160, 112, 224, 24, 64, 64),
+  'c4': (128, 128, 256, 24, 64, 64),
+  'd4': (112, 144, 288, 32, 64, 64),
+  'e4': (256, 160, 320, 32, 128, 128),
+  'a5': (256, 160, 320, 32, 128, 128),
+  'b5': (384, 192, 384, 48, 128, 128),
 }
 
 
@@ -67,6 +68,7 @@ class Inception(nn.Module):
 
 class GoogLeNet(nn.Module):
   """See module docstring."""
+
   num_classes: int
   width_mult: float = 1.0
 

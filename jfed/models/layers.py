@@ -1,4 +1,5 @@
 """Layers shared by all jfed models."""
+
 import math
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -19,14 +20,20 @@ class BatchNorm(nn.Module):
   sows the mean and biased variance of its *input* over all axes but the last: the quantities
   the DeepInversion BN-statistics loss compares with the running statistics.
   """
+
   momentum: float = TORCH_BN_MOMENTUM
   epsilon: float = TORCH_BN_EPSILON
   dtype: Any = None
 
   @nn.compact
   def __call__(self, x, train: bool, mask: Optional[jnp.ndarray] = None):
-    bn = nn.BatchNorm(use_running_average=not train, momentum=self.momentum,
-                      epsilon=self.epsilon, dtype=self.dtype, name='bn')
+    bn = nn.BatchNorm(
+      use_running_average=not train,
+      momentum=self.momentum,
+      epsilon=self.epsilon,
+      dtype=self.dtype,
+      name='bn',
+    )
     if self.is_mutable_collection('bn_inputs') and not self.is_initializing():
       axes = tuple(range(x.ndim - 1))
       mean = jnp.mean(x, axis=axes)
@@ -48,11 +55,15 @@ torch_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, 'fan_in', 'unifo
 
 
 def torch_bias_init(fan_in: int):
-  """PyTorch's default bias init U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (flax's bias init sees no fan-in)."""
+  """PyTorch's default bias init U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+
+  Flax's bias init sees no fan-in, hence this closure.
+  """
   bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
   def init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
   return init
 
 
@@ -65,19 +76,38 @@ def _pairs(padding: Padding):
   return padding
 
 
-def conv(x, features: int, kernel_size: int, stride: int = 1, padding: Padding = 0,
-         use_bias: bool = True, name: Optional[str] = None):
+def conv(
+  x,
+  features: int,
+  kernel_size: int,
+  stride: int = 1,
+  padding: Padding = 0,
+  use_bias: bool = True,
+  name: Optional[str] = None,
+):
   """PyTorch-style Conv2d on NHWC input: integer `padding` pads p on every side like PyTorch."""
   fan_in = x.shape[-1] * kernel_size * kernel_size
-  return nn.Conv(features, (kernel_size, kernel_size), strides=(stride, stride),
-                 padding=_pairs(padding), use_bias=use_bias, kernel_init=torch_kernel_init,
-                 bias_init=torch_bias_init(fan_in), name=name)(x)
+  return nn.Conv(
+    features,
+    (kernel_size, kernel_size),
+    strides=(stride, stride),
+    padding=_pairs(padding),
+    use_bias=use_bias,
+    kernel_init=torch_kernel_init,
+    bias_init=torch_bias_init(fan_in),
+    name=name,
+  )(x)
 
 
 def dense(x, features: int, use_bias: bool = True, name: Optional[str] = None):
   """PyTorch-style Linear."""
-  return nn.Dense(features, use_bias=use_bias, kernel_init=torch_kernel_init,
-                  bias_init=torch_bias_init(x.shape[-1]), name=name)(x)
+  return nn.Dense(
+    features,
+    use_bias=use_bias,
+    kernel_init=torch_kernel_init,
+    bias_init=torch_bias_init(x.shape[-1]),
+    name=name,
+  )(x)
 
 
 def max_pool(x, window: int = 2, stride: Optional[int] = None, padding: int = 0):

@@ -4,6 +4,7 @@ A registered builder is a callable `builder(num_classes, input_shape, **kw) -> n
 (a function or a module class whose fields include `num_classes`; see `register_model`).
 Every model maps NHWC float32 images to logits: `__call__(x, train=False, mask=None)`.
 """
+
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import flax.linen as nn
@@ -22,6 +23,7 @@ def register_model(name: str):
       raise ValueError(f'Model {name!r} is already registered')
     _REGISTRY[key] = builder
     return builder
+
   return wrap
 
 

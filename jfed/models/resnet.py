@@ -10,6 +10,7 @@ stem and every block to ceil(width_mult * [64, 128, 256, 512]); the classifier k
 Inputs: 32px -> final map 4x4, 28px -> 4x4, 8px -> 1x1 (strided convs pad 1 like PyTorch);
 global average pooling equals kuangliu's avg_pool2d(4) on 32px inputs.
 """
+
 import math
 from typing import Sequence, Tuple
 
@@ -43,6 +44,7 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
   """CIFAR-style ResNet with BasicBlocks (see module docstring)."""
+
   num_classes: int
   stage_sizes: Tuple[int, ...] = (2, 2, 2, 2)
   widths: Tuple[int, ...] = (64, 128, 256, 512)
@@ -64,5 +66,8 @@ def resnet18(num_classes, input_shape, width_mult: float = 1.0):
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
-  return ResNet(num_classes=num_classes, stage_sizes=(2, 2, 2, 2),
-                widths=scaled_widths((64, 128, 256, 512), width_mult))
+  return ResNet(
+    num_classes=num_classes,
+    stage_sizes=(2, 2, 2, 2),
+    widths=scaled_widths((64, 128, 256, 512), width_mult),
+  )

@@ -13,6 +13,7 @@ no rngs, so there VGG-9 trains without dropout (a documented deviation from the 
 `width_mult` scales the conv widths and `fc_width` the two hidden FC layers (defaults are the
 paper's; smaller values exist for cheap tests).
 """
+
 import math
 from typing import Sequence
 
@@ -45,12 +46,17 @@ class VGG9(nn.Module):
 
 
 @register_model('vgg9')
-def vgg9(num_classes, input_shape, width_mult: float = 1.0, fc_width: int = 4096,
-         dropout_rate: float = 0.5):
+def vgg9(
+  num_classes, input_shape, width_mult: float = 1.0, fc_width: int = 4096, dropout_rate: float = 0.5
+):
   """FedMHO/FedDF VGG-9 (see module docstring)."""
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
   channels = tuple(max(1, int(math.ceil(width_mult * c))) for c in (64, 128, 256, 256))
-  return VGG9(num_classes=num_classes, channels=channels, fc_width=int(fc_width),
-              dropout_rate=float(dropout_rate))
+  return VGG9(
+    num_classes=num_classes,
+    channels=channels,
+    fc_width=int(fc_width),
+    dropout_rate=float(dropout_rate),
+  )
