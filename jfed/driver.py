@@ -400,6 +400,8 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       accuracy = next(
         (r['test_accuracy'] for r in reversed(records) if r.get('test_accuracy') is not None), None
       )
+      if not records:  # a step with nothing to report (e.g. after FedDF's early stop)
+        continue
       say(
         f'{algorithm.name} {algorithm.step_label(i, n)}: '
         + (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '')

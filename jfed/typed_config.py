@@ -88,7 +88,7 @@ def require_choice(value: str, choices: Iterable[str], where: str) -> None:
 def validate_run_config(config: Any) -> None:
   """Checks the keys every method shares (data, partition, model, optimiser, batching)."""
   from jfed.data.partitions import available_schemes  # pylint: disable=g-import-not-at-top
-  from jfed.engine.optim import OPTIMIZERS, SCHEDULES  # pylint: disable=g-import-not-at-top
+  from jfed.engine.optim import OPTIMIZERS  # pylint: disable=g-import-not-at-top
   from jfed.models import available_models  # pylint: disable=g-import-not-at-top
 
   _convert(config.seed, int, 'seed')
@@ -112,7 +112,8 @@ def validate_run_config(config: Any) -> None:
   require_choice(config.strategy, STRATEGIES, 'strategy')
   o = config.optimizer
   require_choice(o.name, OPTIMIZERS, 'optimizer.name')
-  require_choice(o.get('schedule', 'constant'), SCHEDULES, 'optimizer.schedule')
+  # Client optimisers restart every round; only centralized training keeps a schedule going.
+  require_choice(o.get('schedule', 'constant'), ('constant', 'cosine'), 'optimizer.schedule')
   require(_convert(o.lr, float, 'optimizer.lr') > 0, f'optimizer.lr must be positive, got {o.lr}')
   momentum = _convert(o.get('momentum', 0.0), float, 'optimizer.momentum')
   require(0.0 <= momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {momentum}')

@@ -1,4 +1,5 @@
 """jfed.distill losses, generator, ensemble, pool and synthesis against naive NumPy formulas."""
+
 import functools
 
 import flax.linen as nn
@@ -11,8 +12,8 @@ from jfed.distill import ensemble, generator, losses, pool, synthesis
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 
-
 # ----------------------------------------------------------------------------- naive references
+
 
 def np_log_softmax(a):
   a = np.asarray(a, np.float64)
@@ -43,13 +44,19 @@ def logits():
 
 # ----------------------------------------------------------------------------- losses
 
+
 @pytest.mark.parametrize('T', [1.0, 4.0])
 @pytest.mark.parametrize('t_squared', [False, True])
 def test_kl_divergence_reductions(logits, T, t_squared):
   s, t, _ = logits
   elem = np_kl_elem(s, t, T) * (T * T if t_squared else 1.0)
   B, C = s.shape
-  want = {'none': elem, 'sum': elem.sum(), 'batchmean': elem.sum() / B, 'mean': elem.sum() / (B * C)}
+  want = {
+    'none': elem,
+    'sum': elem.sum(),
+    'batchmean': elem.sum() / B,
+    'mean': elem.sum() / (B * C),
+  }
   for red, w in want.items():
     got = losses.kl_divergence(jnp.asarray(s), jnp.asarray(t), T, red, t_squared)
     np.testing.assert_allclose(np.asarray(got), w, rtol=1e-5, atol=1e-6)
@@ -81,13 +88,14 @@ def test_adversarial_loss(logits):
   assert 0 < mask.sum() < B
   per = np_kl_elem(s, t, 1.0).sum(1)
   np.testing.assert_allclose(losses.adversarial_loss(s, t), -np.mean(mask * per), rtol=1e-5)
-  per3 = np_kl_elem(s, t, 3.0).sum(1) * 9.0   # Co-Boosting: T=3, x T^2, no mask
-  np.testing.assert_allclose(losses.adversarial_loss(s, t, T=3.0, use_mask=False, t_squared=True),
-                             -np.mean(per3), rtol=1e-5)
+  per3 = np_kl_elem(s, t, 3.0).sum(1) * 9.0  # Co-Boosting: T=3, x T^2, no mask
+  np.testing.assert_allclose(
+    losses.adversarial_loss(s, t, T=3.0, use_mask=False, t_squared=True), -np.mean(per3), rtol=1e-5
+  )
 
 
 def test_fedhydra_eq16_eq19(logits):
-  s, t, y = logits   # t plays the SA logits P, s the global model
+  s, t, y = logits  # t plays the SA logits P, s the global model
   bn = 0.37
   for lam1, lam2, mask in [(1.0, 1.0, False), (0.5, 0.25, True)]:
     ce = np_ce(t, y).mean()
@@ -105,14 +113,17 @@ def test_fedhydra_eq16_eq19(logits):
     want = kl + beta * np_ce(s, hard).mean()
     np.testing.assert_allclose(losses.fedhydra_global_loss(s, t, beta), want, rtol=1e-5)
   # kd_loss: DENSE batchmean x T^2
-  np.testing.assert_allclose(losses.kd_loss(s, t, T=4.0),
-                             np_kl_elem(s, t, 4.0).sum() / s.shape[0] * 16, rtol=1e-5)
+  np.testing.assert_allclose(
+    losses.kd_loss(s, t, T=4.0), np_kl_elem(s, t, 4.0).sum() / s.shape[0] * 16, rtol=1e-5
+  )
 
 
 # ----------------------------------------------------------------------------- BN loss
 
+
 class BNNet(nn.Module):
   """x → BN → flatten → Dense(6) → BN → Dense(3): BN inputs computable in NumPy."""
+
   @nn.compact
   def __call__(self, x, train=False, mask=None):
     x = BatchNorm(name='bn_a')(x, train, mask)
@@ -126,10 +137,12 @@ def _bnnet_state(key):
   net = BNNet()
   v = net.init(key, jnp.zeros((2, 4, 4, 2)))
   rng = np.random.default_rng(1)
-  bs = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape).astype(np.float32)),
-                    v['batch_stats'])
+  bs = jax.tree.map(
+    lambda a: jnp.asarray(rng.normal(size=a.shape).astype(np.float32)), v['batch_stats']
+  )
   bs = jax.tree_util.tree_map_with_path(
-      lambda p, a: jnp.abs(a) + 0.5 if p[-1].key == 'var' else a, bs)
+    lambda p, a: jnp.abs(a) + 0.5 if p[-1].key == 'var' else a, bs
+  )
   params = jax.tree.map(lambda a: a + 0.1, v['params'])
   return net, ModelState(params, bs)
 
@@ -137,14 +150,21 @@ def _bnnet_state(key):
 def test_bn_statistics_loss_formula():
   rng = np.random.default_rng(2)
   # hand-built collections in jfed.models.layers.BatchNorm's format
-  stats = {n: (rng.normal(size=c).astype(np.float32), rng.random(c).astype(np.float32))
-           for n, c in [('l0', 3), ('l1', 5)]}
-  run = {n: (rng.normal(size=c).astype(np.float32), rng.random(c).astype(np.float32) + 0.1)
-         for n, c in [('l0', 3), ('l1', 5)]}
+  stats = {
+    n: (rng.normal(size=c).astype(np.float32), rng.random(c).astype(np.float32))
+    for n, c in [('l0', 3), ('l1', 5)]
+  }
+  run = {
+    n: (rng.normal(size=c).astype(np.float32), rng.random(c).astype(np.float32) + 0.1)
+    for n, c in [('l0', 3), ('l1', 5)]
+  }
   bn_inputs = {n: {'stats': ((jnp.asarray(m), jnp.asarray(v)),)} for n, (m, v) in stats.items()}
-  batch_stats = {n: {'bn': {'mean': jnp.asarray(m), 'var': jnp.asarray(v)}} for n, (m, v) in run.items()}
-  want = sum(np.linalg.norm(run[n][1] - stats[n][1]) + np.linalg.norm(run[n][0] - stats[n][0])
-             for n in stats)
+  batch_stats = {
+    n: {'bn': {'mean': jnp.asarray(m), 'var': jnp.asarray(v)}} for n, (m, v) in run.items()
+  }
+  want = sum(
+    np.linalg.norm(run[n][1] - stats[n][1]) + np.linalg.norm(run[n][0] - stats[n][0]) for n in stats
+  )
   np.testing.assert_allclose(losses.bn_statistics_loss(bn_inputs, batch_stats), want, rtol=1e-5)
 
 
@@ -152,22 +172,31 @@ def test_bn_loss_from_model_apply():
   net, st = _bnnet_state(jax.random.PRNGKey(0))
   x = np.random.default_rng(3).random((5, 4, 4, 2)).astype(np.float32)
   logits, l_bn = jax.jit(functools.partial(losses.apply_with_bn_loss, net))(
-      st.params, st.batch_stats, jnp.asarray(x))
+    st.params, st.batch_stats, jnp.asarray(x)
+  )
   # numpy: BN inputs are x (over N,H,W) and fc1(bn_a(x)) (over N)
   ba, bb = st.batch_stats['bn_a']['bn'], st.batch_stats['bn_b']['bn']
   pa = st.params['bn_a']['bn']
   m_a, v_a = x.mean((0, 1, 2)), x.var((0, 1, 2))
-  xa = (x - np.asarray(ba['mean'])) / np.sqrt(np.asarray(ba['var']) + 1e-5) * np.asarray(pa['scale']) \
-      + np.asarray(pa['bias'])
-  h = xa.reshape(5, -1) @ np.asarray(st.params['fc1']['kernel']) + np.asarray(st.params['fc1']['bias'])
+  xa = (x - np.asarray(ba['mean'])) / np.sqrt(np.asarray(ba['var']) + 1e-5) * np.asarray(
+    pa['scale']
+  ) + np.asarray(pa['bias'])
+  h = xa.reshape(5, -1) @ np.asarray(st.params['fc1']['kernel']) + np.asarray(
+    st.params['fc1']['bias']
+  )
   m_b, v_b = h.mean(0), h.var(0)
-  want = (np.linalg.norm(np.asarray(ba['var']) - v_a) + np.linalg.norm(np.asarray(ba['mean']) - m_a)
-          + np.linalg.norm(np.asarray(bb['var']) - v_b) + np.linalg.norm(np.asarray(bb['mean']) - m_b))
+  want = (
+    np.linalg.norm(np.asarray(ba['var']) - v_a)
+    + np.linalg.norm(np.asarray(ba['mean']) - m_a)
+    + np.linalg.norm(np.asarray(bb['var']) - v_b)
+    + np.linalg.norm(np.asarray(bb['mean']) - m_b)
+  )
   np.testing.assert_allclose(l_bn, want, rtol=1e-4)
   np.testing.assert_allclose(logits, _call(net, st, x), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- ensemble
+
 
 class ConvNet(nn.Module):
   nc: int = 4
@@ -207,21 +236,32 @@ def test_ensemble_one_group_and_weights():
   w = np.array([0.2, 0.5, 1.3], np.float32)
   wb = np.random.default_rng(0).random((5, 3)).astype(np.float32)
 
-  @jax.jit   # one compiled program for all checks (XLA:CPU compiles are the test's cost)
+  @jax.jit  # one compiled program for all checks (XLA:CPU compiles are the test's cost)
   def run(stacked, singles, x, w, wb):
     indiv = jnp.stack([_call(net, s, x) for s in singles])
-    outs = {s: ensemble.ensemble_logits((net, stacked), x, return_per_client=True, strategy=s)
-            for s in ('vmap', 'loop')}
+    outs = {
+      s: ensemble.ensemble_logits((net, stacked), x, return_per_client=True, strategy=s)
+      for s in ('vmap', 'loop')
+    }
     f = lambda s: lambda xx: jnp.sum(ensemble.ensemble_logits((net, stacked), xx, strategy=s) ** 2)
-    return (indiv, outs, ensemble.ensemble_logits((net, stacked), x, w),
-            ensemble.ensemble_logits((net, stacked), x, wb, normalize=False),
-            jax.grad(f('vmap'))(x), jax.grad(f('loop'))(x))
+    return (
+      indiv,
+      outs,
+      ensemble.ensemble_logits((net, stacked), x, w),
+      ensemble.ensemble_logits((net, stacked), x, wb, normalize=False),
+      jax.grad(f('vmap'))(x),
+      jax.grad(f('loop'))(x),
+    )
 
-  indiv, outs, out_w, out_wb, g_vmap, g_loop = jax.tree.map(np.asarray, run(stacked, singles, x, w, wb))
+  indiv, outs, out_w, out_wb, g_vmap, g_loop = jax.tree.map(
+    np.asarray, run(stacked, singles, x, w, wb)
+  )
   for out, per in outs.values():
     np.testing.assert_allclose(per, indiv, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out, indiv.mean(0), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(out_w, np.einsum('k,kbc->bc', w, indiv) / w.sum(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    out_w, np.einsum('k,kbc->bc', w, indiv) / w.sum(), rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(out_wb, np.einsum('bk,kbc->bc', wb, indiv), rtol=1e-5, atol=1e-6)
   # differentiable w.r.t. x, identically for both strategies
   assert np.abs(g_vmap).max() > 0
@@ -261,6 +301,7 @@ def test_coboosting_weight_update():
 
 # ----------------------------------------------------------------------------- generator / pool
 
+
 @pytest.mark.parametrize('shape', [(8, 8, 1), (28, 28, 1), (32, 32, 3)])
 def test_generator_shape_and_range(shape):
   g = generator.make_generator(shape, nz=16, ngf=8)
@@ -269,6 +310,7 @@ def test_generator_shape_and_range(shape):
   def run(key):
     st, z = generator.dense_generator_init(key, g, noise_batch=6)
     return generator.generate(g, st, z)[0], st
+
   x, st = run(jax.random.PRNGKey(0))
   assert x.shape == (6, *shape)
   assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
@@ -287,7 +329,7 @@ def test_pool_ring_and_quantise():
   assert int(pool.pool_size(p)) == 3
   got, lab = pool.pool_gather(p, jnp.arange(3))
   np.testing.assert_allclose(got, np.floor(np.clip(np.asarray(x1), 0, 1) * 255) / 255, atol=1e-7)
-  p = add(p, x1 + 0.0, jnp.array([3, 4, 5]))   # wraps: slots 3,4,0
+  p = add(p, x1 + 0.0, jnp.array([3, 4, 5]))  # wraps: slots 3,4,0
   assert int(pool.pool_size(p)) == 5 and int(p.count) == 6
   np.testing.assert_array_equal(np.asarray(p.labels), [5, 1, 2, 3, 4])
   idx, mask = pool.epoch_batches(p, 0, 2)
@@ -304,9 +346,15 @@ def test_augment_crop_flip():
     y = np.asarray(aug(jax.random.PRNGKey(i), x))[0, :, :, 0]
     img = np.pad(np.asarray(x)[0, :, :, 0], 2)
     # every output is a 4x4 window of the zero-padded image, possibly mirrored
-    found = [(oy, ox, f) for oy in range(5) for ox in range(5) for f in (0, 1)
-             if np.array_equal(img[oy:oy + 4, ox:ox + 4][:, ::-1] if f else
-                               img[oy:oy + 4, ox:ox + 4], y)]
+    found = [
+      (oy, ox, f)
+      for oy in range(5)
+      for ox in range(5)
+      for f in (0, 1)
+      if np.array_equal(
+        img[oy : oy + 4, ox : ox + 4][:, ::-1] if f else img[oy : oy + 4, ox : ox + 4], y
+      )
+    ]
     assert found
     seen.add(found[0][2])
   assert seen == {0, 1}
@@ -316,20 +364,25 @@ def test_augment_crop_flip():
 
 # ----------------------------------------------------------------------------- synthesis
 
+
 def test_synthesis_scan_equals_python_and_keeps_best():
   net = ConvNet(nc=3, width=2)
   stacked, singles = _stack_states(net, jax.random.PRNGKey(5), 2, shape=(8, 8, 1))
   gen = generator.make_generator((8, 8, 1), nz=8, ngf=4)
   cfg = synthesis.dense_config(g_steps=3, batch_size=6, crop_padding=2, strategy='vmap')
-  outs = [synthesis.synthesize(gen, (net, stacked), net, singles[0], 3, jax.random.PRNGKey(6),
-                               cfg._replace(loop=loop)) for loop in ('scan', 'python')]
+  outs = [
+    synthesis.synthesize(
+      gen, (net, stacked), net, singles[0], 3, jax.random.PRNGKey(6), cfg._replace(loop=loop)
+    )
+    for loop in ('scan', 'python')
+  ]
   a, b = outs
   np.testing.assert_allclose(a.losses, b.losses, rtol=1e-4)
   np.testing.assert_allclose(a.images, b.images, rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(a.labels, b.labels)
-  assert np.all(np.diff(np.asarray(a.labels)) >= 0)           # DENSE sorts the targets
+  assert np.all(np.diff(np.asarray(a.labels)) >= 0)  # DENSE sorts the targets
   np.testing.assert_allclose(a.best_loss, np.min(np.asarray(a.losses)), rtol=1e-6)
   comps = np.asarray(a.components)
-  np.testing.assert_allclose(a.losses, comps.sum(1), rtol=1e-5)   # bn=oh=adv=1
-  assert np.all(comps[:, 0] > 0)                                # BN loss active (ConvNet has BN)
+  np.testing.assert_allclose(a.losses, comps.sum(1), rtol=1e-5)  # bn=oh=adv=1
+  assert np.all(comps[:, 0] > 0)  # BN loss active (ConvNet has BN)
   assert a.images.shape == (6, 8, 8, 1) and float(a.images.min()) >= 0

@@ -1,5 +1,6 @@
 """OT fusion (Singh & Jaggi weight mode): permuted copies are recovered, identical models are a
 fixed point, exact alignment preserves the function, plans satisfy their marginals."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,10 +41,17 @@ def init(module, seed, random_stats=True):
   if random_stats and bs:
     rng = np.random.default_rng(seed)
     bs = jax.tree_util.tree_map_with_path(
-        lambda p, a: jnp.asarray(rng.random(a.shape) + (0.5 if p[-1].key == 'var' else -0.5),
-                                 jnp.float32), bs)
-    v = {'params': jax.tree.map(lambda a: a + 0.05 * jnp.asarray(
-        rng.normal(size=a.shape), jnp.float32), v['params']), 'batch_stats': bs}
+      lambda p, a: jnp.asarray(
+        rng.random(a.shape) + (0.5 if p[-1].key == 'var' else -0.5), jnp.float32
+      ),
+      bs,
+    )
+    v = {
+      'params': jax.tree.map(
+        lambda a: a + 0.05 * jnp.asarray(rng.normal(size=a.shape), jnp.float32), v['params']
+      ),
+      'batch_stats': bs,
+    }
   return ModelState(v['params'], bs)
 
 
@@ -73,7 +81,7 @@ def permute_cnn(st, p1, p2):
       tree['bn2']['bn'][k] = tree['bn2']['bn'][k][p2]
   P['conv2']['kernel'] = P['conv2']['kernel'][:, :, p1][..., p2]
   P['conv2']['bias'] = P['conv2']['bias'][p2]
-  k = P['fc']['kernel']            # NHWC flatten: [S·C, out] with the channel fastest
+  k = P['fc']['kernel']  # NHWC flatten: [S·C, out] with the channel fastest
   P['fc']['kernel'] = k.reshape(-1, 5, k.shape[-1])[:, p2].reshape(k.shape)
   return ModelState(jax.tree.map(jnp.asarray, P), jax.tree.map(jnp.asarray, B))
 
@@ -107,8 +115,12 @@ def test_cnn_bn_flatten_permuted_copy_recovered():
   p1, p2 = np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2])
   perm = permute_cnn(st, p1, p2)
   np.testing.assert_allclose(apply(net, perm), apply(net, st), rtol=1e-5, atol=1e-5)
-  fp, fbs = F.ot_fuse([st.params, perm.params], CNN_LAYERS,
-                      batch_stats_list=[st.batch_stats, perm.batch_stats], anchor=0)
+  fp, fbs = F.ot_fuse(
+    [st.params, perm.params],
+    CNN_LAYERS,
+    batch_stats_list=[st.batch_stats, perm.batch_stats],
+    anchor=0,
+  )
   assert_tree_close(fp, st.params, rtol=1e-6, atol=1e-7)
   assert_tree_close(fbs, st.batch_stats, rtol=1e-6, atol=1e-7)
   # stacked-state entry point, three models (orig, permuted, orig)
@@ -122,8 +134,7 @@ def test_identical_models_are_a_fixed_point(method):
   for net, layers, seed in [(MLP(), MLP_LAYERS, 2), (CNN(), CNN_LAYERS, 3)]:
     st = init(net, seed)
     bsl = [st.batch_stats] * 3 if st.batch_stats else None
-    fp, fbs = F.ot_fuse([st.params] * 3, layers, batch_stats_list=bsl, method=method,
-                        epsilon=1e-3)
+    fp, fbs = F.ot_fuse([st.params] * 3, layers, batch_stats_list=bsl, method=method, epsilon=1e-3)
     tol = dict(rtol=1e-6, atol=1e-7) if method == 'exact' else dict(rtol=0, atol=2e-3)
     assert_tree_close(fp, st.params, **tol)
     if bsl:
@@ -132,15 +143,20 @@ def test_identical_models_are_a_fixed_point(method):
 
 def test_exact_alignment_preserves_function_and_fusion_averages():
   net, a, b = CNN(), init(CNN(), 4), init(CNN(), 5)
-  pb, bsb, plans = F.align_to_anchor(b.params, a.params, CNN_LAYERS, b.batch_stats,
-                                     return_plans=True)
-  for T in plans:   # equal widths + exact ⇒ permutation matrices
+  pb, bsb, plans = F.align_to_anchor(
+    b.params, a.params, CNN_LAYERS, b.batch_stats, return_plans=True
+  )
+  for T in plans:  # equal widths + exact ⇒ permutation matrices
     np.testing.assert_allclose(T.sum(0), 1.0)
     np.testing.assert_allclose(T.sum(1), 1.0)
     assert set(np.unique(T)) <= {0.0, 1.0}
   np.testing.assert_allclose(apply(net, ModelState(pb, bsb)), apply(net, b), rtol=1e-5, atol=1e-5)
-  fp, fbs = F.ot_fuse([a.params, b.params], CNN_LAYERS,
-                      batch_stats_list=[a.batch_stats, b.batch_stats], weights=[3.0, 1.0])
+  fp, fbs = F.ot_fuse(
+    [a.params, b.params],
+    CNN_LAYERS,
+    batch_stats_list=[a.batch_stats, b.batch_stats],
+    weights=[3.0, 1.0],
+  )
   want = jax.tree.map(lambda x, y: 0.75 * x + 0.25 * y, a.params, pb)
   assert_tree_close(fp, want, rtol=1e-5, atol=1e-6)
 
@@ -154,6 +170,6 @@ def test_transport_plans():
     np.testing.assert_allclose(T.sum(0), 1 / m, atol=1e-9)
     Ts = F.transport_plan(C, 'sinkhorn', epsilon=1e-2, threshold=1e-7)
     np.testing.assert_allclose(Ts.sum(0), 1 / m, atol=1e-4)
-    assert (T * C).sum() <= (Ts * C).sum() + 1e-6       # exact plan is optimal
+    assert (T * C).sum() <= (Ts * C).sum() + 1e-6  # exact plan is optimal
     Tt = F.transport_plan(C, 'sinkhorn', epsilon=1e-4, threshold=1e-7)
-    assert abs((Tt * C).sum() - (T * C).sum()) < 5e-3     # small ε → exact cost
+    assert abs((Tt * C).sum() - (T * C).sum()) < 5e-3  # small ε → exact cost

@@ -1,4 +1,5 @@
 """FedHydra model stratification (U, U_r, U_c; batched MS == per-(k, j) loop) and SA (Eqs. 8–11)."""
+
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.distill import ensemble, generator, stratification as S
+from jfed.distill import ensemble, generator
+from jfed.distill import stratification as S
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 
@@ -19,16 +21,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- U, U_r, U_c
 
+
 def test_U_hand_example():
   # losses[k, j, t]: m = 2 clients, c = 2 classes, T_G = 3
-  losses = np.array([[[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]],
-                     [[4.0, 2.0, 1.0], [3.0, 2.0, 2.0]]], np.float32)
+  losses = np.array(
+    [[[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]], [[4.0, 2.0, 1.0], [3.0, 2.0, 2.0]]], np.float32
+  )
   # u_{k,j} = (max − min) / min:  u00 = 1.5/0.5 = 3, u01 = 0, u10 = 3/1 = 3, u11 = 1/2 = 0.5
   u = np.array([[3.0, 0.0], [3.0, 0.5]])
   np.testing.assert_allclose(S.variation_degree(losses), u, rtol=1e-6)
   r = S.stratification_from_losses(losses)
-  U = np.array([[3.0, 3.0],     # class 0: clients 0, 1
-                [0.0, 0.5]])    # class 1
+  U = np.array(
+    [
+      [3.0, 3.0],  # class 0: clients 0, 1
+      [0.0, 0.5],
+    ]
+  )  # class 1
   np.testing.assert_allclose(r.U, U, rtol=1e-6)
   # Eq. 4/5: each row over clients sums to 1
   np.testing.assert_allclose(r.U_r, [[0.5, 0.5], [0.0, 1.0]], rtol=1e-6)
@@ -44,14 +52,14 @@ def naive_sa(P, U_r, U_c, y):
   """Algorithm 3 with Python loops: Eq. 8 P̂_k, Eq. 9 Pⁱ, Eq. 10 V, Eq. 11 P."""
   m, b, c = P.shape
   P_hat = np.zeros_like(P)
-  for k in range(m):                                   # Eq. 8: P_k ⊙ (1_{b×1} × U_c(:,k)ᵀ)
+  for k in range(m):  # Eq. 8: P_k ⊙ (1_{b×1} × U_c(:,k)ᵀ)
     ones_b = np.ones((b, 1))
     P_hat[k] = P[k] * (ones_b @ U_c[:, k][None, :])
-  V = np.stack([U_r[y[i], :] for i in range(b)])       # Eq. 10, b × m
+  V = np.stack([U_r[y[i], :] for i in range(b)])  # Eq. 10, b × m
   out = np.zeros((b, c))
   for i in range(b):
     P_i = np.stack([P_hat[k][i, :] for k in range(m)])  # Eq. 9, m × c
-    for j in range(c):                                 # Eq. 11: V(i,:) × Pⁱ
+    for j in range(c):  # Eq. 11: V(i,:) × Pⁱ
       out[i, j] = sum(V[i, k] * P_i[k, j] for k in range(m))
   return out
 
@@ -68,16 +76,19 @@ def test_stratified_aggregation_matches_loops():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # the same through ensemble.combine_logits with per-(sample, client, class) weights
   W = S.stratified_weights(U_r, U_c, jnp.asarray(y))
-  np.testing.assert_allclose(ensemble.combine_logits(jnp.asarray(P), W, normalize=False), want,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    ensemble.combine_logits(jnp.asarray(P), W, normalize=False), want, rtol=1e-5, atol=1e-6
+  )
   # without Eq. 8 (inter-model only) and AE
   want_inter = naive_sa(P, U_r, np.ones_like(U_c), y)
-  np.testing.assert_allclose(S.stratified_aggregation(P, U_r, U_c, y, in_model=False), want_inter,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    S.stratified_aggregation(P, U_r, U_c, y, in_model=False), want_inter, rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(S.average_ensemble(P), P.mean(0), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- MS
+
 
 class ConvNet(nn.Module):
   nc: int = 3
@@ -112,8 +123,9 @@ KEY = jax.random.PRNGKey(7)
 
 @pytest.fixture(scope='module')
 def batched_conv():
-  return S.model_stratification(ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2)), GEN, 3,
-                                KEY, CFG)
+  return S.model_stratification(
+    ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2)), GEN, 3, KEY, CFG
+  )
 
 
 def test_batched_ms_equals_loop(batched_conv):
@@ -143,7 +155,7 @@ def test_heterogeneous_ms(batched_conv):
     np.testing.assert_allclose(r.losses[2, j], want, rtol=2e-5, atol=1e-6)
 
 
-SHARD_SCRIPT = r'''
+SHARD_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, {root!r}); sys.path.insert(0, {testdir!r})
@@ -152,16 +164,16 @@ from jfed.distill import stratification as S
 assert len(jax.devices()) == 4
 r = S.model_stratification((T.ConvNet(), T.stacked(T.ConvNet(), 0, 2)), T.GEN, 3, T.KEY, T.CFG)
 print(json.dumps(np.asarray(r.losses).tolist()))
-'''
+"""
 
 
 def test_sharded_ms_matches(batched_conv):
   """m·c = 6 runs sharded over 4 (forced host) devices, padded to 8."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
-             JAX_PLATFORMS='cpu')
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
   code = SHARD_SCRIPT.format(root=ROOT, testdir=os.path.join(ROOT, 'tests'))
-  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
-                       timeout=300)
+  out = subprocess.run(
+    [sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   losses = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
   np.testing.assert_allclose(losses, batched_conv.losses, rtol=2e-5, atol=1e-6)
@@ -170,6 +182,7 @@ def test_sharded_ms_matches(batched_conv):
 def test_ms_heatmap_numbers_clients_from_zero(tmp_path):
   """Clients are 0..m-1 in the heatmap, as in partition.txt and partition.png."""
   from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+
   U_r, _ = S.normalise_U(np.random.default_rng(0).random((10, 5)))
   fig = plots.plot_ms_heatmap(tmp_path / 'ms.png', U_r)
   assert (tmp_path / 'ms.png').exists()

@@ -1,4 +1,5 @@
 """The comparison commands end to end on digits: the FedHydra Table 1/2 sweep."""
+
 import json
 
 from experiments import fedhydra_tables
@@ -24,16 +25,18 @@ def test_fedhydra_tables_sweep_runs_resumes_and_renders(tmp_path):
     # one set of client models per partition: one-shot FedAvg averaged the shared ones
     assert not (d / 'fedavg' / 'local_models').exists()
     assert json.loads((d / 'fedavg' / 'summary.json').read_text())['reused_local_models']
-    # the clients and their ensemble learned, on either partition
+    # the clients and their ensemble learned, on either partition (a 2c/c client knows 2 of the
+    # 10 classes: 0.2 is its best possible test accuracy)
     ensemble = results[partition]['feddf']['teacher_ensemble_test_accuracy']
-    assert ensemble > CHANCE + 0.2, (partition, ensemble)
-    assert max(results[partition]['feddf']['client_test_accuracy']) > CHANCE + 0.1
-  for m in METHODS:   # Dir(0.5): every method's one model learned
+    assert ensemble > CHANCE + 0.1, (partition, ensemble)
+    assert min(results[partition]['feddf']['client_test_accuracy']) > CHANCE + 0.05
+  assert results['dir0.5']['feddf']['teacher_ensemble_test_accuracy'] > CHANCE + 0.3
+  for m in METHODS:  # Dir(0.5): every method's one model learned
     accuracy = results['dir0.5'][m]['final_test_accuracy']
     assert accuracy > CHANCE + 0.2, (m, accuracy)
 
   assert '## Table 1 (Dirichlet)' in table and '## Table 2 (2c/c)' in table
-  assert '(75.76)' not in table      # the paper's Fashion-MNIST numbers only beside FMNIST runs
+  assert '(75.76)' not in table  # the paper's Fashion-MNIST numbers only beside FMNIST runs
   fedavg = results['dir0.5']['fedavg']['final_test_accuracy']
   assert f'| FedAvg | {100 * fedavg:.2f} |' in table
   ensemble = results['dir0.5']['feddf']['teacher_ensemble_test_accuracy']

@@ -206,7 +206,7 @@ def base_config() -> ml_collections.ConfigDict:
       'eval_every': 100,
       'patience': 1000,
       'kd_grad_clip': 5.0,
-      'kd_schedule': 'cosine_steps',
+      'kd_schedule': 'cosine',
       'kd_augment': 'none',
     }
   )

@@ -48,14 +48,16 @@ GoogLeNet 15 min, ResNet18 2.4 min, the CNNs and LeNet under 2 min each; MS 2.4 
 distillation epochs into the ResNet18 server); clients 27-50% after one epoch, server 11.15%
 (smoke budget: 2 distillation epochs, accuracy meaningless).
 """
+
 from experiments.configs.common import base_config, variant_value, variant_words
 
 METHODS = ('dense', 'feddf', 'coboosting', 'ot', 'fedhydra')
 VARIANTS = ('paper', 'smoke', 'dir=', '2cc', 'hetero', 'narrow', 'ae', 'rounds=')
 HETERO_CLIENTS = 'googlenet;resnet18;fedhydra_cnn3;cnn_cifar;lenet'
 HETERO_SERVER = 'resnet18'
-HETERO_CLIENTS_NARROW = ('googlenet:width_mult=0.25;resnet18:width_mult=0.25;fedhydra_cnn3;'
-                         'cnn_cifar;lenet')
+HETERO_CLIENTS_NARROW = (
+  'googlenet:width_mult=0.25;resnet18:width_mult=0.25;fedhydra_cnn3;cnn_cifar;lenet'
+)
 HETERO_SERVER_NARROW = 'resnet18:width_mult=0.25'
 
 
@@ -79,9 +81,19 @@ def set_budget(c, name: str) -> None:
   c.fedavg.rounds, c.fedavg.local_epochs = 1, local
   c.local.epochs = local
   for m in METHODS:
-    _set(c, m, local_epochs=local, epochs=epochs, g_steps=g, T_G=g, ms_T_G=30 if name != 'smoke'
-         else 5, synthesis_batch=syn, ms_batch=ms, kd_batch=kd)
-  c.coboosting.synthesis_batch = syn if name != 'paper' else 128   # Co-Boosting: 128
+    _set(
+      c,
+      m,
+      local_epochs=local,
+      epochs=epochs,
+      g_steps=g,
+      T_G=g,
+      ms_T_G=30 if name != 'smoke' else 5,
+      synthesis_batch=syn,
+      ms_batch=ms,
+      kd_batch=kd,
+    )
+  c.coboosting.synthesis_batch = syn if name != 'paper' else 128  # Co-Boosting: 128
   c.coboosting.kd_batch = min(kd, 128)
   c.feddf.total_steps = feddf_steps
   c.feddf.eval_every = 100 if name != 'smoke' else 10

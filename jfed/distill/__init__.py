@@ -1,25 +1,80 @@
 """Data-free distillation building blocks: generator, losses, teacher ensembles, synthetic pool,
 FedHydra model stratification / stratified aggregation, generator synthesis, the KD step, OT
 fusion."""
-from jfed.distill.ensemble import (TeacherGroup, coboosting_weight_update, combine_logits,
-                                   ensemble_logits, group_outputs, num_teachers, teacher_outputs)
-from jfed.distill.generator import (DenseGenerator, dense_generator_init, generate,
-                                    make_generator)
-from jfed.distill.kd import (KDConfig, committed, crop_padding, kd_step, per_sample_loss,
-                             resolve_augment, student_optimizer, student_state, teacher_groups)
-from jfed.distill.losses import (GeneratorLoss, adversarial_loss, apply_with_bn_loss,
-                                 bn_statistics_loss, cross_entropy, disagreement_mask,
-                                 fedhydra_generator_loss, fedhydra_global_loss,
-                                 hard_sample_cross_entropy, kd_loss, kl_divergence)
-from jfed.distill.ot_fusion import (FusionLayer, align_to_anchor, ot_fuse, ot_fuse_states,
-                                    transport_plan)
-from jfed.distill.pool import (ImagePool, augment, epoch_batches, pool_add, pool_gather,
-                               pool_init, pool_sample, pool_size)
-from jfed.distill.stratification import (MS_FUNCTIONS, MS_IMPLS, MSConfig, StratificationResult,
-                                         average_ensemble, model_stratification,
-                                         model_stratification_loop, model_stratification_python,
-                                         normalise_U, resolve_ms_impl, stratification_from_losses,
-                                         stratified_aggregation, stratified_weights,
-                                         variation_degree)
-from jfed.distill.synthesis import (SAWeights, SynthesisConfig, SynthesisResult,
-                                    coboosting_config, dense_config, fedhydra_config, synthesize)
+
+from jfed.distill.ensemble import (
+  TeacherGroup,
+  coboosting_weight_update,
+  combine_logits,
+  ensemble_logits,
+  group_outputs,
+  num_teachers,
+  teacher_outputs,
+)
+from jfed.distill.generator import DenseGenerator, dense_generator_init, generate, make_generator
+from jfed.distill.kd import (
+  KDConfig,
+  committed,
+  crop_padding,
+  kd_step,
+  per_sample_loss,
+  resolve_augment,
+  student_optimizer,
+  student_state,
+  teacher_groups,
+)
+from jfed.distill.losses import (
+  GeneratorLoss,
+  adversarial_loss,
+  apply_with_bn_loss,
+  bn_statistics_loss,
+  cross_entropy,
+  disagreement_mask,
+  fedhydra_generator_loss,
+  fedhydra_global_loss,
+  hard_sample_cross_entropy,
+  kd_loss,
+  kl_divergence,
+)
+from jfed.distill.ot_fusion import (
+  FusionLayer,
+  align_to_anchor,
+  ot_fuse,
+  ot_fuse_states,
+  transport_plan,
+)
+from jfed.distill.pool import (
+  ImagePool,
+  augment,
+  epoch_batches,
+  pool_add,
+  pool_gather,
+  pool_init,
+  pool_sample,
+  pool_size,
+)
+from jfed.distill.stratification import (
+  MS_FUNCTIONS,
+  MS_IMPLS,
+  MSConfig,
+  StratificationResult,
+  average_ensemble,
+  model_stratification,
+  model_stratification_loop,
+  model_stratification_python,
+  normalise_U,
+  resolve_ms_impl,
+  stratification_from_losses,
+  stratified_aggregation,
+  stratified_weights,
+  variation_degree,
+)
+from jfed.distill.synthesis import (
+  SAWeights,
+  SynthesisConfig,
+  SynthesisResult,
+  coboosting_config,
+  dense_config,
+  fedhydra_config,
+  synthesize,
+)

@@ -13,6 +13,7 @@ Per-group client mapping (`strategy`): 'vmap' maps the stacked parameters with `
 batched program; the fast form on GPU/TPU); 'loop' unrolls the K_g applies inside the trace (XLA:CPU
 runs client-batched convolutions slowly, docs/design.md); 'auto' = 'loop' on CPU, else 'vmap'.
 """
+
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -23,13 +24,14 @@ from jfed.engine.state import ModelState
 
 
 class TeacherGroup(NamedTuple):
-  module: Any          # flax.linen.Module, __call__(x, train=False) -> logits
-  states: ModelState   # stacked over the group's clients
+  module: Any  # flax.linen.Module, __call__(x, train=False) -> logits
+  states: ModelState  # stacked over the group's clients
 
 
 def _as_groups(groups) -> Sequence[TeacherGroup]:
-  if isinstance(groups, TeacherGroup) or (isinstance(groups, tuple) and len(groups) == 2
-                                          and isinstance(groups[1], ModelState)):
+  if isinstance(groups, TeacherGroup) or (
+    isinstance(groups, tuple) and len(groups) == 2 and isinstance(groups[1], ModelState)
+  ):
     groups = [groups]
   return [TeacherGroup(*g) for g in groups]
 
@@ -54,8 +56,9 @@ def _one(module, params, batch_stats, x, with_bn_loss: bool):
   return logits, bn_statistics_loss(col.get('bn_inputs', {}), batch_stats)
 
 
-def group_outputs(group: TeacherGroup, x: jnp.ndarray, with_bn_loss: bool = False,
-                  strategy: str = 'auto') -> Tuple[jnp.ndarray, jnp.ndarray]:
+def group_outputs(
+  group: TeacherGroup, x: jnp.ndarray, with_bn_loss: bool = False, strategy: str = 'auto'
+) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Per-client logits [K_g, B, C] and per-client BN-statistics losses [K_g] (zeros unless
   `with_bn_loss`) of one group on the same input x [B, ...]."""
   module, states = group
@@ -64,14 +67,22 @@ def group_outputs(group: TeacherGroup, x: jnp.ndarray, with_bn_loss: bool = Fals
     fn = lambda p, bs: _one(module, p, bs, x, with_bn_loss)
     return jax.vmap(fn)(states.params, states.batch_stats)
   k = jax.tree.leaves(states.params)[0].shape[0]
-  outs = [_one(module, jax.tree.map(lambda a, i=i: a[i], states.params),
-               jax.tree.map(lambda a, i=i: a[i], states.batch_stats), x, with_bn_loss)
-          for i in range(k)]
+  outs = [
+    _one(
+      module,
+      jax.tree.map(lambda a, i=i: a[i], states.params),
+      jax.tree.map(lambda a, i=i: a[i], states.batch_stats),
+      x,
+      with_bn_loss,
+    )
+    for i in range(k)
+  ]
   return jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])
 
 
-def teacher_outputs(groups, x: jnp.ndarray, with_bn_loss: bool = False,
-                    strategy: str = 'auto') -> Tuple[jnp.ndarray, jnp.ndarray]:
+def teacher_outputs(
+  groups, x: jnp.ndarray, with_bn_loss: bool = False, strategy: str = 'auto'
+) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """All clients' logits [K, B, C] and BN losses [K] (groups concatenated in order)."""
   outs = [group_outputs(g, x, with_bn_loss, strategy) for g in _as_groups(groups)]
   if len(outs) == 1:
@@ -79,8 +90,9 @@ def teacher_outputs(groups, x: jnp.ndarray, with_bn_loss: bool = False,
   return (jnp.concatenate([o[0] for o in outs], 0), jnp.concatenate([o[1] for o in outs], 0))
 
 
-def combine_logits(per_client: jnp.ndarray, weights: Optional[jnp.ndarray] = None,
-                   normalize: bool = True) -> jnp.ndarray:
+def combine_logits(
+  per_client: jnp.ndarray, weights: Optional[jnp.ndarray] = None, normalize: bool = True
+) -> jnp.ndarray:
   """Combine per-client logits [K, B, C] into ensemble logits [B, C].
 
   weights None      → (1/K) Σ_k f_k                      (DENSE `Ensemble`, FedDF avg_logits)
@@ -107,9 +119,14 @@ def combine_logits(per_client: jnp.ndarray, weights: Optional[jnp.ndarray] = Non
   return out
 
 
-def ensemble_logits(groups, x: jnp.ndarray, weights: Optional[jnp.ndarray] = None,
-                    normalize: bool = True, return_per_client: bool = False,
-                    strategy: str = 'auto'):
+def ensemble_logits(
+  groups,
+  x: jnp.ndarray,
+  weights: Optional[jnp.ndarray] = None,
+  normalize: bool = True,
+  return_per_client: bool = False,
+  strategy: str = 'auto',
+):
   """Teacher-ensemble logits on x: one eval-mode call per architecture group.
 
   `groups`: a TeacherGroup / (module, stacked ModelState) or a list of them (heterogeneous).
@@ -121,12 +138,18 @@ def ensemble_logits(groups, x: jnp.ndarray, weights: Optional[jnp.ndarray] = Non
   return (out, per_client) if return_per_client else out
 
 
-def coboosting_weight_update(w: jnp.ndarray, w_orig: jnp.ndarray, grad: jnp.ndarray,
-                             mu: float = 0.01, wdc: float = 0.99, epoch: int = 0) -> jnp.ndarray:
+def coboosting_weight_update(
+  w: jnp.ndarray,
+  w_orig: jnp.ndarray,
+  grad: jnp.ndarray,
+  mu: float = 0.01,
+  wdc: float = 0.99,
+  epoch: int = 0,
+) -> jnp.ndarray:
   """Co-Boosting ensemble-weight step (reference-code §2.1), with
   grad = ∇_w CE(Σ w_k f_k / Σ w_k, y):
 
       w ← w − mu · wdc^epoch · sign(grad);   w ← clip(w_orig + clip(w − w_orig, −1, 1), 0, 1)
   """
-  w = w - mu * (wdc ** epoch) * jnp.sign(grad)
+  w = w - mu * (wdc**epoch) * jnp.sign(grad)
   return jnp.clip(w_orig + jnp.clip(w - w_orig, -1.0, 1.0), 0.0, 1.0)

@@ -16,6 +16,7 @@ biases 0, BN scale ~ N(1, 0.02), BN bias 0. `dense_generator_init` draws the sam
 a single random call (fast to compile) and is what synthesis / model stratification use; it is
 jittable and vmappable over keys (MS initialises m·c generators in one call).
 """
+
 import functools
 import math
 from typing import Sequence
@@ -27,13 +28,14 @@ import jax.numpy as jnp
 
 from jfed.engine.state import ModelState
 
-GEN_BN_MOMENTUM = 0.9   # PyTorch momentum 0.1
+GEN_BN_MOMENTUM = 0.9  # PyTorch momentum 0.1
 GEN_BN_EPSILON = 1e-5
 
 
 def _normal(stddev: float, mean: float = 0.0):
   def init(key, shape, dtype=jnp.float32):
     return mean + stddev * jax.random.normal(key, shape, dtype)
+
   return init
 
 
@@ -44,14 +46,20 @@ def upsample_nearest_2x(x: jnp.ndarray) -> jnp.ndarray:
 
 class DenseGenerator(nn.Module):
   """DENSE generator producing images of shape `img_shape` = (H, W, C) in [0, 1]."""
+
   img_shape: Sequence[int]
   nz: int = 256
   ngf: int = 64
 
   def _bn(self, train: bool, name: str):
-    return nn.BatchNorm(use_running_average=not train, momentum=GEN_BN_MOMENTUM,
-                        epsilon=GEN_BN_EPSILON, scale_init=_normal(0.02, 1.0),
-                        bias_init=nn.initializers.zeros, name=name)
+    return nn.BatchNorm(
+      use_running_average=not train,
+      momentum=GEN_BN_MOMENTUM,
+      epsilon=GEN_BN_EPSILON,
+      scale_init=_normal(0.02, 1.0),
+      bias_init=nn.initializers.zeros,
+      name=name,
+    )
 
   @nn.compact
   def __call__(self, z: jnp.ndarray, train: bool = True) -> jnp.ndarray:
@@ -66,14 +74,14 @@ class DenseGenerator(nn.Module):
     x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
     x = self._bn(train, 'bn0')(x)
     x = upsample_nearest_2x(x)
-    x = nn.Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit,
-                name='conv1')(x)
+    x = nn.Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv1')(x)
     x = nn.leaky_relu(self._bn(train, 'bn1')(x), 0.2)
     x = upsample_nearest_2x(x)
     x = nn.Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
     x = nn.leaky_relu(self._bn(train, 'bn2')(x), 0.2)
-    x = nn.Conv(c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit,
-                name='conv3')(x)
+    x = nn.Conv(
+      c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit, name='conv3'
+    )(x)
     return nn.sigmoid(x)
 
 
@@ -88,8 +96,7 @@ def _variable_shapes(generator: DenseGenerator):
   return jax.eval_shape(functools.partial(generator.init, train=False), jax.random.PRNGKey(0), z)
 
 
-def dense_generator_init(key: jax.Array, generator: DenseGenerator,
-                         noise_batch: int = 0):
+def dense_generator_init(key: jax.Array, generator: DenseGenerator, noise_batch: int = 0):
   """DENSE `reset_model`: fresh generator variables — kernels ~ N(0, 0.02), biases 0,
   BN scale ~ N(1, 0.02), BN bias 0, running mean 0 / var 1. Jittable and vmappable over `key`.
 
@@ -109,15 +116,19 @@ def dense_generator_init(key: jax.Array, generator: DenseGenerator,
     shape = flat[k].shape
     if k[-1] in ('kernel', 'scale'):
       n = math.prod(shape)
-      v = draw[off:off + n].reshape(shape) * 0.02
+      v = draw[off : off + n].reshape(shape) * 0.02
       off += n
       params[k] = v + 1.0 if k[-1] == 'scale' else v
     else:
       params[k] = jnp.zeros(shape, jnp.float32)
-  bs = {k: (jnp.ones if k[-1] == 'var' else jnp.zeros)(v.shape, jnp.float32) for k, v in
-        flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes['batch_stats'])).items()}
-  state = ModelState(params=flax.traverse_util.unflatten_dict(params),
-                     batch_stats=flax.traverse_util.unflatten_dict(bs))
+  bs = {
+    k: (jnp.ones if k[-1] == 'var' else jnp.zeros)(v.shape, jnp.float32)
+    for k, v in flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes['batch_stats'])).items()
+  }
+  state = ModelState(
+    params=flax.traverse_util.unflatten_dict(params),
+    batch_stats=flax.traverse_util.unflatten_dict(bs),
+  )
   if noise_batch:
     return state, draw[off:].reshape(noise_batch, generator.nz)
   return state

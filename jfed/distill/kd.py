@@ -6,6 +6,7 @@ the teachers' combined logits, the student loss (`KDConfig`) and one optimiser s
 (`jfed.engine.optim`, with the learning rate set by the caller for this step). It is jitted at
 module level, so one process compiles it once per (settings, architectures, shapes).
 """
+
 import functools
 from typing import Any, List, NamedTuple, Sequence
 
@@ -38,6 +39,7 @@ class KDConfig(NamedTuple):
                    (RandomCrop(pad) + HFlip).
   ods_eta:         Co-Boosting ODS: x ← x + eta · sign(∇_x Σ r ⊙ softmax(t(x)/ods_T)), r ~ U(−1, 1).
   """
+
   loss: str = 'kl'
   T: float = 1.0
   t_squared: bool = False
@@ -107,8 +109,20 @@ def _kd_view(kcfg: KDConfig, key, x):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def kd_step(kcfg: KDConfig, spec: OptimizerSpec, teacher_modules, student_module,
-            ts: TrainState, teacher_states, agg, pool, idx, mask, key, lr):
+def kd_step(
+  kcfg: KDConfig,
+  spec: OptimizerSpec,
+  teacher_modules,
+  student_module,
+  ts: TrainState,
+  teacher_states,
+  agg,
+  pool,
+  idx,
+  mask,
+  key,
+  lr,
+):
   """One student step on pool[idx] (mask: real samples) with learning rate `lr`.
 
   Returns:
@@ -118,23 +132,32 @@ def kd_step(kcfg: KDConfig, spec: OptimizerSpec, teacher_modules, student_module
   k_aug, k_ods = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
   x = _kd_view(kcfg, k_aug, x)
   if kcfg.ods_eta > 0:
-    r = jax.random.uniform(k_ods, (x.shape[0], student_module.num_classes), minval=-1.0,
-                           maxval=1.0)
-    score = lambda xx: jnp.sum(r * jax.nn.softmax(
-        teacher_logits(kcfg, teacher_modules, teacher_states, xx, y, agg) / kcfg.ods_T))
+    r = jax.random.uniform(k_ods, (x.shape[0], student_module.num_classes), minval=-1.0, maxval=1.0)
+    score = lambda xx: jnp.sum(
+      r
+      * jax.nn.softmax(
+        teacher_logits(kcfg, teacher_modules, teacher_states, xx, y, agg) / kcfg.ods_T
+      )
+    )
     x = jax.lax.stop_gradient(x + kcfg.ods_eta * jnp.sign(jax.grad(score)(x)))
   t = jax.lax.stop_gradient(teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg))
   w = mask.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(w), 1.0)
 
   def objective(params):
-    s, upd = student_module.apply({'params': params, 'batch_stats': ts.model.batch_stats}, x,
-                                  train=True, mask=mask, mutable=['batch_stats'])
+    s, upd = student_module.apply(
+      {'params': params, 'batch_stats': ts.model.batch_stats},
+      x,
+      train=True,
+      mask=mask,
+      mutable=['batch_stats'],
+    )
     loss = jnp.sum(per_sample_loss(kcfg, s, t) * w) / count
     return loss, upd.get('batch_stats', ts.model.batch_stats)
 
   (loss, new_bs), grads = jax.value_and_grad(objective, has_aux=True)(ts.model.params)
   opt_state = set_learning_rate(ts.opt_state, lr)
   updates, opt_state = student_optimizer(spec).update(grads, opt_state, ts.model.params)
-  return TrainState(ModelState(optax.apply_updates(ts.model.params, updates), new_bs),
-                    opt_state), loss
+  return TrainState(
+    ModelState(optax.apply_updates(ts.model.params, updates), new_bs), opt_state
+  ), loss

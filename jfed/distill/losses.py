@@ -5,6 +5,7 @@ p = softmax(t/T), q = softmax(s/T). All functions are differentiable w.r.t. both
 that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses need gradients
 through the teacher, because the generator's input reaches the teacher).
 """
+
 from typing import Any, NamedTuple, Tuple
 
 import flax
@@ -14,8 +15,13 @@ import jax.numpy as jnp
 _REDUCTIONS = ('batchmean', 'mean', 'sum', 'none')
 
 
-def kl_divergence(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
-                  reduction: str = 'batchmean', t_squared: bool = False) -> jnp.ndarray:
+def kl_divergence(
+  student_logits: jnp.ndarray,
+  teacher_logits: jnp.ndarray,
+  T: float = 1.0,
+  reduction: str = 'batchmean',
+  t_squared: bool = False,
+) -> jnp.ndarray:
   """PyTorch `F.kl_div(log_softmax(s/T), softmax(t/T), reduction)` (× T² if `t_squared`).
 
   Element-wise  KL_elem[b, c] = p[b,c] · (log p[b,c] − log q[b,c]),
@@ -54,11 +60,12 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'me
   raise ValueError(f'reduction must be mean/sum/none, got {reduction!r}')
 
 
-def hard_sample_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray,
-                              hs: float = 1.0) -> jnp.ndarray:
+def hard_sample_cross_entropy(
+  logits: jnp.ndarray, labels: jnp.ndarray, hs: float = 1.0
+) -> jnp.ndarray:
   """Co-Boosting hard-sample synthesis loss (coboost.py):
 
-      L = mean_b ( (1 − p_y[b])^hs · CE_b ),   p_y[b] = softmax(logits)[b, y_b]  (p_y detached).
+  L = mean_b ( (1 − p_y[b])^hs · CE_b ),   p_y[b] = softmax(logits)[b, y_b]  (p_y detached).
   """
   logp = jax.nn.log_softmax(logits, axis=-1)
   logp_y = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
@@ -72,8 +79,13 @@ def disagreement_mask(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray) 
   return jax.lax.stop_gradient(m.astype(student_logits.dtype))
 
 
-def adversarial_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
-                     use_mask: bool = True, t_squared: bool = False) -> jnp.ndarray:
+def adversarial_loss(
+  student_logits: jnp.ndarray,
+  teacher_logits: jnp.ndarray,
+  T: float = 1.0,
+  use_mask: bool = True,
+  t_squared: bool = False,
+) -> jnp.ndarray:
   """Generator adversarial (model-discrepancy) loss:
 
       L_adv = − mean_b ( mask_b · Σ_c KL_elem[b, c] )    [× T² if t_squared]
@@ -92,6 +104,7 @@ def adversarial_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T
 # DeepInversion BN-statistics loss
 # ---------------------------------------------------------------------------------------------
 
+
 def _bn_pairs(bn_inputs: Any, batch_stats: Any):
   """Yield (mean_in, var_in, running_mean, running_var) for every sown BN input statistic."""
   flat_in = flax.traverse_util.flatten_dict(flax.core.unfreeze(bn_inputs))
@@ -108,8 +121,9 @@ def _bn_pairs(bn_inputs: Any, batch_stats: Any):
       yield mean_in, var_in, flat_bs[mkey], flat_bs[vkey]
 
 
-def bn_statistics_loss(bn_inputs: Any, batch_stats: Any,
-                       model_reduction: str = 'sum') -> jnp.ndarray:
+def bn_statistics_loss(
+  bn_inputs: Any, batch_stats: Any, model_reduction: str = 'sum'
+) -> jnp.ndarray:
   """DeepInversion / DENSE BN-statistics loss (helpers/utils.py:DeepInversionHook):
 
       L_bn = Σ_layers ( ||running_var_l − var_l(x)||₂ + ||running_mean_l − mean_l(x)||₂ )
@@ -124,8 +138,9 @@ def bn_statistics_loss(bn_inputs: Any, batch_stats: Any,
   """
   total = 0.0
   for mean_in, var_in, rmean, rvar in _bn_pairs(bn_inputs, batch_stats):
-    total = total + (jnp.linalg.norm(rvar - var_in, axis=-1)
-                     + jnp.linalg.norm(rmean - mean_in, axis=-1))
+    total = total + (
+      jnp.linalg.norm(rvar - var_in, axis=-1) + jnp.linalg.norm(rmean - mean_in, axis=-1)
+    )
   total = jnp.asarray(total, jnp.float32)
   if model_reduction == 'none':
     return total
@@ -136,19 +151,26 @@ def bn_statistics_loss(bn_inputs: Any, batch_stats: Any,
   raise ValueError(f'model_reduction must be sum/mean/none, got {model_reduction!r}')
 
 
-def apply_with_bn_loss(module, params: Any, batch_stats: Any, x: jnp.ndarray,
-                       **apply_kwargs) -> Tuple[jnp.ndarray, jnp.ndarray]:
+def apply_with_bn_loss(
+  module, params: Any, batch_stats: Any, x: jnp.ndarray, **apply_kwargs
+) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Eval-mode forward of one model that also returns its BN-statistics loss on `x`:
   `module.apply(..., train=False, mutable=['bn_inputs'])` → (logits, L_bn). A model without
   BatchNorm returns L_bn = 0."""
-  logits, col = module.apply({'params': params, 'batch_stats': batch_stats}, x, train=False,
-                             mutable=['bn_inputs'], **apply_kwargs)
+  logits, col = module.apply(
+    {'params': params, 'batch_stats': batch_stats},
+    x,
+    train=False,
+    mutable=['bn_inputs'],
+    **apply_kwargs,
+  )
   return logits, bn_statistics_loss(col.get('bn_inputs', {}), batch_stats)
 
 
 # ---------------------------------------------------------------------------------------------
 # FedHydra (seed 000 §3.3)
 # ---------------------------------------------------------------------------------------------
+
 
 class GeneratorLoss(NamedTuple):
   total: jnp.ndarray
@@ -157,10 +179,16 @@ class GeneratorLoss(NamedTuple):
   adv: jnp.ndarray
 
 
-def fedhydra_generator_loss(sa_logits: jnp.ndarray, labels: jnp.ndarray,
-                            global_logits: jnp.ndarray, bn_loss: jnp.ndarray,
-                            lambda1: float = 1.0, lambda2: float = 1.0, T: float = 1.0,
-                            adv_mask: bool = False) -> GeneratorLoss:
+def fedhydra_generator_loss(
+  sa_logits: jnp.ndarray,
+  labels: jnp.ndarray,
+  global_logits: jnp.ndarray,
+  bn_loss: jnp.ndarray,
+  lambda1: float = 1.0,
+  lambda2: float = 1.0,
+  T: float = 1.0,
+  adv_mask: bool = False,
+) -> GeneratorLoss:
   """FedHydra generator loss, Eq. 16:
 
       L_Gen = L_CE + λ1·L_BN + λ2·L_AD
@@ -179,9 +207,14 @@ def fedhydra_generator_loss(sa_logits: jnp.ndarray, labels: jnp.ndarray,
   return GeneratorLoss(total=ce + lambda1 * bn + lambda2 * adv, ce=ce, bn=bn, adv=adv)
 
 
-def fedhydra_global_loss(global_logits: jnp.ndarray, sa_logits: jnp.ndarray, beta: float = 1.0,
-                         T: float = 1.0, reduction: str = 'batchmean',
-                         t_squared: bool = False) -> jnp.ndarray:
+def fedhydra_global_loss(
+  global_logits: jnp.ndarray,
+  sa_logits: jnp.ndarray,
+  beta: float = 1.0,
+  T: float = 1.0,
+  reduction: str = 'batchmean',
+  t_squared: bool = False,
+) -> jnp.ndarray:
   """FedHydra global-model (distillation) loss, Eq. 19:
 
       L_Glo = L_KL + β·L_ĈE
@@ -198,9 +231,11 @@ def fedhydra_global_loss(global_logits: jnp.ndarray, sa_logits: jnp.ndarray, bet
   return kl + beta * cross_entropy(global_logits, hard)
 
 
-def kd_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0,
-            t_squared: bool = True) -> jnp.ndarray:
+def kd_loss(
+  student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0, t_squared: bool = True
+) -> jnp.ndarray:
   """DENSE `KLDiv(T)`: KL(softmax(t/T) ‖ softmax(s/T)) 'batchmean' × T² (teacher constant).
   FedDF: same with `t_squared=False`."""
-  return kl_divergence(student_logits, jax.lax.stop_gradient(teacher_logits), T, 'batchmean',
-                       t_squared)
+  return kl_divergence(
+    student_logits, jax.lax.stop_gradient(teacher_logits), T, 'batchmean', t_squared
+  )

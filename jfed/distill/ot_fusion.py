@@ -31,12 +31,14 @@ Limits (documented, not hidden):
   * BatchNorm: the BN that follows a layer (`FusionLayer(name, bn=...)`) has its scale, bias,
     running mean and running var transported with the layer's outputs (T_cᵀ v: an exact
     permutation for 'exact' with equal widths; a convex combination otherwise — for running
-    variances this ignores the between-neuron spread). BN parameters are not part of the ground metric.
+    variances this ignores the between-neuron spread). BN parameters are not part of the
+    ground metric.
   * last layer: its outputs are the classes, so by default (`skip_last_layer=True`, otfusion's
     `--skip-last-layer`) only its input side is aligned and the output side is not transported;
     `skip_last_layer=False` computes T for it like any other layer (otfusion's default).
   * parameters outside the listed layers / BNs are averaged without alignment.
 """
+
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import flax
@@ -49,26 +51,33 @@ from jfed.engine.state import ModelState
 
 
 class FusionLayer(NamedTuple):
-  name: str                  # '/'-separated path of the layer (holds 'kernel', optional 'bias')
-  bn: Optional[str] = None   # '/'-separated path of the BatchNorm normalising its outputs
+  name: str  # '/'-separated path of the layer (holds 'kernel', optional 'bias')
+  bn: Optional[str] = None  # '/'-separated path of the BatchNorm normalising its outputs
 
 
 # ---------------------------------------------------------------------------------------------
 # transport plans
 # ---------------------------------------------------------------------------------------------
 
+
 def ground_metric(x: np.ndarray, y: np.ndarray, squared: bool = False) -> np.ndarray:
   """M[a, b] = ||x_a − y_b||₂ (or its square)."""
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
-  d2 = (np.sum(x * x, 1)[:, None] + np.sum(y * y, 1)[None, :] - 2.0 * x @ y.T)
+  d2 = np.sum(x * x, 1)[:, None] + np.sum(y * y, 1)[None, :] - 2.0 * x @ y.T
   d2 = np.maximum(d2, 0.0)
   return d2 if squared else np.sqrt(d2)
 
 
-def transport_plan(cost: np.ndarray, method: str = 'exact', epsilon: float = 1e-2,
-                   a: Optional[np.ndarray] = None, b: Optional[np.ndarray] = None,
-                   threshold: float = 1e-6, max_iterations: int = 10000) -> np.ndarray:
+def transport_plan(
+  cost: np.ndarray,
+  method: str = 'exact',
+  epsilon: float = 1e-2,
+  a: Optional[np.ndarray] = None,
+  b: Optional[np.ndarray] = None,
+  threshold: float = 1e-6,
+  max_iterations: int = 10000,
+) -> np.ndarray:
   """OT plan T [n, m] between marginals a (default 1/n) and b (default 1/m) for `cost`."""
   cost = np.asarray(cost, np.float64)
   n, m = cost.shape
@@ -84,11 +93,12 @@ def transport_plan(cost: np.ndarray, method: str = 'exact', epsilon: float = 1e-
     # transport LP: min <C, T> s.t. T 1 = a, Tᵀ 1 = b, T ≥ 0
     a_eq = np.zeros((n + m, n * m))
     for i in range(n):
-      a_eq[i, i * m:(i + 1) * m] = 1.0
+      a_eq[i, i * m : (i + 1) * m] = 1.0
     for j in range(m):
       a_eq[n + j, j::m] = 1.0
-    res = scipy.optimize.linprog(cost.reshape(-1), A_eq=a_eq, b_eq=np.concatenate([a, b]),
-                                 bounds=(0, None), method='highs')
+    res = scipy.optimize.linprog(
+      cost.reshape(-1), A_eq=a_eq, b_eq=np.concatenate([a, b]), bounds=(0, None), method='highs'
+    )
     if not res.success:
       raise RuntimeError(f'exact OT failed: {res.message}')
     return res.x.reshape(n, m)
@@ -96,9 +106,11 @@ def transport_plan(cost: np.ndarray, method: str = 'exact', epsilon: float = 1e-
     from ott.geometry import geometry
     from ott.problems.linear import linear_problem
     from ott.solvers.linear import sinkhorn
+
     geom = geometry.Geometry(cost_matrix=jnp.asarray(cost, jnp.float32), epsilon=epsilon)
-    prob = linear_problem.LinearProblem(geom, a=jnp.asarray(a, jnp.float32),
-                                        b=jnp.asarray(b, jnp.float32))
+    prob = linear_problem.LinearProblem(
+      geom, a=jnp.asarray(a, jnp.float32), b=jnp.asarray(b, jnp.float32)
+    )
     out = sinkhorn.Sinkhorn(threshold=threshold, max_iterations=max_iterations)(prob)
     return np.asarray(out.matrix, np.float64)
   raise ValueError(f"method must be 'exact' or 'sinkhorn', got {method!r}")
@@ -108,20 +120,24 @@ def transport_plan(cost: np.ndarray, method: str = 'exact', epsilon: float = 1e-
 # fusion
 # ---------------------------------------------------------------------------------------------
 
+
 def _flat(tree) -> dict:
-  return {'/'.join(k): np.asarray(v) for k, v in
-          flax.traverse_util.flatten_dict(flax.core.unfreeze(tree)).items()}
+  return {
+    '/'.join(k): np.asarray(v)
+    for k, v in flax.traverse_util.flatten_dict(flax.core.unfreeze(tree)).items()
+  }
 
 
 def _unflat(flat: dict) -> Any:
-  return flax.traverse_util.unflatten_dict({tuple(k.split('/')): jnp.asarray(v)
-                                            for k, v in flat.items()})
+  return flax.traverse_util.unflatten_dict(
+    {tuple(k.split('/')): jnp.asarray(v) for k, v in flat.items()}
+  )
 
 
 def _to_rows(kernel: np.ndarray) -> np.ndarray:
-  if kernel.ndim == 2:                      # Dense [in, out]
+  if kernel.ndim == 2:  # Dense [in, out]
     return kernel.T[:, :, None]
-  if kernel.ndim == 4:                      # Conv [kh, kw, in, out]
+  if kernel.ndim == 4:  # Conv [kh, kw, in, out]
     kh, kw, cin, cout = kernel.shape
     return kernel.transpose(3, 2, 0, 1).reshape(cout, cin, kh * kw)
   raise ValueError(f'unsupported kernel rank {kernel.ndim}')
@@ -140,7 +156,7 @@ def _align_inputs(rows: np.ndarray, T_prev: np.ndarray) -> np.ndarray:
   n_i, n_r = T_prev.shape
   if cin == n_i:
     return np.einsum('oas,ab->obs', rows, T_prev)
-  if s == 1 and cin % n_i == 0:             # Dense after an NHWC flatten (channel fastest)
+  if s == 1 and cin % n_i == 0:  # Dense after an NHWC flatten (channel fastest)
     q = cin // n_i
     r = np.einsum('oqa,ab->oqb', rows[:, :, 0].reshape(out, q, n_i), T_prev)
     return r.reshape(out, q * n_r, 1)
@@ -148,8 +164,10 @@ def _align_inputs(rows: np.ndarray, T_prev: np.ndarray) -> np.ndarray:
 
 
 def _normalise_layers(layers) -> Sequence[FusionLayer]:
-  return [l if isinstance(l, FusionLayer) else FusionLayer(*l) if isinstance(l, tuple)
-          else FusionLayer(l) for l in layers]
+  return [
+    l if isinstance(l, FusionLayer) else FusionLayer(*l) if isinstance(l, tuple) else FusionLayer(l)
+    for l in layers
+  ]
 
 
 def _bn_keys(flat: dict, bn_path: Optional[str]):
@@ -158,10 +176,18 @@ def _bn_keys(flat: dict, bn_path: Optional[str]):
   return [k for k in flat if k == bn_path or k.startswith(bn_path + '/')]
 
 
-def align_to_anchor(params: Any, anchor_params: Any, layers, batch_stats: Any = None,
-                    method: str = 'exact', epsilon: float = 1e-2, skip_last_layer: bool = True,
-                    squared: bool = False, bias_in_cost: bool = True,
-                    return_plans: bool = False):
+def align_to_anchor(
+  params: Any,
+  anchor_params: Any,
+  layers,
+  batch_stats: Any = None,
+  method: str = 'exact',
+  epsilon: float = 1e-2,
+  skip_last_layer: bool = True,
+  squared: bool = False,
+  bias_in_cost: bool = True,
+  return_plans: bool = False,
+):
   """Align one model to the anchor (steps 1–4). Returns (params, batch_stats[, plans])."""
   layers = _normalise_layers(layers)
   p_i, p_r = _flat(params), _flat(anchor_params)
@@ -184,7 +210,7 @@ def align_to_anchor(params: Any, anchor_params: Any, layers, batch_stats: Any = 
         fi = np.concatenate([fi, p_i[bname].astype(np.float64)[:, None]], 1)
         fr = np.concatenate([fr, p_r[bname].astype(np.float64)[:, None]], 1)
       T = transport_plan(ground_metric(fi, fr, squared), method, epsilon)
-      Tc = T / np.maximum(T.sum(0, keepdims=True), 1e-300)   # columns sum to 1
+      Tc = T / np.maximum(T.sum(0, keepdims=True), 1e-300)  # columns sum to 1
     plans.append(Tc)
     new_rows = np.einsum('ab,a...->b...', Tc, aligned)
     p_i[kname] = _from_rows(new_rows, kern_r).astype(p_i[kname].dtype)
@@ -201,10 +227,19 @@ def align_to_anchor(params: Any, anchor_params: Any, layers, batch_stats: Any = 
   return out + (plans,) if return_plans else out
 
 
-def ot_fuse(params_list: Sequence[Any], layers, *, batch_stats_list: Optional[Sequence[Any]] = None,
-            anchor: int = 0, weights: Optional[Sequence[float]] = None, method: str = 'exact',
-            epsilon: float = 1e-2, skip_last_layer: bool = True, squared: bool = False,
-            bias_in_cost: bool = True) -> Tuple[Any, Any]:
+def ot_fuse(
+  params_list: Sequence[Any],
+  layers,
+  *,
+  batch_stats_list: Optional[Sequence[Any]] = None,
+  anchor: int = 0,
+  weights: Optional[Sequence[float]] = None,
+  method: str = 'exact',
+  epsilon: float = 1e-2,
+  skip_last_layer: bool = True,
+  squared: bool = False,
+  bias_in_cost: bool = True,
+) -> Tuple[Any, Any]:
   """Fuse m models of one architecture: align every model to `params_list[anchor]` and take the
   (weighted) average. `layers`: the fused layers in forward order, each a path string or a
   FusionLayer(name, bn). Returns (fused params, fused batch_stats or None); the fused model has the
@@ -218,15 +253,28 @@ def ot_fuse(params_list: Sequence[Any], layers, *, batch_stats_list: Optional[Se
       aligned_p.append(params_list[i])
       aligned_bs.append(bs)
       continue
-    p, b = align_to_anchor(params_list[i], params_list[anchor], layers, bs, method, epsilon,
-                           skip_last_layer, squared, bias_in_cost)
+    p, b = align_to_anchor(
+      params_list[i],
+      params_list[anchor],
+      layers,
+      bs,
+      method,
+      epsilon,
+      skip_last_layer,
+      squared,
+      bias_in_cost,
+    )
     aligned_p.append(p)
     aligned_bs.append(b)
 
   def avg(trees):
-    return jax.tree.map(lambda *xs: sum(float(wi) * jnp.asarray(x, jnp.float32)
-                                        for wi, x in zip(w, xs)).astype(jnp.asarray(xs[0]).dtype),
-                        *trees)
+    return jax.tree.map(
+      lambda *xs: sum(float(wi) * jnp.asarray(x, jnp.float32) for wi, x in zip(w, xs)).astype(
+        jnp.asarray(xs[0]).dtype
+      ),
+      *trees,
+    )
+
   fused_p = avg(aligned_p)
   fused_bs = avg(aligned_bs) if batch_stats_list is not None else None
   return fused_p, fused_bs

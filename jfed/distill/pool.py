@@ -11,6 +11,7 @@ plus a counter, so adding a batch is a jittable scatter and the pool can live on
 `quantize=True` stores `floor(clip(x, 0, 1) · 255)` as uint8 (DENSE's `(imgs.clamp(0,1)*255)
 .astype('uint8')` before `Image.save`), and reads back /255.
 """
+
 from typing import NamedTuple, Sequence, Tuple
 
 import jax
@@ -19,9 +20,9 @@ import numpy as np
 
 
 class ImagePool(NamedTuple):
-  images: jnp.ndarray   # [capacity, H, W, C] float32, or uint8 when quantised
-  labels: jnp.ndarray   # [capacity] int32 (generator target labels; -1 where never written)
-  count: jnp.ndarray    # int32 scalar: images ever added (size = min(count, capacity))
+  images: jnp.ndarray  # [capacity, H, W, C] float32, or uint8 when quantised
+  labels: jnp.ndarray  # [capacity] int32 (generator target labels; -1 where never written)
+  count: jnp.ndarray  # int32 scalar: images ever added (size = min(count, capacity))
 
   @property
   def capacity(self) -> int:
@@ -34,9 +35,11 @@ class ImagePool(NamedTuple):
 
 def pool_init(capacity: int, image_shape: Sequence[int], quantize: bool = False) -> ImagePool:
   dtype = jnp.uint8 if quantize else jnp.float32
-  return ImagePool(images=jnp.zeros((capacity, *image_shape), dtype),
-                   labels=jnp.full((capacity,), -1, jnp.int32),
-                   count=jnp.zeros((), jnp.int32))
+  return ImagePool(
+    images=jnp.zeros((capacity, *image_shape), dtype),
+    labels=jnp.full((capacity,), -1, jnp.int32),
+    count=jnp.zeros((), jnp.int32),
+  )
 
 
 def quantize_uint8(x: jnp.ndarray) -> jnp.ndarray:
@@ -54,9 +57,11 @@ def pool_add(pool: ImagePool, images: jnp.ndarray, labels=None) -> ImagePool:
   imgs = quantize_uint8(images) if pool.quantized else images.astype(pool.images.dtype)
   if labels is None:
     labels = jnp.full((n,), -1, jnp.int32)
-  return ImagePool(images=pool.images.at[idx].set(imgs),
-                   labels=pool.labels.at[idx].set(jnp.asarray(labels, jnp.int32)),
-                   count=pool.count + n)
+  return ImagePool(
+    images=pool.images.at[idx].set(imgs),
+    labels=pool.labels.at[idx].set(jnp.asarray(labels, jnp.int32)),
+    count=pool.count + n,
+  )
 
 
 def pool_size(pool: ImagePool) -> jnp.ndarray:
@@ -82,21 +87,25 @@ def epoch_batches(pool: ImagePool, seed_or_rng, batch_size: int, drop_last: bool
   [num_batches, batch_size] and mask [num_batches, batch_size] (False = padding in the last batch),
   so a jitted scan / loop over batches keeps one shape."""
   n = int(pool_size(pool))
-  rng = (seed_or_rng if isinstance(seed_or_rng, np.random.Generator)
-         else np.random.default_rng(seed_or_rng))
+  rng = (
+    seed_or_rng
+    if isinstance(seed_or_rng, np.random.Generator)
+    else np.random.default_rng(seed_or_rng)
+  )
   perm = rng.permutation(n)
   nb = n // batch_size if drop_last else -(-n // batch_size)
   idx = np.zeros((nb * batch_size,), np.int32)
   mask = np.zeros((nb * batch_size,), bool)
-  take = perm[:nb * batch_size]
-  idx[:len(take)] = take
-  mask[:len(take)] = True
+  take = perm[: nb * batch_size]
+  idx[: len(take)] = take
+  mask[: len(take)] = True
   return idx.reshape(nb, batch_size), mask.reshape(nb, batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
 # Augmentation (kornia RandomCrop(size, padding) + RandomHorizontalFlip, torchvision equivalents)
 # ---------------------------------------------------------------------------------------------
+
 
 def _crop(x: jnp.ndarray, oy: jnp.ndarray, ox: jnp.ndarray, padding: int) -> jnp.ndarray:
   b, h, w, c = x.shape
@@ -118,8 +127,9 @@ def random_hflip(key: jax.Array, x: jnp.ndarray, p: float = 0.5) -> jnp.ndarray:
   return jnp.where(flip[:, None, None, None], x[:, :, ::-1, :], x)
 
 
-def augment(key: jax.Array, x: jnp.ndarray, crop_padding: int = 4,
-            flip: bool = True) -> jnp.ndarray:
+def augment(
+  key: jax.Array, x: jnp.ndarray, crop_padding: int = 4, flip: bool = True
+) -> jnp.ndarray:
   """DENSE's synthesis view: RandomCrop(pad, zero fill) then RandomHorizontalFlip(0.5), per
   sample. One uniform draw supplies both crop offsets and the flip (each threefry call costs
   ~0.4 s of XLA:CPU compile time)."""

@@ -22,24 +22,26 @@ steps. With more than one device the N axis is sharded over a `Mesh(devices, ('c
 `NamedSharding(mesh, P('clients'))` (padded to a multiple of the device count).
 `model_stratification_loop` runs the same jitted single-run function one (k, j) at a time.
 """
+
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jfed.distill.ensemble import _as_groups
 from jfed.distill.generator import DenseGenerator, dense_generator_init
 from jfed.distill.losses import cross_entropy
 from jfed.distill.pool import augment as augment_images
 
-
 # ---------------------------------------------------------------------------------------------
 # U, U_r, U_c
 # ---------------------------------------------------------------------------------------------
+
 
 def variation_degree(losses: jnp.ndarray, min_clip: float = 1e-12) -> jnp.ndarray:
   """Eq. 2 over the last axis (the T_G recorded losses): u = (max L − min L) / min L.
@@ -68,11 +70,11 @@ def normalise_U(U: jnp.ndarray) -> Tuple[jnp.ndarray, jnp.ndarray]:
 
 
 class StratificationResult(NamedTuple):
-  losses: Any   # [m, c, T_G] ℓ^t_{k,j}
-  u: Any        # [m, c] u_{k,j} (Eq. 2), client-major
-  U: Any        # [c, m] Eq. 3
-  U_r: Any      # [c, m] Eq. 5
-  U_c: Any      # [c, m] Eq. 7
+  losses: Any  # [m, c, T_G] ℓ^t_{k,j}
+  u: Any  # [m, c] u_{k,j} (Eq. 2), client-major
+  U: Any  # [c, m] Eq. 3
+  U_r: Any  # [c, m] Eq. 5
+  U_c: Any  # [c, m] Eq. 7
 
 
 def stratification_from_losses(losses) -> StratificationResult:
@@ -87,19 +89,26 @@ def stratification_from_losses(losses) -> StratificationResult:
 # SA
 # ---------------------------------------------------------------------------------------------
 
-def stratified_weights(U_r: jnp.ndarray, U_c: jnp.ndarray, labels: jnp.ndarray,
-                       in_model: bool = True) -> jnp.ndarray:
+
+def stratified_weights(
+  U_r: jnp.ndarray, U_c: jnp.ndarray, labels: jnp.ndarray, in_model: bool = True
+) -> jnp.ndarray:
   """Per-(sample, client, class) weights W[i, k, j] = U_r[y_i, k] · U_c[j, k]  ([B, K, C]);
   `in_model=False` drops the U_c factor (W[i, k, j] = U_r[y_i, k], inter-model weighting only).
   `ensemble.combine_logits(per_client, W, normalize=False)` then equals `stratified_aggregation`."""
-  V = U_r[labels]                                   # [B, K]      Eq. 10
+  V = U_r[labels]  # [B, K]      Eq. 10
   if not in_model:
     return jnp.broadcast_to(V[:, :, None], V.shape + (U_c.shape[0],))
-  return V[:, :, None] * jnp.transpose(U_c)[None]   # [B, K, C]
+  return V[:, :, None] * jnp.transpose(U_c)[None]  # [B, K, C]
 
 
-def stratified_aggregation(per_client_logits: jnp.ndarray, U_r: jnp.ndarray, U_c: jnp.ndarray,
-                           labels: jnp.ndarray, in_model: bool = True) -> jnp.ndarray:
+def stratified_aggregation(
+  per_client_logits: jnp.ndarray,
+  U_r: jnp.ndarray,
+  U_c: jnp.ndarray,
+  labels: jnp.ndarray,
+  in_model: bool = True,
+) -> jnp.ndarray:
   """SA logits (Algorithm 3, Eqs. 8–11), vectorised over samples and clients:
 
       P[i, j] = Σ_k U_r[y_i, k] · U_c[j, k] · P_k[i, j]
@@ -108,12 +117,12 @@ def stratified_aggregation(per_client_logits: jnp.ndarray, U_r: jnp.ndarray, U_c
   target labels during synthesis, or stored / predicted labels (e.g. argmax of the average
   ensemble) when no target label exists. `in_model=False` skips Eq. 8 (U_c) for ablations.
   """
-  V = U_r[labels]                                             # [B, K]   Eq. 10
+  V = U_r[labels]  # [B, K]   Eq. 10
   if in_model:
     hat = per_client_logits * jnp.transpose(U_c)[:, None, :]  # [K, B, C] Eq. 8
   else:
     hat = per_client_logits
-  return jnp.einsum('bk,kbc->bc', V, hat)                     # Eq. 11
+  return jnp.einsum('bk,kbc->bc', V, hat)  # Eq. 11
 
 
 def average_ensemble(per_client_logits: jnp.ndarray) -> jnp.ndarray:
@@ -125,36 +134,41 @@ def average_ensemble(per_client_logits: jnp.ndarray) -> jnp.ndarray:
 # MS
 # ---------------------------------------------------------------------------------------------
 
+
 class MSConfig(NamedTuple):
   """Static settings of one MS generator run (Algorithm 2, lines 6–14)."""
-  T_G: int = 30                 # generator iterations (paper: T_G = 30)
-  lr: float = 1e-3              # η_G (paper: Adam, 0.001)
-  b1: float = 0.5               # Adam betas of DENSE / FL-SA generators
+
+  T_G: int = 30  # generator iterations (paper: T_G = 30)
+  lr: float = 1e-3  # η_G (paper: Adam, 0.001)
+  b1: float = 0.5  # Adam betas of DENSE / FL-SA generators
   b2: float = 0.999
-  batch_size: int = 256         # b (not stated in the paper; DENSE synthesis batch 256)
-  optimize_z: bool = False      # Algorithm 2 updates θ_G only (FL-SA: z has no requires_grad)
-  augment: bool = False         # FL-SA's interview feeds aug(G(z)); the paper feeds G(z)
+  batch_size: int = 256  # b (not stated in the paper; DENSE synthesis batch 256)
+  optimize_z: bool = False  # Algorithm 2 updates θ_G only (FL-SA: z has no requires_grad)
+  augment: bool = False  # FL-SA's interview feeds aug(G(z)); the paper feeds G(z)
   crop_padding: int = 4
   flip: bool = True
 
 
-def _ms_run_init(generator: DenseGenerator, init_fn: Optional[Callable], cfg: MSConfig,
-                 key: jax.Array):
+def _ms_run_init(
+  generator: DenseGenerator, init_fn: Optional[Callable], cfg: MSConfig, key: jax.Array
+):
   """A (k, j) run's fresh G, z, Adam state and per-step augmentation keys."""
-  if init_fn is None:   # one random draw for G and z (compile time, see dense_generator_init)
+  if init_fn is None:  # one random draw for G and z (compile time, see dense_generator_init)
     g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
   else:
     g = init_fn(key)
     z = jax.random.normal(jax.random.fold_in(key, 2), (cfg.batch_size, generator.nz))
   opt_vars = (g.params, z) if cfg.optimize_z else g.params
   tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
-  step_keys = (jax.random.split(jax.random.fold_in(key, 1), cfg.T_G) if cfg.augment
-               else jnp.zeros((cfg.T_G,)))
+  step_keys = (
+    jax.random.split(jax.random.fold_in(key, 1), cfg.T_G) if cfg.augment else jnp.zeros((cfg.T_G,))
+  )
   return (opt_vars, g.batch_stats, tx.init(opt_vars)), z, step_keys
 
 
-def _ms_step(teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z, teacher_vars,
-             label, k_aug):
+def _ms_step(
+  teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z, teacher_vars, label, k_aug
+):
   """One Adam step of G on CE(F_k(G(z)), label); returns (carry, the loss before the step)."""
   ov, gen_bs, opt_state = carry
   y = jnp.full((cfg.batch_size,), label, jnp.int32)
@@ -162,8 +176,9 @@ def _ms_step(teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z,
 
   def loss_fn(ov, gen_bs):
     gp, zz = ov if cfg.optimize_z else (ov, z)
-    x, upd = generator.apply({'params': gp, 'batch_stats': gen_bs}, zz, train=True,
-                             mutable=['batch_stats'])
+    x, upd = generator.apply(
+      {'params': gp, 'batch_stats': gen_bs}, zz, train=True, mutable=['batch_stats']
+    )
     if cfg.augment:
       x = augment_images(k_aug, x, cfg.crop_padding, cfg.flip)
     logits = teacher_module.apply(teacher_vars, x, train=False)
@@ -174,8 +189,16 @@ def _ms_step(teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z,
   return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
 
 
-def _ms_single_run(teacher_module, generator: DenseGenerator, init_fn: Callable, cfg: MSConfig,
-                   t_params, t_batch_stats, key: jax.Array, label: jnp.ndarray) -> jnp.ndarray:
+def _ms_single_run(
+  teacher_module,
+  generator: DenseGenerator,
+  init_fn: Callable,
+  cfg: MSConfig,
+  t_params,
+  t_batch_stats,
+  key: jax.Array,
+  label: jnp.ndarray,
+) -> jnp.ndarray:
   """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
   (each evaluated before its step, Eq. 1)."""
   carry, z, step_keys = _ms_run_init(generator, init_fn, cfg, key)
@@ -191,13 +214,15 @@ def _ms_single_run_jit(teacher_module, generator, init_fn, cfg, t_params, t_bs, 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _ms_batched(teacher_module, generator, init_fn, cfg, chunk_size, t_states, keys, labels,
-                clients):
+def _ms_batched(
+  teacher_module, generator, init_fn, cfg, chunk_size, t_states, keys, labels, clients
+):
   def run(args):
     key, label, k = args
     p = jax.tree.map(lambda a: a[k], t_states.params)
     bs = jax.tree.map(lambda a: a[k], t_states.batch_stats)
     return _ms_single_run(teacher_module, generator, init_fn, cfg, p, bs, key, label)
+
   if chunk_size:
     return jax.lax.map(run, (keys, labels, clients), batch_size=chunk_size)
   return jax.vmap(run)((keys, labels, clients))
@@ -216,12 +241,18 @@ def _prepare(generator, generator_init_fn, cfg, kw):
   return cfg, generator_init_fn  # None → dense_generator_init (hashable, no recompiles)
 
 
-def model_stratification(teacher_groups, generator: DenseGenerator, num_classes: int,
-                         key: jax.Array, cfg: Optional[MSConfig] = None, *,
-                         generator_init_fn: Optional[Callable] = None,
-                         chunk_size: Optional[int] = None,
-                         devices: Optional[Sequence[Any]] = None,
-                         **cfg_overrides) -> StratificationResult:
+def model_stratification(
+  teacher_groups,
+  generator: DenseGenerator,
+  num_classes: int,
+  key: jax.Array,
+  cfg: Optional[MSConfig] = None,
+  *,
+  generator_init_fn: Optional[Callable] = None,
+  chunk_size: Optional[int] = None,
+  devices: Optional[Sequence[Any]] = None,
+  **cfg_overrides,
+) -> StratificationResult:
   """Algorithm 2 for all clients: m·c fresh-generator runs of T_G steps, batched.
 
   teacher_groups: TeacherGroup(module, stacked ModelState) or a list of them (heterogeneous; one
@@ -251,15 +282,15 @@ def model_stratification(teacher_groups, generator: DenseGenerator, num_classes:
       shard, repl = NamedSharding(mesh, P('clients')), NamedSharding(mesh, P())
       keys, labels, clients = (jax.device_put(a, shard) for a in (keys, labels, clients))
       states = jax.device_put(states, repl)
-    losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels,
-                         clients)
+    losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels, clients)
     all_losses.append(np.asarray(losses)[:n].reshape(m, num_classes, cfg.T_G))
     offset += m
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
-def _run_by_run(teacher_groups, num_classes: int, key: jax.Array, T_G: int,
-                run: Callable) -> StratificationResult:
+def _run_by_run(
+  teacher_groups, num_classes: int, key: jax.Array, T_G: int, run: Callable
+) -> StratificationResult:
   """Algorithm 2 one (k, j) run at a time: `run(module, teacher_vars, run_key, j)` returns the
   run's T_G losses; keys as in the batched form."""
   all_losses, offset = [], 0
@@ -268,8 +299,10 @@ def _run_by_run(teacher_groups, num_classes: int, key: jax.Array, T_G: int,
     keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
     out = np.zeros((m, num_classes, T_G), np.float32)
     for k in range(m):
-      teacher_vars = {'params': jax.tree.map(lambda a: a[k], states.params),
-                      'batch_stats': jax.tree.map(lambda a: a[k], states.batch_stats)}
+      teacher_vars = {
+        'params': jax.tree.map(lambda a: a[k], states.params),
+        'batch_stats': jax.tree.map(lambda a: a[k], states.batch_stats),
+      }
       for j in range(num_classes):
         out[k, j] = np.asarray(run(module, teacher_vars, keys[k, j], jnp.int32(j)))
     all_losses.append(out)
@@ -277,18 +310,33 @@ def _run_by_run(teacher_groups, num_classes: int, key: jax.Array, T_G: int,
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
-def model_stratification_loop(teacher_groups, generator: DenseGenerator, num_classes: int,
-                              key: jax.Array, cfg: Optional[MSConfig] = None, *,
-                              generator_init_fn: Optional[Callable] = None,
-                              **cfg_overrides) -> StratificationResult:
+def model_stratification_loop(
+  teacher_groups,
+  generator: DenseGenerator,
+  num_classes: int,
+  key: jax.Array,
+  cfg: Optional[MSConfig] = None,
+  *,
+  generator_init_fn: Optional[Callable] = None,
+  **cfg_overrides,
+) -> StratificationResult:
   """Same as `model_stratification`, one (k, j) run at a time: a Python loop over the same
   jitted single-run program (the reference code's structure; for equivalence tests and
   benchmarks)."""
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
 
   def run(module, teacher_vars, run_key, label):
-    return _ms_single_run_jit(module, generator, init_fn, cfg, teacher_vars['params'],
-                              teacher_vars['batch_stats'], run_key, label)
+    return _ms_single_run_jit(
+      module,
+      generator,
+      init_fn,
+      cfg,
+      teacher_vars['params'],
+      teacher_vars['batch_stats'],
+      run_key,
+      label,
+    )
+
   return _run_by_run(teacher_groups, num_classes, key, cfg.T_G, run)
 
 
@@ -300,10 +348,16 @@ _ms_run_init_jit = jax.jit(_ms_run_init, static_argnums=(0, 1, 2))
 _ms_step_jit = jax.jit(_ms_step, static_argnums=(0, 1, 2))
 
 
-def model_stratification_python(teacher_groups, generator: DenseGenerator, num_classes: int,
-                                key: jax.Array, cfg: Optional[MSConfig] = None, *,
-                                generator_init_fn: Optional[Callable] = None,
-                                **cfg_overrides) -> StratificationResult:
+def model_stratification_python(
+  teacher_groups,
+  generator: DenseGenerator,
+  num_classes: int,
+  key: jax.Array,
+  cfg: Optional[MSConfig] = None,
+  *,
+  generator_init_fn: Optional[Callable] = None,
+  **cfg_overrides,
+) -> StratificationResult:
   """Same as `model_stratification`, run by run, each run a Python loop of T_G jitted steps
   (the fastest form on CPU: experiments/bench/model_stratification.py)."""
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
@@ -312,10 +366,12 @@ def model_stratification_python(teacher_groups, generator: DenseGenerator, num_c
     carry, z, step_keys = _ms_run_init_jit(generator, init_fn, cfg, run_key)
     losses = []
     for t in range(cfg.T_G):
-      carry, loss = _ms_step_jit(module, generator, cfg, carry, z, teacher_vars, label,
-                                 step_keys[t])
+      carry, loss = _ms_step_jit(
+        module, generator, cfg, carry, z, teacher_vars, label, step_keys[t]
+      )
       losses.append(loss)
     return jnp.stack(losses)
+
   return _run_by_run(teacher_groups, num_classes, key, cfg.T_G, run)
 
 
@@ -323,8 +379,11 @@ def model_stratification_python(teacher_groups, generator: DenseGenerator, num_c
 # which form
 # ---------------------------------------------------------------------------------------------
 MS_IMPLS = ('auto', 'batched', 'loop', 'python')
-MS_FUNCTIONS = {'batched': model_stratification, 'loop': model_stratification_loop,
-                'python': model_stratification_python}
+MS_FUNCTIONS = {
+  'batched': model_stratification,
+  'loop': model_stratification_loop,
+  'python': model_stratification_python,
+}
 
 
 def resolve_ms_impl(impl: str, backend: Optional[str] = None) -> str:

@@ -20,6 +20,7 @@ Two drivers with identical numbers: `loop='scan'` (one jitted program, `lax.scan
 fast form on accelerators) and `loop='python'` (a jitted step in a Python loop; XLA:CPU runs
 convolutions inside scan slowly, docs/design.md). 'auto' picks 'python' on CPU.
 """
+
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -41,16 +42,16 @@ class SynthesisConfig(NamedTuple):
   b1: float = 0.5
   b2: float = 0.999
   batch_size: int = 256
-  bn: float = 1.0                 # weight of L_bn (FedHydra λ1)
-  oh: float = 1.0                 # weight of L_oh
-  adv: float = 1.0                # weight of L_adv (FedHydra λ2)
-  oh_loss: str = 'ce'             # 'ce' | 'hard_sample'
-  hs: float = 1.0                 # hard-sample exponent
+  bn: float = 1.0  # weight of L_bn (FedHydra λ1)
+  oh: float = 1.0  # weight of L_oh
+  adv: float = 1.0  # weight of L_adv (FedHydra λ2)
+  oh_loss: str = 'ce'  # 'ce' | 'hard_sample'
+  hs: float = 1.0  # hard-sample exponent
   adv_T: float = 1.0
   adv_mask: bool = True
   adv_t_squared: bool = False
   bn_model_reduction: str = 'sum'  # 'sum' | 'mean'
-  aggregation: str = 'mean'        # 'mean' | 'weighted' | 'sa' | 'sa_inter' (SA without Eq. 8)
+  aggregation: str = 'mean'  # 'mean' | 'weighted' | 'sa' | 'sa_inter' (SA without Eq. 8)
   optimize_z: bool = True
   grad_clip: Optional[float] = None  # max generator-gradient norm (z's gradient not clipped)
   augment: bool = True
@@ -59,8 +60,8 @@ class SynthesisConfig(NamedTuple):
   sort_targets: bool = True
   input_mean: Optional[float] = None  # teachers/student see (x − mean) / std when set
   input_std: Optional[float] = None
-  strategy: str = 'auto'           # teacher client mapping (ensemble.resolve_strategy)
-  loop: str = 'auto'               # 'scan' | 'python' | 'auto'
+  strategy: str = 'auto'  # teacher client mapping (ensemble.resolve_strategy)
+  loop: str = 'auto'  # 'scan' | 'python' | 'auto'
 
 
 def dense_config(**kw) -> SynthesisConfig:
@@ -76,10 +77,22 @@ def coboosting_config(**kw) -> SynthesisConfig:
   """Co-Boosting: hard-sample CE (hs=1), adv T=3 ×T² without mask, bn=0 (default `--bn 0`; BN loss
   averaged over models when on), generator grad clip 10, g_steps 30, batch 128, random
   (unsorted) targets, per-model weighted teacher, inputs normalised with mean = std = 0.5."""
-  base = dict(g_steps=30, batch_size=128, bn=0.0, oh_loss='hard_sample', hs=1.0, adv_T=3.0,
-              adv_mask=False, adv_t_squared=True, bn_model_reduction='mean',
-              aggregation='weighted', grad_clip=10.0, sort_targets=False, input_mean=0.5,
-              input_std=0.5)
+  base = dict(
+    g_steps=30,
+    batch_size=128,
+    bn=0.0,
+    oh_loss='hard_sample',
+    hs=1.0,
+    adv_T=3.0,
+    adv_mask=False,
+    adv_t_squared=True,
+    bn_model_reduction='mean',
+    aggregation='weighted',
+    grad_clip=10.0,
+    sort_targets=False,
+    input_mean=0.5,
+    input_std=0.5,
+  )
   base.update(kw)
   return SynthesisConfig(**base)
 
@@ -88,25 +101,34 @@ def fedhydra_config(lambda1: float = 1.0, lambda2: float = 1.0, **kw) -> Synthes
   """FedHydra HASA data generation (Eq. 16): L = CE(SA, y) + λ1·L_BN (1/m Σ_k, Eq. 14) + λ2·L_AD
   (−KL(P, F_g), T=1, no mask: Eq. 15 states none); T_G = 30 iterations, Adam lr 1e-3 on θ_G only
   (Algorithm 1, line 19), un-augmented G(z) (the paper mentions no augmentation)."""
-  base = dict(g_steps=30, bn=lambda1, oh=1.0, adv=lambda2, adv_mask=False,
-              bn_model_reduction='mean', aggregation='sa', optimize_z=False, augment=False,
-              sort_targets=False)
+  base = dict(
+    g_steps=30,
+    bn=lambda1,
+    oh=1.0,
+    adv=lambda2,
+    adv_mask=False,
+    bn_model_reduction='mean',
+    aggregation='sa',
+    optimize_z=False,
+    augment=False,
+    sort_targets=False,
+  )
   base.update(kw)
   return SynthesisConfig(**base)
 
 
 class SAWeights(NamedTuple):
-  U_r: Any   # [c, m]
-  U_c: Any   # [c, m]
+  U_r: Any  # [c, m]
+  U_c: Any  # [c, m]
 
 
 class SynthesisResult(NamedTuple):
-  images: jnp.ndarray        # [B, H, W, C] best (lowest-loss) un-augmented G output
-  labels: jnp.ndarray        # [B] generator targets
-  best_loss: jnp.ndarray     # scalar
-  losses: jnp.ndarray        # [g_steps] total loss before each step
-  components: jnp.ndarray    # [g_steps, 3] (L_bn, L_oh, L_adv) before each step
-  generator: ModelState      # generator after the last step
+  images: jnp.ndarray  # [B, H, W, C] best (lowest-loss) un-augmented G output
+  labels: jnp.ndarray  # [B] generator targets
+  best_loss: jnp.ndarray  # scalar
+  losses: jnp.ndarray  # [g_steps] total loss before each step
+  components: jnp.ndarray  # [g_steps, 3] (L_bn, L_oh, L_adv) before each step
+  generator: ModelState  # generator after the last step
 
 
 class _Carry(NamedTuple):
@@ -117,8 +139,9 @@ class _Carry(NamedTuple):
   best_loss: jnp.ndarray
 
 
-def aggregate_teachers(cfg: SynthesisConfig, per_client: jnp.ndarray, labels: jnp.ndarray,
-                       agg: Any) -> jnp.ndarray:
+def aggregate_teachers(
+  cfg: SynthesisConfig, per_client: jnp.ndarray, labels: jnp.ndarray, agg: Any
+) -> jnp.ndarray:
   if cfg.aggregation == 'mean':
     return combine_logits(per_client)
   if cfg.aggregation == 'weighted':
@@ -143,10 +166,12 @@ def _init(generator, cfg, key, gen_state):
     z = jax.random.normal(k_init, (cfg.batch_size, generator.nz), jnp.float32)
   opt_vars = (g.params, z) if cfg.optimize_z else g.params
   best_x = jnp.zeros((cfg.batch_size, *generator.img_shape), jnp.float32)
-  carry = _Carry(opt_vars, g.batch_stats, _tx(cfg).init(opt_vars), best_x,
-                 jnp.asarray(jnp.inf, jnp.float32))
-  step_keys = (jax.random.split(k_aug, cfg.g_steps) if cfg.augment
-               else jnp.zeros((cfg.g_steps,), jnp.uint32))
+  carry = _Carry(
+    opt_vars, g.batch_stats, _tx(cfg).init(opt_vars), best_x, jnp.asarray(jnp.inf, jnp.float32)
+  )
+  step_keys = (
+    jax.random.split(k_aug, cfg.g_steps) if cfg.augment else jnp.zeros((cfg.g_steps,), jnp.uint32)
+  )
   return carry, z, k_y, step_keys
 
 
@@ -155,14 +180,26 @@ def _targets(cfg, k_y, num_classes):
   return jnp.sort(y) if cfg.sort_targets else y
 
 
-def _step(generator, teacher_modules, student_module, cfg, carry: _Carry, k_aug, z_fixed, targets,
-          teacher_states, student_state, agg):
+def _step(
+  generator,
+  teacher_modules,
+  student_module,
+  cfg,
+  carry: _Carry,
+  k_aug,
+  z_fixed,
+  targets,
+  teacher_states,
+  student_state,
+  agg,
+):
   strategy = cfg.strategy
 
   def loss_fn(ov, gen_bs):
     gp, z = ov if cfg.optimize_z else (ov, z_fixed)
-    x, upd = generator.apply({'params': gp, 'batch_stats': gen_bs}, z, train=True,
-                             mutable=['batch_stats'])
+    x, upd = generator.apply(
+      {'params': gp, 'batch_stats': gen_bs}, z, train=True, mutable=['batch_stats']
+    )
     xa = augment_images(k_aug, x, cfg.crop_padding, cfg.flip) if cfg.augment else x
     if cfg.input_mean is not None:
       xa = (xa - cfg.input_mean) / cfg.input_std
@@ -179,8 +216,9 @@ def _step(generator, teacher_modules, student_module, cfg, carry: _Carry, k_aug,
     else:
       l_oh = cross_entropy(t, targets)
     if cfg.adv > 0 and student_module is not None:
-      s = student_module.apply({'params': student_state.params,
-                                'batch_stats': student_state.batch_stats}, xa, train=False)
+      s = student_module.apply(
+        {'params': student_state.params, 'batch_stats': student_state.batch_stats}, xa, train=False
+      )
       l_adv = adversarial_loss(s, t, cfg.adv_T, cfg.adv_mask, cfg.adv_t_squared)
     else:
       l_adv = zero
@@ -188,14 +226,15 @@ def _step(generator, teacher_modules, student_module, cfg, carry: _Carry, k_aug,
     return total, (x, upd['batch_stats'], jnp.stack([l_bn, l_oh, l_adv]))
 
   (loss, (x, gen_bs, comps)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      carry.opt_vars, carry.gen_bs)
+    carry.opt_vars, carry.gen_bs
+  )
   better = loss < carry.best_loss
   best_x = jnp.where(better, x, carry.best_x)
   best_loss = jnp.where(better, loss, carry.best_loss)
   if cfg.grad_clip is not None:
     g_grads = grads[0] if cfg.optimize_z else grads
     norm = optax.global_norm(g_grads)
-    coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)   # torch clip_grad_norm_
+    coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)  # torch clip_grad_norm_
     g_grads = jax.tree.map(lambda g: g * coef, g_grads)
     grads = (g_grads, grads[1]) if cfg.optimize_z else g_grads
   updates, opt_state = _tx(cfg).update(grads, carry.opt_state, carry.opt_vars)
@@ -205,19 +244,41 @@ def _step(generator, teacher_modules, student_module, cfg, carry: _Carry, k_aug,
 
 def _finish(cfg, carry, z_fixed, targets, losses, comps):
   gp = carry.opt_vars[0] if cfg.optimize_z else carry.opt_vars
-  return SynthesisResult(carry.best_x, targets, carry.best_loss, losses, comps,
-                         ModelState(gp, carry.gen_bs))
+  return SynthesisResult(
+    carry.best_x, targets, carry.best_loss, losses, comps, ModelState(gp, carry.gen_bs)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _synthesize_scan(generator, teacher_modules, student_module, cfg, num_classes, key,
-                     teacher_states, student_state, agg, gen_state):
+def _synthesize_scan(
+  generator,
+  teacher_modules,
+  student_module,
+  cfg,
+  num_classes,
+  key,
+  teacher_states,
+  student_state,
+  agg,
+  gen_state,
+):
   carry, z, k_y, step_keys = _init(generator, cfg, key, gen_state)
   targets = _targets(cfg, k_y, num_classes)
 
   def body(c, k):
-    return _step(generator, teacher_modules, student_module, cfg, c, k, z, targets,
-                 teacher_states, student_state, agg)
+    return _step(
+      generator,
+      teacher_modules,
+      student_module,
+      cfg,
+      c,
+      k,
+      z,
+      targets,
+      teacher_states,
+      student_state,
+      agg,
+    )
 
   carry, (losses, comps) = jax.lax.scan(body, carry, step_keys)
   return _finish(cfg, carry, z, targets, losses, comps)
@@ -230,15 +291,45 @@ def _py_init(generator, cfg, num_classes, key, gen_state):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _py_step(generator, teacher_modules, student_module, cfg, carry, k_aug, z, targets,
-             teacher_states, student_state, agg):
-  return _step(generator, teacher_modules, student_module, cfg, carry, k_aug, z, targets,
-               teacher_states, student_state, agg)
+def _py_step(
+  generator,
+  teacher_modules,
+  student_module,
+  cfg,
+  carry,
+  k_aug,
+  z,
+  targets,
+  teacher_states,
+  student_state,
+  agg,
+):
+  return _step(
+    generator,
+    teacher_modules,
+    student_module,
+    cfg,
+    carry,
+    k_aug,
+    z,
+    targets,
+    teacher_states,
+    student_state,
+    agg,
+  )
 
 
-def synthesize(generator: DenseGenerator, teacher_groups, student_module, student_state,
-               num_classes: int, key: jax.Array, cfg: SynthesisConfig = SynthesisConfig(),
-               agg: Any = None, generator_state: Optional[ModelState] = None) -> SynthesisResult:
+def synthesize(
+  generator: DenseGenerator,
+  teacher_groups,
+  student_module,
+  student_state,
+  num_classes: int,
+  key: jax.Array,
+  cfg: SynthesisConfig = SynthesisConfig(),
+  agg: Any = None,
+  generator_state: Optional[ModelState] = None,
+) -> SynthesisResult:
   """One synthesis epoch. teacher_groups: TeacherGroup / (module, stacked ModelState) or a list;
   student_module/state: the model being distilled (None → no adversarial term). `agg`: per-model
   weights [K] for aggregation='weighted', SAWeights(U_r, U_c) for 'sa' / 'sa_inter'.
@@ -252,13 +343,34 @@ def synthesize(generator: DenseGenerator, teacher_groups, student_module, studen
   if loop == 'auto':
     loop = 'python' if jax.default_backend() == 'cpu' else 'scan'
   if loop == 'scan':
-    return _synthesize_scan(generator, modules, student_module, cfg, num_classes, key, states,
-                            student_state, agg, generator_state)
+    return _synthesize_scan(
+      generator,
+      modules,
+      student_module,
+      cfg,
+      num_classes,
+      key,
+      states,
+      student_state,
+      agg,
+      generator_state,
+    )
   carry, z, targets, step_keys = _py_init(generator, cfg, num_classes, key, generator_state)
   losses, comps = [], []
   for i in range(cfg.g_steps):
-    carry, (l, c) = _py_step(generator, modules, student_module, cfg, carry, step_keys[i], z,
-                             targets, states, student_state, agg)
+    carry, (l, c) = _py_step(
+      generator,
+      modules,
+      student_module,
+      cfg,
+      carry,
+      step_keys[i],
+      z,
+      targets,
+      states,
+      student_state,
+      agg,
+    )
     losses.append(l)
     comps.append(c)
   return _finish(cfg, carry, z, targets, jnp.stack(losses), jnp.stack(comps))

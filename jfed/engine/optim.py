@@ -15,6 +15,7 @@ optimiser's own step count. A caller whose epochs differ in length (a student di
 growing pool) builds with 'constant' and sets every step's rate itself:
 `set_learning_rate(opt_state, scheduled_lr(schedule, lr, step, total_steps, epoch, epochs))`.
 """
+
 import math
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ SCHEDULES = ('constant', 'cosine', 'cosine_epochs')
 
 class OptimizerSpec(NamedTuple):
   """A static (hashable) description of an optimiser: `make_optimizer`'s arguments."""
+
   name: str
   lr: float
   momentum: float = 0.0
@@ -42,8 +44,9 @@ def check_schedule(schedule: str) -> None:
     raise ValueError(f'Unknown lr schedule {schedule!r}; valid: {", ".join(SCHEDULES)}')
 
 
-def scheduled_lr(schedule: str, lr: float, step: int = 0, total_steps: int = 0, epoch: int = 0,
-                 epochs: int = 0) -> float:
+def scheduled_lr(
+  schedule: str, lr: float, step: int = 0, total_steps: int = 0, epoch: int = 0, epochs: int = 0
+) -> float:
   """The learning rate after `step` of `total_steps` steps, in epoch `epoch` (0-based) of
   `epochs`: 'constant', 'cosine' (per step) or 'cosine_epochs' (per epoch)."""
   check_schedule(schedule)
@@ -73,13 +76,22 @@ def _schedule_fn(schedule: str, lr: float, total_steps: int, epochs: int):
   def per_epoch(count):
     epoch = jnp.minimum(count * epochs // total_steps, epochs)
     return 0.5 * lr * (1.0 + jnp.cos(jnp.pi * epoch / epochs))
+
   return per_epoch
 
 
-def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, schedule: str = 'constant',
-                   total_steps: int = 0, grad_clip: float = 0.0, epochs: int = 0
-                   ) -> optax.GradientTransformation:
+def make_optimizer(
+  name: str,
+  lr: float,
+  momentum: float = 0.0,
+  weight_decay: float = 0.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  schedule: str = 'constant',
+  total_steps: int = 0,
+  grad_clip: float = 0.0,
+  epochs: int = 0,
+) -> optax.GradientTransformation:
   """torch.optim.SGD / Adam: the gradient norm clipped (clip_grad_norm_, when grad_clip > 0),
   weight decay added to the gradient, then momentum / Adam; lr per `schedule` (module doc)."""
   if name not in OPTIMIZERS:
@@ -96,32 +108,50 @@ def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: fl
     else:
       parts.append(optax.adam(learning_rate, b1=b1, b2=b2))
     return parts[0] if len(parts) == 1 else optax.chain(*parts)
+
   return optax.inject_hyperparams(build)(
-      learning_rate=_schedule_fn(schedule, lr, total_steps, epochs))
+    learning_rate=_schedule_fn(schedule, lr, total_steps, epochs)
+  )
 
 
-def build_optimizer(spec: OptimizerSpec, total_steps: int = 0, epochs: int = 0
-                    ) -> optax.GradientTransformation:
-  return make_optimizer(spec.name, spec.lr, momentum=spec.momentum,
-                        weight_decay=spec.weight_decay, b1=spec.b1, b2=spec.b2,
-                        schedule=spec.schedule, total_steps=total_steps,
-                        grad_clip=spec.grad_clip, epochs=epochs)
+def build_optimizer(
+  spec: OptimizerSpec, total_steps: int = 0, epochs: int = 0
+) -> optax.GradientTransformation:
+  return make_optimizer(
+    spec.name,
+    spec.lr,
+    momentum=spec.momentum,
+    weight_decay=spec.weight_decay,
+    b1=spec.b1,
+    b2=spec.b2,
+    schedule=spec.schedule,
+    total_steps=total_steps,
+    grad_clip=spec.grad_clip,
+    epochs=epochs,
+  )
 
 
 def set_learning_rate(opt_state: Any, lr) -> Any:
   """`opt_state` of a 'constant' optimiser with its learning rate replaced (jit-safe)."""
-  return opt_state._replace(hyperparams={**opt_state.hyperparams,
-                                         'learning_rate': jnp.asarray(lr, jnp.float32)})
+  return opt_state._replace(
+    hyperparams={**opt_state.hyperparams, 'learning_rate': jnp.asarray(lr, jnp.float32)}
+  )
 
 
 def learning_rate_of(opt_state: Any) -> Any:
   return opt_state.hyperparams['learning_rate']
 
 
-def optimizer_from_config(cfg, total_steps: int = 0, epochs: int = 0
-                          ) -> optax.GradientTransformation:
+def optimizer_from_config(
+  cfg, total_steps: int = 0, epochs: int = 0
+) -> optax.GradientTransformation:
   """The client optimiser of `config.optimizer` (name, lr, momentum, weight_decay, schedule)."""
-  return make_optimizer(cfg.name, cfg.lr, momentum=cfg.get('momentum', 0.0),
-                        weight_decay=cfg.get('weight_decay', 0.0),
-                        schedule=cfg.get('schedule', 'constant'), total_steps=total_steps,
-                        epochs=epochs)
+  return make_optimizer(
+    cfg.name,
+    cfg.lr,
+    momentum=cfg.get('momentum', 0.0),
+    weight_decay=cfg.get('weight_decay', 0.0),
+    schedule=cfg.get('schedule', 'constant'),
+    total_steps=total_steps,
+    epochs=epochs,
+  )

@@ -22,6 +22,7 @@ perturbation of the same image).
 
 Config (`config.coboosting`): the fields of `CoBoostingConfig`.
 """
+
 import functools
 from typing import NamedTuple
 
@@ -30,14 +31,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import typed_config as tc
-from jfed.distill import (coboosting_config, coboosting_weight_update, combine_logits,
-                          cross_entropy, epoch_batches, pool_gather, teacher_groups,
-                          teacher_outputs)
+from jfed.distill import (
+  coboosting_config,
+  coboosting_weight_update,
+  combine_logits,
+  cross_entropy,
+  epoch_batches,
+  pool_gather,
+  teacher_groups,
+  teacher_outputs,
+)
 from jfed.methods import oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
-NORMALISED_STD = 0.5   # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
+NORMALISED_STD = 0.5  # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
 
 
 class CoBoostingConfig(NamedTuple):
@@ -74,12 +82,14 @@ class CoBoostingConfig(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, pool, idx, mask, mu, wdc,
-                epoch):
+def weight_step(
+  strategy, teacher_modules, teacher_states, w, w_orig, pool, idx, mask, mu, wdc, epoch
+):
   """One Co-Boosting ensemble-weight step on pool[idx] (reference-code §2.1)."""
   x, y = pool_gather(pool, idx)
-  per_client, _ = teacher_outputs(teacher_groups(teacher_modules, teacher_states), x, False,
-                                  strategy)
+  per_client, _ = teacher_outputs(
+    teacher_groups(teacher_modules, teacher_states), x, False, strategy
+  )
   per_client = jax.lax.stop_gradient(per_client)
   real = mask.astype(jnp.float32)
 
@@ -99,23 +109,39 @@ def _by_client(w, client_ids) -> list:
 @register_method('coboosting')
 class CoBoosting(oneshot.DistillationAlgorithm):
   """Hard-sample synthesis against a per-model weighted ensemble, ODS, weight updates."""
+
   section = 'coboosting'
   Config = CoBoostingConfig
 
   def validate(self, config) -> None:
     super().validate(config)
     c = self.config
-    tc.require_non_negative(c, self.section, ('bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu',
-                                              'wa_steps', 'odseta'))
+    tc.require_non_negative(
+      c, self.section, ('bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu', 'wa_steps', 'odseta')
+    )
     tc.require_positive(c, self.section, ('adv_T', 'ods_T', 'wdc'))
 
   def settings(self, ctx: RunContext) -> oneshot.Settings:
     c = self.config
-    synthesis = coboosting_config(**self.synthesis_common(ctx), bn=c.bn, oh=c.oh, adv=c.adv,
-                                  hs=c.hs, adv_T=c.adv_T, grad_clip=c.g_grad_clip or None,
-                                  input_mean=None, input_std=None)
-    kd = self.kd_config(ctx, loss='kl', t_squared=True, aggregation='weighted',
-                        ods_eta=c.odseta * NORMALISED_STD, ods_T=c.ods_T)
+    synthesis = coboosting_config(
+      **self.synthesis_common(ctx),
+      bn=c.bn,
+      oh=c.oh,
+      adv=c.adv,
+      hs=c.hs,
+      adv_T=c.adv_T,
+      grad_clip=c.g_grad_clip or None,
+      input_mean=None,
+      input_std=None,
+    )
+    kd = self.kd_config(
+      ctx,
+      loss='kl',
+      t_squared=True,
+      aggregation='weighted',
+      ods_eta=c.odseta * NORMALISED_STD,
+      ods_T=c.ods_T,
+    )
     return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
 
   def init_extra(self, ctx, aux, student):
@@ -140,8 +166,19 @@ class CoBoosting(oneshot.DistillationAlgorithm):
     for _ in range(c.wa_steps):
       idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
       for b in range(idx.shape[0]):
-        w = weight_step(aux.settings.kd.strategy, modules, t_states, w, w_orig, state.pool,
-                        jnp.asarray(idx[b]), jnp.asarray(mask[b]), c.mu, c.wdc, jnp.float32(e))
+        w = weight_step(
+          aux.settings.kd.strategy,
+          modules,
+          t_states,
+          w,
+          w_orig,
+          state.pool,
+          jnp.asarray(idx[b]),
+          jnp.asarray(mask[b]),
+          c.mu,
+          c.wdc,
+          jnp.float32(e),
+        )
     return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
 
   def method_summary(self, ctx, aux, rd, state, history):

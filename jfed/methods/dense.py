@@ -14,6 +14,7 @@ runs (its BN hooks never attach, reference-code.md §1.3/§11.1).
 
 Config (`config.dense`): the fields of `DenseConfig`.
 """
+
 from typing import NamedTuple
 
 from jfed import typed_config as tc
@@ -52,6 +53,7 @@ class DenseConfig(NamedTuple):
 @register_method('dense')
 class Dense(oneshot.DistillationAlgorithm):
   """Fresh generator per epoch, mean-logit teacher, KD over the whole synthetic pool."""
+
   section = 'dense'
   Config = DenseConfig
 
@@ -62,8 +64,9 @@ class Dense(oneshot.DistillationAlgorithm):
 
   def settings(self, ctx: RunContext) -> oneshot.Settings:
     c = self.config
-    synthesis = dense_config(**self.synthesis_common(ctx),
-                             bn=0.0 if c.bn_loss_mode == 'code' else c.bn, oh=c.oh, adv=c.adv)
+    synthesis = dense_config(
+      **self.synthesis_common(ctx), bn=0.0 if c.bn_loss_mode == 'code' else c.bn, oh=c.oh, adv=c.adv
+    )
     kd = self.kd_config(ctx, loss='kl', t_squared=True, aggregation='mean')
     return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
 

@@ -24,6 +24,7 @@ reference never calls eval() on them, so its teacher logits use batch statistics
 
 Config (`config.feddf`): the fields of `FedDFConfig`.
 """
+
 import math
 from typing import Any, NamedTuple
 
@@ -62,7 +63,7 @@ class FedDFConfig(NamedTuple):
 
 
 class DistillationData(NamedTuple):
-  pool: ImagePool        # the unlabelled images (float32, labels −1)
+  pool: ImagePool  # the unlabelled images (float32, labels −1)
   val_x: np.ndarray
   val_y: np.ndarray
   eval_x: np.ndarray
@@ -71,10 +72,10 @@ class DistillationData(NamedTuple):
 
 
 class FedDFExtra(NamedTuple):
-  best: ModelState       # best-on-validation student of this round
-  best_val: Any          # its validation accuracy (float32 scalar)
-  best_test: Any         # its test accuracy
-  bad_epochs: Any        # evaluations since the last improvement (int32 scalar)
+  best: ModelState  # best-on-validation student of this round
+  best_val: Any  # its validation accuracy (float32 scalar)
+  best_test: Any  # its test accuracy
+  bad_epochs: Any  # evaluations since the last improvement (int32 scalar)
 
 
 def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
@@ -84,30 +85,41 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
   n = len(ds.test_y)
   held = (cfg.source_size if cfg.source == 'test_split' else 0) + cfg.val_size
   if held > n // 2:
-    raise ConfigError(f'feddf: source_size={cfg.source_size}, val_size={cfg.val_size}: the '
-                      f'sets held out of the test split must total at most half of its {n} '
-                      'samples')
+    raise ConfigError(
+      f'feddf: source_size={cfg.source_size}, val_size={cfg.val_size}: the '
+      f'sets held out of the test split must total at most half of its {n} '
+      'samples'
+    )
   perm = rng.permutation(n)
-  val, rest = perm[:cfg.val_size], perm[cfg.val_size:]
+  val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
   if cfg.source == 'test_split':
-    x, rest = ds.test_x[rest[:cfg.source_size]], rest[cfg.source_size:]
+    x, rest = ds.test_x[rest[: cfg.source_size]], rest[cfg.source_size :]
   else:
     other = load_dataset(cfg.source)
     if cfg.source_size > len(other.train_y):
-      raise ConfigError(f'feddf.source_size={cfg.source_size} but {cfg.source} has '
-                        f'{len(other.train_y)} training samples')
+      raise ConfigError(
+        f'feddf.source_size={cfg.source_size} but {cfg.source} has '
+        f'{len(other.train_y)} training samples'
+      )
     pick = np.sort(rng.choice(len(other.train_y), cfg.source_size, replace=False))
     x = match_input_shape(other.train_x[pick], ds.input_shape)
   keep = np.sort(rest)
-  pool = committed(ImagePool(jnp.asarray(x, jnp.float32), jnp.full((len(x),), -1, jnp.int32),
-                             jnp.asarray(len(x), jnp.int32)))
-  return DistillationData(pool, ds.test_x[val], ds.test_y[val], ds.test_x[keep],
-                          ds.test_y[keep], cfg.source)
+  pool = committed(
+    ImagePool(
+      jnp.asarray(x, jnp.float32),
+      jnp.full((len(x),), -1, jnp.int32),
+      jnp.asarray(len(x), jnp.int32),
+    )
+  )
+  return DistillationData(
+    pool, ds.test_x[val], ds.test_y[val], ds.test_x[keep], ds.test_y[keep], cfg.source
+  )
 
 
 @register_method('feddf')
 class FedDF(oneshot.DistillationAlgorithm):
   """FedAvg start, mean-logit teacher on unlabelled data, best-on-validation student."""
+
   section = 'feddf'
   Config = FedDFConfig
 
@@ -121,9 +133,15 @@ class FedDF(oneshot.DistillationAlgorithm):
 
   def settings(self, ctx: RunContext) -> oneshot.Settings:
     kd = self.kd_config(ctx, loss='kl', t_squared=False, aggregation='mean')
-    return self.base_settings(ctx, None, kd, self.student_optimizer('adam'),
-                              epochs=self.epochs_per_round(),
-                              steps_per_epoch=self.config.eval_every, kd_data='fixed')
+    return self.base_settings(
+      ctx,
+      None,
+      kd,
+      self.student_optimizer('adam'),
+      epochs=self.epochs_per_round(),
+      steps_per_epoch=self.config.eval_every,
+      kd_data='fixed',
+    )
 
   def method_data(self, ctx, settings) -> DistillationData:
     return distillation_data(ctx, self.config)
@@ -141,8 +159,9 @@ class FedDF(oneshot.DistillationAlgorithm):
 
   def init_extra(self, ctx, aux, student) -> FedDFExtra:
     test = aux.evaluator.accuracy(student, aux.eval_x, aux.eval_y)
-    return FedDFExtra(student, jnp.float32(self._val(aux, student)), jnp.float32(test),
-                      jnp.int32(0))
+    return FedDFExtra(
+      student, jnp.float32(self._val(aux, student)), jnp.float32(test), jnp.int32(0)
+    )
 
   def after_epoch(self, ctx, aux, state, test_accuracy, r, e):
     if len(aux.data.val_y) == 0:
@@ -151,14 +170,16 @@ class FedDF(oneshot.DistillationAlgorithm):
     val = self._val(aux, state.student.model)
     ex = state.extra
     if val > float(ex.best_val):
-      ex = FedDFExtra(state.student.model, jnp.float32(val), jnp.float32(test_accuracy),
-                      jnp.int32(0))
+      ex = FedDFExtra(
+        state.student.model, jnp.float32(val), jnp.float32(test_accuracy), jnp.int32(0)
+      )
     else:
       ex = ex._replace(bad_epochs=ex.bad_epochs + 1)
     stop = int(ex.bad_epochs) * self.config.eval_every >= self.config.patience
-    return (state._replace(extra=ex, stopped=jnp.asarray(stop)),
-            {'val_accuracy': val, 'best_val_accuracy': float(ex.best_val),
-             'early_stop': bool(stop)})
+    return (
+      state._replace(extra=ex, stopped=jnp.asarray(stop)),
+      {'val_accuracy': val, 'best_val_accuracy': float(ex.best_val), 'early_stop': bool(stop)},
+    )
 
   def round_model(self, state):
     return state.extra.best
@@ -168,6 +189,11 @@ class FedDF(oneshot.DistillationAlgorithm):
 
   def method_summary(self, ctx, aux, rd, state, history):
     d = aux.data
-    return {'source': d.source, 'source_size': int(d.pool.count), 'val_size': int(len(d.val_y)),
-            'eval_samples': int(len(d.eval_y)), 'best_val_accuracy': float(state.extra.best_val),
-            'early_stopped': bool(state.stopped)}
+    return {
+      'source': d.source,
+      'source_size': int(d.pool.count),
+      'val_size': int(len(d.val_y)),
+      'eval_samples': int(len(d.eval_y)),
+      'best_val_accuracy': float(state.extra.best_val),
+      'early_stopped': bool(state.stopped),
+    }

@@ -33,14 +33,24 @@ setting, Table 3: set `fedhydra.server_model`).
 
 Config (`config.fedhydra`): the fields of `FedHydraConfig`.
 """
+
 import time
 from typing import Any, NamedTuple
 
+from absl import logging
 import numpy as np
 
 from jfed import typed_config as tc
-from jfed.distill import (MS_FUNCTIONS, MS_IMPLS, MSConfig, SAWeights, fedhydra_config,
-                          make_generator, plots, resolve_ms_impl)
+from jfed.distill import (
+  MS_FUNCTIONS,
+  MS_IMPLS,
+  MSConfig,
+  SAWeights,
+  fedhydra_config,
+  make_generator,
+  plots,
+  resolve_ms_impl,
+)
 from jfed.keys import ServerRoundPurpose
 from jfed.methods import common, oneshot
 from jfed.methods.context import RunContext
@@ -83,18 +93,19 @@ class FedHydraConfig(NamedTuple):
 
 class Stratification(NamedTuple):
   """The result of MS for one round's uploads, in the teachers' order (a driver stage)."""
-  losses: Any    # [m, c, T_G]
-  u: Any         # [m, c]
-  U: Any         # [c, m]
-  U_r: Any       # [c, m]
-  U_c: Any       # [c, m]
-  seconds: Any   # scalar: how long MS took when it ran
+
+  losses: Any  # [m, c, T_G]
+  u: Any  # [m, c]
+  U: Any  # [c, m]
+  U_r: Any  # [c, m]
+  U_c: Any  # [c, m]
+  seconds: Any  # scalar: how long MS took when it ran
 
 
 class HydraRound(NamedTuple):
   sa: SAWeights
   ms: Stratification
-  client_ids: Any   # global client id of each teacher
+  client_ids: Any  # global client id of each teacher
 
 
 def _by_client(a: np.ndarray, ids: np.ndarray, client_major: bool) -> np.ndarray:
@@ -114,6 +125,7 @@ def _file_name(stem: str, r: int, ext: str) -> str:
 @register_method('fedhydra')
 class FedHydra(oneshot.DistillationAlgorithm):
   """Model stratification, then HASA: SA-guided synthesis and Eq. 19 distillation."""
+
   section = 'fedhydra'
   Config = FedHydraConfig
 
@@ -128,12 +140,20 @@ class FedHydra(oneshot.DistillationAlgorithm):
   def settings(self, ctx: RunContext) -> oneshot.Settings:
     c = self.config
     agg = AGGREGATIONS[c.aggregation]
-    synthesis = fedhydra_config(c.lambda1, c.lambda2, g_steps=c.T_G, lr_g=c.lr_g,
-                                batch_size=c.synthesis_batch, adv_T=c.adv_T, aggregation=agg,
-                                strategy=oneshot.teacher_strategy(ctx))
+    synthesis = fedhydra_config(
+      c.lambda1,
+      c.lambda2,
+      g_steps=c.T_G,
+      lr_g=c.lr_g,
+      batch_size=c.synthesis_batch,
+      adv_T=c.adv_T,
+      aggregation=agg,
+      strategy=oneshot.teacher_strategy(ctx),
+    )
     kd = self.kd_config(ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
-    return self.base_settings(ctx, synthesis, kd, self.student_optimizer(),
-                              keep_generator=not c.generator_reset)
+    return self.base_settings(
+      ctx, synthesis, kd, self.student_optimizer(), keep_generator=not c.generator_reset
+    )
 
   def round_data(self, ctx, aux, r, local, teachers):
     """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it."""
@@ -143,8 +163,9 @@ class FedHydra(oneshot.DistillationAlgorithm):
     ids = oneshot.teacher_client_ids(local)
     m, k, t_g = len(ids), ctx.dataset.num_classes, c.ms_T_G
     zeros = lambda *shape: np.zeros(shape, np.float32)
-    template = Stratification(zeros(m, k, t_g), zeros(m, k), zeros(k, m), zeros(k, m),
-                              zeros(k, m), zeros())
+    template = Stratification(
+      zeros(m, k, t_g), zeros(m, k), zeros(k, m), zeros(k, m), zeros(k, m), zeros()
+    )
 
     def compute() -> Stratification:
       impl = resolve_ms_impl(c.ms_impl)
@@ -152,34 +173,53 @@ class FedHydra(oneshot.DistillationAlgorithm):
       ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
       kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
       t0 = time.perf_counter()
-      res = MS_FUNCTIONS[impl](teachers, gen, k, oneshot.round_key(
-          ctx, r, ServerRoundPurpose.MODEL_STRATIFICATION), ms_cfg, **kw)
+      res = MS_FUNCTIONS[impl](
+        teachers,
+        gen,
+        k,
+        oneshot.round_key(ctx, r, ServerRoundPurpose.MODEL_STRATIFICATION),
+        ms_cfg,
+        **kw,
+      )
       seconds = time.perf_counter() - t0
-      out = Stratification(*(np.asarray(a, np.float32) for a in res),
-                           np.asarray(seconds, np.float32))
+      logging.info(
+        'fedhydra round %d: model stratification (%s, %d clients x %d classes x T_G=%d) in %.1fs',
+        r,
+        impl,
+        m,
+        k,
+        t_g,
+        seconds,
+      )
+      out = Stratification(
+        *(np.asarray(a, np.float32) for a in res), np.asarray(seconds, np.float32)
+      )
       self._write_ms(ctx, r, out, ids, impl)
       return out
 
     ms = ctx.stage('model_stratification', r, template, compute)
     return HydraRound(SAWeights(ms.U_r, ms.U_c), ms, ids)
 
-  def _write_ms(self, ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray,
-                impl: str) -> None:
+  def _write_ms(
+    self, ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray, impl: str
+  ) -> None:
     """workdir/model_stratification.npz and the Fig. 5b heatmap (runs with a workdir only)."""
     path = ctx.output_path(_file_name('model_stratification', r, 'npz'))
     if path is None:
       return
     arrays = {name: getattr(ms, name) for name in ('losses', 'u', 'U', 'U_r', 'U_c')}
-    by_client = {f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u'))
-                 for name, a in arrays.items()}
-    np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays,
-             **by_client)
+    by_client = {
+      f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u')) for name, a in arrays.items()
+    }
+    np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays, **by_client)
     specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
     plots.plot_ms_heatmap(
-        ctx.output_path(_file_name('ms_heatmap', r, 'png')), by_client['U_r_by_client'],
-        title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, '
-              f'{ctx.config.partition.scheme})',
-        client_names=[f'client {k} ({s})' for k, s in enumerate(specs)])
+      ctx.output_path(_file_name('ms_heatmap', r, 'png')),
+      by_client['U_r_by_client'],
+      title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, '
+      f'{ctx.config.partition.scheme})',
+      client_names=[f'client {k} ({s})' for k, s in enumerate(specs)],
+    )
 
   def synthesis_agg(self, state, rd):
     return None if rd.data is None else rd.data.sa
@@ -188,13 +228,16 @@ class FedHydra(oneshot.DistillationAlgorithm):
     return None if rd.data is None else (rd.data.sa.U_r, rd.data.sa.U_c)
 
   def method_summary(self, ctx, aux, rd, state, history):
-    out = {'aggregation': self.config.aggregation,
-           'generator_reset': self.config.generator_reset}
+    out = {'aggregation': self.config.aggregation, 'generator_reset': self.config.generator_reset}
     if rd.data is not None:
       ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)
-      out.update({'ms_impl': resolve_ms_impl(self.config.ms_impl),
-                  'ms_seconds': float(ms.seconds),
-                  'U_r_by_client': _by_client(np.asarray(ms.U_r), ids, False).tolist()})
+      out.update(
+        {
+          'ms_impl': resolve_ms_impl(self.config.ms_impl),
+          'ms_seconds': float(ms.seconds),
+          'U_r_by_client': _by_client(np.asarray(ms.U_r), ids, False).tolist(),
+        }
+      )
       if ctx.output_path('') is not None:
         out['ms_file'] = _file_name('model_stratification', aux.settings.rounds, 'npz')
     return out

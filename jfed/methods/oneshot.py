@@ -41,18 +41,33 @@ after every step. Every key is `ctx.derive_key(Purpose.SERVER, r, e, ...)` or a 
 `np.random.default_rng((seed, r, e))`, so a resumed run ends with the numbers of an
 uninterrupted one.
 """
+
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from jfed import engine
 from jfed import typed_config as tc
-from jfed.distill import (KDConfig, TeacherGroup, combine_logits, committed, crop_padding,
-                          dense_generator_init, epoch_batches, kd_step, make_generator, pool_add,
-                          pool_init, pool_size, resolve_augment, student_state, synthesize)
+from jfed.distill import (
+  KDConfig,
+  TeacherGroup,
+  combine_logits,
+  committed,
+  crop_padding,
+  dense_generator_init,
+  epoch_batches,
+  kd_step,
+  make_generator,
+  pool_add,
+  pool_init,
+  pool_size,
+  resolve_augment,
+  student_state,
+  synthesize,
+)
 from jfed.distill.kd import KD_AUGMENT
 from jfed.distill.synthesis import SynthesisConfig
 from jfed.driver import Algorithm
@@ -82,8 +97,13 @@ def teacher_strategy(ctx: RunContext) -> str:
 # ---------------------------------------------------------------------------------------------
 # uploads of every round
 # ---------------------------------------------------------------------------------------------
-def round_uploads(ctx: RunContext, r: int, local_epochs: int, server_spec: str,
-                  global_model: Optional[ModelState] = None) -> common.LocalModels:
+def round_uploads(
+  ctx: RunContext,
+  r: int,
+  local_epochs: int,
+  server_spec: str,
+  global_model: Optional[ModelState] = None,
+) -> common.LocalModels:
   """The client models uploaded in round r (see the module docstring).
 
   Round r > 1 is the stage 'round_models' (tag r): trained once, from `global_model` (the global
@@ -98,17 +118,23 @@ def round_uploads(ctx: RunContext, r: int, local_epochs: int, server_spec: str,
     if global_model is None:
       raise ValueError(f'round {r} of local training needs the global model of round {r - 1}')
     prev = round_uploads(ctx, r - 1, local_epochs, server_spec).models
-    starts = [engine.replicate(global_model, len(g.client_ids)) if g.spec == server_spec
-              else p for g, p in zip(first.groups, prev)]
+    starts = [
+      engine.replicate(global_model, len(g.client_ids)) if g.spec == server_spec else p
+      for g, p in zip(first.groups, prev)
+    ]
     trainers = common.make_trainers(ctx, first.groups)
-    models, _ = common.train_groups(trainers, first.groups, starts, local_epochs,
-                                    ctx.derive_key(Purpose.LOCAL_TRAINING, r),
-                                    label=f'round {r} local training')
+    models, _ = common.train_groups(
+      trainers,
+      first.groups,
+      starts,
+      local_epochs,
+      ctx.derive_key(Purpose.LOCAL_TRAINING, r),
+      label=f'round {r} local training',
+    )
     return list(models)
 
   models = ctx.stage('round_models', r, list(first.models), train, max_to_keep=3)
-  upload = common.receive_uploads(first.groups, models,
-                                  [engine.take(m, 0) for m in first.models])
+  upload = common.receive_uploads(first.groups, models, [engine.take(m, 0) for m in first.models])
   return common.LocalModels(first.groups, list(models), upload)
 
 
@@ -140,46 +166,57 @@ def fedavg_of_matching(local: common.LocalModels, spec: str) -> Optional[ModelSt
 # ---------------------------------------------------------------------------------------------
 class Settings(NamedTuple):
   """What one distillation method is, in the terms of the shared loop (built once per run)."""
+
   rounds: int
   local_epochs: int
-  epochs: int                             # driver steps per round
-  server_model: str                       # resolved spec
-  init: str                               # 'random' | 'fedavg'
+  epochs: int  # driver steps per round
+  server_model: str  # resolved spec
+  init: str  # 'random' | 'fedavg'
   kd: KDConfig
-  opt: OptimizerSpec                      # the student's; its schedule is set per KD step
+  opt: OptimizerSpec  # the student's; its schedule is set per KD step
   kd_batch: int
-  kd_data: str                            # 'pool' | 'batch' | 'fixed'
-  synthesis: Optional[SynthesisConfig]    # None: no generator (FedDF)
-  keep_generator: bool                    # continue one generator across epochs (FedHydra)
+  kd_data: str  # 'pool' | 'batch' | 'fixed'
+  synthesis: Optional[SynthesisConfig]  # None: no generator (FedDF)
+  keep_generator: bool  # continue one generator across epochs (FedHydra)
   nz: int
   ngf: int
   pool_quantize: bool
-  steps_per_epoch: int                    # kd_data='fixed': KD steps per epoch
+  steps_per_epoch: int  # kd_data='fixed': KD steps per epoch
 
 
 class ServerState(NamedTuple):
   """Everything the server carries from one distillation epoch to the next (checkpointed)."""
+
   student: engine.TrainState
-  pool: Any            # ImagePool of synthetic images + target labels (placeholder for FedDF)
-  generator: Any       # ModelState of a generator kept across epochs, else ModelState({}, {})
-  extra: Any           # method-specific pytree (Co-Boosting weights, FedDF best model, ...)
-  stopped: Any         # bool scalar: the round ended early (FedDF early stopping)
+  pool: Any  # ImagePool of synthetic images + target labels (placeholder for FedDF)
+  generator: Any  # ModelState of a generator kept across epochs, else ModelState({}, {})
+  extra: Any  # method-specific pytree (Co-Boosting weights, FedDF best model, ...)
+  stopped: Any  # bool scalar: the round ended early (FedDF early stopping)
 
 
 class RoundData(NamedTuple):
   """What a round's uploads give the server: derived deterministically, cached in the aux."""
+
   round: int
   local: common.LocalModels
   teachers: List[TeacherGroup]
-  data: Any            # the method's `round_data` (FedHydra MS, Co-Boosting client ids, ...)
+  data: Any  # the method's `round_data` (FedHydra MS, Co-Boosting client ids, ...)
 
 
 class DistillAux:
   """The run's constants and a cache of the current round's `RoundData` (not checkpointed)."""
 
-  def __init__(self, settings: Settings, student_module, generator, random_student: ModelState,
-               evaluator: engine.Evaluator, eval_x: np.ndarray, eval_y: np.ndarray,
-               data: Any = None):
+  def __init__(
+    self,
+    settings: Settings,
+    student_module,
+    generator,
+    random_student: ModelState,
+    evaluator: engine.Evaluator,
+    eval_x: np.ndarray,
+    eval_y: np.ndarray,
+    data: Any = None,
+  ):
     self.settings, self.student_module, self.generator = settings, student_module, generator
     self.random_student, self.evaluator = random_student, evaluator
     self.eval_x, self.eval_y, self.data = eval_x, eval_y, data
@@ -195,6 +232,7 @@ class DistillationAlgorithm(Algorithm):
   Subclasses set `section`, `Config`, and implement `settings`; the other hooks default to
   DENSE's behaviour (synthesis + KD, nothing in between).
   """
+
   step_name = 'epoch'
 
   # -- what a method says --------------------------------------------------------------------
@@ -208,8 +246,14 @@ class DistillationAlgorithm(Algorithm):
   def eval_data(self, ctx: RunContext, data: Any) -> Tuple[np.ndarray, np.ndarray]:
     return ctx.dataset.test_x, ctx.dataset.test_y
 
-  def round_data(self, ctx: RunContext, aux: DistillAux, r: int, local: common.LocalModels,
-                 teachers: List[TeacherGroup]) -> Any:
+  def round_data(
+    self,
+    ctx: RunContext,
+    aux: DistillAux,
+    r: int,
+    local: common.LocalModels,
+    teachers: List[TeacherGroup],
+  ) -> Any:
     """Per-round constants (FedHydra: MS; Co-Boosting: the teachers' client ids)."""
     return None
 
@@ -225,12 +269,14 @@ class DistillationAlgorithm(Algorithm):
   def fixed_pool(self, aux: DistillAux):
     raise NotImplementedError
 
-  def before_kd(self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState,
-                r: int, e: int) -> Tuple[ServerState, Dict[str, Any]]:
+  def before_kd(
+    self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
+  ) -> Tuple[ServerState, Dict[str, Any]]:
     return state, {}
 
-  def after_epoch(self, ctx: RunContext, aux: DistillAux, state: ServerState,
-                  test_accuracy: float, r: int, e: int) -> Tuple[ServerState, Dict[str, Any]]:
+  def after_epoch(
+    self, ctx: RunContext, aux: DistillAux, state: ServerState, test_accuracy: float, r: int, e: int
+  ) -> Tuple[ServerState, Dict[str, Any]]:
     return state, {}
 
   def round_model(self, state: ServerState) -> ModelState:
@@ -239,56 +285,113 @@ class DistillationAlgorithm(Algorithm):
   def round_accuracy(self, state: ServerState, last_test_accuracy: float) -> float:
     return last_test_accuracy
 
-  def method_summary(self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState,
-                     history: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+  def method_summary(
+    self,
+    ctx: RunContext,
+    aux: DistillAux,
+    rd: RoundData,
+    state: ServerState,
+    history: Sequence[Dict[str, Any]],
+  ) -> Dict[str, Any]:
     return {}
 
   # -- helpers for the subclasses ------------------------------------------------------------
-  def base_settings(self, ctx: RunContext, synthesis: Optional[SynthesisConfig], kd: KDConfig,
-                    opt: OptimizerSpec, **overrides) -> Settings:
+  def base_settings(
+    self,
+    ctx: RunContext,
+    synthesis: Optional[SynthesisConfig],
+    kd: KDConfig,
+    opt: OptimizerSpec,
+    **overrides,
+  ) -> Settings:
     """The Settings fields every method reads the same way from its typed config."""
     c = self.config
     get = lambda name, default: getattr(c, name, default)
-    values = dict(rounds=c.rounds, local_epochs=c.local_epochs, epochs=get('epochs', 1),
-                  server_model=c.server_model or ctx.config.model, init=c.init, kd=kd, opt=opt,
-                  kd_batch=c.kd_batch, kd_data=get('kd_data', 'pool'), synthesis=synthesis,
-                  keep_generator=False, nz=get('nz', 0), ngf=get('ngf', 0),
-                  pool_quantize=get('pool_quantize', False), steps_per_epoch=0)
+    values = dict(
+      rounds=c.rounds,
+      local_epochs=c.local_epochs,
+      epochs=get('epochs', 1),
+      server_model=c.server_model or ctx.config.model,
+      init=c.init,
+      kd=kd,
+      opt=opt,
+      kd_batch=c.kd_batch,
+      kd_data=get('kd_data', 'pool'),
+      synthesis=synthesis,
+      keep_generator=False,
+      nz=get('nz', 0),
+      ngf=get('ngf', 0),
+      pool_quantize=get('pool_quantize', False),
+      steps_per_epoch=0,
+    )
     values.update(overrides)
     return Settings(**values)
 
   def kd_config(self, ctx: RunContext, **kw) -> KDConfig:
-    return KDConfig(T=self.config.kd_T,
-                    augment=resolve_augment(self.config.kd_augment, ctx.dataset.name),
-                    crop_padding=crop_padding(ctx.dataset.input_shape),
-                    strategy=teacher_strategy(ctx), **kw)
+    return KDConfig(
+      T=self.config.kd_T,
+      augment=resolve_augment(self.config.kd_augment, ctx.dataset.name),
+      crop_padding=crop_padding(ctx.dataset.input_shape),
+      strategy=teacher_strategy(ctx),
+      **kw,
+    )
 
   def student_optimizer(self, default_name: str = 'sgd') -> OptimizerSpec:
     """The student's optimiser from the kd_* keys the method's config has."""
     c = self.config
     get = lambda name, default: getattr(c, 'kd_' + name, default)
-    return OptimizerSpec(name=get('optimizer', default_name), lr=c.kd_lr,
-                         momentum=get('momentum', 0.0), weight_decay=get('weight_decay', 0.0),
-                         grad_clip=get('grad_clip', 0.0), schedule=get('schedule', 'constant'))
+    return OptimizerSpec(
+      name=get('optimizer', default_name),
+      lr=c.kd_lr,
+      momentum=get('momentum', 0.0),
+      weight_decay=get('weight_decay', 0.0),
+      grad_clip=get('grad_clip', 0.0),
+      schedule=get('schedule', 'constant'),
+    )
 
   def synthesis_common(self, ctx: RunContext) -> dict:
     c = self.config
-    return dict(g_steps=c.g_steps, batch_size=c.synthesis_batch, lr_g=c.lr_g,
-                crop_padding=crop_padding(ctx.dataset.input_shape),
-                strategy=teacher_strategy(ctx))
+    return dict(
+      g_steps=c.g_steps,
+      batch_size=c.synthesis_batch,
+      lr_g=c.lr_g,
+      crop_padding=crop_padding(ctx.dataset.input_shape),
+      strategy=teacher_strategy(ctx),
+    )
 
   # -- Algorithm -----------------------------------------------------------------------------
   def validate(self, config) -> None:
     c, where = self.config, self.section
     fields = set(c._fields)
-    tc.require_positive(c, where, [n for n in (
-        'rounds', 'local_epochs', 'epochs', 'kd_batch', 'g_steps', 'T_G', 'synthesis_batch',
-        'nz', 'ngf', 'kd_lr', 'kd_T', 'lr_g') if n in fields])
-    tc.require_non_negative(c, where, [n for n in (
-        'kd_weight_decay', 'kd_grad_clip') if n in fields])
+    tc.require_positive(
+      c,
+      where,
+      [
+        n
+        for n in (
+          'rounds',
+          'local_epochs',
+          'epochs',
+          'kd_batch',
+          'g_steps',
+          'T_G',
+          'synthesis_batch',
+          'nz',
+          'ngf',
+          'kd_lr',
+          'kd_T',
+          'lr_g',
+        )
+        if n in fields
+      ],
+    )
+    tc.require_non_negative(
+      c, where, [n for n in ('kd_weight_decay', 'kd_grad_clip') if n in fields]
+    )
     if 'kd_momentum' in fields:
-      tc.require(0.0 <= c.kd_momentum < 1.0,
-                 f'{where}.kd_momentum must be in [0, 1), got {c.kd_momentum}')
+      tc.require(
+        0.0 <= c.kd_momentum < 1.0, f'{where}.kd_momentum must be in [0, 1), got {c.kd_momentum}'
+      )
     tc.require_choice(c.init, INITS, f'{where}.init')
     tc.require_choice(c.kd_augment, KD_AUGMENT, f'{where}.kd_augment')
     if 'kd_data' in fields:
@@ -300,8 +403,11 @@ class DistillationAlgorithm(Algorithm):
     if c.server_model:
       name = c.server_model.strip().partition(':')[0]
       known = sorted(available_models())
-      tc.require(name.lower() in known, f'{where}.server_model: unknown model {name!r} in '
-                 f'{c.server_model!r}; valid: {", ".join(known)}')
+      tc.require(
+        name.lower() in known,
+        f'{where}.server_model: unknown model {name!r} in '
+        f'{c.server_model!r}; valid: {", ".join(known)}',
+      )
 
   def epochs_per_round(self) -> int:
     return self.config.epochs
@@ -311,30 +417,34 @@ class DistillationAlgorithm(Algorithm):
 
   def step_label(self, i: int, n: int) -> str:
     epochs = self.epochs_per_round()
-    return (f'round {i // epochs + 1}/{self.config.rounds} epoch {i % epochs + 1}/{epochs}'
-            if self.config.rounds > 1 else f'epoch {i + 1}/{n}')
+    return (
+      f'round {i // epochs + 1}/{self.config.rounds} epoch {i % epochs + 1}/{epochs}'
+      if self.config.rounds > 1
+      else f'epoch {i + 1}/{n}'
+    )
 
   def setup(self, ctx: RunContext) -> DistillAux:
     s = self.settings(ctx)
     shape = ctx.dataset.input_shape
     student_module = common.build_module(s.server_model, ctx.dataset)
     generator = make_generator(shape, s.nz, s.ngf) if s.synthesis is not None else None
-    random_student = engine.init_model(student_module, shape,
-                                       round_key(ctx, 0, ServerRoundPurpose.STUDENT))
+    random_student = engine.init_model(
+      student_module, shape, round_key(ctx, 0, ServerRoundPurpose.STUDENT)
+    )
     data = self.method_data(ctx, s)
     eval_x, eval_y = self.eval_data(ctx, data)
     evaluator = engine.Evaluator(student_module, ctx.config.eval_batch_size, ctx.config.strategy)
-    aux = DistillAux(s, student_module, generator, random_student, evaluator, eval_x, eval_y,
-                     data)
-    self.round(ctx, aux, 1)   # the one-shot uploads: every client trains once
+    aux = DistillAux(s, student_module, generator, random_student, evaluator, eval_x, eval_y, data)
+    self.round(ctx, aux, 1)  # the one-shot uploads: every client trains once
     return aux
 
   def setup_records(self, ctx: RunContext, aux: DistillAux) -> List[Dict[str, Any]]:
     local = self.round(ctx, aux, 1).local
     return [{'round': 1, 'clients': ctx.num_clients, 'upload_bytes': local.upload_bytes}]
 
-  def round(self, ctx: RunContext, aux: DistillAux, r: int,
-            global_model: Optional[ModelState] = None) -> RoundData:
+  def round(
+    self, ctx: RunContext, aux: DistillAux, r: int, global_model: Optional[ModelState] = None
+  ) -> RoundData:
     """Round r's uploads, teachers and method data, from the cache or built (and cached)."""
     if r not in aux.round_cache:
       s = aux.settings
@@ -342,50 +452,61 @@ class DistillationAlgorithm(Algorithm):
       teachers = teacher_groups(local)
       rd = RoundData(r, local, teachers, None)
       rd = rd._replace(data=committed(self.round_data(ctx, aux, r, local, teachers)))
-      aux.round_cache = {r: rd}   # only the current round is kept
+      aux.round_cache = {r: rd}  # only the current round is kept
     return aux.round_cache[r]
 
-  def fresh_state(self, ctx: RunContext, aux: DistillAux, student: ModelState,
-                  r: int) -> ServerState:
+  def fresh_state(
+    self, ctx: RunContext, aux: DistillAux, student: ModelState, r: int
+  ) -> ServerState:
     s = aux.settings
     shape = ctx.dataset.input_shape
     if s.synthesis is not None:
-      pool = pool_init(max(1, s.epochs * s.synthesis.batch_size), shape,
-                       quantize=s.pool_quantize)
+      pool = pool_init(max(1, s.epochs * s.synthesis.batch_size), shape, quantize=s.pool_quantize)
     else:
       pool = pool_init(1, shape, quantize=False)
     if s.keep_generator:
       gen = dense_generator_init(round_key(ctx, r, ServerRoundPurpose.GENERATOR), aux.generator)
     else:
       gen = ModelState({}, {})
-    return committed(ServerState(student_state(s.opt, student), pool, gen,
-                                 self.init_extra(ctx, aux, student), jnp.zeros((), jnp.bool_)))
+    return committed(
+      ServerState(
+        student_state(s.opt, student),
+        pool,
+        gen,
+        self.init_extra(ctx, aux, student),
+        jnp.zeros((), jnp.bool_),
+      )
+    )
 
   def init(self, ctx: RunContext, aux: DistillAux) -> ServerState:
     return self.fresh_state(ctx, aux, aux.random_student, 1)
 
-  def step(self, ctx: RunContext, aux: DistillAux, state: ServerState, i: int
-           ) -> Tuple[ServerState, List[Dict[str, Any]]]:
+  def step(
+    self, ctx: RunContext, aux: DistillAux, state: ServerState, i: int
+  ) -> Tuple[ServerState, List[Dict[str, Any]]]:
     s = aux.settings
     r, e = i // s.epochs + 1, i % s.epochs
     record: Dict[str, Any] = {'round': r, 'epoch': e + 1}
-    if e == 0:   # a new round: uploads, then a fresh server state
+    if e == 0:  # a new round: uploads, then a fresh server state
       global_model = self.round_model(state) if r > 1 else None
       rd = self.round(ctx, aux, r, global_model)
       if global_model is not None:
         start = global_model
-        record.update(upload_bytes=rd.local.upload_bytes,
-                      download_bytes=download_bytes(rd.local, s.server_model, global_model))
+        record.update(
+          upload_bytes=rd.local.upload_bytes,
+          download_bytes=download_bytes(rd.local, s.server_model, global_model),
+        )
       elif s.init == 'fedavg':
         start = fedavg_of_matching(rd.local, s.server_model)
         if start is None:
-          logging.warning('%s: no client has the server architecture %s; random init',
-                          self.name, s.server_model)
+          logging.warning(
+            '%s: no client has the server architecture %s; random init', self.name, s.server_model
+          )
           start = aux.random_student
       else:
         start = aux.random_student
       state = self.fresh_state(ctx, aux, start, r)
-    elif bool(state.stopped):   # the round stopped early: nothing left to do in it
+    elif bool(state.stopped):  # the round stopped early: nothing left to do in it
       return state, []
     else:
       rd = self.round(ctx, aux, r)
@@ -404,23 +525,29 @@ class DistillationAlgorithm(Algorithm):
     rounds = [h['round_accuracy'] for h in history if h.get('round_accuracy') is not None]
     return rounds[-1] if rounds else super().final_accuracy(history)
 
-  def summarize(self, ctx: RunContext, aux: DistillAux, state: ServerState,
-                history) -> Dict[str, Any]:
+  def summarize(
+    self, ctx: RunContext, aux: DistillAux, state: ServerState, history
+  ) -> Dict[str, Any]:
     s = aux.settings
     rd = self.round(ctx, aux, s.rounds)
     epochs = [h for h in history if h.get('test_accuracy') is not None]
     self._plot_accuracy(ctx, epochs)
     client_logits, test_y = common.client_test_logits(ctx, rd.local), ctx.dataset.test_y
     out = {
-        'last_epoch_test_accuracy': epochs[-1]['test_accuracy'],
-        'round_test_accuracy': [h['round_accuracy'] for h in history if 'round_accuracy' in h],
-        'rounds': s.rounds, 'epochs': s.epochs, 'local_epochs': s.local_epochs,
-        'server_model': s.server_model, 'client_models': common.client_model_specs(ctx),
-        'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
-        # the mean-logit ensemble (DENSE's teacher), a reference for the students
-        'teacher_ensemble_test_accuracy': float(common.accuracy_of_logits(
-            np.asarray(combine_logits(client_logits)), test_y)),
-        'upload_bytes_last_round': rd.local.upload_bytes}
+      'last_epoch_test_accuracy': epochs[-1]['test_accuracy'],
+      'round_test_accuracy': [h['round_accuracy'] for h in history if 'round_accuracy' in h],
+      'rounds': s.rounds,
+      'epochs': s.epochs,
+      'local_epochs': s.local_epochs,
+      'server_model': s.server_model,
+      'client_models': common.client_model_specs(ctx),
+      'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
+      # the mean-logit ensemble (DENSE's teacher), a reference for the students
+      'teacher_ensemble_test_accuracy': float(
+        common.accuracy_of_logits(np.asarray(combine_logits(client_logits)), test_y)
+      ),
+      'upload_bytes_last_round': rd.local.upload_bytes,
+    }
     out.update(self.method_summary(ctx, aux, rd, state, history))
     return out
 
@@ -438,35 +565,52 @@ class DistillationAlgorithm(Algorithm):
       mask = np.zeros(nb * s.kd_batch, bool)
       idx[:n], mask[:n] = latest[rng.permutation(n)], True
       return state.pool, idx.reshape(nb, -1), mask.reshape(nb, -1)
-    pool = self.fixed_pool(aux)   # 'fixed'
+    pool = self.fixed_pool(aux)  # 'fixed'
     n = int(pool_size(pool))
-    idx = np.stack([rng.choice(n, s.kd_batch, replace=n < s.kd_batch)
-                    for _ in range(s.steps_per_epoch)]).astype(np.int32)
+    idx = np.stack(
+      [rng.choice(n, s.kd_batch, replace=n < s.kd_batch) for _ in range(s.steps_per_epoch)]
+    ).astype(np.int32)
     return pool, idx, np.ones_like(idx, bool)
 
-  def _distill_epoch(self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState,
-                     r: int, e: int):
+  def _distill_epoch(
+    self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
+  ):
     s = aux.settings
     key = ctx.derive_key(Purpose.SERVER, r, e)
     record: Dict[str, Any] = {}
     images = None
     if s.synthesis is not None:
-      res = synthesize(aux.generator, rd.teachers, aux.student_module, state.student.model,
-                       ctx.dataset.num_classes, jax.random.fold_in(key, 0), s.synthesis,
-                       agg=self.synthesis_agg(state, rd),
-                       generator_state=state.generator if s.keep_generator else None)
-      state = state._replace(pool=pool_add(state.pool, res.images, res.labels),
-                             generator=res.generator if s.keep_generator else state.generator)
+      res = synthesize(
+        aux.generator,
+        rd.teachers,
+        aux.student_module,
+        state.student.model,
+        ctx.dataset.num_classes,
+        jax.random.fold_in(key, 0),
+        s.synthesis,
+        agg=self.synthesis_agg(state, rd),
+        generator_state=state.generator if s.keep_generator else None,
+      )
+      state = state._replace(
+        pool=pool_add(state.pool, res.images, res.labels),
+        generator=res.generator if s.keep_generator else state.generator,
+      )
       comps = np.asarray(res.components)[-1]
-      record.update({'gen_best_loss': float(res.best_loss),
-                     'gen_loss': float(np.asarray(res.losses)[-1]),
-                     'gen_bn': float(comps[0]), 'gen_oh': float(comps[1]),
-                     'gen_adv': float(comps[2])})
+      record.update(
+        {
+          'gen_best_loss': float(res.best_loss),
+          'gen_loss': float(np.asarray(res.losses)[-1]),
+          'gen_bn': float(comps[0]),
+          'gen_oh': float(comps[1]),
+          'gen_adv': float(comps[2]),
+        }
+      )
       images = np.asarray(res.images), np.asarray(res.labels)
     state, extra_record = self.before_kd(ctx, aux, rd, state, r, e)
     record.update(extra_record)
-    pool, idx, mask = self._kd_batches(aux, state, np.random.default_rng(
-        (int(ctx.config.seed), r, e)))
+    pool, idx, mask = self._kd_batches(
+      aux, state, np.random.default_rng((int(ctx.config.seed), r, e))
+    )
     modules = tuple(t.module for t in rd.teachers)
     t_states = tuple(t.states for t in rd.teachers)
     agg = self.kd_agg(state, rd)
@@ -477,22 +621,38 @@ class DistillationAlgorithm(Algorithm):
     for b in range(idx.shape[0]):
       if s.opt.schedule == 'cosine':
         lr = scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe)
-      ts, loss = kd_step(s.kd, s.opt, modules, aux.student_module, ts, t_states, agg, pool,
-                         jnp.asarray(idx[b]), jnp.asarray(mask[b]),
-                         jax.random.fold_in(kd_key, b), lr)
+      ts, loss = kd_step(
+        s.kd,
+        s.opt,
+        modules,
+        aux.student_module,
+        ts,
+        t_states,
+        agg,
+        pool,
+        jnp.asarray(idx[b]),
+        jnp.asarray(mask[b]),
+        jax.random.fold_in(kd_key, b),
+        lr,
+      )
       losses.append(loss)
-    record.update({'kd_loss': float(np.mean(np.asarray(losses))) if losses else float('nan'),
-                   'kd_steps': int(idx.shape[0]), 'lr': float(lr),
-                   'pool_size': int(pool_size(state.pool))})
+    record.update(
+      {
+        'kd_loss': float(np.mean(np.asarray(losses))) if losses else float('nan'),
+        'kd_steps': int(idx.shape[0]),
+        'lr': float(lr),
+        'pool_size': int(pool_size(state.pool)),
+      }
+    )
     return state._replace(student=ts), record, images
 
   # -- figures -------------------------------------------------------------------------------
   def _save_samples(self, ctx: RunContext, images, r: int) -> None:
-    path = ctx.output_path('synthetic_samples.png' if r == 1 else
-                           f'synthetic_samples_round{r}.png')
+    path = ctx.output_path('synthetic_samples.png' if r == 1 else f'synthetic_samples_round{r}.png')
     if path is None:
       return
     from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+
     x, y = images
     plots.plot_image_grid(path, x[:64], y[:64], title=f'last synthetic batch (round {r})')
 
@@ -501,9 +661,15 @@ class DistillationAlgorithm(Algorithm):
     if path is None:
       return
     from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+
     plots.plot_accuracy_vs_epoch(
-        path, {f'{self.name} round {r}': ([h['epoch'] for h in epochs if h['round'] == r],
-                                          [h['test_accuracy'] for h in epochs
-                                           if h['round'] == r])
-               for r in sorted({h['round'] for h in epochs})},
-        title=f'{self.name} on {ctx.dataset.name}: test accuracy vs distillation epoch')
+      path,
+      {
+        f'{self.name} round {r}': (
+          [h['epoch'] for h in epochs if h['round'] == r],
+          [h['test_accuracy'] for h in epochs if h['round'] == r],
+        )
+        for r in sorted({h['round'] for h in epochs})
+      },
+      title=f'{self.name} on {ctx.dataset.name}: test accuracy vs distillation epoch',
+    )
