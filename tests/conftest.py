@@ -1,21 +1,26 @@
-"""Test-wide settings: JAX's persistent compilation cache.
+"""Test session setup: four fake CPU devices and JAX's persistent compilation cache.
 
-Many tests compile the same small programs (the same model and step on digits) in new trainer
-objects or new processes; the persistent cache turns those recompilations into disk reads. The
-environment variables reach the `experiments.main` subprocesses too.
+Four fake CPU devices, so sharded code (client training, KIP, model stratification) is exercised
+on any machine. Many tests compile the same small programs (the same model and step on digits)
+in new trainer objects or new processes; the persistent cache turns those recompilations into
+disk reads. The environment variables reach the `experiments.main` subprocesses too.
 """
 
 import os
 import pathlib
 import tempfile
 
-import jax
-
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=4')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('MPLBACKEND', 'Agg')
 _CACHE = os.environ.setdefault(
   'JAX_COMPILATION_CACHE_DIR', str(pathlib.Path(tempfile.gettempdir()) / 'jfed-test-jax-cache')
 )
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
