@@ -100,7 +100,8 @@ def main(argv):
   del argv
   from jfed.driver import run_experiment
   from jfed.io.comm import format_target_table, target_table_rows
-  from jfed.reporting import plot_curves, write_json
+  from jfed.reporting import plot_curves
+  from jfed.workdir import write_json
 
   logging.set_verbosity(logging.WARNING)
   config = FLAGS.config

@@ -309,14 +309,22 @@ def _check_finite_records(records: Sequence[Record], where: str) -> None:
         and not math.isfinite(v)
         and ('loss' in k or 'accuracy' in k)
       ):
-        raise NonFiniteError(f'{k} became {v} at {where}')
+        hint = '; lower the learning rate or check the data' if 'loss' in k else ''
+        raise NonFiniteError(f'{k} became {v} at {where}{hint}')
 
 
 def _check_finite_state(state: Any, where: str) -> None:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact):
-      if not bool(jnp.all(jnp.isfinite(leaf))):
-        raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')
+  leaves = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact)
+  ]
+  if not leaves:
+    return
+  finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
+  if not finite.all():  # one host transfer per step; name the first bad leaf
+    path = leaves[int(np.argmin(finite))][0]
+    raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')
 
 
 def _add_cumulative_bytes(history: List[Record]) -> None:

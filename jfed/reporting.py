@@ -1,57 +1,12 @@
-"""What a run writes for a researcher: metrics as JSON lines, a summary, plots, progress."""
+"""What a run shows a researcher: progress lines, curves and tables.
 
-import json
+(Metrics and summaries are written by jfed.driver through jfed.workdir's atomic JSON.)
+"""
+
 import math
-import pathlib
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence
-
-import numpy as np
-
-
-def _jsonable(value: Any) -> Any:
-  if isinstance(value, dict):
-    return {k: _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  if isinstance(value, np.ndarray) or hasattr(value, '__array__'):
-    arr = np.asarray(value)
-    return arr.item() if arr.ndim == 0 else arr.tolist()
-  if isinstance(value, (np.integer,)):
-    return int(value)
-  if isinstance(value, (np.floating,)):
-    return float(value)
-  return value
-
-
-class MetricsWriter:
-  """Appends one JSON object per line to `metrics.jsonl`.
-
-  `truncate_after(step)` drops records written after the step a resumed run restarts from, so
-  the file of a resumed run equals that of an uninterrupted one.
-  """
-
-  def __init__(self, path):
-    self.path = pathlib.Path(path)
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-
-  def write(self, record: Dict[str, Any]) -> None:
-    with self.path.open('a') as f:
-      f.write(json.dumps(_jsonable(record)) + '\n')
-
-  def read(self) -> List[Dict[str, Any]]:
-    if not self.path.exists():
-      return []
-    return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-  def truncate_after(self, step: Optional[int], key: str = 'step') -> None:
-    records = [r for r in self.read() if step is not None and r.get(key, -1) <= step]
-    self.path.write_text(''.join(json.dumps(r) + '\n' for r in records))
-
-
-def write_json(path, obj: Any) -> None:
-  pathlib.Path(path).write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=True) + '\n')
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 
 class Progress:

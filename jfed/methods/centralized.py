@@ -65,13 +65,6 @@ class Centralized(Algorithm):
       state, aux.group.fed, 1, ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None
     )
     loss = float(metrics.loss[0, -1])
-    if not np.isfinite(loss):
-      from jfed.errors import NonFiniteError  # pylint: disable=g-import-not-at-top
-
-      raise NonFiniteError(
-        f'centralized epoch {i + 1}: the training loss became {loss}; lower '
-        'the learning rate or check the data'
-      )
     accuracy = aux.evaluator.accuracy(engine.take(state.model, 0), ds.test_x, ds.test_y)
     return state, [
       {
