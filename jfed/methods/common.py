@@ -2,6 +2,7 @@
 validation, evaluation."""
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+import weakref
 
 from absl import logging
 import flax.linen as nn
@@ -91,17 +92,22 @@ def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -
 
 
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
-  """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model)."""
+  """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model).
+
+  The initial model is committed to the default device before it is copied, like the global
+  models of later rounds (outputs of jitted steps): jit's cache key includes whether arguments
+  are committed, so uncommitted first-round models would compile local training (and the ops
+  around it) once more in round 2 of the multi-round one-shot methods.
+  """
   all_specs = list(dict.fromkeys(client_model_specs(ctx)))
-  return [
-    engine.init_models(
-      g.module,
-      ctx.dataset.input_shape,
-      ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec)),
-      len(g.client_ids),
+  models = []
+  for g in groups:
+    key = ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
+    init = jax.device_put(
+      engine.init_model(g.module, ctx.dataset.input_shape, key), jax.devices()[0]
     )
-    for g in groups
-  ]
+    models.append(engine.replicate(init, len(g.client_ids)))
+  return models
 
 
 def make_trainers(
@@ -119,6 +125,23 @@ def make_trainers(
     )
     for g in groups
   ]
+
+
+# Per run (keyed weakly by its context): the trainer of each architecture with the run's own
+# optimiser. A GroupTrainer's jitted step belongs to the instance, so a trainer built anew for
+# every round compiles its programs again every round.
+_RUN_TRAINERS: 'weakref.WeakKeyDictionary[RunContext, Dict[str, GroupTrainer]]' = (
+  weakref.WeakKeyDictionary()
+)
+
+
+def run_trainers(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[GroupTrainer]:
+  """`make_trainers(ctx, groups)`, built once per run and architecture and then reused."""
+  cache = _RUN_TRAINERS.setdefault(ctx, {})
+  missing = [g for g in dict((g.spec, g) for g in groups).values() if g.spec not in cache]
+  if missing:
+    cache.update(zip([g.spec for g in missing], make_trainers(ctx, missing)))
+  return [cache[g.spec] for g in groups]
 
 
 def train_groups(
@@ -196,7 +219,7 @@ def local_models(ctx: RunContext, epochs: int) -> LocalModels:
   init = init_group_models(ctx, groups)
 
   def train():
-    trainers = make_trainers(ctx, groups)
+    trainers = run_trainers(ctx, groups)
     models, metrics = train_groups(
       trainers, groups, init, epochs, ctx.derive_key(Purpose.LOCAL_TRAINING)
     )
@@ -218,10 +241,27 @@ def local_models(ctx: RunContext, epochs: int) -> LocalModels:
 def participating_group(
   ctx: RunContext, full_group: ClientGroup, selected: np.ndarray
 ) -> ClientGroup:
-  """The group of the selected clients (the full group when every client takes part)."""
+  """The group of the selected clients (the full group when every client takes part).
+
+  Every round's group has the same shapes whichever clients it holds, so its programs compile
+  once: the data is padded to whole batches of the full group's largest client (the length to
+  which local training pads the clients' visiting orders otherwise depends on the largest
+  selected client). Padded samples never change what a client computes.
+  """
   if len(selected) == len(full_group.client_ids):
     return full_group
-  return client_groups(ctx, selected)[0]
+  rows = np.flatnonzero(np.isin(full_group.client_ids, selected))
+  fed, b = full_group.fed, int(ctx.config.batch_size)
+  n_max = fed.y.shape[1]
+  pad = [(0, 0), (0, -(-n_max // b) * b - n_max)]
+  return full_group._replace(
+    client_ids=full_group.client_ids[rows],
+    fed=FederatedArrays(
+      np.pad(fed.x[rows], pad + [(0, 0)] * (fed.x.ndim - 2)),
+      np.pad(fed.y[rows], pad + [(0, 0)] * (fed.y.ndim - 2)),
+      fed.sizes[rows],
+    ),
+  )
 
 
 def fedavg_round(

@@ -122,7 +122,7 @@ def round_uploads(
       engine.replicate(global_model, len(g.client_ids)) if g.spec == server_spec else p
       for g, p in zip(first.groups, prev)
     ]
-    trainers = common.make_trainers(ctx, first.groups)
+    trainers = common.run_trainers(ctx, first.groups)
     models, _ = common.train_groups(
       trainers,
       first.groups,
