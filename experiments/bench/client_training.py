@@ -1,64 +1,64 @@
 """Local-training throughput: jfed client-map strategies vs a PyTorch per-client loop.
 
-    python -m experiments.bench.client_training [--clients=5,20,100] [--steps=N]
-        [--out=FILE.json] [--noskip_slow]
+    python -m experiments.bench.client_training [--clients=5,20,100] [--steps=N] [--repeats=R]
+        [--strategies=loop,vmap,scan] [--nolegacy_loop] [--noskip_slow] [--torch_threads=T]
+        [--probe_clients=20] [--eval_models=10] [--out=FILE.json]
+
+From Python: `run(Sizes(...))` returns the same table and raw numbers as a dict
+(`experiments.bench.all` calls it).
 
 For each number of clients m, every client trains DENSE's CNNMnist (jfed `cnn_mnist`, 28x28x1,
 10 classes) for one epoch of `steps` batches of 64 random images with SGD(lr 0.01, momentum 0.9):
 
 - jfed `GroupTrainer.train` with each strategy (`loop`, `vmap`, `scan`) on a `FederatedArrays`
-  in which every client holds exactly steps*64 samples. A warm-up call on the same array shapes
-  compiles everything first; the timed call is the second one, ended by
-  `jax.block_until_ready`. (For `loop` and `vmap` the warm-up call gives every client only
-  min(steps, 2)*64 real samples, so it runs at most two steps per client but compiles exactly
-  the programs the timed call uses; `scan` compiles per number of steps, so its warm-up is the
-  full call.)
+  in which every client holds exactly steps*64 samples;
+- `loop (before issue 14)`: the `loop` strategy's host code as it was before issue 14
+  (`experiments/bench/reference_loop.py`: per-leaf slicing and stacking, a Python step index,
+  one more dispatch per step for the metrics, no donation), same jitted step, same numbers;
 - PyTorch (if importable): the same network in torch.nn, one client after another, each client
   copying the global model and building a fresh SGD optimiser, then forward, cross entropy,
-  backward, step for every batch; `torch.set_num_threads(<CPU count>)`. It is timed on the
-  second of two identical calls, like jfed. On a GPU backend torch runs on CUDA when it can.
+  backward, step for every batch; `torch.set_num_threads(<CPU count>)`. On a GPU backend torch
+  runs on CUDA when it can.
 
-It prints a Markdown table (ms per client-step, client-steps/s, torch_ms / jfed_ms: > 1 means
-jfed is faster), marks the fastest jfed strategy per m and says whether `auto` resolves to it.
-`--out` also writes the table and the raw numbers as JSON.
+Every form first runs a warm-up call that compiles (jfed) or warms up oneDNN/cuDNN (torch): for
+`loop` and `vmap` a call on the same array shapes with one batch per client (it compiles exactly
+the programs of the timed call), for `scan` (compiled per number of steps) and torch the full
+call. Then the forms are timed in turn, `repeats` rounds (interleaved, so a change of machine
+load hits every form alike); the median is reported, each call ended by
+`jax.block_until_ready` (torch: `cuda.synchronize`).
+
+Two more tables isolate what the loop strategy's host code costs:
+- dispatch probe: the same loop, before and after issue 14, on a one-layer model (Dense 784->10)
+  whose step costs almost nothing, so ms/client-step is mostly per-step host overhead;
+- evaluation of `eval_models` stacked CNNMnist models on `eval_examples` images (jfed
+  `Evaluator.group_logits`): one model and batch per call as before issue 14, the `loop`
+  strategy's one call per batch for all models (`lax.map`), and `vmap` (client-batched).
+
+Output: Markdown tables (ms per client-step, client-steps/s, ratios: > 1 means the row is faster
+than the reference), the fastest jfed strategy per m and whether `auto` resolves to it; `--out`
+also writes the tables and the raw numbers as JSON.
 
 Runtime: on XLA:CPU, `vmap` and `scan` are very slow (design.md: ~300 and ~1700 ms per
 client-step), so by default (`--skip_slow`, on CPU backends only) they are skipped for
-m >= 100; the default run then takes about 5 minutes on 2 cores. `--noskip_slow` measures them
-as well (about 10-15 more minutes on 2 cores).
+m >= 100; the default run then takes about 5 minutes on 2 cores.
 """
 
-import json
 import math
-import os
-import platform
+import statistics
 import time
+from typing import NamedTuple, Tuple, Union
 
-from absl import app, flags
+import flax.linen as nn
 import jax
 import numpy as np
 
-from experiments.bench.machine import cpu_count, cpu_model, load_average, log
-
-FLAGS = flags.FLAGS
-flags.DEFINE_list('clients', ['5', '20', '100'], 'Numbers of clients m to benchmark.')
-flags.DEFINE_integer(
-  'steps',
-  None,
-  'Local steps (batches of 64) per client; default depends on m: 4 for m <= 5, else 2.',
-)
-flags.DEFINE_integer(
-  'torch_threads',
-  0,
-  'PyTorch intra-op threads (0: one per CPU). With other '
-  'jobs on the machine, 1 avoids OpenMP contention that inflates its time.',
-)
-flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
-flags.DEFINE_bool(
-  'skip_slow',
-  True,
-  'On a CPU backend, skip vmap/scan for m >= 100 '
-  '(minutes each on XLA:CPU). Use --noskip_slow to measure them.',
+from experiments.bench.machine import (
+  cpu_count,
+  environment,
+  import_torch,
+  load_average,
+  log,
+  write_json,
 )
 
 BATCH = 64
@@ -69,10 +69,48 @@ INPUT_SHAPE = (28, 28, 1)
 JFED_STRATEGIES = ('loop', 'vmap', 'scan')
 SLOW_STRATEGIES = ('vmap', 'scan')
 SLOW_MIN_CLIENTS = 100
+LEGACY = 'legacy_loop'
+NAMES = {
+  'torch': 'PyTorch per-client loop',
+  LEGACY: 'jfed loop, before issue 14',
+  'loop': 'jfed loop',
+  'vmap': 'jfed vmap',
+  'scan': 'jfed scan',
+}
+
+
+class Sizes(NamedTuple):
+  """What to run; the defaults are the command line's."""
+
+  clients: Tuple[int, ...] = (5, 20, 100)
+  # Per client; an int for every m, a tuple per m (aligned with `clients`), None: default_steps.
+  steps: Union[None, int, Tuple[int, ...]] = None
+  strategies: Tuple[str, ...] = JFED_STRATEGIES
+  legacy_loop: bool = True  # also time the loop strategy as before issue 14
+  legacy_max_clients: int = 0  # time the loop before issue 14 only up to this m (0: always)
+  skip_slow: bool = True  # CPU only: skip vmap/scan for m >= SLOW_MIN_CLIENTS
+  repeats: Union[int, Tuple[int, ...]] = 1  # timed rounds per form (median); int or per m
+  torch: bool = True
+  torch_threads: int = 0  # 0: one per CPU
+  probe_clients: int = 20  # dispatch probe (tiny model); 0: off
+  probe_steps: int = 8
+  probe_repeats: int = 5
+  eval_models: int = 10  # evaluation of many models; 0: off
+  eval_examples: int = 1000
+  eval_batch: int = 500
+  eval_repeats: int = 2
 
 
 def default_steps(m: int) -> int:
   return 4 if m <= 5 else 2
+
+
+def _for_m(value, sizes: 'Sizes', m: int):
+  return value[sizes.clients.index(m)] if isinstance(value, tuple) else value
+
+
+def steps_for(sizes: 'Sizes', m: int) -> int:
+  return _for_m(sizes.steps, sizes, m) or default_steps(m)
 
 
 def make_data(m: int, steps: int, seed: int = 0):
@@ -87,32 +125,55 @@ def make_data(m: int, steps: int, seed: int = 0):
   return federate(x, y, parts)
 
 
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t0, out
+
+
+def _interleaved(forms, repeats):
+  """{name: [seconds] * repeats}, the forms timed in turn so that load changes hit all alike."""
+  times = {name: [] for name in forms}
+  outs = {}
+  for _ in range(repeats):
+    for name, fn in forms.items():
+      seconds, outs[name] = _timed(fn)
+      times[name].append(seconds)
+  return times, outs
+
+
 # ---------------------------------------------------------------------------------------------
 # jfed
 # ---------------------------------------------------------------------------------------------
-def time_jfed(trainer, state0, fed, steps: int) -> float:
-  """Seconds of the second (compiled) GroupTrainer.train call on `fed` (1 epoch)."""
+def jfed_form(trainer, state0, fed):
+  """(warm-up, timed call) for GroupTrainer.train on `fed`, 1 epoch."""
   from jfed.data.federated import FederatedArrays
 
-  m = fed.num_clients
   key = jax.random.key(0)
-  if trainer.strategy in ('loop', 'vmap'):
-    # Same shapes (hence the same compiled programs) but at most two real batches per client:
-    # two so that the accumulation of step statistics is compiled too.
-    warm = FederatedArrays(fed.x, fed.y, np.full(m, min(steps, 2) * BATCH, np.int32))
-  else:
+  if trainer.strategy == 'scan':
     warm = fed  # `scan` compiles per number of steps.
-  t0 = time.perf_counter()
-  out, _ = trainer.train(state0, warm, 1, key)
-  jax.block_until_ready(out)
-  log(f'    warm-up (compile) {time.perf_counter() - t0:.1f} s')
-  t0 = time.perf_counter()
-  out, metrics = trainer.train(state0, fed, 1, key)
-  jax.block_until_ready(out)
-  seconds = time.perf_counter() - t0
-  if not np.all(np.isfinite(metrics.loss)):
-    raise RuntimeError(f'non-finite training loss with strategy {trainer.strategy}')
-  return seconds
+  else:
+    # Same shapes, hence the same compiled programs (client slicing and stacking included), but
+    # one real batch in all: the other clients are empty and run no step.
+    sizes = np.zeros(fed.num_clients, np.int32)
+    sizes[0] = BATCH
+    warm = FederatedArrays(fed.x, fed.y, sizes)
+
+  def call(data):
+    out, metrics = trainer.train(state0, data, 1, key)
+    jax.block_until_ready(out)
+    if not np.all(np.isfinite(metrics.loss)):
+      raise RuntimeError(f'non-finite training loss with strategy {trainer.strategy}')
+    return out
+
+  return (lambda: call(warm)), (lambda: call(fed))
+
+
+def _max_abs_diff(a, b) -> float:
+  return max(
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,238 +219,468 @@ def torch_train_clients(torch, global_model, xs, ys, steps: int, device):
   return models, total
 
 
-def time_torch(torch, fed, steps: int, device) -> float:
-  """Seconds of the second of two identical per-client loops (the first warms up oneDNN/cuDNN)."""
+def torch_form(torch, fed, steps: int, device):
   torch.manual_seed(0)
   xs = torch.from_numpy(np.ascontiguousarray(fed.x.transpose(0, 1, 4, 2, 3))).to(device)
   ys = torch.from_numpy(fed.y.astype(np.int64)).to(device)
   global_model = torch_model(torch).to(device)
   sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-  torch_train_clients(torch, global_model, xs, ys, steps, device)  # warm-up, same work
-  sync()
-  t0 = time.perf_counter()
-  _, total = torch_train_clients(torch, global_model, xs, ys, steps, device)
-  sync()
-  seconds = time.perf_counter() - t0
-  if not math.isfinite(float(total)):
-    raise RuntimeError('non-finite PyTorch training loss')
-  return seconds
+
+  def call(clients):
+    _, total = torch_train_clients(torch, global_model, xs[:clients], ys[:clients], steps, device)
+    sync()
+    if not math.isfinite(float(total)):
+      raise RuntimeError('non-finite PyTorch training loss')
+
+  # Two clients warm up oneDNN/cuDNN and the allocator as well as all of them would.
+  return (lambda: call(2)), (lambda: call(xs.shape[0]))
 
 
 # ---------------------------------------------------------------------------------------------
-# Report
+# one table per concern
 # ---------------------------------------------------------------------------------------------
-def _fmt(v, spec):
-  return 'n/a' if v is None else format(v, spec)
-
-
-def build_report(meta, results, auto_strategy):
-  lines = [
-    '# jfed local-training throughput (CNNMnist, batch 64, SGD lr 0.01 momentum 0.9)',
-    '',
-    f'- backend: **{meta["backend"]}** (device kind: {meta["device_kind"]}, '
-    f'{meta["num_devices"]} device(s)); `auto` resolves to **{auto_strategy}**',
-    f'- jax {meta["jax_version"]}, jaxlib {meta["jaxlib_version"]}, flax {meta["flax_version"]}, '
-    f'torch {meta["torch_version"] or "not importable"}'
-    + (
-      f' on {meta["torch_device"]} ({meta["torch_threads"]} threads)'
-      if meta['torch_version']
-      else ''
-    ),
-    f'- CPUs: {meta["cpu_count"]} ({meta["cpu_model"]}); load average at start '
-    f'{meta["load_average"]}; python {meta["python_version"]}',
-    '- steps per client: '
-    + ', '.join(f'm={m}: {s}' for m, s in meta['steps'].items())
-    + ' (1 epoch, random 28x28x1 inputs)',
-    '',
-    '| clients | strategy | ms/client-step | client-steps/s | ratio vs PyTorch |',
-    '|---:|---|---:|---:|---:|',
-  ]
-  summary = {}
-  for m in meta['clients']:
-    rows = [r for r in results if r['clients'] == m]
-    timed = [r for r in rows if r['framework'] == 'jfed' and r['ms_per_client_step'] is not None]
-    fastest = min(timed, key=lambda r: r['ms_per_client_step'])['strategy'] if timed else None
-    skipped = [r['strategy'] for r in rows if r['framework'] == 'jfed' and r['skipped']]
-    for r in rows:
-      name = r['strategy'] if r['framework'] == 'jfed' else 'PyTorch loop'
-      if r['framework'] == 'jfed':
-        name = f'jfed {name}'
-        if r['strategy'] == auto_strategy:
-          name += ' (= auto)'
-        if r['strategy'] == fastest:
-          name += ' **fastest**'
-      if r['skipped']:
-        lines.append(f'| {m} | {name} | skipped: {r["skipped"]} | | |')
-        continue
-      lines.append(
-        f'| {m} | {name} | {_fmt(r["ms_per_client_step"], ".1f")} | '
-        f'{_fmt(r["client_steps_per_s"], ".1f")} | '
-        f'{_fmt(r["ratio_vs_torch"], ".2f")} |'
-      )
-    ms = {r['strategy']: r['ms_per_client_step'] for r in timed}
-    summary[m] = {
-      'fastest_jfed': fastest,
-      'auto': auto_strategy,
-      'auto_is_fastest': fastest == auto_strategy if fastest else None,
-      'auto_slowdown_vs_fastest': (
-        ms[auto_strategy] / ms[fastest] if fastest and auto_strategy in ms else None
-      ),
-      'skipped': skipped,
-    }
-  lines.append('')
-  for m, s in summary.items():
-    among = f' (among measured; skipped: {", ".join(s["skipped"])})' if s['skipped'] else ''
-    verdict = ('yes' if s['auto_is_fastest'] else 'no') if s['fastest_jfed'] else 'n/a'
-    if s['fastest_jfed'] and not s['auto_is_fastest']:
-      slow = s['auto_slowdown_vs_fastest']
-      verdict += (
-        f' (auto is {100 * (slow - 1):.0f}% slower)' if slow is not None else ' (auto not measured)'
-      )
-    lines.append(
-      f'- m={m}: fastest jfed strategy = {s["fastest_jfed"]}{among}; '
-      f'auto -> {auto_strategy}: picked the fastest: **{verdict}**'
-    )
-  lines.append('')
-  lines.append('ratio vs PyTorch = torch_ms / jfed_ms: > 1 means jfed is faster.')
-  return '\n'.join(lines), summary
-
-
-def row(m, steps, framework, strategy, seconds=None, skipped=None):
+def _row(m, steps, form, times, compile_s=None, skipped=None):
   client_steps = m * steps
   r = {
     'clients': m,
     'steps_per_client': steps,
-    'framework': framework,
-    'strategy': strategy,
+    'form': form,
+    'framework': 'torch' if form == 'torch' else 'jfed',
     'client_steps': client_steps,
-    'seconds': seconds,
+    'warmup_s': compile_s,
+    'seconds': times,
     'skipped': skipped,
     'ms_per_client_step': None,
     'client_steps_per_s': None,
-    'ratio_vs_torch': None,
   }
-  if seconds is not None:
-    r['ms_per_client_step'] = 1e3 * seconds / client_steps
-    r['client_steps_per_s'] = client_steps / seconds
+  if times:
+    med = statistics.median(times)
+    r['ms_per_client_step'] = 1e3 * med / client_steps
+    r['client_steps_per_s'] = client_steps / med
+    r['min_ms_per_client_step'] = 1e3 * min(times) / client_steps
   return r
+
+
+def _add_ratios(rows, refs):
+  """ratio_vs_<ref> = ref's ms / the row's ms (> 1: the row is faster)."""
+  ms = {r['form']: r['ms_per_client_step'] for r in rows if r['ms_per_client_step']}
+  for r in rows:
+    for ref in refs:
+      ok = r['ms_per_client_step'] and ref in ms
+      r[f'ratio_vs_{ref}'] = ms[ref] / r['ms_per_client_step'] if ok else None
+
+
+def training_rows(sizes: Sizes, torch, torch_device, backend):
+  import optax
+
+  from experiments.bench.reference_loop import LegacyLoopTrainer
+  from jfed.engine.state import init_models, init_train_state
+  from jfed.engine.training import GroupTrainer
+  from jfed.models import get_model
+
+  module = get_model('cnn_mnist', NUM_CLASSES, INPUT_SHAPE)
+  tx = optax.sgd(LR, momentum=MOMENTUM)
+  trainers = {s: GroupTrainer(module, tx, BATCH, strategy=s) for s in sizes.strategies}
+  if sizes.legacy_loop:
+    trainers = {LEGACY: LegacyLoopTrainer(module, tx, BATCH), **trainers}
+  rows, checks = [], {}
+  for m in sizes.clients:
+    legacy_off = sizes.legacy_max_clients and m > sizes.legacy_max_clients
+    steps, repeats = steps_for(sizes, m), _for_m(sizes.repeats, sizes, m)
+    fed = make_data(m, steps)
+    state0 = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), m))
+    forms, m_rows = {}, []
+    if torch is not None:
+      forms['torch'] = torch_form(torch, fed, steps, torch_device)
+    for name, trainer in trainers.items():
+      if name == LEGACY and legacy_off:
+        m_rows.append(_row(m, steps, name, None, skipped=f'm > {sizes.legacy_max_clients}'))
+        continue
+      slow = name in SLOW_STRATEGIES and m >= SLOW_MIN_CLIENTS
+      if sizes.skip_slow and backend == 'cpu' and slow:
+        log(f'  m={m}: {NAMES[name]} skipped (skip_slow: minutes on XLA:CPU)')
+        m_rows.append(_row(m, steps, name, None, skipped='skip_slow on CPU'))
+        continue
+      forms[name] = jfed_form(trainer, state0, fed)
+    warm = {}
+    for name, (warm_fn, _) in forms.items():
+      log(f'  m={m}, {steps} steps/client: warm-up {NAMES[name]}')
+      warm[name], _ = _timed(warm_fn)
+    log(f'  m={m}: timing {", ".join(forms)} x {repeats} (load {load_average()})')
+    times, outs = _interleaved({n: f[1] for n, f in forms.items()}, repeats)
+    for name in forms:
+      m_rows.append(_row(m, steps, name, times[name], warm[name]))
+      log(f'    {NAMES[name]}: {m_rows[-1]["ms_per_client_step"]:.2f} ms/client-step')
+    _add_ratios(m_rows, ('torch', LEGACY, 'loop'))
+    if LEGACY in outs and 'loop' in outs:
+      checks[m] = _max_abs_diff(outs[LEGACY], outs['loop'])
+    rows.extend(m_rows)
+    del fed, state0, outs
+  return rows, checks
+
+
+class ProbeNet(nn.Module):
+  """Dense 784->10: a step that costs almost nothing, so the loop's host overhead shows."""
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def probe_rows(sizes: Sizes):
+  import optax
+
+  from experiments.bench.reference_loop import LegacyLoopTrainer
+  from jfed.engine.state import init_models, init_train_state
+  from jfed.engine.training import GroupTrainer
+
+  m, steps = sizes.probe_clients, sizes.probe_steps
+  module = ProbeNet()
+  tx = optax.sgd(LR, momentum=MOMENTUM)
+  fed = make_data(m, steps, seed=1)
+  state0 = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), m))
+  forms = {
+    LEGACY: jfed_form(LegacyLoopTrainer(module, tx, BATCH), state0, fed),
+    'loop': jfed_form(GroupTrainer(module, tx, BATCH, strategy='loop'), state0, fed),
+  }
+  warm = {name: _timed(f[0])[0] for name, f in forms.items()}
+  times, outs = _interleaved({n: f[1] for n, f in forms.items()}, sizes.probe_repeats)
+  rows = [_row(m, steps, name, times[name], warm[name]) for name in forms]
+  _add_ratios(rows, (LEGACY,))
+  return rows, _max_abs_diff(outs[LEGACY], outs['loop'])
+
+
+def evaluation_rows(sizes: Sizes):
+  from experiments.bench.reference_loop import LegacyLoopEvaluator
+  from jfed.engine import Evaluator, init_models
+  from jfed.models import get_model
+
+  m, n, b = sizes.eval_models, sizes.eval_examples, sizes.eval_batch
+  module = get_model('cnn_mnist', NUM_CLASSES, INPUT_SHAPE)
+  models = init_models(module, INPUT_SHAPE, jax.random.key(0), m, same_init=False)
+  x = np.random.default_rng(2).standard_normal((n, *INPUT_SHAPE), dtype=np.float32)
+  evaluators = {
+    LEGACY: LegacyLoopEvaluator(module, b),
+    'loop': Evaluator(module, b, strategy='loop'),
+    'vmap': Evaluator(module, b, strategy='vmap'),
+  }
+  forms = {name: (lambda ev=ev: ev.group_logits(models, x)) for name, ev in evaluators.items()}
+  warm = {name: _timed(f)[0] for name, f in forms.items()}
+  times, outs = _interleaved(forms, sizes.eval_repeats)
+  rows = []
+  for name in forms:
+    med = statistics.median(times[name])
+    rows.append(
+      {
+        'form': name,
+        'models': m,
+        'examples': n,
+        'batch': b,
+        'warmup_s': warm[name],
+        'seconds': times[name],
+        'ms_per_model': 1e3 * med / m,
+        'max_abs_diff_vs_legacy': float(np.max(np.abs(outs[name] - outs[LEGACY]))),
+      }
+    )
+  base = rows[0]['ms_per_model']
+  for r in rows:
+    r['ratio_vs_legacy_loop'] = base / r['ms_per_model']
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _per_m_text(value, clients):
+  if isinstance(value, (tuple, list)):
+    return ', '.join(f'{v} at m={m}' for m, v in zip(clients, value))
+  return str(value)
+
+
+def _f(v, spec='.2f', none='n/a'):
+  return none if v is None else format(v, spec)
+
+
+def report(meta, rows, probe, evaluation, summary) -> str:
+  auto = meta['auto_strategy']
+  lines = [
+    '### Client training (CNNMnist, batch 64, SGD lr 0.01 momentum 0.9, one epoch)',
+    '',
+    f'`auto` resolves to **{auto}** on {meta["backend"]}; PyTorch: '
+    + (
+      f'{meta["torch_version"]} on {meta["torch_device"]} ({meta["torch_threads"]} threads)'
+      if meta['torch_version']
+      else f'skipped ({meta["torch_note"]})'
+    )
+    + f'; median of {_per_m_text(meta["sizes"]["repeats"], meta["sizes"]["clients"])} '
+    'interleaved timed call(s) after a warm-up; '
+    f'load average {meta["load_average"]} at start, {meta["load_average_end"]} at end.',
+    '',
+    '| clients | steps/client | implementation | ms/client-step | client-steps/s '
+    '| vs PyTorch | vs loop before issue 14 | vs jfed loop |',
+    '|---:|---:|---|---:|---:|---:|---:|---:|',
+  ]
+  for r in rows:
+    name = NAMES[r['form']]
+    if r['form'] == auto:
+      name += ' (= auto)'
+    if summary['fastest'].get(str(r['clients'])) == r['form']:
+      name += ' **fastest jfed**'
+    if r['skipped']:
+      lines.append(
+        f'| {r["clients"]} | {r["steps_per_client"]} | {name} | skipped: {r["skipped"]} | | | | |'
+      )
+      continue
+    lines.append(
+      f'| {r["clients"]} | {r["steps_per_client"]} | {name} | {_f(r["ms_per_client_step"])} '
+      f'| {_f(r["client_steps_per_s"], ".1f")} | {_f(r["ratio_vs_torch"])} '
+      f'| {_f(r["ratio_vs_" + LEGACY])} | {_f(r["ratio_vs_loop"])} |'
+    )
+  lines.append('')
+  for m, fastest in summary['fastest'].items():
+    verdict = 'yes' if fastest == auto else 'no'
+    lines.append(f'- m={m}: fastest jfed strategy {fastest}; auto picks it: **{verdict}**')
+  for m, d in summary['loop_vs_legacy_max_abs_diff'].items():
+    lines.append(
+      f'- m={m}: loop after vs before issue 14, max abs difference of the trained states: {d:.1e}'
+    )
+  lines.append("- ratios are the reference's ms / the row's ms: > 1 means the row is faster.")
+  if probe:
+    lines += [
+      '',
+      f'Dispatch probe (Dense 784->10, {probe[0]["clients"]} clients x '
+      f'{probe[0]["steps_per_client"]} steps, median of {meta["sizes"]["probe_repeats"]}): the '
+      "loop's host overhead per client-step.",
+      '',
+      '| implementation | ms/client-step | vs loop before issue 14 |',
+      '|---|---:|---:|',
+    ]
+    for r in probe:
+      lines.append(
+        f'| {NAMES[r["form"]]} | {_f(r["ms_per_client_step"], ".3f")} '
+        f'| {_f(r["ratio_vs_" + LEGACY])} |'
+      )
+    lines.append(f'\nmax abs difference of the trained states: {summary["probe_max_abs_diff"]:.1e}')
+  if evaluation:
+    e0 = evaluation[0]
+    lines += [
+      '',
+      f'Evaluation of {e0["models"]} stacked CNNMnist models on {e0["examples"]} images, '
+      f'batch {e0["batch"]} (`Evaluator.group_logits`, median of '
+      f'{meta["sizes"]["eval_repeats"]}):',
+      '',
+      '| implementation | ms/model | vs before issue 14 | max abs diff |',
+      '|---|---:|---:|---:|',
+    ]
+    eval_names = {
+      LEGACY: 'one model, one batch per call (loop before issue 14)',
+      'loop': 'all models per call, lax.map (loop now)',
+      'vmap': 'all models per call, vmap',
+    }
+    eval_auto = 'loop' if auto == 'loop' else 'vmap'
+    for r in evaluation:
+      name = eval_names[r['form']] + (' (= auto)' if r['form'] == eval_auto else '')
+      lines.append(
+        f'| {name} | {r["ms_per_model"]:.1f} | {r["ratio_vs_legacy_loop"]:.2f} '
+        f'| {r["max_abs_diff_vs_legacy"]:.1e} |'
+      )
+  return '\n'.join(lines)
+
+
+def _goal_clients(clients):
+  return 100 if 100 in clients else max(clients)
+
+
+def headline(meta, rows, probe_rows, summary):
+  """The summary rows of experiments.bench.all: the issue-14 goal and before/after."""
+  out = []
+  m = _goal_clients(meta['sizes']['clients'])
+  by = {r['form']: r for r in rows if r['clients'] == m and r['ms_per_client_step']}
+  best = summary['fastest'].get(str(m))
+  auto = meta['auto_strategy']
+  pick = auto if auto in by else best
+  if pick:
+    r = by[pick]
+    out.append(
+      {
+        'benchmark': 'client training',
+        'figure': f'jfed {pick}{" (auto)" if pick == auto else ""}, m={m}, ms/client-step',
+        'value': r['ms_per_client_step'],
+        'unit': 'ms',
+        'reference': 'PyTorch per-client loop',
+        'reference_value': by['torch']['ms_per_client_step'] if 'torch' in by else None,
+        'ratio': r['ratio_vs_torch'],
+        'loop_ratio': r['ratio_vs_loop'],
+        'goal': '>= 10x PyTorch per-client loop at m=100 (accelerators)',
+        'goal_ratio': 10.0,
+      }
+    )
+  if 'loop' in by and LEGACY in by:
+    out.append(
+      {
+        'benchmark': 'client training',
+        'figure': f'jfed loop after vs before issue 14, m={m}, ms/client-step',
+        'value': by['loop']['ms_per_client_step'],
+        'unit': 'ms',
+        'reference': 'loop before issue 14',
+        'reference_value': by[LEGACY]['ms_per_client_step'],
+        'ratio': by['loop']['ratio_vs_' + LEGACY],
+        'loop_ratio': 1.0,
+        'goal': 'less dispatch (no number)',
+        'goal_ratio': None,
+      }
+    )
+  probe = {r['form']: r for r in probe_rows}
+  if 'loop' in probe and LEGACY in probe:
+    out.append(
+      {
+        'benchmark': 'client training',
+        'figure': 'dispatch probe (Dense 784->10): jfed loop after vs before issue 14, '
+        'ms/client-step',
+        'value': probe['loop']['ms_per_client_step'],
+        'unit': 'ms',
+        'reference': 'loop before issue 14',
+        'reference_value': probe[LEGACY]['ms_per_client_step'],
+        'ratio': probe['loop']['ratio_vs_' + LEGACY],
+        'loop_ratio': 1.0,
+        'goal': 'less dispatch (no number)',
+        'goal_ratio': None,
+      }
+    )
+  return out
+
+
+def run(sizes: Sizes = Sizes()) -> dict:
+  """Runs the benchmark; returns meta (environment, sizes), rows, tables and headline figures."""
+  from jfed.engine.training import resolve_strategy
+
+  if not sizes.clients or min(sizes.clients) < 1:
+    raise ValueError('clients must be positive integers')
+  if min(steps_for(sizes, m) for m in sizes.clients) < 1:
+    raise ValueError('steps must be >= 1')
+  for name in ('steps', 'repeats'):
+    value = getattr(sizes, name)
+    if isinstance(value, tuple) and len(value) != len(sizes.clients):
+      raise ValueError(f'{name} {value} needs one entry per number of clients {sizes.clients}')
+  unknown = set(sizes.strategies) - set(JFED_STRATEGIES)
+  if unknown:
+    raise ValueError(f'unknown strategies {sorted(unknown)}; valid: {JFED_STRATEGIES}')
+  meta = environment()
+  backend = meta['backend']
+  torch, torch_note = import_torch(sizes.torch)
+  torch_device = None
+  if torch is not None:
+    torch.set_num_threads(sizes.torch_threads or cpu_count())
+    use_cuda = backend == 'gpu' and torch.cuda.is_available()
+    torch_device = torch.device('cuda' if use_cuda else 'cpu')
+  meta.update(
+    torch_version=torch.__version__ if torch is not None else None,
+    torch_device=str(torch_device) if torch is not None else None,
+    torch_threads=torch.get_num_threads() if torch is not None else None,
+    torch_note=torch_note,
+    auto_strategy=resolve_strategy('auto'),
+    sizes={
+      **sizes._asdict(),
+      'steps_per_m': {m: steps_for(sizes, m) for m in sizes.clients},
+    },
+    model='cnn_mnist 28x28x1, 10 classes',
+    batch_size=BATCH,
+    optimizer=f'sgd(lr={LR}, momentum={MOMENTUM})',
+  )
+  log(
+    f'client training: backend {backend}, auto -> {meta["auto_strategy"]}, '
+    f'load {meta["load_average"]}'
+  )
+  t0 = time.perf_counter()
+  rows, checks = training_rows(sizes, torch, torch_device, backend)
+  probe, probe_diff = [], None
+  if sizes.probe_clients:
+    log(f'  dispatch probe: {sizes.probe_clients} clients x {sizes.probe_steps} steps')
+    probe, probe_diff = probe_rows(sizes)
+  evaluation = []
+  if sizes.eval_models:
+    log(f'  evaluation: {sizes.eval_models} models x {sizes.eval_examples} images')
+    evaluation = evaluation_rows(sizes)
+  meta['total_seconds'] = time.perf_counter() - t0
+  meta['load_average_end'] = load_average()
+  fastest = {}
+  for m in sizes.clients:
+    timed = [
+      r
+      for r in rows
+      if r['clients'] == m and r['form'] in JFED_STRATEGIES and r['ms_per_client_step']
+    ]
+    if timed:
+      fastest[str(m)] = min(timed, key=lambda r: r['ms_per_client_step'])['form']
+  summary = {
+    'fastest': fastest,
+    'loop_vs_legacy_max_abs_diff': {str(m): d for m, d in checks.items()},
+    'probe_max_abs_diff': probe_diff,
+  }
+  table = report(meta, rows, probe, evaluation, summary)
+  return {
+    'name': 'client_training',
+    'meta': meta,
+    'results': rows,
+    'probe': probe,
+    'evaluation': evaluation,
+    'summary': summary,
+    'headline': headline(meta, rows, probe, summary),
+    'table_markdown': table,
+  }
+
+
+def define_flags():
+  from absl import flags
+
+  flags.DEFINE_list('clients', ['5', '20', '100'], 'Numbers of clients m to benchmark.')
+  flags.DEFINE_integer(
+    'steps', None, 'Local steps (batches of 64) per client; default: 4 for m <= 5, else 2.'
+  )
+  flags.DEFINE_integer('repeats', 1, 'Timed calls per form, interleaved; the median is reported.')
+  flags.DEFINE_list('strategies', list(JFED_STRATEGIES), 'jfed strategies to time.')
+  flags.DEFINE_bool('legacy_loop', True, 'Also time the loop strategy as before issue 14.')
+  flags.DEFINE_integer(
+    'torch_threads',
+    0,
+    'PyTorch intra-op threads (0: one per CPU). With other '
+    'jobs on the machine, 1 avoids OpenMP contention that inflates its time.',
+  )
+  flags.DEFINE_integer('probe_clients', 20, 'Clients of the dispatch probe (0: skip it).')
+  flags.DEFINE_integer('eval_models', 10, 'Models of the evaluation table (0: skip it).')
+  flags.DEFINE_string('out', None, 'Optional JSON file for the tables and the raw numbers.')
+  flags.DEFINE_bool(
+    'skip_slow',
+    True,
+    'On a CPU backend, skip vmap/scan for m >= 100 '
+    '(minutes each on XLA:CPU). Use --noskip_slow to measure them.',
+  )
 
 
 def main(argv):
   del argv
-  import flax
-  import jaxlib
-  import optax
+  from absl import flags
 
-  from jfed.engine.state import init_models, init_train_state
-  from jfed.engine.training import GroupTrainer, resolve_strategy
-  from jfed.models import get_model
-
-  try:
-    import torch
-  except ImportError as e:
-    torch = None
-    log(f'PyTorch not importable ({e}): skipping the PyTorch baseline.')
-
-  clients = [int(c) for c in FLAGS.clients]
-  if not clients or min(clients) < 1:
-    raise app.UsageError('--clients needs positive integers')
-  if FLAGS.steps is not None and FLAGS.steps < 1:
-    raise app.UsageError('--steps must be >= 1')
-  steps_for = {m: FLAGS.steps or default_steps(m) for m in clients}
-  backend = jax.default_backend()
-  auto_strategy = resolve_strategy('auto')
-  ncpu = cpu_count()
-
-  torch_device = None
-  if torch is not None:
-    torch.set_num_threads(FLAGS.torch_threads or ncpu)
-    use_cuda = backend == 'gpu' and torch.cuda.is_available()
-    torch_device = torch.device('cuda' if use_cuda else 'cpu')
-
-  meta = {
-    'backend': backend,
-    'device_kind': jax.devices()[0].device_kind,
-    'num_devices': jax.device_count(),
-    'jax_version': jax.__version__,
-    'jaxlib_version': jaxlib.__version__,
-    'flax_version': flax.__version__,
-    'torch_version': torch.__version__ if torch is not None else None,
-    'torch_device': str(torch_device) if torch is not None else None,
-    'torch_threads': torch.get_num_threads() if torch is not None else None,
-    'cpu_count': ncpu,
-    'cpu_model': cpu_model(),
-    'load_average': load_average(),
-    'python_version': platform.python_version(),
-    'clients': clients,
-    'steps': steps_for,
-    'batch_size': BATCH,
-    'optimizer': f'sgd(lr={LR}, momentum={MOMENTUM})',
-    'model': 'cnn_mnist 28x28x1, 10 classes',
-    'auto_strategy': auto_strategy,
-    'skip_slow': FLAGS.skip_slow,
-  }
-  log(
-    f'backend {backend} ({meta["device_kind"]}), auto -> {auto_strategy}, CPUs {ncpu}, '
-    f'steps per client {steps_for}'
+  f = flags.FLAGS
+  sizes = Sizes(
+    clients=tuple(int(c) for c in f.clients),
+    steps=f.steps,
+    strategies=tuple(f.strategies),
+    legacy_loop=f.legacy_loop,
+    skip_slow=f.skip_slow,
+    repeats=f.repeats,
+    torch_threads=f.torch_threads,
+    probe_clients=f.probe_clients,
+    eval_models=f.eval_models,
   )
-
-  module = get_model('cnn_mnist', NUM_CLASSES, INPUT_SHAPE)
-  tx = optax.sgd(LR, momentum=MOMENTUM)
-  trainers = {s: GroupTrainer(module, tx, BATCH, strategy=s) for s in JFED_STRATEGIES}
-
-  results = []
-  t_start = time.perf_counter()
-  for m in clients:
-    steps = steps_for[m]
-    fed = make_data(m, steps)
-    state0 = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), m))
-    m_rows = []
-    if torch is not None:
-      log(f'm={m}, {steps} steps/client: PyTorch loop')
-      m_rows.append(row(m, steps, 'torch', 'loop', time_torch(torch, fed, steps, torch_device)))
-      log(f'    {m_rows[-1]["ms_per_client_step"]:.1f} ms/client-step')
-    for strategy in JFED_STRATEGIES:
-      if (
-        FLAGS.skip_slow
-        and backend == 'cpu'
-        and strategy in SLOW_STRATEGIES
-        and m >= SLOW_MIN_CLIENTS
-      ):
-        log(f'm={m}: jfed {strategy} skipped (--skip_slow)')
-        m_rows.append(row(m, steps, 'jfed', strategy, skipped='--skip_slow'))
-        continue
-      log(f'm={m}, {steps} steps/client: jfed {strategy}')
-      m_rows.append(
-        row(m, steps, 'jfed', strategy, time_jfed(trainers[strategy], state0, fed, steps))
-      )
-      log(f'    {m_rows[-1]["ms_per_client_step"]:.1f} ms/client-step')
-    torch_ms = m_rows[0]['ms_per_client_step'] if torch is not None else None
-    for r in m_rows:
-      if torch_ms is not None and r['ms_per_client_step'] is not None:
-        r['ratio_vs_torch'] = torch_ms / r['ms_per_client_step']
-    results.extend(m_rows)
-    del fed, state0
-  meta['total_seconds'] = time.perf_counter() - t_start
-
-  table, summary = build_report(meta, results, auto_strategy)
-  if torch is None:
-    table += '\n\nPyTorch was not importable: no baseline, ratios are n/a.'
-  print(table)
-  if FLAGS.out:
-    out_dir = os.path.dirname(FLAGS.out)
-    if out_dir:
-      os.makedirs(out_dir, exist_ok=True)
-    payload = {
-      'meta': {**meta, 'steps': {str(k): v for k, v in steps_for.items()}},
-      'results': results,
-      'summary': {str(k): v for k, v in summary.items()},
-      'table_markdown': table,
-    }
-    with open(FLAGS.out, 'w') as f:
-      json.dump(payload, f, indent=2)
-    log(f'wrote {FLAGS.out}')
+  result = run(sizes)
+  print(result['table_markdown'])
+  if f.out:
+    write_json(f.out, result)
 
 
 if __name__ == '__main__':
+  from absl import app
+
+  define_flags()
   app.run(main)

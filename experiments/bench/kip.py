@@ -5,6 +5,9 @@ KIP notebook's reference setting for one client.
         [--target_batch=10] [--samples=600] [--noreference] [--reference_steps=300]
         [--out=FILE.json]
 
+From Python: `run(Sizes(...))` returns the table and raw numbers as a dict
+(`experiments.bench.all` calls it).
+
 1. HFLDD setting (seed 003 Sec. VI-A4: 400 distilled images per client, target minibatch 10,
    lr 0.004, FC1 NTK, float32) for m clients of `samples` random 28x28x1 images each, the same
    `iterations` for both forms:
@@ -32,29 +35,30 @@ form is meant for accelerators, where the loop is dispatch-bound); the reference
 300 float64 steps in 78 s (+7 s compile), beside the notebook's ~63 s on its own hardware.
 """
 
-import json
-import os
-import platform
 import time
+from typing import NamedTuple, Tuple
 
-from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.machine import cpu_count, load_average, log
+from experiments.bench.machine import environment, load_average, log, write_json
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list('clients', ['10', '100'], 'Numbers of clients m.')
-flags.DEFINE_integer('iterations', 10, 'KIP iterations per client (same for batched and loop).')
-flags.DEFINE_integer('support', 400, 'Distilled images per client (HFLDD: 400).')
-flags.DEFINE_integer('target_batch', 10, 'Real samples per KIP step (HFLDD: 10).')
-flags.DEFINE_integer('samples', 600, 'Real images per client (100 Fashion-MNIST clients: 600).')
-flags.DEFINE_bool('reference', True, 'Also time the KIP notebook setting for one client.')
-flags.DEFINE_integer('reference_steps', 300, 'Steps of the reference setting (notebook: 300).')
-flags.DEFINE_list('reference_shape', ['32', '32', '3'], 'Image shape of the reference setting.')
-flags.DEFINE_bool('reference_x64', True, 'Run the reference in float64 like the notebook.')
-flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
+
+class Sizes(NamedTuple):
+  """What to run; the defaults are the command line's."""
+
+  clients: Tuple[int, ...] = (10, 100)
+  iterations: int = 10  # KIP iterations per client (same for batched and loop)
+  support: int = 400  # distilled images per client (HFLDD: 400)
+  target_batch: int = 10  # real samples per KIP step (HFLDD: 10)
+  samples: int = 600  # real images per client (100 Fashion-MNIST clients: 600)
+  reference: bool = True  # also time the KIP notebook setting for one client
+  reference_steps: int = 300  # notebook: 300
+  reference_shape: Tuple[int, ...] = (32, 32, 3)
+  reference_x64: bool = True  # float64 like the notebook
+  reference_samples: int = 10_000
+
 
 NUM_CLASSES = 10
 NOTEBOOK_SECONDS = 63.0  # the public KIP notebook's reported time for its default loop
@@ -101,10 +105,10 @@ def time_loop(x, y, sizes, config, key):
   return warm_s, time.perf_counter() - t0, res
 
 
-def time_reference(config, shape, key):
+def time_reference(config, shape, key, samples=10_000):
   from jfed.kip.kip import _distill_one_jit, _x64_scope
 
-  x, y, sizes = make_clients(1, 10_000, shape, seed=1)
+  x, y, sizes = make_clients(1, samples, shape, seed=1)
   with _x64_scope(config):
     args = (jnp.asarray(x[0]), jnp.asarray(y[0]), jnp.asarray(int(sizes[0]), jnp.int32), key)
     t0 = time.perf_counter()
@@ -116,49 +120,42 @@ def time_reference(config, shape, key):
   return compile_s, run_s, res
 
 
-def main(argv):
-  del argv
+def run(sz: Sizes = Sizes()) -> dict:
+  """Runs the benchmark; returns meta (environment, sizes), rows, the table and headline figures."""
   from jfed.kip import KIPConfig
 
-  backend = jax.default_backend()
-  meta = {
-    'backend': backend,
-    'device_kind': jax.devices()[0].device_kind,
-    'jax_version': jax.__version__,
-    'cpu_count': cpu_count(),
-    'load_average': load_average(),
-    'python_version': platform.python_version(),
-  }
-  log(
-    f'backend {backend} ({meta["device_kind"]}), jax {jax.__version__}, CPUs '
-    f'{meta["cpu_count"]}, load average {meta["load_average"]}'
-  )
+  meta = environment()
+  meta['sizes'] = sz._asdict()
+  backend = meta['backend']
+  log(f'KIP: backend {backend} ({meta["device_kind"]}), load average {meta["load_average"]}')
   key = jax.random.PRNGKey(0)
   hfldd = KIPConfig(
-    support_size=FLAGS.support,
-    iterations=FLAGS.iterations,
-    lr=0.004,
-    target_batch=FLAGS.target_batch,
+    support_size=sz.support, iterations=sz.iterations, lr=0.004, target_batch=sz.target_batch
   )
   rows = []
-  for m in [int(c) for c in FLAGS.clients]:
-    x, y, sizes = make_clients(m, FLAGS.samples, (28, 28, 1))
-    log(f'm={m}: batched ...')
+  t_start = time.perf_counter()
+  for m in sz.clients:
+    x, y, sizes = make_clients(m, sz.samples, (28, 28, 1))
+    log(f'  m={m}: batched ...')
     c_s, b_s, bres = time_batched(x, y, sizes, hfldd, key)
-    log(f'm={m}: batched compile {c_s:.1f}s, run {b_s:.2f}s; loop ...')
+    log(f'  m={m}: batched compile {c_s:.1f}s, run {b_s:.2f}s; loop ...')
     w_s, l_s, lres = time_loop(x, y, sizes, hfldd, key)
-    log(f'm={m}: loop warm-up {w_s:.1f}s, run {l_s:.2f}s')
+    log(f'  m={m}: loop warm-up {w_s:.1f}s, run {l_s:.2f}s')
     diff = float(np.max(np.abs(np.asarray(bres.x) - np.stack([np.asarray(r.x) for r in lres]))))
-    per = 1000.0 / (m * FLAGS.iterations)
+    per = 1000.0 / (m * sz.iterations)
+    common = {
+      'setting': 'HFLDD',
+      'clients': m,
+      'iterations': sz.iterations,
+      'support': sz.support,
+      'target_batch': sz.target_batch,
+      'dtype': 'float32',
+      'load_average': load_average(),
+    }
     rows.append(
       {
-        'setting': 'HFLDD',
-        'clients': m,
+        **common,
         'mode': 'batched (1 program)',
-        'iterations': FLAGS.iterations,
-        'support': FLAGS.support,
-        'target_batch': FLAGS.target_batch,
-        'dtype': 'float32',
         'compile_s': c_s,
         'run_s': b_s,
         'ms_per_client_iter': b_s * per,
@@ -168,13 +165,8 @@ def main(argv):
     )
     rows.append(
       {
-        'setting': 'HFLDD',
-        'clients': m,
+        **common,
         'mode': 'per-client loop',
-        'iterations': FLAGS.iterations,
-        'support': FLAGS.support,
-        'target_batch': FLAGS.target_batch,
-        'dtype': 'float32',
         'compile_s': w_s,
         'run_s': l_s,
         'ms_per_client_iter': l_s * per,
@@ -182,53 +174,95 @@ def main(argv):
         'max_abs_diff_vs_loop': 0.0,
       }
     )
-  if FLAGS.reference:
-    shape = tuple(int(s) for s in FLAGS.reference_shape)
+  if sz.reference:
+    shape = tuple(sz.reference_shape)
     ref = KIPConfig(
       support_size=100,
-      iterations=FLAGS.reference_steps,
+      iterations=sz.reference_steps,
       lr=0.04,
-      target_batch=5000,
-      x64=FLAGS.reference_x64,
+      target_batch=min(5000, sz.reference_samples),
+      x64=sz.reference_x64,
     )
+    dtype = 'float64' if sz.reference_x64 else 'float32'
     log(
-      f'reference: {FLAGS.reference_steps} steps, support 100, target 5000, {shape}, '
-      f'{"float64" if FLAGS.reference_x64 else "float32"} ...'
+      f'  reference: {sz.reference_steps} steps, support 100, target {ref.target_batch}, '
+      f'{shape}, {dtype} ...'
     )
-    c_s, r_s, res = time_reference(ref, shape, key)
-    log(f'reference: compile {c_s:.1f}s, run {r_s:.1f}s; final loss {float(res.loss[-1]):.4g}')
+    c_s, r_s, res = time_reference(ref, shape, key, sz.reference_samples)
+    log(f'  reference: compile {c_s:.1f}s, run {r_s:.1f}s; final loss {float(res.loss[-1]):.4g}')
     rows.append(
       {
         'setting': f'KIP notebook (FC1 NTK, {"x".join(map(str, shape))})',
         'clients': 1,
         'mode': 'single client',
-        'iterations': FLAGS.reference_steps,
+        'iterations': sz.reference_steps,
         'support': 100,
-        'target_batch': 5000,
-        'dtype': 'float64' if FLAGS.reference_x64 else 'float32',
+        'target_batch': ref.target_batch,
+        'dtype': dtype,
         'compile_s': c_s,
         'run_s': r_s,
-        'ms_per_client_iter': 1000.0 * r_s / FLAGS.reference_steps,
+        'ms_per_client_iter': 1000.0 * r_s / sz.reference_steps,
         'speedup_vs_loop': None,
         'max_abs_diff_vs_loop': None,
         'notebook_s': NOTEBOOK_SECONDS,
+        'load_average': load_average(),
       }
     )
+  meta['total_seconds'] = time.perf_counter() - t_start
+  meta['load_average_end'] = load_average()
+  return {
+    'name': 'kip',
+    'meta': meta,
+    'results': rows,
+    'headline': headline(meta, rows),
+    'table_markdown': report(meta, rows),
+  }
 
+
+def headline(meta, rows):
+  batched = [r for r in rows if r['setting'] == 'HFLDD' and r['mode'].startswith('batched')]
+  if not batched:
+    return []
+  m = 100 if any(r['clients'] == 100 for r in batched) else max(r['clients'] for r in batched)
+  b = next(r for r in batched if r['clients'] == m)
+  loop = next(
+    r for r in rows if r['setting'] == 'HFLDD' and r['clients'] == m and r['mode'] != b['mode']
+  )
+  return [
+    {
+      'benchmark': 'KIP',
+      'figure': f'jfed batched KIP, m={m}, support {b["support"]}, {b["iterations"]} '
+      'iterations: ms/client-iteration',
+      'value': b['ms_per_client_iter'],
+      'unit': 'ms',
+      'reference': 'per-client loop',
+      'reference_value': loop['ms_per_client_iter'],
+      'ratio': b['speedup_vs_loop'],
+      'loop_ratio': b['speedup_vs_loop'],
+      'torch_ratio': None,
+      'torch_value': None,
+      'goal': '>= 10x the per-client loop (accelerators)',
+      'goal_ratio': 10.0,
+    }
+  ]
+
+
+def report(meta, rows) -> str:
+  sz = meta['sizes']
   lines = [
-    '# KIP distillation benchmark',
+    '### KIP distillation',
     '',
-    f'- backend: **{backend}** ({meta["device_kind"]}), jax {jax.__version__}, '
-    f'{meta["cpu_count"]} CPUs, load average at start {meta["load_average"]}',
-    f'- HFLDD rows: random 28x28x1 clients of {FLAGS.samples} images, FC1 NTK, lr 0.004; '
-    'compile time excluded from "run s" (batched: AOT compile; loop: one warm-up client)',
-    f'- reference row: the KIP notebook setting; the public notebook reports '
-    f'~{NOTEBOOK_SECONDS:.0f} s on its own hardware',
+    f'HFLDD rows: random 28x28x1 clients of {sz["samples"]} images, FC1 NTK, lr 0.004; '
+    'compile time excluded from "run s" (batched: AOT compile; loop: one warm-up client). '
+    'The reference row is the KIP notebook setting (the public notebook reports '
+    f'~{NOTEBOOK_SECONDS:.0f} s for 300 steps on its own hardware). No PyTorch reference '
+    f'(KIP is JAX-only). Load average {meta["load_average"]} at start, '
+    f'{meta["load_average_end"]} at end.',
     '',
     '| setting | clients | mode | iterations | support | target batch | dtype '
-    '| compile (warm-up) s | run s | ms / client-iteration | batched speed-up '
+    '| compile (warm-up) s | run s | ms / client-iteration | vs per-client loop '
     '| max abs diff vs loop |',
-    '|---|---|---|---|---|---|---|---|---|---|---|---|',
+    '|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|',
   ]
   for r in rows:
     sp = '—' if r['speedup_vs_loop'] is None else f'{r["speedup_vs_loop"]:.2f}x'
@@ -238,13 +272,52 @@ def main(argv):
       f'{r["support"]} | {r["target_batch"]} | {r["dtype"]} | {r["compile_s"]:.1f} '
       f'| {r["run_s"]:.2f} | {r["ms_per_client_iter"]:.1f} | {sp} | {df} |'
     )
-  table = '\n'.join(lines)
-  print(table)
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, 'w') as f:
-      json.dump({'meta': meta, 'rows': rows, 'table': table}, f, indent=2)
+  lines.append(f'\n- total {meta["total_seconds"]:.0f} s')
+  return '\n'.join(lines)
+
+
+def define_flags():
+  from absl import flags
+
+  d = Sizes()
+  flags.DEFINE_list('clients', [str(c) for c in d.clients], 'Numbers of clients m.')
+  flags.DEFINE_integer('iterations', d.iterations, 'KIP iterations per client.')
+  flags.DEFINE_integer('support', d.support, 'Distilled images per client (HFLDD: 400).')
+  flags.DEFINE_integer('target_batch', d.target_batch, 'Real samples per KIP step (HFLDD: 10).')
+  flags.DEFINE_integer('samples', d.samples, 'Real images per client.')
+  flags.DEFINE_bool('reference', d.reference, 'Also time the KIP notebook setting.')
+  flags.DEFINE_integer('reference_steps', d.reference_steps, 'Reference steps (notebook: 300).')
+  flags.DEFINE_list(
+    'reference_shape', [str(v) for v in d.reference_shape], 'Image shape of the reference.'
+  )
+  flags.DEFINE_bool('reference_x64', d.reference_x64, 'Reference in float64 like the notebook.')
+  flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
+
+
+def main(argv):
+  del argv
+  from absl import flags
+
+  f = flags.FLAGS
+  sz = Sizes(
+    clients=tuple(int(c) for c in f.clients),
+    iterations=f.iterations,
+    support=f.support,
+    target_batch=f.target_batch,
+    samples=f.samples,
+    reference=f.reference,
+    reference_steps=f.reference_steps,
+    reference_shape=tuple(int(v) for v in f.reference_shape),
+    reference_x64=f.reference_x64,
+  )
+  result = run(sz)
+  print(result['table_markdown'])
+  if f.out:
+    write_json(f.out, result)
 
 
 if __name__ == '__main__':
+  from absl import app
+
+  define_flags()
   app.run(main)

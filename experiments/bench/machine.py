@@ -1,5 +1,6 @@
 """What every benchmark reports about the machine it ran on."""
 
+import json
 import os
 import platform
 import sys
@@ -34,3 +35,44 @@ def load_average() -> Optional[float]:
 
 def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
+
+
+def import_torch(enabled: bool = True):
+  """torch, or None with the reason logged: every benchmark runs without its reference."""
+  if not enabled:
+    return None, 'disabled'
+  try:
+    import torch
+  except ImportError as e:
+    log(f'PyTorch not importable ({e}): no PyTorch reference timings.')
+    return None, f'not importable ({e})'
+  return torch, None
+
+
+def environment() -> dict:
+  """Backend, devices, versions, CPUs and load: the header of every benchmark report."""
+  import flax
+  import jax
+  import jaxlib
+  import optax
+
+  return {
+    'backend': jax.default_backend(),
+    'device_kind': jax.devices()[0].device_kind,
+    'num_devices': jax.device_count(),
+    'jax_version': jax.__version__,
+    'jaxlib_version': jaxlib.__version__,
+    'flax_version': flax.__version__,
+    'optax_version': optax.__version__,
+    'python_version': platform.python_version(),
+    'cpu_count': cpu_count(),
+    'cpu_model': cpu_model(),
+    'load_average': load_average(),
+  }
+
+
+def write_json(path: str, payload: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(payload, f, indent=2, default=str)
+  log(f'wrote {path}')

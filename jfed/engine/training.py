@@ -6,7 +6,9 @@ same numbers and differ only in how the (client, step) grid is mapped onto the m
 
 - `loop`:  Python loop over clients and steps, one jitted single-client step. Fastest on XLA:CPU,
            where client-batched convolutions and convolutions inside `lax.scan` are
-           pathologically slow (design.md, measured table).
+           pathologically slow (design.md, measured table). Its host side is kept to one
+           dispatch per step (experiments/bench/client_training.py times it against the
+           pre-issue-14 form in experiments/bench/reference_loop.py).
 - `vmap`:  one jitted step vmapped over clients, Python loop over steps.
 - `scan`:  one jitted program per epoch: vmap over clients of a `lax.scan` over steps. The fast
            form on GPU/TPU.
@@ -113,7 +115,13 @@ class GroupTrainer:
     self.strategy = resolve_strategy(strategy)
     self.mesh = mesh
     step = self._client_step
-    self._step = jax.jit(step)
+    # `loop` (the CPU strategy) is dispatch-bound around each step, so it makes one call per
+    # step: the step index and the metric sums ride along on the device, and the client's
+    # state and sums are donated so that XLA updates them in place. Donation is safe because
+    # `_loop_take` hands out fresh per-client buffers: a caller's arrays are never donated.
+    self._loop_step = jax.jit(self._loop_client_step, donate_argnums=(0, 1))
+    self._loop_take = jax.jit(_take_client)
+    self._loop_stack = jax.jit(_stack_clients)
     self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, None, None)))
     self._scan_epoch = jax.jit(
       jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, None, None)), static_argnums=(5,)
@@ -196,7 +204,7 @@ class GroupTrainer:
     for epoch in range(epochs):
       orders = self._orders(jax.random.fold_in(key, epoch), ids, sizes, n_max, padded_len)
       if self.strategy == 'loop':
-        state, epoch_stats = self._loop_epoch(state, x, y, orders, fed.sizes, anchor)
+        state, epoch_stats = self._loop_epoch(state, x, y, orders, sizes, fed.sizes, anchor)
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
         for s in range(num_steps):
@@ -213,16 +221,27 @@ class GroupTrainer:
     count = np.maximum(stats[..., 2], 1.0)
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
 
-  def _loop_epoch(self, state, x, y, orders, sizes_np, anchor):
+  def _loop_client_step(self, ts, acc, x, y, order, size, step, anchor):
+    ts, st = self._client_step(ts, x, y, order, size, step, anchor)
+    return ts, acc + st, step + 1
+
+  def _loop_epoch(self, state, x, y, orders, sizes, sizes_np, anchor):
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
-      ts = jax.tree.map(lambda a, k=k: a[k], state)
-      xk, yk, order, size = x[k], y[k], orders[k], jnp.int32(sizes_np[k])
-      acc = jnp.zeros(3)
-      for s in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, st = self._step(ts, xk, yk, order, size, s, anchor)
-        acc = acc + st
+      ts, xk, yk, order, size, acc, step = self._loop_take(state, x, y, orders, sizes, k)
+      # A client runs only its own batches: the steps past them would leave it untouched.
+      for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
+        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, step, anchor)
       new_states.append(ts)
       epoch_stats.append(acc)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *new_states)
-    return stacked, jnp.stack(epoch_stats)
+    return self._loop_stack(new_states, epoch_stats)
+
+
+def _take_client(state, x, y, orders, sizes, k):
+  """Client k's slices plus zeroed metric sums and step index, in one dispatch."""
+  ts = jax.tree.map(lambda a: a[k], state)
+  return ts, x[k], y[k], orders[k], sizes[k], jnp.zeros(3), jnp.zeros((), jnp.int32)
+
+
+def _stack_clients(states, stats):
+  return jax.tree.map(lambda *a: jnp.stack(a), *states), jnp.stack(stats)
