@@ -1,6 +1,7 @@
 """The one entry point.
 
   python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR]
+      [--compilation_cache=DIR]
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
 `--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
@@ -18,6 +19,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('method', None, 'Method to run; --method=? lists them.')
 flags.DEFINE_string('workdir', None, 'Output directory (default: runs/<method>_<dataset>).')
 flags.DEFINE_bool('traceback', False, 'Show the full stack of an error instead of one line.')
+flags.DEFINE_string(
+  'compilation_cache',
+  None,
+  "Directory for JAX's persistent compilation cache (off by default): later runs and resumes "
+  'read the programs compiled here back instead of compiling them again.',
+)
 config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
 )
@@ -76,6 +83,10 @@ def main(argv):
     from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
     from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
 
+    if FLAGS.compilation_cache:
+      from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
+
+      use_persistent_cache(FLAGS.compilation_cache)
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
     summary = run_experiment(method, config, workdir)

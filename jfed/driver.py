@@ -313,6 +313,12 @@ def _check_finite_records(records: Sequence[Record], where: str) -> None:
         raise NonFiniteError(f'{k} became {v} at {where}{hint}')
 
 
+@jax.jit
+def _all_finite(leaves: List[jax.Array]) -> jax.Array:
+  # One program per state structure: op by op, every leaf shape compiled its own isfinite.
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+
+
 def _check_finite_state(state: Any, where: str) -> None:
   leaves = [
     (path, leaf)
@@ -321,7 +327,10 @@ def _check_finite_state(state: Any, where: str) -> None:
   ]
   if not leaves:
     return
-  finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
+  try:
+    finite = np.asarray(jax.device_get(_all_finite([leaf for _, leaf in leaves])))
+  except ValueError:  # leaves committed to different devices cannot meet in one program
+    finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
   if not finite.all():  # one host transfer per step; name the first bad leaf
     path = leaves[int(np.argmin(finite))][0]
     raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')

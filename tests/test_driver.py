@@ -404,6 +404,22 @@ def test_main_lists_methods_without_a_config():
   assert 'fedavg' in proc.stdout and 'hfldd' in proc.stdout
 
 
+def test_main_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
+  cache = tmp_path / 'cache'
+  args = [
+    '--method=fedavg',
+    '--config=experiments/configs/digits.py:smoke',
+    '--config.model=mlp',
+    f'--workdir={tmp_path / "run"}',
+    f'--compilation_cache={cache}',
+  ]
+  proc = _main(*args)
+  assert proc.returncode == 0, proc.stderr
+  assert any(p.name.startswith('jit__loop_client_step') for p in cache.iterdir()), sorted(
+    p.name for p in cache.iterdir()
+  )
+
+
 def test_main_runs_and_resumes_a_finished_run(tmp_path):
   args = [
     '--method=fedavg',

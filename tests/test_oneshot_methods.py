@@ -268,6 +268,7 @@ def test_fedhydra_2c_per_client_ms_finds_each_clients_classes(tmp_path, monkeypa
   assert summary['ms_file'] == 'model_stratification.npz'
 
 
+@pytest.mark.slow
 def test_heterogeneous_five_architectures_with_resnet18_server(tmp_path):
   summary = _run('fedhydra', _config('hetero,quick'), tmp_path)
   assert summary['server_model'].startswith('resnet18')

@@ -37,6 +37,7 @@ from jfed.distill.ensemble import _as_groups
 from jfed.distill.generator import DenseGenerator, dense_generator_init
 from jfed.distill.losses import cross_entropy
 from jfed.distill.pool import augment as augment_images
+from jfed.engine.state import commit
 
 # ---------------------------------------------------------------------------------------------
 # U, U_r, U_c
@@ -363,7 +364,7 @@ def model_stratification_python(
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
 
   def run(module, teacher_vars, run_key, label):
-    carry, z, step_keys = _ms_run_init_jit(generator, init_fn, cfg, run_key)
+    carry, z, step_keys = commit(_ms_run_init_jit(generator, init_fn, cfg, run_key))
     losses = []
     for t in range(cfg.T_G):
       carry, loss = _ms_step_jit(

@@ -33,7 +33,7 @@ from jfed.distill.generator import DenseGenerator, dense_generator_init
 from jfed.distill.losses import adversarial_loss, cross_entropy, hard_sample_cross_entropy
 from jfed.distill.pool import augment as augment_images
 from jfed.distill.stratification import stratified_aggregation
-from jfed.engine.state import ModelState
+from jfed.engine.state import ModelState, commit
 
 
 class SynthesisConfig(NamedTuple):
@@ -355,7 +355,7 @@ def synthesize(
       agg,
       generator_state,
     )
-  carry, z, targets, step_keys = _py_init(generator, cfg, num_classes, key, generator_state)
+  carry, z, targets, step_keys = commit(_py_init(generator, cfg, num_classes, key, generator_state))
   losses, comps = [], []
   for i in range(cfg.g_steps):
     carry, (l, c) = _py_step(

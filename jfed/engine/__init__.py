@@ -7,6 +7,7 @@ from jfed.engine.sharding import client_mesh
 from jfed.engine.state import (
   ModelState,
   TrainState,
+  commit,
   init_model,
   init_models,
   init_train_state,

@@ -193,6 +193,10 @@ class GroupTrainer:
       raise ValueError('FedProx training (prox_mu > 0) needs the global parameters as anchor.')
     m, n_max = fed.y.shape[:2]
     num_steps = max(1, math.ceil(int(np.max(fed.sizes)) / self.batch_size))
+    if self.strategy == 'scan':
+      # The compiled epoch's static length: from the padded length, fixed across rounds, not
+      # from the sizes of this round's clients (steps past a client's data leave it untouched).
+      num_steps = max(num_steps, math.ceil(n_max / self.batch_size))
     padded_len = max(num_steps * self.batch_size, n_max)
     sizes = jnp.asarray(fed.sizes, jnp.int32)
     ids = jnp.asarray(np.arange(m) if client_ids is None else client_ids, jnp.int32)

@@ -23,6 +23,8 @@ Config (`config.ot`): the fields of `OTConfig`.
 
 from typing import List, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
@@ -62,10 +64,18 @@ class OTAux(NamedTuple):
 def fusion_layers(module, input_shape, key) -> list:
   """The Conv/Dense layers of a sequential model in forward (creation) order, each with the
   BatchNorm that follows it."""
-  params = engine.init_model(module, input_shape, key).params
+  # Creation order is the order of Flax's own init dict; a jitted init returns its keys sorted,
+  # so read the order while tracing (eval_shape: nothing compiled or computed).
+  submodules = []
+
+  def record(k):
+    variables = module.init(k, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+    submodules.extend((name, frozenset(sub)) for name, sub in variables['params'].items())
+    return variables
+
+  jax.eval_shape(record, key)
   layers = []
-  for name, sub in params.items():
-    keys = set(sub)
+  for name, keys in submodules:
     if 'kernel' in keys and keys <= {'kernel', 'bias'}:
       layers.append(FusionLayer(name))
     elif name.startswith('BatchNorm') and layers and layers[-1].bn is None:
