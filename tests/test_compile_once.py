@@ -214,7 +214,7 @@ def test_rounds_after_the_first_compile_nothing(dataset, method, make_config, on
 # (uncommitted) arrays and its later calls the outputs of steps on committed inputs (client
 # models, teachers), which JAX compiles as a second program unless the loop commits its start
 # (`engine.commit`): twice the compilation of a method's largest programs.
-LOOP_STEPS = ('jit(_py_step)', 'jit(_ms_step)', 'jit(kd_step)')
+LOOP_STEPS = ('jit(_synthesis_step)', 'jit(_ms_step)', 'jit(kd_step)')
 
 
 def test_the_generator_and_ms_loops_compile_their_step_once():
@@ -239,4 +239,4 @@ def test_the_generator_and_ms_loops_compile_their_step_once():
       TeacherGroup(module, teachers), generator, 10, key, MSConfig(T_G=3, batch_size=4)
     )
   counts = compiled.counts()
-  assert counts['jit(_py_step)'] == 1 and counts['jit(_ms_step)'] == 1, compiled.summary()
+  assert counts['jit(_synthesis_step)'] == 1 and counts['jit(_ms_step)'] == 1, compiled.summary()

@@ -179,7 +179,8 @@ def _max_abs_diff(a, b) -> float:
 # ---------------------------------------------------------------------------------------------
 # PyTorch
 # ---------------------------------------------------------------------------------------------
-def torch_model(torch):
+def torch_model(torch, num_classes: int = NUM_CLASSES):
+  """DENSE's CNNMnist (jfed `cnn_mnist`) in torch.nn."""
   nn = torch.nn
   return nn.Sequential(
     nn.Conv2d(1, 16, 5, padding=2),
@@ -191,7 +192,7 @@ def torch_model(torch):
     nn.ReLU(),
     nn.MaxPool2d(2),
     nn.Flatten(),
-    nn.Linear(1568, NUM_CLASSES),
+    nn.Linear(1568, num_classes),
   )
 
 

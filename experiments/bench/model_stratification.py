@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench.client_training import torch_model
 from experiments.bench.machine import (
   cpu_count,
   environment,
@@ -226,18 +227,7 @@ def torch_modules(torch):
         nn.init.constant_(m.bias, 0)
 
   def cnn_mnist(c):
-    return nn.Sequential(
-      nn.Conv2d(1, 16, 5, padding=2),
-      nn.BatchNorm2d(16),
-      nn.ReLU(),
-      nn.MaxPool2d(2),
-      nn.Conv2d(16, 32, 5, padding=2),
-      nn.BatchNorm2d(32),
-      nn.ReLU(),
-      nn.MaxPool2d(2),
-      nn.Flatten(),
-      nn.Linear(1568, c),
-    )
+    return torch_model(torch, c)
 
   return Generator, reset, cnn_mnist
 

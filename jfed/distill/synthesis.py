@@ -180,7 +180,7 @@ def _targets(cfg, k_y, num_classes):
   return jnp.sort(y) if cfg.sort_targets else y
 
 
-def _step(
+def _synthesis_step(
   generator,
   teacher_modules,
   student_module,
@@ -266,7 +266,7 @@ def _synthesize_scan(
   targets = _targets(cfg, k_y, num_classes)
 
   def body(c, k):
-    return _step(
+    return _synthesis_step(
       generator,
       teacher_modules,
       student_module,
@@ -290,33 +290,7 @@ def _py_init(generator, cfg, num_classes, key, gen_state):
   return carry, z, _targets(cfg, k_y, num_classes), step_keys
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _py_step(
-  generator,
-  teacher_modules,
-  student_module,
-  cfg,
-  carry,
-  k_aug,
-  z,
-  targets,
-  teacher_states,
-  student_state,
-  agg,
-):
-  return _step(
-    generator,
-    teacher_modules,
-    student_module,
-    cfg,
-    carry,
-    k_aug,
-    z,
-    targets,
-    teacher_states,
-    student_state,
-    agg,
-  )
+_py_step = jax.jit(_synthesis_step, static_argnums=(0, 1, 2, 3))
 
 
 def synthesize(

@@ -94,18 +94,16 @@ def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
   """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model).
 
-  The initial model is committed to the default device before it is copied, like the global
-  models of later rounds (outputs of jitted steps): jit's cache key includes whether arguments
-  are committed, so uncommitted first-round models would compile local training (and the ops
+  The initial model is committed (`engine.commit`) before it is copied, like the global models
+  of later rounds (outputs of jitted steps): jit's cache key includes whether arguments are
+  committed, so uncommitted first-round models would compile local training (and the ops
   around it) once more in round 2 of the multi-round one-shot methods.
   """
   all_specs = list(dict.fromkeys(client_model_specs(ctx)))
   models = []
   for g in groups:
     key = ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
-    init = jax.device_put(
-      engine.init_model(g.module, ctx.dataset.input_shape, key), jax.devices()[0]
-    )
+    init = engine.commit(engine.init_model(g.module, ctx.dataset.input_shape, key))
     models.append(engine.replicate(init, len(g.client_ids)))
   return models
 
