@@ -11,7 +11,12 @@ import os
 import pathlib
 import tempfile
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=4')
+# XLA's backend optimisation level 1 (default 2): measured on the suite's compile-heavy modules
+# (KIP, engine, distillation losses, stratification) 9% less CPU time, and on the one-shot
+# end-to-end tests 5%; level 0 made the execution-heavy tests up to 5x slower.
+os.environ.setdefault(
+  'XLA_FLAGS', '--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1'
+)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('MPLBACKEND', 'Agg')
 _CACHE = os.environ.setdefault(

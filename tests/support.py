@@ -2,7 +2,10 @@
 
 import json
 
+from experiments.configs import hfldd_digits
 from jfed.driver import RunCheckpointer
+
+HFLDD_CLIENTS = 20
 
 
 def override(config, **overrides):
@@ -38,3 +41,24 @@ def read_metrics(workdir):
   for r in records:
     r.pop('seconds', None)
   return records
+
+
+def hfldd_tiny_config(**overrides):
+  """The HFLDD family's test config: digits #C=1 over 20 clients (two per class, ~72 images
+  each), an MLP, tiny budgets. Every test of the family starts here and changes only round and
+  epoch counts, which shape no compiled program: the KIP scan length, the DynaFed trajectory
+  and synthetic-set sizes and the client count stay the same, so the suite compiles their
+  programs once (tests/conftest.py's persistent cache serves the other tests)."""
+  c = hfldd_digits.get_config('smoke')
+  c.model = 'mlp'
+  c.partition.num_clients = HFLDD_CLIENTS
+  c.hfldd.public_size = 60
+  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 2, 3, 4
+  c.hfldd.kip.support_size, c.hfldd.kip.iterations = 10, 10
+  c.fedseq.public_size, c.fedseq.pretrain_epochs = 60, 2
+  c.fedseq.rounds, c.fedseq.local_epochs = 2, 2
+  c.dynafed.rounds, c.dynafed.local_epochs = 3, 5
+  c.dynafed.trajectory_rounds, c.dynafed.expert_epochs = 2, 1
+  c.dynafed.ipc, c.dynafed.syn_steps, c.dynafed.iterations = 1, 2, 3
+  c.dynafed.finetune_epochs = 2
+  return override(c, **overrides)

@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.configs import digits, fedhydra_digits, hfldd_digits
+from experiments.configs import digits, fedhydra_digits
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill import MSConfig, TeacherGroup, make_generator, model_stratification_python
 from jfed.distill.synthesis import SynthesisConfig, synthesize
 from jfed.engine import compiles
 from jfed.models import get_model
+from tests.support import hfldd_tiny_config
 
 
 class StepCompiles(NamedTuple):
@@ -162,17 +163,14 @@ def _fedavg(strategy='loop'):
 
 
 def _hfldd():
-  c = hfldd_digits.get_config('smoke')  # 10 clients at #C=1
-  c.model = 'mlp'
-  c.hfldd.public_size = c.fedseq.public_size = 60
-  c.hfldd.pretrain_epochs, c.hfldd.rounds = 1, 3
-  c.hfldd.kip.support_size, c.hfldd.kip.iterations = 10, 2
-  c.fedseq.pretrain_epochs, c.fedseq.rounds = 1, 3
+  c = hfldd_tiny_config()
+  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 3, 1
+  c.fedseq.pretrain_epochs, c.fedseq.rounds, c.fedseq.local_epochs = 1, 3, 1
   d = c.dynafed
   # Rounds 1-2 record the trajectory, round 3 distils the synthetic set (once) and starts the
   # fine-tuning, round 4 is a round with fine-tuning.
-  d.rounds, d.trajectory_rounds, d.expert_epochs, d.participation = 4, 2, 1, 0.5
-  d.ipc, d.syn_steps, d.iterations, d.finetune_epochs = 1, 2, 2, 1
+  d.rounds, d.trajectory_rounds, d.local_epochs, d.participation = 4, 2, 1, 0.5
+  d.finetune_epochs = 1
   return c
 
 

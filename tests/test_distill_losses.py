@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.distill import ensemble, generator, losses, pool, synthesis
+from jfed.distill import ensemble, generator, losses, plots, pool, synthesis
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 
@@ -386,3 +386,17 @@ def test_synthesis_scan_equals_python_and_keeps_best():
   np.testing.assert_allclose(a.losses, comps.sum(1), rtol=1e-5)  # bn=oh=adv=1
   assert np.all(comps[:, 0] > 0)  # BN loss active (ConvNet has BN)
   assert a.images.shape == (6, 8, 8, 1) and float(a.images.min()) >= 0
+
+
+def test_synthetic_sample_grid_tiles_every_image_in_place(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.uniform(size=(11, 3, 2, 1)).astype(np.float32)
+  mosaic = plots.image_mosaic(images, columns=4, pad=1)
+  assert mosaic.shape == (3 * 4 - 1, 4 * 3 - 1, 1)
+  for i in range(11):
+    r, c = divmod(i, 4)
+    np.testing.assert_array_equal(mosaic[4 * r : 4 * r + 3, 3 * c : 3 * c + 2], images[i])
+  assert np.all(mosaic[3] == 1.0) and np.all(mosaic[:, 2] == 1.0)  # white between tiles
+  assert np.all(mosaic[8:, 9:] == 1.0)  # and where the last row has no image
+  plots.plot_image_grid(tmp_path / 'grid.png', images, labels=np.arange(11), title='t')
+  assert (tmp_path / 'grid.png').stat().st_size > 0

@@ -7,33 +7,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import hfldd_digits
 from jfed import driver
 from jfed.errors import ConfigError
 from jfed.methods import hfldd
 from jfed.methods.dynafed import trajectory_matching_loss
 from jfed.methods.hfldd import kip_label_distribution
-from tests.support import Interrupted, interrupt_after, override, read_metrics
+from tests.support import (
+  HFLDD_CLIENTS,
+  Interrupted,
+  hfldd_tiny_config,
+  interrupt_after,
+  read_metrics,
+)
 
 CHANCE = 0.1  # ten classes
-NUM_CLIENTS = 20
+NUM_CLIENTS = HFLDD_CLIENTS
 
 
 def _config(**overrides):
-  """Digits #C=1 over 20 clients (two per class, ~72 images each), an MLP, tiny budgets."""
-  c = hfldd_digits.get_config('smoke')
-  c.model = 'mlp'
-  c.partition.num_clients = NUM_CLIENTS
-  c.hfldd.public_size = 60
-  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 2, 3, 4
-  c.hfldd.kip.support_size, c.hfldd.kip.iterations = 10, 10
-  c.fedseq.public_size, c.fedseq.pretrain_epochs = 60, 2
-  c.fedseq.rounds, c.fedseq.local_epochs = 2, 2
-  c.dynafed.rounds, c.dynafed.local_epochs = 3, 5
-  c.dynafed.trajectory_rounds, c.dynafed.expert_epochs = 2, 1
-  c.dynafed.ipc, c.dynafed.syn_steps, c.dynafed.iterations = 1, 2, 3
-  c.dynafed.finetune_epochs = 2
-  return override(c, **overrides)
+  return hfldd_tiny_config(**overrides)
 
 
 def _iid(**overrides):

@@ -23,7 +23,8 @@ training 17 s, MS 26 s, 40 distillation epochs 359 s), DENSE 4 min 51 s, Co-Boos
 
 Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
   smoke     seconds-long budgets with two steps per method (OT: two rounds), for the driver's
-            resume tests; accuracy meaningless
+            resume tests; accuracy meaningless. Its batch, generator and data sizes are quick's, so
+            that the two compile the same programs (the test suite compiles each once)
   quick     the smallest budgets on which every method learns (tests/test_oneshot_methods.py):
             10 local epochs, 20 distillation epochs of 10 generator steps on 32 images, FedDF
             100 Adam steps
@@ -129,22 +130,22 @@ def get_config(arg: str = ''):
         epochs=2,
         g_steps=2,
         T_G=2,
-        synthesis_batch=16,
-        nz=16,
-        ngf=8,
-        kd_batch=16,
+        synthesis_batch=32,
+        nz=32,
+        ngf=16,
+        kd_batch=32,
         ms_T_G=4,
         ms_batch=8,
         ms_lr=0.05,
       )
     c.feddf.update(
       {
-        'source_size': 40,
-        'val_size': 20,
+        'source_size': 90,
+        'val_size': 60,
         'total_steps': 4,
         'eval_every': 2,
         'patience': 4,
-        'kd_batch': 16,
+        'kd_batch': 32,
       }
     )
     if not any(a.startswith('rounds=') for a in args):

@@ -32,7 +32,6 @@ from typing import List, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from sklearn.cluster import KMeans
 
 LEFTOVER_RULES = ('singleton', 'distribute')
 
@@ -94,6 +93,9 @@ def homogeneous_clusters(S, K: int, seed: int, n_init: int = 10) -> np.ndarray:
   """
   S = np.asarray(S, np.float64)
   K = int(min(K, S.shape[0]))
+  # Imported here: scikit-learn costs 1.4 s of start-up to every command that never clusters.
+  from sklearn.cluster import KMeans  # pylint: disable=g-import-not-at-top
+
   km = KMeans(n_clusters=K, random_state=int(seed), n_init=n_init)
   return km.fit_predict(S).astype(np.int64)
 
