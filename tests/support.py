@@ -35,6 +35,11 @@ def interrupt_after(monkeypatch, step):
   monkeypatch.setattr(RunCheckpointer, 'save', save_then_die)
 
 
+def comparable_summary(summary):
+  """A run summary without its wall-clock fields, for run-to-run comparison."""
+  return {k: v for k, v in summary.as_dict().items() if 'seconds' not in k}
+
+
 def read_metrics(workdir):
   """metrics.jsonl records without their wall-clock fields, for run-to-run comparison."""
   records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]

@@ -23,7 +23,14 @@ from jfed.errors import ConfigError, NonFiniteError, WorkdirBusy, WorkdirError
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import available_methods, common
 from jfed.workdir import dumps
-from tests.support import Interrupted, hfldd_tiny_config, interrupt_after, override, read_metrics
+from tests.support import (
+  Interrupted,
+  comparable_summary,
+  hfldd_tiny_config,
+  interrupt_after,
+  override,
+  read_metrics,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ONESHOT = ('dense', 'coboosting', 'feddf', 'fedhydra', 'ot')
@@ -63,10 +70,6 @@ def smoke_config(method: str):
   return _digits()
 
 
-def _comparable_summary(summary):
-  return {k: v for k, v in summary.as_dict().items() if 'seconds' not in k}
-
-
 # Resume at a round boundary of the one-shot loop is test_oneshot_methods.py's multi-round DENSE.
 @pytest.mark.parametrize('method', sorted(available_methods()))
 def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, monkeypatch, method):
@@ -80,7 +83,7 @@ def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, mo
   assert max(r['step'] for r in read_metrics(tmp_path / 'resumed')) == 1
   resumed = driver.run_experiment(method, config, tmp_path / 'resumed', progress=False)
   assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
-  assert _comparable_summary(resumed) == _comparable_summary(whole)
+  assert comparable_summary(resumed) == comparable_summary(whole)
 
 
 class _FedAvgMConfig(NamedTuple):
