@@ -327,10 +327,15 @@ def _check_finite_state(state: Any, where: str) -> None:
   ]
   if not leaves:
     return
-  try:
-    finite = np.asarray(jax.device_get(_all_finite([leaf for _, leaf in leaves])))
-  except ValueError:  # leaves committed to different devices cannot meet in one program
-    finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
+  if jax.default_backend() == 'cpu':
+    # Host arrays share the buffers of CPU device arrays: checking them costs no transfer and
+    # no compilation (one program per state structure, otherwise).
+    finite = np.array([np.isfinite(np.asarray(leaf)).all() for _, leaf in leaves])
+  else:
+    try:
+      finite = np.asarray(jax.device_get(_all_finite([leaf for _, leaf in leaves])))
+    except ValueError:  # leaves committed to different devices cannot meet in one program
+      finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
   if not finite.all():  # one host transfer per step; name the first bad leaf
     path = leaves[int(np.argmin(finite))][0]
     raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')

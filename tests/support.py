@@ -1,6 +1,7 @@
 """Helpers shared by the end-to-end tests."""
 
 import json
+import shutil
 
 from experiments.configs import hfldd_digits
 from jfed.driver import RunCheckpointer
@@ -33,6 +34,22 @@ def interrupt_after(monkeypatch, step):
       raise Interrupted()
 
   monkeypatch.setattr(RunCheckpointer, 'save', save_then_die)
+
+
+def snapshot_every_step(monkeypatch, destination, on_save=None):
+  """Copies the workdir to `destination`/<step> right after the driver's checkpoint of each step:
+  the files a kill at that moment leaves (interrupt_after's), while the run goes on to its end.
+  A resume test then needs one whole run and the resumed steps, not a third, interrupted run.
+  `on_save(step)` is called after each copy (the end of the driver's work for that step)."""
+  save = RunCheckpointer.save
+
+  def save_then_copy(self, s, state, history=None):
+    save(self, s, state, history)  # returns once the checkpoint is on disk
+    shutil.copytree(self.directory.parent, destination / str(s))
+    if on_save is not None:
+      on_save(s)
+
+  monkeypatch.setattr(RunCheckpointer, 'save', save_then_copy)
 
 
 def comparable_summary(summary):

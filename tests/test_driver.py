@@ -19,6 +19,7 @@ from experiments.configs import digits, fedhydra_digits
 from jfed import driver, engine
 from jfed import typed_config as tc
 from jfed.data import load_dataset
+from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError, WorkdirBusy, WorkdirError
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import available_methods, common
@@ -30,6 +31,7 @@ from tests.support import (
   interrupt_after,
   override,
   read_metrics,
+  snapshot_every_step,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,39 +52,87 @@ def _workdir_config(**overrides):
 
 
 def _oneshot(**overrides):
-  return override(fedhydra_digits.get_config('smoke'), **overrides)
+  """The one-shot methods on MLP clients: what resume checks does not depend on the model, and
+  the CNN paths (BatchNorm statistics, the DENSE BN loss) run in tests/test_oneshot_methods.py."""
+  return override(fedhydra_digits.get_config('smoke'), **{'model': 'mlp', **overrides})
 
 
 def _hfldd():
   c = hfldd_tiny_config()
-  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 2, 1
-  c.fedseq.pretrain_epochs, c.fedseq.rounds = 1, 2
-  c.dynafed.rounds, c.dynafed.local_epochs, c.dynafed.finetune_epochs = 3, 1, 1
+  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 3, 1
+  c.fedseq.pretrain_epochs, c.fedseq.rounds, c.fedseq.local_epochs = 1, 3, 1
+  d = c.dynafed
+  # Rounds 1-2 record the trajectory, round 3 distils the synthetic set (once) and starts the
+  # fine-tuning, round 4 is a round with fine-tuning.
+  d.rounds, d.trajectory_rounds, d.local_epochs, d.participation = 4, 2, 1, 0.5
+  d.finetune_epochs = 1
   return c
 
 
 def smoke_config(method: str):
-  """The smallest config on which `method` runs at least two steps."""
+  """The smallest config on which `method` runs at least two steps, and every kind of step."""
+  if method == 'fedhydra':
+    # Two global rounds of two distillation epochs: step 1 is an epoch, step 2 a new round
+    # (local training from the global model, new teachers, model stratification), step 3 an
+    # epoch.
+    return _oneshot(
+      **{
+        'fedhydra.rounds': 2,
+        'fedhydra.epochs': 2,
+        'fedhydra.local_epochs': 1,
+        'fedhydra.ms_T_G': 1,
+      }
+    )
+  if method == 'coboosting':  # its ensemble weights adapt from epoch 2 on: a third epoch
+    return _oneshot(**{'coboosting.epochs': 3})
   if method in ONESHOT:
     return _oneshot()
   if method in HFLDD_FAMILY:
     return _hfldd()
-  return _digits()
+  # Partial participation: each FedProx round selects other clients, of other sizes.
+  return _workdir_config(**{'fedprox.participation': 0.6})
 
 
-# Resume at a round boundary of the one-shot loop is test_oneshot_methods.py's multi-round DENSE.
+# Driver steps after the first that may compile: the first use of a stage (Co-Boosting's
+# ensemble-weight step runs from epoch 2 on) and one-off stages (DynaFed's round 3 distils the
+# synthetic set).
+ONE_OFF_STEPS = {'coboosting': (2,), 'dynafed': (3,)}
+# On CPU these run as Python loops of one jitted step, whose first call must not compile a
+# second program for the later ones (tests/test_compile_once.py).
+LOOP_STEPS = ('jit(_synthesis_step)', 'jit(_ms_step)', 'jit(kd_step)')
+
+
+# Resume at a round boundary of the one-shot loop is test_oneshot_methods.py's multi-round DENSE;
+# a real interruption (an exception out of the run) is test_a_kill_leaves_what_....
 @pytest.mark.parametrize('method', sorted(available_methods()))
-def test_every_method_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, monkeypatch, method):
+def test_every_method_resumes_to_the_result_of_an_uninterrupted_run_and_compiles_once(
+  tmp_path, monkeypatch, method
+):
+  """The workdir as a kill after the next-to-last step leaves it resumes to the whole run; and
+  the whole run, from empty in-memory caches, compiles nothing in its steps after the first: a
+  shape, a closure or a Python scalar that changes per step, or a jitted function built anew
+  every step, would recompile every step (tests/test_compile_once.py counts how)."""
   config = smoke_config(method)
-  whole = driver.run_experiment(method, config, tmp_path / 'whole', progress=False)
-  assert whole.steps > 1
-  with monkeypatch.context() as m:
-    interrupt_after(m, 1)
-    with pytest.raises(Interrupted):
-      driver.run_experiment(method, config, tmp_path / 'resumed', progress=False)
-  assert max(r['step'] for r in read_metrics(tmp_path / 'resumed')) == 1
-  resumed = driver.run_experiment(method, config, tmp_path / 'resumed', progress=False)
-  assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
+  jax.clear_caches()  # a persistent-cache hit still counts as a compilation
+  saved_at = {0: 0}
+  with monkeypatch.context() as m, compiles.count_compilations() as compiled:
+    snapshot_every_step(m, tmp_path / 'killed', lambda s: saved_at.setdefault(s, len(compiled)))
+    whole = driver.run_experiment(method, config, tmp_path / 'whole', progress=False)
+  assert whole.steps > 1 and sorted(saved_at) == list(range(whole.steps + 1))
+  per_step = {s: compiled.names[saved_at[s - 1] : saved_at[s]] for s in range(2, whole.steps + 1)}
+  recompiled = {
+    s: compiles.Compilations(names).summary()
+    for s, names in per_step.items()
+    if names and s not in ONE_OFF_STEPS.get(method, ())
+  }
+  assert not recompiled, recompiled
+  twice = {n: k for n, k in compiled.counts().items() if n in LOOP_STEPS and k > 1}
+  assert not twice, f'compiled more than once: {twice}'
+
+  killed = tmp_path / 'killed' / str(whole.steps - 1)
+  assert max(r['step'] for r in read_metrics(killed)) == whole.steps - 1
+  resumed = driver.run_experiment(method, config, killed, progress=False)
+  assert read_metrics(killed) == read_metrics(tmp_path / 'whole')
   assert comparable_summary(resumed) == comparable_summary(whole)
 
 
@@ -180,13 +230,33 @@ def test_a_finished_run_is_kept_and_says_so(tmp_path, capsys):
   assert again.seconds_this_invocation == first.seconds_this_invocation
 
 
-def test_resume_says_where_it_resumes(tmp_path, monkeypatch, capsys):
+def _listing(workdir, depth=3):
+  return sorted(
+    str(p.relative_to(workdir))
+    for p in workdir.rglob('*')
+    if len(p.relative_to(workdir).parts) <= depth
+  )
+
+
+def test_a_kill_leaves_what_the_resume_tests_snapshot_and_resume_says_where(
+  tmp_path, monkeypatch, capsys
+):
+  """snapshot_every_step (the resume tests' stand-in for a kill) copies the very files that a
+  run killed after the same step leaves, and the killed run resumes from that step."""
+  config = _workdir_config()
   with monkeypatch.context() as m:
     interrupt_after(m, 2)
     with pytest.raises(Interrupted):
-      driver.run_experiment('fedavg', _workdir_config(), tmp_path)
-  driver.run_experiment('fedavg', _workdir_config(), tmp_path)
+      driver.run_experiment('fedavg', config, tmp_path / 'killed')
+  with monkeypatch.context() as m:
+    snapshot_every_step(m, tmp_path / 'snapshots')
+    whole = driver.run_experiment('fedavg', config, tmp_path / 'whole')
+  snapshot = tmp_path / 'snapshots' / '2'
+  assert _listing(tmp_path / 'killed') == _listing(snapshot)
+  assert read_metrics(tmp_path / 'killed') == read_metrics(snapshot)
+  resumed = driver.run_experiment('fedavg', config, tmp_path / 'killed')
   assert 'resuming from round 2' in capsys.readouterr().out
+  assert comparable_summary(resumed) == comparable_summary(whole)
 
 
 def test_an_algorithm_runs_in_memory_without_a_workdir(tmp_path, monkeypatch):
@@ -278,6 +348,16 @@ def test_training_that_turns_non_finite_stops_with_the_step_and_client(tmp_path)
     driver.run_experiment(
       'centralized', _workdir_config(**{'optimizer.lr': 1e30}), tmp_path / 'c', progress=False
     )
+
+
+def test_a_non_finite_state_is_named_by_its_path():
+  state = {'a': jnp.ones(3), 'b': {'c': jnp.array([1.0, jnp.nan])}, 'n': jnp.arange(3)}
+  with pytest.raises(NonFiniteError, match=r"state\['b'\]\['c'\] became non-finite at round 2"):
+    driver._check_finite_state(state, 'round 2')
+  driver._check_finite_state({'a': jnp.ones(3), 'n': jnp.arange(3)}, 'round 1')
+  # the accelerators' form: one program per state structure
+  finite = driver._all_finite([jnp.ones(2), jnp.array([jnp.inf]), jnp.array([jnp.nan])])
+  np.testing.assert_array_equal(np.asarray(finite), [True, False, False])
 
 
 @pytest.mark.parametrize(
@@ -397,7 +477,7 @@ def test_main_lists_methods_without_a_config():
   assert 'fedavg' in proc.stdout and 'hfldd' in proc.stdout
 
 
-def test_main_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
+def test_main_runs_keeps_its_programs_in_the_cache_and_resumes_a_finished_run(tmp_path):
   cache = tmp_path / 'cache'
   args = [
     '--method=fedavg',
@@ -406,23 +486,12 @@ def test_main_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
     f'--workdir={tmp_path / "run"}',
     f'--compilation_cache={cache}',
   ]
-  proc = _main(*args)
-  assert proc.returncode == 0, proc.stderr
-  assert any(p.name.startswith('jit__loop_client_step') for p in cache.iterdir()), sorted(
-    p.name for p in cache.iterdir()
-  )
-
-
-def test_main_runs_and_resumes_a_finished_run(tmp_path):
-  args = [
-    '--method=fedavg',
-    '--config=experiments/configs/digits.py:smoke',
-    '--config.model=mlp',
-    f'--workdir={tmp_path}',
-  ]
   first = _main(*args)
   assert first.returncode == 0, first.stderr
   assert 'final_test_accuracy' in first.stdout
+  assert any(p.name.startswith('jit__loop_client_step') for p in cache.iterdir()), sorted(
+    p.name for p in cache.iterdir()
+  )
   again = _main(*args)
   assert again.returncode == 0 and 'already complete' in again.stdout
   other = _main(*args[1:], '--method=fedprox')

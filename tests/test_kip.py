@@ -270,6 +270,7 @@ def test_batched_equals_loop_unequal_clients():
   assert set(np.asarray(batched.y[2]).tolist()) == {3}
 
 
+@pytest.mark.slow  # 150 KIP iterations: the support must learn
 def test_kip_loss_decreases_and_generalises():
   fx, fy, sizes = _digits_clients([300], 300, seed=2)
   cfg = KIPConfig(support_size=10, iterations=150, lr=0.02, target_batch=100)

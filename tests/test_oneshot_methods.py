@@ -42,7 +42,7 @@ from jfed.methods import available_methods
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
-from tests.support import Interrupted, comparable_summary, interrupt_after, override, read_metrics
+from tests.support import comparable_summary, override, read_metrics, snapshot_every_step
 
 CHANCE = 0.1
 LEARNED = CHANCE + 0.1  # every method's final model must beat chance by this margin
@@ -186,6 +186,11 @@ def test_steps_are_rounds_times_epochs():
 # ----------------------------------------------------------------------------- end to end
 
 
+# The slow set: the quick budget is the smallest on which every method learns (the synthesis
+# methods need about 15 epochs to clear chance by the margin, a minute each on 2 cores). What
+# the methods do at every step, and that they resume, runs at the smoke budget in
+# tests/test_driver.py and below.
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['dense', 'feddf', 'coboosting', 'ot', 'fedhydra'])
 def test_method_runs_end_to_end_and_learns(tmp_path, local_dir, method):
   summary = _run(method, _config(local_models_dir=local_dir), tmp_path)
@@ -229,6 +234,7 @@ def test_method_runs_end_to_end_and_learns(tmp_path, local_dir, method):
     assert np.asarray(summary['U_r_by_client']).shape == (10, 5)
 
 
+@pytest.mark.slow  # the stratification must be learned
 def test_fedhydra_2c_per_client_ms_finds_each_clients_classes(tmp_path, monkeypatch):
   """Fig. 5b: with the 2c/c partition, the MS weight of class j peaks at the client owning j
   (the stratification learned: at least 8 of 10 classes, where a random U_r finds about 2);
@@ -290,11 +296,14 @@ def test_heterogeneous_clients_distil_into_one_server_model(tmp_path):
 def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_round_end(
   tmp_path, monkeypatch
 ):
-  """Two rounds of two epochs (smoke budget: DENSE's learning is the end-to-end test's): steps
-  count on across rounds, round 2's clients download the global model and upload again, and a
-  run killed right after round 1's last checkpoint resumes to the uninterrupted result."""
-  config = _config('smoke,rounds=2')
-  whole = _run('dense', config, tmp_path / 'whole')
+  """Two rounds of two epochs (smoke budget, MLP clients: DENSE's learning with BN teachers is the
+  end-to-end test's): steps count on across rounds, round 2's clients download the global model
+  and upload again, and a run killed right after round 1's last checkpoint resumes to the
+  uninterrupted result."""
+  config = _config('smoke,rounds=2', model='mlp')
+  with monkeypatch.context() as m:
+    snapshot_every_step(m, tmp_path / 'killed')
+    whole = _run('dense', config, tmp_path / 'whole')
   records = _epochs(tmp_path / 'whole')
   assert [(r['round'], r['epoch'], r['step']) for r in records] == [
     (1, 1, 1),
@@ -307,35 +316,30 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   assert (tmp_path / 'whole' / 'round_models').exists()
   assert (tmp_path / 'whole' / 'synthetic_samples_round2.png').exists()
   assert records[2]['upload_bytes'] > 0 and records[2]['download_bytes'] > 0
-  with monkeypatch.context() as m:
-    interrupt_after(m, 2)
-    with pytest.raises(Interrupted):
-      _run('dense', config, tmp_path / 'resumed')
-  resumed = _run('dense', config, tmp_path / 'resumed')
-  assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
+  resumed = _run('dense', config, tmp_path / 'killed' / '2')
+  assert read_metrics(tmp_path / 'killed' / '2') == read_metrics(tmp_path / 'whole')
   assert comparable_summary(resumed) == comparable_summary(whole)
 
 
 def test_feddf_early_stop_leaves_the_round_and_resumes_inside_it(tmp_path, monkeypatch):
   """patience 0: every round stops after its first epoch; the remaining steps record nothing.
   A run killed inside a stopped round resumes to the uninterrupted result. Smoke budget with
-  four epochs a round (FedDF's learning is the end-to-end test's)."""
+  four epochs a round, MLP clients (FedDF's learning is the end-to-end test's)."""
   overrides = {'feddf.patience': 0, 'feddf.total_steps': 8, 'feddf.eval_every': 2}
-  config = _config('smoke,rounds=2', **overrides)
-  whole = _run('feddf', config, tmp_path / 'whole')
+  config = _config('smoke,rounds=2', model='mlp', **overrides)
+  with monkeypatch.context() as m:
+    snapshot_every_step(m, tmp_path / 'killed')
+    whole = _run('feddf', config, tmp_path / 'whole')
   records = _epochs(tmp_path / 'whole')
   assert [(r['round'], r['epoch'], r['step']) for r in records] == [(1, 1, 1), (2, 1, 5)]
   assert all(r['early_stop'] for r in records) and whole['early_stopped']
   assert whole.steps == 8 and whole['final_test_accuracy'] == records[-1]['round_accuracy']
-  with monkeypatch.context() as m:
-    interrupt_after(m, 3)
-    with pytest.raises(Interrupted):
-      _run('feddf', config, tmp_path / 'resumed')
-  resumed = _run('feddf', config, tmp_path / 'resumed')
-  assert read_metrics(tmp_path / 'resumed') == read_metrics(tmp_path / 'whole')
+  resumed = _run('feddf', config, tmp_path / 'killed' / '3')
+  assert read_metrics(tmp_path / 'killed' / '3') == read_metrics(tmp_path / 'whole')
   assert comparable_summary(resumed) == comparable_summary(whole)
 
 
+@pytest.mark.slow  # the quick budget's client models (shared with the end-to-end tests)
 def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   """`fedavg.reuse_local_models` (the Table 1/2 sweep): one-shot FedAvg is the size-weighted
   average of the very client models the distillation methods start from."""

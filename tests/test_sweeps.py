@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments import fedhydra_tables
 from experiments.configs import fedhydra_digits
 
@@ -12,6 +14,7 @@ PARTITIONS = ['dir0.5', '2c/c']
 CHANCE = 0.1
 
 
+@pytest.mark.slow  # local training on two partitions at the quick budget, where clients learn
 def test_fedhydra_tables_sweep_runs_resumes_and_renders(tmp_path):
   config = fedhydra_digits.get_config('quick')
   table = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS)

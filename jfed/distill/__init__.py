@@ -16,6 +16,7 @@ from jfed.distill.kd import (
   KDConfig,
   committed,
   crop_padding,
+  gather_batch,
   kd_step,
   per_sample_loss,
   resolve_augment,

@@ -1,10 +1,12 @@
 """Knowledge distillation into a server (student) model: the compiled KD step and its settings.
 
-`kd_step` is one student step on a batch of a pool (synthetic images with their generator
-targets, or a fixed unlabelled set): the KD view of the images (augmentation, Co-Boosting ODS),
-the teachers' combined logits, the student loss (`KDConfig`) and one optimiser step
-(`jfed.engine.optim`, with the learning rate set by the caller for this step). It is jitted at
-module level, so one process compiles it once per (settings, architectures, shapes).
+`kd_step` is one student step on a batch gathered from a pool (`gather_batch`: synthetic images
+with their generator targets, or a fixed unlabelled set): the KD view of the images
+(augmentation, Co-Boosting ODS), the teachers' combined logits, the student loss (`KDConfig`)
+and one optimiser step (`jfed.engine.optim`, with the learning rate set by the caller for this
+step). It is jitted at module level, so one process compiles it once per (settings,
+architectures, batch shape): it takes the gathered batch rather than the pool, whose capacity
+(epochs × synthesis batch) would otherwise make every budget compile its own step.
 """
 
 import functools
@@ -16,7 +18,7 @@ import optax
 
 from jfed.distill.ensemble import TeacherGroup, teacher_outputs
 from jfed.distill.losses import cross_entropy, kl_divergence
-from jfed.distill.pool import augment, pool_gather
+from jfed.distill.pool import ImagePool, augment, pool_gather
 from jfed.distill.synthesis import aggregate_teachers
 from jfed.engine.optim import OptimizerSpec, build_optimizer, set_learning_rate
 from jfed.engine.state import ModelState, TrainState
@@ -108,6 +110,12 @@ def _kd_view(kcfg: KDConfig, key, x):
   return augment(key, x, kcfg.crop_padding if kcfg.augment == 'crop_flip' else 0, True)
 
 
+@jax.jit
+def gather_batch(pool: ImagePool, idx: jnp.ndarray):
+  """The KD batch pool[idx] as (float32 images, labels), for `kd_step`."""
+  return pool_gather(pool, idx)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def kd_step(
   kcfg: KDConfig,
@@ -117,18 +125,18 @@ def kd_step(
   ts: TrainState,
   teacher_states,
   agg,
-  pool,
-  idx,
+  x,
+  y,
   mask,
   key,
   lr,
 ):
-  """One student step on pool[idx] (mask: real samples) with learning rate `lr`.
+  """One student step on the batch (x, y) (`gather_batch`; mask: real samples) with learning
+  rate `lr`.
 
   Returns:
     (new TrainState, mean loss over the real samples).
   """
-  x, y = pool_gather(pool, idx)
   k_aug, k_ods = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
   x = _kd_view(kcfg, k_aug, x)
   if kcfg.ods_eta > 0:

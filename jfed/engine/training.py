@@ -201,6 +201,12 @@ class GroupTrainer:
     sizes = jnp.asarray(fed.sizes, jnp.int32)
     ids = jnp.asarray(np.arange(m) if client_ids is None else client_ids, jnp.int32)
     x, y = jnp.asarray(fed.x), jnp.asarray(fed.y)
+    if self.strategy == 'loop':
+      # The loop's programs take one client's padded data: padding it to a power of two lets
+      # groups and runs whose largest clients differ a little share one compiled step (padded
+      # samples are never visited). Orders over the longer padding keep each client's order.
+      n_max = padded_len = loop_padded_length(padded_len)
+      x, y = _pad_samples(x, n_max), _pad_samples(y, n_max)
     if self.strategy != 'loop' and self.mesh is not None:
       state, x, y, sizes = sharding.shard_group(self.mesh, (state, x, y, sizes))
       ids = sharding.pad_clients(ids, sizes.shape[0])
@@ -239,6 +245,16 @@ class GroupTrainer:
       new_states.append(ts)
       epoch_stats.append(acc)
     return self._loop_stack(new_states, epoch_stats)
+
+
+def loop_padded_length(n: int) -> int:
+  """The sample length the `loop` strategy pads a group's data to: the next power of two."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pad_samples(a: jax.Array, length: int) -> jax.Array:
+  extra = length - a.shape[1]
+  return a if extra == 0 else jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
 
 
 def _take_client(state, x, y, orders, sizes, k):
