@@ -555,9 +555,12 @@ def run_experiment(
       else ''
     )
     atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
-    plot_partition_bubbles(
-      table, wd.path / 'partition.png', title=f'{dataset.name}: {config.partition.scheme} partition'
-    )
+    if not (wd.path / 'partition.png').exists():  # a resumed run's partition is the same one
+      plot_partition_bubbles(
+        table,
+        wd.path / 'partition.png',
+        title=f'{dataset.name}: {config.partition.scheme} partition',
+      )
     if progress:
       print(
         f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '

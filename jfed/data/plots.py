@@ -1,5 +1,6 @@
 """Pictures of partitions, for reports and for eyeballing heterogeneity."""
 
+import os
 import pathlib
 from typing import Optional
 
@@ -32,10 +33,17 @@ def plot_partition_bubbles(
   if table.ndim != 2:
     raise ValueError(f'table must be [clients, classes], got shape {table.shape}.')
   num_clients, num_classes = table.shape
-  fig = mpl_figure.Figure(
-    figsize=(max(4.0, 0.6 * num_clients + 1.5), max(3.0, 0.4 * num_classes + 1.2)), dpi=120
-  )
+  width, height = max(4.0, 0.6 * num_clients + 1.5), max(3.0, 0.4 * num_classes + 1.2)
+  fig = mpl_figure.Figure(figsize=(width, height), dpi=120)
   backend_agg.FigureCanvasAgg(fig)
+  # Fixed margins in inches for the known labels (tick numbers, axis names, a title line):
+  # `tight_layout` measured every count label and took two thirds of the figure's time.
+  fig.subplots_adjust(
+    left=0.65 / width,
+    right=1 - 0.15 / width,
+    bottom=0.55 / height,
+    top=1 - (0.4 if title else 0.15) / height,
+  )
   ax = fig.add_subplot(1, 1, 1)
   clients, classes = np.nonzero(table > 0)
   counts = table[clients, classes].astype(np.float64)
@@ -69,9 +77,12 @@ def plot_partition_bubbles(
   ax.grid(True, linestyle=':', linewidth=0.5, alpha=0.6)
   ax.set_axisbelow(True)
   if title:
-    ax.set_title(title)
-  fig.tight_layout()
+    ax.set_title(title, fontsize=9)
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, format='png')
+  # A temporary file and a rename: a run killed while drawing leaves no torn PNG behind, and a
+  # resumed run may keep the file it finds.
+  tmp = path.with_name(f'.{path.name}.tmp')
+  fig.savefig(tmp, format='png')
+  os.replace(tmp, path)
   return str(path)

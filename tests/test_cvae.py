@@ -1,0 +1,183 @@
+"""CVAE clients (FedMHO, FedCVAE): models, Eq. 3, the generation counts and the K-means filter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sklearn.cluster import KMeans
+from sklearn.datasets import load_digits
+
+from jfed.cvae import CVAE, CVAEOutput, cvae_loss, generation_counts, kmeans_filter, kmeans_keep
+from jfed.models import param_count
+
+
+def _init(model, shape, batch=2):
+  x, y = jnp.zeros((batch, *shape)), jnp.zeros((batch,), jnp.int32)
+  return model.init(jax.random.PRNGKey(0), x, y, jax.random.PRNGKey(1))
+
+
+def _shapes(model, shape, batch=2):
+  """The variables' shapes without running anything (eager conv layers compile op by op)."""
+  return jax.eval_shape(lambda: _init(model, shape, batch))
+
+
+@pytest.mark.parametrize(
+  'size,expected',
+  [
+    # enc Linear(784+10, 256), 2 x Linear(256, 20); dec Linear(20+10, 256), Linear(256, 784)
+    ('small', 794 * 256 + 256 + 2 * (256 * 20 + 20) + 30 * 256 + 256 + 256 * 784 + 784),
+    # enc convs 1-64-128-256, Linear(256*7*7, 256), 2 x Linear(256+10, 20); dec Linear(30, 256),
+    # Linear(256, 256*7*7), ConvT 256-128-64-1
+    (
+      'large',
+      (9 * 64 + 64)
+      + (9 * 64 * 128 + 128)
+      + (9 * 128 * 256 + 256)
+      + (12544 * 256 + 256)
+      + 2 * (266 * 20 + 20)
+      + (30 * 256 + 256)
+      + (256 * 12544 + 12544)
+      + (9 * 256 * 128 + 128)
+      + (9 * 128 * 64 + 64)
+      + (9 * 64 + 1),
+    ),
+  ],
+)
+def test_cvae_parameter_counts_match_the_reference_architectures(size, expected):
+  variables = _shapes(CVAE(10, (28, 28, 1), size), (28, 28, 1))
+  assert param_count(variables['params']) == expected
+  assert set(variables['params']) == {'encoder', 'decoder'}
+
+
+@pytest.mark.parametrize('size', ['small', 'large'])
+@pytest.mark.parametrize('shape', [(8, 8, 1), (28, 28, 1), (32, 32, 3)])
+def test_cvae_shapes_and_decoder_alone(size, shape):
+  """Every output shape, and the decoder run from its own parameters (what a client uploads);
+  on the 8x8 digits also the numbers: the decoder alone equals the decoder inside the CVAE."""
+  model = CVAE(10, shape, size)
+  labels = jnp.array([0, 4, 9])
+  x = jnp.ones((3, *shape)) * 0.5
+  numeric = shape == (8, 8, 1)
+  variables = _init(model, shape, 3) if numeric else _shapes(model, shape, 3)
+
+  def apply(*args, method=None):
+    run = lambda *a: model.apply(*a, method=method)
+    return run(*args) if numeric else jax.eval_shape(run, *args)
+
+  out = apply(variables, x, labels, jax.random.PRNGKey(3))
+  assert out.recon_logits.shape == (3, *shape) and out.mu.shape == out.logvar.shape == (3, 20)
+  decoder_only = {'params': {'decoder': variables['params']['decoder']}}
+  decoded = apply(decoder_only, jnp.zeros((3, 20)), labels, method=CVAE.decode)
+  assert decoded.shape == (3, *shape)
+  if numeric:  # z = mu + exp(logvar / 2) * eps with the same key
+    eps = jax.random.normal(jax.random.PRNGKey(3), out.mu.shape)
+    z = out.mu + jnp.exp(0.5 * out.logvar) * eps
+    again = model.apply(decoder_only, z, labels, method=CVAE.decode)
+    np.testing.assert_allclose(again, out.recon_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cvae_loss_equals_eq3_computed_by_hand():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 3, 3, 1)).astype(np.float32)
+  x = rng.uniform(size=(4, 3, 3, 1)).astype(np.float32)
+  mu, logvar = (
+    rng.normal(size=(4, 5)).astype(np.float32),
+    rng.normal(size=(4, 5)).astype(np.float32),
+  )
+  weights = np.array([1, 1, 1, 0], np.float32)  # the last sample is padding
+  p = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+  bce = -(x * np.log(p) + (1 - x) * np.log(1 - p)).reshape(4, -1).sum(1)
+  kl = -0.5 * (1 + logvar - mu**2 - np.exp(logvar)).sum(1)
+  for beta in (1.0, 0.5):
+    loss, (recon, kl_mean, count) = cvae_loss(
+      CVAEOutput(jnp.asarray(logits), jnp.asarray(mu), jnp.asarray(logvar)),
+      jnp.asarray(x),
+      jnp.asarray(weights),
+      beta,
+    )
+    assert float(count) == 3
+    np.testing.assert_allclose(float(loss), np.mean(bce[:3] + beta * kl[:3]), rtol=1e-5)
+    np.testing.assert_allclose(float(recon), bce[:3].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(kl_mean), kl[:3].mean(), rtol=1e-5)
+  mse, _ = cvae_loss(
+    CVAEOutput(jnp.asarray(logits), jnp.asarray(mu), jnp.asarray(logvar)),
+    jnp.asarray(x),
+    jnp.asarray(weights),
+    recon='mse',
+  )
+  want = (((p - x) ** 2).reshape(4, -1).sum(1) + kl)[:3].mean()
+  np.testing.assert_allclose(float(mse), want, rtol=1e-5)
+
+
+def test_cvae_small_learns_digits():
+  """Adam on Eq. 3 (the paper's MNIST-family CVAE-small): the loss falls by a third."""
+  d = load_digits()
+  x = jnp.asarray((d.images[:256] / 16.0).astype(np.float32)[..., None])
+  y = jnp.asarray(d.target[:256])
+  model = CVAE(10, (8, 8, 1), 'small')
+  params = _init(model, (8, 8, 1))['params']
+  tx = optax.adam(1e-2)
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt, key):
+    def objective(p):
+      out = model.apply({'params': p}, x, y, key)
+      return cvae_loss(out, x, jnp.ones(len(y)))[0]
+
+    loss, grads = jax.value_and_grad(objective)(params)
+    updates, opt = tx.update(grads, opt)
+    return optax.apply_updates(params, updates), opt, loss
+
+  losses = []
+  for t in range(60):
+    params, opt, loss = step(params, opt, jax.random.PRNGKey(t))
+    losses.append(float(loss))
+  assert np.mean(losses[-5:]) < 0.67 * np.mean(losses[:5]), (losses[:5], losses[-5:])
+
+
+def _reference_counts(class_counts, total):
+  """get_synthesis_data_list's loop, transcribed: int(total / C) a class, n² weights."""
+  k, c = len(class_counts), len(class_counts[0])
+  per_class = int(total / c)
+  out = np.zeros((k, c), np.int64)
+  for p in range(c):
+    weights = [row[p] ** 2 for row in class_counts]
+    norm = sum(weights)
+    normalized = [1 / len(weights)] * k if norm == 0 else [w / norm for w in weights]
+    for idx in range(k):
+      out[idx, p] = int(normalized[idx] * per_class)
+  return out
+
+
+def test_generation_counts_follow_the_reference_weighting():
+  counts = [[10, 0, 3, 0], [10, 5, 0, 0], [0, 0, 0, 0]]
+  want = [[5, 0, 10, 3], [5, 10, 0, 3], [0, 0, 0, 3]]  # a class held by no decoder: uniform
+  np.testing.assert_array_equal(generation_counts(np.array(counts), 40), want)
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    c = rng.integers(0, 400, size=(5, 10))
+    c[rng.random((5, 10)) < 0.3] = 0
+    np.testing.assert_array_equal(generation_counts(c, 6000), _reference_counts(c.tolist(), 6000))
+  with pytest.raises(ValueError, match='non-negative'):
+    generation_counts(np.array([[-1, 2]]), 10)
+
+
+def test_kmeans_filter_keeps_exactly_the_rth_nearest_to_the_kmeans_centre():
+  rng = np.random.default_rng(2)
+  images = rng.random((50, 4, 4, 1))
+  labels = np.repeat([0, 1], 25)
+  images[labels == 1] += 0.5
+  kept = kmeans_filter(images, labels, 0.8)
+  assert len(kept) == 2 * int(0.8 * 25)
+  for c in (0, 1):
+    members = np.flatnonzero(labels == c)
+    flat = images[members].reshape(25, -1)
+    centre = KMeans(n_clusters=1, n_init=1, random_state=0).fit(flat).cluster_centers_[0]
+    distance = np.linalg.norm(flat - centre, axis=1)
+    want = members[np.argsort(distance)[: int(0.8 * 25)]]
+    np.testing.assert_array_equal(np.sort(want), kept[np.isin(kept, members)])
+  np.testing.assert_array_equal(kmeans_keep(images, 1.0), np.arange(50))  # R_th = 1: no filter
+  with pytest.raises(ValueError, match='R_th'):
+    kmeans_keep(images, 0.0)
