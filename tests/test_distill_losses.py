@@ -400,3 +400,43 @@ def test_synthetic_sample_grid_tiles_every_image_in_place(tmp_path):
   assert np.all(mosaic[8:, 9:] == 1.0)  # and where the last row has no image
   plots.plot_image_grid(tmp_path / 'grid.png', images, labels=np.arange(11), title='t')
   assert (tmp_path / 'grid.png').stat().st_size > 0
+
+
+def test_knowledge_fusion_loss_equals_eqs_5_to_7_by_hand():
+  """FedMHO Eq. 7 with Eq. 5 (MD: the mean of the classifier clients' logits), Eq. 6 (SD: the
+  initial global model's logits) and plain FedMHO (CE only), against NumPy; a padded row is
+  left out."""
+  rng = np.random.default_rng(0)
+  s = rng.normal(size=(4, 5))
+  clients = rng.normal(size=(3, 4, 5))
+  initial = rng.normal(size=(4, 5))
+  y = np.array([0, 3, 4, 1])
+  w = np.array([1.0, 1.0, 1.0, 0.0])
+
+  def log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+  ce = -log_softmax(s)[np.arange(4), y]
+
+  def kl(t):  # KL(softmax(t) || softmax(s)) per sample, summed over classes
+    log_p = log_softmax(t)
+    return (np.exp(log_p) * (log_p - log_softmax(s))).sum(-1)
+
+  real = lambda v: v[:3].mean()
+  f = lambda t=None, **kw: float(
+    losses.knowledge_fusion_loss(
+      jnp.asarray(s, jnp.float32),
+      jnp.asarray(y),
+      None if t is None else jnp.asarray(t, jnp.float32),
+      weights=jnp.asarray(w),
+      **kw,
+    )
+  )
+  md_teacher = clients.mean(0)  # Eq. 5 averages the logits, then takes the softmax
+  np.testing.assert_allclose(f(md_teacher), real(0.5 * ce + 0.5 * kl(md_teacher)), rtol=1e-5)
+  np.testing.assert_allclose(f(initial), real(0.5 * ce + 0.5 * kl(initial)), rtol=1e-5)
+  np.testing.assert_allclose(f(), real(ce), rtol=1e-5)
+  np.testing.assert_allclose(
+    f(initial, lam=0.3, kl_reduction='mean'), real(0.3 * ce + 0.7 * kl(initial) / 5), rtol=1e-5
+  )

@@ -36,6 +36,7 @@ from jfed.distill.losses import (
   hard_sample_cross_entropy,
   kd_loss,
   kl_divergence,
+  knowledge_fusion_loss,
 )
 from jfed.distill.ot_fusion import (
   FusionLayer,

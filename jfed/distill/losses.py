@@ -1,4 +1,4 @@
-"""Distillation / synthesis losses of DENSE, FedDF, Co-Boosting and FedHydra (pure functions).
+"""Distillation and synthesis losses of DENSE, FedDF, Co-Boosting, FedHydra and FedMHO (pure).
 
 Notation: s = student logits [B, C], t = teacher logits [B, C], y = int labels [B],
 p = softmax(t/T), q = softmax(s/T). All functions are differentiable w.r.t. both logits; callers
@@ -6,7 +6,7 @@ that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses
 through the teacher, because the generator's input reaches the teacher).
 """
 
-from typing import Any, NamedTuple, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import flax
 import jax
@@ -58,6 +58,37 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'me
   if reduction == 'mean':
     return jnp.mean(ce)
   raise ValueError(f'reduction must be mean/sum/none, got {reduction!r}')
+
+
+def knowledge_fusion_loss(
+  student_logits: jnp.ndarray,
+  labels: jnp.ndarray,
+  teacher_logits: Optional[jnp.ndarray] = None,
+  lam: float = 0.5,
+  weights: Optional[jnp.ndarray] = None,
+  kl_reduction: str = 'batchmean',
+) -> jnp.ndarray:
+  """FedMHO's global-model loss, Eq. 7: λ · CE(s, y) + (1 − λ) · KL(softmax(t) ‖ softmax(s)).
+
+  teacher_logits: FedMHO-MD's mean of the classifier clients' logits (Eq. 5), FedMHO-SD's
+  initial global model's logits (Eq. 6), or None for FedMHO (CE only). T = 1. `weights` [B]
+  (1 real, 0 padding) average over the real samples. kl_reduction 'batchmean' is the KL of the
+  paper (summed over classes); 'mean' is the reference's `nn.KLDivLoss()` default, 1/C of it
+  (reference-code.md §4.6, whose loss CE + KL_mean is this at λ = 0.5 up to a factor 2 that
+  Adam does not see).
+  """
+  if kl_reduction not in ('batchmean', 'mean'):
+    raise ValueError(f"kl_reduction must be 'batchmean' or 'mean', got {kl_reduction!r}")
+  w = jnp.ones(student_logits.shape[0]) if weights is None else weights.astype(jnp.float32)
+  per_sample = cross_entropy(student_logits, labels, 'none')
+  if teacher_logits is not None:
+    kl = jnp.sum(
+      kl_divergence(student_logits, jax.lax.stop_gradient(teacher_logits), 1.0, 'none'), -1
+    )
+    if kl_reduction == 'mean':
+      kl = kl / student_logits.shape[-1]
+    per_sample = lam * per_sample + (1.0 - lam) * kl
+  return jnp.sum(per_sample * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def hard_sample_cross_entropy(
