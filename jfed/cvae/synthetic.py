@@ -46,7 +46,6 @@ def kmeans_keep(features: np.ndarray, ratio: float) -> np.ndarray:
 def kmeans_filter(images: np.ndarray, labels: np.ndarray, ratio: float) -> np.ndarray:
   """Algorithm 2 over every class: the indices (ascending) of the samples kept."""
   labels = np.asarray(labels)
-  kept = [
-    np.flatnonzero(labels == c)[kmeans_keep(images[labels == c], ratio)] for c in np.unique(labels)
-  ]
+  members = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+  kept = [m[kmeans_keep(images[m], ratio)] for m in members]
   return np.sort(np.concatenate(kept)) if kept else np.zeros(0, np.int64)

@@ -37,7 +37,7 @@ from jfed.distill import (
   combine_logits,
   cross_entropy,
   epoch_batches,
-  pool_gather,
+  gather_batch,
   teacher_groups,
   teacher_outputs,
 )
@@ -82,11 +82,9 @@ class CoBoostingConfig(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def weight_step(
-  strategy, teacher_modules, teacher_states, w, w_orig, pool, idx, mask, mu, wdc, epoch
-):
-  """One Co-Boosting ensemble-weight step on pool[idx] (reference-code §2.1)."""
-  x, y = pool_gather(pool, idx)
+def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask, mu, wdc, epoch):
+  """One Co-Boosting ensemble-weight step on a pool batch (x, y) (`gather_batch`, like the KD
+  step: the pool's capacity stays out of the program) (reference-code §2.1)."""
   per_client, _ = teacher_outputs(
     teacher_groups(teacher_modules, teacher_states), x, False, strategy
   )
@@ -172,8 +170,7 @@ class CoBoosting(oneshot.DistillationAlgorithm):
           t_states,
           w,
           w_orig,
-          state.pool,
-          jnp.asarray(idx[b]),
+          *gather_batch(state.pool, jnp.asarray(idx[b])),
           jnp.asarray(mask[b]),
           c.mu,
           c.wdc,
