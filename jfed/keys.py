@@ -34,3 +34,4 @@ class ServerRoundPurpose(enum.IntEnum):
   STUDENT = 1  # the random server model
   GENERATOR = 2  # a generator kept across the epochs of a round
   MODEL_STRATIFICATION = 3  # FedHydra MS
+  GENERATION = 4  # CVAE decoders: latents and labels of the synthetic set

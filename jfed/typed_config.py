@@ -119,9 +119,14 @@ def validate_run_config(config: Any) -> None:
   require(0.0 <= momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {momentum}')
   wd = _convert(o.get('weight_decay', 0.0), float, 'optimizer.weight_decay')
   require(wd >= 0.0, f'optimizer.weight_decay must be >= 0, got {wd}')
-  known = set(available_models())
-  specs = [config.model] + [s for s in config.get('client_models', '').split(';') if s.strip()]
-  for spec in specs:
+  from jfed.cvae.clients import GENERATIVE_MODEL  # pylint: disable=g-import-not-at-top
+
+  classifiers = set(available_models())
+  client_specs = [s for s in config.get('client_models', '').split(';') if s.strip()]
+  # A client may train a CVAE (FedMHO, FedCVAE); the server model is always a classifier.
+  for spec, known in [(config.model, classifiers)] + [
+    (s, classifiers | {GENERATIVE_MODEL}) for s in client_specs
+  ]:
     name = spec.strip().partition(':')[0]
     require(
       name.lower() in known,

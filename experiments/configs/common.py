@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = 'cnn_mnist'
   c.client_models = ''  # heterogeneous: 'spec;spec;...' cycled over clients
   c.local_models_dir = ''  # reuse local models checkpointed by an earlier run
+  c.local_cvaes_dir = ''  # reuse local CVAEs checkpointed by an earlier run (FedMHO, FedCVAE)
   c.optimizer = ml_collections.ConfigDict(
     {'name': 'sgd', 'lr': 0.01, 'momentum': 0.9, 'weight_decay': 0.0, 'schedule': 'constant'}
   )  # schedule: constant | cosine (centralized only)
@@ -84,6 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedprox = ml_collections.ConfigDict(
     {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'mu': 0.01}
   )
+  c.fedavg_vote = ml_collections.ConfigDict({'local_epochs': 1})
   c.centralized = ml_collections.ConfigDict({'epochs': 1})
   c.local = ml_collections.ConfigDict({'epochs': 1})
   # HFLDD (seed 003): label knowledge collection -> clustering -> KIP -> FedAvg over heads.
@@ -288,6 +290,42 @@ def base_config() -> ml_collections.ConfigDict:
       'kd_data': 'pool',
       'kd_augment': 'none',
       'pool_quantize': True,
+    }
+  )
+  # FedMHO (seed 004): classifier + CVAE clients; defaults are Table 7's Fashion-MNIST column
+  # (the global model's Adam lr and epochs, the CVAE-small's Adam lr and epochs, N_syn, R_th).
+  c.fedmho = ml_collections.ConfigDict(
+    {
+      'local_epochs': 200,
+      'cvae_epochs': 40,
+      'cvae_optimizer': 'adam',
+      'cvae_lr': 5e-2,
+      'cvae_batch': 64,
+      'cvae_recon': 'bce',
+      'num_synthetic': 6000,
+      'clean_rate': 0.8,
+      'epochs': 20,
+      'lr': 5e-4,
+      'batch': 64,
+      'lam': 0.5,
+      'kl_reduction': 'batchmean',
+    }
+  )
+  # FedCVAE-Ens (reference-code.md §3): CVAE clients only; the server classifier from scratch.
+  c.fedcvae = ml_collections.ConfigDict(
+    {
+      'cvae_epochs': 40,
+      'cvae_optimizer': 'adam',
+      'cvae_lr': 1e-3,
+      'cvae_batch': 64,
+      'cvae_recon': 'bce',
+      'num_synthetic': 6000,
+      'z_bound': 3.0,
+      'weight_by_share': True,
+      'server_model': '',
+      'epochs': 20,
+      'lr': 1e-3,
+      'batch': 32,
     }
   )
   return c

@@ -17,4 +17,11 @@ from jfed.engine.state import (
   take,
   unstack,
 )
-from jfed.engine.training import STRATEGIES, GroupTrainer, TrainMetrics, resolve_strategy
+from jfed.engine.training import (
+  STRATEGIES,
+  GroupTrainer,
+  LocalObjective,
+  TrainMetrics,
+  classification_objective,
+  resolve_strategy,
+)

@@ -14,6 +14,13 @@ same numbers and differ only in how the (client, step) grid is mapped onto the m
            form on GPU/TPU.
 - `auto`:  `loop` on CPU, `scan` elsewhere (confirmed by experiments/bench/client_training.py).
 
+What a step minimises is the trainer's `objective` (`LocalObjective`): the cross entropy of a
+classifier by default (`classification_objective`), or e.g. a CVAE's Eq. 3 (`jfed.cvae`), so
+every client *kind* is one compiled group on the same engine. Each step gets its own key,
+fold_in(fold_in(fold_in(key, epoch), STEP_KEY_TAG), client id) folded with the step index: a
+classifier's dropout and a CVAE's reparameterisation noise depend only on (key, epoch, client,
+step), like the data order.
+
 Exactness for unequal client sizes: each epoch, client k visits a fresh permutation of its own
 `sizes[k]` samples in batches of `batch_size` (the last one partial, like a PyTorch DataLoader
 with drop_last=False). Padded positions are masked out of the loss, the accuracy and the
@@ -22,7 +29,7 @@ optimiser state untouched, so a padded client trains exactly as it would alone.
 """
 
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
 
 import jax
 from jax import lax
@@ -34,6 +41,8 @@ from jfed.engine import sharding
 from jfed.engine.state import ModelState, TrainState
 
 STRATEGIES = ('auto', 'loop', 'vmap', 'scan')
+# Folded into an epoch's key to derive the per-step keys (orders use the epoch key directly).
+STEP_KEY_TAG = 0x5EED
 
 
 def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
@@ -84,6 +93,34 @@ def supervised_loss(logits, labels, weights):
   return loss, correct, count
 
 
+class LocalObjective(Protocol):
+  """What a client minimises in one step.
+
+  Called as objective(module, params, batch_stats, x, y, weights, key) with one client's batch
+  (weights [B]: 1 real, 0 padding) and the step's key; returns
+  (loss to differentiate, (reported loss, correct predictions, real-sample count, new
+  batch_stats)).
+  """
+
+  def __call__(
+    self, module, params, batch_stats, x, y, weights, key
+  ) -> Tuple[jax.Array, Tuple[jax.Array, jax.Array, jax.Array, Any]]: ...
+
+
+def classification_objective(module, params, batch_stats, x, y, weights, key):
+  """Cross entropy of a classifier (`supervised_loss`); dropout, if any, draws from `key`."""
+  logits, updates = module.apply(
+    {'params': params, 'batch_stats': batch_stats},
+    x,
+    train=True,
+    mask=weights > 0,
+    mutable=['batch_stats'],
+    rngs={'dropout': key},
+  )
+  loss, correct, count = supervised_loss(logits, y, weights)
+  return loss, (loss, correct, count, updates.get('batch_stats', batch_stats))
+
+
 def _tree_where(pred, new, old):
   return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
@@ -107,8 +144,10 @@ class GroupTrainer:
     prox_mu: float = 0.0,
     strategy: str = 'auto',
     mesh=None,
+    objective: LocalObjective = classification_objective,
   ):
     self.module = module
+    self.objective = objective
     self.tx = tx
     self.batch_size = int(batch_size)
     self.prox_mu = float(prox_mu)
@@ -122,33 +161,27 @@ class GroupTrainer:
     self._loop_step = jax.jit(self._loop_client_step, donate_argnums=(0, 1))
     self._loop_take = jax.jit(_take_client)
     self._loop_stack = jax.jit(_stack_clients)
-    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, None, None)))
+    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None)))
     self._scan_epoch = jax.jit(
-      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, None, None)), static_argnums=(5,)
+      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, 0, None, None)), static_argnums=(6,)
     )
     self._orders = jax.jit(client_orders, static_argnums=(3, 4))
+    self._client_keys = jax.jit(client_step_keys)
 
   # -- the one step every strategy runs ------------------------------------------------------
-  def _client_step(self, ts: TrainState, x, y, order, size, step, anchor):
+  def _client_step(self, ts: TrainState, x, y, order, size, client_key, step, anchor):
     b = self.batch_size
     idx = lax.dynamic_slice(order, (step * b,), (b,))
     real = step * b + jnp.arange(b) < size
     xb, yb = x[idx], y[idx]
     weights = real.astype(jnp.float32)
+    key = jax.random.fold_in(client_key, step)
 
     def objective(params):
-      logits, updates = self.module.apply(
-        {'params': params, 'batch_stats': ts.model.batch_stats},
-        xb,
-        train=True,
-        mask=real,
-        mutable=['batch_stats'],
-      )
-      loss, correct, count = supervised_loss(logits, yb, weights)
-      total = loss
+      total, aux = self.objective(self.module, params, ts.model.batch_stats, xb, yb, weights, key)
       if self.prox_mu:
         total = total + 0.5 * self.prox_mu * _squared_distance(params, anchor)
-      return total, (loss, correct, count, updates.get('batch_stats', ts.model.batch_stats))
+      return total, aux
 
     grads, (loss, correct, count, new_stats) = jax.grad(objective, has_aux=True)(ts.model.params)
     updates, new_opt = self.tx.update(grads, ts.opt_state, ts.model.params)
@@ -158,9 +191,9 @@ class GroupTrainer:
     new_ts = _tree_where(count > 0, new_ts, ts)
     return new_ts, jnp.stack([loss * count, correct, count])
 
-  def _client_epoch(self, ts, x, y, order, size, num_steps, anchor):
+  def _client_epoch(self, ts, x, y, order, size, client_key, num_steps, anchor):
     def body(carry, s):
-      return self._client_step(carry, x, y, order, size, s, anchor)
+      return self._client_step(carry, x, y, order, size, client_key, s, anchor)
 
     ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
     return ts, stats.sum(0)
@@ -212,16 +245,18 @@ class GroupTrainer:
       ids = sharding.pad_clients(ids, sizes.shape[0])
     stats = []
     for epoch in range(epochs):
-      orders = self._orders(jax.random.fold_in(key, epoch), ids, sizes, n_max, padded_len)
+      epoch_key = jax.random.fold_in(key, epoch)
+      orders = self._orders(epoch_key, ids, sizes, n_max, padded_len)
+      keys = self._client_keys(epoch_key, ids)
       if self.strategy == 'loop':
-        state, epoch_stats = self._loop_epoch(state, x, y, orders, sizes, fed.sizes, anchor)
+        state, epoch_stats = self._loop_epoch(state, x, y, orders, sizes, keys, fed.sizes, anchor)
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
         for s in range(num_steps):
-          state, st = self._vmap_step(state, x, y, orders, sizes, s, anchor)
+          state, st = self._vmap_step(state, x, y, orders, sizes, keys, s, anchor)
           epoch_stats = epoch_stats + st
       else:
-        state, epoch_stats = self._scan_epoch(state, x, y, orders, sizes, num_steps, anchor)
+        state, epoch_stats = self._scan_epoch(state, x, y, orders, sizes, keys, num_steps, anchor)
       stats.append(np.asarray(epoch_stats)[:m])
       if progress is not None:
         progress(epoch + 1, epochs)
@@ -231,17 +266,17 @@ class GroupTrainer:
     count = np.maximum(stats[..., 2], 1.0)
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
 
-  def _loop_client_step(self, ts, acc, x, y, order, size, step, anchor):
-    ts, st = self._client_step(ts, x, y, order, size, step, anchor)
+  def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor):
+    ts, st = self._client_step(ts, x, y, order, size, client_key, step, anchor)
     return ts, acc + st, step + 1
 
-  def _loop_epoch(self, state, x, y, orders, sizes, sizes_np, anchor):
+  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor):
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
-      ts, xk, yk, order, size, acc, step = self._loop_take(state, x, y, orders, sizes, k)
+      ts, xk, yk, order, size, ck, acc, step = self._loop_take(state, x, y, orders, sizes, keys, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, step, anchor)
+        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, ck, step, anchor)
       new_states.append(ts)
       epoch_stats.append(acc)
     return self._loop_stack(new_states, epoch_stats)
@@ -257,10 +292,17 @@ def _pad_samples(a: jax.Array, length: int) -> jax.Array:
   return a if extra == 0 else jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
 
 
-def _take_client(state, x, y, orders, sizes, k):
+def client_step_keys(epoch_key: jax.Array, client_ids: jax.Array) -> jax.Array:
+  """[clients] keys of an epoch; a step's key is fold_in(this, step) (see the module docstring)."""
+  base = jax.random.fold_in(epoch_key, STEP_KEY_TAG)
+  return jax.vmap(lambda c: jax.random.fold_in(base, c))(client_ids)
+
+
+def _take_client(state, x, y, orders, sizes, keys, k):
   """Client k's slices plus zeroed metric sums and step index, in one dispatch."""
   ts = jax.tree.map(lambda a: a[k], state)
-  return ts, x[k], y[k], orders[k], sizes[k], jnp.zeros(3), jnp.zeros((), jnp.int32)
+  zeros = jnp.zeros(3), jnp.zeros((), jnp.int32)
+  return (ts, x[k], y[k], orders[k], sizes[k], keys[k]) + zeros
 
 
 def _stack_clients(states, stats):

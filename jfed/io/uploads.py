@@ -22,6 +22,19 @@ class ModelUpload(NamedTuple):
   model: Any  # ModelState of one client
 
 
+class DecoderUpload(NamedTuple):
+  """A CVAE client's upload (FedMHO §4.2, FedCVAE): its decoder and label distribution.
+
+  The label distribution travels as class counts (pmf = counts / num_samples); FedCVAE's data
+  share n_k / N is num_samples over the sum of every uploader's num_samples.
+  """
+
+  client_id: int
+  num_samples: int
+  decoder: Any  # params of the decoder submodule
+  label_counts: Any  # [num_classes] int32
+
+
 def serialize(tree: Any) -> bytes:
   return flax.serialization.msgpack_serialize(
     flax.serialization.to_state_dict(jax.tree.map(np.asarray, tree))
@@ -58,3 +71,22 @@ def validate_model_upload(upload: ModelUpload, template: Any) -> None:
   if upload.num_samples <= 0:
     raise UploadError(f'{what}: num_samples must be positive, got {upload.num_samples}')
   validate_tree(upload.model, template, what)
+
+
+def validate_decoder_upload(upload: DecoderUpload, template: Any, num_classes: int) -> None:
+  """Raises UploadError unless the decoder matches the template and the label counts are
+  num_classes non-negative integers summing to num_samples."""
+  what = f'decoder upload of client {upload.client_id}'
+  if upload.num_samples <= 0:
+    raise UploadError(f'{what}: num_samples must be positive, got {upload.num_samples}')
+  counts = np.asarray(upload.label_counts)
+  if counts.shape != (num_classes,) or not np.issubdtype(counts.dtype, np.integer):
+    raise UploadError(
+      f'{what}: label_counts is {counts.dtype}{list(counts.shape)}, expected int[{num_classes}]'
+    )
+  if np.any(counts < 0) or int(counts.sum()) != int(upload.num_samples):
+    raise UploadError(
+      f'{what}: label_counts must be non-negative and sum to num_samples={upload.num_samples}, '
+      f'got {counts.tolist()}'
+    )
+  validate_tree(upload.decoder, template, what)

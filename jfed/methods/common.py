@@ -206,14 +206,17 @@ class LocalModels(NamedTuple):
   upload_bytes: int
 
 
-def local_models(ctx: RunContext, epochs: int) -> LocalModels:
-  """Every client trained for `epochs` local epochs from a shared init, once per run.
+def local_models(
+  ctx: RunContext, epochs: int, client_ids: Optional[Sequence[int]] = None
+) -> LocalModels:
+  """Every client (or those of `client_ids`) trained for `epochs` local epochs from a shared
+  init, once per run.
 
   A stage of the driver (`ctx.stage('local_models', epochs, ...)`): checkpointed under
   workdir/local_models, or read from `local_models_dir` when set, so an interrupted one-shot run
   and a sweep of server-side methods train the clients only once.
   """
-  groups = client_groups(ctx)
+  groups = client_groups(ctx, client_ids)
   init = init_group_models(ctx, groups)
 
   def train():

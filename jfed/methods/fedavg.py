@@ -9,9 +9,18 @@ model after every round.
 (`common.local_models`, read from `local_models_dir` when set) instead of training the clients
 again. FedHydra's tables compare every method on the same local models; this also saves one
 round of local training per partition in `experiments.fedhydra_tables`.
+
+`fedavg_vote` is one-shot FedAvg for heterogeneous clients as FedMHO (seed 004 §5.1.2) runs it:
+the shared one-shot local models (`common.local_models`) are averaged *uniformly* within each
+architecture ("model prototype"; the reference's `_avg_over_archs`), and the result is "the
+voting outcome of model prototypes": the argmax of the mean of the prototype models' logits
+(the reference's `federated_average_ensemble` aggregation). Each prototype's own accuracy and
+their mean (the reference's `avg_perfs_lst`) are recorded beside it.
 """
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
@@ -35,6 +44,10 @@ class FedProxConfig(NamedTuple):
   local_epochs: int
   participation: float
   mu: float
+
+
+class FedAvgVoteConfig(NamedTuple):
+  local_epochs: int
 
 
 class FedAvgAux(NamedTuple):
@@ -142,3 +155,55 @@ class FedProx(FedAvg):
   def validate(self, config) -> None:
     super().validate(config)
     tc.require_non_negative(self.config, self.section, ('mu',))
+
+
+@register_method('fedavg_vote')
+class FedAvgVote(Algorithm):
+  """One-shot FedAvg within each architecture, then a logit-mean vote of the prototypes."""
+
+  section = 'fedavg_vote'
+  Config = FedAvgVoteConfig
+  step_name = 'round'
+
+  def validate(self, config) -> None:
+    tc.require_positive(self.config, self.section, ('local_epochs',))
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return 1
+
+  def setup(self, ctx: RunContext) -> common.LocalModels:
+    return common.local_models(ctx, self.config.local_epochs)
+
+  def init(self, ctx: RunContext, local: common.LocalModels) -> List[ModelState]:
+    return [engine.take(m, 0) for m in local.models]
+
+  def step(self, ctx: RunContext, local: common.LocalModels, state, i: int):
+    prototypes = [
+      engine.weighted_average(m, np.ones(len(g.client_ids)))
+      for g, m in zip(local.groups, local.models)
+    ]
+    logits = [
+      engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy).logits(
+        p, ctx.dataset.test_x
+      )
+      for g, p in zip(local.groups, prototypes)
+    ]
+    test_y = ctx.dataset.test_y
+    per_prototype = [float(common.accuracy_of_logits(lg, test_y)) for lg in logits]
+    record = {
+      'round': 1,
+      'test_accuracy': float(common.accuracy_of_logits(np.mean(logits, axis=0), test_y)),
+      'prototype_test_accuracy': dict(zip([g.spec for g in local.groups], per_prototype)),
+      'mean_prototype_test_accuracy': float(np.mean(per_prototype)),
+      'clients': ctx.num_clients,
+      'upload_bytes': local.upload_bytes,
+    }
+    return prototypes, [record]
+
+  def summarize(self, ctx, local, state, history) -> Dict[str, Any]:
+    last = history[-1]
+    return {
+      'prototype_test_accuracy': last['prototype_test_accuracy'],
+      'mean_prototype_test_accuracy': last['mean_prototype_test_accuracy'],
+      'client_models': common.client_model_specs(ctx),
+    }

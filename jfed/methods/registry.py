@@ -20,6 +20,8 @@ _METHOD_MODULES = (
   'hfldd',
   'fedseq',
   'dynafed',
+  'fedmho',
+  'fedcvae',
 )
 
 

@@ -15,6 +15,7 @@ what changes for small inputs (the 28/32 px behaviour is always the paper's).
 from typing import Sequence, Tuple
 
 import flax.linen as nn
+import jax
 
 from jfed.models.layers import BatchNorm, conv, dense, flatten, pool2_or_skip
 from jfed.models.registry import register_model
@@ -159,6 +160,31 @@ class ConvNetIN(nn.Module):
     return dense(flatten(x), self.num_classes)
 
 
+class FedMHOCNN(nn.Module):
+  """FedMHO's small CNN for the MNIST family (YXShi2000/FedMHO:pcode/models/cnn.py:CNN_MNIST,
+  also DENSE-code/models/cnn.py): Conv5x5(10) MaxPool2 ReLU -> Conv5x5(20) MaxPool2 ReLU ->
+  Linear(320, C); 8,490 parameters at 28x28x1 (as PyTorch). Unpadded convs, padded (k//2) on
+  inputs too small for them (8x8 digits).
+
+  `softmax_output`: the reference returns softmax *probabilities*, which its cross entropy then
+  treats as logits (a double softmax). The paper describes a CNN trained with cross entropy
+  (Eq. 2), so logits are the default; True reproduces the reference's outputs.
+  """
+
+  num_classes: int
+  softmax_output: bool = False
+  MIN_VALID_SIZE = 12
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask  # no BatchNorm or dropout
+    pad = _valid_or_same(x, 5, self.MIN_VALID_SIZE)
+    for ch in (10, 20):
+      x = nn.relu(pool2_or_skip(conv(x, ch, 5, padding=pad), 'max'))
+    x = dense(flatten(x), self.num_classes)
+    return jax.nn.softmax(x) if self.softmax_output else x
+
+
 class MLP(nn.Module):
   """FedAvg's '2NN': Flatten -> [Linear(200) ReLU] x2 -> Linear (199,210 params on MNIST)."""
 
@@ -182,6 +208,13 @@ def cnn_mnist(num_classes, input_shape, channels: Sequence[int] = (16, 32)):
   """DENSE CNNMnist (see `CNNMnist`)."""
   del input_shape
   return CNNMnist(num_classes=num_classes, channels=tuple(channels))
+
+
+@register_model('fedmho_cnn')
+def fedmho_cnn(num_classes, input_shape, softmax_output: int = 0):
+  """FedMHO's small CNN (see `FedMHOCNN`); softmax_output=1 gives the reference's outputs."""
+  del input_shape
+  return FedMHOCNN(num_classes=num_classes, softmax_output=bool(softmax_output))
 
 
 @register_model('cnn_cifar')

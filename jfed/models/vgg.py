@@ -8,8 +8,9 @@ pooling *upsamples* the 4x4 (32px), 3x3 (28px) or 1x1 (8px) map to 7x7 exactly a
 AdaptiveAvgPool2d does, so every input size works without deviation.
 
 Dropout: active only in train mode *and* when a 'dropout' PRNG stream is supplied
-(`module.apply(..., train=True, rngs={'dropout': key})`). jfed's generic local trainer passes
-no rngs, so there VGG-9 trains without dropout (a documented deviation from the reference).
+(`module.apply(..., train=True, rngs={'dropout': key})`). jfed's local trainer and FedMHO's
+server supply one (the engine's per-step key), as the reference trains with dropout; the
+distillation students of DENSE / Co-Boosting / FedDF get none and train VGG-9 without it.
 `width_mult` scales the conv widths and `fc_width` the two hidden FC layers (defaults are the
 paper's; smaller values exist for cheap tests).
 """

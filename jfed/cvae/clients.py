@@ -1,0 +1,150 @@
+"""CVAE clients on the shared engine: their groups, local training, uploads and the server's
+batched decoding (FedMHO §4.2, Algorithm 1 lines 3–7 and 11–12; FedCVAE, reference-code.md §3).
+
+A client whose model spec is `cvae[:size=small|large,latent=..,hidden=..]` is a *generative*
+client. Its group is one compiled program like a classifier group: `GroupTrainer` runs the CVAE
+objective (`cvae_objective`, Eq. 3) instead of the cross entropy, with each step's
+reparameterisation noise drawn from the engine's per-step key. A trained client uploads a
+`DecoderUpload`: its decoder parameters and its class counts. The server decodes every decoder
+of a group in one vmapped call (`decode_group`).
+"""
+
+import functools
+from typing import Any, List, NamedTuple, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfed.cvae.losses import RECON_LOSSES, cvae_loss
+from jfed.cvae.models import CVAE
+from jfed.engine import ModelState
+from jfed.io import DecoderUpload, serialized_nbytes, validate_decoder_upload
+
+GENERATIVE_MODEL = 'cvae'
+
+
+def is_generative(spec: str) -> bool:
+  """Whether a client model spec names a CVAE ('cvae' or 'cvae:size=large,...')."""
+  return spec.strip().partition(':')[0].strip().lower() == GENERATIVE_MODEL
+
+
+def build_cvae(kwargs: dict, num_classes: int, input_shape: Sequence[int]) -> CVAE:
+  """The CVAE of a parsed spec's keyword arguments (size, latent, hidden)."""
+  unknown = set(kwargs) - {'size', 'latent', 'hidden'}
+  if unknown:
+    raise ValueError(f'Unknown CVAE option(s) {sorted(unknown)}; valid: size, latent, hidden')
+  return CVAE(
+    num_classes=int(num_classes),
+    image_shape=tuple(int(d) for d in input_shape),
+    size=str(kwargs.get('size', 'small')),
+    latent=int(kwargs.get('latent', 20)),
+    hidden=int(kwargs.get('hidden', 256)),
+  )
+
+
+def cvae_objective(recon: str = 'bce', beta: float = 1.0):
+  """The engine's `LocalObjective` of a CVAE client: Eq. 3 on the batch's real samples.
+
+  The reported loss is Eq. 3 itself; a CVAE predicts no label, so it reports 0 correct.
+  """
+  if recon not in RECON_LOSSES:
+    raise ValueError(f'recon must be one of {RECON_LOSSES}, got {recon!r}')
+
+  def objective(module, params, batch_stats, x, y, weights, key):
+    out = module.apply({'params': params}, x, y, key)
+    loss, (_, _, count) = cvae_loss(out, x, weights, beta, recon)
+    return loss, (loss, jnp.zeros(()), count, batch_stats)
+
+  return objective
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init(module: CVAE, input_shape: Tuple[int, ...], key: jax.Array) -> ModelState:
+  x = jnp.zeros((2, *input_shape), jnp.float32)
+  labels = jnp.zeros((2,), jnp.int32)
+  params = module.init(key, x, labels, jax.random.PRNGKey(0))['params']
+  return ModelState(params, {})
+
+
+def init_cvae(module: CVAE, input_shape: Sequence[int], key: jax.Array) -> ModelState:
+  return _init(module, tuple(int(d) for d in input_shape), key)
+
+
+def class_counts(labels: np.ndarray, sizes: np.ndarray, num_classes: int) -> np.ndarray:
+  """[clients, classes] int32 counts of a padded group's labels [m, n_max] (real samples only)."""
+  real = np.arange(labels.shape[1])[None, :] < np.asarray(sizes)[:, None]
+  return np.stack(
+    [np.bincount(y[r], minlength=num_classes) for y, r in zip(np.asarray(labels), real)]
+  ).astype(np.int32)
+
+
+class DecoderUploads(NamedTuple):
+  """What a group of CVAE clients sent, validated: stacked decoders and their class counts."""
+
+  client_ids: np.ndarray  # [k] global ids
+  decoders: Any  # decoder params stacked over the group's clients
+  label_counts: np.ndarray  # [k, classes] int32
+  upload_bytes: int
+
+
+def receive_decoder_uploads(
+  client_ids: np.ndarray, models: ModelState, counts: np.ndarray, template: ModelState
+) -> DecoderUploads:
+  """Server side of the CVAE clients' uploads: each client's decoder and class counts are
+  validated against the template's decoder; bytes are the msgpack size of each real upload."""
+  template_decoder = template.params['decoder']
+  total = 0
+  num_classes = counts.shape[1]
+  for i, cid in enumerate(client_ids):
+    decoder = jax.tree.map(lambda a, i=i: a[i], models.params['decoder'])
+    upload = DecoderUpload(int(cid), int(counts[i].sum()), decoder, counts[i])
+    validate_decoder_upload(upload, template_decoder, num_classes)
+    total += serialized_nbytes(upload._asdict())
+  return DecoderUploads(
+    np.asarray(client_ids), models.params['decoder'], np.asarray(counts, np.int32), total
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def decode_group(module: CVAE, decoders: Any, z: jax.Array, labels: jax.Array) -> jax.Array:
+  """Images in [0, 1] (sigmoid of the logits) from every decoder of a group in one call:
+  decoders stacked [k], z [k, n, latent], labels [k, n] -> [k, n, H, W, C]."""
+
+  def one(params, zk, yk):
+    return jax.nn.sigmoid(module.apply({'params': {'decoder': params}}, zk, yk, method='decode'))
+
+  return jax.vmap(one)(decoders, z, labels)
+
+
+def labels_of_counts(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+  """Per decoder, its labels (class c repeated counts[k, c] times) padded to the longest:
+  ([k, n_max] int32 labels, [k, n_max] bool real)."""
+  counts = np.asarray(counts, np.int64)
+  n_max = max(1, int(counts.sum(1).max()))
+  labels = np.zeros((len(counts), n_max), np.int32)
+  real = np.zeros((len(counts), n_max), bool)
+  for k, row in enumerate(counts):
+    y = np.repeat(np.arange(len(row)), row)
+    labels[k, : len(y)], real[k, : len(y)] = y, True
+  return labels, real
+
+
+def generate(
+  module: CVAE,
+  uploads: DecoderUploads,
+  labels: np.ndarray,
+  real: np.ndarray,
+  z: jax.Array,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Decodes labels [k, n] (real [k, n]) from latents z [k, n, latent] with every decoder of
+  `uploads`: (images [N, H, W, C] float32, labels [N], decoder client id [N]) of the real ones,
+  decoder by decoder."""
+  images = np.asarray(decode_group(module, uploads.decoders, z, jnp.asarray(labels)))
+  owner = np.broadcast_to(np.asarray(uploads.client_ids)[:, None], real.shape)
+  return images[real], labels[real], owner[real]
+
+
+def concat_generated(parts: List[Tuple[np.ndarray, np.ndarray, np.ndarray]]):
+  """Concatenates the (images, labels, owners) of several decoder groups."""
+  return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))

@@ -1,0 +1,136 @@
+"""Blocks shared by the methods with CVAE clients (FedMHO, FedCVAE); not a method itself.
+
+Clients are split by kind: a spec `cvae[:size=..,latent=..,hidden=..]` (see `jfed.cvae.clients`)
+makes a generative client, any other spec a classifier. Each distinct CVAE spec is one compiled
+group (`ClientGroup` with a `CVAE` module), trained by the shared engine with the CVAE objective;
+the local CVAEs are a driver stage ('local_cvaes', tagged by their epochs, read from
+`config.local_cvaes_dir` when set) so a sweep over server-side methods trains them once.
+"""
+
+from typing import List, NamedTuple, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from jfed import engine
+from jfed.cvae import clients as cvae_clients
+from jfed.data import federate
+from jfed.engine import GroupTrainer, ModelState
+from jfed.errors import ConfigError
+from jfed.keys import Purpose
+from jfed.methods import common
+from jfed.methods.context import RunContext
+
+
+class CVAESettings(NamedTuple):
+  """How CVAE clients train (FedMHO Table 7; FedCVAE reference-code.md §3.2)."""
+
+  epochs: int
+  optimizer: str
+  lr: float
+  batch: int
+  recon: str  # 'bce' | 'mse'
+  beta: float
+
+
+def split_clients(ctx: RunContext):
+  """(classifier client ids, generative client ids), each ascending."""
+  specs = common.client_model_specs(ctx)
+  generative = np.array([k for k, s in enumerate(specs) if cvae_clients.is_generative(s)], int)
+  classifiers = np.array([k for k, s in enumerate(specs) if not cvae_clients.is_generative(s)])
+  return classifiers.astype(int), generative
+
+
+def cvae_groups(ctx: RunContext) -> List[common.ClientGroup]:
+  """The generative clients grouped by CVAE spec, in order of first appearance."""
+  specs = common.client_model_specs(ctx)
+  _, ids = split_clients(ctx)
+  groups = []
+  for spec in dict.fromkeys(specs[k] for k in ids):
+    members = np.array([k for k in ids if specs[k] == spec])
+    _, kwargs = common.parse_model_spec(spec)
+    try:
+      module = cvae_clients.build_cvae(kwargs, ctx.dataset.num_classes, ctx.dataset.input_shape)
+    except ValueError as e:
+      raise ConfigError(f'client model {spec!r}: {e}') from None
+    fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in members])
+    groups.append(common.ClientGroup(spec, module, members, fed))
+  return groups
+
+
+def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[ModelState]:
+  """Every CVAE of a group starts from one init (keyed by the spec's index among all specs)."""
+  all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+  out = []
+  for g in groups:
+    key = ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
+    try:
+      init = cvae_clients.init_cvae(g.module, ctx.dataset.input_shape, key)
+    except ValueError as e:  # e.g. CVAE-large on images whose sides are not multiples of 4
+      raise ConfigError(f'client model {g.spec!r}: {e}') from None
+    out.append(engine.replicate(engine.commit(init), len(g.client_ids)))
+  return out
+
+
+class LocalCVAEs(NamedTuple):
+  groups: List[common.ClientGroup]
+  models: List[ModelState]  # stacked per group
+  uploads: List[cvae_clients.DecoderUploads]
+
+  @property
+  def upload_bytes(self) -> int:
+    return int(sum(u.upload_bytes for u in self.uploads))
+
+
+def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
+  """Every generative client's CVAE trained `s.epochs` epochs (a driver stage), and the
+  validated decoder uploads."""
+  groups = cvae_groups(ctx)
+  init = init_cvaes(ctx, groups)
+
+  def train():
+    tx = engine.make_optimizer(s.optimizer, s.lr)
+    objective = cvae_clients.cvae_objective(s.recon, s.beta)
+    trainers = [
+      GroupTrainer(
+        g.module,
+        tx,
+        s.batch,
+        strategy=ctx.config.strategy,
+        mesh=ctx.mesh,
+        objective=objective,
+      )
+      for g in groups
+    ]
+    models, metrics = common.train_groups(
+      trainers,
+      groups,
+      init,
+      s.epochs,
+      ctx.derive_key(Purpose.LOCAL_TRAINING),
+      label='local CVAE training',
+    )
+    for g, m in zip(groups, metrics):
+      logging.info(
+        'local CVAE training [%s]: final loss %s', g.spec, np.round(m.loss[:, -1], 2).tolist()
+      )
+    return list(models)
+
+  models = ctx.stage(
+    'local_cvaes',
+    s.epochs,
+    list(init),
+    train,
+    directory=ctx.config.get('local_cvaes_dir') or None,
+  )
+  uploads = [
+    cvae_clients.receive_decoder_uploads(
+      g.client_ids,
+      m,
+      cvae_clients.class_counts(g.fed.y, g.fed.sizes, ctx.dataset.num_classes),
+      jax.tree.map(lambda a: a[0], i),
+    )
+    for g, m, i in zip(groups, models, init)
+  ]
+  return LocalCVAEs(groups, list(models), uploads)

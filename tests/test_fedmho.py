@@ -1,0 +1,133 @@
+"""FedMHO / FedCVAE machinery: CVAE clients on the shared engine, their uploads, the server's
+sample counts, the prototype vote of one-shot FedAvg, and (slow) that FedMHO-MD learns."""
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.configs import fedmho_digits
+from jfed import driver, engine
+from jfed.cvae import clients as cvae_clients
+from jfed.data import federate, load_dataset
+from jfed.engine import compiles
+from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
+from jfed.methods import get_method
+from jfed.methods.fedcvae import decoder_sample_counts
+from jfed.models import get_model
+
+
+def _cvae_group(sizes=(37, 12, 25)):
+  ds = load_dataset('digits')
+  rng = np.random.default_rng(0)
+  parts = np.split(rng.permutation(len(ds.train_y))[: sum(sizes)], np.cumsum(sizes)[:-1])
+  fed = federate(ds.train_x, ds.train_y, parts)
+  module = cvae_clients.build_cvae({'size': 'small'}, 10, ds.input_shape)
+  init = cvae_clients.init_cvae(module, ds.input_shape, jax.random.PRNGKey(0))
+  return module, fed, engine.replicate(init, len(sizes))
+
+
+def _train_cvaes(strategy, epochs=2):
+  module, fed, models = _cvae_group()
+  tx = engine.make_optimizer('adam', 1e-3)
+  trainer = engine.GroupTrainer(
+    module, tx, 8, strategy=strategy, objective=cvae_clients.cvae_objective()
+  )
+  return trainer.train(engine.init_train_state(tx, models), fed, epochs, jax.random.PRNGKey(1))
+
+
+def test_cvae_clients_train_the_same_under_every_strategy_and_their_loss_falls():
+  results = {s: _train_cvaes(s) for s in ('loop', 'vmap', 'scan')}
+  ref_state, ref_metrics = results['loop']
+  for s in ('vmap', 'scan'):
+    state, metrics = results[s]
+    for a, b in zip(jax.tree.leaves(ref_state), jax.tree.leaves(state)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(ref_metrics.loss, metrics.loss, rtol=1e-4)
+  # Eq. 3 per sample of 64 pixels starts near 64·ln 2 ≈ 44 and must fall within two epochs.
+  assert np.all(ref_metrics.loss[:, 1] < ref_metrics.loss[:, 0])
+
+
+def test_each_client_kind_compiles_its_step_once():
+  """A CVAE group and a classifier group: one program per kind, not one per client or epoch."""
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
+    _train_cvaes('loop', epochs=3)
+    ds = load_dataset('digits')
+    fed = federate(ds.train_x, ds.train_y, [np.arange(40), np.arange(40, 70)])
+    module = get_model('mlp', 10, ds.input_shape)
+    tx = engine.make_optimizer('sgd', 0.05)
+    models = engine.init_models(module, ds.input_shape, jax.random.PRNGKey(0), 2)
+    engine.GroupTrainer(module, tx, 8, strategy='loop').train(
+      engine.init_train_state(tx, models), fed, 3, jax.random.PRNGKey(1)
+    )
+  assert compiled.counts()['jit(_loop_client_step)'] == 2, compiled.summary()
+
+
+def test_decoder_uploads_are_validated_and_their_bytes_counted():
+  module, fed, models = _cvae_group()
+  counts = cvae_clients.class_counts(fed.y, fed.sizes, 10)
+  np.testing.assert_array_equal(counts.sum(1), fed.sizes)
+  template = engine.take(models, 0)
+  got = cvae_clients.receive_decoder_uploads(np.array([4, 7, 9]), models, counts, template)
+  one = DecoderUpload(4, int(fed.sizes[0]), template.params['decoder'], counts[0])
+  assert got.upload_bytes == 3 * serialized_nbytes(one._asdict())
+  assert got.upload_bytes > 3 * 4 * 10_000  # the decoder's ~20k float32 parameters
+  decoder = template.params['decoder']
+  bad = [
+    DecoderUpload(4, 5, decoder, counts[0]),  # counts do not sum to num_samples
+    DecoderUpload(4, int(fed.sizes[0]), decoder, counts[0, :9]),  # a class missing
+    DecoderUpload(4, int(fed.sizes[0]), decoder, counts[0].astype(np.float32)),
+    DecoderUpload(4, int(fed.sizes[0]), jax.tree.map(lambda a: a * np.nan, decoder), counts[0]),
+    DecoderUpload(4, int(fed.sizes[0]), jax.tree.map(lambda a: a[:1], decoder), counts[0]),
+  ]
+  for upload in bad:
+    with pytest.raises(UploadError):
+      validate_decoder_upload(upload, decoder, 10)
+
+
+def test_decoder_sample_counts_follow_the_reference():
+  # int(share · N) per decoder, the last the remainder (`generate_dataset_from_user_decoders`).
+  np.testing.assert_array_equal(decoder_sample_counts([30, 50, 20], 1001, True), [300, 500, 201])
+  np.testing.assert_array_equal(decoder_sample_counts([30, 50, 20], 1001, False), [333, 333, 335])
+
+
+def test_decoded_labels_and_counts_are_what_was_asked():
+  module, fed, models = _cvae_group()
+  counts = np.array([[3, 0, 1] + [0] * 7, [0, 2, 0] + [0] * 7, [0] * 10])
+  labels, real = cvae_clients.labels_of_counts(counts)
+  assert labels.shape == (3, 4) and real.sum() == 6
+  uploads = cvae_clients.receive_decoder_uploads(
+    np.arange(3), models, cvae_clients.class_counts(fed.y, fed.sizes, 10), engine.take(models, 0)
+  )
+  z = jax.random.normal(jax.random.PRNGKey(0), (3, 4, module.latent))
+  images, y, owner = cvae_clients.generate(module, uploads, labels, real, z)
+  assert images.shape == (6, 8, 8, 1) and 0.0 <= images.min() and images.max() <= 1.0
+  np.testing.assert_array_equal(y, [0, 0, 0, 2, 1, 1])
+  np.testing.assert_array_equal(owner, [0, 0, 0, 0, 1, 1])
+
+
+def test_fedavg_vote_is_the_argmax_of_the_mean_prototype_logits():
+  config = fedmho_digits.get_config('baselines,smoke')
+  ds = load_dataset('digits')
+  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  algorithm = get_method('fedavg_vote').from_config(config)
+  local = algorithm.setup(ctx)
+  _, (record,) = algorithm.step(ctx, local, algorithm.init(ctx, local), 0)
+  assert len(local.groups) == 2
+  logits = []
+  for g, m in zip(local.groups, local.models):
+    average = jax.tree.map(lambda a: np.mean(np.asarray(a), axis=0), m)  # uniform, by hand
+    logits.append(engine.Evaluator(g.module).logits(average, ds.test_x))
+  vote = np.mean(np.argmax(np.mean(logits, axis=0), -1) == ds.test_y)
+  assert record['test_accuracy'] == pytest.approx(vote, abs=1e-6)
+  accs = [np.mean(np.argmax(lg, -1) == ds.test_y) for lg in logits]
+  assert list(record['prototype_test_accuracy'].values()) == pytest.approx(accs, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fedmho_md_learns_on_digits_above_its_initial_global_model():
+  summary = driver.run_in_memory('fedmho_md', fedmho_digits.get_config())
+  initial = summary['initial_test_accuracy']
+  assert summary['final_test_accuracy'] > 0.35, summary['final_test_accuracy']
+  assert summary['final_test_accuracy'] > initial + 0.1, (summary['final_test_accuracy'], initial)
+  assert summary['synthetic_kept'] == sum(summary['synthetic_kept_per_class'])
