@@ -8,7 +8,7 @@ import pytest
 from experiments.configs import fedmho_digits
 from jfed import driver, engine
 from jfed.cvae import clients as cvae_clients
-from jfed.data import federate, load_dataset
+from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
 from jfed.methods import get_method
@@ -23,11 +23,11 @@ def _cvae_group(sizes=(37, 12, 25)):
   fed = federate(ds.train_x, ds.train_y, parts)
   module = cvae_clients.build_cvae({'size': 'small'}, 10, ds.input_shape)
   init = cvae_clients.init_cvae(module, ds.input_shape, jax.random.PRNGKey(0))
-  return module, fed, engine.replicate(init, len(sizes))
+  return module, fed, engine.replicate(init, len(sizes)), class_count_table(ds.train_y, parts, 10)
 
 
 def _train_cvaes(strategy, epochs=2):
-  module, fed, models = _cvae_group()
+  module, fed, models, _ = _cvae_group()
   tx = engine.make_optimizer('adam', 1e-3)
   trainer = engine.GroupTrainer(
     module, tx, 8, strategy=strategy, objective=cvae_clients.cvae_objective()
@@ -64,8 +64,8 @@ def test_each_client_kind_compiles_its_step_once():
 
 
 def test_decoder_uploads_are_validated_and_their_bytes_counted():
-  module, fed, models = _cvae_group()
-  counts = cvae_clients.class_counts(fed.y, fed.sizes, 10)
+  module, fed, models, counts = _cvae_group()
+  counts = counts.astype(np.int32)
   np.testing.assert_array_equal(counts.sum(1), fed.sizes)
   template = engine.take(models, 0)
   got = cvae_clients.receive_decoder_uploads(np.array([4, 7, 9]), models, counts, template)
@@ -92,12 +92,12 @@ def test_decoder_sample_counts_follow_the_reference():
 
 
 def test_decoded_labels_and_counts_are_what_was_asked():
-  module, fed, models = _cvae_group()
+  module, fed, models, group_counts = _cvae_group()
   counts = np.array([[3, 0, 1] + [0] * 7, [0, 2, 0] + [0] * 7, [0] * 10])
   labels, real = cvae_clients.labels_of_counts(counts)
   assert labels.shape == (3, 4) and real.sum() == 6
   uploads = cvae_clients.receive_decoder_uploads(
-    np.arange(3), models, cvae_clients.class_counts(fed.y, fed.sizes, 10), engine.take(models, 0)
+    np.arange(3), models, group_counts.astype(np.int32), engine.take(models, 0)
   )
   z = jax.random.normal(jax.random.PRNGKey(0), (3, 4, module.latent))
   images, y, owner = cvae_clients.generate(module, uploads, labels, real, z)

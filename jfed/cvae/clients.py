@@ -71,14 +71,6 @@ def init_cvae(module: CVAE, input_shape: Sequence[int], key: jax.Array) -> Model
   return _init(module, tuple(int(d) for d in input_shape), key)
 
 
-def class_counts(labels: np.ndarray, sizes: np.ndarray, num_classes: int) -> np.ndarray:
-  """[clients, classes] int32 counts of a padded group's labels [m, n_max] (real samples only)."""
-  real = np.arange(labels.shape[1])[None, :] < np.asarray(sizes)[:, None]
-  return np.stack(
-    [np.bincount(y[r], minlength=num_classes) for y, r in zip(np.asarray(labels), real)]
-  ).astype(np.int32)
-
-
 class DecoderUploads(NamedTuple):
   """What a group of CVAE clients sent, validated: stacked decoders and their class counts."""
 

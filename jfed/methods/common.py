@@ -79,15 +79,20 @@ def select_clients(key: jax.Array, num_clients: int, participation: float) -> np
   return np.sort(np.asarray(jax.random.choice(key, num_clients, (count,), replace=False)))
 
 
-def client_groups(ctx: RunContext, client_ids: Optional[Sequence[int]] = None) -> List[ClientGroup]:
-  """Groups the (selected) clients by architecture, in order of first appearance."""
+def client_groups(
+  ctx: RunContext, client_ids: Optional[Sequence[int]] = None, build=None
+) -> List[ClientGroup]:
+  """Groups the (selected) clients by architecture, in order of first appearance.
+
+  `build(spec, dataset)` makes a group's module (default: the classifier of `build_module`)."""
+  build = build or build_module
   specs = client_model_specs(ctx)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
   groups = []
   for spec in dict.fromkeys(specs[k] for k in ids):
     members = np.array([k for k in ids if specs[k] == spec])
     fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in members])
-    groups.append(ClientGroup(spec, build_module(spec, ctx.dataset), members, fed))
+    groups.append(ClientGroup(spec, build(spec, ctx.dataset), members, fed))
   return groups
 
 

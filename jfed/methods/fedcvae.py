@@ -166,14 +166,9 @@ class FedCVAEEns(Algorithm):
     return engine.commit(aux.trainer.init(aux.init))
 
   def step(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, i: int):
-    state, loss = aux.trainer.epoch(
-      engine.commit(state),
-      aux.data,
-      self.config.batch,
-      np.random.default_rng((int(ctx.config.seed), 1, i)),
-      ctx.derive_key(Purpose.SERVER, 1, i),
+    state, loss, accuracy = generative.fusion_epoch(
+      ctx, aux.trainer, aux.evaluator, state, aux.data, self.config.batch, i
     )
-    accuracy = aux.evaluator.accuracy(state.model, ctx.dataset.test_x, ctx.dataset.test_y)
     return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss}]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, history):

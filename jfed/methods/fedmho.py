@@ -117,9 +117,17 @@ class _FedMHOBase(Algorithm):
     tc.require_positive(
       c,
       where,
-      ('local_epochs', 'cvae_epochs', 'cvae_lr', 'cvae_batch', 'num_synthetic', 'epochs', 'lr'),
+      (
+        'local_epochs',
+        'cvae_epochs',
+        'cvae_lr',
+        'cvae_batch',
+        'num_synthetic',
+        'epochs',
+        'lr',
+        'batch',
+      ),
     )
-    tc.require_positive(c, where, ('batch',))
     tc.require_fraction(c.clean_rate, f'{where}.clean_rate')
     tc.require(0.0 <= c.lam <= 1.0, f'{where}.lam must be in [0, 1], got {c.lam}')
     tc.require_choice(c.cvae_optimizer, OPTIMIZERS, f'{where}.cvae_optimizer')
@@ -206,14 +214,9 @@ class _FedMHOBase(Algorithm):
     return engine.commit(aux.trainer.init(aux.initial))
 
   def step(self, ctx: RunContext, aux: FedMHOAux, state: TrainState, i: int):
-    state, loss = aux.trainer.epoch(
-      engine.commit(state),
-      aux.data,
-      self.config.batch,
-      np.random.default_rng((int(ctx.config.seed), 1, i)),
-      ctx.derive_key(Purpose.SERVER, 1, i),
+    state, loss, accuracy = generative.fusion_epoch(
+      ctx, aux.trainer, aux.evaluator, state, aux.data, self.config.batch, i
     )
-    accuracy = aux.evaluator.accuracy(state.model, ctx.dataset.test_x, ctx.dataset.test_y)
     return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'fusion_loss': loss}]
 
   def summarize(self, ctx: RunContext, aux: FedMHOAux, state: TrainState, history):

@@ -10,12 +10,12 @@ the local CVAEs are a driver stage ('local_cvaes', tagged by their epochs, read 
 from typing import List, NamedTuple, Sequence
 
 from absl import logging
-import jax
 import numpy as np
 
 from jfed import engine
 from jfed.cvae import clients as cvae_clients
-from jfed.data import federate
+from jfed.cvae.server import FusionTrainer, SyntheticSet
+from jfed.data import class_count_table
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
@@ -42,21 +42,17 @@ def split_clients(ctx: RunContext):
   return classifiers.astype(int), generative
 
 
+def _build_cvae(spec: str, dataset):
+  _, kwargs = common.parse_model_spec(spec)
+  try:
+    return cvae_clients.build_cvae(kwargs, dataset.num_classes, dataset.input_shape)
+  except ValueError as e:
+    raise ConfigError(f'client model {spec!r}: {e}') from None
+
+
 def cvae_groups(ctx: RunContext) -> List[common.ClientGroup]:
   """The generative clients grouped by CVAE spec, in order of first appearance."""
-  specs = common.client_model_specs(ctx)
-  _, ids = split_clients(ctx)
-  groups = []
-  for spec in dict.fromkeys(specs[k] for k in ids):
-    members = np.array([k for k in ids if specs[k] == spec])
-    _, kwargs = common.parse_model_spec(spec)
-    try:
-      module = cvae_clients.build_cvae(kwargs, ctx.dataset.num_classes, ctx.dataset.input_shape)
-    except ValueError as e:
-      raise ConfigError(f'client model {spec!r}: {e}') from None
-    fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in members])
-    groups.append(common.ClientGroup(spec, module, members, fed))
-  return groups
+  return common.client_groups(ctx, split_clients(ctx)[1], build=_build_cvae)
 
 
 def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[ModelState]:
@@ -128,9 +124,33 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
     cvae_clients.receive_decoder_uploads(
       g.client_ids,
       m,
-      cvae_clients.class_counts(g.fed.y, g.fed.sizes, ctx.dataset.num_classes),
-      jax.tree.map(lambda a: a[0], i),
+      class_count_table(
+        ctx.dataset.train_y, [ctx.parts[k] for k in g.client_ids], ctx.dataset.num_classes
+      ).astype(np.int32),
+      engine.take(i, 0),
     )
     for g, m, i in zip(groups, models, init)
   ]
   return LocalCVAEs(groups, list(models), uploads)
+
+
+def fusion_epoch(
+  ctx: RunContext,
+  trainer: FusionTrainer,
+  evaluator: engine.Evaluator,
+  state: engine.TrainState,
+  data: SyntheticSet,
+  batch: int,
+  i: int,
+):
+  """Step i of a server classifier trained on a fixed synthetic set (FedMHO, FedCVAE): one
+  epoch in the order np.random.default_rng((seed, 1, i)) with dropout keys of
+  derive_key(SERVER, 1, i); returns (state, mean batch loss, test accuracy)."""
+  state, loss = trainer.epoch(
+    engine.commit(state),
+    data,
+    batch,
+    np.random.default_rng((int(ctx.config.seed), 1, i)),
+    ctx.derive_key(Purpose.SERVER, 1, i),
+  )
+  return state, loss, evaluator.accuracy(state.model, ctx.dataset.test_x, ctx.dataset.test_y)
