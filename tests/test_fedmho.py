@@ -8,6 +8,7 @@ import pytest
 from experiments.configs import fedmho_digits
 from jfed import driver, engine
 from jfed.cvae import clients as cvae_clients
+from jfed.cvae import decoder_kd
 from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
@@ -131,3 +132,67 @@ def test_fedmho_md_learns_on_digits_above_its_initial_global_model():
   assert summary['final_test_accuracy'] > 0.35, summary['final_test_accuracy']
   assert summary['final_test_accuracy'] > initial + 0.1, (summary['final_test_accuracy'], initial)
   assert summary['synthetic_kept'] == sum(summary['synthetic_kept_per_class'])
+
+
+def test_feddf_vote_is_the_argmax_of_the_mean_logits_of_its_best_students():
+  config = fedmho_digits.get_config('baselines,smoke')
+  config.feddf.update({'local_epochs': 1, 'total_steps': 4, 'eval_every': 2, 'patience': 100})
+  ds = load_dataset('digits')
+  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  algorithm = get_method('feddf_vote').from_config(config)
+  aux = algorithm.setup(ctx)
+  state = algorithm.init(ctx, aux)
+  records = []
+  for i in range(algorithm.num_steps(ctx)):
+    state, rs = algorithm.step(ctx, aux, state, i)
+    records += rs
+  assert aux.prototypes == ('mlp', 'fedmho_cnn') and algorithm.num_steps(ctx) == 4
+  assert [r['prototype'] for r in records[:-1]] == ['mlp'] * 2 + ['fedmho_cnn'] * 2
+  eval_x, eval_y = aux.auxes[0].eval_x, aux.auxes[0].eval_y
+  logits = [
+    engine.Evaluator(x.student_module).logits(s.extra.best, eval_x)
+    for x, s in zip(aux.auxes, state)
+  ]
+  vote = np.mean(np.argmax(logits[0] + logits[1], -1) == eval_y)
+  assert records[-1]['test_accuracy'] == pytest.approx(vote, abs=1e-6)
+  # each student started from its own architecture's clients: not the same model twice
+  assert jax.tree.structure(state[0].extra.best) != jax.tree.structure(state[1].extra.best)
+
+
+def test_decoder_distillation_loss_is_the_summed_bce_over_the_batch_and_falls():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(5, 4, 4, 1)).astype(np.float32)
+  target = rng.uniform(size=(5, 4, 4, 1)).astype(np.float32)
+  weights = np.array([1, 1, 1, 0, 0], np.float32)
+  p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  bce = -(target * np.log(p) + (1 - target) * np.log(1 - p))  # by hand
+  expected = bce[:3].reshape(3, -1).sum(1).mean()
+  assert float(decoder_kd.decoder_recon_loss(logits, target, weights)) == pytest.approx(
+    expected, rel=1e-5
+  )
+
+  ds = load_dataset('digits')
+  teacher_module = cvae_clients.build_cvae({'size': 'small'}, 10, ds.input_shape)
+  teacher = cvae_clients.init_cvae(teacher_module, ds.input_shape, jax.random.PRNGKey(0))
+  z = jax.random.normal(jax.random.PRNGKey(1), (96, teacher_module.latent))
+  y = jax.numpy.arange(96) % 10
+  x = jax.nn.sigmoid(teacher_module.apply({'params': teacher.params}, z, y, method='decode'))
+  student = cvae_clients.init_cvae(teacher_module, ds.input_shape, jax.random.PRNGKey(2))
+  distiller = decoder_kd.DecoderDistiller(teacher_module, engine.make_optimizer('adam', 1e-2))
+  ts = distiller.init(engine.ModelState(student.params['decoder'], {}))
+  data = decoder_kd.DecoderTargets(z, y, x)
+  losses = []
+  for e in range(5):
+    ts, loss = distiller.epoch(ts, data, 32, np.random.default_rng(e))
+    losses.append(loss)
+  # BCE against soft targets is their entropy plus the KL to them: the KL part must shrink
+  t = np.asarray(x, np.float64)
+  entropy = -(t * np.log(t) + (1 - t) * np.log(1 - t)).reshape(len(t), -1).sum(1).mean()
+  gaps = [loss - entropy for loss in losses]
+  assert gaps[-1] < 0.5 * gaps[0], gaps
+
+
+@pytest.mark.slow
+def test_fedcvae_kd_learns_on_digits():
+  summary = driver.run_in_memory('fedcvae_kd', fedmho_digits.get_config('fedcvae'))
+  assert summary['final_test_accuracy'] > 0.4, summary['final_test_accuracy']

@@ -1,11 +1,14 @@
-"""The comparison commands end to end on digits: the FedHydra Table 1/2 sweep."""
+"""The comparison commands end to end on digits: the FedHydra Table 1/2 and FedMHO Table 3/4
+sweeps."""
 
 import json
+import pathlib
 
+import numpy as np
 import pytest
 
-from experiments import fedhydra_tables
-from experiments.configs import fedhydra_digits
+from experiments import fedhydra_tables, fedmho_tables
+from experiments.configs import fedhydra_digits, fedmho_digits
 
 # FedAvg and OT average the shared local models; FedDF distils them (and reports the teacher
 # ensemble): the cheapest methods that cover every kind of row of the tables.
@@ -48,3 +51,38 @@ def test_fedhydra_tables_sweep_runs_resumes_and_renders(tmp_path):
   # rerunning skips the finished runs and reproduces the same numbers
   again = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS)
   assert again == table
+
+
+FEDMHO_RUNS = ['fedavg_vote', 'fedmho_sd', 'fedmho_sd_nofilter']
+
+
+def test_fedmho_tables_sweep_shares_clients_averages_seeds_and_resumes(tmp_path):
+  config = str(pathlib.Path(fedmho_digits.__file__))
+  args = (config, 'smoke', tmp_path, FEDMHO_RUNS, [0.5], [0, 1])
+  table = fedmho_tables.run_sweep(*args)
+  results = json.loads((tmp_path / 'results.json').read_text())['results']['0.5']
+  assert sorted(results) == ['0', '1']
+  for seed in ('0', '1'):
+    cell = tmp_path / 'dir0.5' / f'seed{seed}'
+    for run in FEDMHO_RUNS:
+      assert 'error' not in results[seed][run], results[seed][run]
+      assert not (cell / run / 'local_models').exists()  # the client set's, shared
+    assert (cell / 'fedmho' / 'local_cvaes').is_dir() and (cell / 'baselines').is_dir()
+    sd, ablation = (
+      json.loads((cell / r / 'config.json').read_text())['fedmho']
+      for r in ('fedmho_sd', 'fedmho_sd_nofilter')
+    )
+    assert ablation['clean_rate'] == 1.0 and sd['clean_rate'] == 0.8
+    assert ablation['num_synthetic'] == round(0.8 * sd['num_synthetic'])
+    # the ablation generated as many samples as the filtered run kept
+    kept = [results[seed][r]['synthetic_kept'] for r in ('fedmho_sd', 'fedmho_sd_nofilter')]
+    assert abs(kept[0] - kept[1]) <= 10, kept
+  # the seeds differ (partition, inits), and the cell is their mean ± sample std
+  finals = [results[s]['fedmho_sd']['final_test_accuracy'] for s in ('0', '1')]
+  assert finals[0] != finals[1]
+  mean, std = 100 * np.mean(finals), 100 * np.std(finals, ddof=1)
+  assert f'| FedMHO-SD | {mean:.2f} ± {std:.2f} (n=2) |' in table
+  assert '## Table 4' in table and '77.73' not in table  # paper numbers only beside FMNIST
+  assert (tmp_path / 'table3.png').exists()
+  # rerunning skips the finished runs and reproduces the same numbers
+  assert fedmho_tables.run_sweep(*args) == table

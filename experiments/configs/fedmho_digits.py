@@ -6,6 +6,7 @@ clients different models):
       --workdir=runs/digits_fedmho_md               # also fedmho, fedmho_sd
   python -m experiments.main --method=fedcvae_ens \
       --config=experiments/configs/fedmho_digits.py:fedcvae --workdir=runs/digits_fedcvae
+                                                    # also fedcvae_kd
   python -m experiments.main --method=fedavg_vote|dense|coboosting|feddf \
       --config=experiments/configs/fedmho_digits.py:baselines --workdir=runs/digits_<method>
   FedMHO-MD/-SD reuse FedMHO's clients: --config.local_models_dir=runs/digits_fedmho_md/local_models
@@ -59,7 +60,15 @@ def get_config(arg: str = ''):
     }
   )
   c.fedcvae.update(
-    {'cvae_epochs': 30, 'cvae_batch': 32, 'num_synthetic': 2000, 'epochs': 10, 'batch': 32}
+    {
+      'cvae_epochs': 30,
+      'cvae_batch': 32,
+      'num_synthetic': 2000,
+      'epochs': 10,
+      'batch': 32,
+      'decoder_samples': 2000,
+      'decoder_epochs': 7,
+    }
   )
   c.fedavg_vote.local_epochs = 30
   for m in ('dense', 'coboosting', 'feddf'):
@@ -90,6 +99,15 @@ def get_config(arg: str = ''):
     c.model = 'mlp'
     c.client_models = c.client_models.replace(VGG, 'mlp')
     c.fedmho.update({'local_epochs': 1, 'cvae_epochs': 1, 'num_synthetic': 200, 'epochs': 2})
-    c.fedcvae.update({'cvae_epochs': 1, 'num_synthetic': 200, 'epochs': 2, 'server_model': 'mlp'})
+    c.fedcvae.update(
+      {
+        'cvae_epochs': 1,
+        'num_synthetic': 200,
+        'epochs': 2,
+        'server_model': 'mlp',
+        'decoder_samples': 200,
+        'decoder_epochs': 1,
+      }
+    )
     c.fedavg_vote.local_epochs = 1
   return c

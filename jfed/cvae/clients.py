@@ -30,16 +30,19 @@ def is_generative(spec: str) -> bool:
 
 
 def build_cvae(kwargs: dict, num_classes: int, input_shape: Sequence[int]) -> CVAE:
-  """The CVAE of a parsed spec's keyword arguments (size, latent, hidden)."""
-  unknown = set(kwargs) - {'size', 'latent', 'hidden'}
+  """The CVAE of a parsed spec's keyword arguments (size, latent, hidden, width_mult)."""
+  unknown = set(kwargs) - {'size', 'latent', 'hidden', 'width_mult'}
   if unknown:
-    raise ValueError(f'Unknown CVAE option(s) {sorted(unknown)}; valid: size, latent, hidden')
+    raise ValueError(
+      f'Unknown CVAE option(s) {sorted(unknown)}; valid: size, latent, hidden, width_mult'
+    )
   return CVAE(
     num_classes=int(num_classes),
     image_shape=tuple(int(d) for d in input_shape),
     size=str(kwargs.get('size', 'small')),
     latent=int(kwargs.get('latent', 20)),
     hidden=int(kwargs.get('hidden', 256)),
+    width_mult=float(kwargs.get('width_mult', 1.0)),
   )
 
 

@@ -14,7 +14,8 @@ clamp of log(p) at -100 for saturated pixels.
   Conv3×3 p1 C→64 ReLU → 64→128 ReLU → MaxPool2 → 128→256 ReLU → MaxPool2 → Linear 256 ReLU,
   (μ, log σ²) = Linear([h ⊕ onehot(y)]); decoder [z ⊕ onehot(y)] → Linear 256 ReLU → Linear
   256·s² ReLU → (s, s, 256) → ConvT3×3 p1 256→128 ReLU → bilinear ×2 → ConvT 128→64 ReLU →
-  bilinear ×2 → ConvT 64→C.
+  bilinear ×2 → ConvT 64→C. `width_mult` scales its conv channels (64, 128, 256), for CPU
+  budgets only (1 = the reference).
 
 reference-code.md §4.3-4.4. Inits are PyTorch's defaults (jfed.models.layers); flattening is
 NHWC rather than PyTorch's NCHW, which permutes the input features of one Linear layer and
@@ -89,16 +90,22 @@ class _SmallDecoder(nn.Module):
     return dense(h, math.prod(self.image_shape)).reshape((z.shape[0], *self.image_shape))
 
 
+def _channels(width_mult: float, *base: int) -> Tuple[int, ...]:
+  return tuple(max(1, int(round(c * width_mult))) for c in base)
+
+
 class _LargeEncoder(nn.Module):
   num_classes: int
   latent: int
   hidden: int
+  width_mult: float = 1.0
 
   @nn.compact
   def __call__(self, x, labels):
-    h = nn.relu(conv(x, 64, 3, padding=1))
-    h = max_pool(nn.relu(conv(h, 128, 3, padding=1)), 2)
-    h = max_pool(nn.relu(conv(h, 256, 3, padding=1)), 2)
+    c1, c2, c3 = _channels(self.width_mult, 64, 128, 256)
+    h = nn.relu(conv(x, c1, 3, padding=1))
+    h = max_pool(nn.relu(conv(h, c2, 3, padding=1)), 2)
+    h = max_pool(nn.relu(conv(h, c3, 3, padding=1)), 2)
     h = nn.relu(dense(flatten(h), self.hidden))
     h = jnp.concatenate([h, jax.nn.one_hot(labels, self.num_classes)], -1)
     return dense(h, self.latent), dense(h, self.latent)
@@ -108,15 +115,17 @@ class _LargeDecoder(nn.Module):
   num_classes: int
   image_shape: Tuple[int, int, int]
   hidden: int
+  width_mult: float = 1.0
 
   @nn.compact
   def __call__(self, z, labels):
     s = self.image_shape[0] // 4
+    c1, c2, c3 = _channels(self.width_mult, 64, 128, 256)
     h = jnp.concatenate([z, jax.nn.one_hot(labels, self.num_classes)], -1)
     h = nn.relu(dense(h, self.hidden))
-    h = nn.relu(dense(h, 256 * s * s)).reshape((z.shape[0], s, s, 256))
-    h = nn.relu(_conv_transpose3(h, 128))
-    h = nn.relu(_conv_transpose3(_upsample2(h), 64))
+    h = nn.relu(dense(h, c3 * s * s)).reshape((z.shape[0], s, s, c3))
+    h = nn.relu(_conv_transpose3(h, c2))
+    h = nn.relu(_conv_transpose3(_upsample2(h), c1))
     return _conv_transpose3(_upsample2(h), self.image_shape[-1])
 
 
@@ -129,6 +138,7 @@ class CVAE(nn.Module):
   size: str = 'small'  # 'small' | 'large'
   latent: int = 20
   hidden: int = 256
+  width_mult: float = 1.0  # CVAE-large's conv channels (64, 128, 256) scaled (CPU budgets)
 
   def setup(self):
     if self.size == 'small':
@@ -137,8 +147,10 @@ class CVAE(nn.Module):
     elif self.size == 'large':
       if self.image_shape[0] % 4 or self.image_shape[1] % 4:
         raise ValueError(f'CVAE-large needs H and W divisible by 4, got {self.image_shape}')
-      self.encoder = _LargeEncoder(self.num_classes, self.latent, self.hidden)
-      self.decoder = _LargeDecoder(self.num_classes, tuple(self.image_shape), self.hidden)
+      self.encoder = _LargeEncoder(self.num_classes, self.latent, self.hidden, self.width_mult)
+      self.decoder = _LargeDecoder(
+        self.num_classes, tuple(self.image_shape), self.hidden, self.width_mult
+      )
     else:
       raise ValueError(f"CVAE size must be 'small' or 'large', got {self.size!r}")
 

@@ -71,6 +71,7 @@ class CoBoostingConfig(NamedTuple):
   odseta: float
   ods_T: float
   kd_T: float
+  kd_optimizer: str
   kd_lr: float
   kd_momentum: float
   kd_weight_decay: float

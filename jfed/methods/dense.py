@@ -42,6 +42,7 @@ class DenseConfig(NamedTuple):
   nz: int
   ngf: int
   kd_T: float
+  kd_optimizer: str
   kd_lr: float
   kd_momentum: float
   kd_weight_decay: float

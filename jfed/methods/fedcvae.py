@@ -15,7 +15,7 @@ randomly initialised `server_model` (default `config.model`) on that set, batche
 Config (`config.fedcvae`): the fields of `FedCVAEConfig`.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +24,11 @@ import numpy as np
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.cvae import clients as cvae_clients
+from jfed.cvae import decoder_kd
 from jfed.cvae.losses import RECON_LOSSES
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.driver import Algorithm
-from jfed.engine import TrainState
+from jfed.engine import ModelState, TrainState
 from jfed.engine.optim import OPTIMIZERS
 from jfed.errors import ConfigError
 from jfed.keys import Purpose, ServerRoundPurpose
@@ -74,11 +75,17 @@ def decoder_sample_counts(sizes: np.ndarray, total: int, weight_by_share: bool) 
   return counts
 
 
-def synthesize(ctx: RunContext, cvaes: generative.LocalCVAEs, cfg: FedCVAEConfig):
+def synthesize(
+  ctx: RunContext, cvaes: generative.LocalCVAEs, cfg: FedCVAEConfig, total: int, tag: int = 0
+):
+  """`total` samples from the users' decoders as `generate_dataset_from_user_decoders` draws
+  them: (images [N, H, W, C] in [0, 1], labels [N], latents [N, latent]); `tag` separates the
+  draws of different uses (0: the Ens classifier set, 1: FedCVAE-KD's decoder targets)."""
   sizes = np.concatenate([u.label_counts.sum(1) for u in cvaes.uploads])
-  counts = decoder_sample_counts(sizes, cfg.num_synthetic, cfg.weight_by_share)
+  counts = decoder_sample_counts(sizes, total, cfg.weight_by_share)
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
-  parts, row = [], 0
+  key = jax.random.fold_in(key, tag) if tag else key
+  parts, latents, row = [], [], 0
   for g, u in zip(cvaes.groups, cvaes.uploads):
     n = counts[row : row + len(g.client_ids)]
     row += len(g.client_ids)
@@ -96,8 +103,61 @@ def synthesize(ctx: RunContext, cvaes: generative.LocalCVAEs, cfg: FedCVAEConfig
     )(ids)
     real = np.arange(n_max)[None, :] < n[:, None]
     parts.append(cvae_clients.generate(g.module, u, np.asarray(labels, np.int32), real, z))
+    latents.append(np.asarray(z)[real])
   images, labels, _ = cvae_clients.concat_generated(parts)
-  return images, labels
+  return images, labels, np.concatenate(latents)
+
+
+def require_all_generative(ctx: RunContext, method: str) -> None:
+  classifier_ids, _ = generative.split_clients(ctx)
+  if len(classifier_ids):
+    raise ConfigError(
+      f'{method}: every client must train a CVAE, but client_models gives classifiers to '
+      f'clients {classifier_ids.tolist()} (e.g. client_models = '
+      "'cvae:size=large;cvae:size=small')"
+    )
+
+
+def train_local_cvaes(ctx: RunContext, c: FedCVAEConfig) -> generative.LocalCVAEs:
+  return generative.local_cvaes(
+    ctx,
+    generative.CVAESettings(
+      c.cvae_epochs, c.cvae_optimizer, c.cvae_lr, c.cvae_batch, c.cvae_recon, 1.0
+    ),
+  )
+
+
+def server_classifier(ctx: RunContext, c: FedCVAEConfig):
+  """(module, its random init, its trainer (Adam `lr`, CE), its evaluator)."""
+  module = common.build_module(c.server_model or ctx.config.model, ctx.dataset)
+  init = engine.commit(
+    engine.init_model(
+      module,
+      ctx.dataset.input_shape,
+      ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.STUDENT),
+    )
+  )
+  trainer = FusionTrainer(module, engine.make_optimizer('adam', c.lr), lam=1.0)
+  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+  return module, init, trainer, evaluator
+
+
+def plot_samples(ctx: RunContext, images: np.ndarray, labels: np.ndarray, title: str) -> None:
+  path = ctx.output_path('synthetic_samples.png')
+  if path is not None and len(labels):
+    from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+
+    plots.plot_image_grid(path, images[:64], labels[:64], title=title)
+
+
+def validate_common(c: FedCVAEConfig, where: str) -> None:
+  tc.require_positive(
+    c,
+    where,
+    ('cvae_epochs', 'cvae_lr', 'cvae_batch', 'num_synthetic', 'z_bound', 'epochs', 'lr', 'batch'),
+  )
+  tc.require_choice(c.cvae_optimizer, OPTIMIZERS, f'{where}.cvae_optimizer')
+  tc.require_choice(c.cvae_recon, RECON_LOSSES, f'{where}.cvae_recon')
 
 
 @register_method('fedcvae_ens')
@@ -109,47 +169,20 @@ class FedCVAEEns(Algorithm):
   step_name = 'epoch'
 
   def validate(self, config) -> None:
-    c, where = self.config, self.section
-    tc.require_positive(
-      c,
-      where,
-      ('cvae_epochs', 'cvae_lr', 'cvae_batch', 'num_synthetic', 'z_bound', 'epochs', 'lr', 'batch'),
-    )
-    tc.require_choice(c.cvae_optimizer, OPTIMIZERS, f'{where}.cvae_optimizer')
-    tc.require_choice(c.cvae_recon, RECON_LOSSES, f'{where}.cvae_recon')
+    validate_common(self.config, self.section)
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.epochs
 
   def setup(self, ctx: RunContext) -> FedCVAEAux:
     c = self.config
-    classifier_ids, _ = generative.split_clients(ctx)
-    if len(classifier_ids):
-      raise ConfigError(
-        f'{self.name}: every client must train a CVAE, but client_models gives classifiers to '
-        f'clients {classifier_ids.tolist()} (e.g. client_models = '
-        "'cvae:size=large;cvae:size=small')"
-      )
-    cvaes = generative.local_cvaes(
-      ctx,
-      generative.CVAESettings(
-        c.cvae_epochs, c.cvae_optimizer, c.cvae_lr, c.cvae_batch, c.cvae_recon, 1.0
-      ),
-    )
-    images, labels = synthesize(ctx, cvaes, c)
-    module = common.build_module(c.server_model or ctx.config.model, ctx.dataset)
-    init = engine.commit(
-      engine.init_model(
-        module,
-        ctx.dataset.input_shape,
-        ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.STUDENT),
-      )
-    )
+    require_all_generative(ctx, self.name)
+    cvaes = train_local_cvaes(ctx, c)
+    images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
+    module, init, trainer, evaluator = server_classifier(ctx, c)
     data = engine.commit(
       SyntheticSet(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32), None)
     )
-    trainer = FusionTrainer(module, engine.make_optimizer('adam', c.lr), lam=1.0)
-    evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
     return FedCVAEAux(module, trainer, evaluator, cvaes, data, images, labels, init)
 
   def setup_records(self, ctx: RunContext, aux: FedCVAEAux):
@@ -172,15 +205,170 @@ class FedCVAEEns(Algorithm):
     return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss}]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, history):
-    path = ctx.output_path('synthetic_samples.png')
-    if path is not None and len(aux.labels):
-      from jfed.distill import plots  # pylint: disable=g-import-not-at-top
-
-      plots.plot_image_grid(path, aux.images[:64], aux.labels[:64], title='decoded samples')
+    plot_samples(ctx, aux.images, aux.labels, 'decoded samples')
     return {
       'server_model': self.config.server_model or ctx.config.model,
       'client_models': common.client_model_specs(ctx),
       'synthetic_generated': int(len(aux.labels)),
       'synthetic_per_class': np.bincount(aux.labels, minlength=ctx.dataset.num_classes).tolist(),
+      'decoder_upload_bytes': aux.cvaes.upload_bytes,
+    }
+
+
+class FedCVAEKDConfig(NamedTuple):
+  cvae_epochs: int
+  cvae_optimizer: str
+  cvae_lr: float
+  cvae_batch: int
+  cvae_recon: str
+  num_synthetic: int
+  z_bound: float
+  weight_by_share: bool
+  server_model: str
+  epochs: int
+  lr: float
+  batch: int
+  server_decoder: str
+  decoder_samples: int
+  decoder_epochs: int
+  decoder_lr: float
+  decoder_batch: int
+
+
+class FedCVAEKDAux:
+  """The run's constants; the classifier's training set is decoded once the server decoder is
+  distilled (step `decoder_epochs`) and cached here (rebuilt from the checkpoint on resume)."""
+
+  def __init__(self, cvaes, targets, distiller, decoder_init, classifier, classifier_init):
+    self.cvaes, self.targets, self.distiller = cvaes, targets, distiller
+    self.decoder_init = decoder_init
+    self.module, self.trainer, self.evaluator = classifier
+    self.classifier_init = classifier_init
+    self.classifier_data: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+
+class FedCVAEKDState(NamedTuple):
+  decoder: TrainState  # the server decoder (params, batch_stats) and its Adam state
+  classifier: TrainState
+
+
+@register_method('fedcvae_kd')
+class FedCVAEKD(Algorithm):
+  """FedCVAE-KD (reference-code.md §3.5) in one round: the server decoder is distilled from the
+  users' decoders, then decodes the server classifier's training set.
+
+  Steps 1..`decoder_epochs`: epochs of the server decoder (`server_decoder`, a CVAE spec whose
+  decoder part is used; the reference's is FedCVAE's own v0) on `decoder_samples` targets drawn
+  from the users' decoders as FedCVAE-Ens draws its set (`jfed.cvae.decoder_kd`), Adam
+  `decoder_lr`, batches of `decoder_batch`, starting from its random init (the reference's
+  defaults should_avg = 0, should_fine_tune = 1). Then `num_synthetic` samples from the server
+  decoder in eval mode, y uniform over the classes, z ~ N(0, I) truncated to ±`z_bound`, and
+  steps `decoder_epochs`+1.. are the `epochs` epochs of the classifier from scratch (as Ens).
+  """
+
+  section = 'fedcvae'
+  Config = FedCVAEKDConfig
+  step_name = 'epoch'
+
+  def validate(self, config) -> None:
+    c = self.config
+    validate_common(c, self.section)
+    tc.require_positive(
+      c, self.section, ('decoder_samples', 'decoder_epochs', 'decoder_lr', 'decoder_batch')
+    )
+    tc.require(
+      cvae_clients.is_generative(c.server_decoder),
+      f"{self.section}.server_decoder must be a CVAE spec ('cvae:...'), got {c.server_decoder!r}",
+    )
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.decoder_epochs + self.config.epochs
+
+  def setup(self, ctx: RunContext) -> FedCVAEKDAux:
+    c = self.config
+    require_all_generative(ctx, self.name)
+    cvaes = train_local_cvaes(ctx, c)
+    module = generative.build_cvae_spec(c.server_decoder, ctx.dataset)
+    latents = {g.module.latent for g in cvaes.groups}
+    if latents != {module.latent}:
+      raise ConfigError(
+        f'{self.section}.server_decoder {c.server_decoder!r} has latent {module.latent}, but '
+        f"the users' decoders have {sorted(latents)}: the server decoder is fed their z"
+      )
+    images, labels, z = synthesize(ctx, cvaes, c, c.decoder_samples, tag=1)
+    targets = engine.commit(
+      decoder_kd.DecoderTargets(
+        jnp.asarray(z, jnp.float32), jnp.asarray(labels, jnp.int32), jnp.asarray(images)
+      )
+    )
+    key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATOR)
+    full = cvae_clients.init_cvae(module, ctx.dataset.input_shape, key)
+    decoder_init = engine.commit(
+      ModelState(full.params['decoder'], (full.batch_stats or {}).get('decoder', {}))
+    )
+    distiller = decoder_kd.DecoderDistiller(module, engine.make_optimizer('adam', c.decoder_lr))
+    _, init, trainer, evaluator = server_classifier(ctx, c)
+    return FedCVAEKDAux(cvaes, targets, distiller, decoder_init, (module, trainer, evaluator), init)
+
+  def setup_records(self, ctx: RunContext, aux: FedCVAEKDAux):
+    return [
+      {
+        'round': 1,
+        'clients': ctx.num_clients,
+        'upload_bytes': aux.cvaes.upload_bytes,
+        'decoder_targets': int(aux.targets.y.shape[0]),
+      }
+    ]
+
+  def init(self, ctx: RunContext, aux: FedCVAEKDAux) -> FedCVAEKDState:
+    return engine.commit(
+      FedCVAEKDState(aux.distiller.init(aux.decoder_init), aux.trainer.init(aux.classifier_init))
+    )
+
+  def _classifier_data(self, ctx: RunContext, aux: FedCVAEKDAux, decoder: ModelState):
+    if aux.classifier_data is None:
+      c, n = self.config, self.config.num_synthetic
+      key = jax.random.fold_in(
+        ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION), 2
+      )
+      k_y, k_z = jax.random.split(key)
+      labels = jax.random.randint(k_y, (n,), 0, ctx.dataset.num_classes, jnp.int32)
+      z = jax.random.truncated_normal(k_z, -c.z_bound, c.z_bound, (n, aux.distiller.module.latent))
+      images = np.concatenate(
+        [
+          np.asarray(aux.distiller.decode(decoder, z[s : s + 1000], labels[s : s + 1000]))
+          for s in range(0, n, 1000)
+        ]
+      )
+      aux.classifier_data = (images, np.asarray(labels))
+    return aux.classifier_data
+
+  def step(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, i: int):
+    c = self.config
+    if i < c.decoder_epochs:
+      decoder, loss = aux.distiller.epoch(
+        engine.commit(state.decoder),
+        aux.targets,
+        c.decoder_batch,
+        np.random.default_rng((int(ctx.config.seed), 2, i)),
+      )
+      return state._replace(decoder=decoder), [{'epoch': i + 1, 'decoder_loss': loss}]
+    images, labels = self._classifier_data(ctx, aux, state.decoder.model)
+    data = SyntheticSet(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32), None)
+    classifier, loss, accuracy = generative.fusion_epoch(
+      ctx, aux.trainer, aux.evaluator, state.classifier, data, c.batch, i - c.decoder_epochs
+    )
+    record = {'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss}
+    return state._replace(classifier=classifier), [record]
+
+  def summarize(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, history):
+    images, labels = self._classifier_data(ctx, aux, state.decoder.model)
+    plot_samples(ctx, images, labels, 'server decoder samples')
+    return {
+      'server_model': self.config.server_model or ctx.config.model,
+      'server_decoder': self.config.server_decoder,
+      'client_models': common.client_model_specs(ctx),
+      'decoder_targets': int(aux.targets.y.shape[0]),
+      'synthetic_generated': int(len(labels)),
       'decoder_upload_bytes': aux.cvaes.upload_bytes,
     }

@@ -26,7 +26,7 @@ Config (`config.feddf`): the fields of `FedDFConfig`.
 """
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Dict, NamedTuple, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +35,10 @@ from jfed import typed_config as tc
 from jfed.data import load_dataset
 from jfed.data.transforms import match_input_shape
 from jfed.distill import ImagePool, committed
+from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
-from jfed.methods import oneshot
+from jfed.methods import common, oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
@@ -174,7 +175,7 @@ class FedDF(oneshot.DistillationAlgorithm):
         state.student.model, jnp.float32(val), jnp.float32(test_accuracy), jnp.int32(0)
       )
     else:
-      ex = ex._replace(bad_epochs=ex.bad_epochs + 1)
+      ex = ex._replace(bad_epochs=jnp.int32(int(ex.bad_epochs) + 1))  # host-side: no program
     stop = int(ex.bad_epochs) * self.config.eval_every >= self.config.patience
     return (
       state._replace(extra=ex, stopped=jnp.asarray(stop)),
@@ -196,4 +197,105 @@ class FedDF(oneshot.DistillationAlgorithm):
       'eval_samples': int(len(d.eval_y)),
       'best_val_accuracy': float(state.extra.best_val),
       'early_stopped': bool(state.stopped),
+    }
+
+
+class FedDFVoteAux(NamedTuple):
+  prototypes: Tuple[str, ...]  # the architectures, in client order
+  algorithms: Tuple[FedDF, ...]  # one FedDF per architecture, its student of that architecture
+  auxes: Tuple[oneshot.DistillAux, ...]
+
+
+@register_method('feddf_vote')
+class FedDFVote(Algorithm):
+  """FedDF for heterogeneous clients as FedMHO (seed 004 §5.1.2) runs it: one student per
+  architecture ("model prototype"), each the FedDF of this module — started from the FedAvg of
+  its architecture's clients and distilled against the mean logits of *all* clients — and the
+  result is the prototypes' vote, the argmax of the mean of their best-on-validation students'
+  logits (as `fedavg_vote` votes). Steps: the epochs of prototype 1, then of prototype 2, ...;
+  each prototype's records carry 'prototype' and its student's 'prototype_test_accuracy'; the
+  last step adds the vote's 'test_accuracy' on FedDF's evaluation images (the test split minus
+  the held-out unlabelled and validation images). Config: `config.feddf` (rounds must be 1;
+  `server_model` is ignored: every architecture gets a student).
+  """
+
+  section = 'feddf'
+  Config = FedDFConfig
+  step_name = 'epoch'
+
+  def _prototype(self, spec: str) -> FedDF:
+    return FedDF(self.config._replace(server_model=spec))
+
+  def validate(self, config) -> None:
+    self._prototype('').validate(config)
+    tc.require(
+      self.config.rounds == 1,
+      f'feddf_vote is one-shot: feddf.rounds must be 1, got {self.config.rounds}',
+    )
+
+  def _epochs(self) -> int:
+    return self._prototype('').epochs_per_round()
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return len(dict.fromkeys(common.client_model_specs(ctx))) * self._epochs()
+
+  def step_label(self, i: int, n: int) -> str:
+    p, e = divmod(i, self._epochs())
+    return f'prototype {p + 1}/{n // self._epochs()} epoch {e + 1}/{self._epochs()}'
+
+  def setup(self, ctx: RunContext) -> FedDFVoteAux:
+    specs = tuple(dict.fromkeys(common.client_model_specs(ctx)))
+    algorithms = tuple(self._prototype(s) for s in specs)
+    return FedDFVoteAux(specs, algorithms, tuple(a.setup(ctx) for a in algorithms))
+
+  def setup_records(self, ctx: RunContext, aux: FedDFVoteAux):
+    return aux.algorithms[0].setup_records(ctx, aux.auxes[0])
+
+  def init(self, ctx: RunContext, aux: FedDFVoteAux) -> Tuple[oneshot.ServerState, ...]:
+    return tuple(a.init(ctx, x) for a, x in zip(aux.algorithms, aux.auxes))
+
+  def step(self, ctx: RunContext, aux: FedDFVoteAux, state, i: int):
+    p, e = divmod(i, self._epochs())
+    new, records = aux.algorithms[p].step(ctx, aux.auxes[p], state[p], e)
+    state = state[:p] + (new,) + state[p + 1 :]
+    renamed = {'test_accuracy': 'prototype_test_accuracy', 'round_accuracy': 'prototype_accuracy'}
+    records = [
+      {'prototype': aux.prototypes[p], **{renamed.get(k, k): v for k, v in r.items()}}
+      for r in records
+    ]
+    if i + 1 == self.num_steps(ctx):
+      records.append({'round': 1, **self._vote(aux, state)})
+    return state, records
+
+  def _vote(self, aux: FedDFVoteAux, state) -> Dict[str, Any]:
+    eval_x, eval_y = aux.auxes[0].eval_x, aux.auxes[0].eval_y
+    logits = [
+      x.evaluator.logits(a.round_model(s), eval_x)
+      for a, x, s in zip(aux.algorithms, aux.auxes, state)
+    ]
+    per_prototype = [float(common.accuracy_of_logits(lg, eval_y)) for lg in logits]
+    return {
+      'test_accuracy': float(common.accuracy_of_logits(np.mean(logits, axis=0), eval_y)),
+      'prototype_test_accuracy': dict(zip(aux.prototypes, per_prototype)),
+      'mean_prototype_test_accuracy': float(np.mean(per_prototype)),
+    }
+
+  def summarize(self, ctx: RunContext, aux: FedDFVoteAux, state, history) -> Dict[str, Any]:
+    vote = self._vote(aux, state)
+    local = aux.algorithms[0].round(ctx, aux.auxes[0], 1).local
+    client_logits = common.client_test_logits(ctx, local)
+    test_y = ctx.dataset.test_y
+    return {
+      'prototypes': list(aux.prototypes),
+      'prototype_test_accuracy': vote['prototype_test_accuracy'],
+      'mean_prototype_test_accuracy': vote['mean_prototype_test_accuracy'],
+      'prototype_best_val_accuracy': dict(
+        zip(aux.prototypes, [float(s.extra.best_val) for s in state])
+      ),
+      'eval_samples': int(len(aux.auxes[0].eval_y)),
+      'client_models': common.client_model_specs(ctx),
+      'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
+      'teacher_ensemble_test_accuracy': float(
+        common.accuracy_of_logits(np.mean(client_logits, axis=0), test_y)
+      ),
     }

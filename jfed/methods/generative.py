@@ -42,7 +42,8 @@ def split_clients(ctx: RunContext):
   return classifiers.astype(int), generative
 
 
-def _build_cvae(spec: str, dataset):
+def build_cvae_spec(spec: str, dataset):
+  """The CVAE module of a `cvae:...` spec for `dataset`; ConfigError on a bad option."""
   _, kwargs = common.parse_model_spec(spec)
   try:
     return cvae_clients.build_cvae(kwargs, dataset.num_classes, dataset.input_shape)
@@ -52,7 +53,7 @@ def _build_cvae(spec: str, dataset):
 
 def cvae_groups(ctx: RunContext) -> List[common.ClientGroup]:
   """The generative clients grouped by CVAE spec, in order of first appearance."""
-  return common.client_groups(ctx, split_clients(ctx)[1], build=_build_cvae)
+  return common.client_groups(ctx, split_clients(ctx)[1], build=build_cvae_spec)
 
 
 def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[ModelState]:

@@ -1,0 +1,364 @@
+"""FedMHO Tables 3 and 4 and Fig. 9 (seed 004): every method on every Dirichlet α, over seeds.
+
+    python -m experiments.fedmho_tables --config=experiments/configs/fedmho_fashion_mnist.py \
+        --out=runs/fedmho_tables [--budget=paper] [--alphas=0.5,0.3,0.1] [--seeds=0,1,2] \
+        [--runs=fedavg_vote,feddf_vote,...]
+
+`--config` is a FedMHO config file (fedmho_fashion_mnist.py, fedmho_digits.py); the command calls
+its `get_config` with the `--budget` words plus, per run, the client-set word and `dir=α`.
+Each (α, seed, run) goes through `jfed.driver.run_experiment` into OUT/dir<α>/seed<s>/<run>/
+(metrics, summary, plots, checkpoints): rerunning the command resumes an interrupted run and
+skips finished ones, so the sweep can be stopped at any point and continued later.
+
+Seed 004 Table 1 gives the methods different clients; per (α, seed) each client set trains once
+and its runs share it (`local_models_dir` / `local_cvaes_dir` = OUT/dir<α>/seed<s>/<set>/):
+- 'fedmho' (the config's default clients: VGG-9 + CVAE-small): fedmho, fedmho_md, fedmho_sd
+  and the Table 4 ablation runs fedmho_md_nofilter / fedmho_sd_nofilter (R_th = 1, N_syn the
+  number the filter keeps, 0.8 · N_syn: the paper's "same number of samples");
+- 'baselines' (VGG-9 + small CNN, variant word 'baselines'): fedavg_vote, feddf_vote, dense,
+  coboosting;
+- 'fedcvae' (CVAE-large + CVAE-small, variant word 'fedcvae'): fedcvae_ens, fedcvae_kd.
+The seed changes the partition, every initialisation and every draw.
+
+Writes OUT/tables.md — Table 3 (runs × α, "mean ± std over seeds" of the final and of the best
+test accuracy in %, the paper's number beside ours), Table 4 (with and without the filter) and
+reference rows (FedMHO's initial global model, the teacher ensemble) — with the budget and the
+backend in its header; OUT/table3.png (Table 3 as bars with std error bars, the paper's beside);
+OUT/results.json (every run's numbers); OUT/synthetic_samples.png, the
+Fig. 9 grid of the first FedMHO-MD run (five kept and five removed samples per class). A run
+that fails is counted as 'error' (its message in results.json) and the sweep goes on.
+"""
+
+import datetime
+import importlib.util
+import json
+import pathlib
+import shutil
+import traceback
+from typing import Dict, List, NamedTuple, Optional
+
+from absl import app, flags
+import numpy as np
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command's flags; defined only when it runs as a command, so that importing the module
+  (tests) does not clash with the flags of the other comparison commands."""
+  flags.DEFINE_string('config', None, 'A FedMHO config file with get_config(arg).')
+  flags.DEFINE_string('budget', '', "The config's budget words (e.g. 'paper', 'smoke').")
+  flags.DEFINE_string('out', 'runs/fedmho_tables', 'Output directory.')
+  flags.DEFINE_list('alphas', ['0.5', '0.3', '0.1'], 'Dirichlet α (columns).')
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
+  flags.DEFINE_list('runs', None, 'Runs (rows); default: all of RUNS.')
+  flags.mark_flags_as_required(['config'])
+
+
+class Run(NamedTuple):
+  method: str  # the registered method
+  clients: str  # the client set: '' (the config's default), 'baselines' or 'fedcvae'
+  name: str  # Table 3 / 4 row
+  ablation: bool = False  # Table 4: R_th = 1 with the filtered sample count
+
+
+RUNS: Dict[str, Run] = {
+  'fedavg_vote': Run('fedavg_vote', 'baselines', 'FedAvg'),
+  'feddf_vote': Run('feddf_vote', 'baselines', 'FedDF'),
+  'dense': Run('dense', 'baselines', 'DENSE'),
+  'coboosting': Run('coboosting', 'baselines', 'Co-Boosting'),
+  'fedcvae_ens': Run('fedcvae_ens', 'fedcvae', 'FEDCVAE (Ens)'),
+  'fedcvae_kd': Run('fedcvae_kd', 'fedcvae', 'FEDCVAE-KD'),
+  'fedmho': Run('fedmho', '', 'FedMHO'),
+  'fedmho_md': Run('fedmho_md', '', 'FedMHO-MD'),
+  'fedmho_sd': Run('fedmho_sd', '', 'FedMHO-SD'),
+  'fedmho_md_nofilter': Run('fedmho_md', '', 'FedMHO-MD w/o data optimisation', True),
+  'fedmho_sd_nofilter': Run('fedmho_sd', '', 'FedMHO-SD w/o data optimisation', True),
+}
+
+# Seed 004 (FedMHO, Yao et al. WWW'26) Table 3, Fashion-MNIST, top-1 test accuracy (%) mean ±
+# std, and Table 4 (Fashion-MNIST, without the unsupervised data optimisation).
+PAPER = {
+  'fedavg_vote': {0.5: (60.24, 1.47), 0.3: (47.36, 0.21), 0.1: (30.37, 0.79)},
+  'feddf_vote': {0.5: (65.66, 1.36), 0.3: (59.21, 2.20), 0.1: (42.21, 2.80)},
+  'dense': {0.5: (72.29, 2.63), 0.3: (68.14, 0.97), 0.1: (56.12, 3.94)},
+  'coboosting': {0.5: (72.98, 1.61), 0.3: (69.50, 0.64), 0.1: (61.73, 1.36)},
+  'fedcvae_ens': {0.5: (69.11, 1.35), 0.3: (68.39, 0.49), 0.1: (64.01, 2.47)},
+  'fedmho': {0.5: (75.30, 0.62), 0.3: (72.36, 0.92), 0.1: (62.14, 1.45)},
+  'fedmho_md': {0.5: (77.27, 0.48), 0.3: (75.69, 0.93), 0.1: (71.04, 0.50)},
+  'fedmho_sd': {0.5: (77.73, 0.59), 0.3: (76.45, 0.53), 0.1: (69.65, 0.99)},
+  'fedmho_md_nofilter': {0.5: (74.56, None), 0.3: (73.15, None), 0.1: (65.13, None)},
+  'fedmho_sd_nofilter': {0.5: (75.11, None), 0.3: (74.12, None), 0.1: (65.42, None)},
+}
+TABLE3 = (
+  'fedavg_vote',
+  'feddf_vote',
+  'dense',
+  'coboosting',
+  'fedcvae_ens',
+  'fedcvae_kd',
+  'fedmho',
+  'fedmho_md',
+  'fedmho_sd',
+)
+TABLE4 = (('fedmho_md', 'fedmho_md_nofilter'), ('fedmho_sd', 'fedmho_sd_nofilter'))
+SUMMARY_KEYS = (
+  'final_test_accuracy',
+  'best_test_accuracy',
+  'initial_test_accuracy',
+  'teacher_ensemble_test_accuracy',
+  'synthetic_kept',
+  'seconds',
+)
+
+
+def load_config_module(path: str):
+  spec = importlib.util.spec_from_file_location('fedmho_tables_config', path)
+  if spec is None or spec.loader is None:
+    raise app.UsageError(f'--config={path!r}: not a Python file')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_config'):
+    raise app.UsageError(f'--config={path!r} has no get_config')
+  return module
+
+
+def run_config(module, budget: str, run: Run, alpha: float, seed: int, cell: pathlib.Path):
+  """The config of one run: the budget, its client set and α; seed; the set's shared clients."""
+  words = [w for w in (budget, run.clients, f'dir={alpha}') if w]
+  c = module.get_config(','.join(words))
+  c.seed = seed
+  clients = cell / (run.clients or 'fedmho')
+  c.local_models_dir = str((clients / 'local_models').absolute())
+  c.local_cvaes_dir = str((clients / 'local_cvaes').absolute())
+  if run.ablation:
+    c.fedmho.num_synthetic = int(round(c.fedmho.clean_rate * c.fedmho.num_synthetic))
+    c.fedmho.clean_rate = 1.0
+  return c
+
+
+def cell_dir(out: pathlib.Path, alpha: float, seed: int) -> pathlib.Path:
+  return out / f'dir{alpha}' / f'seed{seed}'
+
+
+def mean_std(values: List[float]) -> Optional[str]:
+  if not values:
+    return None
+  v = 100 * np.asarray(values)
+  return f'{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.2f}'
+
+
+def gather(results: dict, run: str, alpha: float, key: str) -> List[float]:
+  cells = results.get(str(alpha), {})
+  return [
+    r[run][key]
+    for r in cells.values()
+    if isinstance(r.get(run), dict) and r[run].get(key) is not None
+  ]
+
+
+def errors(results: dict, run: str, alpha: float) -> int:
+  cells = results.get(str(alpha), {})
+  return sum(1 for r in cells.values() if r.get(run, {}).get('status') == 'error')
+
+
+def paper_cell(run: str, alpha: float) -> str:
+  p = PAPER.get(run, {}).get(alpha)
+  if p is None:
+    return '—'
+  return f'{p[0]:.2f}' + (f' ± {p[1]:.2f}' if p[1] is not None else '')
+
+
+def ours_cell(results: dict, run: str, alpha: float, key: str) -> str:
+  values = gather(results, run, alpha, key)
+  text = mean_std(values) or '—'
+  n_err = errors(results, run, alpha)
+  note = f' (n={len(values)})' if values else ''
+  return text + note + (f', {n_err} error' if n_err else '')
+
+
+def budget_lines(c) -> List[str]:
+  m, cv, d, cb, df = c.fedmho, c.fedcvae, c.dense, c.coboosting, c.feddf
+  return [
+    f'- data: {c.dataset.name}, {c.partition.num_clients} clients, '
+    f'{c.partition.scheme} partition; batch {c.batch_size}',
+    f'- FedMHO clients {c.client_models}; classifiers {m.local_epochs} local epochs of '
+    f'{c.optimizer.name} lr {c.optimizer.lr} (paper: 200), CVAEs {m.cvae_epochs} epochs of '
+    f'{m.cvae_optimizer} {m.cvae_lr} (paper: 40)',
+    f'- FedMHO server: N_syn {m.num_synthetic}, R_th {m.clean_rate}, {m.epochs} epochs of '
+    f'Adam {m.lr}, batch {m.batch}, λ {m.lam}',
+    f'- FedCVAE: CVAE-large + CVAE-small clients, {cv.cvae_epochs} epochs of {cv.cvae_optimizer} '
+    f'{cv.cvae_lr}; {cv.num_synthetic} samples, classifier {cv.epochs} epochs of Adam {cv.lr}',
+    f'- baselines (VGG-9 + small CNN clients, {c.fedavg_vote.local_epochs} local epochs): DENSE '
+    f'{d.epochs} epochs x {d.g_steps} generator steps on {d.synthesis_batch}; Co-Boosting '
+    f'{cb.epochs} x {cb.g_steps} on {cb.synthesis_batch}; FedDF {df.total_steps} steps of '
+    f'{df.kd_batch} on {df.source_size} unlabelled test images per prototype student',
+  ]
+
+
+def render(config, results: dict, runs: List[str], alphas: List[float], meta: dict) -> str:
+  paper = config.dataset.name == 'fashion_mnist'
+  head = (
+    '| Method | '
+    + ' | '.join(f'α={a} ours' + (f' | α={a} paper' if paper else '') for a in alphas)
+    + ' |'
+  )
+  rule = '|---|' + '---:|' * (len(alphas) * (2 if paper else 1))
+
+  def row(run: str, key: str) -> str:
+    cells = []
+    for a in alphas:
+      cells.append(ours_cell(results, run, a, key))
+      if paper:
+        cells.append(paper_cell(run, a))
+    return f'| {RUNS[run].name} | ' + ' | '.join(cells) + ' |'
+
+  lines = [
+    f'# FedMHO Table 3 on {config.dataset.name}: jfed vs the paper',
+    '',
+    'Top-1 test accuracy (%), mean ± std over seeds (n = the seeds finished). Paper: seed 004 '
+    'Table 3 (and Table 4), Fashion-MNIST, Dir(α) of FedDF, 10 clients.'
+    if paper
+    else 'Top-1 test accuracy (%), mean ± std over seeds, in the layout of seed 004 Table 3 '
+    '(the paper reports no numbers for this dataset).',
+    '',
+    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
+    f'{meta["seeds"]}. Budget ({meta["budget"] or "the config default"}):',
+  ]
+  lines += budget_lines(config)
+  for title, key in (
+    ('final model', 'final_test_accuracy'),
+    ('best epoch', 'best_test_accuracy'),
+  ):
+    lines += ['', f'## Table 3: {title}', '', head, rule]
+    lines += [row(r, key) for r in TABLE3 if r in runs]
+    if key == 'final_test_accuracy':
+      for label, run, k in (
+        ('*FedMHO initial global model (Eq. 4)*', 'fedmho', 'initial_test_accuracy'),
+        ('*Teacher ensemble of the baseline clients*', 'dense', 'teacher_ensemble_test_accuracy'),
+      ):
+        if run in runs:
+          cells = [ours_cell(results, run, a, k) + (' | —' if paper else '') for a in alphas]
+          lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  pairs = [p for p in TABLE4 if p[0] in runs and p[1] in runs]
+  if pairs:
+    lines += [
+      '',
+      '## Table 4: without the unsupervised data optimisation (R_th = 1, same sample count)',
+      '',
+      head,
+      rule,
+    ]
+    for with_filter, without in pairs:
+      lines += [row(with_filter, 'final_test_accuracy'), row(without, 'final_test_accuracy')]
+  lines += [
+    '',
+    'FedAvg and FedDF report the vote of the model prototypes (the argmax of the mean logits of '
+    'the per-architecture models); DENSE and Co-Boosting distil one VGG-9. Per run: '
+    'OUT/dir<α>/seed<s>/<run>/ (metrics.jsonl, summary.json, plots). Table 3 as bars: '
+    'table3.png; Fig. 9: synthetic_samples.png.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def plot_table(
+  path: pathlib.Path, results: dict, runs: List[str], alphas: List[float], paper: bool
+):
+  """Table 3 as grouped bars: per α, every method's mean final accuracy over seeds with its std
+  as an error bar, and the paper's as a hollow bar beside it (Fashion-MNIST only)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  rows = [r for r in TABLE3 if r in runs]
+  fig = Figure(figsize=(4 + 1.6 * len(rows), 4), dpi=120)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  width = 0.8 / max(1, len(alphas))
+  for j, a in enumerate(alphas):
+    x = np.arange(len(rows)) + (j - (len(alphas) - 1) / 2) * width
+    values = [100 * np.asarray(gather(results, r, a, 'final_test_accuracy')) for r in rows]
+    mean = [v.mean() if len(v) else np.nan for v in values]
+    std = [v.std(ddof=1) if len(v) > 1 else 0.0 for v in values]
+    bars = ax.bar(x, mean, width * (0.5 if paper else 0.9), yerr=std, capsize=2, label=f'α={a}')
+    if paper:
+      ref = [PAPER.get(r, {}).get(a, (np.nan,))[0] for r in rows]
+      ax.bar(x + width / 2, ref, width * 0.4, fill=False, edgecolor=bars.patches[0].get_facecolor())
+  ax.set_xticks(np.arange(len(rows)))
+  ax.set_xticklabels([RUNS[r].name for r in rows], rotation=20, ha='right', fontsize=8)
+  ax.set_ylabel('test accuracy (%)')
+  ax.set_title('final accuracy, mean ± std over seeds' + (' (hollow: paper)' if paper else ''))
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def run_sweep(
+  config_path: str,
+  budget: str,
+  out: pathlib.Path,
+  runs: List[str],
+  alphas: List[float],
+  seeds: List[int],
+) -> str:
+  """Runs every (α, seed, run) not finished yet; writes results.json and tables.md after each;
+  returns the tables' text."""
+  import jax
+
+  from jfed.driver import run_experiment
+  from jfed.errors import ConfigError
+
+  unknown = [r for r in runs if r not in RUNS]
+  if unknown:
+    raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(RUNS)}')
+  module = load_config_module(config_path)
+  base = module.get_config(budget)
+  out.mkdir(parents=True, exist_ok=True)
+  meta = {
+    'backend': jax.default_backend(),
+    'jax_version': jax.__version__,
+    'date': datetime.date.today().isoformat(),
+    'budget': budget,
+    'seeds': seeds,
+  }
+  results_path = out / 'results.json'
+  results = json.loads(results_path.read_text())['results'] if results_path.exists() else {}
+
+  def save():
+    results_path.write_text(json.dumps({'meta': meta, 'results': results}, indent=2) + '\n')
+    (out / 'tables.md').write_text(render(base, results, runs, alphas, meta))
+    plot_table(out / 'table3.png', results, runs, alphas, base.dataset.name == 'fashion_mnist')
+
+  for alpha in alphas:
+    for seed in seeds:
+      cell = cell_dir(out, alpha, seed)
+      record = results.setdefault(str(alpha), {}).setdefault(str(seed), {})
+      for name in runs:
+        run = RUNS[name]
+        workdir = cell / name
+        print(f'=== α={alpha} seed={seed} {name} -> {workdir}', flush=True)
+        try:
+          c = run_config(module, budget, run, alpha, seed, cell)
+          summary = run_experiment(run.method, c, workdir)
+          record[name] = {k: summary.get(k) for k in SUMMARY_KEYS}
+        except Exception as e:  # one failed run must not lose the sweep
+          traceback.print_exc()
+          record[name] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
+        save()
+        figure = workdir / 'synthetic_samples.png'
+        if name == 'fedmho_md' and figure.exists() and not (out / figure.name).exists():
+          shutil.copy(figure, out / figure.name)
+  save()
+  return (out / 'tables.md').read_text()
+
+
+def main(argv):
+  del argv
+  runs = FLAGS.runs or list(RUNS)
+  alphas = [float(a) for a in FLAGS.alphas]
+  seeds = [int(s) for s in FLAGS.seeds]
+  print(run_sweep(FLAGS.config, FLAGS.budget, pathlib.Path(FLAGS.out), runs, alphas, seeds))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
