@@ -12,7 +12,7 @@ from jfed.cvae import decoder_kd
 from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
-from jfed.methods import get_method
+from jfed.methods import common, generative, get_method
 from jfed.methods.fedcvae import decoder_sample_counts
 from jfed.models import get_model
 
@@ -196,3 +196,28 @@ def test_decoder_distillation_loss_is_the_summed_bce_over_the_batch_and_falls():
 def test_fedcvae_kd_learns_on_digits():
   summary = driver.run_in_memory('fedcvae_kd', fedmho_digits.get_config('fedcvae'))
   assert summary['final_test_accuracy'] > 0.4, summary['final_test_accuracy']
+
+
+def test_a_diverged_cvae_client_is_excluded_and_the_run_goes_on(monkeypatch):
+  """A CVAE whose training went non-finite sends a decoder the server cannot use: the server
+  drops it (with the others' uploads received) instead of failing the run."""
+  real_train = common.train_groups
+
+  def diverge_second_client(*args, **kwargs):
+    models, metrics = real_train(*args, **kwargs)
+    if kwargs.get('label') != 'local CVAE training':
+      return models, metrics
+    nan = jax.tree.map(lambda a: a.at[1].set(np.nan), models[0])
+    return [nan] + list(models[1:]), metrics
+
+  monkeypatch.setattr(generative.common, 'train_groups', diverge_second_client)
+  config = fedmho_digits.get_config('smoke')
+  ds = load_dataset('digits')
+  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  cvaes = generative.local_cvaes(ctx, generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0))
+  group = cvaes.groups[0]
+  assert cvaes.excluded == [int(group.client_ids[1])]
+  np.testing.assert_array_equal(cvaes.uploads[0].client_ids, np.delete(group.client_ids, 1))
+  summary = driver.run_in_memory('fedmho_sd', config)
+  assert summary['excluded_cvae_clients'] == cvaes.excluded
+  assert summary['synthetic_generated'] > 0 and np.isfinite(summary['final_test_accuracy'])

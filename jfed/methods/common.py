@@ -155,8 +155,13 @@ def train_groups(
   key: jax.Array,
   anchors: Optional[Sequence[Any]] = None,
   label: str = 'local training',
+  diverged: str = 'raise',
 ) -> Tuple[List[ModelState], List[engine.TrainMetrics]]:
-  """Local training of every group; a fresh optimiser per call, as PyTorch FL code does."""
+  """Local training of every group; a fresh optimiser per call, as PyTorch FL code does.
+
+  A client whose training loss becomes non-finite raises NonFiniteError (`diverged='raise'`),
+  or is logged and left to the server to exclude (`'warn'`: its upload fails validation).
+  """
   out_models, out_metrics = [], []
   for i, (trainer, group, model) in enumerate(zip(trainers, groups, models)):
     progress = Progress(f'{label} [{group.spec} x{len(group.client_ids)}]', epochs, 'epoch')
@@ -176,7 +181,9 @@ def train_groups(
       for c, l, n in zip(group.client_ids, final_loss, group.fed.sizes)
       if n > 0 and not np.isfinite(l)
     ]
-    if bad:
+    if bad and diverged == 'warn':
+      logging.warning('%s: client(s) %s (%s) diverged (non-finite loss)', label, bad, group.spec)
+    elif bad:
       raise NonFiniteError(
         f'{label}: the training loss of client(s) {bad} ({group.spec}) became '
         'non-finite; lower the learning rate or check the data'

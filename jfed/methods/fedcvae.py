@@ -87,10 +87,12 @@ def synthesize(
   key = jax.random.fold_in(key, tag) if tag else key
   parts, latents, row = [], [], 0
   for g, u in zip(cvaes.groups, cvaes.uploads):
-    n = counts[row : row + len(g.client_ids)]
-    row += len(g.client_ids)
+    n = counts[row : row + len(u.client_ids)]
+    row += len(u.client_ids)
+    if not len(n):  # every client of the group was excluded
+      continue
     n_max = max(1, int(n.max()))
-    ids = jnp.asarray(g.client_ids)
+    ids = jnp.asarray(u.client_ids)
     pmf = u.label_counts / np.maximum(u.label_counts.sum(1, keepdims=True), 1)
     log_pmf = jnp.log(jnp.asarray(pmf, jnp.float32))
     labels = jax.vmap(
@@ -212,6 +214,7 @@ class FedCVAEEns(Algorithm):
       'synthetic_generated': int(len(aux.labels)),
       'synthetic_per_class': np.bincount(aux.labels, minlength=ctx.dataset.num_classes).tolist(),
       'decoder_upload_bytes': aux.cvaes.upload_bytes,
+      'excluded_cvae_clients': aux.cvaes.excluded,
     }
 
 
@@ -371,4 +374,5 @@ class FedCVAEKD(Algorithm):
       'decoder_targets': int(aux.targets.y.shape[0]),
       'synthetic_generated': int(len(labels)),
       'decoder_upload_bytes': aux.cvaes.upload_bytes,
+      'excluded_cvae_clients': aux.cvaes.excluded,
     }

@@ -95,12 +95,14 @@ def synthesize(ctx: RunContext, cvaes: generative.LocalCVAEs, total: int, clean_
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
   parts, row = [], 0
   for g, u in zip(cvaes.groups, cvaes.uploads):
-    group_counts = counts[row : row + len(g.client_ids)]
-    row += len(g.client_ids)
+    group_counts = counts[row : row + len(u.client_ids)]
+    row += len(u.client_ids)
+    if not len(group_counts):  # every client of the group was excluded
+      continue
     labels, real = cvae_clients.labels_of_counts(group_counts)
     z = jax.vmap(
       lambda c: jax.random.normal(jax.random.fold_in(key, c), (labels.shape[1], g.module.latent))
-    )(jnp.asarray(g.client_ids))
+    )(jnp.asarray(u.client_ids))
     parts.append(cvae_clients.generate(g.module, u, labels, real, z))
   images, labels, owners = cvae_clients.concat_generated(parts)
   return Synthetic(images, labels, owners, kmeans_filter(images, labels, clean_rate))
@@ -242,6 +244,7 @@ class _FedMHOBase(Algorithm):
       'synthetic_kept_per_class': counts.tolist(),
       'classifier_upload_bytes': aux.local.upload_bytes,
       'decoder_upload_bytes': aux.cvaes.upload_bytes,
+      'excluded_cvae_clients': aux.cvaes.excluded,
       'clean_rate': self.config.clean_rate,
     }
 

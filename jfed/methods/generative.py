@@ -7,9 +7,10 @@ the local CVAEs are a driver stage ('local_cvaes', tagged by their epochs, read 
 `config.local_cvaes_dir` when set) so a sweep over server-side methods trains them once.
 """
 
-from typing import List, NamedTuple, Sequence
+from typing import Any, List, NamedTuple, Sequence
 
 from absl import logging
+import jax
 import numpy as np
 
 from jfed import engine
@@ -17,7 +18,7 @@ from jfed.cvae import clients as cvae_clients
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.data import class_count_table
 from jfed.engine import GroupTrainer, ModelState
-from jfed.errors import ConfigError
+from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
@@ -73,16 +74,27 @@ def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[Mo
 class LocalCVAEs(NamedTuple):
   groups: List[common.ClientGroup]
   models: List[ModelState]  # stacked per group
-  uploads: List[cvae_clients.DecoderUploads]
+  uploads: List[cvae_clients.DecoderUploads]  # per group, of its clients that were not excluded
+  excluded: List[int]  # clients whose CVAE diverged (non-finite decoder): no upload received
 
   @property
   def upload_bytes(self) -> int:
     return int(sum(u.upload_bytes for u in self.uploads))
 
 
+def finite_clients(stacked: Any) -> np.ndarray:
+  """[k] bool: whether every leaf of client k's slice of a stacked pytree is finite."""
+  leaves = [np.asarray(x).reshape(x.shape[0], -1) for x in jax.tree.leaves(stacked)]
+  return np.all(np.stack([np.isfinite(x).all(1) for x in leaves]), axis=0)
+
+
 def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
   """Every generative client's CVAE trained `s.epochs` epochs (a driver stage), and the
-  validated decoder uploads."""
+  validated decoder uploads.
+
+  A client whose CVAE diverged (a non-finite decoder; Table 7's Adam 5e-2 does this now and then
+  on Fashion-MNIST) sends nothing the server can use: it is excluded, with a warning, instead of
+  failing the run, and the others' uploads are received as usual."""
   groups = cvae_groups(ctx)
   init = init_cvaes(ctx, groups)
 
@@ -107,6 +119,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
       s.epochs,
       ctx.derive_key(Purpose.LOCAL_TRAINING),
       label='local CVAE training',
+      diverged='warn',
     )
     for g, m in zip(groups, metrics):
       logging.info(
@@ -121,18 +134,26 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
     train,
     directory=ctx.config.get('local_cvaes_dir') or None,
   )
-  uploads = [
-    cvae_clients.receive_decoder_uploads(
-      g.client_ids,
-      m,
-      class_count_table(
-        ctx.dataset.train_y, [ctx.parts[k] for k in g.client_ids], ctx.dataset.num_classes
-      ).astype(np.int32),
-      engine.take(i, 0),
+  uploads, excluded = [], []
+  for g, m, i in zip(groups, models, init):
+    keep = finite_clients(m.params['decoder'])
+    if not keep.all():
+      logging.warning('excluding diverged CVAE client(s) %s', g.client_ids[~keep].tolist())
+      excluded += [int(c) for c in g.client_ids[~keep]]
+    ids = g.client_ids[keep]
+    uploads.append(
+      cvae_clients.receive_decoder_uploads(
+        ids,
+        jax.tree.map(lambda a: a[keep], m),
+        class_count_table(
+          ctx.dataset.train_y, [ctx.parts[k] for k in ids], ctx.dataset.num_classes
+        ).astype(np.int32),
+        engine.take(i, 0),
+      )
     )
-    for g, m, i in zip(groups, models, init)
-  ]
-  return LocalCVAEs(groups, list(models), uploads)
+  if not any(len(u.client_ids) for u in uploads):
+    raise NonFiniteError(f'every CVAE client diverged ({excluded}); lower the CVAE learning rate')
+  return LocalCVAEs(groups, list(models), uploads, excluded)
 
 
 def fusion_epoch(
