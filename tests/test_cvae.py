@@ -9,6 +9,9 @@ from sklearn.cluster import KMeans
 from sklearn.datasets import load_digits
 
 from jfed.cvae import CVAE, CVAEOutput, cvae_loss, generation_counts, kmeans_filter, kmeans_keep
+from jfed.cvae import clients as cvae_clients
+from jfed.cvae.models import to_image_shape
+from jfed.io import UploadError
 from jfed.models import param_count
 
 
@@ -41,6 +44,22 @@ def _shapes(model, shape, batch=2):
       + (9 * 256 * 128 + 128)
       + (9 * 128 * 64 + 64)
       + (9 * 64 + 1),
+    ),
+    # FedCVAE v0 (latent 20): enc Conv4x4 1-32-32-64-64 (bias) with BN (2 per channel),
+    # Linear(256, 500), Linear(500, 40); dec Linear(30, 256), ConvT4x4 64-64-32-32-1 (bias), BN
+    (
+      'v0',
+      (16 * 32 + 32 + 64)
+      + (16 * 32 * 32 + 32 + 64)
+      + (16 * 32 * 64 + 64 + 128)
+      + (16 * 64 * 64 + 64 + 128)
+      + (256 * 500 + 500)
+      + (500 * 40 + 40)
+      + (30 * 256 + 256)
+      + (16 * 64 * 64 + 64 + 128)
+      + (16 * 64 * 32 + 32 + 64)
+      + (16 * 32 * 32 + 32 + 64)
+      + (16 * 32 + 1),
     ),
   ],
 )
@@ -75,6 +94,98 @@ def test_cvae_shapes_and_decoder_alone(size, shape):
     z = out.mu + jnp.exp(0.5 * out.logvar) * eps
     again = model.apply(decoder_only, z, labels, method=CVAE.decode)
     np.testing.assert_allclose(again, out.recon_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('shape', [(8, 8, 1), (28, 28, 1), (32, 32, 3)])
+def test_fedcvae_v0_works_at_32_pixels_and_maps_back_to_the_dataset_shape(shape):
+  """v0 reconstructs at 32x32 (the reference resizes MNIST-family data to 32), its loss compares
+  with the images resized to 32, and decoded images come back at the dataset's size."""
+  model = CVAE(10, shape, 'v0', latent=10)
+  labels = jnp.array([0, 4, 9])
+  x = jnp.asarray(np.random.default_rng(0).uniform(size=(3, *shape)), jnp.float32)
+  variables = _shapes(model, shape, 3)
+  assert set(variables['batch_stats']) == {'encoder', 'decoder'}
+  out = jax.eval_shape(lambda v: model.apply(v, x, labels, jax.random.PRNGKey(3)), variables)
+  assert out.recon_logits.shape == (3, 32, 32, shape[-1]) and out.mu.shape == (3, 10)
+  assert model.native_shape == (32, 32, shape[-1])
+  logits = jnp.zeros((3, 32, 32, shape[-1]))
+  zeros = jnp.zeros((3, 10))
+  loss, _ = cvae_loss(CVAEOutput(logits, zeros, zeros), x, jnp.ones(3))
+  # BCE(sigmoid(0) = 1/2, t) = ln 2 per pixel whatever t: 32·32·C pixels, not H·W·C.
+  np.testing.assert_allclose(float(loss), 32 * 32 * shape[-1] * np.log(2), rtol=1e-5)
+  back = to_image_shape(model, jax.nn.sigmoid(logits))
+  assert back.shape == (3, *shape)
+  np.testing.assert_allclose(np.asarray(back), 0.5, atol=1e-6)
+
+
+def test_fedcvae_v0_batchnorm_ignores_padding_and_uploads_its_statistics():
+  """The v0 objective updates the BatchNorm running statistics from the real samples only (a
+  padded client trains as alone); the decoder's statistics travel with the upload, are
+  validated, and the server decodes with them (eval mode)."""
+  d = load_digits()
+  x = jnp.asarray((d.images[:12] / 16.0).astype(np.float32)[..., None])
+  y = jnp.asarray(d.target[:12])
+  model = CVAE(10, (8, 8, 1), 'v0', latent=10)
+  state = cvae_clients.init_cvae(model, (8, 8, 1), jax.random.PRNGKey(0))
+  objective = cvae_clients.cvae_objective()
+  key = jax.random.PRNGKey(5)
+  padded_x = jnp.concatenate([x, jnp.ones_like(x[:4])])
+  padded_y = jnp.concatenate([y, y[:4]])
+  weights = jnp.concatenate([jnp.ones(12), jnp.zeros(4)])
+  alone = objective(model, state.params, state.batch_stats, x, y, jnp.ones(12), key)
+  padded = objective(model, state.params, state.batch_stats, padded_x, padded_y, weights, key)
+  np.testing.assert_allclose(float(alone[0]), float(padded[0]), rtol=1e-5)
+  for a, b, old in zip(
+    jax.tree.leaves(alone[1][3]), jax.tree.leaves(padded[1][3]), jax.tree.leaves(state.batch_stats)
+  ):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  moved = [
+    not np.allclose(a, o)
+    for a, o in zip(jax.tree.leaves(alone[1][3]), jax.tree.leaves(state.batch_stats))
+  ]
+  assert all(moved)  # every running mean and variance took a step towards the batch's
+
+  # Two clients: the second's decoder statistics are doubled variances, so decoding differs.
+  trained = state._replace(batch_stats=alone[1][3])
+  models = jax.tree.map(lambda a: jnp.stack([a, a]), trained)
+  models = models._replace(
+    batch_stats=jax.tree_util.tree_map_with_path(
+      lambda p, a: a.at[1].multiply(2.0) if 'decoder' in jax.tree_util.keystr(p) else a,
+      models.batch_stats,
+    )
+  )
+  counts = np.array([[12] + [0] * 9, [0, 12] + [0] * 8], np.int32)
+  uploads = cvae_clients.receive_decoder_uploads(np.arange(2), models, counts, trained)
+  params_only = cvae_clients.receive_decoder_uploads(
+    np.arange(2), models._replace(batch_stats={}), counts, trained._replace(batch_stats={})
+  )
+  assert uploads.upload_bytes > params_only.upload_bytes
+  z = jnp.zeros((2, 3, 10))
+  labels = jnp.zeros((2, 3), jnp.int32)
+  images = cvae_clients.decode_group(
+    model, uploads.decoders, uploads.decoder_stats, z, labels, None
+  )
+  assert images.shape == (2, 3, 8, 8, 1)
+  want = jax.nn.sigmoid(
+    model.apply(
+      {
+        'params': {'decoder': trained.params['decoder']},
+        'batch_stats': {'decoder': trained.batch_stats['decoder']},
+      },
+      z[0],
+      labels[0],
+      method=CVAE.decode,
+    )
+  )
+  np.testing.assert_allclose(
+    np.asarray(images[0]), np.asarray(to_image_shape(model, want)), rtol=1e-5, atol=1e-6
+  )
+  assert not np.allclose(images[0], images[1])
+  nan_stats = jax.tree.map(lambda a: a.at[1].set(np.nan), models)
+  with pytest.raises(UploadError, match='BatchNorm statistics'):
+    cvae_clients.receive_decoder_uploads(
+      np.arange(2), nan_stats._replace(params=models.params), counts, trained
+    )
 
 
 def test_cvae_loss_equals_eq3_computed_by_hand():

@@ -330,7 +330,7 @@ def base_config() -> ml_collections.ConfigDict:
       'epochs': 20,
       'lr': 1e-3,
       'batch': 32,
-      'server_decoder': 'cvae:size=small',
+      'server_decoder': 'cvae:size=v0',
       'decoder_samples': 5000,
       'decoder_epochs': 7,
       'decoder_lr': 1e-2,

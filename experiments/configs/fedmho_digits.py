@@ -22,6 +22,8 @@ Measured (seed 0, jax 0.10.2, CPU, 2 cores): see BUILD_NOTES.md "FedMHO and FedC
 
 Variants (comma-separated):
   fedcvae    every client a CVAE, CVAE-large and CVAE-small alternating (Table 1's FEDCVAE)
+  fedcvae_v0 every client FedCVAE's own CVAE (v0, 32×32 with BatchNorm, latent 10 as the
+             reference's MNIST/Fashion-MNIST setting), and a v0 server decoder for fedcvae_kd
   baselines  VGG-9 and FedMHO's small CNN alternating (Table 1's FedAvg/FedDF/DENSE/Co-Boosting);
              the DENSE / Co-Boosting / FedDF server model is the VGG-9
   smoke      seconds-long budgets (MLP classifiers, 1–2 epochs, 200 samples): the driver's
@@ -31,10 +33,11 @@ Variants (comma-separated):
 
 from experiments.configs.common import base_config, variant_value, variant_words
 
-VARIANTS = ('fedcvae', 'baselines', 'smoke', 'dir=')
+VARIANTS = ('fedcvae', 'fedcvae_v0', 'baselines', 'smoke', 'dir=')
 VGG = 'vgg9:width_mult=0.25,fc_width=128'
 FEDMHO_CLIENTS = f'{VGG};cvae:size=small'
 FEDCVAE_CLIENTS = 'cvae:size=large;cvae:size=small'
+FEDCVAE_V0 = 'cvae:size=v0,latent=10'
 BASELINE_CLIENTS = f'{VGG};fedmho_cnn'
 
 
@@ -90,6 +93,9 @@ def get_config(arg: str = ''):
   )
   if 'fedcvae' in args:
     c.client_models = FEDCVAE_CLIENTS
+  if 'fedcvae_v0' in args:
+    c.client_models = FEDCVAE_V0
+    c.fedcvae.server_decoder = FEDCVAE_V0
   if 'baselines' in args:
     c.client_models = BASELINE_CLIENTS
   for a in args:

@@ -1,23 +1,24 @@
 """CVAE clients on the shared engine: their groups, local training, uploads and the server's
 batched decoding (FedMHO §4.2, Algorithm 1 lines 3–7 and 11–12; FedCVAE, reference-code.md §3).
 
-A client whose model spec is `cvae[:size=small|large,latent=..,hidden=..]` is a *generative*
+A client whose model spec is `cvae[:size=small|large|v0,latent=..,hidden=..]` is a *generative*
 client. Its group is one compiled program like a classifier group: `GroupTrainer` runs the CVAE
 objective (`cvae_objective`, Eq. 3) instead of the cross entropy, with each step's
 reparameterisation noise drawn from the engine's per-step key. A trained client uploads a
-`DecoderUpload`: its decoder parameters and its class counts. The server decodes every decoder
-of a group in one vmapped call (`decode_group`).
+`DecoderUpload`: its decoder parameters (and, for FedCVAE's v0 CVAE, the decoder's BatchNorm
+running statistics, which its eval-mode generation uses) and its class counts. The server
+decodes every decoder of a group in one vmapped call (`decode_group`).
 """
 
 import functools
-from typing import Any, List, NamedTuple, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jfed.cvae.losses import RECON_LOSSES, cvae_loss
-from jfed.cvae.models import CVAE
+from jfed.cvae.models import CVAE, resize_images
 from jfed.engine import ModelState
 from jfed.io import DecoderUpload, serialized_nbytes, validate_decoder_upload
 
@@ -55,7 +56,19 @@ def cvae_objective(recon: str = 'bce', beta: float = 1.0):
     raise ValueError(f'recon must be one of {RECON_LOSSES}, got {recon!r}')
 
   def objective(module, params, batch_stats, x, y, weights, key):
-    out = module.apply({'params': params}, x, y, key)
+    if batch_stats:  # v0: BatchNorm on the real samples' batch statistics
+      out, updates = module.apply(
+        {'params': params, 'batch_stats': batch_stats},
+        x,
+        y,
+        key,
+        train=True,
+        mask=weights > 0,
+        mutable=['batch_stats'],
+      )
+      batch_stats = updates['batch_stats']
+    else:
+      out = module.apply({'params': params}, x, y, key)
     loss, (_, _, count) = cvae_loss(out, x, weights, beta, recon)
     return loss, (loss, jnp.zeros(()), count, batch_stats)
 
@@ -66,8 +79,8 @@ def cvae_objective(recon: str = 'bce', beta: float = 1.0):
 def _init(module: CVAE, input_shape: Tuple[int, ...], key: jax.Array) -> ModelState:
   x = jnp.zeros((2, *input_shape), jnp.float32)
   labels = jnp.zeros((2,), jnp.int32)
-  params = module.init(key, x, labels, jax.random.PRNGKey(0))['params']
-  return ModelState(params, {})
+  variables = module.init(key, x, labels, jax.random.PRNGKey(0))
+  return ModelState(variables['params'], variables.get('batch_stats', {}))
 
 
 def init_cvae(module: CVAE, input_shape: Sequence[int], key: jax.Array) -> ModelState:
@@ -81,6 +94,7 @@ class DecoderUploads(NamedTuple):
   decoders: Any  # decoder params stacked over the group's clients
   label_counts: np.ndarray  # [k, classes] int32
   upload_bytes: int
+  decoder_stats: Any = None  # the decoders' BatchNorm statistics stacked ({} without BN)
 
 
 def receive_decoder_uploads(
@@ -89,27 +103,48 @@ def receive_decoder_uploads(
   """Server side of the CVAE clients' uploads: each client's decoder and class counts are
   validated against the template's decoder; bytes are the msgpack size of each real upload."""
   template_decoder = template.params['decoder']
+  template_stats = decoder_stats_of(template)
+  stats = decoder_stats_of(models)
   total = 0
   num_classes = counts.shape[1]
   for i, cid in enumerate(client_ids):
-    decoder = jax.tree.map(lambda a, i=i: a[i], models.params['decoder'])
-    upload = DecoderUpload(int(cid), int(counts[i].sum()), decoder, counts[i])
-    validate_decoder_upload(upload, template_decoder, num_classes)
+    decoder, decoder_stats = jax.tree.map(lambda a, i=i: a[i], (models.params['decoder'], stats))
+    upload = DecoderUpload(int(cid), int(counts[i].sum()), decoder, counts[i], decoder_stats)
+    validate_decoder_upload(upload, template_decoder, num_classes, template_stats)
     total += serialized_nbytes(upload._asdict())
   return DecoderUploads(
-    np.asarray(client_ids), models.params['decoder'], np.asarray(counts, np.int32), total
+    np.asarray(client_ids), models.params['decoder'], np.asarray(counts, np.int32), total, stats
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def decode_group(module: CVAE, decoders: Any, z: jax.Array, labels: jax.Array) -> jax.Array:
-  """Images in [0, 1] (sigmoid of the logits) from every decoder of a group in one call:
-  decoders stacked [k], z [k, n, latent], labels [k, n] -> [k, n, H, W, C]."""
+def decoder_stats_of(model: ModelState) -> Any:
+  """The decoder's part of a CVAE's BatchNorm statistics ({} for the BN-free CVAEs)."""
+  return (model.batch_stats or {}).get('decoder', {})
 
-  def one(params, zk, yk):
-    return jax.nn.sigmoid(module.apply({'params': {'decoder': params}}, zk, yk, method='decode'))
 
-  return jax.vmap(one)(decoders, z, labels)
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def decode_group(
+  module: CVAE,
+  decoders: Any,
+  decoder_stats: Any,
+  z: jax.Array,
+  labels: jax.Array,
+  out_hw: Optional[Tuple[int, int]] = None,
+) -> jax.Array:
+  """Images in [0, 1] (sigmoid of the logits, decoders in eval mode) from every decoder of a
+  group in one call: decoders and their BatchNorm statistics ({} without BN) stacked [k],
+  z [k, n, latent], labels [k, n] -> [k, n, H, W, C], resized to `out_hw` (default: the dataset's
+  image size)."""
+  out_hw = tuple(module.image_shape[:2]) if out_hw is None else tuple(out_hw)
+
+  def one(params, stats, zk, yk):
+    variables = {'params': {'decoder': params}}
+    if stats:
+      variables['batch_stats'] = {'decoder': stats}
+    logits = module.apply(variables, zk, yk, method='decode')
+    return resize_images(jax.nn.sigmoid(logits), out_hw)
+
+  return jax.vmap(one)(decoders, decoder_stats, z, labels)
 
 
 def labels_of_counts(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -131,11 +166,14 @@ def generate(
   labels: np.ndarray,
   real: np.ndarray,
   z: jax.Array,
+  out_hw: Optional[Tuple[int, int]] = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Decodes labels [k, n] (real [k, n]) from latents z [k, n, latent] with every decoder of
-  `uploads`: (images [N, H, W, C] float32, labels [N], decoder client id [N]) of the real ones,
-  decoder by decoder."""
-  images = np.asarray(decode_group(module, uploads.decoders, z, jnp.asarray(labels)))
+  `uploads`: (images [N, H, W, C] float32 at `out_hw` (default: the dataset's), labels [N],
+  decoder client id [N]) of the real ones, decoder by decoder."""
+  stats = {} if uploads.decoder_stats is None else uploads.decoder_stats
+  hw = None if out_hw is None else tuple(int(d) for d in out_hw)
+  images = np.asarray(decode_group(module, uploads.decoders, stats, z, jnp.asarray(labels), hw))
   owner = np.broadcast_to(np.asarray(uploads.client_ids)[:, None], real.shape)
   return images[real], labels[real], owner[real]
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jfed.cvae.models import CVAE
+from jfed.cvae.models import CVAE, to_image_shape
 from jfed.cvae.server import epoch_order
 from jfed.engine import ModelState, TrainState
 
@@ -47,8 +47,9 @@ class DecoderDistiller:
     """`decoder`: ModelState(params of the CVAE's decoder, its batch_stats or {})."""
     return TrainState(decoder, self.tx.init(decoder.params))
 
-  def _apply(self, decoder: ModelState, z, y, train: bool):
-    """(logits, new batch_stats) of the decoder; BatchNorm statistics update in train mode."""
+  def _apply(self, decoder: ModelState, z, y, train: bool, mask=None):
+    """(logits, new batch_stats) of the decoder; BatchNorm statistics (of the real samples,
+    `mask`) update in train mode."""
     if not decoder.batch_stats:  # BN-free decoders (CVAE-small, CVAE-large)
       variables = {'params': {'decoder': decoder.params}}
       return self.module.apply(variables, z, y, method='decode'), decoder.batch_stats
@@ -59,7 +60,7 @@ class DecoderDistiller:
     if not train:
       return self.module.apply(variables, z, y, train=False, method='decode'), decoder.batch_stats
     logits, updates = self.module.apply(
-      variables, z, y, train=True, method='decode', mutable=['batch_stats']
+      variables, z, y, train=True, mask=mask, method='decode', mutable=['batch_stats']
     )
     return logits, updates['batch_stats']['decoder']
 
@@ -68,7 +69,8 @@ class DecoderDistiller:
     weights = mask.astype(jnp.float32)
 
     def objective(params):
-      logits, stats = self._apply(ModelState(params, ts.model.batch_stats), z, y, train=True)
+      model = ModelState(params, ts.model.batch_stats)
+      logits, stats = self._apply(model, z, y, train=True, mask=mask)
       return decoder_recon_loss(logits, x, weights), stats
 
     (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(ts.model.params)
@@ -87,6 +89,6 @@ class DecoderDistiller:
     return ts, float(np.mean(np.asarray(losses)))
 
   def decode(self, decoder: ModelState, z, y) -> jnp.ndarray:
-    """Images in [0, 1] from the server decoder in eval mode."""
+    """Images in [0, 1] from the server decoder in eval mode, at the dataset's image size."""
     logits, _ = self._apply(decoder, z, y, train=False)
-    return jax.nn.sigmoid(logits)
+    return to_image_shape(self.module, jax.nn.sigmoid(logits))

@@ -5,6 +5,9 @@ Per sample i: recon_i = Σ_pixels BCE(sigmoid(x̂_i), x_i) (or, for FedCVAE's 3-
 the mean over the batch's real samples of recon_i + β · KL_i. That is Eq. 3 (both terms averaged
 over the mini-batch), FedMHO's `loss_fn_cvae` ((BCE_sum + KLD_sum) / B) and FedCVAE's
 (BCE_sum / B + β · mean_b KL) at β = 1.
+
+A CVAE that works at its own resolution (FedCVAE's v0: 32×32) is compared with the images
+resized to it (bilinear), as the reference resizes its MNIST-family data to 32 before training.
 """
 
 from typing import Tuple
@@ -13,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jfed.cvae.models import CVAEOutput
+from jfed.cvae.models import CVAEOutput, resize_images
 
 RECON_LOSSES = ('bce', 'mse')
 
 
 def cvae_terms(out: CVAEOutput, x: jnp.ndarray, recon: str = 'bce') -> Tuple[jnp.ndarray, ...]:
   """Per-sample (reconstruction, KL) terms, each [B]."""
+  x = resize_images(x, out.recon_logits.shape[-3:-1])
   axes = tuple(range(1, x.ndim))
   if recon == 'bce':
     r = jnp.sum(optax.sigmoid_binary_cross_entropy(out.recon_logits, x), axis=axes)

@@ -33,6 +33,7 @@ class DecoderUpload(NamedTuple):
   num_samples: int
   decoder: Any  # params of the decoder submodule
   label_counts: Any  # [num_classes] int32
+  decoder_stats: Any = None  # its BatchNorm running statistics (FedCVAE's v0); None: no BN
 
 
 def serialize(tree: Any) -> bytes:
@@ -73,9 +74,11 @@ def validate_model_upload(upload: ModelUpload, template: Any) -> None:
   validate_tree(upload.model, template, what)
 
 
-def validate_decoder_upload(upload: DecoderUpload, template: Any, num_classes: int) -> None:
-  """Raises UploadError unless the decoder matches the template and the label counts are
-  num_classes non-negative integers summing to num_samples."""
+def validate_decoder_upload(
+  upload: DecoderUpload, template: Any, num_classes: int, template_stats: Any = None
+) -> None:
+  """Raises UploadError unless the decoder (and its BatchNorm statistics) match the templates
+  and the label counts are num_classes non-negative integers summing to num_samples."""
   what = f'decoder upload of client {upload.client_id}'
   if upload.num_samples <= 0:
     raise UploadError(f'{what}: num_samples must be positive, got {upload.num_samples}')
@@ -90,3 +93,7 @@ def validate_decoder_upload(upload: DecoderUpload, template: Any, num_classes: i
       f'got {counts.tolist()}'
     )
   validate_tree(upload.decoder, template, what)
+  if template_stats or upload.decoder_stats:
+    validate_tree(
+      upload.decoder_stats or {}, template_stats or {}, f'{what} (BatchNorm statistics)'
+    )

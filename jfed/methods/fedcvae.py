@@ -76,11 +76,17 @@ def decoder_sample_counts(sizes: np.ndarray, total: int, weight_by_share: bool) 
 
 
 def synthesize(
-  ctx: RunContext, cvaes: generative.LocalCVAEs, cfg: FedCVAEConfig, total: int, tag: int = 0
+  ctx: RunContext,
+  cvaes: generative.LocalCVAEs,
+  cfg: FedCVAEConfig,
+  total: int,
+  tag: int = 0,
+  out_hw: Optional[Tuple[int, int]] = None,
 ):
   """`total` samples from the users' decoders as `generate_dataset_from_user_decoders` draws
-  them: (images [N, H, W, C] in [0, 1], labels [N], latents [N, latent]); `tag` separates the
-  draws of different uses (0: the Ens classifier set, 1: FedCVAE-KD's decoder targets)."""
+  them: (images [N, H, W, C] in [0, 1] at `out_hw` (default: the dataset's size), labels [N],
+  latents [N, latent]); `tag` separates the draws of different uses (0: the Ens classifier set,
+  1: FedCVAE-KD's decoder targets)."""
   sizes = np.concatenate([u.label_counts.sum(1) for u in cvaes.uploads])
   counts = decoder_sample_counts(sizes, total, cfg.weight_by_share)
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
@@ -104,7 +110,7 @@ def synthesize(
       )
     )(ids)
     real = np.arange(n_max)[None, :] < n[:, None]
-    parts.append(cvae_clients.generate(g.module, u, np.asarray(labels, np.int32), real, z))
+    parts.append(cvae_clients.generate(g.module, u, np.asarray(labels, np.int32), real, z, out_hw))
     latents.append(np.asarray(z)[real])
   images, labels, _ = cvae_clients.concat_generated(parts)
   return images, labels, np.concatenate(latents)
@@ -298,7 +304,10 @@ class FedCVAEKD(Algorithm):
         f'{self.section}.server_decoder {c.server_decoder!r} has latent {module.latent}, but '
         f"the users' decoders have {sorted(latents)}: the server decoder is fed their z"
       )
-    images, labels, z = synthesize(ctx, cvaes, c, c.decoder_samples, tag=1)
+    # The targets at the server decoder's own resolution (v0: 32×32, as the reference's).
+    images, labels, z = synthesize(
+      ctx, cvaes, c, c.decoder_samples, tag=1, out_hw=module.native_shape[:2]
+    )
     targets = engine.commit(
       decoder_kd.DecoderTargets(
         jnp.asarray(z, jnp.float32), jnp.asarray(labels, jnp.int32), jnp.asarray(images)
@@ -307,7 +316,7 @@ class FedCVAEKD(Algorithm):
     key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATOR)
     full = cvae_clients.init_cvae(module, ctx.dataset.input_shape, key)
     decoder_init = engine.commit(
-      ModelState(full.params['decoder'], (full.batch_stats or {}).get('decoder', {}))
+      ModelState(full.params['decoder'], cvae_clients.decoder_stats_of(full))
     )
     distiller = decoder_kd.DecoderDistiller(module, engine.make_optimizer('adam', c.decoder_lr))
     _, init, trainer, evaluator = server_classifier(ctx, c)

@@ -136,7 +136,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
   )
   uploads, excluded = [], []
   for g, m, i in zip(groups, models, init):
-    keep = finite_clients(m.params['decoder'])
+    keep = finite_clients((m.params['decoder'], cvae_clients.decoder_stats_of(m)))
     if not keep.all():
       logging.warning('excluding diverged CVAE client(s) %s', g.client_ids[~keep].tolist())
       excluded += [int(c) for c in g.client_ids[~keep]]
