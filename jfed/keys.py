@@ -22,6 +22,11 @@ class Purpose(enum.IntEnum):
   SUPERCLIENT_ORDER = 41  # FedSeq client order inside superclients, per round
   SYNTHETIC_SET = 51  # DynaFed trajectory matching
   FINETUNE = 52  # DynaFed fine-tuning on the synthetic set, per round
+  ALIGNMENT = 61  # FedMD: the public alignment subset, per round
+  PUBLIC_TRAINING = 62  # FedMD: transfer learning on the labelled public data
+  DIGEST = 63  # FedMD: fitting the consensus logits, per round
+  STAGE2_IMAGES = 71  # FedTSA: the synthetic images of Stage 2 (generation)
+  DIFFUSION = 72  # FedTSA: training the DDPM
 
 
 @enum.unique

@@ -112,7 +112,7 @@ def test_fedcvae_v0_works_at_32_pixels_and_maps_back_to_the_dataset_shape(shape)
   zeros = jnp.zeros((3, 10))
   loss, _ = cvae_loss(CVAEOutput(logits, zeros, zeros), x, jnp.ones(3))
   # BCE(sigmoid(0) = 1/2, t) = ln 2 per pixel whatever t: 32·32·C pixels, not H·W·C.
-  np.testing.assert_allclose(float(loss), 32 * 32 * shape[-1] * np.log(2), rtol=1e-5)
+  np.testing.assert_allclose(float(loss), 32 * 32 * shape[-1] * np.log(2), rtol=1e-4)  # float32 sum
   back = to_image_shape(model, jax.nn.sigmoid(logits))
   assert back.shape == (3, *shape)
   np.testing.assert_allclose(np.asarray(back), 0.5, atol=1e-6)

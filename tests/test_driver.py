@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.configs import digits, fedhydra_digits, fedmho_digits
+from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits
 from jfed import driver, engine
 from jfed import typed_config as tc
 from jfed.data import load_dataset
@@ -93,6 +93,8 @@ def smoke_config(method: str):
     return fedmho_digits.get_config('smoke')
   if method in ('fedcvae_ens', 'fedcvae_kd'):
     return fedmho_digits.get_config('fedcvae,smoke')
+  if method in ('heterofl', 'fedproto', 'fedmd'):  # two MLP widths, partial participation
+    return fedtsa_digits.get_config('smoke')
   if method == 'feddf_vote':  # two prototypes of two epochs
     c = fedmho_digits.get_config('baselines,smoke')
     c.feddf.update({'local_epochs': 1, 'total_steps': 4, 'eval_every': 2, 'patience': 100})

@@ -337,4 +337,87 @@ def base_config() -> ml_collections.ConfigDict:
       'decoder_batch': 32,
     }
   )
+  # Model-heterogeneous baselines of FedTSA (seed 001 §5.1). Defaults: the reference code
+  # (reference-code.md §9.3–9.5); experiment configs shrink them for CPU.
+  # HeteroFL: global model = `model`, clients = `client_models` (the same model, smaller
+  # width_mult); diaoenmao/HeteroFL: 5 local epochs, frac 0.1, masked CE, static BN, clip 1.
+  c.heterofl = ml_collections.ConfigDict(
+    {
+      'rounds': 300,
+      'local_epochs': 5,
+      'participation': 0.1,
+      'masked_ce': True,
+      'static_bn': True,
+      'grad_clip': 1.0,
+      'eval_submodels': True,
+    }
+  )
+  # FedProto (yuetan031/FedProto): 100 rounds of 1 local epoch, ld = 1; `embed_dim` > 0 gives
+  # every client model a ReLU embedding layer of that width (models of different widths need
+  # one prototype width); 0 uses the models' own penultimate features.
+  c.fedproto = ml_collections.ConfigDict(
+    {'rounds': 100, 'local_epochs': 1, 'participation': 1.0, 'ld': 1.0, 'embed_dim': 0}
+  )
+  # FedMD (diogenes0319/FedMD_clean, CIFAR_balance_conf.json): public pre-training 20 epochs of
+  # batch 128, private 25 epochs of batch 32, then 20 rounds of N_alignment = 5000, digest 1
+  # epoch of batch 256 (L1 on logits), revisit 4 epochs of batch 5; Adam 1e-3 throughout.
+  c.fedmd = ml_collections.ConfigDict(
+    {
+      'rounds': 20,
+      'public': 'test_split',
+      'public_size': 5000,
+      'public_epochs': 20,
+      'public_batch': 128,
+      'private_epochs': 25,
+      'private_batch': 32,
+      'alignment_size': 5000,
+      'digest_epochs': 1,
+      'digest_batch': 256,
+      'revisit_epochs': 4,
+      'revisit_batch': 5,
+      'lr': 1e-3,
+    }
+  )
+  # FedTSA (seed 001 §5.1): 100 rounds, T = 5, 1 global epoch, KL-only, 200 images per prompt,
+  # devices at rates 1.0 / 0.8 / 0.6 for 20 / 40 / 40 % of the clients, 100 local epochs (its
+  # batch 100 and lr 0.03 are config.batch_size and config.optimizer). Its diffusion model is
+  # Stable Diffusion v1-4 (source='pipeline'); the default here is a DDPM trained on held-out
+  # data, since no weights can be downloaded. See jfed/methods/fedtsa.py.
+  c.fedtsa = ml_collections.ConfigDict(
+    {
+      'rounds': 100,
+      'local_epochs': 100,
+      'participation': 1.0,
+      'profile': 'simulated',
+      'durations_file': '',
+      'device_rates': '1.0,0.8,0.6',
+      'device_shares': '0.2,0.4,0.4',
+      'jitter': 0.05,
+      'proxy_samples': 1000,
+      'proxy_repeats': 3,
+      'bandwidth': '0.2',
+      'rate_quantum': 0.1,
+      'stage2': True,
+      'global_epochs': 1,
+      'temperature': 5.0,
+      'kl_weight': 1.0,
+      'stage2_lr': 0.0,
+      'stage2_batch': 100,
+      'source': 'ddpm',
+      'images_per_prompt': 200,
+      'prompt_template': 'a photo of real {}',
+      'holdout': 'test_split',
+      'holdout_size': 2000,
+      'ddpm_steps': 3000,
+      'ddpm_timesteps': 200,
+      'ddpm_channels': 32,
+      'ddpm_batch': 128,
+      'ddpm_lr': 2e-3,
+      'ddpm_guidance': 1.0,
+      'ddpm_cache': '',
+      'pipeline_dir': '',
+      'pipeline_steps': 50,
+      'pipeline_guidance': 7.5,
+    }
+  )
   return c

@@ -4,6 +4,7 @@ from jfed.data.datasets import (
   Dataset,
   DatasetNotFoundError,
   available_datasets,
+  class_names,
   load_dataset,
   read_idx,
 )

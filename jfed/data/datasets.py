@@ -115,6 +115,48 @@ def available_datasets() -> list:
   return ['digits', *IDX_DATASETS]
 
 
+CLASS_NAMES = {
+  'digits': tuple(
+    f'digit {w}' for w in 'zero one two three four five six seven eight nine'.split()
+  ),
+  'mnist': tuple(
+    f'handwritten digit {w}' for w in 'zero one two three four five six seven eight nine'.split()
+  ),
+  'fashion_mnist': (
+    'T-shirt/top',
+    'trouser',
+    'pullover',
+    'dress',
+    'coat',
+    'sandal',
+    'shirt',
+    'sneaker',
+    'bag',
+    'ankle boot',
+  ),
+  'cifar10': (
+    'airplane',
+    'automobile',
+    'bird',
+    'cat',
+    'deer',
+    'dog',
+    'frog',
+    'horse',
+    'ship',
+    'truck',
+  ),
+}
+
+
+def class_names(name: str, num_classes: int) -> tuple:
+  """The classes' names, for prompts (FedTSA); 'class 0', 'class 1', ... when unknown."""
+  names = CLASS_NAMES.get(name.removeprefix('tfds:'))
+  if names is None or len(names) != num_classes:
+    return tuple(f'class {c}' for c in range(num_classes))
+  return names
+
+
 def load_dataset(name: str, data_dir: Optional[str] = None) -> Dataset:
   """Loads a dataset by name (see the module docstring for the sources).
 

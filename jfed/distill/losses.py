@@ -1,4 +1,5 @@
-"""Distillation and synthesis losses of DENSE, FedDF, Co-Boosting, FedHydra and FedMHO (pure).
+"""Distillation and synthesis losses of DENSE, FedDF, Co-Boosting, FedHydra, FedMHO and FedTSA
+(pure).
 
 Notation: s = student logits [B, C], t = teacher logits [B, C], y = int labels [B],
 p = softmax(t/T), q = softmax(s/T). All functions are differentiable w.r.t. both logits; callers
@@ -88,6 +89,41 @@ def knowledge_fusion_loss(
     if kl_reduction == 'mean':
       kl = kl / student_logits.shape[-1]
     per_sample = lam * per_sample + (1.0 - lam) * kl
+  return jnp.sum(per_sample * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def consensus_logits(cluster_logits) -> jnp.ndarray:
+  """FedTSA's global knowledge, seed 001 Eq. 7: z̄ = (1/M) Σ_r z_r over the M cluster models'
+  logits ([M, B, C] array or a sequence of [B, C])."""
+  return jnp.mean(jnp.stack([jnp.asarray(z) for z in cluster_logits]), axis=0)
+
+
+def mutual_learning_loss(
+  logits: jnp.ndarray,
+  consensus: jnp.ndarray,
+  temperature: float = 5.0,
+  labels: Optional[jnp.ndarray] = None,
+  kl_weight: float = 1.0,
+  weights: Optional[jnp.ndarray] = None,
+  t_squared: bool = False,
+) -> jnp.ndarray:
+  """FedTSA's Stage-2 loss of one cluster model (seed 001 Eqs. 6–9), averaged over the real
+  samples (`weights` [B]: 1 real, 0 padding):
+
+  KL(softmax(z̄/T) ‖ softmax(z_r/T)) summed over classes (Eq. 8, the consensus z̄ of Eq. 7 held
+  fixed), KL-only by default (kl_weight = 1, the paper's setting); with `labels` (the prompts'
+  classes of the generated images) and kl_weight = α < 1, Eq. 9: α·KL + (1 − α)·CE. The paper
+  writes no T² factor; `t_squared` multiplies the KL by T² as Hinton's distillation does.
+  """
+  kl = jnp.sum(
+    kl_divergence(logits, jax.lax.stop_gradient(consensus), temperature, 'none', t_squared), -1
+  )
+  per_sample = kl
+  if kl_weight < 1.0:
+    if labels is None:
+      raise ValueError('kl_weight < 1 (KL + CE, Eq. 9) needs the labels of the synthetic images')
+    per_sample = kl_weight * kl + (1.0 - kl_weight) * cross_entropy(logits, labels, 'none')
+  w = jnp.ones(logits.shape[0]) if weights is None else weights.astype(jnp.float32)
   return jnp.sum(per_sample * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 

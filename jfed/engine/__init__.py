@@ -1,7 +1,7 @@
 """Client groups, client-map strategies, sharding, evaluation and aggregation."""
 
 from jfed.engine.aggregation import weighted_average
-from jfed.engine.evaluation import Evaluator
+from jfed.engine.evaluation import BatchNormStatistics, Evaluator
 from jfed.engine.optim import make_optimizer, optimizer_from_config
 from jfed.engine.sharding import client_mesh
 from jfed.engine.state import (

@@ -33,11 +33,21 @@ class Evaluator:
     self._logits = jax.jit(self._apply)
     if self.strategy == 'loop':
       self._group_logits = jax.jit(lambda models, x: lax.map(lambda m: self._apply(m, x), models))
+      self._group_outputs = jax.jit(
+        lambda models, x: lax.map(lambda m: self._apply_features(m, x), models)
+      )
     else:
       self._group_logits = jax.jit(jax.vmap(self._apply, in_axes=(0, None)))
+      self._group_outputs = jax.jit(jax.vmap(self._apply_features, in_axes=(0, None)))
 
   def _apply(self, model: ModelState, x):
     return self.module.apply(model.variables(), x, train=False)
+
+  def _apply_features(self, model: ModelState, x):
+    from jfed.models.layers import apply_with_features  # pylint: disable=g-import-not-at-top
+
+    logits, features, _ = apply_with_features(self.module, model.variables(), x)
+    return logits, features
 
   def _batches(self, x: np.ndarray):
     # The calls queue up without waiting for each other; results come back once, at the end.
@@ -56,8 +66,57 @@ class Evaluator:
     out = [self._group_logits(models, b) for b in xb]
     return np.concatenate(jax.device_get(out), axis=1)[:, :n]
 
+  def group_outputs(self, models: ModelState, x: np.ndarray):
+    """Logits [M, N, C] and penultimate features [M, N, D] of every model of a stacked group
+    (models that sow their features: `jfed.models.layers.apply_with_features`)."""
+    xb, n = self._batches(x)
+    out = jax.device_get([self._group_outputs(models, b) for b in xb])
+    logits = np.concatenate([o[0] for o in out], axis=1)[:, :n]
+    return logits, np.concatenate([o[1] for o in out], axis=1)[:, :n]
+
   def accuracy(self, model: ModelState, x, y) -> float:
     return float(np.mean(np.argmax(self.logits(model, x), -1) == np.asarray(y)))
 
   def group_accuracy(self, models: ModelState, x, y) -> np.ndarray:
     return np.mean(np.argmax(self.group_logits(models, x), -1) == np.asarray(y)[None], axis=1)
+
+
+class BatchNormStatistics:
+  """HeteroFL's static BatchNorm statistics (sBN; diaoenmao/HeteroFL:src/train_classifier_fed.py
+  `stats`): a model trained without running statistics gets, for evaluation, the cumulative
+  statistics of a train-mode pass over data, i.e. PyTorch's `momentum=None`: the unweighted mean
+  over batches of each batch's statistics (a last partial batch counts as one batch).
+
+  Each batch runs in train mode from zero statistics, so the updated statistics are
+  (1 - momentum) times the batch's own (flax's update rule with the zoo's PyTorch momentum,
+  `jfed.models.layers.TORCH_BN_MOMENTUM`). Flax's batch variance is the biased one (PyTorch's
+  running variance uses the unbiased one: a factor n/(n-1), n = batch x pixels). Compiled once
+  per architecture; reuse the instance.
+  """
+
+  def __init__(self, module, batch_size: int):
+    from jfed.models.layers import TORCH_BN_MOMENTUM  # pylint: disable=g-import-not-at-top
+
+    self.module = module
+    self.batch_size = int(batch_size)
+    self._scale = 1.0 / (1.0 - TORCH_BN_MOMENTUM)
+    self._batch = jax.jit(self._batch_stats)
+
+  def _batch_stats(self, params, total, x, mask, weight):
+    zeros = jax.tree.map(jnp.zeros_like, total)
+    _, updates = self.module.apply(
+      {'params': params, 'batch_stats': zeros}, x, train=True, mask=mask, mutable=['batch_stats']
+    )
+    return jax.tree.map(lambda t, s: t + weight * s, total, updates['batch_stats'])
+
+  def __call__(self, model: ModelState, x: np.ndarray) -> dict:
+    """The batch_stats of `model` for evaluation, computed on `x`."""
+    if not model.batch_stats:
+      return model.batch_stats
+    xb, n = _pad_batches(np.asarray(x), self.batch_size)
+    total = jax.tree.map(jnp.zeros_like, model.batch_stats)
+    weight = jnp.float32(self._scale / len(xb))
+    for i, b in enumerate(xb):
+      mask = np.arange(i * self.batch_size, (i + 1) * self.batch_size) < n
+      total = self._batch(model.params, total, jnp.asarray(b), jnp.asarray(mask), weight)
+    return total

@@ -16,7 +16,11 @@ same numbers and differ only in how the (client, step) grid is mapped onto the m
 
 What a step minimises is the trainer's `objective` (`LocalObjective`): the cross entropy of a
 classifier by default (`classification_objective`), or e.g. a CVAE's Eq. 3 (`jfed.cvae`), so
-every client *kind* is one compiled group on the same engine. Each step gets its own key,
+every client *kind* is one compiled group on the same engine. An objective that needs per-client
+values which change between calls (HeteroFL's label mask, FedProto's global prototypes) gets them
+as `context`: a pytree stacked over the group's clients, passed to `train`, sliced per client
+like its data and handed to the objective as the keyword `context` (traced, so new values every
+round compile nothing). Each step gets its own key,
 fold_in(fold_in(fold_in(key, epoch), STEP_KEY_TAG), client id) folded with the step index: a
 classifier's dropout and a CVAE's reparameterisation noise depend only on (key, epoch, client,
 step), like the data order.
@@ -97,7 +101,8 @@ class LocalObjective(Protocol):
   """What a client minimises in one step.
 
   Called as objective(module, params, batch_stats, x, y, weights, key) with one client's batch
-  (weights [B]: 1 real, 0 padding) and the step's key; returns
+  (weights [B]: 1 real, 0 padding) and the step's key, plus `context=` (that client's slice of
+  the `context` given to `GroupTrainer.train`) when one is given; returns
   (loss to differentiate, (reported loss, correct predictions, real-sample count, new
   batch_stats)).
   """
@@ -161,24 +166,28 @@ class GroupTrainer:
     self._loop_step = jax.jit(self._loop_client_step, donate_argnums=(0, 1))
     self._loop_take = jax.jit(_take_client)
     self._loop_stack = jax.jit(_stack_clients)
-    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None)))
+    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None, 0)))
     self._scan_epoch = jax.jit(
-      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, 0, None, None)), static_argnums=(6,)
+      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, 0, None, None, 0)), static_argnums=(6,)
     )
+    self._loop_take_context = jax.jit(_take_context)
     self._orders = jax.jit(client_orders, static_argnums=(3, 4))
     self._client_keys = jax.jit(client_step_keys)
 
   # -- the one step every strategy runs ------------------------------------------------------
-  def _client_step(self, ts: TrainState, x, y, order, size, client_key, step, anchor):
+  def _client_step(self, ts: TrainState, x, y, order, size, client_key, step, anchor, context):
     b = self.batch_size
     idx = lax.dynamic_slice(order, (step * b,), (b,))
     real = step * b + jnp.arange(b) < size
     xb, yb = x[idx], y[idx]
     weights = real.astype(jnp.float32)
     key = jax.random.fold_in(client_key, step)
+    extra = {} if context is None else {'context': context}
 
     def objective(params):
-      total, aux = self.objective(self.module, params, ts.model.batch_stats, xb, yb, weights, key)
+      total, aux = self.objective(
+        self.module, params, ts.model.batch_stats, xb, yb, weights, key, **extra
+      )
       if self.prox_mu:
         total = total + 0.5 * self.prox_mu * _squared_distance(params, anchor)
       return total, aux
@@ -191,9 +200,9 @@ class GroupTrainer:
     new_ts = _tree_where(count > 0, new_ts, ts)
     return new_ts, jnp.stack([loss * count, correct, count])
 
-  def _client_epoch(self, ts, x, y, order, size, client_key, num_steps, anchor):
+  def _client_epoch(self, ts, x, y, order, size, client_key, num_steps, anchor, context):
     def body(carry, s):
-      return self._client_step(carry, x, y, order, size, client_key, s, anchor)
+      return self._client_step(carry, x, y, order, size, client_key, s, anchor, context)
 
     ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
     return ts, stats.sum(0)
@@ -208,6 +217,7 @@ class GroupTrainer:
     anchor: Any = None,
     progress: Optional[Callable[[int, int], None]] = None,
     client_ids=None,
+    context: Any = None,
   ):
     """Trains every client of the group for `epochs` epochs over its own samples.
 
@@ -219,6 +229,8 @@ class GroupTrainer:
       anchor: FedProx reference parameters (single model), required when prox_mu > 0.
       progress: called as progress(epochs_done, epochs) after each epoch.
       client_ids: global ids of the group's clients (default 0..m-1).
+      context: per-client values for the objective, a pytree stacked over the group's clients
+        (leading axis m), or None (the objective is then called without `context`).
     Returns:
       (new stacked TrainState, TrainMetrics).
     """
@@ -241,7 +253,7 @@ class GroupTrainer:
       n_max = padded_len = loop_padded_length(padded_len)
       x, y = _pad_samples(x, n_max), _pad_samples(y, n_max)
     if self.strategy != 'loop' and self.mesh is not None:
-      state, x, y, sizes = sharding.shard_group(self.mesh, (state, x, y, sizes))
+      state, x, y, sizes, context = sharding.shard_group(self.mesh, (state, x, y, sizes, context))
       ids = sharding.pad_clients(ids, sizes.shape[0])
     stats = []
     for epoch in range(epochs):
@@ -249,14 +261,18 @@ class GroupTrainer:
       orders = self._orders(epoch_key, ids, sizes, n_max, padded_len)
       keys = self._client_keys(epoch_key, ids)
       if self.strategy == 'loop':
-        state, epoch_stats = self._loop_epoch(state, x, y, orders, sizes, keys, fed.sizes, anchor)
+        state, epoch_stats = self._loop_epoch(
+          state, x, y, orders, sizes, keys, fed.sizes, anchor, context
+        )
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
         for s in range(num_steps):
-          state, st = self._vmap_step(state, x, y, orders, sizes, keys, s, anchor)
+          state, st = self._vmap_step(state, x, y, orders, sizes, keys, s, anchor, context)
           epoch_stats = epoch_stats + st
       else:
-        state, epoch_stats = self._scan_epoch(state, x, y, orders, sizes, keys, num_steps, anchor)
+        state, epoch_stats = self._scan_epoch(
+          state, x, y, orders, sizes, keys, num_steps, anchor, context
+        )
       stats.append(np.asarray(epoch_stats)[:m])
       if progress is not None:
         progress(epoch + 1, epochs)
@@ -266,17 +282,18 @@ class GroupTrainer:
     count = np.maximum(stats[..., 2], 1.0)
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
 
-  def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor):
-    ts, st = self._client_step(ts, x, y, order, size, client_key, step, anchor)
+  def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor, context=None):
+    ts, st = self._client_step(ts, x, y, order, size, client_key, step, anchor, context)
     return ts, acc + st, step + 1
 
-  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor):
+  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None):
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
       ts, xk, yk, order, size, ck, acc, step = self._loop_take(state, x, y, orders, sizes, keys, k)
+      ctx_k = None if context is None else self._loop_take_context(context, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, ck, step, anchor)
+        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, ck, step, anchor, ctx_k)
       new_states.append(ts)
       epoch_stats.append(acc)
     return self._loop_stack(new_states, epoch_stats)
@@ -303,6 +320,10 @@ def _take_client(state, x, y, orders, sizes, keys, k):
   ts = jax.tree.map(lambda a: a[k], state)
   zeros = jnp.zeros(3), jnp.zeros((), jnp.int32)
   return (ts, x[k], y[k], orders[k], sizes[k], keys[k]) + zeros
+
+
+def _take_context(context, k):
+  return jax.tree.map(lambda a: a[k], context)
 
 
 def _stack_clients(states, stats):

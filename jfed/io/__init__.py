@@ -3,11 +3,15 @@
 from jfed.io.checkpoint import Checkpointer
 from jfed.io.uploads import (
   DecoderUpload,
+  LogitsUpload,
   ModelUpload,
+  PrototypeUpload,
   UploadError,
   serialize,
   serialized_nbytes,
   validate_decoder_upload,
+  validate_logits_upload,
   validate_model_upload,
+  validate_prototype_upload,
   validate_tree,
 )

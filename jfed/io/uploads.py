@@ -97,3 +97,54 @@ def validate_decoder_upload(
     validate_tree(
       upload.decoder_stats or {}, template_stats or {}, f'{what} (BatchNorm statistics)'
     )
+
+
+class PrototypeUpload(NamedTuple):
+  """A FedProto client's upload (Tan et al., AAAI'22, reference-code.md §9.4): the mean
+  embedding of each class it holds and its class counts (rows of absent classes are zero)."""
+
+  client_id: int
+  num_samples: int
+  prototypes: Any  # [num_classes, D] float32
+  label_counts: Any  # [num_classes] int32
+
+
+class LogitsUpload(NamedTuple):
+  """A FedMD client's upload (Li & Wang 2019, reference-code.md §9.5): its logits on the
+  round's public alignment set."""
+
+  client_id: int
+  logits: Any  # [N_alignment, num_classes] float32
+
+
+def _check_counts(what: str, counts: Any, num_samples: int, num_classes: int) -> np.ndarray:
+  counts = np.asarray(counts)
+  if counts.shape != (num_classes,) or not np.issubdtype(counts.dtype, np.integer):
+    raise UploadError(
+      f'{what}: label_counts is {counts.dtype}{list(counts.shape)}, expected int[{num_classes}]'
+    )
+  if np.any(counts < 0) or int(counts.sum()) != int(num_samples):
+    raise UploadError(
+      f'{what}: label_counts must be non-negative and sum to num_samples={num_samples}, '
+      f'got {counts.tolist()}'
+    )
+  return counts
+
+
+def validate_prototype_upload(upload: PrototypeUpload, num_classes: int, dim: int) -> None:
+  """Raises UploadError unless the prototypes are finite float32[num_classes, dim], zero for the
+  classes the client does not hold, and the counts are valid class counts of num_samples."""
+  what = f'prototype upload of client {upload.client_id}'
+  if upload.num_samples <= 0:
+    raise UploadError(f'{what}: num_samples must be positive, got {upload.num_samples}')
+  counts = _check_counts(what, upload.label_counts, upload.num_samples, num_classes)
+  validate_tree(upload.prototypes, np.zeros((num_classes, dim), np.float32), what)
+  absent = np.asarray(upload.prototypes)[counts == 0]
+  if np.any(absent != 0):
+    raise UploadError(f'{what}: prototypes of classes it does not hold must be zero')
+
+
+def validate_logits_upload(upload: LogitsUpload, num_samples: int, num_classes: int) -> None:
+  """Raises UploadError unless the logits are finite float32[num_samples, num_classes]."""
+  what = f'logits upload of client {upload.client_id}'
+  validate_tree(upload.logits, np.zeros((num_samples, num_classes), np.float32), what)

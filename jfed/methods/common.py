@@ -156,11 +156,14 @@ def train_groups(
   anchors: Optional[Sequence[Any]] = None,
   label: str = 'local training',
   diverged: str = 'raise',
+  contexts: Optional[Sequence[Any]] = None,
 ) -> Tuple[List[ModelState], List[engine.TrainMetrics]]:
   """Local training of every group; a fresh optimiser per call, as PyTorch FL code does.
 
   A client whose training loss becomes non-finite raises NonFiniteError (`diverged='raise'`),
   or is logged and left to the server to exclude (`'warn'`: its upload fails validation).
+  `contexts`: per group, the per-client values its trainer's objective takes
+  (`GroupTrainer.train`'s `context`), or None.
   """
   out_models, out_metrics = [], []
   for i, (trainer, group, model) in enumerate(zip(trainers, groups, models)):
@@ -174,6 +177,7 @@ def train_groups(
       anchor=None if anchors is None else anchors[i],
       progress=progress,
       client_ids=group.client_ids,
+      context=None if contexts is None else contexts[i],
     )
     final_loss = np.asarray(metrics.loss)[:, -1]
     bad = [

@@ -22,6 +22,10 @@ _METHOD_MODULES = (
   'dynafed',
   'fedmho',
   'fedcvae',
+  'heterofl',
+  'fedproto',
+  'fedmd',
+  'fedtsa',
 )
 
 

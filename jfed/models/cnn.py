@@ -12,12 +12,13 @@ inputs; where a paper architecture would shrink an 8x8 input to nothing, the doc
 what changes for small inputs (the 28/32 px behaviour is always the paper's).
 """
 
+import math
 from typing import Sequence, Tuple
 
 import flax.linen as nn
 import jax
 
-from jfed.models.layers import BatchNorm, conv, dense, flatten, pool2_or_skip
+from jfed.models.layers import BatchNorm, conv, dense, flatten, pool2_or_skip, sow_features
 from jfed.models.registry import register_model
 
 
@@ -35,10 +36,13 @@ class CNNMnist(nn.Module):
   Conv5x5(16, pad 2) BN ReLU MaxPool2 -> Conv5x5(32, pad 2) BN ReLU MaxPool2 -> Linear.
   28x28x1: FC input 7*7*32 = 1568, 29,034 parameters for 10 classes (as PyTorch).
   32x32x3 -> FC input 8*8*32; 8x8x1 -> 2*2*32 (no deviation needed: convs are padded).
+  `embed_dim` > 0 (default 0: none) inserts Linear(embed_dim) + ReLU before the classifier
+  (FedProto's fc1 embedding, reference-code.md §9.4).
   """
 
   num_classes: int
   channels: Tuple[int, int] = (16, 32)
+  embed_dim: int = 0
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
@@ -47,7 +51,10 @@ class CNNMnist(nn.Module):
       x = BatchNorm()(x, train, mask)
       x = nn.relu(x)
       x = pool2_or_skip(x, 'max')
-    return dense(flatten(x), self.num_classes)
+    x = flatten(x)
+    if self.embed_dim:
+      x = nn.relu(dense(x, self.embed_dim))
+    return dense(sow_features(self, x), self.num_classes)
 
 
 class CNNCifar(nn.Module):
@@ -77,7 +84,7 @@ class CNNCifar(nn.Module):
     x = flatten(x)
     for h in self.hidden:
       x = nn.relu(dense(x, h))
-    return dense(x, self.num_classes)
+    return dense(sow_features(self, x), self.num_classes)
 
 
 class LeNet(nn.Module):
@@ -110,7 +117,7 @@ class LeNet(nn.Module):
     x = flatten(x)
     for h in self.hidden:
       x = nn.relu(dense(x, h))
-    return dense(x, self.num_classes)
+    return dense(sow_features(self, x), self.num_classes)
 
 
 class HFLDDCifarCNN(nn.Module):
@@ -135,7 +142,7 @@ class HFLDDCifarCNN(nn.Module):
         x = BatchNorm()(x, train, mask)
         x = nn.relu(x)
       x = pool2_or_skip(x, 'max')
-    return dense(flatten(x), self.num_classes)
+    return dense(sow_features(self, flatten(x)), self.num_classes)
 
 
 class ConvNetIN(nn.Module):
@@ -157,7 +164,7 @@ class ConvNetIN(nn.Module):
       x = nn.GroupNorm(num_groups=None, group_size=1, epsilon=1e-5)(x)
       x = nn.relu(x)
       x = pool2_or_skip(x, 'avg')
-    return dense(flatten(x), self.num_classes)
+    return dense(sow_features(self, flatten(x)), self.num_classes)
 
 
 class FedMHOCNN(nn.Module):
@@ -181,33 +188,38 @@ class FedMHOCNN(nn.Module):
     pad = _valid_or_same(x, 5, self.MIN_VALID_SIZE)
     for ch in (10, 20):
       x = nn.relu(pool2_or_skip(conv(x, ch, 5, padding=pad), 'max'))
-    x = dense(flatten(x), self.num_classes)
+    x = dense(sow_features(self, flatten(x)), self.num_classes)
     return jax.nn.softmax(x) if self.softmax_output else x
 
 
 class MLP(nn.Module):
-  """FedAvg's '2NN': Flatten -> [Linear(200) ReLU] x2 -> Linear (199,210 params on MNIST)."""
+  """FedAvg's '2NN': Flatten -> [Linear(200) ReLU] x2 -> Linear (199,210 params on MNIST).
+  `embed_dim` > 0 (default 0: none) adds one more Linear(embed_dim) ReLU before the classifier
+  (FedProto's fixed-width embedding)."""
 
   num_classes: int
   hidden: Tuple[int, ...] = (200, 200)
+  embed_dim: int = 0
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     del train, mask
     x = flatten(x)
-    for h in self.hidden:
+    for h in self.hidden + ((self.embed_dim,) if self.embed_dim else ()):
       x = nn.relu(dense(x, h))
-    return dense(x, self.num_classes)
+    return dense(sow_features(self, x), self.num_classes)
 
 
 # --------------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------------
 @register_model('cnn_mnist')
-def cnn_mnist(num_classes, input_shape, channels: Sequence[int] = (16, 32)):
-  """DENSE CNNMnist (see `CNNMnist`)."""
+def cnn_mnist(num_classes, input_shape, channels: Sequence[int] = (16, 32), embed_dim: int = 0):
+  """DENSE CNNMnist (see `CNNMnist`; `embed_dim` > 0 adds a ReLU embedding layer)."""
   del input_shape
-  return CNNMnist(num_classes=num_classes, channels=tuple(channels))
+  if embed_dim < 0:
+    raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
+  return CNNMnist(num_classes=num_classes, channels=tuple(channels), embed_dim=int(embed_dim))
 
 
 @register_model('fedmho_cnn')
@@ -284,7 +296,19 @@ def hfldd_cnn_cinic(num_classes, input_shape, width: int = 128, depth: int = 3):
 
 
 @register_model('mlp')
-def mlp(num_classes, input_shape, hidden: Sequence[int] = (200, 200)):
-  """Two-hidden-layer MLP, 200 units each (see `MLP`)."""
+def mlp(
+  num_classes,
+  input_shape,
+  hidden: Sequence[int] = (200, 200),
+  width_mult: float = 1.0,
+  embed_dim: int = 0,
+):
+  """Two-hidden-layer MLP, 200 units each (see `MLP`); `width_mult` scales the hidden widths to
+  ceil(width_mult * h) (HeteroFL's model rate, as its reference MLP); `embed_dim` see `MLP`."""
   del input_shape
-  return MLP(num_classes=num_classes, hidden=tuple(hidden))
+  if width_mult <= 0:
+    raise ValueError(f'width_mult must be > 0, got {width_mult}')
+  if embed_dim < 0:
+    raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
+  hidden = tuple(max(1, int(math.ceil(width_mult * h))) for h in hidden)
+  return MLP(num_classes=num_classes, hidden=hidden, embed_dim=int(embed_dim))

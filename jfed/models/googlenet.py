@@ -18,7 +18,7 @@ from typing import Tuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool, max_pool
+from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool, max_pool, sow_features
 from jfed.models.registry import register_model
 
 # (n1x1, n3x3red, n3x3, n5x5red, n5x5, pool_planes) of kuangliu's a3 .. b5.
@@ -84,7 +84,7 @@ class GoogLeNet(nn.Module):
       for name in stage:
         cfg: Tuple[int, ...] = tuple(self._c(n) for n in _INCEPTION_CFG[name])
         x = Inception(*cfg, name=name)(x, train, mask)
-    return dense(global_avg_pool(x), self.num_classes, name='linear')
+    return dense(sow_features(self, global_avg_pool(x)), self.num_classes, name='linear')
 
 
 @register_model('googlenet')

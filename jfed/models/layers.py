@@ -46,6 +46,39 @@ class BatchNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# Penultimate features (FedProto's prototypes are class means of them)
+# ---------------------------------------------------------------------------------------------
+# Every classifier of the zoo sows the input of its output layer under this name. Sowing into a
+# collection that is not mutable does nothing, so ordinary `apply` calls are unchanged; ask for
+# the features with `apply_with_features`.
+FEATURES = 'features'
+INTERMEDIATES = 'intermediates'
+
+
+def sow_features(module: nn.Module, h):
+  """Records `h` (the classifier's input) as the model's penultimate features; returns `h`."""
+  module.sow(INTERMEDIATES, FEATURES, h)
+  return h
+
+
+def apply_with_features(module, variables, x, train: bool = False, mask=None, rngs=None):
+  """(logits, features [B, D], new batch_stats) of a zoo classifier in one forward pass.
+
+  In train mode the BatchNorm statistics are updated (`mask` keeps padded rows out of them);
+  in eval mode the returned batch_stats are the given ones. Raises ValueError for a model that
+  does not sow its features.
+  """
+  mutable = [INTERMEDIATES, 'batch_stats'] if train else [INTERMEDIATES]
+  logits, updates = module.apply(
+    variables, x, train=train, mask=mask, mutable=mutable, rngs=rngs or {}
+  )
+  sown = updates.get(INTERMEDIATES, {}).get(FEATURES)
+  if sown is None:
+    raise ValueError(f'{type(module).__name__} does not expose its penultimate features')
+  return logits, sown[-1], updates.get('batch_stats', variables.get('batch_stats', {}))
+
+
+# ---------------------------------------------------------------------------------------------
 # Small helpers shared by the model zoo (jfed/models/*.py). They create flax submodules, so call
 # them only from inside a parent module's `@nn.compact` method.
 # ---------------------------------------------------------------------------------------------

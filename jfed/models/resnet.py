@@ -7,6 +7,10 @@ Width 1, 32x32x3, 10 classes: 11,173,962 parameters, as PyTorch (BN running stat
 
 `width_mult` (HeteroFL's model rate / FedTSA's pruning rate) scales the hidden sizes of the
 stem and every block to ceil(width_mult * [64, 128, 256, 512]); the classifier keeps all classes.
+`embed_dim` > 0 (default 0: none) inserts Linear(embed_dim) + ReLU between the pooling and the
+classifier, so that ResNets of different widths share one embedding width (FedProto's
+prototypes, reference-code.md §9.4). The classifier's input is sown as the model's features
+(`jfed.models.layers.apply_with_features`).
 Inputs: 32px -> final map 4x4, 28px -> 4x4, 8px -> 1x1 (strided convs pad 1 like PyTorch);
 global average pooling equals kuangliu's avg_pool2d(4) on 32px inputs.
 """
@@ -16,7 +20,7 @@ from typing import Sequence, Tuple
 
 import flax.linen as nn
 
-from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool
+from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool, sow_features
 from jfed.models.registry import register_model
 
 
@@ -48,6 +52,7 @@ class ResNet(nn.Module):
   num_classes: int
   stage_sizes: Tuple[int, ...] = (2, 2, 2, 2)
   widths: Tuple[int, ...] = (64, 128, 256, 512)
+  embed_dim: int = 0
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
@@ -57,17 +62,23 @@ class ResNet(nn.Module):
       for j in range(blocks):
         stride = 2 if (i > 0 and j == 0) else 1
         x = BasicBlock(width, stride)(x, train, mask)
-    return dense(global_avg_pool(x), self.num_classes)
+    h = global_avg_pool(x)
+    if self.embed_dim:
+      h = nn.relu(dense(h, self.embed_dim))
+    return dense(sow_features(self, h), self.num_classes)
 
 
 @register_model('resnet18')
-def resnet18(num_classes, input_shape, width_mult: float = 1.0):
-  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512])."""
+def resnet18(num_classes, input_shape, width_mult: float = 1.0, embed_dim: int = 0):
+  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512]); `embed_dim` see above."""
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
+  if embed_dim < 0:
+    raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
   return ResNet(
     num_classes=num_classes,
     stage_sizes=(2, 2, 2, 2),
     widths=scaled_widths((64, 128, 256, 512), width_mult),
+    embed_dim=int(embed_dim),
   )

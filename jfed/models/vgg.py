@@ -20,7 +20,14 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from jfed.models.layers import adaptive_avg_pool2d, conv, dense, flatten, pool2_or_skip
+from jfed.models.layers import (
+  adaptive_avg_pool2d,
+  conv,
+  dense,
+  flatten,
+  pool2_or_skip,
+  sow_features,
+)
 from jfed.models.registry import register_model
 
 
@@ -43,7 +50,7 @@ class VGG9(nn.Module):
     for _ in range(2):
       x = nn.relu(dense(x, self.fc_width))
       x = nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
-    return dense(x, self.num_classes)
+    return dense(sow_features(self, x), self.num_classes)
 
 
 @register_model('vgg9')

@@ -1,0 +1,311 @@
+"""FedMD (Li & Wang, NeurIPS'19 workshop; diogenes0319/FedMD_clean FedMD.py and
+conf/CIFAR_balance_conf.json, reference-code.md §9.5): heterogeneous clients distil from the
+consensus of their logits on a public dataset. A baseline of FedTSA (seed 001 §5.1, Tables 3–4).
+
+Setup (a stage of the driver, checkpointed under workdir/fedmd_transfer): transfer learning.
+Every architecture's model is trained on the labelled public data (`public_epochs`, batch
+`public_batch`), copied to its clients, and each client trains on its private data
+(`private_epochs`, batch `private_batch`). The public data (`jfed.data.public`): 'test_split'
+holds `public_size` labelled images out of the test split (evaluation uses the rest) or a
+dataset name (its training split, resized; labels must be classes of the main dataset).
+
+Each round (every client takes part, as in the reference):
+1. a new alignment subset of `alignment_size` public images (seeded per round);
+2. every client uploads its logits on it (`LogitsUpload`, validated); the consensus is their
+   mean (pre-softmax logits);
+3. digest: each client fits the consensus with the L1 loss (Keras 'mean_absolute_error': the
+   mean over classes and samples) for `digest_epochs` epochs of batch `digest_batch`;
+4. revisit: each client trains on its private data for `revisit_epochs` epochs of batch
+   `revisit_batch`.
+All stages use Adam(`lr`). Every group of clients of one architecture is one compiled program
+per stage. Reported: `test_accuracy` = the mean over clients of each client model's test
+accuracy (the reference reports each party's accuracy), `client_test_accuracy`; the setup
+record (step 0) holds the same after transfer learning.
+
+Differences from the reference: the public pre-training runs once per architecture (the
+reference's parties each have their own architecture, so it trains once per architecture too;
+clients sharing an architecture here share that pre-trained start); no early stopping in the
+transfer-learning stages; each stage starts a fresh Adam (Keras keeps a model's optimiser state
+across `fit` calls).
+
+Config (`config.fedmd`): the fields of `FedMDConfig`.
+"""
+
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfed import engine
+from jfed import typed_config as tc
+from jfed.data import FederatedArrays, federate
+from jfed.data.public import PublicData, check_source, public_data
+from jfed.driver import Algorithm
+from jfed.engine import GroupTrainer, ModelState
+from jfed.errors import ConfigError
+from jfed.io import LogitsUpload, serialized_nbytes, validate_logits_upload
+from jfed.keys import Purpose
+from jfed.methods import common
+from jfed.methods.context import RunContext
+from jfed.methods.registry import register_method
+
+
+class FedMDConfig(NamedTuple):
+  rounds: int
+  public: str
+  public_size: int
+  public_epochs: int
+  public_batch: int
+  private_epochs: int
+  private_batch: int
+  alignment_size: int
+  digest_epochs: int
+  digest_batch: int
+  revisit_epochs: int
+  revisit_batch: int
+  lr: float
+
+
+def consensus_logits(logits: Any) -> Any:
+  """The server's consensus: the mean over clients of their logits [K, N, C] -> [N, C]."""
+  return jnp.mean(jnp.asarray(logits, jnp.float32), axis=0)
+
+
+def l1_loss(logits, targets, weights):
+  """Keras 'mean_absolute_error' over the real samples: mean over classes, then samples."""
+  per_example = jnp.mean(jnp.abs(logits - targets), axis=-1)
+  return jnp.sum(per_example * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def digest_objective(module, params, batch_stats, x, y, weights, key):
+  """The engine's `LocalObjective` of FedMD's digest: L1 between the client's logits and the
+  consensus logits `y` [B, C]; 'correct' counts agreements of their argmax."""
+  logits, updates = module.apply(
+    {'params': params, 'batch_stats': batch_stats},
+    x,
+    train=True,
+    mask=weights > 0,
+    mutable=['batch_stats'],
+    rngs={'dropout': key},
+  )
+  loss = l1_loss(logits, y, weights)
+  count = jnp.sum(weights)
+  correct = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(y, -1)) * weights)
+  return loss, (loss, correct, count, updates.get('batch_stats', batch_stats))
+
+
+class FedMDAux(NamedTuple):
+  public: PublicData
+  groups: List[common.ClientGroup]
+  digest: List[GroupTrainer]
+  revisit: List[GroupTrainer]
+  evaluators: List[engine.Evaluator]
+  init: Tuple[ModelState, ...]  # after transfer learning, per group stacked
+  transfer_accuracy: np.ndarray  # [clients] test accuracy after transfer learning
+
+
+@register_method('fedmd')
+class FedMD(Algorithm):
+  """Transfer learning, then rounds of consensus-logit digest and private revisit."""
+
+  section = 'fedmd'
+  Config = FedMDConfig
+  step_name = 'round'
+
+  def validate(self, config) -> None:
+    c, where = self.config, self.section
+    tc.require_positive(
+      c,
+      where,
+      (
+        'rounds',
+        'public_size',
+        'public_batch',
+        'private_batch',
+        'alignment_size',
+        'digest_epochs',
+        'digest_batch',
+        'revisit_batch',
+        'lr',
+      ),
+    )
+    tc.require_non_negative(c, where, ('public_epochs', 'private_epochs', 'revisit_epochs'))
+    tc.require(
+      c.alignment_size <= c.public_size,
+      f'fedmd.alignment_size={c.alignment_size} exceeds fedmd.public_size={c.public_size}',
+    )
+    check_source(c.public, f'{where}.public')
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds
+
+  def _tx(self):
+    return engine.make_optimizer('adam', self.config.lr)
+
+  def setup(self, ctx: RunContext) -> FedMDAux:
+    c, cfg, ds = self.config, ctx.config, ctx.dataset
+    public = public_data(ds, c.public, c.public_size, cfg.seed)
+    if np.max(public.y) >= ds.num_classes:
+      raise ConfigError(
+        f'fedmd.public={c.public!r} has labels up to {int(np.max(public.y))}, beyond the '
+        f'{ds.num_classes} classes of {ds.name}'
+      )
+    groups = common.client_groups(ctx)
+    tx = self._tx()
+    trainers: Dict[Tuple[str, int, str], GroupTrainer] = {}
+
+    def trainer(g: common.ClientGroup, batch: int, kind: str) -> GroupTrainer:
+      # Stages with the same batch size and loss share one trainer, hence one program.
+      key = (g.spec, batch, kind)
+      if key not in trainers:
+        objective = digest_objective if kind == 'digest' else engine.classification_objective
+        trainers[key] = GroupTrainer(
+          g.module, tx, batch, strategy=cfg.strategy, mesh=ctx.mesh, objective=objective
+        )
+      return trainers[key]
+
+    revisit = [trainer(g, c.revisit_batch, 'ce') for g in groups]
+    digest = [trainer(g, c.digest_batch, 'digest') for g in groups]
+    evaluators = [engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups]
+    all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+    inits = [
+      engine.commit(
+        engine.init_model(
+          g.module, ds.input_shape, ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
+        )
+      )
+      for g in groups
+    ]
+
+    def transfer() -> List[ModelState]:
+      pub = federate(public.x, public.y, [np.arange(len(public.y))])
+      out = []
+      for k, (g, init) in enumerate(zip(groups, inits)):
+        model = init
+        if c.public_epochs:
+          pub_group = common.ClientGroup(g.spec, g.module, np.array([all_specs.index(g.spec)]), pub)
+          (trained,), _ = common.train_groups(
+            [trainer(g, c.public_batch, 'ce')],
+            [pub_group],
+            [engine.replicate(init, 1)],
+            c.public_epochs,
+            ctx.derive_key(Purpose.PUBLIC_TRAINING),
+            label='transfer learning: public data',
+          )
+          model = engine.take(trained, 0)
+        models = engine.replicate(model, len(g.client_ids))
+        if c.private_epochs:
+          (models,), _ = common.train_groups(
+            [trainer(g, c.private_batch, 'ce')],
+            [g],
+            [models],
+            c.private_epochs,
+            ctx.derive_key(Purpose.LOCAL_TRAINING),
+            label='transfer learning: private data',
+          )
+        out.append(models)
+      return out
+
+    template = [engine.replicate(m, len(g.client_ids)) for m, g in zip(inits, groups)]
+    tag = c.public_epochs * 100_000 + c.private_epochs
+    models = tuple(ctx.stage('fedmd_transfer', tag, template, transfer))
+    aux = FedMDAux(public, groups, digest, revisit, evaluators, models, np.zeros(0))
+    return aux._replace(transfer_accuracy=self._client_accuracies(ctx, aux, models))
+
+  def setup_records(self, ctx: RunContext, aux: FedMDAux) -> List[Dict[str, Any]]:
+    return [
+      {
+        'stage': 'transfer learning',
+        'transfer_test_accuracy': float(np.mean(aux.transfer_accuracy)),
+        'transfer_client_test_accuracy': aux.transfer_accuracy.tolist(),
+      }
+    ]
+
+  def init(self, ctx: RunContext, aux: FedMDAux) -> Tuple[ModelState, ...]:
+    return aux.init
+
+  def alignment_indices(self, ctx: RunContext, i: int) -> np.ndarray:
+    """Round i's alignment subset of the public data (a function of the seed and i)."""
+    key = ctx.derive_key(Purpose.ALIGNMENT, i)
+    c = self.config
+    return np.sort(
+      np.asarray(jax.random.choice(key, c.public_size, (c.alignment_size,), replace=False))
+    )
+
+  def step(
+    self, ctx: RunContext, aux: FedMDAux, state: Tuple[ModelState, ...], i: int
+  ) -> Tuple[Tuple[ModelState, ...], List[Dict[str, Any]]]:
+    c = self.config
+    idx = self.alignment_indices(ctx, i)
+    align_x = aux.public.x[idx]
+    num_classes = ctx.dataset.num_classes
+    logits, upload_bytes = [], 0
+    for g, ev, models in zip(aux.groups, aux.evaluators, state):
+      group_logits = ev.group_logits(models, align_x).astype(np.float32)
+      for j, cid in enumerate(g.client_ids):
+        upload = LogitsUpload(int(cid), group_logits[j])
+        validate_logits_upload(upload, len(idx), num_classes)
+        upload_bytes += serialized_nbytes(upload._asdict())
+      logits.append(group_logits)
+    consensus = np.asarray(consensus_logits(np.concatenate(logits)))
+    new_models, digest_loss, train_loss = [], [], []
+    for k, (g, models) in enumerate(zip(aux.groups, state)):
+      m = len(g.client_ids)
+      aligned = FederatedArrays(
+        np.broadcast_to(align_x, (m, *align_x.shape)),
+        np.broadcast_to(consensus, (m, *consensus.shape)),
+        np.full((m,), len(idx), np.int32),
+      )
+      (models,), (dm,) = common.train_groups(
+        [aux.digest[k]],
+        [g._replace(fed=aligned)],
+        [models],
+        c.digest_epochs,
+        ctx.derive_key(Purpose.DIGEST, i),
+        label=f'round {i + 1}/{c.rounds} digest',
+      )
+      digest_loss.append(np.asarray(dm.loss)[:, -1])
+      if c.revisit_epochs:
+        (models,), (rm,) = common.train_groups(
+          [aux.revisit[k]],
+          [g],
+          [models],
+          c.revisit_epochs,
+          ctx.derive_key(Purpose.ROUNDS, i),
+          label=f'round {i + 1}/{c.rounds} revisit',
+        )
+        train_loss.append(np.asarray(rm.loss)[:, -1])
+      new_models.append(models)
+    state = tuple(new_models)
+    accuracy = self._client_accuracies(ctx, aux, state)
+    consensus_bytes = serialized_nbytes(consensus)
+    record = {
+      'round': i + 1,
+      'test_accuracy': float(np.mean(accuracy)),
+      'client_test_accuracy': accuracy.tolist(),
+      'digest_loss': float(np.mean(np.concatenate(digest_loss))),
+      'clients': ctx.num_clients,
+      'upload_bytes': upload_bytes,
+      'download_bytes': consensus_bytes * ctx.num_clients,
+    }
+    if train_loss:
+      record['train_loss'] = float(np.mean(np.concatenate(train_loss)))
+    return state, [record]
+
+  def _client_accuracies(self, ctx: RunContext, aux: FedMDAux, state) -> np.ndarray:
+    acc = np.zeros(ctx.num_clients)
+    for g, ev, models in zip(aux.groups, aux.evaluators, state):
+      acc[g.client_ids] = ev.group_accuracy(models, aux.public.eval_x, aux.public.eval_y)
+    return acc
+
+  def summarize(self, ctx, aux: FedMDAux, state, history) -> Dict[str, Any]:
+    last = history[-1] if history else {}
+    return {
+      'rounds': self.config.rounds,
+      'client_models': common.client_model_specs(ctx),
+      'public': aux.public.source,
+      'eval_samples': int(len(aux.public.eval_y)),
+      'client_test_accuracy': last.get('client_test_accuracy'),
+      'transfer_test_accuracy': float(np.mean(aux.transfer_accuracy)),
+    }

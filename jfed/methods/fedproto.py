@@ -1,0 +1,360 @@
+"""FedProto (Tan et al., AAAI'22; yuetan031/FedProto lib/update.py, lib/utils.py,
+reference-code.md §9.4): clients of any architectures exchange class prototypes instead of
+models. A baseline of FedTSA (seed 001 §5.1, Tables 3–4).
+
+A prototype is a client model's penultimate embedding, the input of its classifier layer
+(`jfed.models.layers.apply_with_features`; the reference's CNNMnist: the 50-d ReLU output of
+fc1). Every client keeps its own model (personalised, never averaged); each client model starts
+from its own random init. Each round (`participation` of the clients, seeded):
+1. each selected client trains `local_epochs` epochs on its data with
+   CE + ld · MSE(embedding, global_proto[y]): the MSE is the mean over all B·D elements of the
+   batch, with the rows of classes that have no global prototype yet counting as zero (the
+   reference's `loss_mse(proto_new, protos)`), ld = 1;
+2. it uploads its per-class mean embeddings and class counts (`PrototypeUpload`, validated);
+3. the server's global prototype of a class is the unweighted mean over the clients that hold
+   the class (the reference's `proto_aggregation`).
+One compiled program per architecture group; the global prototypes reach every client as the
+objective's `context`, so new prototypes compile nothing.
+
+Embedding widths must match across clients (the reference uses one width); `embed_dim` > 0
+gives every client model a ReLU embedding layer of that width (the `embed_dim` option of
+ResNet-18 and CNNMnist), which ResNets of different widths need.
+
+Evaluation (every round, on the test split; the reference evaluates each client on its own
+test split of its own classes, which we do not have, so we report both readings):
+  test_accuracy              mean over clients of the client model's accuracy on the whole test
+                             set (argmax of its logits);
+  proto_test_accuracy        mean over clients of the nearest-global-prototype accuracy on the
+                             whole test set (the class whose global prototype has the smallest
+                             MSE to the client's embedding);
+  local_test_accuracy        as test_accuracy, on the test samples of the client's own classes
+                             (the reference's accuracy "w/o protos" on a per-client split);
+  local_proto_test_accuracy  nearest global prototype among the client's own classes, on those
+                             samples (the reference's accuracy "with protos").
+
+Differences from the reference: a client's local prototypes are the class means of its trained
+model's train-mode embeddings of its data (batches of `batch_size`, in order, no dropout),
+computed after local training, instead of those collected while the last local epoch trains
+(eval-mode embeddings, tried first, made the prototypes of BatchNorm ResNets useless: digits
+FedProto 29% instead of 50% after 8 rounds). Local optimiser and batch size come from
+`config.optimizer` / `config.batch_size` (the reference: SGD lr 0.01, momentum 0.5, batch 4).
+
+Config (`config.fedproto`): the fields of `FedProtoConfig`.
+"""
+
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jfed import engine
+from jfed import typed_config as tc
+from jfed.data import class_count_table
+from jfed.driver import Algorithm
+from jfed.engine import GroupTrainer, ModelState
+from jfed.engine.training import supervised_loss
+from jfed.errors import ConfigError
+from jfed.io import PrototypeUpload, serialized_nbytes, validate_prototype_upload
+from jfed.keys import Purpose
+from jfed.methods import common
+from jfed.methods.context import RunContext
+from jfed.methods.registry import register_method
+from jfed.models import get_model
+from jfed.models.layers import apply_with_features
+
+
+class FedProtoConfig(NamedTuple):
+  rounds: int
+  local_epochs: int
+  participation: float
+  ld: float
+  embed_dim: int
+
+
+class GlobalPrototypes(NamedTuple):
+  prototypes: Any  # [C, D] float32; zero for a class without a global prototype
+  support: Any  # [C] int32: the clients whose upload held the class (0: no prototype)
+
+
+class FedProtoState(NamedTuple):
+  models: Tuple[ModelState, ...]  # per architecture group, stacked over its clients
+  protos: GlobalPrototypes
+
+
+def prototype_mse(features, labels, weights, protos: GlobalPrototypes):
+  """Σ over the real samples whose class has a global prototype of ||f_i − p_{y_i}||², over
+  (real samples · D): the reference's MSE with every other row counting as zero."""
+  has = (protos.support[labels] > 0) & (weights > 0)
+  sq = jnp.sum(jnp.square(features - protos.prototypes[labels]), axis=-1)
+  count = jnp.maximum(jnp.sum(weights), 1.0)
+  return jnp.sum(jnp.where(has, sq, 0.0)) / (count * features.shape[-1])
+
+
+def fedproto_objective(ld: float):
+  """The engine's `LocalObjective` of a FedProto client: CE + ld · `prototype_mse`; `context`
+  is the client's copy of the `GlobalPrototypes`."""
+
+  def objective(module, params, batch_stats, x, y, weights, key, context):
+    logits, features, new_stats = apply_with_features(
+      module,
+      {'params': params, 'batch_stats': batch_stats},
+      x,
+      train=True,
+      mask=weights > 0,
+      rngs={'dropout': key},
+    )
+    ce, correct, count = supervised_loss(logits, y, weights)
+    loss = ce + ld * prototype_mse(features, y, weights, context)
+    return loss, (loss, correct, count, new_stats)
+
+  return objective
+
+
+def aggregate_prototypes(prototypes: np.ndarray, counts: np.ndarray) -> GlobalPrototypes:
+  """Global prototypes from the uploads: [K, C, D] class means and [K, C] counts of K clients;
+  a class's prototype is the unweighted mean over the clients with a positive count."""
+  holds = np.asarray(counts) > 0
+  support = holds.sum(0)
+  total = np.einsum('kc,kcd->cd', holds.astype(np.float32), np.asarray(prototypes, np.float32))
+  protos = total / np.maximum(support, 1)[:, None]
+  return GlobalPrototypes(protos.astype(np.float32), support.astype(np.int32))
+
+
+def nearest_prototype(features: np.ndarray, protos: GlobalPrototypes, allowed=None) -> np.ndarray:
+  """[..., N] the class whose global prototype is nearest (smallest MSE) to each embedding
+  [..., N, D], among the classes with a prototype (and in `allowed` [C] when given)."""
+  p = np.asarray(protos.prototypes)
+  dist = np.mean(np.square(features[..., None, :] - p), axis=-1)  # [..., N, C]
+  ok = np.asarray(protos.support) > 0
+  if allowed is not None:
+    ok = ok & np.asarray(allowed, bool)
+  return np.argmin(np.where(ok, dist, np.inf), axis=-1)
+
+
+class ClassMeans:
+  """Per-client class means of the embeddings of a group's own training data, in train mode
+  (BatchNorm on each batch's statistics, as the reference's prototypes, which it collects while
+  training): one batch of every client per call, compiled once per architecture."""
+
+  def __init__(self, module, num_classes: int, chunk: int, strategy: str):
+    self.module, self.num_classes, self.chunk = module, num_classes, int(chunk)
+    mapped = (
+      (lambda f, args: lax.map(lambda a: f(*a), args))
+      if engine.resolve_strategy(strategy) == 'loop'
+      else (lambda f, args: jax.vmap(f)(*args))
+    )
+    self._sums = jax.jit(
+      lambda total, models, x, y, w: total + mapped(self._one, (models, x, y, w))
+    )
+
+  def _one(self, model: ModelState, x, y, w):
+    _, features, _ = apply_with_features(self.module, model.variables(), x, train=True, mask=w > 0)
+    # A batch of padding only has no statistics (0/0): keep its rows out of the sums.
+    features = jnp.where(w[:, None] > 0, features, 0.0)
+    onehot = jax.nn.one_hot(y, self.num_classes) * w[:, None]
+    return onehot.T @ features  # [C, D]
+
+  def __call__(self, models: ModelState, fed, dim: int) -> np.ndarray:
+    """[m, C, D] class means (zero rows for classes a client lacks)."""
+    m, n_max = fed.y.shape[:2]
+    total = jnp.zeros((m, self.num_classes, dim), jnp.float32)
+    positions = np.arange(n_max)
+    real = (positions[None] < np.asarray(fed.sizes)[:, None]).astype(np.float32)
+    for s in range(0, n_max, self.chunk):
+      sl = slice(s, s + self.chunk)
+      x, y, w = fed.x[:, sl], fed.y[:, sl], real[:, sl]
+      pad = self.chunk - x.shape[1]
+      if pad:  # every call has the same shapes
+        x = np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        y, w = np.pad(y, [(0, 0), (0, pad)]), np.pad(w, [(0, 0), (0, pad)])
+      total = self._sums(total, models, jnp.asarray(x), jnp.asarray(y), jnp.asarray(w))
+    counts = np.stack(
+      [np.bincount(fed.y[k, : fed.sizes[k]], minlength=self.num_classes) for k in range(m)]
+    )
+    return np.asarray(total) / np.maximum(counts, 1)[..., None]
+
+
+class FedProtoAux(NamedTuple):
+  groups: List[common.ClientGroup]
+  trainers: List[GroupTrainer]
+  evaluators: List[engine.Evaluator]
+  class_means: List[ClassMeans]
+  counts: np.ndarray  # [clients, C] the partition's class counts
+  dim: int
+  init: FedProtoState
+
+
+@register_method('fedproto')
+class FedProto(Algorithm):
+  """Personalised models of any architectures regularised towards global class prototypes."""
+
+  section = 'fedproto'
+  Config = FedProtoConfig
+  step_name = 'round'
+
+  def validate(self, config) -> None:
+    c = self.config
+    tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
+    tc.require_fraction(c.participation, f'{self.section}.participation')
+    tc.require_non_negative(c, self.section, ('ld', 'embed_dim'))
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds
+
+  def _build(self, spec: str, dataset):
+    name, kwargs = common.parse_model_spec(spec)
+    if self.config.embed_dim:
+      kwargs['embed_dim'] = self.config.embed_dim
+    try:
+      return get_model(name, dataset.num_classes, dataset.input_shape, **kwargs)
+    except TypeError as e:
+      raise ConfigError(
+        f'fedproto.embed_dim={self.config.embed_dim}: model {spec!r} has no embed_dim option ({e})'
+      ) from None
+
+  def setup(self, ctx: RunContext) -> FedProtoAux:
+    cfg, ds = ctx.config, ctx.dataset
+    groups = common.client_groups(ctx, build=self._build)
+    dims = {}
+    for g in groups:
+      x = jnp.zeros((2, *ds.input_shape), jnp.float32)
+      shapes = jax.eval_shape(
+        lambda k, m=g.module: apply_with_features(m, m.init(k, x, train=False), x)[1],
+        jax.random.PRNGKey(0),
+      )
+      dims[g.spec] = int(shapes.shape[-1])
+    if len(set(dims.values())) != 1:
+      raise ConfigError(
+        f'fedproto needs one embedding width across client models, got {dims}; set '
+        'fedproto.embed_dim > 0'
+      )
+    dim = dims[groups[0].spec]
+    all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+    models = tuple(
+      engine.commit(
+        engine.init_models(
+          g.module,
+          ds.input_shape,
+          ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec)),
+          len(g.client_ids),
+          same_init=False,
+        )
+      )
+      for g in groups
+    )
+    protos = GlobalPrototypes(
+      jnp.zeros((ds.num_classes, dim), jnp.float32), jnp.zeros((ds.num_classes,), jnp.int32)
+    )
+    objective = fedproto_objective(self.config.ld)
+    tx = engine.optimizer_from_config(cfg.optimizer)
+    return FedProtoAux(
+      groups=groups,
+      trainers=[
+        GroupTrainer(
+          g.module, tx, cfg.batch_size, strategy=cfg.strategy, mesh=ctx.mesh, objective=objective
+        )
+        for g in groups
+      ],
+      evaluators=[engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups],
+      class_means=[
+        ClassMeans(g.module, ds.num_classes, cfg.batch_size, cfg.strategy) for g in groups
+      ],
+      counts=class_count_table(ds.train_y, ctx.parts, ds.num_classes).astype(np.int32),
+      dim=dim,
+      init=FedProtoState(models, protos),
+    )
+
+  def init(self, ctx: RunContext, aux: FedProtoAux) -> FedProtoState:
+    return aux.init
+
+  def step(
+    self, ctx: RunContext, aux: FedProtoAux, state: FedProtoState, i: int
+  ) -> Tuple[FedProtoState, List[Dict[str, Any]]]:
+    c = self.config
+    selected = common.select_clients(
+      ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
+    )
+    # Groups keep their clients (one program per group for the run); a client that sits the
+    # round out has size 0: it takes no step, keeps its model and uploads nothing.
+    weights = [np.isin(g.client_ids, selected) for g in aux.groups]
+    groups = [
+      g._replace(fed=g.fed._replace(sizes=np.where(w, g.fed.sizes, 0).astype(np.int32)))
+      for g, w in zip(aux.groups, weights)
+    ]
+    protos = jax.device_put(state.protos)  # host arrays after round 1: no program, unlike jnp
+    contexts = [engine.replicate(protos, len(g.client_ids)) for g in groups]
+    models, metrics = common.train_groups(
+      aux.trainers,
+      groups,
+      list(state.models),
+      c.local_epochs,
+      ctx.derive_key(Purpose.ROUNDS, i),
+      label=f'round {i + 1}/{c.rounds}',
+      contexts=contexts,
+    )
+    uploaded, counts, upload_bytes = [], [], 0
+    num_classes = ctx.dataset.num_classes
+    for g, m, w, means_of in zip(aux.groups, models, weights, aux.class_means):
+      means = means_of(m, g.fed, aux.dim).astype(np.float32)
+      for j in np.flatnonzero(w):
+        cid = int(g.client_ids[j])
+        upload = PrototypeUpload(cid, int(g.fed.sizes[j]), means[j], aux.counts[cid])
+        validate_prototype_upload(upload, num_classes, aux.dim)
+        upload_bytes += serialized_nbytes(upload._asdict())
+        uploaded.append(upload.prototypes)
+        counts.append(upload.label_counts)
+    new_protos = aggregate_prototypes(np.stack(uploaded), np.stack(counts))
+    state = FedProtoState(tuple(models), new_protos)
+    record = {
+      'round': i + 1,
+      **self._evaluate(ctx, aux, state),
+      'train_loss': float(
+        np.mean(np.concatenate([np.asarray(m.loss)[w, -1] for m, w in zip(metrics, weights)]))
+      ),
+      'classes_with_prototype': int(np.sum(new_protos.support > 0)),
+      'clients': int(len(selected)),
+      'upload_bytes': upload_bytes,
+      'download_bytes': serialized_nbytes(new_protos) * int(len(selected)),
+    }
+    return state, [record]
+
+  def _evaluate(self, ctx: RunContext, aux: FedProtoAux, state: FedProtoState) -> Dict[str, Any]:
+    x, y = ctx.dataset.test_x, np.asarray(ctx.dataset.test_y)
+    held = aux.counts > 0  # [clients, C]
+    acc = np.zeros(ctx.num_clients)
+    proto_acc = np.zeros(ctx.num_clients)
+    local_acc = np.zeros(ctx.num_clients)
+    local_proto_acc = np.zeros(ctx.num_clients)
+    for g, ev, models in zip(aux.groups, aux.evaluators, state.models):
+      logits, features = ev.group_outputs(models, x)
+      pred = np.argmax(logits, -1)
+      proto_pred = nearest_prototype(features, state.protos)
+      for j, cid in enumerate(g.client_ids):
+        own = held[cid][y]  # the test samples of the client's classes
+        local = nearest_prototype(features[j][own], state.protos, held[cid])
+        acc[cid] = np.mean(pred[j] == y)
+        proto_acc[cid] = np.mean(proto_pred[j] == y)
+        local_acc[cid] = np.mean(pred[j][own] == y[own]) if own.any() else 0.0
+        local_proto_acc[cid] = np.mean(local == y[own]) if own.any() else 0.0
+    return {
+      'test_accuracy': float(acc.mean()),
+      'proto_test_accuracy': float(proto_acc.mean()),
+      'local_test_accuracy': float(local_acc.mean()),
+      'local_proto_test_accuracy': float(local_proto_acc.mean()),
+      'client_test_accuracy': acc.tolist(),
+    }
+
+  def summarize(self, ctx, aux: FedProtoAux, state: FedProtoState, history) -> Dict[str, Any]:
+    last = history[-1] if history else {}
+    return {
+      'rounds': self.config.rounds,
+      'client_models': common.client_model_specs(ctx),
+      'embedding_dim': aux.dim,
+      'client_test_accuracy': last.get('client_test_accuracy'),
+      **{
+        k: last.get(k)
+        for k in ('proto_test_accuracy', 'local_test_accuracy', 'local_proto_test_accuracy')
+      },
+    }

@@ -1,0 +1,231 @@
+"""FedProto and FedMD: penultimate features of the zoo, the prototype loss and aggregation,
+nearest-prototype inference, typed uploads, FedMD's consensus and L1 digest, and learning on
+digits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import fedtsa_digits
+from jfed import driver, engine
+from jfed.data import federate
+from jfed.errors import ConfigError
+from jfed.io import (
+  LogitsUpload,
+  PrototypeUpload,
+  UploadError,
+  validate_logits_upload,
+  validate_prototype_upload,
+)
+from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
+from jfed.methods.fedproto import (
+  ClassMeans,
+  GlobalPrototypes,
+  aggregate_prototypes,
+  fedproto_objective,
+  nearest_prototype,
+)
+from jfed.models import get_model
+from jfed.models.layers import apply_with_features
+from tests.support import override
+
+SHAPE = (8, 8, 1)
+
+
+def _init(name, **kw):
+  module = get_model(name, 10, SHAPE, **kw)
+  return module, engine.init_model(module, SHAPE, jax.random.PRNGKey(0))
+
+
+def _images(n, seed=0):
+  return np.random.default_rng(seed).random((n, *SHAPE), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+  'name,kw,dim',
+  [
+    ('mlp', {'width_mult': 0.1}, 20),
+    ('mlp', {'width_mult': 0.1, 'embed_dim': 6}, 6),
+    ('cnn_mnist', {'embed_dim': 12}, 12),
+    ('resnet18', {'width_mult': 1 / 32, 'embed_dim': 12}, 12),
+  ],
+)
+def test_features_are_the_input_of_the_output_layer(name, kw, dim):
+  module, model = _init(name, **kw)
+  x = _images(4)
+  logits, features, stats = apply_with_features(module, model.variables(), x)
+  assert features.shape == (4, dim)
+  np.testing.assert_allclose(logits, module.apply(model.variables(), x), rtol=1e-5, atol=1e-6)
+  out = model.params[max(k for k in model.params if k.startswith('Dense_'))]
+  np.testing.assert_allclose(logits, features @ out['kernel'] + out['bias'], rtol=1e-4, atol=1e-5)
+  jax.tree.map(np.testing.assert_array_equal, stats, model.batch_stats)  # eval: unchanged
+
+
+def test_fedproto_loss_is_cross_entropy_plus_ld_times_the_prototype_mse():
+  module, model = _init('mlp', width_mult=0.1, embed_dim=5)
+  x = _images(6, seed=1)
+  y = np.array([0, 2, 2, 5, 1, 3])
+  weights = np.array([1, 1, 1, 1, 1, 0], np.float32)  # the last row is padding
+  rng = np.random.default_rng(2)
+  protos = rng.normal(size=(10, 5)).astype(np.float32)
+  support = np.array([2, 0, 1, 0, 0, 3, 0, 0, 0, 0], np.int32)  # classes 1 and 3: no prototype
+  loss, (reported, correct, count, _) = fedproto_objective(0.7)(
+    module,
+    model.params,
+    {},
+    x,
+    y,
+    weights,
+    jax.random.PRNGKey(0),
+    GlobalPrototypes(protos, support),
+  )
+  logits, f, _ = apply_with_features(module, {'params': model.params}, x)
+  logits, f = np.asarray(logits, np.float64), np.asarray(f, np.float64)
+  ce = np.log(np.exp(logits).sum(1)) - logits[np.arange(6), y]
+  mse = sum(np.sum((f[i] - protos[y[i]]) ** 2) for i in range(5) if support[y[i]] > 0) / (5 * 5)
+  np.testing.assert_allclose(loss, np.mean(ce[:5]) + 0.7 * mse, rtol=1e-5)
+  assert mse > 0 and reported == loss and count == 5
+  assert correct == np.sum((np.argmax(logits, 1) == y)[:5])
+  # without any global prototype (round 1) the loss is the cross entropy
+  none = GlobalPrototypes(protos, np.zeros(10, np.int32))
+  loss0, _ = fedproto_objective(0.7)(
+    module, model.params, {}, x, y, weights, jax.random.PRNGKey(0), none
+  )
+  np.testing.assert_allclose(loss0, np.mean(ce[:5]), rtol=1e-5)
+
+
+def test_global_prototypes_are_the_unweighted_mean_over_the_clients_holding_the_class():
+  rng = np.random.default_rng(0)
+  counts = np.array([[5, 0, 2], [1, 1, 0], [0, 0, 0], [9, 3, 0]])
+  protos = rng.normal(size=(4, 3, 2)).astype(np.float32) * (counts > 0)[..., None]
+  got = aggregate_prototypes(protos, counts)
+  for c in range(3):
+    holders = [k for k in range(4) if counts[k, c] > 0]
+    np.testing.assert_allclose(got.prototypes[c], np.mean(protos[holders, c], axis=0), rtol=1e-6)
+    assert got.support[c] == len(holders)
+  counts[:, 2] = 0
+  got = aggregate_prototypes(protos * (counts > 0)[..., None], counts)
+  assert got.support[2] == 0 and np.all(got.prototypes[2] == 0)
+
+
+def test_local_prototypes_are_class_means_of_train_mode_embeddings_batch_by_batch():
+  """Batches of 8 in order, BatchNorm on each batch's real samples; the second client's last
+  batches are padding only (no statistics: they must not poison the sums)."""
+  module, model = _init('resnet18', width_mult=1 / 32, embed_dim=6)
+  rng = np.random.default_rng(0)
+  x, y = _images(25, seed=4), rng.integers(0, 3, 25)
+  fed = federate(x, y, [np.arange(20), np.arange(20, 25)])
+  got = ClassMeans(module, 10, 8, 'loop')(engine.replicate(model, 2), fed, 6)
+  for k, (start, size) in enumerate([(0, 20), (20, 5)]):
+    feats = np.concatenate(
+      [
+        apply_with_features(module, model.variables(), x[b : min(b + 8, start + size)], train=True)[
+          1
+        ]
+        for b in range(start, start + size, 8)
+      ]
+    )
+    labels = y[start : start + size]
+    for c in range(10):
+      want = feats[labels == c].mean(0) if np.any(labels == c) else np.zeros(6)
+      np.testing.assert_allclose(got[k, c], want, rtol=1e-4, atol=1e-5)
+
+
+def test_nearest_prototype_inference():
+  protos = GlobalPrototypes(
+    np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0], [1.0, 1.0]], np.float32),
+    np.array([1, 2, 1, 0]),  # class 3 has no prototype
+  )
+  features = np.array([[9.0, 1.0], [1.0, 1.0], [2.0, 8.0], [7.0, 4.0]], np.float32)
+  # [1, 1] is class 3's prototype, but class 3 has none: the nearest with one is class 0
+  np.testing.assert_array_equal(nearest_prototype(features, protos), [1, 0, 2, 1])
+  # restricted to a client's classes {0, 2}
+  np.testing.assert_array_equal(
+    nearest_prototype(features, protos, allowed=[1, 0, 1, 1]), [0, 0, 2, 0]
+  )
+  # stacked over clients
+  assert nearest_prototype(np.stack([features, features]), protos).shape == (2, 4)
+
+
+def test_prototype_and_logits_uploads_are_validated():
+  counts = np.array([3, 0, 1], np.int32)
+  good = np.array([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]], np.float32)
+  validate_prototype_upload(PrototypeUpload(0, 4, good, counts), 3, 2)
+  with pytest.raises(UploadError, match='sum to num_samples'):
+    validate_prototype_upload(PrototypeUpload(0, 5, good, counts), 3, 2)
+  with pytest.raises(UploadError, match='does not hold must be zero'):
+    validate_prototype_upload(PrototypeUpload(0, 4, good + 1, counts), 3, 2)
+  with pytest.raises(UploadError, match='expected float32'):
+    validate_prototype_upload(PrototypeUpload(0, 4, good[:, :1], counts), 3, 2)
+  validate_logits_upload(LogitsUpload(1, np.zeros((5, 3), np.float32)), 5, 3)
+  with pytest.raises(UploadError, match='non-finite'):
+    validate_logits_upload(LogitsUpload(1, np.full((5, 3), np.nan, np.float32)), 5, 3)
+
+
+def test_fedmd_consensus_is_the_mean_logit_and_the_digest_loss_is_l1():
+  logits = np.random.default_rng(0).normal(size=(3, 4, 10)).astype(np.float32)
+  np.testing.assert_allclose(consensus_logits(logits), logits.mean(0), rtol=1e-6)
+  module, model = _init('mlp', width_mult=0.1)
+  x = _images(4, seed=3)
+  target = np.asarray(consensus_logits(logits))
+  weights = np.array([1, 1, 1, 0], np.float32)
+  loss, (reported, correct, count, _) = digest_objective(
+    module, model.params, {}, x, target, weights, jax.random.PRNGKey(0)
+  )
+  out = np.asarray(module.apply({'params': model.params}, x))
+  np.testing.assert_allclose(loss, np.mean(np.abs(out[:3] - target[:3])), rtol=1e-5)
+  assert reported == loss and count == 3
+  assert correct == np.sum((out.argmax(1) == target.argmax(1))[:3])
+  np.testing.assert_allclose(l1_loss(jnp.zeros((2, 2)), jnp.ones((2, 2)), jnp.ones(2)), 1.0)
+
+
+def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
+  config = override(fedtsa_digits.get_config('smoke'), **{'fedproto.embed_dim': 0})
+  with pytest.raises(ConfigError, match='one embedding width'):
+    driver.run_in_memory('fedproto', config)
+  config = override(fedtsa_digits.get_config('smoke'), **{'fedmd.alignment_size': 41})
+  with pytest.raises(ConfigError, match='alignment_size=41 exceeds fedmd.public_size=40'):
+    driver.build_algorithm('fedmd', config)
+  config = override(fedtsa_digits.get_config('smoke'), **{'model': 'lenet', 'client_models': ''})
+  with pytest.raises(ConfigError, match='has no embed_dim option'):
+    driver.run_in_memory('fedproto', config)
+
+
+@pytest.mark.slow
+def test_fedproto_learns_on_digits():
+  """A CNN and an MLP client family with 128-wide embeddings; 10 rounds of 2 local epochs."""
+  config = override(
+    fedtsa_digits.get_config(''),
+    **{
+      'model': 'cnn_mnist',
+      'client_models': 'cnn_mnist;mlp:width_mult=0.64',
+      'fedproto.embed_dim': 0,
+      'fedproto.rounds': 10,
+    },
+  )
+  summary = driver.run_in_memory('fedproto', config)
+  print('fedproto', {k: v for k, v in summary.items() if 'accuracy' in k})
+  assert summary['embedding_dim'] == 128
+  assert summary.final_test_accuracy > 0.5  # chance is 0.1
+  assert summary['proto_test_accuracy'] > 0.5
+  assert summary['local_proto_test_accuracy'] > 0.7
+
+
+@pytest.mark.slow
+def test_fedmd_learns_on_digits():
+  """A CNN and an MLP client family; 180 public images; 5 rounds."""
+  config = override(
+    fedtsa_digits.get_config(''),
+    **{
+      'model': 'cnn_mnist',
+      'client_models': 'cnn_mnist;mlp',
+      'fedmd.rounds': 5,
+      'fedmd.private_epochs': 5,
+      'fedmd.revisit_epochs': 1,
+    },
+  )
+  summary = driver.run_in_memory('fedmd', config)
+  print('fedmd', summary.final_test_accuracy, summary['transfer_test_accuracy'])
+  assert summary.final_test_accuracy > 0.6  # chance is 0.1
+  assert summary['eval_samples'] == 180

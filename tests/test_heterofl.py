@@ -1,0 +1,222 @@
+"""HeteroFL: sub-model slicing and the count-based scatter average, the masked cross entropy,
+static BatchNorm statistics, per-client objective context in every client-map strategy, and
+learning on digits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from experiments.configs import fedtsa_digits
+from jfed import driver, engine
+from jfed.data import federate
+from jfed.engine import submodels
+from jfed.errors import ConfigError
+from jfed.methods.heterofl import (
+  client_rates,
+  mask_logits,
+  masked_classification_objective,
+  model_shapes,
+)
+from jfed.models import get_model
+from tests.support import override
+
+SHAPE = (8, 8, 1)
+
+
+def _init(name, **kw):
+  module = get_model(name, 10, SHAPE, **kw)
+  return module, engine.init_model(module, SHAPE, jax.random.PRNGKey(0))
+
+
+def _random_like(shapes, seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
+
+
+def test_slicing_at_rate_one_is_the_identity_and_a_half_rate_takes_the_leading_channels():
+  module, full = _init('resnet18', width_mult=1 / 16)
+  same = submodels.slice_tree(full, model_shapes(module, SHAPE))
+  jax.tree.map(np.testing.assert_array_equal, same, full)
+  half = model_shapes(get_model('resnet18', 10, SHAPE, width_mult=1 / 32), SHAPE)
+  sub = submodels.slice_tree(full, half)
+  # the stem conv keeps the first 2 of 4 output channels, a block conv the first 4x4 of 8x8
+  np.testing.assert_array_equal(
+    sub.params['Conv_0']['kernel'], full.params['Conv_0']['kernel'][..., :2]
+  )
+  k = full.params['BasicBlock_2']['Conv_0']['kernel']
+  assert k.shape[-2:] == (4, 8)
+  np.testing.assert_array_equal(sub.params['BasicBlock_2']['Conv_0']['kernel'], k[:, :, :2, :4])
+  # the output layer keeps every class
+  assert sub.params['Dense_0']['kernel'].shape == (16, 10)
+  with pytest.raises(ValueError, match='not a sub-block'):
+    submodels.check_sliceable(half, model_shapes(module, SHAPE))
+
+
+def _independent_mean(full, clients, masks, output_layer):
+  """Entry by entry: the mean over the clients whose corner holds the entry (output-layer entries
+  only from clients holding the class); entries nobody holds keep the global value."""
+  out = {}
+  for path, a in jax.tree_util.tree_flatten_with_path(full)[0]:
+    a = np.asarray(a)
+    total, count = np.zeros(a.shape), np.zeros(a.shape)
+    leaves = [np.asarray(dict(jax.tree_util.tree_flatten_with_path(c)[0])[path]) for c in clients]
+    for leaf, mask in zip(leaves, masks):
+      for idx in np.ndindex(*leaf.shape):
+        if path[0].key == output_layer and not mask[idx[-1]]:
+          continue
+        total[idx] += leaf[idx]
+        count[idx] += 1
+    out[path] = np.where(count > 0, total / np.maximum(count, 1), a)
+  return out
+
+
+def test_scatter_average_of_two_half_and_one_full_client_is_the_count_based_mean_entry_by_entry():
+  _, full = _init('resnet18', width_mult=1 / 16)
+  full_shapes = jax.eval_shape(lambda: full.params)
+  half_shapes = model_shapes(get_model('resnet18', 10, SHAPE, width_mult=1 / 32), SHAPE).params
+  halves = [_random_like(half_shapes, 1), _random_like(half_shapes, 2)]
+  whole = _random_like(full_shapes, 3)
+  masks = np.array([[1, 1, 0, 0, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], np.float32)
+  whole_mask = np.array([[1] * 9 + [0]], np.float32)  # class 9: held by nobody
+  output = submodels.output_layer_name(full.params, 10)
+  assert output == 'Dense_0'
+  # jitted as the method runs it (eagerly every leaf's ops compile on their own: seconds)
+  scatter_average = jax.jit(submodels.scatter_average, static_argnames='output_layer')
+  got = scatter_average(
+    full.params,
+    [engine.stack(halves), engine.stack([whole])],
+    [np.ones(2), np.ones(1)],
+    [masks, whole_mask],
+    output_layer=output,
+  )
+  want = _independent_mean(full.params, halves + [whole], list(masks) + list(whole_mask), output)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(got)[0]:
+    np.testing.assert_allclose(leaf, want[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
+  # spot checks: an entry all three hold, one only the full client holds, a class nobody holds
+  k = lambda t: np.asarray(t['BasicBlock_0']['Conv_0']['kernel'])  # noqa: E731
+  np.testing.assert_allclose(
+    k(got)[0, 0, 0, 0], np.mean([k(t)[0, 0, 0, 0] for t in halves + [whole]]), rtol=1e-6
+  )
+  np.testing.assert_allclose(k(got)[0, 0, 3, 3], k(whole)[0, 0, 3, 3], rtol=1e-6)
+  np.testing.assert_array_equal(
+    got['Dense_0']['kernel'][:, 9], full.params['Dense_0']['kernel'][:, 9]
+  )
+  # a client that sat the round out (weight 0) changes nothing
+  without = scatter_average(
+    full.params,
+    [engine.stack(halves), engine.stack([whole])],
+    [np.array([1.0, 0.0]), np.ones(1)],
+    [masks, whole_mask],
+    output_layer=output,
+  )
+  want = _independent_mean(full.params, [halves[0], whole], [masks[0], whole_mask[0]], output)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(without)[0]:
+    np.testing.assert_allclose(leaf, want[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
+
+
+def test_masked_cross_entropy_equals_a_hand_computation():
+  module, model = _init('mlp', width_mult=0.1)
+  rng = np.random.default_rng(0)
+  x = rng.random((6, *SHAPE), dtype=np.float32)
+  y = np.array([1, 3, 3, 1, 7, 0])
+  weights = np.array([1, 1, 1, 1, 1, 0], np.float32)  # the last row is padding
+  label_mask = np.zeros(10, np.float32)
+  label_mask[[1, 3, 7]] = 1
+  loss, (reported, correct, count, _) = masked_classification_objective(
+    module, model.params, {}, x, y, weights, jax.random.PRNGKey(1), label_mask
+  )
+  logits = np.asarray(module.apply({'params': model.params}, x), np.float64)
+  z = np.where(label_mask > 0, logits, 0.0)  # masked_fill(label_mask == 0, 0)
+  per = np.log(np.sum(np.exp(z), axis=1)) - z[np.arange(6), y]
+  np.testing.assert_allclose(loss, np.sum(per[:5]) / 5, rtol=1e-5)
+  assert reported == loss and count == 5
+  assert correct == np.sum((np.argmax(z, 1) == y)[:5])
+  np.testing.assert_array_equal(mask_logits(jnp.ones((1, 10)), label_mask)[0], label_mask)
+
+
+def test_the_objective_context_reaches_every_client_the_same_way_in_every_strategy():
+  """Two clients with different label masks: loop, vmap and scan train the same models."""
+  module, model = _init('mlp', width_mult=0.1)
+  rng = np.random.default_rng(0)
+  x, y = rng.random((50, *SHAPE), dtype=np.float32), rng.integers(0, 10, 50)
+  fed = federate(x, y, [np.arange(0, 30), np.arange(30, 50)])
+  masks = jnp.asarray((np.arange(10)[None] < np.array([[4], [10]])).astype(np.float32))
+  results = {}
+  for strategy in ('loop', 'vmap', 'scan'):
+    trainer = engine.GroupTrainer(
+      module, optax.sgd(0.1), 8, strategy=strategy, objective=masked_classification_objective
+    )
+    state = engine.init_train_state(trainer.tx, engine.replicate(model, 2))
+    state, metrics = trainer.train(state, fed, 2, jax.random.PRNGKey(3), context=masks)
+    results[strategy] = (state.model.params, metrics.loss)
+  for strategy in ('vmap', 'scan'):
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      results[strategy],
+      results['loop'],
+    )
+  # the mask matters: unmasked training gives other models
+  trainer = engine.GroupTrainer(module, optax.sgd(0.1), 8, strategy='loop')
+  state = engine.init_train_state(trainer.tx, engine.replicate(model, 2))
+  plain, _ = trainer.train(state, fed, 2, jax.random.PRNGKey(3))
+  assert not np.allclose(
+    plain.model.params['Dense_0']['kernel'][0], results['loop'][0]['Dense_0']['kernel'][0]
+  )
+
+
+def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_input_statistics():
+  module, model = _init('cnn_mnist')
+  x = np.random.default_rng(0).random((48, *SHAPE), dtype=np.float32)
+  stats = engine.BatchNormStatistics(module, 16)(model, x)
+  sown = []
+  for b in range(3):  # the BN layers sow their input's mean and biased variance
+    _, upd = module.apply(
+      model.variables(), x[16 * b : 16 * (b + 1)], train=True, mutable=['bn_inputs', 'batch_stats']
+    )
+    sown.append(upd['bn_inputs'])
+  for layer in ('BatchNorm_0', 'BatchNorm_1'):
+    mean = np.mean([s[layer]['stats'][0][0] for s in sown], axis=0)
+    var = np.mean([s[layer]['stats'][0][1] for s in sown], axis=0)
+    np.testing.assert_allclose(stats[layer]['bn']['mean'], mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(stats[layer]['bn']['var'], var, rtol=1e-4, atol=1e-5)
+
+
+def test_rates_come_from_the_client_specs_and_bad_ones_are_refused():
+  assert client_rates(
+    'resnet18:width_mult=0.5', ['resnet18:width_mult=0.25', 'resnet18:width_mult=0.5']
+  ) == {
+    'resnet18:width_mult=0.25': 0.5,
+    'resnet18:width_mult=0.5': 1.0,
+  }
+  assert client_rates('mlp', ['mlp', 'mlp:width_mult=0.5']) == {
+    'mlp': 1.0,
+    'mlp:width_mult=0.5': 0.5,
+  }
+  with pytest.raises(ConfigError, match='width-scalable'):
+    client_rates('cnn_mnist', ['cnn_mnist'])
+  with pytest.raises(ConfigError, match='wider than the global'):
+    client_rates('resnet18:width_mult=0.25', ['resnet18:width_mult=0.5'])
+  with pytest.raises(ConfigError, match='at another width_mult'):
+    client_rates('resnet18', ['mlp'])
+  config = override(fedtsa_digits.get_config('smoke'), **{'heterofl.participation': 0.0})
+  with pytest.raises(ConfigError, match=r'heterofl.participation must be in \(0, 1\]'):
+    driver.build_algorithm('heterofl', config)
+
+
+@pytest.mark.slow
+def test_heterofl_learns_on_digits():
+  """ResNet-18 at rates 1 and 0.5 of width 0.25; 4 rounds of 2 local epochs."""
+  config = override(
+    fedtsa_digits.get_config(''),
+    **{
+      'client_models': 'resnet18:width_mult=0.25;resnet18:width_mult=0.125',
+      'heterofl.rounds': 4,
+    },
+  )
+  summary = driver.run_in_memory('heterofl', config)
+  print('heterofl', summary.final_test_accuracy, summary['submodel_test_accuracy'])
+  assert summary.final_test_accuracy > 0.6  # chance is 0.1
+  assert summary['submodel_test_accuracy']['0.5'] > 0.5
+  assert summary['client_rates'] == [1.0, 0.5, 1.0, 0.5, 1.0]
