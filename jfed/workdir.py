@@ -55,13 +55,14 @@ def dumps(obj: Any, **kwargs) -> str:
   return json.dumps(jsonable(obj), allow_nan=False, **kwargs)
 
 
-def atomic_write_text(path, text: str) -> None:
-  """Writes `text` to `path` via a temporary file in the same directory and a rename."""
+def atomic_write_bytes(path, data: bytes) -> None:
+  """Writes `data` to `path` via a temporary file in the same directory and a rename, so that
+  an interrupted write never leaves a truncated file behind."""
   path = pathlib.Path(path)
   fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
   try:
-    with os.fdopen(fd, 'w') as f:
-      f.write(text)
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -69,6 +70,11 @@ def atomic_write_text(path, text: str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
+
+
+def atomic_write_text(path, text: str) -> None:
+  """Writes `text` to `path` atomically (see `atomic_write_bytes`)."""
+  atomic_write_bytes(path, text.encode())
 
 
 def write_json(path, obj: Any) -> None:

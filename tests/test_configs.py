@@ -15,7 +15,7 @@ CONFIG_MODULES = sorted(
 # Every config file's get_config(arg) goes through `common.variant_words`.
 CHECKED_MODULES = tuple(CONFIG_MODULES)
 # A sample value for each variant that takes one.
-VALUES = {'rounds=': 'rounds=2', 'dir=': 'dir=0.1'}
+VALUES = {'rounds=': 'rounds=2', 'dir=': 'dir=0.1', 'rates=': 'rates=0.5/1.0'}
 ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
 
 
@@ -104,3 +104,12 @@ def test_digits_serves_every_method_at_a_digits_budget():
     assert smoke[section].rounds <= 2, section
   for section in ONESHOT_SECTIONS:
     assert smoke[section].local_epochs <= 2 and smoke[section].get('epochs', 0) <= 2, section
+
+
+def test_heterogeneity_rates_word():
+  assert common.heterogeneity_rates('rates=0.1/0.4/0.7/1.0') == [1.0, 0.7, 0.4, 0.1]
+  for bad in ('rates=0.5/0.8', 'rates=0/1.0', 'rates=a/1.0', 'rates=1.5/1.0'):
+    with pytest.raises(ConfigError, match='rates'):
+      common.heterogeneity_rates(bad)
+  models = common.equal_share_models(lambda r: f'm{r:g}', [1.0, 0.5, 0.25], 5)
+  assert models.split(';') == ['m1', 'm1', 'm0.5', 'm0.5', 'm0.25']

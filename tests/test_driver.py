@@ -93,7 +93,7 @@ def smoke_config(method: str):
     return fedmho_digits.get_config('smoke')
   if method in ('fedcvae_ens', 'fedcvae_kd'):
     return fedmho_digits.get_config('fedcvae,smoke')
-  if method in ('heterofl', 'fedproto', 'fedmd'):  # two MLP widths, partial participation
+  if method in ('heterofl', 'fedproto', 'fedmd', 'fedtsa'):  # MLP widths, partial participation
     return fedtsa_digits.get_config('smoke')
   if method == 'feddf_vote':  # two prototypes of two epochs
     c = fedmho_digits.get_config('baselines,smoke')

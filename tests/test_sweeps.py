@@ -1,5 +1,5 @@
 """The comparison commands end to end on digits: the FedHydra Table 1/2 and FedMHO Table 3/4
-sweeps."""
+sweeps, and the FedTSA Table 3/4 sweep."""
 
 import json
 import pathlib
@@ -7,8 +7,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments import fedhydra_tables, fedmho_tables
-from experiments.configs import fedhydra_digits, fedmho_digits
+from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables
+from experiments.configs import fedhydra_digits, fedmho_digits, fedtsa_digits
+from jfed.errors import ConfigError
 
 # FedAvg and OT average the shared local models; FedDF distils them (and reports the teacher
 # ensemble): the cheapest methods that cover every kind of row of the tables.
@@ -86,3 +87,50 @@ def test_fedmho_tables_sweep_shares_clients_averages_seeds_and_resumes(tmp_path)
   assert (tmp_path / 'table3.png').exists()
   # rerunning skips the finished runs and reproduces the same numbers
   assert fedmho_tables.run_sweep(*args) == table
+
+
+FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
+
+
+@pytest.mark.slow  # ten smoke-sized multi-round runs
+def test_fedtsa_tables_cells_degrees_ablations_and_resume(tmp_path):
+  config = str(pathlib.Path(fedtsa_digits.__file__))
+  args = (config, 'smoke', tmp_path, FEDTSA_RUNS, ['iid'], ['1.0/0.5'], [0, 1])
+  table = fedtsa_tables.run_sweep(*args)
+  results = json.loads((tmp_path / 'results.json').read_text())['results']
+  assert sorted(results) == ['iid', 'iid,rates=0.5/1.0']
+  for seed in ('0', '1'):
+    for run in FEDTSA_RUNS:
+      assert 'error' not in results['iid'][seed][run], results['iid'][seed][run]
+    # Table 4's degree: heterogeneous methods only, on the degree's clients and device classes
+    assert sorted(results['iid,rates=0.5/1.0'][seed]) == ['fedtsa', 'heterofl']
+    degree = tmp_path / 'iid_rates0.5-1.0' / f'seed{seed}'
+    fedtsa = json.loads((degree / 'fedtsa' / 'config.json').read_text())
+    assert fedtsa['fedtsa']['device_rates'] == '1,0.5'
+    heterofl = json.loads((degree / 'heterofl' / 'config.json').read_text())
+    assert (
+      heterofl['client_models'].split(';') == ['mlp:width_mult=1'] * 3 + ['mlp:width_mult=0.5'] * 2
+    )
+    ablation = json.loads(
+      (tmp_path / 'iid' / f'seed{seed}' / 'fedtsa_stage1_only' / 'config.json').read_text()
+    )
+    assert ablation['fedtsa']['stage2'] is False
+    for run in FEDTSA_RUNS:  # every run learned (chance 10 %)
+      assert results['iid'][seed][run]['final_test_accuracy'] > CHANCE + 0.2, (seed, run)
+  finals = [results['iid'][s]['fedtsa']['final_test_accuracy'] for s in ('0', '1')]
+  assert finals[0] != finals[1]
+  mean, std = 100 * np.mean(finals), 100 * np.std(finals, ddof=1)
+  assert f'| FedTSA | {mean:.2f} ± {std:.2f} (n=2) |' in table
+  assert '## Table 4' in table and '| [0.5, 1.0] |' in table and '## Ablations' in table
+  assert (tmp_path / 'table3.png').exists()
+  # rerunning skips the finished runs and reproduces the same tables
+  assert fedtsa_tables.run_sweep(*args) == table
+
+
+def test_fedtsa_tables_rejects_bad_runs_and_degrees(tmp_path):
+  config = str(pathlib.Path(fedtsa_digits.__file__))
+  with pytest.raises(ConfigError, match='unknown'):
+    fedtsa_tables.run_sweep(config, 'smoke', tmp_path, ['fedtsa', 'nope'], ['iid'], [], [0])
+  with pytest.raises(ConfigError, match='rates'):
+    fedtsa_tables.run_sweep(config, 'smoke', tmp_path, ['fedtsa'], ['iid'], ['0.5/0.8'], [0])
+  assert not (tmp_path / 'results.json').exists()

@@ -58,6 +58,27 @@ def variant_value(word: str, cast: Callable[[str], T]) -> T:
     ) from None
 
 
+def heterogeneity_rates(word: str) -> List[float]:
+  """The pruning rates of a 'rates=0.1/0.4/0.7/1.0' word (FedTSA Table 4's degrees of model
+  heterogeneity), fastest first; ConfigError unless each lies in (0, 1] and one is 1.0."""
+
+  def cast(value: str) -> List[float]:
+    rates = sorted({float(r) for r in value.split('/') if r.strip()}, reverse=True)
+    if not rates or rates[0] != 1.0 or rates[-1] <= 0:
+      raise ValueError(value)
+    return rates
+
+  cast.__name__ = 'list of rates in (0, 1] including 1.0, separated by /'
+  return variant_value(word, cast)
+
+
+def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: int) -> str:
+  """client_models for `n` clients split as evenly as the rates allow (the first rates take
+  the remainder), fastest first: the baselines' clients of a 'rates=' degree."""
+  counts = [n // len(rates) + (i < n % len(rates)) for i in range(len(rates))]
+  return ';'.join(model_at(r) for r, k in zip(rates, counts) for _ in range(k))
+
+
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
@@ -392,10 +413,10 @@ def base_config() -> ml_collections.ConfigDict:
       'durations_file': '',
       'device_rates': '1.0,0.8,0.6',
       'device_shares': '0.2,0.4,0.4',
-      'jitter': 0.05,
+      'jitter': 0.02,
       'proxy_samples': 1000,
       'proxy_repeats': 3,
-      'bandwidth': '0.2',
+      'bandwidth': '0.25',
       'rate_quantum': 0.1,
       'stage2': True,
       'global_epochs': 1,
@@ -408,10 +429,10 @@ def base_config() -> ml_collections.ConfigDict:
       'prompt_template': 'a photo of real {}',
       'holdout': 'test_split',
       'holdout_size': 2000,
-      'ddpm_steps': 3000,
-      'ddpm_timesteps': 200,
-      'ddpm_channels': 32,
-      'ddpm_batch': 128,
+      'ddpm_steps': 1000,
+      'ddpm_timesteps': 100,
+      'ddpm_channels': 16,
+      'ddpm_batch': 64,
       'ddpm_lr': 2e-3,
       'ddpm_guidance': 1.0,
       'ddpm_cache': '',

@@ -1,5 +1,5 @@
-"""FedTSA's model-heterogeneous baselines (seed 001 §5.1: HeteroFL, FedProto, FedMD) on the
-embedded scikit-learn digits (8×8, no download).
+"""FedTSA and its baselines (seed 001 §5.1: HeteroFL, FedProto, FedMD, FedDF, FedAvg and FedProx)
+on the embedded scikit-learn digits (8×8, no download).
 
 Commands:
   python -m experiments.main --method=heterofl --config=experiments/configs/fedtsa_digits.py \
@@ -24,15 +24,43 @@ and wall time of the command:
   fedmd     70.9% mean client accuracy (63.9% after transfer learning); 1 min 47 s
 The order is FedTSA's Table 3 order (HeteroFL > FedMD > FedProto).
 
+FedTSA and the other baselines of its Table 3:
+  python -m experiments.main --method=fedtsa --config=experiments/configs/fedtsa_digits.py \
+      --workdir=runs/digits_fedtsa                  # Stage 2 on DDPM images (the default)
+  python -m experiments.main --method=feddf --config=experiments/configs/fedtsa_digits.py \
+      --workdir=runs/digits_feddf
+  python -m experiments.main --method=fedavg --config=experiments/configs/fedtsa_digits.py:full \
+      --workdir=runs/digits_fedavg_full             # also :pruned, and --method=fedprox
+  fedtsa   20 rounds x 2 local epochs; clusters from simulated proxy-task durations (rates 1.0 /
+           0.8 / 0.6 found by the KDE); Stage 2: 1 epoch of DML, T = 5, KL only, on 200 images
+           per prompt (2,000) from a DDPM trained on the 180 held-out test images; evaluation
+           on the other 180 (test_accuracy: clients' cluster models, client-weighted)
+  feddf    20 rounds x 2 local epochs; 2 x 20 distillation steps per round
+  fedavg / fedprox  20 rounds x 2 local epochs, every client at rate 1.0 (:full) or 0.6
+           (:pruned); FedProx mu = 0.01
+Measured: see BUILD_NOTES.md "FedTSA and its baselines" (seeds, final and best).
+
 Variants (comma-separated):
   smoke  seconds-long budgets on MLP clients (global MLP, widths 1 and 0.5): the driver's resume
          tests; accuracy meaningless
   iid    IID partition instead of Dir(0.5)
+  dir=A  Dirichlet(A) partition
+  rates=R1/R2/...  FedTSA Table 4's degree of model heterogeneity: device classes at these
+         pruning rates (one must be 1.0) in equal shares, for FedTSA's simulated profile and
+         for the baselines' client models (fastest first over the clients)
+  full   every client the global model (rate 1.0): for fedavg / fedprox
+  pruned every client at rate 0.6: for fedavg / fedprox
 """
 
-from experiments.configs.common import base_config, variant_words
+from experiments.configs.common import (
+  base_config,
+  equal_share_models,
+  heterogeneity_rates,
+  variant_value,
+  variant_words,
+)
 
-VARIANTS = ('smoke', 'iid')
+VARIANTS = ('smoke', 'iid', 'dir=', 'rates=', 'full', 'pruned')
 GLOBAL = 'resnet18:width_mult=0.25'
 RATES = {'a': 0.25, 'b': 0.2, 'c': 0.15}  # rates 1.0, 0.8, 0.6 of the global width
 CLIENTS = ';'.join(f'resnet18:width_mult={RATES[k]}' for k in 'abbcc')
@@ -46,6 +74,10 @@ def get_config(arg: str = ''):
     c.partition.scheme = 'iid'
   c.model = GLOBAL
   c.client_models = CLIENTS
+  for w in words:
+    if w.startswith('dir='):
+      c.partition.alpha = variant_value(w, float)
+
   c.optimizer.update({'name': 'sgd', 'lr': 0.05, 'momentum': 0.9})
   c.batch_size = 32
   c.heterofl.update({'rounds': 20, 'local_epochs': 2, 'participation': 1.0})
@@ -76,11 +108,46 @@ def get_config(arg: str = ''):
       'holdout_size': 180,
     }
   )
+  # FedDF multi-round (seed 001 §5.1): the server model is the global (rate 1.0) ResNet; each
+  # round its clients start from it, the others from their own last model; the student is the
+  # FedAvg of its architecture's clients distilled on 120 unlabelled held-out test images
+  # (validated on 60 more; evaluation on the other 180, as FedTSA's).
+  c.feddf.update(
+    {
+      'rounds': 20,
+      'local_epochs': 2,
+      'source_size': 120,
+      'val_size': 60,
+      'total_steps': 40,
+      'eval_every': 20,
+      'patience': 1000,
+      'kd_batch': 32,
+    }
+  )
+  # FedAvg and FedProx at one width for every client: the upper ('full', rate 1.0) and lower
+  # ('pruned', rate 0.6) bounds of FedTSA's Table 3.
+  for method in ('fedavg', 'fedprox'):
+    c[method].update({'rounds': 20, 'local_epochs': 2, 'participation': 1.0})
+  if 'full' in words or 'pruned' in words:
+    c.model = GLOBAL if 'full' in words else f'resnet18:width_mult={RATES["c"]}'
+    c.client_models = ''
   if 'smoke' in words:
     c.model = 'mlp'
     c.client_models = 'mlp;mlp:width_mult=0.5'
     c.heterofl.update({'rounds': 3, 'local_epochs': 1, 'participation': 0.6})
     c.fedproto.update({'rounds': 3, 'local_epochs': 1, 'participation': 0.6, 'embed_dim': 16})
+    c.fedtsa.update(
+      {
+        'rounds': 3,
+        'local_epochs': 1,
+        'proxy_samples': 256,
+        'proxy_repeats': 1,
+        'source': 'public',
+        'images_per_prompt': 10,
+        'stage2_batch': 32,
+        'holdout_size': 100,
+      }
+    )
     c.fedmd.update(
       {
         'rounds': 3,
@@ -92,4 +159,15 @@ def get_config(arg: str = ''):
         'revisit_epochs': 1,
       }
     )
+  for w in words:
+    if w.startswith('rates='):
+      rates = heterogeneity_rates(w)
+      smoke = 'smoke' in words
+      c.client_models = equal_share_models(
+        lambda r: f'mlp:width_mult={r:g}' if smoke else f'resnet18:width_mult={RATES["a"] * r:g}',
+        rates,
+        c.partition.num_clients,
+      )
+      c.fedtsa.device_rates = ','.join(f'{r:g}' for r in rates)
+      c.fedtsa.device_shares = ','.join(f'{1 / len(rates):.6g}' for _ in rates)
   return c

@@ -1,0 +1,359 @@
+"""FedTSA Tables 3 and 4 and its ablations (seed 001 §5): every method per data partition and
+per degree of model heterogeneity, over seeds.
+
+    python -m experiments.fedtsa_tables --config=experiments/configs/fedtsa_fashion_mnist.py \
+        --out=runs/fedtsa_tables [--budget=paper] [--partitions=iid,dir=0.6,dir=0.3] \
+        [--degrees=1.0,0.5/1.0,0.6/0.8/1.0,0.1/0.4/0.7/1.0] [--seeds=0,1,2] \
+        [--runs=fedavg_pruned,...,fedtsa,fedtsa_stage1_only,...]
+
+`--config` is a FedTSA config file (fedtsa_fashion_mnist.py, fedtsa_digits.py); the command calls
+its `get_config` with the `--budget` words plus, per run, the run's words (full / pruned) and the
+cell's words (`iid` or `dir=α` for Table 3; `iid,rates=…` for a Table 4 degree). Each (cell,
+seed, run) goes through `jfed.driver.run_experiment` into OUT/<cell>/seed<s>/<run>/ (metrics,
+summary, plots, checkpoints): rerunning the command resumes an interrupted run and skips
+finished ones. FedTSA's DDPM is trained once per seed and shared by every FedTSA run of that
+seed (`fedtsa.ddpm_cache` = OUT/ddpm/seed<s>.msgpack; its training images, the held-out test
+split, do not depend on the partition).
+
+Table 3 has the paper's columns IID, Dir(0.6), Dir(0.3) (`--partitions`); FedAvg and FedProx
+appear twice, every client pruned to 0.6 (lower bound) and every client at 1.0 (upper bound).
+Table 4 is IID with the model-heterogeneity degrees of `--degrees` ('0.6/0.8/1.0' is Table 3's
+IID cell: shares 20/40/40 %; other degrees use equal shares). The ablations (Figs. 3-5, Table 6)
+are FedTSA runs on the first partition: Stage 1 only, 3 global epochs, 50 images per prompt,
+T = 1 and T = 10, KL + CE (Eq. 9, weight 0.5).
+
+Writes OUT/tables.md (mean ± std over seeds of the final and the best test accuracy in %, with
+the paper's CIFAR-10 numbers as a separate reference table, since the paper has no result on
+these datasets), OUT/table3.png (bars with std error bars) and OUT/results.json. A run that
+fails is counted as 'error' (its message in results.json) and the sweep goes on.
+"""
+
+import datetime
+import importlib.util
+import json
+import pathlib
+import traceback
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+from absl import app, flags
+import numpy as np
+
+FLAGS = flags.FLAGS
+DEFAULT_DEGREE = '0.6/0.8/1.0'
+
+
+def define_flags() -> None:
+  """Defined only when run as a command (importing the module in tests defines no flags)."""
+  flags.DEFINE_string('config', None, 'A FedTSA config file with get_config(arg).')
+  flags.DEFINE_string('budget', '', "The config's budget words (e.g. 'paper', 'smoke').")
+  flags.DEFINE_string('out', 'runs/fedtsa_tables', 'Output directory.')
+  flags.DEFINE_list('partitions', ['iid', 'dir=0.6', 'dir=0.3'], 'Table 3 columns.')
+  flags.DEFINE_list('degrees', [], 'Table 4 rows, e.g. 1.0,0.5/1.0,0.6/0.8/1.0 (none: no Table 4).')
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
+  flags.DEFINE_list('runs', None, 'Runs (rows); default: every Table 3 run.')
+  flags.mark_flags_as_required(['config'])
+
+
+class Run(NamedTuple):
+  method: str
+  name: str  # the table's row
+  words: str = ''  # config words of this run ('full', 'pruned')
+  fedtsa: Optional[Dict[str, object]] = None  # FedTSA overrides (ablations)
+  heterogeneous: bool = True  # a Table 4 method
+
+
+RUNS: Dict[str, Run] = {
+  'fedavg_pruned': Run('fedavg', 'FedAvg (all at 0.6)', 'pruned', heterogeneous=False),
+  'fedavg_full': Run('fedavg', 'FedAvg (all at 1.0)', 'full', heterogeneous=False),
+  'fedprox_pruned': Run('fedprox', 'FedProx (all at 0.6)', 'pruned', heterogeneous=False),
+  'fedprox_full': Run('fedprox', 'FedProx (all at 1.0)', 'full', heterogeneous=False),
+  'fedproto': Run('fedproto', 'FedProto'),
+  'fedmd': Run('fedmd', 'FedMD'),
+  'feddf': Run('feddf', 'FedDF'),
+  'heterofl': Run('heterofl', 'HeteroFL'),
+  'fedtsa': Run('fedtsa', 'FedTSA'),
+}
+ABLATIONS: Dict[str, Run] = {
+  'fedtsa_stage1_only': Run('fedtsa', 'FedTSA, Stage 1 only', fedtsa={'stage2': False}),
+  'fedtsa_global3': Run('fedtsa', 'FedTSA, 3 global epochs', fedtsa={'global_epochs': 3}),
+  'fedtsa_images50': Run(
+    'fedtsa', 'FedTSA, 50 images per prompt', fedtsa={'images_per_prompt': 50}
+  ),
+  'fedtsa_t1': Run('fedtsa', 'FedTSA, T = 1', fedtsa={'temperature': 1.0}),
+  'fedtsa_t10': Run('fedtsa', 'FedTSA, T = 10', fedtsa={'temperature': 10.0}),
+  'fedtsa_kl_ce': Run('fedtsa', 'FedTSA, 0.5 KL + 0.5 CE', fedtsa={'kl_weight': 0.5}),
+}
+ALL_RUNS = {**RUNS, **ABLATIONS}
+
+# Seed 001 (FedTSA, ECCV'24 workshop / arXiv 2407.05098) on CIFAR-10, ResNet-18, 20 clients:
+# Table 3 (FedAvg / FedProx as 'pruned-full') and Table 4 (IID, degrees of heterogeneity).
+PAPER_TABLE3 = {
+  'iid': {
+    'FedAvg': '84.23-90.86',
+    'FedProx': '83.85-86.47',
+    'FedProto': '59.6',
+    'FedMD': '74.26',
+    'FedDF': '79.01',
+    'HeteroFL': '87.61',
+    'FedTSA': '89.28',
+  },
+  'dir=0.6': {
+    'FedAvg': '81.54-83.55',
+    'FedProx': '82.31-84.26',
+    'FedProto': '49.51',
+    'FedMD': '71.33',
+    'FedDF': '76.98',
+    'HeteroFL': '85.09',
+    'FedTSA': '86.72',
+  },
+  'dir=0.3': {
+    'FedAvg': '77.25-80.91',
+    'FedProx': '80.71-82.39',
+    'FedProto': '41.33',
+    'FedMD': '70.03',
+    'FedDF': '75.12',
+    'HeteroFL': '82.77',
+    'FedTSA': '84.61',
+  },
+}
+PAPER_TABLE4 = {
+  '1.0': (74.31, 85.23, 87.62, 91.13, 91.56),
+  '0.5/1.0': (62.13, 78.11, 82.43, 83.30, 89.61),
+  '0.6/0.8/1.0': (59.60, 74.26, 79.01, 82.61, 89.28),
+  '0.1/0.4/0.7/1.0': (50.03, 64.31, 70.55, 68.21, 82.37),
+  '0.1/0.3/0.5/0.7/1.0': (48.87, 63.16, 68.83, 67.79, 80.09),
+}
+TABLE4_RUNS = ('fedproto', 'fedmd', 'feddf', 'heterofl', 'fedtsa')
+SUMMARY_KEYS = ('final_test_accuracy', 'best_test_accuracy', 'seconds')
+
+
+def load_config_module(path: str):
+  spec = importlib.util.spec_from_file_location('fedtsa_tables_config', path)
+  if spec is None or spec.loader is None:
+    raise app.UsageError(f'--config={path!r}: not a Python file')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_config'):
+    raise app.UsageError(f'--config={path!r} has no get_config')
+  return module
+
+
+def normalise_degree(degree: str) -> str:
+  """'1.0/0.6/0.8' -> '0.6/0.8/1.0' (the paper's notation, ascending)."""
+  return '/'.join(
+    f'{r:g}' if r != 1 else '1.0' for r in sorted(float(x) for x in degree.split('/'))
+  )
+
+
+def degree_cell(degree: str) -> str:
+  """The cell of a Table 4 degree; the paper's default degree is Table 3's IID cell."""
+  return 'iid' if degree == DEFAULT_DEGREE else f'iid,rates={degree}'
+
+
+def cell_dirname(cell: str) -> str:
+  return cell.replace(',', '_').replace('=', '').replace('/', '-')
+
+
+def run_config(module, budget: str, run: Run, cell: str, seed: int, out: pathlib.Path):
+  words = [w for w in (budget, run.words, cell) if w]
+  c = module.get_config(','.join(words))
+  c.seed = seed
+  if run.method == 'fedtsa':
+    c.fedtsa.ddpm_cache = str((out / 'ddpm' / f'seed{seed}.msgpack').absolute())
+    c.fedtsa.update(run.fedtsa or {})
+  return c
+
+
+def mean_std(values: Sequence[float]) -> Optional[str]:
+  if not values:
+    return None
+  v = 100 * np.asarray(values)
+  return f'{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.2f}'
+
+
+def gather(results: dict, cell: str, run: str, key: str) -> List[float]:
+  return [
+    r[run][key]
+    for r in results.get(cell, {}).values()
+    if isinstance(r.get(run), dict) and r[run].get(key) is not None
+  ]
+
+
+def ours(results: dict, cell: str, run: str, key: str) -> str:
+  values = gather(results, cell, run, key)
+  n_err = sum(1 for r in results.get(cell, {}).values() if r.get(run, {}).get('status') == 'error')
+  text = (mean_std(values) + f' (n={len(values)})') if values else '—'
+  return text + (f', {n_err} error' if n_err else '')
+
+
+def render(config, results: dict, plan: dict, meta: dict) -> str:
+  partitions, degrees, runs = plan['partitions'], plan['degrees'], plan['runs']
+  lines = [
+    f'# FedTSA Tables 3 and 4 on {config.dataset.name} (seed 001 §5)',
+    '',
+    "Top-1 test accuracy (%), mean ± std over seeds (n = seeds finished), of each method's "
+    "reported model (FedTSA: the clients' cluster models, client-weighted; FedProto and FedMD: "
+    'the mean client accuracy; HeteroFL, FedDF, FedAvg, FedProx: the global model).',
+    '',
+    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
+    f'{meta["seeds"]}, budget: {meta["budget"] or "the config default"}; '
+    f'{config.partition.num_clients} clients, model {config.model}, clients '
+    f'{config.client_models or config.model}; FedTSA {config.fedtsa.rounds} rounds x '
+    f'{config.fedtsa.local_epochs} local epochs, Stage-2 source {config.fedtsa.source}.',
+  ]
+  table3 = [r for r in runs if r in RUNS]
+  for title, key in (('final round', 'final_test_accuracy'), ('best round', 'best_test_accuracy')):
+    lines += ['', f'## Table 3: {title}', '']
+    lines += ['| Method | ' + ' | '.join(partitions) + ' |', '|---|' + '---:|' * len(partitions)]
+    lines += [
+      f'| {ALL_RUNS[r].name} | ' + ' | '.join(ours(results, p, r, key) for p in partitions) + ' |'
+      for r in table3
+    ]
+  ablations = [r for r in runs if r in ABLATIONS]
+  if ablations and partitions:
+    p = partitions[0]
+    lines += ['', f'## Ablations ({p}; Figs. 3-5, Table 6)', '', '| Run | final | best |']
+    lines += ['|---|---:|---:|']
+    for r in ['fedtsa', *ablations] if 'fedtsa' in runs else ablations:
+      finals = ours(results, p, r, 'final_test_accuracy')
+      lines.append(
+        f'| {ALL_RUNS[r].name} | {finals} | {ours(results, p, r, "best_test_accuracy")} |'
+      )
+  t4 = [r for r in TABLE4_RUNS if r in runs]
+  if degrees and t4:
+    lines += ['', '## Table 4: degrees of model heterogeneity (IID), final round', '']
+    lines += ['| Rates | ' + ' | '.join(RUNS[r].name for r in t4) + ' |']
+    lines += ['|---|' + '---:|' * len(t4)]
+    for d in degrees:
+      cells = [ours(results, degree_cell(d), r, 'final_test_accuracy') for r in t4]
+      lines.append(f'| [{d.replace("/", ", ")}] | ' + ' | '.join(cells) + ' |')
+  lines += [
+    '',
+    '## The paper (CIFAR-10, ResNet-18, 20 clients, 100 rounds; for the ordering only)',
+    '',
+    '| Method | ' + ' | '.join(PAPER_TABLE3) + ' |',
+    '|---|' + '---:|' * len(PAPER_TABLE3),
+  ]
+  for name in PAPER_TABLE3['iid']:
+    lines.append(f'| {name} | ' + ' | '.join(PAPER_TABLE3[p][name] for p in PAPER_TABLE3) + ' |')
+  lines += ['', '| Rates | FedProto | FedMD | FedDF | HeteroFL | FedTSA |', '|---|' + '---:|' * 5]
+  for d, values in PAPER_TABLE4.items():
+    lines.append(f'| [{d.replace("/", ", ")}] | ' + ' | '.join(f'{v:.2f}' for v in values) + ' |')
+  lines += ['', 'Per run: OUT/<cell>/seed<s>/<run>/ (metrics.jsonl, summary.json, plots).']
+  return '\n'.join(lines) + '\n'
+
+
+def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: List[str]):
+  """Table 3 as grouped bars: per partition, each method's mean final accuracy ± std."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  rows = [r for r in runs if r in RUNS]
+  fig = Figure(figsize=(4 + 1.2 * len(rows), 4), dpi=120)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  width = 0.8 / max(1, len(partitions))
+  for j, p in enumerate(partitions):
+    x = np.arange(len(rows)) + (j - (len(partitions) - 1) / 2) * width
+    values = [100 * np.asarray(gather(results, p, r, 'final_test_accuracy')) for r in rows]
+    mean = [v.mean() if len(v) else np.nan for v in values]
+    std = [v.std(ddof=1) if len(v) > 1 else 0.0 for v in values]
+    ax.bar(x, mean, width * 0.9, yerr=std, capsize=2, label=p)
+  ax.set_xticks(np.arange(len(rows)))
+  ax.set_xticklabels([ALL_RUNS[r].name for r in rows], rotation=25, ha='right', fontsize=8)
+  ax.set_ylabel('test accuracy (%)')
+  ax.set_title('FedTSA Table 3: final accuracy, mean ± std over seeds')
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def run_sweep(
+  config_path: str,
+  budget: str,
+  out: pathlib.Path,
+  runs: List[str],
+  partitions: List[str],
+  degrees: List[str],
+  seeds: List[int],
+) -> str:
+  """Runs every (cell, seed, run) not finished yet; rewrites results.json, tables.md and
+  table3.png after each run; returns the tables' text."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
+
+  unknown = [r for r in runs if r not in ALL_RUNS]
+  if unknown:
+    raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(ALL_RUNS)}')
+  try:
+    degrees = [normalise_degree(d) for d in degrees]
+  except ValueError:
+    raise ConfigError(f'--degrees: expected rates like 0.6/0.8/1.0, got {degrees}') from None
+  module = load_config_module(config_path)
+  base = module.get_config(budget)
+  for cell in partitions + [degree_cell(d) for d in degrees]:
+    module.get_config(','.join(w for w in (budget, cell) if w))  # bad words fail before any run
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'ddpm').mkdir(exist_ok=True)
+  meta = {
+    'backend': jax.default_backend(),
+    'jax_version': jax.__version__,
+    'date': datetime.date.today().isoformat(),
+    'budget': budget,
+    'seeds': seeds,
+  }
+  plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
+  results_path = out / 'results.json'
+  results = json.loads(results_path.read_text())['results'] if results_path.exists() else {}
+
+  # (cell, run) pairs: Table 3 runs on every partition; ablations on the first; Table 4's
+  # heterogeneous methods on every degree (the default degree is the IID cell, run once).
+  jobs = [(p, r) for p in partitions for r in runs if r in RUNS]
+  jobs += [(partitions[0], r) for r in runs if r in ABLATIONS and partitions]
+  for d in degrees:
+    jobs += [(degree_cell(d), r) for r in TABLE4_RUNS if r in runs]
+  jobs = list(dict.fromkeys(jobs))
+
+  def save():
+    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    atomic_write_text(out / 'tables.md', render(base, results, plan, meta))
+    plot_table(out / 'table3.png', results, runs, partitions)
+
+  for seed in seeds:
+    for cell, name in jobs:
+      record = results.setdefault(cell, {}).setdefault(str(seed), {})
+      workdir = out / cell_dirname(cell) / f'seed{seed}' / name
+      print(f'=== {cell} seed={seed} {name} -> {workdir}', flush=True)
+      try:
+        c = run_config(module, budget, ALL_RUNS[name], cell, seed, out)
+        summary = run_experiment(ALL_RUNS[name].method, c, workdir)
+        record[name] = {k: summary.get(k) for k in SUMMARY_KEYS}
+      except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
+        traceback.print_exc()
+        record[name] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
+      save()
+  save()
+  return (out / 'tables.md').read_text()
+
+
+def main(argv):
+  del argv
+  print(
+    run_sweep(
+      FLAGS.config,
+      FLAGS.budget,
+      pathlib.Path(FLAGS.out),
+      FLAGS.runs or list(RUNS),
+      FLAGS.partitions,
+      FLAGS.degrees,
+      [int(s) for s in FLAGS.seeds],
+    )
+  )
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
