@@ -29,15 +29,17 @@ class LegacyLoopTrainer(GroupTrainer):
     super().__init__(module, tx, batch_size, prox_mu=prox_mu, strategy='loop')
     self._legacy_step = jax.jit(self._client_step)
 
-  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor):
+  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None):
     del sizes  # the old code converted each client's size from the host copy
+    if context is not None:
+      raise ValueError('the pre-issue-14 loop had no per-client context (HeteroFL masks)')
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
       ts = jax.tree.map(lambda a, k=k: a[k], state)
       xk, yk, order, size, ck = x[k], y[k], orders[k], jnp.int32(sizes_np[k]), keys[k]
       acc = jnp.zeros(3)
       for s in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, st = self._legacy_step(ts, xk, yk, order, size, ck, s, anchor)
+        ts, st = self._legacy_step(ts, xk, yk, order, size, ck, s, anchor, None)
         acc = acc + st
       new_states.append(ts)
       epoch_stats.append(acc)
