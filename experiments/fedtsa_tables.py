@@ -24,8 +24,14 @@ T = 1 and T = 10, KL + CE (Eq. 9, weight 0.5).
 
 Writes OUT/tables.md (mean ± std over seeds of the final and the best test accuracy in %, with
 the paper's CIFAR-10 numbers as a separate reference table, since the paper has no result on
-these datasets), OUT/table3.png (bars with std error bars) and OUT/results.json. A run that
-fails is counted as 'error' (its message in results.json) and the sweep goes on.
+these datasets), OUT/table3.png (bars with std error bars), OUT/table4.png (accuracy against
+the degree, one line per method) and OUT/results.json. A run that fails is counted as 'error'
+(its message in results.json) and the sweep goes on.
+
+Seeds in parallel: run one sweep per seed into its own OUT (`--seeds=1 --out=runs/t_s1`, ...),
+then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (with the same --config/--budget/--runs/
+--partitions/--degrees) adds their records to OUT's results and rewrites its tables; the run
+directories stay where they ran.
 """
 
 import datetime
@@ -51,6 +57,12 @@ def define_flags() -> None:
   flags.DEFINE_list('degrees', [], 'Table 4 rows, e.g. 1.0,0.5/1.0,0.6/0.8/1.0 (none: no Table 4).')
   flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
   flags.DEFINE_list('runs', None, 'Runs (rows); default: every Table 3 run.')
+  flags.DEFINE_list(
+    'merge',
+    [],
+    'Instead of running: merge the results.json of these output directories (sweeps of other '
+    'seeds run in parallel) into OUT and write its tables.',
+  )
   flags.mark_flags_as_required(['config'])
 
 
@@ -243,6 +255,46 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def plot_table4(path: pathlib.Path, results: dict, runs: List[str], degrees: List[str]):
+  """Table 4 as lines: per method, the mean final accuracy ± std against the degree."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  fig = Figure(figsize=(7, 4), dpi=120)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  x = np.arange(len(degrees))
+  for r in (r for r in TABLE4_RUNS if r in runs):
+    values = [
+      100 * np.asarray(gather(results, degree_cell(d), r, 'final_test_accuracy')) for d in degrees
+    ]
+    mean = np.array([v.mean() if len(v) else np.nan for v in values])
+    std = np.array([v.std(ddof=1) if len(v) > 1 else 0.0 for v in values])
+    ax.errorbar(x, mean, yerr=std, marker='o', capsize=2, label=RUNS[r].name)
+  ax.set_xticks(x)
+  ax.set_xticklabels(['[' + d.replace('/', ', ') + ']' for d in degrees], fontsize=7)
+  ax.set_xlabel('pruning rates of the device classes (IID)')
+  ax.set_ylabel('final test accuracy (%)')
+  ax.set_title('FedTSA Table 4: mean ± std over seeds')
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def merge_results(results: dict, other: dict) -> None:
+  """Adds `other`'s (cell, seed, run) records to `results`; a finished record wins over an
+  error, and two finished records of one run must agree (the same run twice)."""
+  for cell, seeds in other.items():
+    for seed, runs in seeds.items():
+      mine = results.setdefault(cell, {}).setdefault(seed, {})
+      for run, record in runs.items():
+        old = mine.get(run)
+        if old is None or old.get('status') == 'error':
+          mine[run] = record
+        elif record.get('status') != 'error' and old != record:
+          raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
+
+
 def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: List[str]):
   """Table 3 as grouped bars: per partition, each method's mean final accuracy ± std."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
@@ -276,9 +328,11 @@ def run_sweep(
   partitions: List[str],
   degrees: List[str],
   seeds: List[int],
+  merge: Sequence[str] = (),
 ) -> str:
-  """Runs every (cell, seed, run) not finished yet; rewrites results.json, tables.md and
-  table3.png after each run; returns the tables' text."""
+  """Runs every (cell, seed, run) not finished yet (or, with `merge`, only merges those
+  directories' results); rewrites results.json, tables.md and the plots after each run;
+  returns the tables' text."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
@@ -308,6 +362,14 @@ def run_sweep(
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
   results_path = out / 'results.json'
   results = json.loads(results_path.read_text())['results'] if results_path.exists() else {}
+  if merge:
+    for d in merge:
+      path = pathlib.Path(d) / 'results.json'
+      if not path.exists():
+        raise ConfigError(f'--merge: {path} does not exist')
+      other = json.loads(path.read_text())
+      merge_results(results, other['results'])
+      meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
 
   # (cell, run) pairs: Table 3 runs on every partition; ablations on the first; Table 4's
   # heterogeneous methods on every degree (the default degree is the IID cell, run once).
@@ -320,8 +382,14 @@ def run_sweep(
   def save():
     atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
     atomic_write_text(out / 'tables.md', render(base, results, plan, meta))
-    plot_table(out / 'table3.png', results, runs, partitions)
+    if partitions:
+      plot_table(out / 'table3.png', results, runs, partitions)
+    if degrees:
+      plot_table4(out / 'table4.png', results, runs, degrees)
 
+  if merge:
+    save()
+    return (out / 'tables.md').read_text()
   for seed in seeds:
     for cell, name in jobs:
       record = results.setdefault(cell, {}).setdefault(str(seed), {})
@@ -350,6 +418,7 @@ def main(argv):
       FLAGS.partitions,
       FLAGS.degrees,
       [int(s) for s in FLAGS.seeds],
+      FLAGS.merge,
     )
   )
 

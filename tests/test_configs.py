@@ -15,7 +15,12 @@ CONFIG_MODULES = sorted(
 # Every config file's get_config(arg) goes through `common.variant_words`.
 CHECKED_MODULES = tuple(CONFIG_MODULES)
 # A sample value for each variant that takes one.
-VALUES = {'rounds=': 'rounds=2', 'dir=': 'dir=0.1', 'rates=': 'rates=0.5/1.0'}
+VALUES = {
+  'rounds=': 'rounds=2',
+  'dir=': 'dir=0.1',
+  'rates=': 'rates=0.5/1.0',
+  'source=': 'source=public',
+}
 ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
 
 
@@ -113,3 +118,15 @@ def test_heterogeneity_rates_word():
       common.heterogeneity_rates(bad)
   models = common.equal_share_models(lambda r: f'm{r:g}', [1.0, 0.5, 0.25], 5)
   assert models.split(';') == ['m1', 'm1', 'm0.5', 'm0.5', 'm0.25']
+
+
+def test_fedtsa_fashion_mnist_table4_words():
+  """The CPU Table 4's words: every method's rounds, and FedTSA's Stage-2 source."""
+  module = load('fedtsa_fashion_mnist')
+  c = module.get_config('source=public,rounds=10,iid,rates=0.5/1.0')
+  assert c.fedtsa.source == 'public' and c.partition.scheme == 'iid'
+  for section in ('fedtsa', 'heterofl', 'fedproto', 'fedmd', 'feddf', 'fedavg', 'fedprox'):
+    assert c[section].rounds == 10, section
+  assert module.get_config('').fedtsa.source == 'ddpm'  # the issue's default source
+  with pytest.raises(ConfigError, match='rounds'):
+    module.get_config('rounds=ten')

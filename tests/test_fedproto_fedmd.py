@@ -146,6 +146,12 @@ def test_nearest_prototype_inference():
   )
   # stacked over clients
   assert nearest_prototype(np.stack([features, features]), protos).shape == (2, 4)
+  # against the brute-force distances on random embeddings (the method expands |f - p|²)
+  rng = np.random.default_rng(0)
+  many = rng.normal(size=(3, 50, 16)).astype(np.float32)
+  protos = GlobalPrototypes(rng.normal(size=(5, 16)).astype(np.float32), np.ones(5))
+  brute = np.argmin(np.square(many[..., None, :] - protos.prototypes).sum(-1), -1)
+  np.testing.assert_array_equal(nearest_prototype(many, protos), brute)
 
 
 def test_prototype_and_logits_uploads_are_validated():

@@ -101,3 +101,61 @@ def test_the_proxy_task_is_timed_here_and_scaled_by_the_profile(tmp_path):
   np.testing.assert_array_equal(np.bincount(d.device_class), [3, 3])
   plot_kde(kde_clusters(d.durations, 0.3), d.durations, str(tmp_path / 'kde.png'))
   assert (tmp_path / 'kde.png').stat().st_size > 5000
+
+
+TABLE4_DEGREES = (
+  [1.0],
+  [0.5, 1.0],
+  [0.6, 0.8, 1.0],
+  [0.1, 0.4, 0.7, 1.0],
+  [0.1, 0.3, 0.5, 0.7, 1.0],
+)
+
+
+def _fedtsa_kde_settings():
+  """The clustering settings of FedTSA's config (experiments/configs/common.py)."""
+  from experiments.configs import common  # pylint: disable=g-import-not-at-top
+
+  c = common.base_config().fedtsa
+  return dict(
+    bandwidth=float(c.bandwidth),
+    quantum=c.rate_quantum,
+    space=c.kde_space,
+    min_bandwidth=c.kde_min_bandwidth,
+  ), c.jitter
+
+
+@pytest.mark.parametrize('rates', TABLE4_DEGREES, ids=lambda r: '/'.join(map(str, r)))
+def test_fedtsa_defaults_recover_every_table4_degree(rates):
+  """FedTSA's clustering finds each degree's device classes exactly (20 clients, the config's
+  jitter, 10 seeds): in seconds, the std-scaled bandwidth split one class at its noise and
+  merged 1.0/0.7/0.4 into one cluster at [0.1, 0.4, 0.7, 1.0]."""
+  settings, jitter = _fedtsa_kde_settings()
+  fastest_first = sorted(rates, reverse=True)
+  p = profile_from_rates(fastest_first, [1 / len(rates)] * len(rates))
+  for seed in range(10):
+    d = simulated_durations(0.02, 20, p, jitter, seed)
+    c = kde_clusters(d.durations, **settings)
+    np.testing.assert_array_equal(c.assignments, d.device_class, err_msg=f'seed {seed}')
+    np.testing.assert_allclose(c.rates, fastest_first)
+  # the old default (seconds, factor 0.25, no floor) fails both ends of the table
+  one = simulated_durations(0.02, 20, profile_from_rates([1.0], [1.0]), jitter, 0).durations
+  assert len(kde_clusters(one, 0.25).means) > 1
+
+
+def test_log_space_kde_is_the_kde_of_log_durations_with_a_bandwidth_floor():
+  durations, truth = _three_modes()
+  c = kde_clusters(durations, 0.2, space='log')
+  np.testing.assert_array_equal(c.assignments, truth)
+  kde = stats.gaussian_kde(np.log(durations), bw_method=0.2)
+  assert c.space == 'log' and c.bandwidth == pytest.approx(np.sqrt(kde.covariance[0, 0]))
+  for b in c.boundaries:  # boundaries are reported in seconds, minima of the log-space KDE
+    x, step = np.log(b), 1e-3
+    assert kde(x)[0] <= kde(x - step)[0] and kde(x)[0] <= kde(x + step)[0]
+  ends = np.log([durations.min(), durations.max()]) + np.array([-3, 3]) * c.bandwidth
+  np.testing.assert_allclose(c.grid[[0, -1]], np.exp(ends))  # the grid in seconds
+  floored = kde_clusters(durations, 0.01, space='log', min_bandwidth=0.3)
+  assert floored.bandwidth == pytest.approx(0.3)
+  assert len(floored.means) == 1  # a 0.3 kernel (35 % in duration) merges the three classes
+  with pytest.raises(ValueError, match='space'):
+    kde_clusters(durations, space='seconds')

@@ -122,9 +122,38 @@ def test_fedtsa_tables_cells_degrees_ablations_and_resume(tmp_path):
   mean, std = 100 * np.mean(finals), 100 * np.std(finals, ddof=1)
   assert f'| FedTSA | {mean:.2f} ± {std:.2f} (n=2) |' in table
   assert '## Table 4' in table and '| [0.5, 1.0] |' in table and '## Ablations' in table
-  assert (tmp_path / 'table3.png').exists()
+  assert (tmp_path / 'table3.png').exists() and (tmp_path / 'table4.png').exists()
   # rerunning skips the finished runs and reproduces the same tables
   assert fedtsa_tables.run_sweep(*args) == table
+
+
+def test_fedtsa_tables_merges_sweeps_of_other_seeds(tmp_path):
+  """Seeds run in parallel sweeps are merged into one table; a conflicting record fails."""
+  config = str(pathlib.Path(fedtsa_digits.__file__))
+  cell = 'iid,rates=0.5/1.0'
+
+  def sweep(name, seed, acc, status=None):
+    out = tmp_path / name
+    out.mkdir()
+    record = {'status': 'error', 'error': 'x'} if status else {'final_test_accuracy': acc}
+    results = {cell: {str(seed): {'fedtsa': record, 'heterofl': {'final_test_accuracy': 0.5}}}}
+    meta = {'seeds': [seed]}
+    (out / 'results.json').write_text(json.dumps({'meta': meta, 'results': results}))
+    return str(out)
+
+  sweep('a', 0, 0.8)
+  b = sweep('b', 1, 0.9)
+  err = sweep('c', 1, 0.0, status='error')
+  args = (config, 'smoke', tmp_path / 'a', ['heterofl', 'fedtsa'], [], ['0.5/1.0'], [0])
+  table = fedtsa_tables.run_sweep(*args, merge=[err, b])
+  assert '| [0.5, 1.0] | 50.00 ± 0.00 (n=2) | 85.00 ± 7.07 (n=2) |' in table
+  assert 'seeds [0, 1]' in table and (tmp_path / 'a' / 'table4.png').exists()
+  assert not (tmp_path / 'a' / cell.replace(',', '_')).exists()  # merging runs nothing
+  other = sweep('d', 1, 0.7)
+  with pytest.raises(ValueError, match='differs'):
+    fedtsa_tables.run_sweep(*args, merge=[other])
+  with pytest.raises(ConfigError, match='does not exist'):
+    fedtsa_tables.run_sweep(*args, merge=[str(tmp_path / 'missing')])
 
 
 def test_fedtsa_tables_rejects_bad_runs_and_degrees(tmp_path):

@@ -232,6 +232,7 @@ def base_config() -> ml_collections.ConfigDict:
       'kd_grad_clip': 5.0,
       'kd_schedule': 'cosine',
       'kd_augment': 'none',
+      'teacher_bn': 'batch',
     }
   )
   c.coboosting = ml_collections.ConfigDict(
@@ -416,7 +417,9 @@ def base_config() -> ml_collections.ConfigDict:
       'jitter': 0.02,
       'proxy_samples': 1000,
       'proxy_repeats': 3,
-      'bandwidth': '0.25',
+      'bandwidth': '0.1',
+      'kde_space': 'log',
+      'kde_min_bandwidth': 0.05,
       'rate_quantum': 0.1,
       'stage2': True,
       'global_epochs': 1,

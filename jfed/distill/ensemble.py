@@ -48,8 +48,13 @@ def resolve_strategy(strategy: str) -> str:
   return strategy
 
 
-def _one(module, params, batch_stats, x, with_bn_loss: bool):
+def _one(module, params, batch_stats, x, with_bn_loss: bool, batch_bn: bool = False):
   variables = {'params': params, 'batch_stats': batch_stats}
+  if batch_bn:
+    # BN on the batch's own statistics (a torch module left in train mode); the updated
+    # running statistics are dropped, so the teachers do not change.
+    logits, _ = module.apply(variables, x, train=True, mutable=['batch_stats'])
+    return logits, jnp.zeros((), jnp.float32)
   if not with_bn_loss:
     return module.apply(variables, x, train=False), jnp.zeros((), jnp.float32)
   logits, col = module.apply(variables, x, train=False, mutable=['bn_inputs'])
@@ -57,14 +62,21 @@ def _one(module, params, batch_stats, x, with_bn_loss: bool):
 
 
 def group_outputs(
-  group: TeacherGroup, x: jnp.ndarray, with_bn_loss: bool = False, strategy: str = 'auto'
+  group: TeacherGroup,
+  x: jnp.ndarray,
+  with_bn_loss: bool = False,
+  strategy: str = 'auto',
+  batch_bn: bool = False,
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Per-client logits [K_g, B, C] and per-client BN-statistics losses [K_g] (zeros unless
-  `with_bn_loss`) of one group on the same input x [B, ...]."""
+  `with_bn_loss`) of one group on the same input x [B, ...]. `batch_bn`: BatchNorm normalises
+  with the batch's statistics instead of the running ones (no BN loss then)."""
+  if batch_bn and with_bn_loss:
+    raise ValueError('batch_bn teachers have no BN-statistics loss')
   module, states = group
   strategy = resolve_strategy(strategy)
   if strategy == 'vmap':
-    fn = lambda p, bs: _one(module, p, bs, x, with_bn_loss)
+    fn = lambda p, bs: _one(module, p, bs, x, with_bn_loss, batch_bn)
     return jax.vmap(fn)(states.params, states.batch_stats)
   k = jax.tree.leaves(states.params)[0].shape[0]
   outs = [
@@ -74,6 +86,7 @@ def group_outputs(
       jax.tree.map(lambda a, i=i: a[i], states.batch_stats),
       x,
       with_bn_loss,
+      batch_bn,
     )
     for i in range(k)
   ]
@@ -81,10 +94,14 @@ def group_outputs(
 
 
 def teacher_outputs(
-  groups, x: jnp.ndarray, with_bn_loss: bool = False, strategy: str = 'auto'
+  groups,
+  x: jnp.ndarray,
+  with_bn_loss: bool = False,
+  strategy: str = 'auto',
+  batch_bn: bool = False,
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """All clients' logits [K, B, C] and BN losses [K] (groups concatenated in order)."""
-  outs = [group_outputs(g, x, with_bn_loss, strategy) for g in _as_groups(groups)]
+  outs = [group_outputs(g, x, with_bn_loss, strategy, batch_bn) for g in _as_groups(groups)]
   if len(outs) == 1:
     return outs[0]
   return (jnp.concatenate([o[0] for o in outs], 0), jnp.concatenate([o[1] for o in outs], 0))

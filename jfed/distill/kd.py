@@ -39,6 +39,9 @@ class KDConfig(NamedTuple):
                    method), 'sa' / 'sa_inter' (FedHydra SA with the pool's target labels).
   augment:         KD view of a stored image: 'none', 'flip' (HFlip), 'crop_flip'
                    (RandomCrop(pad) + HFlip).
+  teacher_bn:      'running' (teachers in eval mode: BN running statistics; DENSE,
+                   Co-Boosting) or 'batch' (BN on each KD batch's statistics: FedDF's reference
+                   never calls eval() on its teachers).
   ods_eta:         Co-Boosting ODS: x ← x + eta · sign(∇_x Σ r ⊙ softmax(t(x)/ods_T)), r ~ U(−1, 1).
   """
 
@@ -52,6 +55,7 @@ class KDConfig(NamedTuple):
   ods_eta: float = 0.0
   ods_T: float = 4.0
   strategy: str = 'auto'
+  teacher_bn: str = 'running'
 
 
 def resolve_augment(kind: str, dataset_name: str) -> str:
@@ -90,7 +94,9 @@ def student_state(spec: OptimizerSpec, model: ModelState) -> TrainState:
 
 
 def teacher_logits(kcfg: KDConfig, modules, states, x, y, agg):
-  per_client, _ = teacher_outputs(teacher_groups(modules, states), x, False, kcfg.strategy)
+  per_client, _ = teacher_outputs(
+    teacher_groups(modules, states), x, False, kcfg.strategy, kcfg.teacher_bn == 'batch'
+  )
   return aggregate_teachers(kcfg, per_client, y, agg)
 
 

@@ -19,8 +19,11 @@ The validation set is `val_size` labelled images of the test split, also held ou
 evaluation (`val_size=0`: no validation, no early stop, the final student is returned).
 Test accuracy is measured on the rest of the test split (`eval_samples` in the summary).
 
-Difference from the reference: the teachers run in eval mode (BN running statistics); the
-reference never calls eval() on them, so its teacher logits use batch statistics.
+`feddf.teacher_bn`: 'batch' (default, the reference: it never calls eval() on the teachers, so
+their BatchNorm normalises with each distillation batch's statistics) or 'running' (eval mode,
+as jfed did before issue 9: a client whose BN running variance collapsed on its few classes
+then gives logits of ~1e12 on other images, and multi-round FedDF diverged on fedtsa_digits).
+Dropout stays off in the teachers either way (the reference's VGG teachers would drop).
 
 Config (`config.feddf`): the fields of `FedDFConfig`.
 """
@@ -42,6 +45,8 @@ from jfed.methods import common, oneshot
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
+TEACHER_BN = ('batch', 'running')
+
 
 class FedDFConfig(NamedTuple):
   rounds: int
@@ -61,6 +66,7 @@ class FedDFConfig(NamedTuple):
   kd_grad_clip: float
   kd_schedule: str
   kd_augment: str
+  teacher_bn: str
 
 
 class DistillationData(NamedTuple):
@@ -128,12 +134,15 @@ class FedDF(oneshot.DistillationAlgorithm):
     super().validate(config)
     tc.require_positive(self.config, self.section, ('source_size', 'total_steps', 'eval_every'))
     tc.require_non_negative(self.config, self.section, ('val_size', 'patience'))
+    tc.require_choice(self.config.teacher_bn, TEACHER_BN, f'{self.section}.teacher_bn')
 
   def epochs_per_round(self) -> int:
     return math.ceil(self.config.total_steps / self.config.eval_every)
 
   def settings(self, ctx: RunContext) -> oneshot.Settings:
-    kd = self.kd_config(ctx, loss='kl', t_squared=False, aggregation='mean')
+    kd = self.kd_config(
+      ctx, loss='kl', t_squared=False, aggregation='mean', teacher_bn=self.config.teacher_bn
+    )
     return self.base_settings(
       ctx,
       None,

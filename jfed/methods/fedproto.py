@@ -125,8 +125,12 @@ def aggregate_prototypes(prototypes: np.ndarray, counts: np.ndarray) -> GlobalPr
 def nearest_prototype(features: np.ndarray, protos: GlobalPrototypes, allowed=None) -> np.ndarray:
   """[..., N] the class whose global prototype is nearest (smallest MSE) to each embedding
   [..., N, D], among the classes with a prototype (and in `allowed` [C] when given)."""
-  p = np.asarray(protos.prototypes)
-  dist = np.mean(np.square(features[..., None, :] - p), axis=-1)  # [..., N, C]
+  p = np.asarray(protos.prototypes, np.float32)
+  f = np.asarray(features, np.float32)
+  # |f - p|² expanded: the broadcast difference [..., N, C, D] took 1.6 GB and most of a round
+  # for 20 clients on Fashion-MNIST's test split.
+  sq = np.sum(np.square(f), -1, keepdims=True) - 2.0 * (f @ p.T) + np.sum(np.square(p), -1)
+  dist = sq / p.shape[-1]  # [..., N, C]
   ok = np.asarray(protos.support) > 0
   if allowed is not None:
     ok = ok & np.asarray(allowed, bool)

@@ -34,9 +34,14 @@ def plot_kde(clusters: KDEClusters, durations, path: str, dpi: int = 120) -> Non
       color=colours(k % 10),
       label=f'cluster {k}: {len(members)} clients, mean {mean:.3g}s, rate {rate:.2f}',
     )
+  if clusters.space == 'log':  # the density is per unit of log duration
+    ax.set_xscale('log')
+    ax.set_ylabel('density of log duration')
+    ax.set_title(f'KDE clustering (bandwidth {clusters.bandwidth:.3g} in log seconds)')
+  else:
+    ax.set_ylabel('density')
+    ax.set_title(f'KDE clustering (bandwidth {clusters.bandwidth:.3g}s)')
   ax.set_xlabel('proxy-task duration (s)')
-  ax.set_ylabel('density')
-  ax.set_title(f'KDE clustering (bandwidth {clusters.bandwidth:.3g}s)')
   ax.legend(fontsize=7, loc='upper right')
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
