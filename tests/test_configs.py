@@ -130,3 +130,10 @@ def test_fedtsa_fashion_mnist_table4_words():
   assert module.get_config('').fedtsa.source == 'ddpm'  # the issue's default source
   with pytest.raises(ConfigError, match='rounds'):
     module.get_config('rounds=ten')
+
+
+@pytest.mark.parametrize('name', ['fedtsa_fashion_mnist', 'fedtsa_digits'])
+def test_fedtsa_configs_give_fedproto_one_embedding_width_at_every_degree(name):
+  """Table 4's degrees prune the clients' widths; FedProto needs a common embedding layer."""
+  for words in ('', 'rates=0.5/1.0', 'rates=0.1/0.3/0.5/0.7/1.0'):
+    assert load(name).get_config(words).fedproto.embed_dim > 0, words

@@ -86,6 +86,8 @@ def get_config(arg: str = ''):
     )
   for m in ('heterofl', 'fedproto'):
     c[m].update({'rounds': rounds, 'local_epochs': local_epochs, 'participation': 1.0})
+  # Pruned clients have narrower penultimate layers: FedProto's prototypes need one width.
+  c.fedproto.embed_dim = 64
   # Batch 100 for FedMD's private and revisit epochs too (§5.1's one batch size for every
   # method; its reference's 32 and 5 made a revisit epoch 7x slower than a FedAvg epoch here).
   c.fedmd.update(

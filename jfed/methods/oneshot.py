@@ -17,10 +17,12 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
 2. Teachers: one `TeacherGroup` per architecture group of the uploaded models (eval mode), and
    the method's per-round data (`round_data`: FedHydra's model stratification, ...). Both are
    kept in a cache in the run's aux; a resumed run rebuilds them from the stages.
-3. Server model (`<method>.server_model`, default `config.model`): round 1 starts random
-   (`init='random'`, DENSE / Co-Boosting / FedHydra Algorithm 1 line 10) or from the FedAvg of
-   the clients that share its architecture (`init='fedavg'`, FedDF); round r > 1 starts from
-   the previous round's global model. A fresh optimiser, pool and generator every round.
+3. Server model (`<method>.server_model`, default `config.model`): with `init='fedavg'`
+   (FedDF) every round starts from the FedAvg of that round's uploads that share its
+   architecture (the previous round's global model, or round 1's random init, when none
+   does); otherwise round 1 starts random (DENSE / Co-Boosting / FedHydra Algorithm 1 line 10)
+   and round r > 1 from the previous round's global model. A fresh optimiser, pool and
+   generator every round.
 4. Epoch e (one driver step):
      a. synthesis (not FedDF): one `jfed.distill.synthesize` call (g_steps generator steps on
         `synthesis_batch` images), its best batch and target labels are appended to the pool;
@@ -492,19 +494,20 @@ class DistillationAlgorithm(Algorithm):
       global_model = self.round_model(state) if r > 1 else None
       rd = self.round(ctx, aux, r, global_model)
       if global_model is not None:
-        start = global_model
         record.update(
           upload_bytes=rd.local.upload_bytes,
           download_bytes=download_bytes(rd.local, s.server_model, global_model),
         )
-      elif s.init == 'fedavg':
-        start = fedavg_of_matching(rd.local, s.server_model)
-        if start is None:
+      # FedDF (init='fedavg') starts every round's student from the FedAvg of that round's
+      # uploads (Lin et al. Alg. 1); the others from the previous round's global model.
+      start = fedavg_of_matching(rd.local, s.server_model) if s.init == 'fedavg' else None
+      if start is None:
+        start = global_model
+      if start is None:
+        if s.init == 'fedavg':
           logging.warning(
             '%s: no client has the server architecture %s; random init', self.name, s.server_model
           )
-          start = aux.random_student
-      else:
         start = aux.random_student
       state = self.fresh_state(ctx, aux, start, r)
     elif bool(state.stopped):  # the round stopped early: nothing left to do in it
