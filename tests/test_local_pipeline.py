@@ -240,9 +240,17 @@ def test_write_class_grid(tmp_path):
   images = SyntheticImages(
     images=rng.random((6, 8, 8, 1), dtype=np.float32), labels=np.array([0, 0, 2, 2, 2, 1], np.int32)
   )
-  path = local_pipeline.write_class_grid(images, str(tmp_path / 'figs' / 'grid.png'), per_class=2)
+  path = local_pipeline.write_class_grid(
+    images, str(tmp_path / 'figs' / 'grid.png'), per_class=2, scale=1
+  )
   grid = matplotlib.image.imread(path)
   assert grid.shape[:2] == (3 * 10 + 2, 2 * 10 + 2)
+  # row 2 (class 2) holds images 2 and 3 in place
+  np.testing.assert_allclose(
+    grid[2 * 10 + 2 : 2 * 10 + 10, 2:10, 0], images.images[2, ..., 0], atol=0.01
+  )
+  big = matplotlib.image.imread(local_pipeline.write_class_grid(images, str(tmp_path / 'b.png')))
+  assert big.shape[:2] == (8 * (3 * 10 + 2), 8 * (8 * 10 + 2))  # 8 per class, 8x8 drawn 8x
 
 
 def test_without_the_packages_loading_says_what_to_install(tmp_path, monkeypatch):

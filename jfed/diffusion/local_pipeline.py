@@ -292,9 +292,14 @@ class LocalDiffusionSource:
 
 
 def write_class_grid(
-  images: SyntheticImages, path: str, per_class: int = 8, max_classes: int = 20
+  images: SyntheticImages,
+  path: str,
+  per_class: int = 8,
+  max_classes: int = 20,
+  scale: Optional[int] = None,
 ) -> str:
-  """Writes a PNG with one row per class (ascending label) of its first `per_class` images.
+  """Writes a PNG with one row per class (ascending label) of its first `per_class` images,
+  each pixel drawn `scale` x `scale` (default: 8x8 digits at 8, 28-32 px images at 2).
 
   Returns:
     `path` (its directory is created).
@@ -314,6 +319,8 @@ def write_class_grid(
     for j, img in enumerate(x[y == k][:per_class]):
       top, left = pad + r * (h + pad), pad + j * (w + pad)
       grid[top : top + h, left : left + w] = img
+  scale = max(1, 64 // max(h, w)) if scale is None else int(scale)
+  grid = np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   if c == 1:
     matplotlib.image.imsave(path, grid[..., 0], cmap='gray', vmin=0.0, vmax=1.0)
