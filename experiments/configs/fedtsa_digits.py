@@ -46,11 +46,10 @@ Measured (seed 0, CPU, 2 cores shared with other jobs), final (best) test accura
            72.4% (78.1%)
   fedavg   :full 97.2%, :pruned 94.2%; fedprox :full 96.1%, :pruned 94.2% (95.8%): one model
            per client's full data share; every client at one width (on all 360 test images)
-  feddf    91.1% (92.2%) on the 180 test images it does not hold out; 13 min on cores shared
-           with two other runs (teachers on batch statistics, `feddf.teacher_bn=batch`; with
-           eval-mode teachers, `running`, it failed at round 2 with a NaN distillation loss).
-           Measured before each round's student started from that round's FedAvg (BUILD_NOTES
-           .md); not re-run since
+  feddf    86.7% (87.8%) on the 180 test images it does not hold out; 11 min beside the slow
+           tests (teachers on batch statistics, `feddf.teacher_bn=batch`; with eval-mode
+           teachers, `running`, it failed at round 2 with a NaN distillation loss). Each round's
+           student starts from the FedAvg of the rate-1.0 uploads: here one client
 Seeds (mean ± std): `python -m experiments.fedtsa_tables --config=experiments/configs/
 fedtsa_digits.py --partitions=dir=0.5` (not yet run to the end on these 2 cores).
 
