@@ -30,15 +30,16 @@ that fails is counted as 'error' (its message in results.json) and the sweep goe
 """
 
 import datetime
-import importlib.util
 import json
 import pathlib
 import shutil
 import traceback
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple
 
 from absl import app, flags
 import numpy as np
+
+from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
 
 FLAGS = flags.FLAGS
 
@@ -112,17 +113,6 @@ SUMMARY_KEYS = (
 )
 
 
-def load_config_module(path: str):
-  spec = importlib.util.spec_from_file_location('fedmho_tables_config', path)
-  if spec is None or spec.loader is None:
-    raise app.UsageError(f'--config={path!r}: not a Python file')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, 'get_config'):
-    raise app.UsageError(f'--config={path!r} has no get_config')
-  return module
-
-
 def run_config(module, budget: str, run: Run, alpha: float, seed: int, cell: pathlib.Path):
   """The config of one run: the budget, its client set and α; seed; the set's shared clients."""
   words = [w for w in (budget, run.clients, f'dir={alpha}') if w]
@@ -139,13 +129,6 @@ def run_config(module, budget: str, run: Run, alpha: float, seed: int, cell: pat
 
 def cell_dir(out: pathlib.Path, alpha: float, seed: int) -> pathlib.Path:
   return out / f'dir{alpha}' / f'seed{seed}'
-
-
-def mean_std(values: List[float]) -> Optional[str]:
-  if not values:
-    return None
-  v = 100 * np.asarray(values)
-  return f'{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.2f}'
 
 
 def gather(results: dict, run: str, alpha: float, key: str) -> List[float]:
@@ -276,9 +259,7 @@ def plot_table(
   width = 0.8 / max(1, len(alphas))
   for j, a in enumerate(alphas):
     x = np.arange(len(rows)) + (j - (len(alphas) - 1) / 2) * width
-    values = [100 * np.asarray(gather(results, r, a, 'final_test_accuracy')) for r in rows]
-    mean = [v.mean() if len(v) else np.nan for v in values]
-    std = [v.std(ddof=1) if len(v) > 1 else 0.0 for v in values]
+    mean, std = percent_stats_each([gather(results, r, a, 'final_test_accuracy') for r in rows])
     bars = ax.bar(x, mean, width * (0.5 if paper else 0.9), yerr=std, capsize=2, label=f'α={a}')
     if paper:
       ref = [PAPER.get(r, {}).get(a, (np.nan,))[0] for r in rows]
@@ -310,7 +291,7 @@ def run_sweep(
   unknown = [r for r in runs if r not in RUNS]
   if unknown:
     raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(RUNS)}')
-  module = load_config_module(config_path)
+  module = load_config_module(config_path, 'fedmho_tables_config')
   base = module.get_config(budget)
   out.mkdir(parents=True, exist_ok=True)
   meta = {

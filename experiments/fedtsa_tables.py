@@ -35,7 +35,6 @@ directories stay where they ran.
 """
 
 import datetime
-import importlib.util
 import json
 import pathlib
 import traceback
@@ -43,6 +42,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from absl import app, flags
 import numpy as np
+
+from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
 
 FLAGS = flags.FLAGS
 DEFAULT_DEGREE = '0.6/0.8/1.0'
@@ -139,17 +140,6 @@ TABLE4_RUNS = ('fedproto', 'fedmd', 'feddf', 'heterofl', 'fedtsa')
 SUMMARY_KEYS = ('final_test_accuracy', 'best_test_accuracy', 'seconds')
 
 
-def load_config_module(path: str):
-  spec = importlib.util.spec_from_file_location('fedtsa_tables_config', path)
-  if spec is None or spec.loader is None:
-    raise app.UsageError(f'--config={path!r}: not a Python file')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, 'get_config'):
-    raise app.UsageError(f'--config={path!r} has no get_config')
-  return module
-
-
 def normalise_degree(degree: str) -> str:
   """'1.0/0.6/0.8' -> '0.6/0.8/1.0' (the paper's notation, ascending)."""
   return '/'.join(
@@ -174,13 +164,6 @@ def run_config(module, budget: str, run: Run, cell: str, seed: int, out: pathlib
     c.fedtsa.ddpm_cache = str((out / 'ddpm' / f'seed{seed}.msgpack').absolute())
     c.fedtsa.update(run.fedtsa or {})
   return c
-
-
-def mean_std(values: Sequence[float]) -> Optional[str]:
-  if not values:
-    return None
-  v = 100 * np.asarray(values)
-  return f'{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.2f}'
 
 
 def gather(results: dict, cell: str, run: str, key: str) -> List[float]:
@@ -269,11 +252,9 @@ def plot_table4(path: pathlib.Path, results: dict, runs: List[str], degrees: Lis
   ax = fig.add_subplot(1, 1, 1)
   x = np.arange(len(degrees))
   for r in (r for r in TABLE4_RUNS if r in runs):
-    values = [
-      100 * np.asarray(gather(results, degree_cell(d), r, 'final_test_accuracy')) for d in degrees
-    ]
-    mean = np.array([v.mean() if len(v) else np.nan for v in values])
-    std = np.array([v.std(ddof=1) if len(v) > 1 else 0.0 for v in values])
+    mean, std = percent_stats_each(
+      [gather(results, degree_cell(d), r, 'final_test_accuracy') for d in degrees]
+    )
     ax.errorbar(x, mean, yerr=std, marker='o', capsize=2, label=RUNS[r].name)
   ax.set_xticks(x)
   ax.set_xticklabels(['[' + d.replace('/', ', ') + ']' for d in degrees], fontsize=7)
@@ -311,9 +292,7 @@ def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: L
   width = 0.8 / max(1, len(partitions))
   for j, p in enumerate(partitions):
     x = np.arange(len(rows)) + (j - (len(partitions) - 1) / 2) * width
-    values = [100 * np.asarray(gather(results, p, r, 'final_test_accuracy')) for r in rows]
-    mean = [v.mean() if len(v) else np.nan for v in values]
-    std = [v.std(ddof=1) if len(v) > 1 else 0.0 for v in values]
+    mean, std = percent_stats_each([gather(results, p, r, 'final_test_accuracy') for r in rows])
     ax.bar(x, mean, width * 0.9, yerr=std, capsize=2, label=p)
   ax.set_xticks(np.arange(len(rows)))
   ax.set_xticklabels([ALL_RUNS[r].name for r in rows], rotation=25, ha='right', fontsize=8)
@@ -350,7 +329,7 @@ def run_sweep(
     degrees = [normalise_degree(d) for d in degrees]
   except ValueError:
     raise ConfigError(f'--degrees: expected rates like 0.6/0.8/1.0, got {degrees}') from None
-  module = load_config_module(config_path)
+  module = load_config_module(config_path, 'fedtsa_tables_config')
   base = module.get_config(budget)
   for cell in partitions + [degree_cell(d) for d in degrees]:
     module.get_config(','.join(w for w in (budget, cell) if w))  # bad words fail before any run
@@ -365,7 +344,11 @@ def run_sweep(
   }
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
   results_path = out / 'results.json'
-  results = json.loads(results_path.read_text())['results'] if results_path.exists() else {}
+  results = {}
+  if results_path.exists():  # a resumed or re-merged OUT keeps the seeds it already holds
+    saved = json.loads(results_path.read_text())
+    results = saved['results']
+    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
   if merge:
     for d in merge:
       path = pathlib.Path(d) / 'results.json'

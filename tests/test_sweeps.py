@@ -149,6 +149,9 @@ def test_fedtsa_tables_merges_sweeps_of_other_seeds(tmp_path):
   assert '| [0.5, 1.0] | 50.00 ± 0.00 (n=2) | 85.00 ± 7.07 (n=2) |' in table
   assert 'seeds [0, 1]' in table and (tmp_path / 'a' / 'table4.png').exists()
   assert not (tmp_path / 'a' / cell.replace(',', '_')).exists()  # merging runs nothing
+  # merging into an OUT that already holds merged seeds keeps them in the header
+  table = fedtsa_tables.run_sweep(*args, merge=[sweep('e', 2, 0.85)])
+  assert 'seeds [0, 1, 2]' in table and '85.00 ± 5.00 (n=3)' in table
   other = sweep('d', 1, 0.7)
   with pytest.raises(ValueError, match='differs'):
     fedtsa_tables.run_sweep(*args, merge=[other])
@@ -163,3 +166,21 @@ def test_fedtsa_tables_rejects_bad_runs_and_degrees(tmp_path):
   with pytest.raises(ConfigError, match='rates'):
     fedtsa_tables.run_sweep(config, 'smoke', tmp_path, ['fedtsa'], ['iid'], ['0.5/0.8'], [0])
   assert not (tmp_path / 'results.json').exists()
+
+
+def test_seed_statistics_match_the_statistics_module():
+  """The tables' mean ± sample std over seeds (in %), against Python's statistics module."""
+  import statistics  # pylint: disable=g-import-not-at-top
+
+  from experiments import seed_tables  # pylint: disable=g-import-not-at-top
+
+  values = [0.812, 0.7905, 0.8433]
+  pct = [100 * v for v in values]
+  want = f'{statistics.mean(pct):.2f} ± {statistics.stdev(pct):.2f}'
+  assert seed_tables.mean_std(values) == want
+  assert seed_tables.mean_std([0.5]) == '50.00 ± 0.00' and seed_tables.mean_std([]) is None
+  means, stds = seed_tables.percent_stats_each([values, [0.5], []])
+  np.testing.assert_allclose(means[:2], [statistics.mean(pct), 50.0])
+  np.testing.assert_allclose(stds, [statistics.stdev(pct), 0.0, 0.0])
+  assert np.isnan(means[2])
+  assert seed_tables.percent_stats_each([])[0].shape == (0,)
