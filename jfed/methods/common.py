@@ -255,6 +255,14 @@ def local_models(
   return LocalModels(groups, list(models), upload_bytes)
 
 
+def sitting_out_as_size_zero(group: ClientGroup, taking_part: np.ndarray) -> ClientGroup:
+  """The group with every client not `taking_part` ([K] bool) at size 0: it keeps all its
+  clients (fixed shapes: one program per group for the whole run), and a size-0 client takes
+  no step and has no weight in an average."""
+  sizes = np.where(taking_part, group.fed.sizes, 0).astype(np.int32)
+  return group._replace(fed=group.fed._replace(sizes=sizes))
+
+
 def participating_group(
   ctx: RunContext, full_group: ClientGroup, selected: np.ndarray
 ) -> ClientGroup:

@@ -283,10 +283,7 @@ class FedProto(Algorithm):
     # Groups keep their clients (one program per group for the run); a client that sits the
     # round out has size 0: it takes no step, keeps its model and uploads nothing.
     weights = [np.isin(g.client_ids, selected) for g in aux.groups]
-    groups = [
-      g._replace(fed=g.fed._replace(sizes=np.where(w, g.fed.sizes, 0).astype(np.int32)))
-      for g, w in zip(aux.groups, weights)
-    ]
+    groups = [common.sitting_out_as_size_zero(g, w) for g, w in zip(aux.groups, weights)]
     protos = jax.device_put(state.protos)  # host arrays after round 1: no program, unlike jnp
     contexts = [engine.replicate(protos, len(g.client_ids)) for g in groups]
     models, metrics = common.train_groups(

@@ -497,12 +497,11 @@ class FedTSA(Algorithm):
       if not taking_part.any():  # no member of this cluster takes part: its model waits
         models.append(model)
         continue
-      # The cluster keeps all its members (one program per cluster for the whole run); a
-      # member that sits the round out has size 0: it takes no step and is not averaged.
-      sizes = np.where(taking_part, g.fed.sizes, 0).astype(np.int32)
+      round_group = common.sitting_out_as_size_zero(g, taking_part)
+      sizes = round_group.fed.sizes
       (trained,), (metrics,) = common.train_groups(
         [trainer],
-        [g._replace(fed=g.fed._replace(sizes=sizes))],
+        [round_group],
         [engine.replicate(model, len(g.client_ids))],
         c.local_epochs,
         ctx.derive_key(Purpose.ROUNDS, i, k),

@@ -259,10 +259,7 @@ class HeteroFL(Algorithm):
     # Every group keeps its clients (fixed shapes: one program per group for the whole run); a
     # client that sits the round out has size 0, so it takes no step and its upload is not read.
     weights = [np.isin(g.client_ids, selected).astype(np.float32) for g in aux.groups]
-    groups = [
-      g._replace(fed=g.fed._replace(sizes=np.where(w > 0, g.fed.sizes, 0).astype(np.int32)))
-      for g, w in zip(aux.groups, weights)
-    ]
+    groups = [common.sitting_out_as_size_zero(g, w > 0) for g, w in zip(aux.groups, weights)]
     starts = [engine.replicate(s(state), len(g.client_ids)) for s, g in zip(aux.slicers, groups)]
     models, metrics = common.train_groups(
       aux.trainers,
