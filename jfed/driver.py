@@ -13,9 +13,10 @@ The driver owns everything else: after each step it checks the records and the s
 numbers the records (`step` = i + 1), adds `seconds` and the running `cumulative_bytes`, saves
 the state together with the whole metric history in one checkpoint, rewrites `metrics.jsonl`
 atomically and prints progress. A resumed run restores state and history from the newest
-checkpoint that loads; history is never re-read from `metrics.jsonl`. At the end it builds the
-typed `RunSummary` (final and best accuracy, bytes, the method's extras), writes
-`summary.json` and plots `accuracy.png`.
+checkpoint that loads; history is never re-read from `metrics.jsonl`. The same records go to
+TensorBoard event files (`<workdir>/tensorboard/`) and, with `logging.wandb`, to Weights & Biases
+(jfed/io/scalars.py). At the end it builds the typed `RunSummary` (final and best accuracy,
+bytes, the method's extras), writes `summary.json` and plots `accuracy.png`.
 
 `run(algorithm, ctx)` needs no workdir: with `ctx.workdir=None` nothing is written and stages
 are cached in memory, so a notebook can call a method and get a `RunSummary` back.
@@ -53,6 +54,7 @@ from jfed import __version__
 from jfed.data import Dataset
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import Checkpointer
+from jfed.io.scalars import ScalarLoggers, logging_config
 from jfed.keys import Purpose
 from jfed.workdir import Workdir, atomic_write_text, dumps, jsonable, write_json
 
@@ -371,6 +373,7 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   invocation_start = time.perf_counter()
   say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
   workdir = ctx.workdir
+  log_options = logging_config(ctx.config) if workdir is not None else None
   n = algorithm.num_steps(ctx)
   if n < 1:
     raise ConfigError(f'{algorithm.name} has no {algorithm.step_name}s to run (num_steps = {n})')
@@ -389,6 +392,7 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   setup_seconds = time.perf_counter() - t0
   ckpt = None if workdir is None else RunCheckpointer(workdir / 'checkpoints')
   metrics = _Metrics(workdir)
+  loggers, completed = None, False
   try:
     start, state, history = (
       ckpt.restore_latest(template, with_history=True) if ckpt else (None, template, [])
@@ -406,6 +410,9 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       _check_finite_records(history, 'setup')
       _add_cumulative_bytes(history)
     metrics.write(history)
+    loggers = ScalarLoggers(log_options, workdir, ctx.config, start)
+    if not start:  # a resumed run's earlier records are in the event files already
+      loggers.write(history)
     for i in range(start, n):
       t_step = time.perf_counter()
       state, records = algorithm.step(ctx, aux, state, i)
@@ -417,6 +424,8 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
         history.append({'step': i + 1, **r, 'seconds': seconds})
       _add_cumulative_bytes(history)
       metrics.write(history)
+      # Before the checkpoint: a kill in between resumes from step i, whose writer purges these.
+      loggers.write(history[len(history) - len(records) :])
       if ckpt is not None:
         ckpt.save(i + 1, state, jsonable(history))
       accuracy = next(
@@ -429,11 +438,16 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
         + (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '')
         + f'({seconds:.1f}s)'
       )
+    completed = True
   finally:
+    if loggers is not None:
+      loggers.close(completed)
     if ckpt is not None:
       ckpt.close()
 
   extras = dict(algorithm.summarize(ctx, aux, state, history))
+  if any('rejected_uploads' in r for r in history):  # uploads the server refused and excluded
+    extras['rejected_uploads'] = int(sum(r.get('rejected_uploads') or 0 for r in history))
   accs = [(r['test_accuracy'], r['step']) for r in history if r.get('test_accuracy') is not None]
   final = extras.pop('final_test_accuracy', None)
   final = algorithm.final_accuracy(history) if final is None else final
@@ -526,12 +540,16 @@ def run_experiment(
   from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
 
   algorithm = build_algorithm(method, config)
+  logging_config(config)  # e.g. W&B on but not installed: refused before anything is written
   wd = Workdir(workdir)
   wd.prepare()
   config_json = config.to_json_best_effort(sort_keys=True, indent=2)
   identity = {
     'method': method,
-    'config': ml_collections.ConfigDict(config).to_dict(),
+    # Where the curves go changes no result: a resumed run may turn W&B on or TensorBoard off.
+    'config': {
+      k: v for k, v in ml_collections.ConfigDict(config).to_dict().items() if k != 'logging'
+    },
     'jfed_version': __version__,
   }
   identity = jsonable(identity)

@@ -119,6 +119,9 @@ def validate_run_config(config: Any) -> None:
   require(0.0 <= momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {momentum}')
   wd = _convert(o.get('weight_decay', 0.0), float, 'optimizer.weight_decay')
   require(wd >= 0.0, f'optimizer.weight_decay must be >= 0, got {wd}')
+  from jfed.methods.common import validate_server_config  # pylint: disable=g-import-not-at-top
+
+  validate_server_config(config)
   from jfed.cvae.clients import GENERATIVE_MODEL  # pylint: disable=g-import-not-at-top
 
   classifiers = set(available_models())

@@ -20,6 +20,7 @@ VALUES = {
   'dir=': 'dir=0.1',
   'rates=': 'rates=0.5/1.0',
   'source=': 'source=public',
+  'dataset=': 'dataset=digits',
 }
 ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
 

@@ -189,7 +189,14 @@ class _FedAvgM(driver.Algorithm):
     group, trainer, template = aux
     (model, velocity) = state
     avg, record = common.fedavg_round(
-      trainer, group, model, self.config.local_epochs, ctx.derive_key(Purpose.ROUNDS, i), template
+      trainer,
+      group,
+      model,
+      self.config.local_epochs,
+      ctx.derive_key(Purpose.ROUNDS, i),
+      template,
+      common.run_server(ctx),
+      i,
     )
     velocity = jax.tree.map(
       lambda v, a, m: self.config.server_momentum * v + (m - a), velocity, avg, model

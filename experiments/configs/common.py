@@ -100,6 +100,41 @@ def base_config() -> ml_collections.ConfigDict:
   c.shard = False  # shard client groups over all devices ('clients' mesh axis)
   c.eval_batch_size = 1000
 
+  # The server side of model uploads, for every method that aggregates client models (FedAvg,
+  # FedProx, one-shot FedAvg, HFLDD's and DynaFed's rounds, FedTSA's clusters):
+  # jfed/engine/aggregation.py, attacks.py and common.Server.
+  # rule: mean | median | trimmed_mean | krum | geometric_median; clip_norm > 0 clips updates.
+  c.aggregation = ml_collections.ConfigDict(
+    {
+      'rule': 'mean',
+      'trim_fraction': 0.1,
+      'krum_byzantine': 1,
+      'krum_selected': 1,
+      'geomed_iterations': 100,
+      'geomed_smoothing': 1e-6,
+      'clip_norm': 0.0,
+    }
+  )
+  # kind: none | sign_flip | scaling | noise | same_value | label_flip; the attackers are
+  # `clients` ('0,3') or a seeded `fraction` of them.
+  c.attack = ml_collections.ConfigDict(
+    {'kind': 'none', 'fraction': 0.0, 'clients': '', 'strength': 10.0}
+  )
+  # on_invalid_upload: drop (log it, exclude the client, count it) | fail (stop the run);
+  # max_update_norm_ratio > 0 rejects ||θ_k − θ_global|| > ratio · ||θ_global||.
+  c.server = ml_collections.ConfigDict({'on_invalid_upload': 'drop', 'max_update_norm_ratio': 0.0})
+  # Every run's workdir/tensorboard event files (the scalars of metrics.jsonl); Weights & Biases
+  # when wandb is installed (pip install -e '.[wandb]') and turned on. Not part of the workdir's
+  # identity: a resumed run may change them.
+  c.logging = ml_collections.ConfigDict(
+    {'tensorboard': True, 'wandb': False, 'wandb_project': 'jfed'}
+  )
+  # FedAvg/FedProx's step on the pseudo-gradient (Reddi et al. 2021; jfed/engine/server_optim.py):
+  # fedavg (the aggregate) | fedavgm | fedadam | fedyogi | fedadagrad.
+  c.server_optimizer = ml_collections.ConfigDict(
+    {'name': 'fedavg', 'lr': 1.0, 'momentum': 0.9, 'b1': 0.9, 'b2': 0.99, 'eps': 1e-3}
+  )
+
   c.fedavg = ml_collections.ConfigDict(
     {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'reuse_local_models': False}
   )

@@ -1,9 +1,33 @@
-"""Server-side aggregation of stacked client models."""
+"""Server-side aggregation of stacked client models: the weighted mean and robust aggregators.
 
-from typing import Any
+Every aggregator is a pure function of (stacked models, client weights, reference model) where
+the models are a pytree with a leading client axis (`ModelState`, BatchNorm statistics
+included, as averaging a PyTorch state_dict does) and the reference is the model the clients
+started from (the global model; a one-shot run's initial model). Inside, each client's model is
+one flat vector, so a rule sees the clients as the rows of a [K, D] matrix:
+
+- `mean`: Σ_k w_k θ_k / Σ_k w_k (FedAvg; McMahan et al. 2017).
+- `median`: coordinate-wise median (Yin et al., ICML'18; Flower's FedMedian). Unweighted.
+- `trimmed_mean`: per coordinate, drop the floor(β K) largest and smallest values and average
+  the rest (Yin et al.; Flower's FedTrimmedAvg). Unweighted.
+- `krum`: score each client by the summed squared distance to its K − f − 2 nearest others and
+  keep the m best (Blanchard et al., NeurIPS'17; m > 1 is multi-Krum), averaged with weights.
+- `geometric_median`: smoothed Weiszfeld iterations on Σ_k w_k ||v − θ_k|| (Pillutla et al.,
+  "Robust Aggregation for Federated Learning", RFA).
+- `clip_norm` > 0 wraps any of them: each client's update θ_k − reference is scaled to norm
+  at most `clip_norm` first (Sun et al. 2019, "Can you really backdoor FL?").
+
+`make_aggregator(config)` builds the one a run uses; its `aggregate` is jitted once per shape.
+"""
+
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
+from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
+
+RULES = ('mean', 'median', 'trimmed_mean', 'krum', 'geometric_median')
 
 
 def weighted_average(stacked: Any, weights) -> Any:
@@ -14,3 +38,130 @@ def weighted_average(stacked: Any, weights) -> Any:
   return jax.tree.map(
     lambda a: jnp.tensordot(w, a.astype(jnp.float32), axes=1).astype(a.dtype), stacked
   )
+
+
+# ---- rules over the rows of a [K, D] matrix --------------------------------------------------
+
+
+def mean_rows(x: jax.Array, weights: jax.Array) -> jax.Array:
+  w = weights / jnp.sum(weights)
+  return w @ x
+
+
+def median_rows(x: jax.Array) -> jax.Array:
+  return jnp.median(x, axis=0)
+
+
+def trimmed_mean_rows(x: jax.Array, beta: float) -> jax.Array:
+  """Mean of each column without its floor(beta K) smallest and largest entries."""
+  k = x.shape[0]
+  cut = int(beta * k)
+  if 2 * cut >= k:
+    raise ValueError(f'trimmed mean with beta={beta} drops every one of {k} clients')
+  return jnp.mean(jnp.sort(x, axis=0)[cut : k - cut], axis=0)
+
+
+def squared_distances(x: jax.Array) -> jax.Array:
+  """[K, K] squared Euclidean distances between rows, from differences (no cancellation)."""
+  return jax.vmap(lambda a: jnp.sum(jnp.square(x - a), axis=-1))(x)
+
+
+def krum_scores(x: jax.Array, byzantine: int) -> jax.Array:
+  """Each row's summed squared distance to its K − f − 2 nearest other rows."""
+  k = x.shape[0]
+  neighbours = k - byzantine - 2
+  if neighbours < 1:
+    raise ValueError(f'Krum needs K > f + 2; got K={k} clients and f={byzantine}')
+  d = squared_distances(x)
+  # Sorted ascending, the row's own zero distance comes first (or ties with an identical row,
+  # which changes nothing): its nearest others are the next `neighbours` entries.
+  return jnp.sum(jnp.sort(d, axis=1)[:, 1 : 1 + neighbours], axis=1)
+
+
+def krum_rows(x: jax.Array, weights: jax.Array, byzantine: int, selected: int) -> jax.Array:
+  """The weighted mean of the `selected` rows of lowest Krum score (Krum when selected = 1)."""
+  if not 1 <= selected <= x.shape[0]:
+    raise ValueError(f'multi-Krum keeps 1..{x.shape[0]} clients, got {selected}')
+  keep = jnp.argsort(krum_scores(x, byzantine))[:selected]
+  return mean_rows(x[keep], weights[keep])
+
+
+def geometric_median_rows(
+  x: jax.Array, weights: jax.Array, iterations: int, smoothing: float
+) -> jax.Array:
+  """argmin_v Σ_k w_k ||v − x_k|| by smoothed Weiszfeld: v ← Σ β_k x_k / Σ β_k with
+  β_k = w_k / max(smoothing, ||v − x_k||), from the weighted mean."""
+  w = weights / jnp.sum(weights)
+
+  def body(_, v):
+    beta = w / jnp.maximum(smoothing, jnp.linalg.norm(x - v, axis=1))
+    return (beta / jnp.sum(beta)) @ x
+
+  return jax.lax.fori_loop(0, iterations, body, w @ x)
+
+
+def clip_rows(x: jax.Array, reference: jax.Array, max_norm: float) -> jax.Array:
+  """reference + the update x_k − reference scaled to norm at most max_norm."""
+  delta = x - reference
+  norms = jnp.linalg.norm(delta, axis=1, keepdims=True)
+  return reference + delta * jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-12))
+
+
+# ---- on pytrees ------------------------------------------------------------------------------
+
+
+class AggregationConfig(NamedTuple):
+  """The `aggregation` config section."""
+
+  rule: str  # one of RULES
+  trim_fraction: float  # trimmed_mean's β per side
+  krum_byzantine: int  # Krum's f
+  krum_selected: int  # multi-Krum's m (1: Krum)
+  geomed_iterations: int
+  geomed_smoothing: float  # Weiszfeld's ν: distances below it count as ν
+  clip_norm: float  # > 0: clip every client's update to this L2 norm before the rule
+
+
+class Aggregator(NamedTuple):
+  """`aggregate(stacked, weights, reference)` -> one model with the reference's structure."""
+
+  name: str
+  aggregate: Callable[[Any, Any, Any], Any]
+
+
+def _rows_rule(config: AggregationConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  c = config
+  if c.rule == 'mean':
+    return mean_rows
+  if c.rule == 'median':
+    return lambda x, w: median_rows(x)
+  if c.rule == 'trimmed_mean':
+    return lambda x, w: trimmed_mean_rows(x, c.trim_fraction)
+  if c.rule == 'krum':
+    return lambda x, w: krum_rows(x, w, c.krum_byzantine, c.krum_selected)
+  if c.rule == 'geometric_median':
+    return lambda x, w: geometric_median_rows(x, w, c.geomed_iterations, c.geomed_smoothing)
+  raise ValueError(f'unknown aggregation rule {c.rule!r}; valid: {", ".join(RULES)}')
+
+
+def _aggregate(rule, clip_norm: float, stacked: Any, weights: Any, reference: Any) -> Any:
+  flat_reference, unravel = ravel_pytree(reference)
+  dtype = flat_reference.dtype
+  x = jax.vmap(lambda m: ravel_pytree(m)[0])(stacked).astype(jnp.float32)
+  ref = flat_reference.astype(jnp.float32)
+  if clip_norm > 0:
+    x = clip_rows(x, ref, clip_norm)
+  return unravel(rule(x, jnp.asarray(weights, jnp.float32)).astype(dtype))
+
+
+def make_aggregator(config: AggregationConfig) -> Aggregator:
+  """The run's aggregator; the plain mean without clipping is `weighted_average` itself."""
+  name = config.rule + (f'+clip({config.clip_norm:g})' if config.clip_norm > 0 else '')
+  if config.rule == 'mean' and config.clip_norm <= 0:
+    return mean_aggregator()
+  rule = _rows_rule(config)
+  return Aggregator(name, jax.jit(functools.partial(_aggregate, rule, config.clip_norm)))
+
+
+def mean_aggregator() -> Aggregator:
+  return Aggregator('mean', lambda stacked, weights, reference: weighted_average(stacked, weights))

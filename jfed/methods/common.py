@@ -1,5 +1,5 @@
-"""Blocks shared by methods: client groups, local training, the FedAvg round, server-side
-validation, evaluation."""
+"""Blocks shared by methods: client groups, local training, the FedAvg round, the server side of
+model uploads (attack simulation, validation, aggregation), evaluation."""
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import weakref
@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
+from jfed import typed_config as tc
 from jfed.data import FederatedArrays, federate
-from jfed.engine import GroupTrainer, ModelState
+from jfed.engine import GroupTrainer, ModelState, attacks
+from jfed.engine.aggregation import AggregationConfig, Aggregator, make_aggregator
 from jfed.errors import ConfigError, NonFiniteError
-from jfed.io import ModelUpload, serialized_nbytes, validate_model_upload
+from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
 from jfed.methods.context import RunContext
 from jfed.models import get_model
@@ -88,12 +90,32 @@ def client_groups(
   build = build or build_module
   specs = client_model_specs(ctx)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
+  flipping = attackers(ctx) if attack_config(ctx).kind == 'label_flip' else []
   groups = []
   for spec in dict.fromkeys(specs[k] for k in ids):
     members = np.array([k for k in ids if specs[k] == spec])
     fed = federate(ctx.dataset.train_x, ctx.dataset.train_y, [ctx.parts[k] for k in members])
+    flipped = np.isin(members, flipping)
+    if flipped.any():  # label-flipping attackers train on y -> C - 1 - y
+      y = np.where(flipped[:, None], attacks.flip_labels(fed.y, ctx.dataset.num_classes), fed.y)
+      fed = fed._replace(y=y)
     groups.append(ClientGroup(spec, build(spec, ctx.dataset), members, fed))
   return groups
+
+
+def attack_config(ctx: RunContext) -> attacks.AttackConfig:
+  """The run's `attack` section (kind 'none' when the config has none)."""
+  section = ctx.config.get('attack')
+  if section is None:
+    return attacks.AttackConfig('none', 0.0, '', 0.0)
+  return tc.parse(attacks.AttackConfig, section, 'attack')
+
+
+def attackers(ctx: RunContext) -> np.ndarray:
+  """The global ids of the run's attacking clients (none without an attack)."""
+  return attacks.attacker_ids(
+    attack_config(ctx), ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0)
+  )
 
 
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
@@ -197,6 +219,167 @@ def train_groups(
   return out_models, out_metrics
 
 
+class Server(NamedTuple):
+  """The server side of a run's model uploads (`Server.receive`): the attackers' uploads are
+  rewritten as the attack says, every upload is validated (a rejected one is dropped or fails
+  the run), and the rest are aggregated by the run's rule."""
+
+  aggregator: Aggregator
+  attack: attacks.AttackConfig
+  attackers: np.ndarray  # global client ids
+  attack_key: jax.Array  # round r's draws: fold_in(attack_key, r)
+  on_invalid: str  # 'drop' | 'fail'
+  max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
+  partition_sizes: np.ndarray  # [num_clients]: a client's num_samples may not exceed its own
+
+  def receive(
+    self,
+    group: ClientGroup,
+    stacked: ModelState,
+    reference: ModelState,
+    template: ModelState,
+    step: int,
+    weights: Optional[np.ndarray] = None,
+    taking_part: Optional[np.ndarray] = None,
+    declared_sizes: Optional[np.ndarray] = None,
+    part: int = 0,
+  ) -> Tuple[ModelState, Dict[str, Any]]:
+    """Aggregate of the uploads of `group`'s clients that take part (all by default).
+
+    Args:
+      group: the clients; `group.fed.sizes` is what each uploads as num_samples.
+      stacked: their trained models, stacked.
+      reference: the model they started from (norm bound, update-based attacks and clipping).
+      template: the structure, shapes and dtypes an upload must have.
+      step: the round (the attack's draws).
+      part: which of the round's aggregations this is (e.g. FedTSA's cluster): its own draws.
+      weights: per client, the aggregation weights (default: the sizes).
+      taking_part: [K] bool, the clients that upload this round (default: all).
+      declared_sizes: [K] the most samples each may claim (default: its partition's size).
+
+    Returns:
+      The aggregate and the record fields 'upload_bytes', 'rejected_uploads' (a count) and,
+      when some were rejected, 'rejected_clients'.
+    """
+    k = len(group.client_ids)
+    taking_part = np.ones(k, bool) if taking_part is None else np.asarray(taking_part, bool)
+    bounds = self.partition_sizes[group.client_ids] if declared_sizes is None else declared_sizes
+    attacking = np.isin(group.client_ids, self.attackers) & taking_part
+    stacked = attacks.poison_uploads(
+      self.attack.kind,
+      self.attack.strength,
+      stacked,
+      reference,
+      attacking,
+      jax.random.fold_in(jax.random.fold_in(self.attack_key, step), part),
+    )
+    ratio = self.max_update_norm_ratio if self.max_update_norm_ratio > 0 else None
+    accepted, rejected = np.zeros(k, bool), []
+    for i in np.flatnonzero(taking_part):
+      cid = int(group.client_ids[i])
+      upload = ModelUpload(cid, int(group.fed.sizes[i]), engine.take(stacked, int(i)))
+      try:
+        validate_model_upload(
+          upload,
+          template,
+          max_samples=int(bounds[i]),
+          reference=reference if ratio else None,
+          max_update_norm_ratio=ratio,
+        )
+      except UploadError as e:
+        if self.on_invalid == 'fail':
+          raise
+        logging.warning('rejected and excluded: %s', e)
+        rejected.append(cid)
+        continue
+      accepted[i] = True
+    record = {
+      'upload_bytes': serialized_nbytes(template) * int(taking_part.sum()),
+      'rejected_uploads': len(rejected),
+    }
+    if rejected:
+      record['rejected_clients'] = rejected
+    if not accepted.any():
+      logging.warning('every upload was rejected: the global model stays as it was')
+      return reference, record
+    w = np.asarray(group.fed.sizes if weights is None else weights, np.float64)
+    rows = np.flatnonzero(accepted)
+    if len(rows) < k:
+      stacked = jax.tree.map(lambda a: a[rows], stacked)
+    return self.aggregator.aggregate(stacked, w[rows], reference), record
+
+
+class ServerConfig(NamedTuple):
+  """The `server` config section: what happens to an upload that fails validation."""
+
+  on_invalid_upload: str  # 'drop': log it and exclude the client; 'fail': stop the run
+  max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
+
+
+ON_INVALID = ('drop', 'fail')
+
+_RUN_SERVERS: 'weakref.WeakKeyDictionary[RunContext, Server]' = weakref.WeakKeyDictionary()
+
+
+def aggregation_config(ctx: RunContext) -> AggregationConfig:
+  section = ctx.config.get('aggregation')
+  if section is None:
+    return AggregationConfig('mean', 0.1, 1, 1, 100, 1e-6, 0.0)
+  return tc.parse(AggregationConfig, section, 'aggregation')
+
+
+def server_config(ctx: RunContext) -> ServerConfig:
+  section = ctx.config.get('server')
+  if section is None:
+    return ServerConfig('fail', 0.0)
+  return tc.parse(ServerConfig, section, 'server')
+
+
+def run_server(ctx: RunContext) -> Server:
+  """The run's server, built once (its aggregator compiles once per shape)."""
+  if ctx not in _RUN_SERVERS:
+    s = server_config(ctx)
+    _RUN_SERVERS[ctx] = Server(
+      make_aggregator(aggregation_config(ctx)),
+      attack_config(ctx),
+      attackers(ctx),
+      ctx.derive_key(Purpose.ATTACK, 1),
+      s.on_invalid_upload,
+      s.max_update_norm_ratio,
+      ctx.client_sizes,
+    )
+  return _RUN_SERVERS[ctx]
+
+
+def validate_server_config(config) -> None:
+  """Checks the `aggregation`, `attack` and `server` sections (before anything is written)."""
+  from jfed.engine.aggregation import RULES  # pylint: disable=g-import-not-at-top
+
+  if config.get('aggregation') is not None:
+    a = tc.parse(AggregationConfig, config.aggregation, 'aggregation')
+    tc.require_choice(a.rule, RULES, 'aggregation.rule')
+    tc.require(
+      0.0 <= a.trim_fraction < 0.5,
+      f'aggregation.trim_fraction must be in [0, 0.5), got {a.trim_fraction}',
+    )
+    tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
+    tc.require_positive(
+      a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing')
+    )
+  if config.get('attack') is not None:
+    t = tc.parse(attacks.AttackConfig, config.attack, 'attack')
+    tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
+    tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
+    try:
+      attacks.parse_client_ids(t.clients, config.partition.num_clients)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  if config.get('server') is not None:
+    s = tc.parse(ServerConfig, config.server, 'server')
+    tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
+    tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))
+
+
 def receive_uploads(
   groups: Sequence[ClientGroup], models: Sequence[ModelState], templates: Sequence[ModelState]
 ) -> int:
@@ -289,6 +472,12 @@ def participating_group(
   )
 
 
+def _finite_mean(values: np.ndarray) -> Optional[float]:
+  """The mean of the finite values (a diverged client has none), None if there are none."""
+  finite = values[np.isfinite(values)]
+  return float(np.mean(finite)) if finite.size else None
+
+
 def fedavg_round(
   trainer: GroupTrainer,
   group: ClientGroup,
@@ -296,30 +485,39 @@ def fedavg_round(
   epochs: int,
   key: jax.Array,
   template: ModelState,
+  server: Server,
+  step: int,
   weights: Optional[np.ndarray] = None,
   prox_mu: float = 0.0,
   label: str = 'local training',
+  declared_sizes: Optional[np.ndarray] = None,
 ) -> Tuple[ModelState, Dict[str, Any]]:
-  """One FedAvg round: replicate the global model, train the group, receive and validate the
-  uploads, and average them (weighted by client size unless `weights` are given).
+  """One FedAvg round: replicate the global model, train the group, and let the server receive
+  the uploads (attack, validation) and aggregate them (weighted by client size unless
+  `weights` are given) by the run's rule.
 
   Returns:
-    The new global model and the round's record fields (train_loss, clients, upload_bytes,
-    download_bytes: the new global model goes back to the same clients).
+    The round's aggregate and its record fields (train_loss, clients, upload_bytes,
+    download_bytes: the new global model goes back to the same clients, rejected_uploads).
   """
   n = len(group.client_ids)
   starts = engine.replicate(global_model, n)
   anchors = [global_model.params] if prox_mu else None
+  # Under a simulated attack, a poisoned global model can make honest training diverge: that is
+  # the attack's effect to measure, so those uploads are rejected like the attackers' (with
+  # drop, counted), where a clean run stops with NonFiniteError.
+  diverged = 'raise' if server.attack.kind == 'none' else 'warn'
   (models,), (metrics,) = train_groups(
-    [trainer], [group], [starts], epochs, key, anchors, label=label
+    [trainer], [group], [starts], epochs, key, anchors, label=label, diverged=diverged
   )
-  upload_bytes = receive_uploads([group], [models], [template])
-  new_model = engine.weighted_average(models, group.fed.sizes if weights is None else weights)
+  new_model, received = server.receive(
+    group, models, global_model, template, step, weights, declared_sizes=declared_sizes
+  )
   return new_model, {
-    'train_loss': float(np.mean(np.asarray(metrics.loss)[:, -1])),
+    'train_loss': _finite_mean(np.asarray(metrics.loss)[:, -1]),
     'clients': n,
-    'upload_bytes': upload_bytes,
-    'download_bytes': upload_bytes,
+    'download_bytes': received['upload_bytes'],
+    **received,
   }
 
 

@@ -404,6 +404,8 @@ class DynaFed(Algorithm):
       cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
       aux.init,
+      common.run_server(ctx),
+      i,
       weights=weights,
       label=f'round {i + 1}/{cfg.rounds}',
     )

@@ -2,8 +2,11 @@
 
 Each round (`common.fedavg_round`): the selected clients start from the global model, train
 `local_epochs` epochs on their own data (FedProx adds mu/2 ||w - w_global||^2), upload their
-models, and the server averages them weighted by client size; the driver checkpoints the global
-model after every round.
+models, and the server (`common.Server`) validates them and aggregates them by the run's
+`aggregation.rule` (default: the mean weighted by client size). The server optimiser
+(`server_optimizer`, `jfed.engine.server_optim`; default 'fedavg': the aggregate itself) then
+steps on the pseudo-gradient θ_global − aggregate; the driver checkpoints the global model and
+the server optimiser's state after every round.
 
 `reuse_local_models` (one-shot FedAvg only): average the shared one-shot client models
 (`common.local_models`, read from `local_models_dir` when set) instead of training the clients
@@ -18,14 +21,16 @@ voting outcome of model prototypes": the argmax of the mean of the prototype mod
 their mean (the reference's `avg_perfs_lst`) are recorded beside it.
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import jax
 import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.driver import Algorithm
-from jfed.engine import GroupTrainer, ModelState
+from jfed.engine import GroupTrainer, ModelState, server_optim
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
@@ -56,6 +61,21 @@ class FedAvgAux(NamedTuple):
   evaluator: engine.Evaluator
   init: ModelState
   local: Optional[common.LocalModels]  # reuse_local_models: the shared one-shot models
+  server: common.Server
+  server_tx: Any  # optax.GradientTransformation on the pseudo-gradient
+  server_update: Callable  # jitted (opt_state, global, aggregate) -> (global, opt_state)
+
+
+class FedAvgState(NamedTuple):
+  model: ModelState  # the global model
+  server_opt_state: Any  # the server optimiser's state
+
+
+def server_optimizer_config(config) -> server_optim.ServerOptimizerConfig:
+  section = config.get('server_optimizer')
+  if section is None:
+    return server_optim.ServerOptimizerConfig('fedavg', 1.0, 0.0, 0.9, 0.99, 1e-3)
+  return tc.parse(server_optim.ServerOptimizerConfig, section, 'server_optimizer')
 
 
 @register_method('fedavg')
@@ -78,6 +98,12 @@ class FedAvg(Algorithm):
     c = self.config
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
+    so = server_optimizer_config(config)
+    tc.require_choice(so.name, server_optim.SERVER_OPTIMIZERS, 'server_optimizer.name')
+    tc.require_positive(so, 'server_optimizer', ('lr', 'eps'))
+    for name in ('momentum', 'b1', 'b2'):
+      value = getattr(so, name)
+      tc.require(0.0 <= value < 1.0, f'server_optimizer.{name} must be in [0, 1), got {value}')
     if self.reuse_local_models:
       tc.require(
         c.rounds == 1 and c.participation == 1.0,
@@ -96,25 +122,29 @@ class FedAvg(Algorithm):
       full_group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
     )
     evaluator = engine.Evaluator(full_group.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    server = common.run_server(ctx)
+    tx = server_optim.make_server_optimizer(server_optimizer_config(ctx.config))
+    update = jax.jit(functools.partial(server_optim.server_update, tx))
     if self.reuse_local_models:
       local = common.local_models(ctx, self.config.local_epochs)
       assert local.groups[0].spec == spec
-      return FedAvgAux(full_group, None, evaluator, init, local)
+      return FedAvgAux(full_group, None, evaluator, init, local, server, tx, update)
     trainer = common.make_trainers(ctx, [full_group], self.prox_mu)[0]
-    return FedAvgAux(full_group, trainer, evaluator, init, None)
+    return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update)
 
-  def init(self, ctx: RunContext, aux: FedAvgAux) -> ModelState:
-    return aux.init
+  def init(self, ctx: RunContext, aux: FedAvgAux) -> FedAvgState:
+    return FedAvgState(aux.init, aux.server_tx.init(aux.init.params))
 
   def step(
-    self, ctx: RunContext, aux: FedAvgAux, state: ModelState, i: int
-  ) -> Tuple[ModelState, List[Dict[str, Any]]]:
+    self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int
+  ) -> Tuple[FedAvgState, List[Dict[str, Any]]]:
     c = self.config
-    if aux.local is not None:  # one-shot average of the shared local models
+    if aux.local is not None:  # one-shot aggregate of the shared local models
       (group,), (models,) = aux.local.groups, aux.local.models
-      model = engine.weighted_average(models, group.fed.sizes)
+      aggregate, received = aux.server.receive(group, models, state.model, aux.init, i)
       record = {
         'clients': ctx.num_clients,
+        **received,
         'upload_bytes': aux.local.upload_bytes,
         'download_bytes': 0,
         'reused_local_models': True,
@@ -124,21 +154,31 @@ class FedAvg(Algorithm):
         ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
       )
       group = common.participating_group(ctx, aux.full_group, selected)
-      model, record = common.fedavg_round(
+      aggregate, record = common.fedavg_round(
         aux.trainer,
         group,
-        state,
+        state.model,
         c.local_epochs,
         ctx.derive_key(Purpose.ROUNDS, i),
         aux.init,
+        aux.server,
+        i,
         prox_mu=self.prox_mu,
         label=f'round {i + 1}/{c.rounds}',
       )
+    model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
     accuracy = aux.evaluator.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
-    return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
+    return FedAvgState(model, opt_state), [{'round': i + 1, 'test_accuracy': accuracy, **record}]
 
   def summarize(self, ctx, aux, state, history) -> Dict[str, Any]:
-    return {'rounds': self.config.rounds, 'reused_local_models': self.reuse_local_models}
+    return {
+      'rounds': self.config.rounds,
+      'reused_local_models': self.reuse_local_models,
+      'aggregation': aux.server.aggregator.name,
+      'server_optimizer': server_optimizer_config(ctx.config).name,
+      'attack': aux.server.attack.kind,
+      'attackers': aux.server.attackers.tolist(),
+    }
 
 
 @register_method('fedprox')

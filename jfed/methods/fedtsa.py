@@ -87,7 +87,7 @@ from jfed.distill.mutual import MutualLearner, MutualLearningConfig
 from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
-from jfed.io import ModelUpload, serialized_nbytes, validate_model_upload
+from jfed.io import serialized_nbytes
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
@@ -203,6 +203,7 @@ class FedTSAAux(NamedTuple):
   images: Optional[SyntheticImages]
   learner: Optional[MutualLearner]
   setup_record: Dict[str, Any]
+  server: common.Server  # attack simulation, validation and the in-cluster aggregation rule
 
 
 @register_method('fedtsa')
@@ -455,6 +456,7 @@ class FedTSA(Algorithm):
       images=images,
       learner=learner,
       setup_record=record,
+      server=common.run_server(ctx),
     )
 
   def setup_records(self, ctx: RunContext, aux: FedTSAAux) -> List[Dict[str, Any]]:
@@ -491,14 +493,13 @@ class FedTSA(Algorithm):
     selected = common.select_clients(
       ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
     )
-    models, losses, upload_bytes = [], [], 0
+    models, losses, upload_bytes, rejected = [], [], 0, 0
     for k, (g, trainer, model) in enumerate(zip(aux.groups, aux.trainers, state)):
       taking_part = np.isin(g.client_ids, selected)
       if not taking_part.any():  # no member of this cluster takes part: its model waits
         models.append(model)
         continue
       round_group = common.sitting_out_as_size_zero(g, taking_part)
-      sizes = round_group.fed.sizes
       (trained,), (metrics,) = common.train_groups(
         [trainer],
         [round_group],
@@ -507,11 +508,12 @@ class FedTSA(Algorithm):
         ctx.derive_key(Purpose.ROUNDS, i, k),
         label=f'round {i + 1}/{c.rounds} cluster {k} (rate {aux.clusters.rates[k]:g})',
       )
-      for j in np.flatnonzero(taking_part):
-        upload = ModelUpload(int(g.client_ids[j]), int(sizes[j]), engine.take(trained, int(j)))
-        validate_model_upload(upload, aux.templates[k])
-      upload_bytes += serialized_nbytes(aux.templates[k]) * int(taking_part.sum())
-      models.append(engine.weighted_average(trained, sizes))
+      aggregate, received = aux.server.receive(
+        round_group, trained, model, aux.templates[k], i, taking_part=taking_part, part=k
+      )
+      upload_bytes += received['upload_bytes']
+      rejected += received['rejected_uploads']
+      models.append(aggregate)
       losses.extend(np.asarray(metrics.loss)[taking_part, -1].tolist())
     record: Dict[str, Any] = {'round': i + 1}
     if aux.learner is not None:
@@ -527,6 +529,7 @@ class FedTSA(Algorithm):
         'clients': len(losses),
         'upload_bytes': upload_bytes,
         'download_bytes': upload_bytes,
+        'rejected_uploads': rejected,
       }
     )
     return tuple(models), [record]

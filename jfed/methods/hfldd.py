@@ -374,7 +374,10 @@ class HFLDD(Algorithm):
       cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
       aux.init,
+      common.run_server(ctx),
+      i,
       label=f'round {i + 1}/{cfg.rounds}',
+      declared_sizes=aux.group.fed.sizes,
     )
     accuracy = aux.evaluator.accuracy(model, aux.public.eval_x, aux.public.eval_y)
     return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]

@@ -1,0 +1,269 @@
+"""FedAvg under attack: aggregator x attack x attacker fraction, over seeds (issue 10).
+
+    python -m experiments.robustness --config=experiments/configs/robustness.py:dataset=digits \
+        --out=runs/robustness_digits [--seeds=0,1,2] [--rules=mean,median,...] \
+        [--attacks=sign_flip,scaling,noise,label_flip] [--fractions=0.1,0.2,0.4]
+
+Every (rule, attack, fraction, seed) is one FedAvg run through `jfed.driver.run_experiment` into
+OUT/<rule>/<attack>_<fraction>/seed<s>/ (rerunning resumes and skips finished runs); the clean
+run (no attacker) is the cell 'none_0'. The attackers are drawn from the seed (a fraction of
+the clients, rounded) and keep their role for the whole run. Attack strengths are fixed
+(`STRENGTHS`); the robust rules' settings come from the config (trimmed mean β, Krum f) and
+the config module's `CLIP_NORM` (the clipped mean's).
+
+Writes OUT/tables.md (per attack, a table of rules x fractions: mean ± std over seeds of the
+final test accuracy in %, and the same for the best round), OUT/robustness.png (accuracy
+against the attacker fraction, one panel per attack, one line per rule) and OUT/results.json.
+A failed run is recorded as 'error' and the sweep goes on. Seeds in parallel: one sweep per
+seed into its own OUT, then `--merge=OUT1,OUT2 --out=OUT0` writes the tables of all of them.
+"""
+
+import datetime
+import json
+import pathlib
+import traceback
+from typing import Dict, List, Sequence
+
+from absl import app, flags, logging
+
+from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
+
+FLAGS = flags.FLAGS
+
+# The aggregation rows: `aggregation` overrides of the config's section (clipped_mean clips at
+# the config module's CLIP_NORM for the dataset).
+RULES: Dict[str, Dict[str, object]] = {
+  'mean': {'rule': 'mean', 'clip_norm': 0.0},
+  'clipped_mean': {'rule': 'mean'},
+  'median': {'rule': 'median', 'clip_norm': 0.0},
+  'trimmed_mean': {'rule': 'trimmed_mean', 'clip_norm': 0.0},
+  'krum': {'rule': 'krum', 'clip_norm': 0.0},
+  'geometric_median': {'rule': 'geometric_median', 'clip_norm': 0.0},
+}
+# Per attack, its strength s (jfed/engine/attacks.py): sign flip sends θ_g − 10 Δ, scaling
+# θ_g + 100 Δ, noise θ_g + N(0, 1) per coordinate; label flipping trains on C − 1 − y.
+STRENGTHS = {'sign_flip': 10.0, 'scaling': 100.0, 'noise': 1.0, 'same_value': 10.0, 'label_flip': 0}
+ATTACKS = ('sign_flip', 'scaling', 'noise', 'label_flip')
+FRACTIONS = ('0.1', '0.2', '0.4')
+SUMMARY_KEYS = ('final_test_accuracy', 'best_test_accuracy', 'seconds')
+CLEAN = 'none_0'
+
+
+def define_flags() -> None:
+  """Defined only when run as a command (importing the module in tests defines no flags)."""
+  flags.DEFINE_string('config', None, 'experiments/configs/robustness.py:<dataset>[,smoke].')
+  flags.DEFINE_string('out', 'runs/robustness', 'Output directory.')
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, init and attackers).')
+  flags.DEFINE_list('rules', list(RULES), f'Aggregation rows: {", ".join(RULES)}.')
+  flags.DEFINE_list('attacks', list(ATTACKS), f'Attacks: {", ".join(STRENGTHS)}.')
+  flags.DEFINE_list('fractions', list(FRACTIONS), 'Attacker fractions (besides 0).')
+  flags.DEFINE_list('merge', [], "Merge these OUTs' results.json into OUT instead of running.")
+  flags.mark_flags_as_required(['config'])
+
+
+def cell_name(attack: str, fraction: str) -> str:
+  return f'{attack}_{fraction}'
+
+
+def run_config(module, arg: str, rule: str, attack: str, fraction: str, seed: int):
+  c = module.get_config(arg)
+  c.seed = seed
+  c.aggregation.update(RULES[rule])
+  if rule == 'clipped_mean':
+    c.aggregation.clip_norm = module.CLIP_NORM[c.dataset.name]
+  if attack == 'none':
+    c.attack.kind, c.attack.fraction = 'none', 0.0
+  else:
+    c.attack.kind, c.attack.fraction = attack, float(fraction)
+    c.attack.strength = STRENGTHS[attack]
+  return c
+
+
+def gather(results: dict, rule: str, cell: str, key: str) -> List[float]:
+  return [
+    r[key]
+    for r in results.get(rule, {}).get(cell, {}).values()
+    if isinstance(r, dict) and r.get(key) is not None
+  ]
+
+
+def text(results: dict, rule: str, cell: str, key: str) -> str:
+  values = gather(results, rule, cell, key)
+  errors = sum(
+    1 for r in results.get(rule, {}).get(cell, {}).values() if r.get('status') == 'error'
+  )
+  out = mean_std(values) or '—'
+  return out + (f' ({errors} error)' if errors else '')
+
+
+def render(config, clip_norm: float, results: dict, plan: dict, meta: dict) -> str:
+  rules, attacks, fractions = plan['rules'], plan['attacks'], plan['fractions']
+  c = config
+  lines = [
+    f'# FedAvg under attack on {c.dataset.name}',
+    '',
+    'Top-1 test accuracy (%) of the global model, mean ± std over seeds. '
+    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
+    f'{meta["seeds"]}; {c.partition.num_clients} clients, {c.partition.scheme}'
+    f'({c.partition.alpha}), model {c.model}, {c.fedavg.rounds} rounds x '
+    f'{c.fedavg.local_epochs} local epoch(s), batch {c.batch_size}, SGD lr {c.optimizer.lr}.',
+    f'Trimmed mean β = {c.aggregation.trim_fraction}, Krum f = {c.aggregation.krum_byzantine}, '
+    f'clipped mean at update norm {clip_norm}; attack strengths {STRENGTHS}. '
+    'The attackers are drawn per seed and fraction (rounded share of the clients).',
+  ]
+  for title, key in (('final round', 'final_test_accuracy'), ('best round', 'best_test_accuracy')):
+    for attack in attacks:
+      lines += ['', f'## {attack}, {title}', '']
+      lines += ['| Rule | no attack | ' + ' | '.join(f'{float(f):.0%}' for f in fractions) + ' |']
+      lines += ['|---|---:|' + '---:|' * len(fractions)]
+      for rule in rules:
+        cells = [text(results, rule, CLEAN, key)] + [
+          text(results, rule, cell_name(attack, f), key) for f in fractions
+        ]
+        lines.append(f'| {rule} | ' + ' | '.join(cells) + ' |')
+  lines += ['', 'Per run: OUT/<rule>/<attack>_<fraction>/seed<s>/ (metrics, summary, plots).']
+  return '\n'.join(lines) + '\n'
+
+
+def plot(path: pathlib.Path, results: dict, plan: dict, title: str) -> None:
+  """One panel per attack: final accuracy against the attacker fraction, a line per rule."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  attacks, fractions = plan['attacks'], plan['fractions']
+  fig = Figure(figsize=(3.2 * len(attacks) + 1, 3.4), dpi=120)
+  FigureCanvasAgg(fig)
+  x = [0.0] + [float(f) for f in fractions]
+  for j, attack in enumerate(attacks):
+    ax = fig.add_subplot(1, len(attacks), j + 1)
+    for rule in plan['rules']:
+      cells = [CLEAN] + [cell_name(attack, f) for f in fractions]
+      mean, std = percent_stats_each(
+        [gather(results, rule, c, 'final_test_accuracy') for c in cells]
+      )
+      ax.errorbar(x, mean, yerr=std, marker='o', ms=3, capsize=2, label=rule)
+    ax.set_title(attack, fontsize=9)
+    ax.set_xlabel('attacker fraction')
+    ax.set_ylim(0, 100)
+    if j == 0:
+      ax.set_ylabel('final test accuracy (%)')
+  fig.axes[-1].legend(fontsize=7, loc='lower left')
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def merge_results(results: dict, other: dict) -> None:
+  """Adds `other`'s (rule, cell, seed) records; a finished record wins over an error."""
+  for rule, cells in other.items():
+    for cell, seeds in cells.items():
+      mine = results.setdefault(rule, {}).setdefault(cell, {})
+      for seed, record in seeds.items():
+        if seed not in mine or mine[seed].get('status') == 'error':
+          mine[seed] = record
+
+
+def run_sweep(
+  config_arg: str,
+  out: pathlib.Path,
+  seeds: Sequence[int],
+  rules: Sequence[str],
+  attacks: Sequence[str],
+  fractions: Sequence[str],
+  merge: Sequence[str] = (),
+) -> str:
+  """Runs every (rule, cell, seed) not finished yet (or only merges `merge`'s results);
+  rewrites results.json, tables.md and robustness.png after each run; returns the tables."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+  from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
+
+  for name, given, valid in (('rules', rules, RULES), ('attacks', attacks, STRENGTHS)):
+    unknown = [g for g in given if g not in valid]
+    if unknown:
+      raise ConfigError(f'--{name}: unknown {unknown}; valid: {", ".join(valid)}')
+  try:
+    fractions = [f'{float(f):g}' for f in fractions]
+  except ValueError:
+    raise ConfigError(f'--fractions: expected numbers in (0, 1), got {fractions}') from None
+  if not all(0 < float(f) < 1 for f in fractions):
+    raise ConfigError(f'--fractions: expected numbers in (0, 1), got {fractions}')
+  path, _, arg = config_arg.partition(':')
+  module = load_config_module(path, 'robustness_config')
+  base = module.get_config(arg)  # a bad word fails before any run
+  out.mkdir(parents=True, exist_ok=True)
+  # Every run compiles the same few programs (one shape per dataset): read them back from disk.
+  use_persistent_cache(str(out / 'compilation_cache'), min_compile_seconds=0.2)
+  meta = {
+    'backend': jax.default_backend(),
+    'jax_version': jax.__version__,
+    'date': datetime.date.today().isoformat(),
+    'config': config_arg,
+    'seeds': sorted(seeds),
+  }
+  plan = {'rules': list(rules), 'attacks': list(attacks), 'fractions': fractions}
+  results_path = out / 'results.json'
+  results = {}
+  if results_path.exists():
+    saved = json.loads(results_path.read_text())
+    results = saved['results']
+    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
+  for d in merge:
+    other_path = pathlib.Path(d) / 'results.json'
+    if not other_path.exists():
+      raise ConfigError(f'--merge: {other_path} does not exist')
+    other = json.loads(other_path.read_text())
+    merge_results(results, other['results'])
+    meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+
+  def save():
+    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    atomic_write_text(
+      out / 'tables.md', render(base, module.CLIP_NORM[base.dataset.name], results, plan, meta)
+    )
+    plot(out / 'robustness.png', results, plan, f'FedAvg under attack on {base.dataset.name}')
+
+  if not merge:
+    cells = [('none', '0')] + [(a, f) for a in attacks for f in fractions]
+    for seed in seeds:
+      for attack, fraction in cells:
+        for rule in rules:
+          cell = cell_name(attack, fraction)
+          record = results.setdefault(rule, {}).setdefault(cell, {})
+          workdir = out / rule / cell / f'seed{seed}'
+          print(f'=== {rule} {cell} seed={seed} -> {workdir}', flush=True)
+          try:
+            c = run_config(module, arg, rule, attack, fraction, seed)
+            summary = run_experiment('fedavg', c, workdir, progress=False)
+            record[str(seed)] = {k: summary.get(k) for k in SUMMARY_KEYS}
+            record[str(seed)]['rejected_uploads'] = summary.extras.get('rejected_uploads')
+          except Exception as e:  # pylint: disable=broad-except  # a failure must not lose the sweep
+            traceback.print_exc()
+            record[str(seed)] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
+          save()
+  save()
+  return (out / 'tables.md').read_text()
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  print(
+    run_sweep(
+      FLAGS.config,
+      pathlib.Path(FLAGS.out),
+      [int(s) for s in FLAGS.seeds],
+      FLAGS.rules,
+      FLAGS.attacks,
+      FLAGS.fractions,
+      FLAGS.merge,
+    )
+  )
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
