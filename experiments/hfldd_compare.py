@@ -9,11 +9,16 @@ Each method runs through `jfed.driver.run_experiment` into OUT/<method> (so each
 from its checkpoints when the command is repeated, and can be inspected on its own). Then OUT
 gets:
 - accuracy.png: test accuracy per round, every method (centralized: per epoch);
-- traffic.png: test accuracy against cumulative traffic (MB, setup stages included);
+- traffic.png: test accuracy against cumulative measured traffic (MiB, setup stages included);
 - results.md: the budget, a summary table (final/best accuracy, traffic, time) and, per target
   accuracy, the Tables III-V layout (rounds/accuracy, traffic, ratio vs HFLDD) built with
   `jfed.io.comm.target_table_rows` from each method's measured cumulative bytes;
 - results.json: the same numbers.
+Traffic is reported twice, in MiB (2^20 bytes, the unit that reproduces the seed's tables):
+measured = the serialised bytes of every transfer (the primary account); paper formula =
+`jfed.io.comm.*_cost_bits` with this run's N, |H|, clusters and |w|, the count that reproduces
+Tables III-V (it adds one model copy per client or head, counts no labels or msgpack framing,
+and counts FedSeq as 110 + 120 T copies at 10 x 10; see jfed/io/comm.py).
 Centralized training has no communication and is left out of the target tables.
 """
 
@@ -21,11 +26,13 @@ import json
 import pathlib
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from absl import app, flags, logging
 import jax
+import jax.numpy as jnp
 from ml_collections import config_flags
+import numpy as np
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -68,6 +75,70 @@ def round_transfers(cumulative: List[int]):
   return out
 
 
+def model_and_data_sizes(config):
+  """(|w|, C, values per image) of the config's model and dataset, for the paper's formulas."""
+  from jfed.data import load_dataset
+  from jfed.methods.common import build_module
+  from jfed.models.registry import param_count
+
+  ds = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  module = build_module(config.model, ds)
+  shapes = jax.eval_shape(
+    lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, *ds.input_shape)), train=False)
+  )
+  return param_count(shapes['params']), ds.num_classes, int(np.prod(ds.input_shape))
+
+
+def paper_setting(method: str, extras: Dict[str, Any]) -> Dict[str, Any]:
+  """What the paper's formula needs from a run beyond its config: |H| and the clusters."""
+  if method == 'hfldd' and 'heads' in extras:
+    return {
+      'heads': len(extras['heads']),
+      'cluster_clients': sum(len(c) for c in extras['clusters']),
+    }
+  if method == 'fedseq' and 'superclients' in extras:
+    return {'superclient_sizes': [len(c) for c in extras['superclients']]}
+  return {}
+
+
+def paper_formulas(
+  config, results: Dict[str, Dict[str, Any]], num_params: int, num_classes: int, values: int
+) -> Dict[str, Callable[[int], int]]:
+  """Per method, rounds -> bits of seed 003's traffic formula with this run's settings."""
+  from jfed.io import comm
+
+  def bind(fn, **kw):
+    return lambda rounds: fn(rounds=rounds, **kw)
+
+  n = config.partition.num_clients
+  out = {}
+  for m, r in results.items():
+    setting = r.get('paper_setting') or {}
+    if m in ('fedavg', 'fedprox', 'dynafed'):
+      # the methods' own rule for the clients of a round (common.select_clients)
+      per_round = max(1, int(round(config[m].participation * n)))
+      out[m] = bind(comm.fedavg_cost_bits, num_clients=per_round, num_params=num_params)
+    elif m == 'hfldd' and setting:
+      members = setting['cluster_clients'] - setting['heads']
+      out[m] = bind(
+        comm.hfldd_cost_bits,
+        num_clients=n,
+        n_public=config.hfldd.public_size,
+        num_classes=num_classes,
+        distilled_sizes=[config.hfldd.kip.support_size] * members,
+        sample_bits=comm.VALUE_BITS * values,
+        num_heads=setting['heads'],
+        num_params=num_params,
+      )
+    elif m == 'fedseq' and setting and config.fedseq.participation == 1.0:
+      out[m] = bind(
+        comm.fedseq_cost_bits,
+        cluster_sizes=setting['superclient_sizes'],
+        num_params=num_params,
+      )
+  return out
+
+
 def budget_lines(config) -> List[str]:
   c = config
   h, s, d = c.hfldd, c.fedseq, c.dynafed
@@ -99,7 +170,7 @@ def _fmt_acc(a: Optional[float]) -> str:
 def main(argv):
   del argv
   from jfed.driver import run_experiment
-  from jfed.io.comm import format_target_table, target_table_rows
+  from jfed.io.comm import MIB, bits_to_mib, format_target_table, target_table_rows
   from jfed.reporting import plot_curves
   from jfed.workdir import write_json
 
@@ -130,10 +201,19 @@ def main(argv):
       'step_name': summary.step_name,
       'total_bytes': summary.total_bytes,
       'eval_samples': summary.extras.get('eval_samples'),
+      'paper_setting': paper_setting(method, summary.extras),
       'seconds': time.perf_counter() - t0,
     }
 
   ok = {m: r for m, r in results.items() if 'error' not in r}
+  formulas = {}
+  try:  # the paper-formula column must not lose the hours of measured results above
+    formulas = paper_formulas(config, ok, *model_and_data_sizes(config)) if ok else {}
+  except Exception:
+    traceback.print_exc()
+  for m, fn in formulas.items():
+    if ok[m]['step_name'] == 'round':
+      ok[m]['paper_formula_bits'] = fn(len(ok[m]['steps']))
   title = (
     f'{config.dataset.name}, {config.partition.num_clients} clients, '
     f'{config.partition.scheme}'
@@ -159,10 +239,10 @@ def main(argv):
       plot_curves(
         out / 'traffic.png',
         {m: r['accuracy'] for m, r in comm_ok.items()},
-        xlabel='cumulative traffic (MB)',
+        xlabel='cumulative measured traffic (MiB)',
         ylabel='test accuracy',
         title=title,
-        x={m: [b / 1e6 for b in r['cumulative_bytes']] for m, r in comm_ok.items()},
+        x={m: [b / MIB for b in r['cumulative_bytes']] for m, r in comm_ok.items()},
       )
 
   lines = [
@@ -172,18 +252,21 @@ def main(argv):
     f'jax {jax.__version__}. Budget:',
     *budget_lines(config),
     '',
-    '| method | final accuracy | best accuracy | steps | traffic (MB) | eval samples | seconds |',
-    '|---|---|---|---|---|---|---|',
+    '| method | final accuracy | best accuracy | steps | traffic, measured (MiB) | '
+    'traffic, paper formula (MiB) | eval samples | seconds |',
+    '|---|---|---|---|---|---|---|---|',
   ]
   for m, r in results.items():
     if 'error' in r:
-      lines.append(f'| {m} | failed: {r["error"]} | | | | | |')
+      lines.append(f'| {m} | failed: {r["error"]} | | | | | | |')
       continue
-    mb = '—' if r['total_bytes'] is None else f'{r["total_bytes"] / 1e6:.1f}'
+    mib = '—' if r['total_bytes'] is None else f'{r["total_bytes"] / MIB:.1f}'
+    paper = r.get('paper_formula_bits')
+    paper = '—' if paper is None else f'{bits_to_mib(paper):.1f}'
     lines.append(
       f'| {m} | {_fmt_acc(r["final_test_accuracy"])} | '
       f'{_fmt_acc(r["best_test_accuracy"])} | {len(r["steps"])} {r["step_name"]}s '
-      f'| {mb} | {r["eval_samples"] or "all"} | {r["seconds"]:.0f} |'
+      f'| {mib} | {paper} | {r["eval_samples"] or "all"} | {r["seconds"]:.0f} |'
     )
   table_methods = [
     (m, r['accuracy'], round_transfers(r['cumulative_bytes']))
@@ -196,12 +279,13 @@ def main(argv):
     lines += [
       '',
       '## Rounds and traffic to reach a target accuracy (seed 003, Tables III-V '
-      'layout; traffic = measured serialised bytes, setup stages included; ratio vs '
+      'layout; traffic in MiB: measured = serialised bytes, setup stages included; paper '
+      "formula = jfed.io.comm.*_cost_bits with this run's settings; ratio vs "
       f'{reference or table_methods[0][0]})',
       '',
     ]
     for target in (float(t) for t in FLAGS.targets):
-      rows = target_table_rows(table_methods, target, reference=reference)
+      rows = target_table_rows(table_methods, target, reference=reference, paper_bits=formulas)
       tables[str(target)] = [row._asdict() for row in rows]
       lines += [format_target_table(rows), '']
   (out / 'results.md').write_text('\n'.join(lines) + '\n')

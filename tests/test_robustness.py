@@ -3,13 +3,16 @@ the robustness command (issue 10)."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import robustness
 from experiments.configs import robustness as robustness_config
 from jfed import driver
-from jfed.data import load_dataset
+from jfed.data import FederatedArrays, load_dataset
+from jfed.engine import ModelState, aggregation, attacks
 from jfed.errors import ConfigError
 from jfed.io import UploadError
 from jfed.methods import common
@@ -67,6 +70,41 @@ def test_label_flippers_train_on_flipped_labels(digits):
     honest = digits.train_y[ctx.parts[cid]]
     want = 9 - honest if cid in (0, 4) else honest
     np.testing.assert_array_equal(group.fed.y[row, :n], want)
+
+
+def _server(rule='median', on_invalid='drop', attack=('none', '')):
+  config = aggregation.AggregationConfig(rule, 0.2, 1, 1, 100, 1e-6, 0.0)
+  return common.Server(
+    aggregation.make_aggregator(config),
+    attacks.AttackConfig(attack[0], 0.0, attack[1], 10.0),
+    attacks.parse_client_ids(attack[1], 10),
+    jax.random.PRNGKey(0),
+    on_invalid,
+    0.0,
+    np.full(10, 50),
+  )
+
+
+def test_the_server_aggregates_the_valid_uploads_of_the_clients_taking_part():
+  ids = np.array([3, 5, 7, 8, 9])
+  group = common.ClientGroup('mlp', None, ids, FederatedArrays(None, None, np.full(5, 20)))
+  rows = np.array([[1.0, 2], [3, 4], [5, 6], [np.nan, 0], [100, 100]], np.float32)
+  stacked = ModelState({'w': jnp.asarray(rows)}, {})
+  template = ModelState({'w': jnp.zeros(2)}, {})
+  taking_part = np.array([True, True, True, True, False])  # client 9 sits the round out
+  model, record = _server().receive(group, stacked, template, template, 0, taking_part=taking_part)
+  # client 8's NaN upload is rejected; the median of clients 3, 5, 7 remains
+  np.testing.assert_allclose(model.params['w'], [3.0, 4.0])
+  assert record['rejected_uploads'] == 1 and record['rejected_clients'] == [8]
+  with pytest.raises(UploadError, match='upload of client 8'):
+    _server(on_invalid='fail').receive(
+      group, stacked, template, template, 0, taking_part=taking_part
+    )
+  # a sign-flipping client 5 (reference 0): its row becomes -10 x [3, 4]
+  flipped, _ = _server('mean', attack=('sign_flip', '5')).receive(
+    group, stacked, template, template, 0, weights=np.ones(5), taking_part=taking_part
+  )
+  np.testing.assert_allclose(flipped.params['w'], np.mean([[1, 2], [-30, -40], [5, 6]], 0))
 
 
 @pytest.mark.parametrize(

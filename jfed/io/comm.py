@@ -1,36 +1,52 @@
 """Communication cost from the real serialised bytes of what crosses the network.
 
-Every transfer of a run is a `Transfer` (round, stage, sender, receiver, nbytes), with `nbytes`
-measured by `serialized_nbytes` = `len(flax.serialization.msgpack_serialize(to_state_dict(
-payload)))` (never pickle). A float32 array of n entries serialises to `4·n + ~16–26` bytes
-(msgpack ext header, shape, dtype name), plus the keys of the dict structure, so the measured
-totals are the paper's analytic counts plus a small, exact overhead.
+Two accounts, kept side by side:
 
-Run-level builders produce the transfer lists of the protocols compared in seed 003 (HFLDD,
-Shi et al.):
+1. Measured (the primary one). Every transfer of a run is a `Transfer` (round, stage, sender,
+   receiver, nbytes), with `nbytes` measured by `serialized_nbytes` = `len(flax.serialization.
+   msgpack_serialize(to_state_dict(payload)))` (never pickle). A float32 array of n entries
+   serialises to `4·n + ~16–26` bytes (msgpack ext header, shape, dtype name), plus the keys of
+   the dict structure.
+2. Analytic (`*_cost_bits`): seed 003's formulas (HFLDD, Shi et al.) in the form that reproduces
+   its Tables III–V from the paper's own settings (tests/test_comm.py checks every cell).
+   The tables' "MB" is MiB (2^20 bytes): `bits_to_mib`.
 
-* FedAvg / FedProx / DynaFed, Eq. 3: per round every participating client downloads the global
-  model and uploads its local model: `2 · T · N · |w| · b` bits (`fedavg_transfers`,
-  `fedavg_cost_bits`).
-* HFLDD, Eq. 18: (i) every client uploads its soft labels `[n_public, C]` once
-  (`N · n_public · C · b`); (ii) every non-head member sends its distilled set to its head
-  (`Σ_k Σ_{i ∈ H_k, i ≠ head_k} |D̃_i| · b_d`, b_d = 8 bits per grey pixel or 3·8 per RGB
-  pixel in the paper, i.e. uint8 images: `to_uint8_images`); (iii) per round the server <->
-  head model exchange (`2 · T · |H| · |w| · b`) (`hfldd_transfers`, `hfldd_cost_bits`). The
-  initial model is sent as a random seed (not counted).
-* FedSeq, Eq. 19 (lost in the seed's extraction; "parameter sharing between clients within
-  cluster and across clusters", N_c clusters of n_c clients): per round and cluster the server
-  sends the model to the first client, it is handed client -> client n_c − 1 times, and the last
-  client uploads it: `T · N_c · (n_c + 1) · |w| · b` (`fedseq_transfers`, `fedseq_cost_bits`).
-  This is a reconstruction; the seed's Table III figure for FedSeq on MNIST (1 round, 39.0 MB,
-  44,426 params, 10×10 clients) is closer to twice that count.
+Run-level builders produce the transfer lists of the protocols compared in seed 003:
+
+* FedAvg / FedProx / DynaFed (Eq. 3): per round every participating client downloads the global
+  model and uploads its local model, `2 · T · N` messages (`fedavg_transfers`). The tables count
+  `(2T + 1) · N` model copies (`fedavg_cost_bits`); the measured account has no initial model
+  download because every jfed client starts from the same seeded init (Sec. V-B: "the
+  initialization of the server model can be sent as a random seed").
+* HFLDD (Eq. 18): (i) every client uploads its soft labels `[n_public, C]` once; (ii) every
+  non-head member sends its distilled set to its head (uint8 images, the paper's 8 bits per
+  grey or per RGB channel value: `to_uint8_images`; jfed also sends the labels, which Eq. 18
+  does not count); (iii) per round the server <-> head model exchange, `2 · T · |H|` messages
+  (`hfldd_transfers`). The tables count `(2T + 1) · |H|` model copies (`hfldd_cost_bits`).
+* FedSeq (Eq. 19, lost in the seed's extraction): per round and superclient the server sends the
+  model to the first client, it is handed client -> client n_c − 1 times, and the last client
+  uploads it, `T · Σ_c (n_c + 1)` messages (`fedseq_transfers`), plus the one-off upload of
+  every client's confidence vector (recorded by `jfed.methods.fedseq`). The tables count
+  `(110 + 120 · T)` model copies at the paper's 10 clusters × 10 clients (`fedseq_cost_bits`).
 
 Rounds are 1-based; setup stages (soft labels, distilled sets) have `round = 0` and count
-towards every cumulative total. MB = 10⁶ bytes. `record_bytes` maps transfers to the
-`upload_bytes` / `download_bytes` / `peer_bytes` fields of the driver's metric records.
+towards every cumulative total. `record_bytes` maps transfers to the `upload_bytes` /
+`download_bytes` / `peer_bytes` fields of the driver's metric records.
 """
 
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (
+  Any,
+  Callable,
+  Dict,
+  Iterable,
+  List,
+  Mapping,
+  NamedTuple,
+  Optional,
+  Sequence,
+  Tuple,
+  Union,
+)
 
 import numpy as np
 
@@ -106,7 +122,9 @@ def model_round_transfers(
 def fedavg_transfers(
   model: Any, rounds: int, participants: Union[Sequence[int], Sequence[Sequence[int]]]
 ) -> List[Transfer]:
-  """FedAvg / FedProx / DynaFed (Eq. 3).
+  """FedAvg / FedProx / DynaFed (Eq. 3): 2 messages per round and participant.
+
+  No initial model download (clients start from a seeded init), unlike `fedavg_cost_bits`.
 
   Args:
     model: the model payload or its byte count.
@@ -137,7 +155,7 @@ def hfldd_transfers(
   rounds: int,
   data_stage: str = 'distilled',
 ) -> List[Transfer]:
-  """HFLDD (Eq. 18) from the actual uploads.
+  """HFLDD (Eq. 18) from the actual uploads; the initial model is a seed (not counted).
 
   Args:
     soft_labels: per client (index = client id) the uploaded soft-label payload or its bytes.
@@ -170,7 +188,7 @@ def hfldd_transfers(
 def fedseq_transfers(
   clusters: Sequence[Sequence[int]], model: Any, rounds: int, first_round: int = 1
 ) -> List[Transfer]:
-  """FedSeq (Eq. 19, reconstructed).
+  """FedSeq's model messages, as jfed runs it (the paper's count: `fedseq_cost_bits`).
 
   Per round and cluster: server -> first client, client -> next client (n_c − 1 hand-offs),
   last client -> server. FedSeq shuffles the order every round; the count does not depend on
@@ -252,11 +270,39 @@ def record_bytes(transfers: Iterable[Transfer]) -> Dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------
-# analytic formulas (bits), for cross-checks against the measured counts
+# seed 003's analytic traffic (bits), in the form that reproduces its Tables III–V
 # ------------------------------------------------------------------------------------------------
-def fedavg_cost_bits(rounds: int, num_clients: int, num_params: int, bits: int = 32) -> int:
-  """Eq. 3: `2 · T · N · |w| · b`."""
-  return 2 * rounds * num_clients * num_params * bits
+MIB = 2**20  # Tables III–V label their unit "MB", but only 2^20-byte units reproduce them
+PARAM_BITS = 32  # b: Sec. V-B, "usually 32 bits"
+VALUE_BITS = 8  # b_d per grey value or RGB channel value: Sec. V-B, "1 × 8 bits or 3 × 8 bits"
+
+
+def bits_to_mib(bits: Union[int, float]) -> float:
+  """Bits in MiB, the unit Tables III–V print (as "MB")."""
+  return bits / 8 / MIB
+
+
+def fedavg_cost_bits(rounds: int, num_clients: int, num_params: int, bits: int = PARAM_BITS) -> int:
+  """FedAvg / FedProx / DynaFed as seed 003 Tables III–V count them: `(2T + 1) · N · |w| · b`.
+
+  Eq. 3 itself is lost in the seed's extraction; Sec. III-B says its cost "comes from the local
+  model upload and the global model download" (2T copies per client) and Sec. VI-C applies it
+  to FedProx and DynaFed too. The tables count one copy more per client: (2T + 1) · N with
+  N = 100 reproduces the nine FedAvg / FedProx / DynaFed cells (eight rounded to the printed
+  digit; Table IV's DynaFed prints 23738.7 for 23738.77 MiB, truncated), 2T · N none. The paper
+  does not say what the extra copy is; the initial model download is the natural reading.
+  `fedavg_transfers` (measured) has no such download: jfed clients start from a seeded init.
+
+  Args:
+    rounds: T.
+    num_clients: N, the clients of every round.
+    num_params: |w|.
+    bits: b per parameter.
+
+  Returns:
+    The cost in bits.
+  """
+  return (2 * rounds + 1) * num_clients * num_params * bits
 
 
 def hfldd_cost_bits(
@@ -268,9 +314,18 @@ def hfldd_cost_bits(
   rounds: int,
   num_heads: int,
   num_params: int,
-  bits: int = 32,
+  bits: int = PARAM_BITS,
 ) -> int:
-  """Eq. 18: `N · n_pub · C · b + Σ_{members} |D̃_i| · b_d + 2 · T · |H| · |w| · b`.
+  """HFLDD, seed 003 Eq. 18 as Tables III–V count it.
+
+  `N · n_pub · C · b + Σ_{members} |D̃_i| · b_d + (2T + 1) · |H| · |w| · b`: soft labels
+  uploaded once, distilled sets sent member -> head once (heads send none), and the model
+  exchange between the server and the heads. Sec. V-B describes the last term as T rounds of
+  server <-> head traffic with the initial model sent as a seed, but only the (2T + 1) form
+  reproduces Tables III–V (with N = 100, n_pub = 1000, C = 10, b = 32, 400 distilled images of
+  8 bits per value per member, |H| = 16 / 23 / 26; each of those |H| is the only one in
+  1..100 that reproduces its table). Like `fedavg_cost_bits`, one copy per head more than the
+  measured `hfldd_transfers`.
 
   Args:
     num_clients: N.
@@ -289,15 +344,36 @@ def hfldd_cost_bits(
   return (
     num_clients * n_public * num_classes * bits
     + int(sum(distilled_sizes)) * sample_bits
-    + 2 * rounds * num_heads * num_params * bits
+    + (2 * rounds + 1) * num_heads * num_params * bits
   )
 
 
 def fedseq_cost_bits(
-  rounds: int, num_clusters: int, clients_per_cluster: int, num_params: int, bits: int = 32
+  rounds: int, cluster_sizes: Sequence[int], num_params: int, bits: int = PARAM_BITS
 ) -> int:
-  """Eq. 19 (reconstructed, see the module docstring): `T · N_c · (n_c + 1) · |w| · b`."""
-  return rounds * num_clusters * (clients_per_cluster + 1) * num_params * bits
+  """FedSeq as seed 003 Tables III–V count it: `(Σ_c (n_c + 1) + T · Σ_c (n_c + 2)) · |w| · b`.
+
+  Eq. 19 is lost in the seed's extraction ("parameter sharing between clients within cluster
+  and across clusters", N_c clusters of n_c clients). At the paper's N_c = n_c = 10 the three
+  FedSeq cells are reproduced by (110 + 120 · T) model copies, and by no other a + b · T with
+  integers a, b < 400. How 110 and 120 split over N_c and n_c is a guess, exact only at
+  10 × 10: per round and cluster n_c + 2 = download, n_c hand-offs round the ring ("clients
+  form a ring topology", Sec. II-C) back to the first client, upload; once, n_c + 1 per
+  cluster, which the paper does not explain. The measured `fedseq_transfers` has n_c + 1 per
+  round and cluster (no ring closure) and no one-off model term.
+
+  Args:
+    rounds: T.
+    cluster_sizes: n_c of every cluster (superclient).
+    num_params: |w|.
+    bits: b per parameter.
+
+  Returns:
+    The cost in bits.
+  """
+  sizes = [int(n) for n in cluster_sizes]
+  copies = sum(n + 1 for n in sizes) + rounds * sum(n + 2 for n in sizes)
+  return copies * num_params * bits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,24 +395,37 @@ def rounds_to_target(acc_per_round, target: float) -> Optional[int]:
 
 
 class TargetRow(NamedTuple):
-  """One method's column of Tables III–V."""
+  """One method's column of Tables III–V: measured bytes and, beside them, the paper's count."""
 
   method: str
   target: float
   rounds: Optional[int]  # None: target never reached
   accuracy: Optional[float]  # accuracy at that round
-  traffic_bytes: Optional[int]  # total bytes up to and including that round (setup included)
-  ratio: Optional[float]  # traffic / traffic of the reference method
+  traffic_bytes: Optional[int]  # measured total up to and including that round (setup included)
+  ratio: Optional[float]  # measured traffic / that of the reference method
+  paper_bits: Optional[int] = None  # the `*_cost_bits` formula at `rounds`, if one applies
+  paper_ratio: Optional[float] = None  # paper_bits / that of the reference method
 
   @property
   def traffic_mb(self) -> Optional[float]:
+    """Measured traffic in MB = 10^6 bytes."""
     return None if self.traffic_bytes is None else self.traffic_bytes / 1e6
+
+  @property
+  def traffic_mib(self) -> Optional[float]:
+    """Measured traffic in MiB, the unit of the paper's tables."""
+    return None if self.traffic_bytes is None else self.traffic_bytes / MIB
+
+  @property
+  def paper_mib(self) -> Optional[float]:
+    return None if self.paper_bits is None else bits_to_mib(self.paper_bits)
 
 
 def target_table_rows(
   results: Sequence[Tuple[str, Any, Sequence[Transfer]]],
   target: float,
   reference: Optional[str] = None,
+  paper_bits: Optional[Mapping[str, Callable[[int], Optional[int]]]] = None,
 ) -> List[TargetRow]:
   """Rows of the seed's Tables III–V.
 
@@ -344,52 +433,79 @@ def target_table_rows(
     results: (method, accuracy per round, transfers) per method.
     target: the target accuracy.
     reference: the method whose traffic is 1X (default: the first).
+    paper_bits: per method, rounds -> the paper formula's bits (`fedavg_cost_bits` etc. with the
+      run's settings bound), or None where no formula applies.
 
   Returns:
     One row per method; `ratio` is None when either method misses the target.
   """
+  paper_bits = paper_bits or {}
   rows = []
   for name, acc, transfers in results:
     r = rounds_to_target(acc, target)
     if r is None:
       rows.append(TargetRow(name, target, None, None, None, None))
     else:
+      formula = paper_bits.get(name)
       rows.append(
         TargetRow(
-          name, target, r, float(np.asarray(acc)[r - 1]), total_bytes(transfers, upto_round=r), None
+          name,
+          target,
+          r,
+          float(np.asarray(acc)[r - 1]),
+          total_bytes(transfers, upto_round=r),
+          None,
+          None if formula is None else formula(r),
         )
       )
   ref_name = rows[0].method if (reference is None and rows) else reference
   ref = next((row for row in rows if row.method == ref_name), None)
-  out = []
-  for row in rows:
-    ratio = None
-    if ref is not None and ref.traffic_bytes and row.traffic_bytes is not None:
-      ratio = row.traffic_bytes / ref.traffic_bytes
-    out.append(row._replace(ratio=ratio))
-  return out
+
+  def ratio(value, ref_value):
+    return None if (value is None or not ref_value) else value / ref_value
+
+  return [
+    row._replace(
+      ratio=ratio(row.traffic_bytes, ref and ref.traffic_bytes),
+      paper_ratio=ratio(row.paper_bits, ref and ref.paper_bits),
+    )
+    for row in rows
+  ]
 
 
 def format_target_table(rows: Sequence[TargetRow], percent: bool = True) -> str:
-  """A Markdown table in the layout of Tables III–V (metrics as rows, methods as columns)."""
+  """A Markdown table in the layout of Tables III–V (metrics as rows, methods as columns).
+
+  Traffic is in MiB (the tables' "MB"): the measured serialised bytes, and the paper's formula
+  when any row has one.
+  """
   if not rows:
     return ''
   scale = 100.0 if percent else 1.0
   unit = '%' if percent else ''
   tgt = f'{rows[0].target * scale:g}{unit}'
-  head = '| Metrics | ' + ' | '.join(r.method for r in rows) + ' |'
-  sep = '|---|' + '---|' * len(rows)
+
+  def cells(values, fmt):
+    return ' | '.join('—' if v is None else fmt.format(v) for v in values)
+
   cell_r = [
     ('—' if r.rounds is None else f'{r.rounds}/{r.accuracy * scale:.2f}{unit}') for r in rows
   ]
-  cell_t = [('—' if r.traffic_mb is None else f'{r.traffic_mb:.1f}M') for r in rows]
-  cell_x = [('—' if r.ratio is None else f'{r.ratio:.1f}X') for r in rows]
   lines = [
     f'Accuracy={tgt}',
-    head,
-    sep,
+    '| Metrics | ' + ' | '.join(r.method for r in rows) + ' |',
+    '|---|' + '---|' * len(rows),
     '| rounds/Accuracy | ' + ' | '.join(cell_r) + ' |',
-    '| Traffic (MB) | ' + ' | '.join(cell_t) + ' |',
-    '| Ratio | ' + ' | '.join(cell_x) + ' |',
+    '| Traffic, measured (MiB) | ' + cells([r.traffic_mib for r in rows], '{:.1f}') + ' |',
   ]
+  with_paper = any(r.paper_bits is not None for r in rows)
+  if with_paper:
+    lines.append(
+      '| Traffic, paper formula (MiB) | ' + cells([r.paper_mib for r in rows], '{:.1f}') + ' |'
+    )
+  lines.append('| Ratio, measured | ' + cells([r.ratio for r in rows], '{:.1f}X') + ' |')
+  if with_paper:
+    lines.append(
+      '| Ratio, paper formula | ' + cells([r.paper_ratio for r in rows], '{:.1f}X') + ' |'
+    )
   return '\n'.join(lines)
