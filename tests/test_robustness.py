@@ -23,7 +23,7 @@ ROBUSTNESS_CONFIG = robustness_config.__file__
 
 def _five_iid(**overrides):
   """Digits over 5 IID clients, MLP, 6 rounds x 2 epochs: the mean learns to about 0.9."""
-  c = robustness_config.get_config('digits')
+  c = robustness_config.get_config('dataset=digits')
   c.partition.scheme, c.partition.num_clients = 'iid', 5
   c.fedavg.rounds = 6
   return override(c, **overrides)
