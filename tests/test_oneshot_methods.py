@@ -388,3 +388,41 @@ def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
 
   with pytest.raises(ValueError, match='rounds = 1'):
     _run('fedavg', override(config, **{'fedavg.rounds': 2}), tmp_path / 'bad')
+
+
+@pytest.mark.parametrize('augment', [False, True])
+def test_coboosting_synthesises_from_unaugmented_generator_output_as_its_reference(augment):
+  """coboost.py:synthesize feeds normalizer(G(z)) to the teachers; crop/flip is an option."""
+  config = fedhydra_digits.get_config('smoke')
+  if augment:
+    config.coboosting.synthesis_augment = True
+  dataset = load_dataset('digits')
+  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  settings = driver.build_algorithm('coboosting', config).settings(ctx)
+  assert settings.synthesis.augment is augment
+  assert settings.synthesis.input_mean is None  # the digits pipeline does not normalise
+
+
+def test_feddf_distils_on_an_out_of_domain_source_and_evaluates_on_the_rest_of_the_test_split():
+  """`feddf.source=<dataset>`: unlabelled images of another dataset's training split, resized
+  to the clients' input shape; only the validation set is held out of the test split."""
+  from jfed.data.transforms import match_input_shape  # pylint: disable=g-import-not-at-top
+  from jfed.methods.feddf import distillation_data  # pylint: disable=g-import-not-at-top
+
+  config = fedhydra_digits.get_config('smoke')
+  config.feddf.source, config.feddf.source_size, config.feddf.val_size = 'digits', 50, 30
+  digits = load_dataset('digits')
+  # The clients see 16x16 images here, so the source must be resized to them.
+  clients = digits._replace(
+    train_x=match_input_shape(digits.train_x, (16, 16, 1)),
+    test_x=match_input_shape(digits.test_x, (16, 16, 1)),
+  )
+  ctx = driver.make_context(config, clients, driver.partition_clients(config, clients.train_y))
+  data = distillation_data(ctx, driver.build_algorithm('feddf', config).config)
+  assert int(data.pool.count) == 50 and data.pool.images.shape[1:] == (16, 16, 1)
+  sources = match_input_shape(digits.train_x, (16, 16, 1)).reshape(len(digits.train_x), -1)
+  pool = np.asarray(data.pool.images[:50]).reshape(50, -1)
+  # every pool image is one of the source's training images, resized (nearest in L2 is exact)
+  d = ((pool[:, None, :] - sources[None, :, :]) ** 2).sum(-1)
+  assert np.allclose(d.min(1), 0.0, atol=1e-8)
+  assert len(data.eval_y) == len(digits.test_y) - 30 and len(data.val_y) == 30

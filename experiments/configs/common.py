@@ -303,6 +303,7 @@ def base_config() -> ml_collections.ConfigDict:
       'kd_batch': 128,
       'kd_augment': 'auto',
       'pool_quantize': True,
+      'synthesis_augment': False,  # the reference synthesises from un-augmented G(z)
     }
   )
   c.ot = ml_collections.ConfigDict(

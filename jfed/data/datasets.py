@@ -10,6 +10,11 @@ Sources:
     fast smoke-test dataset.
   * 'mnist', 'fashion_mnist', 'kmnist', 'emnist': the original IDX files, read with a small
     NumPy parser (no TensorFlow, no torchvision).
+  * 'cifar10', 'cifar100' (fine labels), 'cifar100_coarse' (the 20 superclasses): the binary
+    version of CIFAR, fixed-size records read with NumPy. The Python version is never read:
+    loading it means unpickling, which can run arbitrary code.
+  * 'svhn': SVHN's cropped digits (format 2), the MATLAB v5 .mat files read with
+    `scipy.io.loadmat`, which unpickles nothing.
   * 'tfds:<name>': any TFDS dataset already prepared in the array_record format, read through
     `tfds.data_source`, which needs no TensorFlow.
 
@@ -31,6 +36,8 @@ from jfed.errors import DataError
 DATA_DIR_ENV = 'JFED_DATA_DIR'
 SYSTEM_DATA_DIR = pathlib.Path('/usr/share/datasets')
 IDX_DATASETS = ('mnist', 'fashion_mnist', 'kmnist', 'emnist')
+CIFAR_DATASETS = ('cifar10', 'cifar100', 'cifar100_coarse')
+MAT_DATASETS = ('svhn',)
 TFDS_PREFIX = 'tfds:'
 
 # EMNIST (in IDX and in TFDS, which copies the IDX files) stores every image transposed
@@ -64,7 +71,67 @@ _WHERE_TO_GET = {
   'emnist': 'download gzip.zip from https://www.nist.gov/itl/products-and-services/'
   "emnist-dataset and keep ONE split's four files (e.g. "
   'emnist-balanced-train-images-idx3-ubyte.gz, ...) in the directory',
+  'cifar10': 'download the binary version, cifar-10-binary.tar.gz (not the Python version, '
+  'which is pickled), from https://www.cs.toronto.edu/~kriz/cifar.html and extract it '
+  '(`tar xzf cifar-10-binary.tar.gz`), which makes cifar-10-batches-bin/',
+  'cifar100': 'download the binary version, cifar-100-binary.tar.gz (not the Python version, '
+  'which is pickled), from https://www.cs.toronto.edu/~kriz/cifar.html and extract it '
+  '(`tar xzf cifar-100-binary.tar.gz`), which makes cifar-100-binary/',
+  'svhn': 'download train_32x32.mat and test_32x32.mat ("Format 2: Cropped Digits"; '
+  'extra_32x32.mat is not used) from http://ufldl.stanford.edu/housenumbers/',
 }
+_WHERE_TO_GET['cifar100_coarse'] = _WHERE_TO_GET['cifar100']
+
+# TFDS's names where they differ from ours; None: no TFDS dataset jfed can read instead (TFDS's
+# cifar100 'label' is the fine one, and the TFDS loader reads only 'label').
+_TFDS_ALTERNATIVES = {'svhn': 'svhn_cropped', 'cifar100_coarse': None}
+
+
+class _FileLayout(NamedTuple):
+  """Where the files of a non-IDX dataset live and what they are called.
+
+  Attributes:
+    source: the directory name searched under $JFED_DATA_DIR and /usr/share/datasets (the two
+      CIFAR-100 label sets share one copy of the files).
+    subdir: the directory the distributed archive extracts to ('' when there is no archive);
+      accepted inside each searched directory.
+    train: file names of the training split, concatenated in this order.
+    test: file names of the test split.
+  """
+
+  source: str
+  subdir: str
+  train: tuple
+  test: tuple
+
+
+_CIFAR100_LAYOUT = _FileLayout('cifar100', 'cifar-100-binary', ('train.bin',), ('test.bin',))
+_FILE_LAYOUTS = {
+  'cifar10': _FileLayout(
+    'cifar10',
+    'cifar-10-batches-bin',
+    tuple(f'data_batch_{i}.bin' for i in range(1, 6)),
+    ('test_batch.bin',),
+  ),
+  'cifar100': _CIFAR100_LAYOUT,
+  'cifar100_coarse': _CIFAR100_LAYOUT,
+  'svhn': _FileLayout('svhn', '', ('train_32x32.mat',), ('test_32x32.mat',)),
+}
+
+# Directory names of the pickled Python versions, recognised only to say why they are refused.
+_PICKLED_CIFAR_DIRS = {'cifar10': 'cifar-10-batches-py', 'cifar100': 'cifar-100-python'}
+_CIFAR_ARCHIVES = {'cifar10': 'cifar-10-binary.tar.gz', 'cifar100': 'cifar-100-binary.tar.gz'}
+
+# The label bytes that open each CIFAR record, as (what, class count) in file order, and the
+# index of the one the dataset uses.
+_CIFAR_LABELS = {
+  'cifar10': ((('labels', 10),), 0),
+  'cifar100': ((('coarse labels', 20), ('fine labels', 100)), 1),
+  'cifar100_coarse': ((('coarse labels', 20), ('fine labels', 100)), 0),
+}
+_CIFAR_SIDE = 32
+_CIFAR_PIXEL_BYTES = 3 * _CIFAR_SIDE * _CIFAR_SIDE
+_SVHN_IMAGE_SHAPE = (32, 32, 3)
 
 # Datasets whose class count is fixed: a label outside [0, count) means a wrong or corrupt file.
 # Others (EMNIST, whose splits have 10 to 62 classes) take max label + 1.
@@ -112,7 +179,7 @@ class Dataset(NamedTuple):
 
 def available_datasets() -> list:
   """Names `load_dataset` accepts besides the open-ended 'tfds:<name>' family."""
-  return ['digits', *IDX_DATASETS]
+  return ['digits', *IDX_DATASETS, *CIFAR_DATASETS, *MAT_DATASETS]
 
 
 CLASS_NAMES = {
@@ -146,6 +213,35 @@ CLASS_NAMES = {
     'ship',
     'truck',
   ),
+  # The label order of batches.meta.txt / fine_label_names.txt (alphabetical), with spaces for
+  # underscores so that prompts read naturally.
+  'cifar100': tuple(
+    n.replace('_', ' ')
+    for n in (
+      'apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus '
+      'butterfly camel can castle caterpillar cattle chair chimpanzee clock cloud cockroach '
+      'couch crab crocodile cup dinosaur dolphin elephant flatfish forest fox girl hamster '
+      'house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man maple_tree '
+      'motorcycle mountain mouse mushroom oak_tree orange orchid otter palm_tree pear '
+      'pickup_truck pine_tree plain plate poppy porcupine possum rabbit raccoon ray road rocket '
+      'rose sea seal shark shrew skunk skyscraper snail snake spider squirrel streetcar '
+      'sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip '
+      'turtle wardrobe whale willow_tree wolf woman worm'
+    ).split()
+  ),
+  'cifar100_coarse': tuple(
+    n.replace('_', ' ')
+    for n in (
+      'aquatic_mammals fish flowers food_containers fruit_and_vegetables '
+      'household_electrical_devices household_furniture insects large_carnivores '
+      'large_man-made_outdoor_things large_natural_outdoor_scenes '
+      'large_omnivores_and_herbivores medium_mammals non-insect_invertebrates people reptiles '
+      'small_mammals trees vehicles_1 vehicles_2'
+    ).split()
+  ),
+  'svhn': tuple(
+    f'house number digit {w}' for w in 'zero one two three four five six seven eight nine'.split()
+  ),
 }
 
 
@@ -161,11 +257,14 @@ def load_dataset(name: str, data_dir: Optional[str] = None) -> Dataset:
   """Loads a dataset by name (see the module docstring for the sources).
 
   Args:
-    name: 'digits', 'mnist', 'fashion_mnist', 'kmnist', 'emnist' or 'tfds:<tfds name>'.
-    data_dir: for the IDX datasets, the directory holding the IDX files (or its parent,
-      holding a `<name>` subdirectory); by default `$JFED_DATA_DIR/<name>` and then
-      `/usr/share/datasets/<name with - for _>` are searched. For 'tfds:' names, the TFDS
-      data directory (default: TFDS's own, `$TFDS_DATA_DIR` or ~/tensorflow_datasets).
+    name: 'digits', 'mnist', 'fashion_mnist', 'kmnist', 'emnist', 'cifar10', 'cifar100',
+      'cifar100_coarse', 'svhn' or 'tfds:<tfds name>'.
+    data_dir: for the file-based datasets, the directory holding the files (or its parent,
+      holding a `<name>` subdirectory; for CIFAR also the directory the archive extracts to,
+      e.g. `cifar-10-batches-bin/`, or its parent); by default `$JFED_DATA_DIR/<name>` and
+      then `/usr/share/datasets/<name with - for _>` are searched ('cifar100_coarse' searches
+      'cifar100'). For 'tfds:' names, the TFDS data directory (default: TFDS's own,
+      `$TFDS_DATA_DIR` or ~/tensorflow_datasets).
 
   Returns:
     The `Dataset`; cached, so repeated loads are free. Its arrays are read-only: copy
@@ -174,14 +273,19 @@ def load_dataset(name: str, data_dir: Optional[str] = None) -> Dataset:
   Raises:
     ValueError: unknown name.
     DatasetNotFoundError: a known dataset that is not available locally.
-    DataError: an IDX file that is truncated, corrupt, or holds labels outside
-      [0, num_classes) (negative labels for EMNIST) or images that are not 0-255 pixel values;
-      the message names the file.
+    DataError: a data file that is truncated, corrupt, or holds labels outside
+      [0, num_classes) (negative labels for EMNIST, [1, 10] for SVHN), images that are not 0-255
+      pixel values, or (SVHN) variables missing or of the wrong shape or type; the message
+      names the file.
   """
   if name == 'digits':
     return _load_digits()
   if name in IDX_DATASETS:
     return _load_idx_dataset(name, str(_find_idx_dir(name, data_dir)))
+  if name in CIFAR_DATASETS:
+    return _load_cifar(name, str(_find_layout_dir(name, data_dir)))
+  if name in MAT_DATASETS:
+    return _load_svhn(str(_find_layout_dir(name, data_dir)))
   if name.startswith(TFDS_PREFIX) and len(name) > len(TFDS_PREFIX):
     return _load_tfds(name[len(TFDS_PREFIX) :], None if data_dir is None else str(data_dir))
   raise ValueError(
@@ -258,38 +362,40 @@ def _check_idx_images(images: np.ndarray, path) -> None:
     )
 
 
-def _check_idx_labels(labels: np.ndarray, path, num_classes: Optional[int]) -> None:
+def _check_idx_labels(
+  labels: np.ndarray, path, num_classes: Optional[int], what: str = 'labels'
+) -> None:
   """Raises DataError (naming `path`) unless `labels` are 1-D integers in [0, num_classes).
 
   With `num_classes=None` (a dataset whose class count is not fixed) only negative labels
-  are rejected.
+  are rejected. `what` names the labels in the message (e.g. 'fine labels').
   """
   if labels.ndim != 1:
-    raise DataError(f'{path}: labels must be 1-D, got shape {labels.shape}.')
+    raise DataError(f'{path}: {what} must be 1-D, got shape {labels.shape}.')
   if not np.issubdtype(labels.dtype, np.integer):
-    raise DataError(f'{path}: labels must be integers, got IDX type {labels.dtype}.')
+    raise DataError(f'{path}: {what} must be integers, got type {labels.dtype}.')
   if not labels.size:
     return
   low, high = int(labels.min()), int(labels.max())
   if low < 0 or (num_classes is not None and high >= num_classes):
     bad = labels < 0 if num_classes is None else (labels < 0) | (labels >= num_classes)
     valid = '>= 0' if num_classes is None else f'in [0, {num_classes})'
-    raise DataError(f'{path}: {int(bad.sum())} labels are not {valid} (they span [{low}, {high}]).')
+    raise DataError(f'{path}: {int(bad.sum())} {what} are not {valid} (they span [{low}, {high}]).')
 
 
 def _search_dirs(name: str, data_dir: Optional[str]) -> list:
-  """Directories that may hold the IDX files of `name`, in priority order."""
+  """Directories that may hold the files of `name`, in priority order, without repeats."""
   dashed = name.replace('_', '-')
   if data_dir is not None:
     root = pathlib.Path(data_dir).expanduser()
-    return [root, root / name, root / dashed]
+    return list(dict.fromkeys([root, root / name, root / dashed]))
   dirs = []
   env = os.environ.get(DATA_DIR_ENV)
   if env:
     root = pathlib.Path(env).expanduser()
     dirs += [root / name, root / dashed]
   dirs.append(SYSTEM_DATA_DIR / dashed)
-  return dirs
+  return list(dict.fromkeys(dirs))
 
 
 def _find_idx_file(directory: pathlib.Path, split: str, kind: str) -> Optional[pathlib.Path]:
@@ -324,14 +430,60 @@ def _find_idx_dir(name: str, data_dir: Optional[str]) -> pathlib.Path:
     if directory.is_dir() and all(_find_idx_file(directory, s, k) for s, k in _IDX_STEMS):
       return directory.resolve()
   files = ', '.join(s[0] + '.gz' for s in _IDX_STEMS.values())
-  raise DatasetNotFoundError(
-    f'Dataset {name!r} not found; searched {[str(d) for d in dirs]}. To get it, '
-    f'{_WHERE_TO_GET[name]}. The loader needs the four IDX files ({files}; un-gzipped '
-    f'files are accepted too) in a directory passed as data_dir=..., or in '
-    f'${DATA_DIR_ENV}/{name}, or in {SYSTEM_DATA_DIR / name.replace("_", "-")}. '
-    f'Alternatively use {TFDS_PREFIX}{name} with a TFDS dataset prepared in the '
-    f'array_record format.'
+  raise _not_found(
+    name, dirs, f'the four IDX files ({files}; un-gzipped files are accepted too)', name
   )
+
+
+def _not_found(name: str, dirs: Sequence, needs: str, source: str, hint: str = ''):
+  """The DatasetNotFoundError for `name`: where it looked, how to get the files, where to put
+  them (`source`: the directory name searched for them) and any TFDS alternative."""
+  tfds_name = _TFDS_ALTERNATIVES.get(name, name)
+  alternative = (
+    f' Alternatively use {TFDS_PREFIX}{tfds_name} with a TFDS dataset prepared in the '
+    f'array_record format.'
+    if tfds_name
+    else ''
+  )
+  return DatasetNotFoundError(
+    f'Dataset {name!r} not found; searched {[str(d) for d in dirs]}.{hint} To get it, '
+    f'{_WHERE_TO_GET[name]}. The loader needs {needs} in a directory passed as data_dir=..., '
+    f'or in ${DATA_DIR_ENV}/{source}, or in {SYSTEM_DATA_DIR / source.replace("_", "-")}.'
+    f'{alternative}'
+  )
+
+
+def _find_layout_dir(name: str, data_dir: Optional[str]) -> pathlib.Path:
+  """The first search directory (or archive subdirectory) holding every file of `name`."""
+  layout = _FILE_LAYOUTS[name]
+  dirs = []
+  for directory in _search_dirs(layout.source, data_dir):
+    dirs += [directory, directory / layout.subdir] if layout.subdir else [directory]
+  files = layout.train + layout.test
+  for directory in dirs:
+    if all((directory / f).is_file() for f in files):
+      return directory.resolve()
+  needs = f'the files {", ".join(files)}'
+  if layout.subdir:
+    needs += f' (or the {layout.subdir}/ directory holding them)'
+  hint = _layout_hint(layout.source, dirs)
+  raise _not_found(name, dirs, needs, layout.source, hint)
+
+
+def _layout_hint(source: str, dirs: Sequence[pathlib.Path]) -> str:
+  """Why the files were not found, where a searched directory shows it: an archive not yet
+  extracted, or CIFAR's pickled Python version (which jfed refuses to unpickle)."""
+  archive, pickled = _CIFAR_ARCHIVES.get(source), _PICKLED_CIFAR_DIRS.get(source)
+  for directory in dirs:
+    if archive and (directory / archive).is_file():
+      return f' Found {directory / archive}: extract it (`tar xzf {archive}`).'
+    if pickled and (directory.name == pickled or (directory / pickled).is_dir()):
+      found = directory if directory.name == pickled else directory / pickled
+      return (
+        f' Found {found}, the Python version, which jfed does not read because loading it '
+        f'means unpickling (which can run arbitrary code); get the binary version instead.'
+      )
+  return ''
 
 
 def _to_images(raw: np.ndarray, transpose: bool) -> np.ndarray:
@@ -404,6 +556,117 @@ def _load_idx_dataset(name: str, directory: str) -> Dataset:
       num_classes,
     )
   )
+
+
+def _read_cifar_file(path: pathlib.Path, labels: Sequence[tuple]) -> tuple:
+  """Reads one file of CIFAR's binary version: fixed-size records of `len(labels)` label
+  bytes, then 1024 red, 1024 green and 1024 blue bytes, each plane a row-major 32x32 image.
+
+  Returns:
+    (labels [N, len(labels)] uint8, images [N, 32, 32, 3] uint8).
+
+  Raises:
+    DataError: the file cannot be read, is empty, is not a whole number of records
+      (truncated, or not the binary version) or holds labels outside their class range; the
+      message names it.
+  """
+  try:
+    raw = path.read_bytes()
+  except OSError as e:
+    raise DataError(f'{path}: cannot be read ({e.strerror or e}).') from e
+  record = len(labels) + _CIFAR_PIXEL_BYTES
+  if not raw:
+    raise DataError(f'{path}: empty file; download and extract the archive again.')
+  if len(raw) % record:
+    raise DataError(
+      f'{path}: {len(raw)} bytes is not a whole number of {record}-byte records '
+      f'({len(labels)} label byte(s) + {_CIFAR_PIXEL_BYTES} pixel bytes each); the file is '
+      f'truncated or not from the binary version. Download and extract the archive again.'
+    )
+  records = np.frombuffer(raw, np.uint8).reshape(-1, record)
+  for i, (what, num_classes) in enumerate(labels):
+    _check_idx_labels(records[:, i], path, num_classes, what=what)
+  planes = records[:, len(labels) :].reshape(-1, 3, _CIFAR_SIDE, _CIFAR_SIDE)
+  return records[:, : len(labels)], planes.transpose(0, 2, 3, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cifar(name: str, directory: str) -> Dataset:
+  directory = pathlib.Path(directory)
+  layout = _FILE_LAYOUTS[name]
+  labels, label_index = _CIFAR_LABELS[name]
+  splits = []
+  for files in (layout.train, layout.test):
+    read = [_read_cifar_file(directory / f, labels) for f in files]
+    images = np.concatenate([images for _, images in read])
+    y = np.concatenate([y[:, label_index] for y, _ in read]).astype(np.int32)
+    splits += [_to_images(images, transpose=False), y]
+  return _freeze(Dataset(name, *splits, labels[label_index][1]))
+
+
+def _read_svhn_mat(path: pathlib.Path) -> tuple:
+  """Reads one SVHN format-2 file: X [32, 32, 3, N] uint8 and y [N, 1] with 10 for digit 0.
+
+  Returns:
+    (images [N, 32, 32, 3] uint8, labels [N] int32 in [0, 10)).
+
+  Raises:
+    DataError: the file is not a readable MATLAB v5 .mat file, lacks X or y, or holds them
+      with the wrong shape, type or label range; the message names it.
+  """
+  from scipy import io as sio  # pylint: disable=g-import-not-at-top
+
+  try:
+    mat = sio.loadmat(path, variable_names=('X', 'y'))
+  except NotImplementedError as e:
+    raise DataError(
+      f'{path}: a MATLAB v7.3 (HDF5) file ({e}); jfed reads the MATLAB v5 files that SVHN '
+      f'distributes. Download it again.'
+    ) from e
+  except (sio.matlab.MatReadError, OSError, EOFError, ValueError, TypeError, LookupError) as e:
+    # A cut-off file surfaces as any of these, depending on where the cut falls.
+    raise DataError(
+      f'{path}: not a readable MATLAB .mat file ({type(e).__name__}: {e}); the file is '
+      f'truncated or corrupt. Download it again.'
+    ) from e
+  missing = [k for k in ('X', 'y') if k not in mat]
+  if missing:
+    # `mat` holds only the variables asked for; list them all to show what the file is.
+    held = sorted(v for v, _, _ in sio.whosmat(path))
+    raise DataError(
+      f'{path}: no variable {" or ".join(missing)} (it holds {held}); expected SVHN format 2, '
+      f'X [32, 32, 3, N] uint8 and y [N, 1].'
+    )
+  x, y = mat['X'], mat['y']
+  if x.dtype != np.uint8 or x.ndim != 4 or x.shape[:3] != _SVHN_IMAGE_SHAPE:
+    raise DataError(
+      f'{path}: X must be uint8 of shape [32, 32, 3, N], got {x.dtype} {list(x.shape)}.'
+    )
+  if y.ndim != 2 or 1 not in y.shape:
+    raise DataError(f'{path}: y must be [N, 1], got shape {list(y.shape)}.')
+  y = y.reshape(-1)
+  if not np.issubdtype(y.dtype, np.integer):
+    raise DataError(f'{path}: y must hold integers, got type {y.dtype}.')
+  if len(y) != x.shape[3]:
+    raise DataError(f'{path}: X holds {x.shape[3]} images but y {len(y)} labels.')
+  bad = (y < 1) | (y > 10)
+  if bad.any():
+    raise DataError(
+      f'{path}: {int(bad.sum())} labels are not in [1, 10] (SVHN writes digit 0 as 10; they '
+      f'span [{int(y.min())}, {int(y.max())}]).'
+    )
+  return x.transpose(3, 0, 1, 2), np.where(y == 10, 0, y).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_svhn(directory: str) -> Dataset:
+  directory = pathlib.Path(directory)
+  layout = _FILE_LAYOUTS['svhn']
+  splits = []
+  for (file,) in (layout.train, layout.test):
+    images, labels = _read_svhn_mat(directory / file)
+    splits += [_to_images(images, transpose=False), labels]
+  return _freeze(Dataset('svhn', *splits, 10))
 
 
 def _read_all_records(source, chunk: int = 4096) -> list:

@@ -76,7 +76,8 @@ def dense_config(**kw) -> SynthesisConfig:
 def coboosting_config(**kw) -> SynthesisConfig:
   """Co-Boosting: hard-sample CE (hs=1), adv T=3 ×T² without mask, bn=0 (default `--bn 0`; BN loss
   averaged over models when on), generator grad clip 10, g_steps 30, batch 128, random
-  (unsorted) targets, per-model weighted teacher, inputs normalised with mean = std = 0.5."""
+  (unsorted) targets, per-model weighted teacher, inputs normalised with mean = std = 0.5,
+  un-augmented G(z) (`coboost.py:synthesize` feeds normalizer(G(z)) to the teachers)."""
   base = dict(
     g_steps=30,
     batch_size=128,
@@ -92,6 +93,7 @@ def coboosting_config(**kw) -> SynthesisConfig:
     sort_targets=False,
     input_mean=0.5,
     input_std=0.5,
+    augment=False,
   )
   base.update(kw)
   return SynthesisConfig(**base)

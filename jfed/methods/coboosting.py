@@ -80,6 +80,9 @@ class CoBoostingConfig(NamedTuple):
   kd_batch: int
   kd_augment: str
   pool_quantize: bool
+  # Crop/flip G(z) before the teachers in synthesis. The reference (`coboost.py:synthesize`)
+  # feeds normalizer(G(z)) unaugmented: False, the default, is the reference.
+  synthesis_augment: bool
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -130,6 +133,7 @@ class CoBoosting(oneshot.DistillationAlgorithm):
       hs=c.hs,
       adv_T=c.adv_T,
       grad_clip=c.g_grad_clip or None,
+      augment=c.synthesis_augment,
       input_mean=None,
       input_std=None,
     )
