@@ -178,3 +178,26 @@ def test_ms_heatmap_numbers_clients_from_zero(tmp_path):
   labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
   assert labels == [f'client {k}' for k in range(5)]
   assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [str(j) for j in range(10)]
+
+
+def test_sa_logits_are_a_cth_of_the_clients_unless_rescaled():
+  """Eq. 8's Ū_c sums to 1 over the c classes (Eq. 6), so with even class weights the paper's
+  SA is the U_r-weighted client logits divided by c; 'classes' restores the clients' scale
+  and keeps the relative weighting (exactly c times the paper's SA)."""
+  from jfed.methods.fedhydra import sa_weights  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  k, b, c = 4, 6, 10
+  logits = jnp.asarray(rng.normal(size=(k, b, c)) * 5, jnp.float32)
+  labels = jnp.asarray(rng.integers(0, c, b))
+  U = rng.uniform(0.1, 1.0, size=(c, k))
+  U_r = jnp.asarray(U / U.sum(1, keepdims=True), jnp.float32)  # Eq. 4: over clients
+  U_c = jnp.asarray(U / U.sum(0, keepdims=True), jnp.float32)  # Eq. 6: over classes
+  paper = S.stratified_aggregation(logits, *sa_weights(U_r, U_c, 'paper'), labels)
+  scaled = S.stratified_aggregation(logits, *sa_weights(U_r, U_c, 'classes'), labels)
+  np.testing.assert_allclose(scaled, c * paper, rtol=1e-5)
+  even = jnp.full((c, k), 1.0 / c)
+  by_hand = np.einsum('bk,kbc->bc', np.asarray(U_r)[np.asarray(labels)], np.asarray(logits)) / c
+  np.testing.assert_allclose(
+    S.stratified_aggregation(logits, *sa_weights(U_r, even, 'paper'), labels), by_hand, rtol=1e-5
+  )

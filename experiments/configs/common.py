@@ -341,6 +341,7 @@ def base_config() -> ml_collections.ConfigDict:
       'ms_impl': 'auto',
       'ms_chunk': 0,
       'aggregation': 'sa',
+      'sa_in_model_scale': 'paper',  # 'classes': Ū_c × c (SA logits at the clients' scale)
       'beta': 1.0,
       'kd_T': 1.0,
       'kd_lr': 0.01,

@@ -57,6 +57,15 @@ from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 AGGREGATIONS = {'sa': 'sa', 'sa_inter': 'sa_inter', 'ae': 'mean'}
+SA_SCALES = ('paper', 'classes')
+
+
+def sa_weights(U_r: Any, U_c: Any, scale: str) -> SAWeights:
+  """SA's weights from MS: Ū_c as Eq. 6 ('paper'; a client's class weights sum to 1, so they
+  average 1/c) or × c ('classes'; they average 1, keeping SA logits at the clients' scale)."""
+  if scale not in SA_SCALES:
+    raise ValueError(f'sa_in_model_scale {scale!r}; valid: {SA_SCALES}')
+  return SAWeights(U_r, U_c * (np.shape(U_c)[0] if scale == 'classes' else 1))
 
 
 class FedHydraConfig(NamedTuple):
@@ -80,6 +89,10 @@ class FedHydraConfig(NamedTuple):
   ms_impl: str
   ms_chunk: int
   aggregation: str
+  # 'paper': Ū_c as Eq. 6 (each client's class weights sum to 1, so SA logits are about 1/c of
+  # a client's); 'classes': Ū_c × c (mean weight 1: the same relative weighting at the
+  # clients' logit scale). BUILD_NOTES.md, "SA logit scale".
+  sa_in_model_scale: str
   beta: float
   kd_T: float
   kd_lr: float
@@ -136,6 +149,7 @@ class FedHydra(oneshot.DistillationAlgorithm):
     tc.require_non_negative(c, where, ('lambda1', 'lambda2', 'beta', 'ms_chunk'))
     tc.require_choice(c.aggregation, AGGREGATIONS, f'{where}.aggregation')
     tc.require_choice(c.ms_impl, MS_IMPLS, f'{where}.ms_impl')
+    tc.require_choice(c.sa_in_model_scale, SA_SCALES, f'{where}.sa_in_model_scale')
 
   def settings(self, ctx: RunContext) -> oneshot.Settings:
     c = self.config
@@ -198,7 +212,7 @@ class FedHydra(oneshot.DistillationAlgorithm):
       return out
 
     ms = ctx.stage('model_stratification', r, template, compute)
-    return HydraRound(SAWeights(ms.U_r, ms.U_c), ms, ids)
+    return HydraRound(sa_weights(ms.U_r, ms.U_c, c.sa_in_model_scale), ms, ids)
 
   def _write_ms(
     self, ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray, impl: str
