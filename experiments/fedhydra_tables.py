@@ -1,47 +1,90 @@
-"""FedHydra Tables 1 and 2 (seed 000): every method on every partition, ours beside the paper's.
+"""FedHydra Tables 1 and 2 (seed 000): every method on every partition over seeds, ours beside
+the paper's.
 
     python -m experiments.fedhydra_tables --config=experiments/configs/fedhydra_fashion_mnist.py \
         --out=runs/fedhydra_tables [--methods=fedavg,ot,feddf,dense,coboosting,fedhydra] \
-        [--partitions=dir0.5,dir0.3,dir0.1,dir0.01,2c/c] [--config.fedhydra.epochs=...]
+        [--partitions=dir0.5,dir0.3,dir0.1,dir0.01,2c/c] [--seeds=0,1,2] \
+        [--config.fedhydra.epochs=...]
 
-Each (partition, method) runs through `jfed.driver.run_experiment` into
-OUT/<partition>/<method>/ (all its usual outputs: metrics, summary, plots, checkpoints; rerunning
-the command resumes or skips finished runs). The one-shot distillation methods and OT share one
-set of client models per partition (`local_models_dir` = OUT/<partition>/local_models), so the
-clients train once per partition; one-shot FedAvg (method 'fedavg' with rounds = 1) averages
-those same local models (`fedavg.reuse_local_models`), as in the paper, where every method
-starts from one set of local models. Multi-round FedAvg (rounds=N) trains its own clients.
+Each (seed, partition, method) runs through `jfed.driver.run_experiment` with `config.seed` = the
+seed (which draws the partition and every initialisation) into OUT/seed<s>/<partition>/<method>/
+(all its usual outputs: metrics, summary, plots, checkpoints). The one-shot distillation methods
+and OT share one set of client models per (seed, partition) (`local_models_dir` =
+OUT/seed<s>/<partition>/local_models), so the clients train once per seed and partition; one-shot
+FedAvg (method 'fedavg' with rounds = 1) averages those same local models
+(`fedavg.reuse_local_models`), as in the paper, where every method starts from one set of local
+models. Multi-round FedAvg (rounds=N) trains its own clients. The seeds run one after the other,
+each one whole before the next.
 
 Writes OUT/tables.md — Table 1 (methods × Dirichlet α) and Table 2 (2c/c) in the paper's layout,
-each cell "ours (paper)" in %, the paper's Fashion-MNIST numbers copied from seed 000 Tables 1
-and 2 — with the budget of the run in its header, OUT/results.json, and per partition
-OUT/<partition>/accuracy_vs_epoch.png (Fig. 3 / Fig. 6: test accuracy vs distillation epoch of
-every distillation method, FedAvg and OT as horizontal lines). A run that fails is reported in
-the table as 'error' (with the message in results.json) and the sweep goes on.
+twice: the final epoch and the best epoch, each cell the mean ± sample std over the finished
+seeds in %, beside the paper's Fashion-MNIST number (seed 000 Tables 1 and 2). The paper does not
+say which epoch it reports; its Fig. 3 shows accuracy collapsing late in distillation and the
+DENSE code it builds on keeps the best checkpoint, so the tables mark its columns as plausibly
+the best epoch (not stated). Also OUT/results.json (every run's numbers and, for the
+distillation methods, its accuracy-vs-epoch curve) and per partition
+OUT/<partition>_accuracy_vs_epoch.png (Fig. 3 / Fig. 6: test accuracy vs distillation epoch of
+every distillation method, mean over every seed in results.json with a ± std band; FedAvg, OT
+and the teacher ensemble as horizontal lines at their mean). A run that fails is counted as
+'error' (its message in results.json) and the sweep goes on.
+
+Rerunning the command skips the finished runs (the driver returns their summary.json) and
+resumes an interrupted one; results.json keeps the seeds it holds, so a later `--seeds=3,4` adds
+to them. Seeds in parallel: run one sweep per seed into its own OUT (`--seeds=1
+--out=runs/t_s1`, ...), then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (same --config,
+--methods and --partitions) adds their records to OUT's results.json and rewrites its tables and
+figures, running nothing; the run directories stay where they ran.
+
+OUTs written before the seeds (OUT/<partition>/<method>/, one seed) are not read: their
+results.json is refused, so give such a sweep a new --out.
 """
 
 import datetime
 import json
 import pathlib
 import traceback
+from typing import Dict, List, Sequence
 
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.seed_tables import (
+  curve_stats,
+  mean_std,
+  merge_seed_results,
+  plot_bands,
+  seed_cell,
+  seed_values,
+  value_stats,
+)
+
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-  'config', None, 'Experiment config (get_config(arg)).', lock_config=False
-)
-flags.DEFINE_string('out', 'runs/fedhydra_tables', 'Output directory.')
-flags.DEFINE_list(
-  'methods', ['fedavg', 'ot', 'feddf', 'dense', 'coboosting', 'fedhydra'], 'Methods (rows).'
-)
-flags.DEFINE_list(
-  'partitions',
-  ['dir0.5', 'dir0.3', 'dir0.1', 'dir0.01', '2c/c'],
-  'Partitions (columns): dir<alpha> or 2c/c.',
-)
-flags.mark_flags_as_required(['config'])
+
+
+def define_flags() -> None:
+  """Defined only when run as a command, so that importing the module (tests) does not clash
+  with the flags of the other comparison commands."""
+  config_flags.DEFINE_config_file(
+    'config', None, 'Experiment config (get_config(arg)).', lock_config=False
+  )
+  flags.DEFINE_string('out', 'runs/fedhydra_tables', 'Output directory.')
+  flags.DEFINE_list(
+    'methods', ['fedavg', 'ot', 'feddf', 'dense', 'coboosting', 'fedhydra'], 'Methods (rows).'
+  )
+  flags.DEFINE_list(
+    'partitions',
+    ['dir0.5', 'dir0.3', 'dir0.1', 'dir0.01', '2c/c'],
+    'Partitions (columns): dir<alpha> or 2c/c.',
+  )
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition and initialisations; >= 3).')
+  flags.DEFINE_list(
+    'merge',
+    [],
+    'Instead of running: merge the results.json of these output directories (sweeps of other '
+    'seeds run in parallel) into OUT and write its tables.',
+  )
+  flags.mark_flags_as_required(['config'])
+
 
 # Seed 000 (FedHydra, Bai et al. KDD'25), Fashion-MNIST columns: Table 1 (Dir(α), top-1 test
 # accuracy %) and Table 2 (2c/c).
@@ -68,6 +111,17 @@ NAMES = {
   'fedhydra': 'FedHydra',
 }
 DISTILL = ('feddf', 'dense', 'coboosting', 'fedhydra')
+SUMMARY_KEYS = (
+  'final_test_accuracy',
+  'best_test_accuracy',
+  'best_step',
+  'client_test_accuracy',
+  'teacher_ensemble_test_accuracy',
+  'seconds',
+)
+PAPER_COLUMN = 'plausibly the best epoch (not stated)'
+ENSEMBLE = 'Teacher ensemble (mean logits)'
+BEST_CLIENT = 'Best single client'
 
 
 def partition_config(config, partition: str):
@@ -89,7 +143,7 @@ def budget_lines(c) -> list:
   d, f, cb, h, o, df = c.dense, c.fedhydra, c.coboosting, c.ot, c.fedavg, c.feddf
   server = lambda m: c[m].server_model or c.model
   return [
-    f'- data: {c.dataset.name}, {c.partition.num_clients} clients, seed {c.seed}; clients '
+    f'- data: {c.dataset.name}, {c.partition.num_clients} clients; clients '
     f'{c.client_models or c.model}; local SGD lr {c.optimizer.lr} momentum '
     f'{c.optimizer.momentum}, batch {c.batch_size}',
     f'- local epochs E: FedAvg {o.local_epochs} (rounds {o.rounds}'
@@ -114,175 +168,239 @@ def budget_lines(c) -> list:
   ]
 
 
-def cell(ours, paper):
-  if ours is None:
-    return f'— ({paper:.2f})' if paper is not None else '—'
-  if isinstance(ours, str):
-    return f'{ours} ({paper:.2f})' if paper is not None else ours
-  return f'{100 * ours:.2f} ({paper:.2f})' if paper is not None else f'{100 * ours:.2f}'
-
-
-def references(results: dict, partition: str) -> dict:
-  """Not methods: what the clients' models reach on their own (from the distillation runs,
-  which evaluate the teachers they received): the mean-logit ensemble (DENSE's teacher;
+def reference_values(results: dict, partition: str) -> Dict[str, List[float]]:
+  """Not methods: per seed, what the clients' models reach on their own (from the distillation
+  runs, which evaluate the teachers they received): the mean-logit ensemble (DENSE's teacher;
   Co-Boosting and FedHydra weight their teachers and can beat it) and the best single client."""
-  runs = list(results.get(partition, {}).values())
-  ens = next(
-    (
-      r['teacher_ensemble_test_accuracy']
-      for r in runs
-      if r.get('teacher_ensemble_test_accuracy') is not None
-    ),
-    None,
-  )
-  best = next((max(r['client_test_accuracy']) for r in runs if r.get('client_test_accuracy')), None)
-  return {'Teacher ensemble (mean logits)': ens, 'Best single client': best}
+  out = {ENSEMBLE: [], BEST_CLIENT: []}
+  for runs in results.get(partition, {}).values():
+    # the runs of one seed share its local models: any of them gives the seed's value
+    ensemble = [r.get('teacher_ensemble_test_accuracy') for r in runs.values()]
+    ensemble = [a for a in ensemble if a is not None]
+    clients = [r['client_test_accuracy'] for r in runs.values() if r.get('client_test_accuracy')]
+    if ensemble:
+      out[ENSEMBLE].append(ensemble[0])
+    if clients:
+      out[BEST_CLIENT].append(max(clients[0]))
+  return out
 
 
-def render(config, results, methods, partitions, meta) -> str:
+def reference_cell(values: List[float]) -> str:
+  return f'{mean_std(values)} (n={len(values)})' if values else '—'
+
+
+def render(config, results: dict, methods, partitions, meta: dict) -> str:
   dir_parts = [p for p in partitions if p.startswith('dir')]
   paper = PAPER if config.dataset.name == 'fashion_mnist' else {}  # the paper's FMNIST columns
-  cells = (
-    'each cell **ours (paper)**; paper numbers: seed 000 Table 1 (Dir(α)) and Table 2 '
-    '(2c/c), Fashion-MNIST columns'
+
+  def table(title: str, columns: List[str], labels: List[str], key: str, refs: bool) -> List[str]:
+    head = '| Method | ' + ' | '.join(
+      f'{label} ours' + (f' | {label} paper' if paper else '') for label in labels
+    )
+    lines = [
+      '',
+      f'## {title}',
+      '',
+      head + ' |',
+      '|---|' + '---:|' * (len(labels) * (1 + bool(paper))),
+    ]
+    for m in methods:
+      cells = []
+      for p in columns:
+        cells.append(seed_cell(results, p, m, key))
+        if paper:
+          number = paper.get(m, {}).get(p)
+          cells.append('—' if number is None else f'{number:.2f}')
+      lines.append(f'| {NAMES.get(m, m)} | ' + ' | '.join(cells) + ' |')
+    if refs:
+      values = [reference_values(results, p) for p in columns]
+      for name in (ENSEMBLE, BEST_CLIENT):
+        cells = [reference_cell(v[name]) + (' | —' if paper else '') for v in values]
+        lines.append(f'| *{name}* | ' + ' | '.join(cells) + ' |')
+    return lines
+
+  source = (
+    'Paper: seed 000 Table 1 (Dir(α)) and Table 2 (2c/c), Fashion-MNIST columns, beside ours.'
     if paper
-    else 'in the layout of seed 000 Tables 1 and 2 (the paper reports no numbers for this dataset)'
+    else 'In the layout of seed 000 Tables 1 and 2 (the paper reports no numbers for this dataset).'
   )
   lines = [
     f'# FedHydra Tables 1 and 2 on {config.dataset.name}: jfed vs the paper',
     '',
-    f'Top-1 test accuracy (%) of the final model, {cells}. FedDF: '
-    'best-on-validation student, evaluated on the test images not held out.',
+    'Top-1 test accuracy (%), mean ± sample std over seeds (n = the seeds finished; each seed '
+    'draws its own partition and initialisations), of the final epoch and, in the second table '
+    f'of each pair, of the best epoch. {source}',
     '',
-    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}. Budget:',
+    "Which one the paper's columns are: seed 000 does not say. Its Fig. 3 shows accuracy "
+    'collapsing late in distillation, and the DENSE code it builds on keeps the best '
+    f'checkpoint, so its columns are **{PAPER_COLUMN}**: compare them with the best-epoch '
+    'tables. The final-epoch tables are what a method delivers without choosing an epoch on '
+    'the test images. FedDF: its final model is the best-on-validation student, evaluated on '
+    'the test images not held out.',
+    '',
+    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
+    f'{meta["seeds"]}. Budget:',
   ]
   lines += budget_lines(config)
-  lines.append('')
+  groups = []
   if dir_parts:
-    lines += [
-      '## Table 1 (Dirichlet)',
-      '',
-      '| Method | ' + ' | '.join(f'α={p[3:]}' for p in dir_parts) + ' |',
-      '|---|' + '---:|' * len(dir_parts),
-    ]
-    for m in methods:
-      lines.append(
-        f'| {NAMES.get(m, m)} | '
-        + ' | '.join(
-          cell(
-            results.get(p, {})
-            .get(m, {})
-            .get('final_test_accuracy', results.get(p, {}).get(m, {}).get('status')),
-            paper.get(m, {}).get(p),
-          )
-          for p in dir_parts
-        )
-        + ' |'
-      )
-    refs = [references(results, p) for p in dir_parts]
-    for name in refs[0]:
-      lines.append(f'| *{name}* | ' + ' | '.join(cell(r[name], None) for r in refs) + ' |')
-    lines.append('')
+    groups.append(('Table 1 (Dirichlet)', dir_parts, [f'α={p[3:]}' for p in dir_parts]))
   if '2c/c' in partitions:
-    lines += ['## Table 2 (2c/c)', '', f'| Method | {config.dataset.name} |', '|---|---:|']
-    for m in methods:
-      r = results.get('2c/c', {}).get(m, {})
-      ours = r.get('final_test_accuracy', r.get('status'))
-      lines.append(f'| {NAMES.get(m, m)} | {cell(ours, paper.get(m, {}).get("2c/c"))} |')
-    for name, value in references(results, '2c/c').items():
-      lines.append(f'| *{name}* | {cell(value, None)} |')
-    lines.append('')
-  lines.append(
-    'Rows in italics are references, not methods: the test accuracy of the mean-logit '
-    'ensemble of the uploaded client models (the teacher DENSE distils; Co-Boosting '
-    'and FedHydra weight their teachers per model or per class and can beat it) and '
-    'of the best client model alone.'
-  )
-  lines.append('')
-  lines.append(
-    'Per run: OUT/<partition>/<method>/ (metrics.jsonl, summary.json, plots); FedHydra '
-    'MS weights: OUT/<partition>/fedhydra/ms_heatmap.png.'
-  )
+    groups.append(('Table 2 (2c/c)', ['2c/c'], [config.dataset.name]))
+  for name, columns, labels in groups:
+    final = f'{name}, final epoch' + (" (the paper's column: see the best epoch)" if paper else '')
+    lines += table(final, columns, labels, 'final_test_accuracy', True)
+    best = f'{name}, best epoch' + (f" (the paper's column: {PAPER_COLUMN})" if paper else '')
+    lines += table(best, columns, labels, 'best_test_accuracy', False)
+  lines += [
+    '',
+    'Rows in italics (final-epoch tables) are references, not methods: the test accuracy of the '
+    'mean-logit ensemble of the uploaded client models (the teacher DENSE distils; Co-Boosting '
+    'and FedHydra weight their teachers per model or per class and can beat it) and of the best '
+    'client model alone.',
+    '',
+    'Per run: OUT/seed<s>/<partition>/<method>/ (metrics.jsonl, summary.json, plots); FedHydra '
+    'MS weights: OUT/seed<s>/<partition>/fedhydra/ms_heatmap.png. Accuracy vs distillation '
+    'epoch, mean ± std over the seeds: OUT/<partition>_accuracy_vs_epoch.png.',
+  ]
   return '\n'.join(lines) + '\n'
 
 
-def plot_partition(out: pathlib.Path, partition: str, results: dict) -> None:
-  from jfed.distill import plots
+def epoch_curve(workdir: pathlib.Path) -> List[List[float]]:
+  """[epochs, test accuracies] of a distillation run's first round, from its metrics."""
+  text = (workdir / 'metrics.jsonl').read_text()
+  recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+  recs = [
+    x
+    for x in recs
+    if x.get('round', 1) == 1 and 'epoch' in x and x.get('test_accuracy') is not None
+  ]
+  return [[x['epoch'] for x in recs], [x['test_accuracy'] for x in recs]]
 
-  series, hlines = {}, {}
-  for m, r in results.get(partition, {}).items():
-    if 'final_test_accuracy' not in r:
-      continue
+
+def plot_partition(out: pathlib.Path, partition: str, results: dict, methods) -> None:
+  """Fig. 3 / 6 over seeds: every distillation method's mean test accuracy per epoch with a
+  ± std band, the others and the teacher ensemble as lines at their mean final accuracy."""
+  bands, hlines = {}, {}
+  seeds = results.get(partition, {}).values()
+  for m in methods:
     if m in DISTILL:
-      path = out / dirname(partition) / m / 'metrics.jsonl'
-      recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-      recs = [x for x in recs if x.get('round', 1) == 1 and x.get('test_accuracy') is not None]
-      series[NAMES[m]] = ([x['epoch'] for x in recs], [x['test_accuracy'] for x in recs])
+      curves = [r[m]['curve'] for r in seeds if (r.get(m) or {}).get('curve')]
+      if curves:
+        bands[f'{NAMES[m]} (n={len(curves)})'] = curve_stats(curves)
     else:
-      hlines[NAMES.get(m, m)] = r['final_test_accuracy']
-  ensemble = references(results, partition)['Teacher ensemble (mean logits)']
-  if ensemble is not None:
-    hlines['teacher ensemble'] = ensemble
-  if series or hlines:
-    plots.plot_accuracy_vs_epoch(
-      out / dirname(partition) / 'accuracy_vs_epoch.png',
-      series,
-      title=f'test accuracy vs distillation epoch ({partition})',
+      values = seed_values(results, partition, m, 'final_test_accuracy')
+      if values:
+        hlines[f'{NAMES.get(m, m)} (n={len(values)})'] = value_stats(values, 100.0)[0]
+  ensemble = reference_values(results, partition)[ENSEMBLE]
+  if ensemble:
+    hlines[f'teacher ensemble (n={len(ensemble)})'] = value_stats(ensemble, 100.0)[0]
+  if bands or hlines:
+    plot_bands(
+      out / f'{dirname(partition)}_accuracy_vs_epoch.png',
+      bands,
+      xlabel='distillation epoch',
+      ylabel='test accuracy (%)',
+      title=f'test accuracy vs distillation epoch ({partition}), mean ± std over seeds',
       hlines=hlines,
     )
 
 
-def run_sweep(config, out: pathlib.Path, methods, partitions) -> str:
-  """Runs every (partition, method) not finished yet; writes results.json, tables.md and the
-  per-partition plots; returns the tables' text."""
-  import jax
+def run_sweep(
+  config,
+  out: pathlib.Path,
+  methods: Sequence[str],
+  partitions: Sequence[str],
+  seeds: Sequence[int] = (0, 1, 2),
+  merge: Sequence[str] = (),
+) -> str:
+  """Runs every (seed, partition, method) not finished yet (or, with `merge`, only merges those
+  directories' results); rewrites results.json and tables.md after each run and the figures
+  after each partition; returns the tables' text."""
+  import jax  # pylint: disable=g-import-not-at-top
 
-  from jfed.driver import run_experiment
+  from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
-  out.mkdir(parents=True, exist_ok=True)
+  methods, partitions, seeds = list(methods), list(partitions), [int(s) for s in seeds]
+  bases = {p: partition_config(config, p) for p in partitions}  # a bad partition fails first
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
     'date': datetime.date.today().isoformat(),
+    'seeds': [] if merge else seeds,
   }
-  results = {}
-  for partition in partitions:
-    base = partition_config(config, partition)
-    base.local_models_dir = str((out / dirname(partition) / 'local_models').absolute())
-    base.fedavg.reuse_local_models = base.fedavg.rounds == 1
-    results[partition] = {}
-    for method in methods:
-      workdir = out / dirname(partition) / method
-      print(f'=== {partition} / {method} -> {workdir}', flush=True)
-      try:
-        summary = run_experiment(method, base, workdir)
-        results[partition][method] = {
-          k: summary.get(k)
-          for k in (
-            'final_test_accuracy',
-            'best_test_accuracy',
-            'client_test_accuracy',
-            'teacher_ensemble_test_accuracy',
-            'seconds_this_invocation',
-          )
-        }
-      except Exception as e:  # one failed run must not lose the sweep
-        traceback.print_exc()
-        results[partition][method] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-      (out / 'results.json').write_text(
-        json.dumps({'meta': meta, 'results': results}, indent=2) + '\n'
+  results_path = out / 'results.json'
+
+  def load(path: pathlib.Path) -> dict:
+    saved = json.loads(path.read_text())
+    if 'seeds' not in saved.get('meta', {}):
+      raise ConfigError(
+        f'{path} is of the one-seed layout (OUT/<partition>/<method>), which this command no '
+        'longer reads: use a new --out'
       )
-      (out / 'tables.md').write_text(render(config, results, methods, partitions, meta))
-    plot_partition(out, partition, results)
-  table = render(config, results, methods, partitions, meta)
-  (out / 'tables.md').write_text(table)
-  return table
+    return saved
+
+  results = {}
+  if results_path.exists():  # a resumed or re-merged OUT keeps the seeds it already holds
+    saved = load(results_path)
+    results = saved['results']
+    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta']['seeds']))
+  for d in merge:
+    path = pathlib.Path(d) / 'results.json'
+    if not path.exists():
+      raise ConfigError(f'--merge: {path} does not exist')
+    other = load(path)
+    merge_seed_results(results, other['results'])
+    meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+  out.mkdir(parents=True, exist_ok=True)
+
+  def save():
+    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    atomic_write_text(out / 'tables.md', render(config, results, methods, partitions, meta))
+
+  for seed in [] if merge else seeds:
+    for partition in partitions:
+      cell = out / f'seed{seed}' / dirname(partition)
+      base = bases[partition].copy_and_resolve_references()
+      base.seed = seed
+      base.local_models_dir = str((cell / 'local_models').absolute())
+      base.fedavg.reuse_local_models = base.fedavg.rounds == 1
+      record = results.setdefault(partition, {}).setdefault(str(seed), {})
+      for method in methods:
+        workdir = cell / method
+        print(f'=== seed {seed} / {partition} / {method} -> {workdir}', flush=True)
+        try:
+          summary = run_experiment(method, base, workdir)
+          record[method] = {k: summary.get(k) for k in SUMMARY_KEYS}
+          if method in DISTILL:
+            record[method]['curve'] = epoch_curve(workdir)
+        except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
+          traceback.print_exc()
+          record[method] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
+        save()
+      plot_partition(out, partition, results, methods)
+  save()
+  for partition in partitions:
+    plot_partition(out, partition, results, methods)
+  return (out / 'tables.md').read_text()
 
 
 def main(argv):
   del argv
-  print(run_sweep(FLAGS.config, pathlib.Path(FLAGS.out), FLAGS.methods, FLAGS.partitions))
+  print(
+    run_sweep(
+      FLAGS.config,
+      pathlib.Path(FLAGS.out),
+      FLAGS.methods,
+      FLAGS.partitions,
+      [int(s) for s in FLAGS.seeds],
+      FLAGS.merge,
+    )
+  )
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -43,7 +43,13 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 from absl import app, flags
 import numpy as np
 
-from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
+from experiments.seed_tables import (
+  load_config_module,
+  merge_seed_results,
+  percent_stats_each,
+  seed_cell,
+  seed_values,
+)
 
 FLAGS = flags.FLAGS
 DEFAULT_DEGREE = '0.6/0.8/1.0'
@@ -167,18 +173,11 @@ def run_config(module, budget: str, run: Run, cell: str, seed: int, out: pathlib
 
 
 def gather(results: dict, cell: str, run: str, key: str) -> List[float]:
-  return [
-    r[run][key]
-    for r in results.get(cell, {}).values()
-    if isinstance(r.get(run), dict) and r[run].get(key) is not None
-  ]
+  return seed_values(results, cell, run, key)
 
 
 def ours(results: dict, cell: str, run: str, key: str) -> str:
-  values = gather(results, cell, run, key)
-  n_err = sum(1 for r in results.get(cell, {}).values() if r.get(run, {}).get('status') == 'error')
-  text = (mean_std(values) + f' (n={len(values)})') if values else '—'
-  return text + (f', {n_err} error' if n_err else '')
+  return seed_cell(results, cell, run, key)
 
 
 def render(config, results: dict, plan: dict, meta: dict) -> str:
@@ -266,20 +265,6 @@ def plot_table4(path: pathlib.Path, results: dict, runs: List[str], degrees: Lis
   fig.savefig(path)
 
 
-def merge_results(results: dict, other: dict) -> None:
-  """Adds `other`'s (cell, seed, run) records to `results`; a finished record wins over an
-  error, and two finished records of one run must agree (the same run twice)."""
-  for cell, seeds in other.items():
-    for seed, runs in seeds.items():
-      mine = results.setdefault(cell, {}).setdefault(seed, {})
-      for run, record in runs.items():
-        old = mine.get(run)
-        if old is None or old.get('status') == 'error':
-          mine[run] = record
-        elif record.get('status') != 'error' and old != record:
-          raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
-
-
 def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: List[str]):
   """Table 3 as grouped bars: per partition, each method's mean final accuracy ± std."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
@@ -355,7 +340,7 @@ def run_sweep(
       if not path.exists():
         raise ConfigError(f'--merge: {path} does not exist')
       other = json.loads(path.read_text())
-      merge_results(results, other['results'])
+      merge_seed_results(results, other['results'])
       meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
 
   # (cell, run) pairs: Table 3 runs on every partition; ablations on the first; Table 4's

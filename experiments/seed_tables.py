@@ -1,8 +1,10 @@
-"""What the table commands over seeds share (fedmho_tables, fedtsa_tables): loading the config
-file they sweep, and the mean ± sample std over seeds of an accuracy, as text and for plots."""
+"""What the table commands over seeds share (fedmho_tables, fedtsa_tables, fedhydra_tables,
+hfldd_compare): loading the config file they sweep, the mean ± sample std over seeds of an
+accuracy (or any number), as text and for plots, and results.json records keyed by seed."""
 
 import importlib.util
-from typing import Optional, Sequence, Tuple
+import pathlib
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from absl import app
 import numpy as np
@@ -20,13 +22,18 @@ def load_config_module(path: str, name: str):
   return module
 
 
-def percent_stats(values: Sequence[float]) -> Tuple[float, float]:
-  """Mean and sample std (ddof 1; 0 for one seed) of accuracies in [0, 1], in %; NaN mean for
-  none."""
-  v = 100 * np.asarray(values, np.float64)
+def value_stats(values: Sequence[float], scale: float = 1.0) -> Tuple[float, float]:
+  """Mean and sample std (ddof 1; 0 for one value) of `scale` x values; NaN mean for none."""
+  v = scale * np.asarray(values, np.float64)
   if not len(v):
     return float('nan'), 0.0
   return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def percent_stats(values: Sequence[float]) -> Tuple[float, float]:
+  """Mean and sample std (ddof 1; 0 for one seed) of accuracies in [0, 1], in %; NaN mean for
+  none."""
+  return value_stats(values, 100.0)
 
 
 def percent_stats_each(samples: Sequence[Sequence[float]]) -> Tuple[np.ndarray, np.ndarray]:
@@ -35,9 +42,105 @@ def percent_stats_each(samples: Sequence[Sequence[float]]) -> Tuple[np.ndarray, 
   return stats[:, 0], stats[:, 1]
 
 
-def mean_std(values: Sequence[float]) -> Optional[str]:
-  """'mean ± std' in % with 2 decimals, or None for no values."""
+def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> Optional[str]:
+  """'mean ± std' of `scale` x values (default: accuracies in %, 2 decimals), or None for no
+  values."""
   if not len(values):
     return None
-  mean, std = percent_stats(values)
-  return f'{mean:.2f} ± {std:.2f}'
+  mean, std = value_stats(values, scale)
+  return f'{mean:.{digits}f} ± {std:.{digits}f}'
+
+
+# results.json of a sweep over seeds: results[cell][seed][run] = the run's record, a dict of
+# its summary numbers, or {'status': 'error', 'error': message} for a run that failed.
+
+
+def seed_values(results: Mapping, cell: str, run: str, key: str) -> List[float]:
+  """`key` of `run` in `cell` over the seeds whose record has it (the finished ones)."""
+  return [
+    r[run][key]
+    for r in results.get(cell, {}).values()
+    if isinstance(r.get(run), dict) and r[run].get(key) is not None
+  ]
+
+
+def seed_errors(results: Mapping, cell: str, run: str) -> int:
+  return sum(
+    1 for r in results.get(cell, {}).values() if (r.get(run) or {}).get('status') == 'error'
+  )
+
+
+def seed_cell(results: Mapping, cell: str, run: str, key: str) -> str:
+  """A table cell: 'mean ± std (n=seeds)' in %, with the failed seeds counted; '—' for none."""
+  values = seed_values(results, cell, run, key)
+  n_err = seed_errors(results, cell, run)
+  text = f'{mean_std(values)} (n={len(values)})' if values else '—'
+  return text + (f', {n_err} error' if n_err else '')
+
+
+def merge_seed_results(results: Dict, other: Mapping) -> None:
+  """Adds `other`'s (cell, seed, run) records to `results`; a finished record wins over an
+  error, and two finished records of one run must agree (the same run twice)."""
+  for cell, seeds in other.items():
+    for seed, runs in seeds.items():
+      mine = results.setdefault(cell, {}).setdefault(seed, {})
+      for run, record in runs.items():
+        old = mine.get(run)
+        if old is None or old.get('status') == 'error':
+          mine[run] = record
+        elif record.get('status') != 'error' and old != record:
+          raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
+
+
+def curve_stats(
+  curves: Sequence[Tuple[Sequence[float], Sequence[float]]], scale: float = 100.0
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-seed curves (xs, ys) as one: every x any seed has, and the mean and sample std of
+  `scale` x the ys of the seeds that have that x (an x of one seed has std 0)."""
+  at: Dict[float, List[float]] = {}
+  for xs, ys in curves:
+    for x, y in zip(xs, ys):
+      at.setdefault(x, []).append(y)
+  x = np.array(sorted(at), np.float64)
+  stats = np.array([value_stats(at[k], scale) for k in sorted(at)], np.float64).reshape(-1, 2)
+  return x, stats[:, 0], stats[:, 1]
+
+
+def plot_bands(
+  path: pathlib.Path,
+  bands: Mapping[str, Tuple[Sequence[float], Sequence[float], Sequence[float]]],
+  xlabel: str,
+  ylabel: str,
+  title: str,
+  hlines: Optional[Mapping[str, float]] = None,
+  integer_x: bool = True,
+) -> None:
+  """One line per name at its mean with a shaded ± std band (bands[name] = (x, mean, std),
+  e.g. from `curve_stats`), and dashed horizontal lines for `hlines`; `integer_x`: x counts
+  epochs or rounds."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  fig = Figure(figsize=(6.5, 4), dpi=120)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  for i, (name, (x, mean, std)) in enumerate(bands.items()):
+    x, mean, std = (np.asarray(a, np.float64) for a in (x, mean, std))
+    color = f'C{i % 10}'
+    ax.plot(x, mean, marker='o' if len(x) < 30 else None, markersize=3, color=color, label=name)
+    ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+  for i, (name, value) in enumerate((hlines or {}).items()):
+    color = f'C{(len(bands) + i) % 10}'
+    ax.axhline(value, linestyle='--', linewidth=1, color=color, label=name)
+  if integer_x:
+    from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  if bands or hlines:
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(str(path))

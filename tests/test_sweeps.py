@@ -1,5 +1,5 @@
-"""The comparison commands end to end on digits: the FedHydra Table 1/2 and FedMHO Table 3/4
-sweeps, and the FedTSA Table 3/4 sweep."""
+"""The comparison commands end to end on digits: the FedHydra Table 1/2, FedMHO Table 3/4 and
+FedTSA Table 3/4 sweeps over seeds, and the HFLDD comparison over seeds."""
 
 import json
 import pathlib
@@ -7,9 +7,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables
+from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables, hfldd_compare
 from experiments.configs import fedhydra_digits, fedmho_digits, fedtsa_digits
 from jfed.errors import ConfigError
+from tests.support import hfldd_tiny_config
 
 # FedAvg and OT average the shared local models; FedDF distils them (and reports the teacher
 # ensemble): the cheapest methods that cover every kind of row of the tables.
@@ -18,40 +19,129 @@ PARTITIONS = ['dir0.5', '2c/c']
 CHANCE = 0.1
 
 
-@pytest.mark.slow  # local training on two partitions at the quick budget, where clients learn
-def test_fedhydra_tables_sweep_runs_resumes_and_renders(tmp_path):
+SEEDS = [0, 1]
+
+
+def table_row(table: str, heading: str, name: str):
+  """The cells after the name of row `name` in the section whose heading starts `heading`."""
+  section = next(s for s in table.split('\n## ') if s.startswith(heading))
+  line = next(l for l in section.splitlines() if l.startswith(f'| {name} |'))
+  return [c.strip() for c in line.strip().strip('|').split('|')][1:]
+
+
+def seed_stats(values):
+  """The mean ± sample std cell over seeds, computed here (values in [0, 1])."""
+  pct = 100 * np.asarray(values)
+  return f'{pct.mean():.2f} ± {pct.std(ddof=1):.2f} (n={len(pct)})'
+
+
+def file_stamps(out, *patterns):
+  return {p: p.stat().st_mtime_ns for pattern in patterns for p in sorted(out.glob(pattern))}
+
+
+@pytest.mark.slow  # local training on two partitions x two seeds at the quick budget
+def test_fedhydra_tables_sweep_over_seeds_runs_resumes_and_renders(tmp_path, capsys):
   config = fedhydra_digits.get_config('quick')
-  table = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS)
-  results = json.loads((tmp_path / 'results.json').read_text())['results']
-  assert list(results) == PARTITIONS
+  table = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS, SEEDS)
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  results = saved['results']
+  assert list(results) == PARTITIONS and saved['meta']['seeds'] == SEEDS
+
+  def summary(seed, partition, method):
+    d = tmp_path / f'seed{seed}' / partition.replace('/', '') / method
+    return json.loads((d / 'summary.json').read_text())
+
   for partition in PARTITIONS:
-    d = tmp_path / partition.replace('/', '')
-    assert (d / 'local_models').is_dir() and (d / 'accuracy_vs_epoch.png').exists()
+    assert sorted(results[partition]) == ['0', '1']
+    assert (tmp_path / f'{partition.replace("/", "")}_accuracy_vs_epoch.png').exists()
+    for seed in SEEDS:
+      d = tmp_path / f'seed{seed}' / partition.replace('/', '')
+      assert (d / 'local_models').is_dir()
+      for m in METHODS:
+        assert 'error' not in results[partition][str(seed)][m], results[partition][str(seed)][m]
+        assert json.loads((d / m / 'config.json').read_text())['seed'] == seed
+      # one set of client models per (seed, partition): one-shot FedAvg averaged the shared ones
+      assert not (d / 'fedavg' / 'local_models').exists()
+      assert summary(seed, partition, 'fedavg')['reused_local_models']
+      # the clients and their ensemble learned, on either partition (a 2c/c client knows 2 of
+      # the 10 classes: 0.2 is its best possible test accuracy)
+      feddf = summary(seed, partition, 'feddf')
+      assert feddf['teacher_ensemble_test_accuracy'] > CHANCE + 0.1, (seed, partition)
+      assert min(feddf['client_test_accuracy']) > CHANCE + 0.05, (seed, partition)
+      curve = results[partition][str(seed)]['feddf']['curve']
+      assert len(curve[0]) == len(curve[1]) > 0
+    assert not (tmp_path / partition.replace('/', '')).exists()  # nothing in the old layout
+  for seed in SEEDS:  # Dir(0.5): every method's one model learned
+    assert summary(seed, 'dir0.5', 'feddf')['teacher_ensemble_test_accuracy'] > CHANCE + 0.3
     for m in METHODS:
-      assert 'error' not in results[partition][m], results[partition][m]
-    # one set of client models per partition: one-shot FedAvg averaged the shared ones
-    assert not (d / 'fedavg' / 'local_models').exists()
-    assert json.loads((d / 'fedavg' / 'summary.json').read_text())['reused_local_models']
-    # the clients and their ensemble learned, on either partition (a 2c/c client knows 2 of the
-    # 10 classes: 0.2 is its best possible test accuracy)
-    ensemble = results[partition]['feddf']['teacher_ensemble_test_accuracy']
-    assert ensemble > CHANCE + 0.1, (partition, ensemble)
-    assert min(results[partition]['feddf']['client_test_accuracy']) > CHANCE + 0.05
-  assert results['dir0.5']['feddf']['teacher_ensemble_test_accuracy'] > CHANCE + 0.3
-  for m in METHODS:  # Dir(0.5): every method's one model learned
-    accuracy = results['dir0.5'][m]['final_test_accuracy']
-    assert accuracy > CHANCE + 0.2, (m, accuracy)
+      accuracy = summary(seed, 'dir0.5', m)['final_test_accuracy']
+      assert accuracy > CHANCE + 0.2, (seed, m, accuracy)
+  # the seed draws the partition
+  partitions = [
+    (tmp_path / f'seed{s}' / 'dir0.5' / 'ot' / 'partition.txt').read_text() for s in SEEDS
+  ]
+  assert partitions[0] != partitions[1]
 
-  assert '## Table 1 (Dirichlet)' in table and '## Table 2 (2c/c)' in table
-  assert '(75.76)' not in table  # the paper's Fashion-MNIST numbers only beside FMNIST runs
-  fedavg = results['dir0.5']['fedavg']['final_test_accuracy']
-  assert f'| FedAvg | {100 * fedavg:.2f} |' in table
-  ensemble = results['dir0.5']['feddf']['teacher_ensemble_test_accuracy']
-  assert f'| *Teacher ensemble (mean logits)* | {100 * ensemble:.2f} |' in table
+  assert '(75.76)' not in table and '75.76' not in table  # paper numbers only beside FMNIST
+  assert 'plausibly the best epoch (not stated)' in table
+  # every cell is the mean ± sample std over the seeds of the runs' summary.json, for the final
+  # and for the best epoch, in Table 1 (Dir(0.5)) and Table 2 (2c/c)
+  for epoch, key in (('final epoch', 'final_test_accuracy'), ('best epoch', 'best_test_accuracy')):
+    for heading, partition in (('Table 1 (Dirichlet)', 'dir0.5'), ('Table 2 (2c/c)', '2c/c')):
+      for m in METHODS:
+        want = seed_stats([summary(s, partition, m)[key] for s in SEEDS])
+        assert table_row(table, f'{heading}, {epoch}', fedhydra_tables.NAMES[m]) == [want]
+      ensemble = [summary(s, partition, 'feddf')['teacher_ensemble_test_accuracy'] for s in SEEDS]
+      if epoch == 'final epoch':
+        assert table_row(table, f'{heading}, {epoch}', '*Teacher ensemble (mean logits)*') == [
+          seed_stats(ensemble)
+        ]
+  finals = [summary(s, 'dir0.5', 'feddf')['final_test_accuracy'] for s in SEEDS]
+  assert finals[0] != finals[1]
 
-  # rerunning skips the finished runs and reproduces the same numbers
-  again = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS)
+  # rerunning skips the finished runs (the driver keeps their files) and renders the same tables
+  stamps = file_stamps(tmp_path, 'seed*/*/*/summary.json', 'seed*/*/*/metrics.jsonl')
+  assert len(stamps) == 2 * len(SEEDS) * len(PARTITIONS) * len(METHODS)
+  capsys.readouterr()
+  again = fedhydra_tables.run_sweep(config, tmp_path, METHODS, PARTITIONS, SEEDS)
   assert again == table
+  assert file_stamps(tmp_path, 'seed*/*/*/summary.json', 'seed*/*/*/metrics.jsonl') == stamps
+  assert capsys.readouterr().out.count('already complete') == len(stamps) // 2
+
+
+def test_fedhydra_tables_merges_sweeps_of_other_seeds_and_refuses_the_old_layout(tmp_path):
+  """Seeds run in parallel sweeps are merged into one table, running nothing; a results.json of
+  the one-seed layout is refused."""
+  config = fedhydra_digits.get_config('smoke')
+
+  def sweep(name, seed, final, best):
+    out = tmp_path / name
+    out.mkdir()
+    curve = [[0, 1], [best, final]]
+    record = {'final_test_accuracy': final, 'best_test_accuracy': best, 'curve': curve}
+    results = {'dir0.5': {str(seed): {'feddf': record, 'fedavg': {'final_test_accuracy': 0.5}}}}
+    (out / 'results.json').write_text(json.dumps({'meta': {'seeds': [seed]}, 'results': results}))
+    return str(out)
+
+  sweep('a', 0, 0.6, 0.7)
+  b = sweep('b', 1, 0.8, 0.9)
+  table = fedhydra_tables.run_sweep(
+    config, tmp_path / 'a', ['fedavg', 'feddf'], ['dir0.5'], [0], merge=[b]
+  )
+  assert table_row(table, 'Table 1 (Dirichlet), final epoch', 'FedDF') == [seed_stats([0.6, 0.8])]
+  assert table_row(table, 'Table 1 (Dirichlet), best epoch', 'FedDF') == [seed_stats([0.7, 0.9])]
+  assert table_row(table, 'Table 1 (Dirichlet), final epoch', 'FedAvg') == ['50.00 ± 0.00 (n=2)']
+  assert 'seeds [0, 1]' in table and (tmp_path / 'a' / 'dir0.5_accuracy_vs_epoch.png').exists()
+  assert not list((tmp_path / 'a').glob('seed*'))  # merging runs nothing
+  with pytest.raises(ValueError, match='differs'):  # another run of seed 1
+    fedhydra_tables.run_sweep(
+      config, tmp_path / 'a', ['fedavg', 'feddf'], ['dir0.5'], [0], merge=[sweep('c', 1, 0.5, 0.5)]
+    )
+  old = tmp_path / 'old'
+  old.mkdir()
+  (old / 'results.json').write_text(json.dumps({'meta': {}, 'results': {'dir0.5': {}}}))
+  with pytest.raises(ConfigError, match='one-seed layout'):
+    fedhydra_tables.run_sweep(config, old, ['fedavg'], ['dir0.5'], [0])
 
 
 FEDMHO_RUNS = ['fedavg_vote', 'fedmho_sd', 'fedmho_sd_nofilter']
@@ -184,3 +274,52 @@ def test_seed_statistics_match_the_statistics_module():
   np.testing.assert_allclose(stds, [statistics.stdev(pct), 0.0, 0.0])
   assert np.isnan(means[2])
   assert seed_tables.percent_stats_each([])[0].shape == (0,)
+
+
+@pytest.mark.slow  # the whole command: HFLDD and FedAvg on two seeds
+def test_hfldd_compare_over_seeds_tables_figures_and_resume(tmp_path, capsys):
+  methods, targets = ['hfldd', 'fedavg'], [0.3, 0.99]
+  args = (hfldd_tiny_config(), tmp_path, methods, targets)
+  text = hfldd_compare.run_compare(*args, seeds=SEEDS)
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  assert saved['seeds'] == SEEDS and sorted(saved['runs']) == ['0', '1']
+
+  def summary(seed, method):
+    return json.loads((tmp_path / f'seed{seed}' / method / 'summary.json').read_text())
+
+  for seed in SEEDS:
+    for m in methods:
+      config = json.loads((tmp_path / f'seed{seed}' / m / 'config.json').read_text())
+      assert config['seed'] == seed and 'error' not in saved['runs'][str(seed)][m]
+    # at #C=1 HFLDD learns and beats FedAvg on every seed
+    hfldd, fedavg = (summary(seed, m)['final_test_accuracy'] for m in methods)
+    assert hfldd > CHANCE + 0.3 and hfldd > fedavg + 0.2, (seed, hfldd, fedavg)
+  finals = [summary(s, 'hfldd')['final_test_accuracy'] for s in SEEDS]
+  assert finals[0] != finals[1]  # the seeds differ
+  assert "final accuracy (%, the paper's)" in text and '§VI-B' in text
+  # the summary cells are the mean ± sample std over the seeds of the runs' summary.json
+  for m in methods:
+    final, best = (
+      seed_stats([summary(s, m)[k] for s in SEEDS])
+      for k in ('final_test_accuracy', 'best_test_accuracy')
+    )
+    assert f'| {m} | {final} | {best} | 3 rounds |' in text
+  # rounds to 30 %, per seed from the runs' metrics, then their mean ± std
+  rounds = []
+  for seed in SEEDS:
+    lines = (tmp_path / f'seed{seed}' / 'hfldd' / 'metrics.jsonl').read_text().splitlines()
+    accuracy = [r['test_accuracy'] for r in map(json.loads, lines) if r.get('step', 0) >= 1]
+    rounds.append(next(i + 1 for i, a in enumerate(accuracy) if a >= 0.3))
+  table = text[text.index('Accuracy=30%') : text.index('Accuracy=99%')]
+  assert '| seeds reaching it | 2/2 | 0/2 |' in table
+  assert f'| rounds | {np.mean(rounds):.1f} ± {np.std(rounds, ddof=1):.1f} | — |' in table
+  assert '| seeds reaching it | 0/2 | 0/2 |' in text[text.index('Accuracy=99%') :]
+  assert (tmp_path / 'accuracy.png').exists() and (tmp_path / 'traffic.png').exists()
+
+  # rerunning skips the finished runs (the driver keeps their files) and writes the same tables
+  stamps = file_stamps(tmp_path, 'seed*/*/summary.json', 'seed*/*/metrics.jsonl')
+  assert len(stamps) == 2 * len(SEEDS) * len(methods)
+  capsys.readouterr()
+  assert hfldd_compare.run_compare(*args, seeds=SEEDS) == text
+  assert file_stamps(tmp_path, 'seed*/*/summary.json', 'seed*/*/metrics.jsonl') == stamps
+  assert capsys.readouterr().out.count('already complete') == len(stamps) // 2
