@@ -20,7 +20,8 @@ Budgets (get_config(arg), comma-separated):
             (`feddf.source=digits`; `--config.feddf.source=test_split` for in-domain held-out
             test images). Measured before Co-Boosting's synthesis was un-augmented and FedDF's
             source and teacher BN changed (issue 12: to be re-measured), seed 0, CPU, jax
-            0.10.2; `--partitions=dir0.5,dir0.1,2c/c`, ~2 h on 2 shared cores), final
+            0.10.2; `--partitions=dir0.5,dir0.1,2c/c`, ~2 h per seed on 2 shared cores; the
+            command runs 3 seeds by default, `--seeds`), final
             test accuracy % at Dir(0.5) / Dir(0.1) / 2c/c:
               FedAvg 48.33 / 41.70 / 28.18, OT 48.95 / 42.36 / 28.18,
               FedDF 53.78 / 41.92 / 29.00, DENSE 47.93 / 34.83 / 24.86,

@@ -37,6 +37,8 @@ accuracy after 30 rounds:
   c2: HFLDD 78.61% (60% at round 5, 70% at round 11), FedAvg 45.17%, FedProx 60.12%, FedSeq
       72.12% (at chance until round 10, then rising), DynaFed 59.66%, centralized 88.08%;
       40 minutes for the comparison.
+Those times are per seed: `experiments.hfldd_compare` runs 3 seeds by default (`--seeds`;
+one sweep per seed in parallel and `--merge` to combine them).
 FedSeq near chance at #C=1 is the algorithm, not a bug (BUILD_NOTES.md, "Known gaps").
 `paper` (KIP 400 x 3000) adds hours of KIP on a CPU (experiments/bench/kip.py: ~40-120 ms per
 client-iteration at 400 images): use an accelerator.
