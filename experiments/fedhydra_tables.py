@@ -51,8 +51,8 @@ from ml_collections import config_flags
 from experiments.seed_tables import (
   curve_stats,
   mean_std,
-  merge_seed_results,
   plot_bands,
+  read_seed_results,
   seed_cell,
   seed_values,
   value_stats,
@@ -342,18 +342,7 @@ def run_sweep(
       )
     return saved
 
-  results = {}
-  if results_path.exists():  # a resumed or re-merged OUT keeps the seeds it already holds
-    saved = load(results_path)
-    results = saved['results']
-    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta']['seeds']))
-  for d in merge:
-    path = pathlib.Path(d) / 'results.json'
-    if not path.exists():
-      raise ConfigError(f'--merge: {path} does not exist')
-    other = load(path)
-    merge_seed_results(results, other['results'])
-    meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+  results = read_seed_results(results_path, merge, meta, load)
   out.mkdir(parents=True, exist_ok=True)
 
   def save():

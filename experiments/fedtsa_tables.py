@@ -45,8 +45,8 @@ import numpy as np
 
 from experiments.seed_tables import (
   load_config_module,
-  merge_seed_results,
   percent_stats_each,
+  read_seed_results,
   seed_cell,
   seed_values,
 )
@@ -329,19 +329,7 @@ def run_sweep(
   }
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
   results_path = out / 'results.json'
-  results = {}
-  if results_path.exists():  # a resumed or re-merged OUT keeps the seeds it already holds
-    saved = json.loads(results_path.read_text())
-    results = saved['results']
-    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
-  if merge:
-    for d in merge:
-      path = pathlib.Path(d) / 'results.json'
-      if not path.exists():
-        raise ConfigError(f'--merge: {path} does not exist')
-      other = json.loads(path.read_text())
-      merge_seed_results(results, other['results'])
-      meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+  results = read_seed_results(results_path, merge, meta)
 
   # (cell, run) pairs: Table 3 runs on every partition; ablations on the first; Table 4's
   # heterogeneous methods on every degree (the default degree is the IID cell, run once).

@@ -22,11 +22,18 @@ import datetime
 import json
 import pathlib
 import traceback
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 from absl import app, flags, logging
 
-from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
+from experiments.seed_tables import (
+  load_config_module,
+  mean_std,
+  percent_stats_each,
+  read_seed_results,
+  seed_errors,
+  seed_values,
+)
 
 FLAGS = flags.FLAGS
 
@@ -79,20 +86,10 @@ def run_config(module, arg: str, rule: str, attack: str, fraction: str, seed: in
   return c
 
 
-def gather(results: dict, rule: str, cell: str, key: str) -> List[float]:
-  return [
-    r[key]
-    for r in results.get(rule, {}).get(cell, {}).values()
-    if isinstance(r, dict) and r.get(key) is not None
-  ]
-
-
 def text(results: dict, rule: str, cell: str, key: str) -> str:
-  values = gather(results, rule, cell, key)
-  errors = sum(
-    1 for r in results.get(rule, {}).get(cell, {}).values() if r.get('status') == 'error'
-  )
-  out = mean_std(values) or '—'
+  """'mean ± std' over seeds, with the failed seeds counted."""
+  errors = seed_errors(results, cell, rule)
+  out = mean_std(seed_values(results, cell, rule, key)) or '—'
   return out + (f' ({errors} error)' if errors else '')
 
 
@@ -139,7 +136,7 @@ def plot(path: pathlib.Path, results: dict, plan: dict, title: str) -> None:
     for rule in plan['rules']:
       cells = [CLEAN] + [cell_name(attack, f) for f in fractions]
       mean, std = percent_stats_each(
-        [gather(results, rule, c, 'final_test_accuracy') for c in cells]
+        [seed_values(results, c, rule, 'final_test_accuracy') for c in cells]
       )
       ax.errorbar(x, mean, yerr=std, marker='o', ms=3, capsize=2, label=rule)
     ax.set_title(attack, fontsize=9)
@@ -151,16 +148,6 @@ def plot(path: pathlib.Path, results: dict, plan: dict, title: str) -> None:
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path)
-
-
-def merge_results(results: dict, other: dict) -> None:
-  """Adds `other`'s (rule, cell, seed) records; a finished record wins over an error."""
-  for rule, cells in other.items():
-    for cell, seeds in cells.items():
-      mine = results.setdefault(rule, {}).setdefault(cell, {})
-      for seed, record in seeds.items():
-        if seed not in mine or mine[seed].get('status') == 'error':
-          mine[seed] = record
 
 
 def run_sweep(
@@ -206,18 +193,7 @@ def run_sweep(
   }
   plan = {'rules': list(rules), 'attacks': list(attacks), 'fractions': fractions}
   results_path = out / 'results.json'
-  results = {}
-  if results_path.exists():
-    saved = json.loads(results_path.read_text())
-    results = saved['results']
-    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
-  for d in merge:
-    other_path = pathlib.Path(d) / 'results.json'
-    if not other_path.exists():
-      raise ConfigError(f'--merge: {other_path} does not exist')
-    other = json.loads(other_path.read_text())
-    merge_results(results, other['results'])
-    meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+  results = read_seed_results(results_path, merge, meta)
 
   def save():
     atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
@@ -232,17 +208,17 @@ def run_sweep(
       for attack, fraction in cells:
         for rule in rules:
           cell = cell_name(attack, fraction)
-          record = results.setdefault(rule, {}).setdefault(cell, {})
+          record = results.setdefault(cell, {}).setdefault(str(seed), {})
           workdir = out / rule / cell / f'seed{seed}'
           print(f'=== {rule} {cell} seed={seed} -> {workdir}', flush=True)
           try:
             c = run_config(module, arg, rule, attack, fraction, seed)
             summary = run_experiment('fedavg', c, workdir, progress=False)
-            record[str(seed)] = {k: summary.get(k) for k in SUMMARY_KEYS}
-            record[str(seed)]['rejected_uploads'] = summary.extras.get('rejected_uploads')
+            record[rule] = {k: summary.get(k) for k in SUMMARY_KEYS}
+            record[rule]['rejected_uploads'] = summary.extras.get('rejected_uploads')
           except Exception as e:  # pylint: disable=broad-except  # a failure must not lose the sweep
             traceback.print_exc()
-            record[str(seed)] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
+            record[rule] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
           save()
   save()
   return (out / 'tables.md').read_text()

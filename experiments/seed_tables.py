@@ -3,8 +3,9 @@ hfldd_compare): loading the config file they sweep, the mean ± sample std over 
 accuracy (or any number), as text and for plots, and results.json records keyed by seed."""
 
 import importlib.util
+import json
 import pathlib
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from absl import app
 import numpy as np
@@ -90,6 +91,34 @@ def merge_seed_results(results: Dict, other: Mapping) -> None:
           mine[run] = record
         elif record.get('status') != 'error' and old != record:
           raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
+
+
+def read_seed_results(
+  results_path: pathlib.Path,
+  merge: Sequence[str],
+  meta: Dict,
+  read: Optional[Callable[[pathlib.Path], Dict]] = None,
+) -> Dict:
+  """The results a sweep starts from: those OUT/results.json already holds (a resumed or
+  re-merged OUT keeps its seeds) with every `merge` directory's results.json merged in
+  (`merge_seed_results`); their seeds join `meta['seeds']`. `read(path)` loads one file
+  (default: its JSON) and may refuse it; a missing merge file is a ConfigError."""
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  read = read or (lambda path: json.loads(path.read_text()))
+  results = {}
+  if results_path.exists():
+    saved = read(results_path)
+    results = saved['results']
+    meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
+  for d in merge:
+    path = pathlib.Path(d) / 'results.json'
+    if not path.exists():
+      raise ConfigError(f'--merge: {path} does not exist')
+    other = read(path)
+    merge_seed_results(results, other['results'])
+    meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
+  return results
 
 
 def curve_stats(
