@@ -14,7 +14,7 @@ from jfed import engine
 from jfed import typed_config as tc
 from jfed.data import FederatedArrays, federate
 from jfed.engine import GroupTrainer, ModelState, attacks
-from jfed.engine.aggregation import AggregationConfig, Aggregator, make_aggregator
+from jfed.engine.aggregation import RULES, AggregationConfig, Aggregator, make_aggregator
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
@@ -90,7 +90,7 @@ def client_groups(
   build = build or build_module
   specs = client_model_specs(ctx)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
-  flipping = attackers(ctx) if attack_config(ctx).kind == 'label_flip' else []
+  flipping = attackers(ctx) if attack_config(ctx.config).kind == 'label_flip' else []
   groups = []
   for spec in dict.fromkeys(specs[k] for k in ids):
     members = np.array([k for k in ids if specs[k] == spec])
@@ -103,18 +103,15 @@ def client_groups(
   return groups
 
 
-def attack_config(ctx: RunContext) -> attacks.AttackConfig:
-  """The run's `attack` section (kind 'none' when the config has none)."""
-  section = ctx.config.get('attack')
-  if section is None:
-    return attacks.AttackConfig('none', 0.0, '', 0.0)
-  return tc.parse(attacks.AttackConfig, section, 'attack')
+def attack_config(config) -> attacks.AttackConfig:
+  """The run's `attack` section."""
+  return tc.parse(attacks.AttackConfig, config.get('attack'), 'attack')
 
 
 def attackers(ctx: RunContext) -> np.ndarray:
   """The global ids of the run's attacking clients (none without an attack)."""
   return attacks.attacker_ids(
-    attack_config(ctx), ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0)
+    attack_config(ctx.config), ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0)
   )
 
 
@@ -321,27 +318,21 @@ ON_INVALID = ('drop', 'fail')
 _RUN_SERVERS: 'weakref.WeakKeyDictionary[RunContext, Server]' = weakref.WeakKeyDictionary()
 
 
-def aggregation_config(ctx: RunContext) -> AggregationConfig:
-  section = ctx.config.get('aggregation')
-  if section is None:
-    return AggregationConfig('mean', 0.1, 1, 1, 100, 1e-6, 0.0)
-  return tc.parse(AggregationConfig, section, 'aggregation')
+def aggregation_config(config) -> AggregationConfig:
+  return tc.parse(AggregationConfig, config.get('aggregation'), 'aggregation')
 
 
-def server_config(ctx: RunContext) -> ServerConfig:
-  section = ctx.config.get('server')
-  if section is None:
-    return ServerConfig('fail', 0.0)
-  return tc.parse(ServerConfig, section, 'server')
+def server_config(config) -> ServerConfig:
+  return tc.parse(ServerConfig, config.get('server'), 'server')
 
 
 def run_server(ctx: RunContext) -> Server:
   """The run's server, built once (its aggregator compiles once per shape)."""
   if ctx not in _RUN_SERVERS:
-    s = server_config(ctx)
+    s = server_config(ctx.config)
     _RUN_SERVERS[ctx] = Server(
-      make_aggregator(aggregation_config(ctx)),
-      attack_config(ctx),
+      make_aggregator(aggregation_config(ctx.config)),
+      attack_config(ctx.config),
       attackers(ctx),
       ctx.derive_key(Purpose.ATTACK, 1),
       s.on_invalid_upload,
@@ -353,31 +344,24 @@ def run_server(ctx: RunContext) -> Server:
 
 def validate_server_config(config) -> None:
   """Checks the `aggregation`, `attack` and `server` sections (before anything is written)."""
-  from jfed.engine.aggregation import RULES  # pylint: disable=g-import-not-at-top
-
-  if config.get('aggregation') is not None:
-    a = tc.parse(AggregationConfig, config.aggregation, 'aggregation')
-    tc.require_choice(a.rule, RULES, 'aggregation.rule')
-    tc.require(
-      0.0 <= a.trim_fraction < 0.5,
-      f'aggregation.trim_fraction must be in [0, 0.5), got {a.trim_fraction}',
-    )
-    tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
-    tc.require_positive(
-      a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing')
-    )
-  if config.get('attack') is not None:
-    t = tc.parse(attacks.AttackConfig, config.attack, 'attack')
-    tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
-    tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
-    try:
-      attacks.parse_client_ids(t.clients, config.partition.num_clients)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  if config.get('server') is not None:
-    s = tc.parse(ServerConfig, config.server, 'server')
-    tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
-    tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))
+  a = aggregation_config(config)
+  tc.require_choice(a.rule, RULES, 'aggregation.rule')
+  tc.require(
+    0.0 <= a.trim_fraction < 0.5,
+    f'aggregation.trim_fraction must be in [0, 0.5), got {a.trim_fraction}',
+  )
+  tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
+  tc.require_positive(a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing'))
+  t = attack_config(config)
+  tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
+  tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
+  try:
+    attacks.parse_client_ids(t.clients, config.partition.num_clients)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  s = server_config(config)
+  tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
+  tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))
 
 
 def receive_uploads(

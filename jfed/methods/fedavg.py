@@ -72,10 +72,9 @@ class FedAvgState(NamedTuple):
 
 
 def server_optimizer_config(config) -> server_optim.ServerOptimizerConfig:
-  section = config.get('server_optimizer')
-  if section is None:
-    return server_optim.ServerOptimizerConfig('fedavg', 1.0, 0.0, 0.9, 0.99, 1e-3)
-  return tc.parse(server_optim.ServerOptimizerConfig, section, 'server_optimizer')
+  return tc.parse(
+    server_optim.ServerOptimizerConfig, config.get('server_optimizer'), 'server_optimizer'
+  )
 
 
 @register_method('fedavg')
