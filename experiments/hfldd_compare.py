@@ -175,9 +175,11 @@ def budget_lines(config) -> List[str]:
     f'{c.fedprox.local_epochs} (mu {c.fedprox.mu}); FedSeq: {s.rounds} x {s.local_epochs} '
     f'(pre-training {s.pretrain_epochs} epochs, min_examples {s.min_examples}, max_clients '
     f'{s.max_clients})',
-    f'- DynaFed: {d.rounds} x {d.local_epochs}, trajectory {d.trajectory_rounds} rounds, '
-    f'ipc {d.ipc}, syn_steps {d.syn_steps}, expert_epochs {d.expert_epochs}, '
-    f'{d.iterations} matching iterations, {d.finetune_epochs} fine-tuning epochs',
+    f'- DynaFed: {d.rounds} x {d.local_epochs}, participation {d.participation}, clients '
+    + (f'{d.client_optimizer} lr {d.client_lr}' if d.client_optimizer else 'as above')
+    + f', trajectory {d.trajectory_rounds} rounds, ipc {d.ipc}, syn_steps {d.syn_steps}, '
+    f'expert_epochs {d.expert_epochs}, {d.iterations} matching iterations, '
+    f'{d.finetune_epochs} fine-tuning epochs, DSA {d.dsa or "none"}',
     f'- centralized: {c.centralized.epochs} epochs',
   ]
 

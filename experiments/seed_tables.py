@@ -1,6 +1,7 @@
 """What the table commands over seeds share (fedmho_tables, fedtsa_tables, fedhydra_tables,
-hfldd_compare): loading the config file they sweep, the mean ± sample std over seeds of an
-accuracy (or any number), as text and for plots, and results.json records keyed by seed."""
+hfldd_compare, hfldd_sweeps): loading the config file they sweep, the mean ± sample std over
+seeds of an accuracy (or any number), as text and for plots (one panel or several), and
+results.json records keyed by seed."""
 
 import importlib.util
 import json
@@ -135,6 +136,32 @@ def curve_stats(
   return x, stats[:, 0], stats[:, 1]
 
 
+def draw_bands(
+  ax,
+  bands: Mapping[str, Tuple[Sequence[float], Sequence[float], Sequence[float]]],
+  hlines: Optional[Mapping[str, float]] = None,
+  integer_x: bool = True,
+) -> None:
+  """On matplotlib axes `ax`: one line per name at its mean with a shaded ± std band
+  (bands[name] = (x, mean, std), e.g. from `curve_stats`), dashed horizontal lines for `hlines`
+  and, when there is anything to name, a legend; `integer_x`: x counts epochs or rounds."""
+  for i, (name, (x, mean, std)) in enumerate(bands.items()):
+    x, mean, std = (np.asarray(a, np.float64) for a in (x, mean, std))
+    color = f'C{i % 10}'
+    ax.plot(x, mean, marker='o' if len(x) < 30 else None, markersize=3, color=color, label=name)
+    ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+  for i, (name, value) in enumerate((hlines or {}).items()):
+    color = f'C{(len(bands) + i) % 10}'
+    ax.axhline(value, linestyle='--', linewidth=1, color=color, label=name)
+  if integer_x:
+    from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.grid(alpha=0.3)
+  if bands or hlines:
+    ax.legend(fontsize=7)
+
+
 def plot_bands(
   path: pathlib.Path,
   bands: Mapping[str, Tuple[Sequence[float], Sequence[float], Sequence[float]]],
@@ -153,23 +180,38 @@ def plot_bands(
   fig = Figure(figsize=(6.5, 4), dpi=120)
   FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 1, 1)
-  for i, (name, (x, mean, std)) in enumerate(bands.items()):
-    x, mean, std = (np.asarray(a, np.float64) for a in (x, mean, std))
-    color = f'C{i % 10}'
-    ax.plot(x, mean, marker='o' if len(x) < 30 else None, markersize=3, color=color, label=name)
-    ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
-  for i, (name, value) in enumerate((hlines or {}).items()):
-    color = f'C{(len(bands) + i) % 10}'
-    ax.axhline(value, linestyle='--', linewidth=1, color=color, label=name)
-  if integer_x:
-    from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  draw_bands(ax, bands, hlines, integer_x)
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=9)
-  ax.grid(alpha=0.3)
-  if bands or hlines:
-    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(str(path))
+
+
+def plot_band_panels(
+  path: pathlib.Path,
+  panels: Mapping[str, Mapping[str, Tuple[Sequence[float], Sequence[float], Sequence[float]]]],
+  xlabel: str,
+  ylabel: str,
+  title: str,
+  integer_x: bool = True,
+) -> None:
+  """`plot_bands` side by side, one panel per name of `panels` (its title) sharing the y axis;
+  `title` above them all."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  n = max(1, len(panels))
+  fig = Figure(figsize=(max(6.5, 4.2 * n), 4.3), dpi=120)
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(1, n, sharey=True, squeeze=False)[0]
+  for ax, (name, bands) in zip(axes, panels.items()):
+    draw_bands(ax, bands, integer_x=integer_x)
+    if not bands:
+      ax.text(0.5, 0.5, 'no finished run', transform=ax.transAxes, ha='center', va='center')
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel(xlabel)
+  axes[0].set_ylabel(ylabel)
+  fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(str(path))

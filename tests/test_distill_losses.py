@@ -1,4 +1,5 @@
-"""jfed.distill losses, generator, ensemble, pool and synthesis against naive NumPy formulas."""
+"""jfed.distill losses, generator, ensemble, pool, synthesis and the KD step against naive NumPy
+formulas."""
 
 import functools
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.distill import ensemble, generator, losses, plots, pool, synthesis
+from jfed.distill import ensemble, generator, kd, losses, plots, pool, synthesis
+from jfed.engine import optim
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 
@@ -94,30 +96,6 @@ def test_adversarial_loss(logits):
   )
 
 
-def test_fedhydra_eq16_eq19(logits):
-  s, t, y = logits  # t plays the SA logits P, s the global model
-  bn = 0.37
-  for lam1, lam2, mask in [(1.0, 1.0, False), (0.5, 0.25, True)]:
-    ce = np_ce(t, y).mean()
-    per = np_kl_elem(s, t, 1.0).sum(1)
-    if mask:
-      per = per * (np.argmax(s, 1) != np.argmax(t, 1))
-    ad = -per.mean()
-    out = losses.fedhydra_generator_loss(t, y, s, bn, lam1, lam2, adv_mask=mask)
-    np.testing.assert_allclose(out.total, ce + lam1 * bn + lam2 * ad, rtol=1e-5)
-    np.testing.assert_allclose(out.ce, ce, rtol=1e-5)
-    np.testing.assert_allclose(out.adv, ad, rtol=1e-5)
-  for beta in (0.0, 0.7):
-    kl = np_kl_elem(s, t, 1.0).sum() / s.shape[0]
-    hard = np.argmax(t, 1)
-    want = kl + beta * np_ce(s, hard).mean()
-    np.testing.assert_allclose(losses.fedhydra_global_loss(s, t, beta), want, rtol=1e-5)
-  # kd_loss: DENSE batchmean x T^2
-  np.testing.assert_allclose(
-    losses.kd_loss(s, t, T=4.0), np_kl_elem(s, t, 4.0).sum() / s.shape[0] * 16, rtol=1e-5
-  )
-
-
 # ----------------------------------------------------------------------------- BN loss
 
 
@@ -133,10 +111,10 @@ class BNNet(nn.Module):
     return nn.Dense(3, name='fc2')(nn.relu(x))
 
 
-def _bnnet_state(key):
+def _bnnet_state(key, seed=1, shape=(4, 4, 2)):
   net = BNNet()
-  v = net.init(key, jnp.zeros((2, 4, 4, 2)))
-  rng = np.random.default_rng(1)
+  v = net.init(key, jnp.zeros((2, *shape)))
+  rng = np.random.default_rng(seed)
   bs = jax.tree.map(
     lambda a: jnp.asarray(rng.normal(size=a.shape).astype(np.float32)), v['batch_stats']
   )
@@ -168,31 +146,35 @@ def test_bn_statistics_loss_formula():
   np.testing.assert_allclose(losses.bn_statistics_loss(bn_inputs, batch_stats), want, rtol=1e-5)
 
 
+def _np_bnnet(st, x):
+  """BNNet in eval mode in NumPy: (logits, DeepInversion BN loss). The BN inputs are x (statistics
+  over N, H, W) and fc1(bn_a(x)) (over N)."""
+  x = np.asarray(x, np.float64)
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), st.params)
+  bs = jax.tree.map(lambda a: np.asarray(a, np.float64), st.batch_stats)
+
+  def bn(h, name):
+    run, aff = bs[name]['bn'], p[name]['bn']
+    return (h - run['mean']) / np.sqrt(run['var'] + 1e-5) * aff['scale'] + aff['bias']
+
+  def stat_loss(h, name, axes):
+    run = bs[name]['bn']
+    return np.linalg.norm(run['var'] - h.var(axes)) + np.linalg.norm(run['mean'] - h.mean(axes))
+
+  h = bn(x, 'bn_a').reshape(len(x), -1) @ p['fc1']['kernel'] + p['fc1']['bias']
+  logits = np.maximum(bn(h, 'bn_b'), 0) @ p['fc2']['kernel'] + p['fc2']['bias']
+  return logits, stat_loss(x, 'bn_a', (0, 1, 2)) + stat_loss(h, 'bn_b', 0)
+
+
 def test_bn_loss_from_model_apply():
   net, st = _bnnet_state(jax.random.PRNGKey(0))
   x = np.random.default_rng(3).random((5, 4, 4, 2)).astype(np.float32)
   logits, l_bn = jax.jit(functools.partial(losses.apply_with_bn_loss, net))(
     st.params, st.batch_stats, jnp.asarray(x)
   )
-  # numpy: BN inputs are x (over N,H,W) and fc1(bn_a(x)) (over N)
-  ba, bb = st.batch_stats['bn_a']['bn'], st.batch_stats['bn_b']['bn']
-  pa = st.params['bn_a']['bn']
-  m_a, v_a = x.mean((0, 1, 2)), x.var((0, 1, 2))
-  xa = (x - np.asarray(ba['mean'])) / np.sqrt(np.asarray(ba['var']) + 1e-5) * np.asarray(
-    pa['scale']
-  ) + np.asarray(pa['bias'])
-  h = xa.reshape(5, -1) @ np.asarray(st.params['fc1']['kernel']) + np.asarray(
-    st.params['fc1']['bias']
-  )
-  m_b, v_b = h.mean(0), h.var(0)
-  want = (
-    np.linalg.norm(np.asarray(ba['var']) - v_a)
-    + np.linalg.norm(np.asarray(ba['mean']) - m_a)
-    + np.linalg.norm(np.asarray(bb['var']) - v_b)
-    + np.linalg.norm(np.asarray(bb['mean']) - m_b)
-  )
-  np.testing.assert_allclose(l_bn, want, rtol=1e-4)
-  np.testing.assert_allclose(logits, _call(net, st, x), rtol=1e-5)
+  want_logits, want_bn = _np_bnnet(st, x)
+  np.testing.assert_allclose(l_bn, want_bn, rtol=1e-4)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- ensemble
@@ -445,7 +427,6 @@ def test_knowledge_fusion_loss_equals_eqs_5_to_7_by_hand():
 def test_batch_bn_teachers_normalise_with_the_batch_statistics():
   """FedDF's teachers (teacher_bn='batch'): BN uses the KD batch's own mean and biased variance,
   so a collapsed running variance cannot blow the logits up, and the teachers stay unchanged."""
-  from jfed.distill import kd  # pylint: disable=g-import-not-at-top
 
   net = ConvNet()
   stacked, singles = _stack_states(net, jax.random.PRNGKey(5), 2)
@@ -473,3 +454,183 @@ def test_batch_bn_teachers_normalise_with_the_batch_statistics():
   assert np.abs(np.asarray(running)).max() > 20 * np.abs(expected).max()
   with pytest.raises(ValueError, match='no BN-statistics loss'):
     ensemble.teacher_outputs((net, stacked), x, with_bn_loss=True, batch_bn=True)
+
+
+# ----------------------------------------------------------------------------- FedHydra (seed 000)
+# What the method runs: `synthesize` with `fedhydra_config` (Eq. 16) and `kd_step` with
+# KDConfig(loss='fedhydra', aggregation='sa') (Eq. 19), against NumPy on two teacher architectures
+# (BNNet with BN loss, MLP without) and a linear global model, all computable by hand.
+
+_HYDRA_SHAPE = (8, 8, 2)
+_HYDRA_CLASSES = 3
+
+
+class _Linear(nn.Module):
+  nc: int = _HYDRA_CLASSES
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    return nn.Dense(self.nc, name='fc')(x.reshape(x.shape[0], -1))
+
+
+def _np_softmax(a):
+  return np.exp(np_log_softmax(a))
+
+
+def _np_linear(params, x):
+  x = np.asarray(x, np.float64).reshape(len(x), -1)
+  return x @ np.asarray(params['fc']['kernel'], np.float64) + np.asarray(params['fc']['bias'])
+
+
+def _np_mlp(st, x):
+  # flax names the layers in construction order: Dense_0 is the output layer, built first
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), st.params)
+  x = np.asarray(x, np.float64).reshape(len(x), -1)
+  h = np.tanh(x @ p['Dense_1']['kernel'] + p['Dense_1']['bias'])
+  return h @ p['Dense_0']['kernel'] + p['Dense_0']['bias']
+
+
+def _np_sa(per_client, U_r, U_c, y):
+  """Stratified aggregation written out as seed 000 Eqs. 8–11, one sample at a time."""
+  m, b, c = per_client.shape
+  out = np.zeros((b, c))
+  for i in range(b):
+    # Eqs. 8–9: row k of P^i is P_k(i, :) ⊙ Ū_c(:, k)ᵀ (client k's class weights)
+    P_i = np.stack([per_client[k, i] * U_c[:, k] for k in range(m)])
+    V_i = U_r[y[i], :]  # Eq. 10: the row of Ū_r for the sample's target class
+    out[i] = V_i @ P_i  # Eq. 11
+  return out
+
+
+@pytest.fixture(scope='module')
+def hydra_setup():
+  """Three clients (two BNNets, one MLP), SA weights from a random guidance matrix U normalised
+  by Eqs. 4–7, and a linear global model."""
+  bn_states = [
+    _bnnet_state(jax.random.PRNGKey(10 + k), seed=20 + k, shape=_HYDRA_SHAPE)[1] for k in range(2)
+  ]
+  mlp = MLP(nc=_HYDRA_CLASSES)
+  mlp_stacked, mlp_singles = _stack_states(mlp, jax.random.PRNGKey(12), 1, shape=_HYDRA_SHAPE)
+  groups = [
+    ensemble.TeacherGroup(BNNet(), jax.tree.map(lambda *a: jnp.stack(a), *bn_states)),
+    ensemble.TeacherGroup(mlp, mlp_stacked),
+  ]
+  m = 3
+  u = np.random.default_rng(4).uniform(0.1, 2.0, (m, _HYDRA_CLASSES))  # u_{k,j}
+  U = u.T  # Eq. 3: c × m
+  U_r = (U / U.sum(1, keepdims=True)).astype(np.float32)  # Eqs. 4–5: Σ_k ū_{k,j} = 1
+  U_c = (U / U.sum(0, keepdims=True)).astype(np.float32)  # Eqs. 6–7: Σ_j û_{k,j} = 1
+  student = _Linear()
+  s_params = student.init(jax.random.PRNGKey(14), jnp.zeros((2, *_HYDRA_SHAPE)))['params']
+
+  def np_teachers(x):  # [m, B, C], clients in group order
+    return np.stack([_np_bnnet(st, x)[0] for st in bn_states] + [_np_mlp(mlp_singles[0], x)])
+
+  bn_losses = lambda x: np.array([_np_bnnet(st, x)[1] for st in bn_states] + [0.0])
+  return groups, synthesis.SAWeights(U_r, U_c), student, s_params, np_teachers, bn_losses
+
+
+def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
+  """One `synthesize` step with FedHydra's settings: the loss before the step, and each term, equal
+  Eq. 16 computed in NumPy on the generator's images: CE(SA, y) (Eqs. 12–13) + λ1 · (1/m) Σ_k L_BN,k
+  (Eq. 14, the MLP contributing 0) + λ2 · (−KL(SA ‖ F_g)) (Eq. 15, unmasked)."""
+  groups, sa, student, s_params, np_teachers, np_bn_losses = hydra_setup
+  lam1, lam2 = 0.7, 0.4
+  gen = generator.make_generator(_HYDRA_SHAPE, nz=8, ngf=4)
+  # FedHydra continues one generator across epochs (`generator_state`); a fresh DENSE init draws
+  # nearly constant images, so scale its kernels for images that differ from sample to sample
+  g0, _ = generator.dense_generator_init(jax.random.PRNGKey(3), gen, noise_batch=8)
+  g0 = g0._replace(
+    params=jax.tree_util.tree_map_with_path(
+      lambda p, a: a * 10 if p[-1].key == 'kernel' else a, g0.params
+    )
+  )
+  cfg = synthesis.fedhydra_config(lam1, lam2, g_steps=1, batch_size=8, loop='python')
+  res = synthesis.synthesize(
+    gen,
+    groups,
+    student,
+    ModelState(s_params, {}),
+    _HYDRA_CLASSES,
+    jax.random.PRNGKey(7),
+    cfg,
+    agg=sa,
+    generator_state=g0,
+  )
+  # one step: the kept images are G(z) before it, the batch the reported loss was computed on
+  x, y = np.asarray(res.images), np.asarray(res.labels)
+  per_client = np_teachers(x)
+  P = _np_sa(per_client, np.asarray(sa.U_r), np.asarray(sa.U_c), y)
+  ce = np_ce(P, y).mean()
+  bn = np_bn_losses(x).mean()
+  kl = np_kl_elem(_np_linear(s_params, x), P, 1.0).sum(1)
+  adv = -kl.mean()
+  np.testing.assert_allclose(res.components[0], [bn, ce, adv], rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(res.losses[0], ce + lam1 * bn + lam2 * adv, rtol=1e-4)
+  # the test tells FedHydra's choices apart from DENSE's: SA ≠ the plain mean of the teachers,
+  # the BN loss's 1/m ≠ DENSE's sum, no disagreement mask on the adversarial term
+  assert abs(np_ce(per_client.mean(0), y).mean() - ce) > 1e-2
+  assert bn > 1e-2
+  disagree = np.argmax(P, 1) != np.argmax(_np_linear(s_params, x), 1)
+  assert 0 < disagree.sum() < len(y) and abs(-(kl * disagree).mean() - adv) > 1e-3
+
+
+@pytest.mark.parametrize(
+  'kcfg',
+  [
+    # FedHydra (fedhydra.py: loss='fedhydra', t_squared=False, T = kd_T = 1, aggregation 'sa')
+    kd.KDConfig(loss='fedhydra', T=1.0, t_squared=False, beta=0.6, aggregation='sa'),
+    # DENSE: KL at T with T², teachers averaged
+    kd.KDConfig(loss='kl', T=4.0, t_squared=True, aggregation='mean'),
+  ],
+  ids=['fedhydra', 'dense'],
+)
+def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg):
+  """One `kd_step` (the step every one-shot method's distillation runs) on a batch with one padded
+  row: the loss it reports is, over the real rows, FedHydra's Eq. 19, KL(SA ‖ F_g) + β ·
+  CE(F_g, argmax SA) (Eqs. 17–18), or DENSE's T² · KL(mean teacher ‖ student) at T, and the new
+  linear model is one SGD step down that loss's NumPy gradient."""
+  groups, sa, student, s_params, np_teachers, _ = hydra_setup
+  rng = np.random.default_rng(5)
+  x = rng.random((6, *_HYDRA_SHAPE)).astype(np.float32)
+  y = rng.integers(0, _HYDRA_CLASSES, 6).astype(np.int32)
+  mask = np.array([1, 1, 1, 1, 1, 0], bool)
+  spec = optim.OptimizerSpec('sgd', 0.1)
+  lr = 0.5
+  ts = kd.student_state(spec, ModelState(s_params, {}))
+  agg = (jnp.asarray(sa.U_r), jnp.asarray(sa.U_c)) if kcfg.aggregation == 'sa' else None
+  new, loss = kd.kd_step(
+    kcfg,
+    spec,
+    tuple(g.module for g in groups),
+    student,
+    ts,
+    tuple(g.states for g in groups),
+    agg,
+    jnp.asarray(x),
+    jnp.asarray(y),
+    jnp.asarray(mask),
+    jax.random.PRNGKey(0),
+    lr,
+  )
+  per_client = np_teachers(x)
+  if kcfg.loss == 'fedhydra':
+    t = _np_sa(per_client, np.asarray(sa.U_r), np.asarray(sa.U_c), y)
+  else:
+    t = per_client.mean(0)
+  s, T = _np_linear(s_params, x), kcfg.T
+  scale = T * T if kcfg.t_squared else 1.0
+  per_sample = np_kl_elem(s, t, T).sum(1) * scale
+  # d/ds of T²·KL at T is T·(q − p); of CE(s, h) it is softmax(s) − onehot(h)
+  grad_s = (_np_softmax(s / T) - _np_softmax(t / T)) * scale / T
+  if kcfg.loss == 'fedhydra':
+    hard = np.argmax(t, 1)
+    per_sample = per_sample + kcfg.beta * np_ce(s, hard)
+    grad_s = grad_s + kcfg.beta * (_np_softmax(s) - np.eye(_HYDRA_CLASSES)[hard])
+  np.testing.assert_allclose(loss, per_sample[mask].mean(), rtol=1e-4)
+  grad_s = grad_s * mask[:, None] / mask.sum()
+  x_flat = x.reshape(len(x), -1).astype(np.float64)
+  want_kernel = np.asarray(s_params['fc']['kernel']) - lr * x_flat.T @ grad_s
+  want_bias = np.asarray(s_params['fc']['bias']) - lr * grad_s.sum(0)
+  np.testing.assert_allclose(new.model.params['fc']['kernel'], want_kernel, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(new.model.params['fc']['bias'], want_bias, rtol=1e-4, atol=1e-6)

@@ -1,17 +1,21 @@
 """HFLDD, HFLDD w/o DD, FedSeq and DynaFed end to end on digits through the driver: learning,
 outputs, Eq. 18 / 19 byte accounting, resume without distilling again, config checks; the MTT
-loss and the KIP label distribution."""
+loss (value and gradients against NumPy), DynaFed's DSA in matching and fine-tuning, its client
+optimiser, and the KIP label distribution."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from jfed import driver
+from jfed import driver, engine
+from jfed.engine import GroupTrainer
 from jfed.errors import ConfigError
-from jfed.methods import hfldd
+from jfed.methods import dynafed, hfldd
 from jfed.methods.dynafed import trajectory_matching_loss
 from jfed.methods.hfldd import kip_label_distribution
+from jfed.models.registry import get_model
 from tests.support import (
   HFLDD_CLIENTS,
   Interrupted,
@@ -143,19 +147,104 @@ def test_fedseq_learns_and_counts_eq_19(tmp_path):
 
 
 def test_dynafed_distils_fine_tunes_and_learns(tmp_path):
-  summary = _run('dynafed', _iid(), tmp_path)
+  """The reference's options (hfldd_digits.py): DSA in matching and fine-tuning, client Adam
+  1e-3, participation 0.4."""
+  config = _iid()
+  d = config.dynafed
+  assert (d.dsa, d.client_optimizer, d.client_lr, d.participation) == (
+    'color_crop_cutout_flip_scale_rotate',
+    'adam',
+    1e-3,
+    0.4,
+  )
+  summary = _run('dynafed', config, tmp_path)
   assert summary.final_test_accuracy > CHANCE + 0.4, summary.final_test_accuracy
   records = read_metrics(tmp_path)
   assert [r['step'] for r in records] == [1, 2, 3]
+  assert [r['clients'] for r in records] == [8, 8, 8]  # 0.4 of 20 clients per round
   assert summary['distilled'] and summary['num_synthetic'] == 10
   last = records[-1]  # round T + 1 = 3: distilled, then fine-tuned after aggregation
-  assert np.isfinite(last['matching_loss_first']) and np.isfinite(last['matching_loss_last'])
+  assert last['matching_loss_first'] > 0 and last['matching_loss_last'] > 0
+  # the learned student lr moved by Adam(lr_lr): at most lr_lr per iteration, and not 0
+  moved = abs(last['syn_lr'] - d.lr_teacher)
+  assert 0 < moved <= d.iterations * d.lr_lr * 1.01, moved
   assert 'test_accuracy_before_finetune' in last
   assert all('matching_loss_first' not in r for r in records[:-1])
   stages = summary['bytes_by_stage']
   assert stages['model_up'] == stages['model_down'] == sum(r['upload_bytes'] for r in records)
   assert summary.total_bytes == sum(stages.values()) == records[-1]['cumulative_bytes'] > 0
-  assert len({r['upload_bytes'] for r in records}) == 1  # every client, every round
+  assert len({r['upload_bytes'] for r in records}) == 1  # 8 model copies every round
+
+
+def test_dynafed_runs_and_learns_with_the_other_options(tmp_path):
+  """Another DSA strategy, the clients on plain SGD, every client in every round."""
+  config = _iid(
+    **{
+      'dynafed.dsa': 'crop_flip',
+      'dynafed.client_optimizer': 'sgd',
+      'dynafed.client_lr': 0.05,
+      'dynafed.participation': 1.0,
+    }
+  )
+  summary = _run('dynafed', config, tmp_path)
+  assert summary.final_test_accuracy > CHANCE + 0.4, summary.final_test_accuracy
+  assert [r['clients'] for r in read_metrics(tmp_path)] == [NUM_CLIENTS] * 3
+
+
+def test_dynafed_client_optimizer_is_the_named_one_or_the_runs():
+  cfg = _config().dynafed
+  section = dynafed.client_optimizer(cfg)
+  assert (section.name, section.lr) == ('adam', 1e-3)
+  state = engine.optimizer_from_config(section).init({'w': jnp.zeros(3)})
+  assert float(state.hyperparams['learning_rate']) == pytest.approx(1e-3)
+  cfg.client_optimizer = ''
+  assert dynafed.client_optimizer(cfg) is None  # common.make_trainers: the run's optimizer
+  assert dynafed.pixel_dsa(_config(**{'dynafed.dsa': 'none'}).dynafed) is None
+  dsa = dynafed.pixel_dsa(_config().dynafed)
+  assert (dsa.strategy, dsa.mean, dsa.std) == ('color_crop_cutout_flip_scale_rotate', 0.5, 0.25)
+
+
+def _flip_all(key, x):
+  """A deterministic stand-in for DSA (hashable: a static argument of the jitted loss)."""
+  del key
+  return x[:, :, ::-1, :]
+
+
+def test_matching_and_fine_tuning_apply_the_augmentation():
+  """With augment = a fixed flip, matching and fine-tuning equal their un-augmented forms on
+  flipped images: the augmentation is applied to every student step and fine-tuning batch."""
+  rng = np.random.default_rng(0)
+  shape, n, C = (8, 8, 1), 6, 10
+  module = get_model('mlp', C, shape)
+  model = engine.init_model(module, shape, jax.random.key(0))
+  apply = dynafed.student_apply_fn(module, model.batch_stats)
+  x = jnp.asarray(rng.uniform(size=(n, *shape)), jnp.float32)
+  labels = jnp.asarray(rng.normal(size=(n, C)), jnp.float32)
+  target = jax.tree.map(lambda p: p + 0.01, model.params)
+  batches = jnp.asarray(np.stack([rng.permutation(n)[:4] for _ in range(3)]))
+  args = (labels, jnp.float32(0.1), model.params, target, batches)
+  plain = trajectory_matching_loss(apply, _flip_all(None, x), *args)
+  augmented = trajectory_matching_loss(apply, x, *args, jax.random.key(1), augment=_flip_all)
+  np.testing.assert_allclose(float(augmented), float(plain), rtol=1e-6)
+  assert abs(float(trajectory_matching_loss(apply, x, *args)) - float(plain)) > 1e-6
+
+  tx = optax.adam(1e-2)
+  tuned = dynafed.finetune(
+    GroupTrainer(module, tx, 4, objective=dynafed.AugmentedObjective(_flip_all)),
+    module,
+    model,
+    x,
+    labels,
+    2,
+    jax.random.key(2),
+  )
+  reference = dynafed.finetune(
+    GroupTrainer(module, tx, 4), module, model, _flip_all(None, x), labels, 2, jax.random.key(2)
+  )
+  for a, b in zip(jax.tree.leaves(tuned.params), jax.tree.leaves(reference.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  changed = [np.any(a != b) for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(model))]
+  assert any(changed)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +261,9 @@ def test_dynafed_distils_fine_tunes_and_learns(tmp_path):
     ('dynafed', {'dynafed.weighting': 'median'}, 'dynafed.weighting'),
     ('dynafed', {'dynafed.expert_epochs': 5}, 'expert_epochs'),
     ('dynafed', {'dynafed.ipc': 0}, 'dynafed.ipc must be positive'),
+    ('dynafed', {'dynafed.dsa': 'color_blur'}, "dynafed.dsa: unknown DSA transform.*'blur'"),
+    ('dynafed', {'dynafed.client_optimizer': 'rmsprop'}, 'dynafed.client_optimizer'),
+    ('dynafed', {'dynafed.client_lr': 0.0}, 'dynafed.client_lr must be positive'),
   ],
 )
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, method, overrides, message):
@@ -208,10 +300,29 @@ def test_trajectory_matching_loss_equals_its_formula_on_a_linear_model():
     apply, f32(x), f32(labels), jnp.float32(lr), f32(start), f32(target), jnp.asarray(batches)
   )
   np.testing.assert_allclose(float(got), expected, rtol=1e-5)
-  grads = jax.grad(trajectory_matching_loss, argnums=(1, 2, 3))(
+
+  # gradients in the learned lr, labels and images against central differences of the NumPy
+  # loss (float64)
+  def numpy_loss(x_, labels_, lr_):
+    w, b = start['w'].copy(), start['b'].copy()
+    for idx in batches:
+      xb, q = x_[idx], softmax(labels_[idx])
+      g = (softmax(xb @ w + b) - q) / (len(idx) * C)
+      w, b = w - lr_ * xb.T @ g, b - lr_ * g.sum(0)
+    return dist({'w': w, 'b': b}) / dist(start)
+
+  g_x, g_labels, g_lr = jax.grad(trajectory_matching_loss, argnums=(1, 2, 3))(
     apply, f32(x), f32(labels), jnp.float32(lr), f32(start), f32(target), jnp.asarray(batches)
   )
-  assert all(np.all(np.isfinite(g)) and np.any(g != 0) for g in grads)
+  eps = 1e-5
+  dx, dl = rng.normal(size=x.shape), rng.normal(size=labels.shape)
+  for got_dir, fn in (
+    (float(g_lr), lambda t: numpy_loss(x, labels, lr + t)),
+    (float(np.sum(np.asarray(g_x) * dx)), lambda t: numpy_loss(x + t * dx, labels, lr)),
+    (float(np.sum(np.asarray(g_labels) * dl)), lambda t: numpy_loss(x, labels + t * dl, lr)),
+  ):
+    expected_dir = (fn(eps) - fn(-eps)) / (2 * eps)
+    np.testing.assert_allclose(got_dir, expected_dir, rtol=2e-3, atol=1e-6)
 
 
 def test_kip_label_matrix_becomes_a_distribution():

@@ -224,17 +224,25 @@ def test_target_indices_real_only():
 # ---------------------------------------------------------------------------------------------
 
 
+def _digits_client_indices(sizes, seed=0, single_class=()):
+  """The sklearn digits each client holds: `sizes[i]` drawn without replacement (only 3s for a
+  client in `single_class`); clients draw independently, so they may share digits."""
+  Y = load_digits().target
+  rng = np.random.default_rng(seed)
+  pools = [
+    np.flatnonzero(Y == 3) if i in single_class else np.arange(len(Y)) for i in range(len(sizes))
+  ]
+  return [rng.choice(pool, s, replace=False) for pool, s in zip(pools, sizes)]
+
+
 def _digits_clients(sizes, n_max, seed=0, single_class=()):
   d = load_digits()
   X = (d.images / 16.0).astype(np.float32)[..., None]
   Y = d.target.astype(np.int32)
-  rng = np.random.default_rng(seed)
   fx = np.zeros((len(sizes), n_max, 8, 8, 1), np.float32)
   fy = np.zeros((len(sizes), n_max), np.int32)
-  for i, s in enumerate(sizes):
-    pool = np.flatnonzero(Y == 3) if i in single_class else np.arange(len(Y))
-    idx = rng.choice(pool, s, replace=False)
-    fx[i, :s], fy[i, :s] = X[idx], Y[idx]
+  for i, idx in enumerate(_digits_client_indices(sizes, seed, single_class)):
+    fx[i, : len(idx)], fy[i, : len(idx)] = X[idx], Y[idx]
   return fx, fy, np.asarray(sizes, np.int32)
 
 
@@ -278,18 +286,26 @@ def test_kip_loss_decreases_and_generalises():
   loss = np.asarray(res.loss)
   assert np.isfinite(loss).all()
   assert loss[-20:].mean() < 0.8 * loss[:20].mean(), (loss[:20].mean(), loss[-20:].mean())
-  # the distilled support beats its own initialisation as a KRR predictor on held-out digits
+  # the distilled support beats its own initialisation as a KRR predictor on held-out digits:
+  # the 1,497 digits the client did not hold
   d = load_digits()
-  X = (d.images / 16.0).astype(np.float32)[..., None]
+  (train_idx,) = _digits_client_indices([300], seed=2)
+  np.testing.assert_array_equal(fy[0], d.target[train_idx])
+  held_out = np.setdiff1d(np.arange(len(d.target)), train_idx)
+  X = (d.images / 16.0).astype(np.float32)[held_out][..., None]
   mean, std = fx[0].mean(), fx[0].std() + 1e-6
   k_init = jax.random.split(jax.random.PRNGKey(0), 3)[0]  # kip_distill's init key
   idx = np.asarray(init_support(k_init, jnp.asarray(fy[0]), 300, 10, 10))
   kfn = make_kernel_fn('fc_ntk')
-  yt = centered_one_hot(jnp.asarray(d.target), 10)
+  yt = centered_one_hot(jnp.asarray(d.target[held_out]), 10)
   xt = jnp.asarray((X - mean) / std)
-  l_init = krr_loss(
+  l_init, acc_init = krr_loss(
     jnp.asarray((fx[0][idx] - mean) / std), centered_one_hot(fy[0][idx], 10), xt, yt, kfn
-  )[0]
-  l_kip = krr_loss(jnp.asarray((np.asarray(res.x) - mean) / std), res.y_matrix, xt, yt, kfn)[0]
+  )
+  l_kip, acc_kip = krr_loss(
+    jnp.asarray((np.asarray(res.x) - mean) / std), res.y_matrix, xt, yt, kfn
+  )
   np.testing.assert_array_equal(np.asarray(res.y), fy[0][idx])
-  assert float(l_kip) < float(l_init)
+  # measured (CPU): loss 0.0275 → 0.0147, accuracy 0.68 → 0.91 with one support image per class
+  assert float(l_kip) < 0.75 * float(l_init), (float(l_init), float(l_kip))
+  assert float(acc_kip) > float(acc_init) + 0.1, (float(acc_init), float(acc_kip))

@@ -11,7 +11,7 @@ from jfed.errors import ConfigError
 from jfed.io import ModelUpload, UploadError, validate_model_upload
 from jfed.methods import available_methods, get_method
 from jfed.runner import run_experiment
-from tests.support import override
+from tests.support import override, read_metrics
 
 
 def _config(**overrides):
@@ -21,10 +21,28 @@ def _config(**overrides):
 
 
 def test_fedprox_and_fedavg_differ_only_by_the_proximal_term(tmp_path):
-  c = _config(**{'fedprox.rounds': 1, 'fedavg.rounds': 1, 'fedprox.mu': 0.0})
+  """With mu = 0 FedProx is FedAvg: every round's record (losses, accuracy) is the same; with
+  mu > 0 the proximal term changes the local training, so the records differ."""
+  c = _config(**{'fedprox.rounds': 2, 'fedavg.rounds': 2, 'fedprox.mu': 0.0})
   c.fedprox.local_epochs = c.fedavg.local_epochs
   a = run_experiment('fedavg', c, tmp_path / 'a', progress=False)
   b = run_experiment('fedprox', c, tmp_path / 'b', progress=False)
+  numbers = lambda w: [
+    {k: v for k, v in r.items() if isinstance(v, float) and 'second' not in k and k != 'time'}
+    for r in read_metrics(w)
+  ]
+  same, prox = numbers(tmp_path / 'a'), numbers(tmp_path / 'b')
+  assert any('loss' in k for r in same for k in r)
+  assert [sorted(r) for r in same] == [sorted(r) for r in prox]
+  for ra, rb in zip(same, prox):
+    for k in ra:
+      assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
+  c.fedprox.mu = 1.0
+  run_experiment('fedprox', c, tmp_path / 'c', progress=False)
+  moved = numbers(tmp_path / 'c')
+  assert any(abs(ra[k] - rc[k]) > 1e-4 for ra, rc in zip(same, moved) for k in ra if 'loss' in k), (
+    'a proximal term of mu=1 changed no loss'
+  )
   assert a['final_test_accuracy'] == pytest.approx(b['final_test_accuracy'])
 
 

@@ -194,7 +194,7 @@ def base_config() -> ml_collections.ConfigDict:
     {
       'rounds': 1,
       'local_epochs': 1,
-      'participation': 1.0,
+      'participation': 1.0,  # the reference scripts: 0.4 (hfldd_*.py set it)
       'weighting': 'uniform',
       'trajectory_rounds': 24,
       'ipc': 15,
@@ -217,6 +217,11 @@ def base_config() -> ml_collections.ConfigDict:
       'finetune_epochs': 20,
       'finetune_lr': 1e-4,
       'finetune_batch': 256,
+      # DSA during matching and fine-tuning (jfed/distill/diffaugment.py; '' or 'none': off)
+      'dsa': 'color_crop_cutout_flip_scale_rotate',
+      # the clients' optimiser: '' = the run's `optimizer`; else sgd | adam at client_lr
+      'client_optimizer': 'adam',
+      'client_lr': 1e-3,
     }
   )
   # One-shot distillation methods (jfed/methods/oneshot.py defines a round; each module's
@@ -257,6 +262,7 @@ def base_config() -> ml_collections.ConfigDict:
       'source': 'test_split',
       'source_size': 4000,
       'val_size': 1000,
+      'val_split': 'test',  # 'train': validate on training images, evaluate the whole test split
       'kd_T': 1.0,
       'kd_optimizer': 'adam',
       'kd_lr': 1e-3,
@@ -335,6 +341,8 @@ def base_config() -> ml_collections.ConfigDict:
       'generator_reset': False,
       'nz': 256,
       'ngf': 64,
+      'generator': 'paper',  # seed 000 §4.1.3; 'dense': DENSE's generator
+      'synthesis_keep': 'all',  # seed 000 §2: every intermediate batch; 'best': DENSE's one
       'ms_T_G': 30,
       'ms_lr': 1e-3,
       'ms_batch': 256,

@@ -65,9 +65,11 @@ def get_config(arg: str = ''):
   s.rounds, s.local_epochs = rounds, epochs
   d = c.dynafed
   d.rounds, d.local_epochs = rounds, epochs
-  d.trajectory_rounds, d.expert_epochs, d.max_start_epoch = 5, 2, 50
-  d.ipc, d.syn_steps, d.iterations = 5, 10, 100
-  d.finetune_epochs, d.finetune_batch = 5, 256
+  d.participation, d.client_optimizer, d.client_lr = 0.4, 'adam', 1e-3  # the reference's
+  d.trajectory_rounds = 10  # of the 20 rounds (the reference: 24 of 200)
+  d.ipc, d.syn_steps, d.expert_epochs, d.max_start_epoch = 15, 20, 3, 50
+  d.iterations = 1000  # the reference: 3000
+  d.finetune_epochs, d.finetune_batch = 20, 256
 
   if 'smoke' in args:
     c.partition.num_clients = 10

@@ -11,7 +11,14 @@ from jfed.distill.ensemble import (
   num_teachers,
   teacher_outputs,
 )
-from jfed.distill.generator import DenseGenerator, dense_generator_init, generate, make_generator
+from jfed.distill.generator import (
+  GENERATORS,
+  DenseGenerator,
+  FedHydraGenerator,
+  dense_generator_init,
+  generate,
+  make_generator,
+)
 from jfed.distill.kd import (
   KDConfig,
   committed,
@@ -25,16 +32,12 @@ from jfed.distill.kd import (
   teacher_groups,
 )
 from jfed.distill.losses import (
-  GeneratorLoss,
   adversarial_loss,
   apply_with_bn_loss,
   bn_statistics_loss,
   cross_entropy,
   disagreement_mask,
-  fedhydra_generator_loss,
-  fedhydra_global_loss,
   hard_sample_cross_entropy,
-  kd_loss,
   kl_divergence,
   knowledge_fusion_loss,
 )
@@ -72,11 +75,13 @@ from jfed.distill.stratification import (
   variation_degree,
 )
 from jfed.distill.synthesis import (
+  KEEP,
   SAWeights,
   SynthesisConfig,
   SynthesisResult,
   coboosting_config,
   dense_config,
   fedhydra_config,
+  images_per_epoch,
   synthesize,
 )

@@ -1,4 +1,4 @@
-"""DENSE / Co-Boosting / FedHydra image generator (reference-code.md §1.4).
+"""DENSE / Co-Boosting image generator (reference-code.md §1.4) and FedHydra's (seed 000 §4.1.3).
 
     z[nz] → Dense(nz, 2·ngf·s_h·s_w) → reshape (s_h, s_w, 2·ngf)          (s = img_size // 4)
     → BN(2ngf) → Upsample×2 (nearest)
@@ -85,9 +85,78 @@ class DenseGenerator(nn.Module):
     return nn.sigmoid(x)
 
 
-def make_generator(input_shape: Sequence[int], nz: int = 256, ngf: int = 64) -> DenseGenerator:
-  """Generator for a dataset's `input_shape` (H, W, C)."""
-  return DenseGenerator(img_shape=tuple(int(v) for v in input_shape), nz=nz, ngf=ngf)
+class FedHydraGenerator(nn.Module):
+  """Seed 000 §4.1.3: "a fully connected layer that transforms the input noise vector into a 2D
+  feature map", then "three upsampling convolutional layers, each consisting of batch
+  normalization, LeakyReLU activation, and 2D transposed convolutions", then a Sigmoid.
+
+      z → Dense(nz, 2·ngf·s·s) → reshape (s, s, 2ngf)
+      → [BN → LeakyReLU(0.2) → ConvT 2ngf→2ngf]  → [BN → LeakyReLU(0.2) → ConvT 2ngf→ngf]
+      → [BN → LeakyReLU(0.2) → ConvT ngf→C] → Sigmoid
+
+  Not stated by the paper, chosen here: the widths (DENSE's 2ngf / ngf, so the two generators
+  cost about the same), LeakyReLU slope 0.2 and the initialisation (DENSE's, as the FedHydra
+  code builds on DENSE), and the strides. Three ×2 layers cannot reach 28 px from an integer
+  map, so the map starts at s = H/4 as DENSE's (7 for 28 px, 8 for 32 px, 2 for the 8 px
+  digits), the first two layers upsample ×2 (PyTorch ConvTranspose2d k4 s2 p1 = flax 'SAME'
+  k4 s2) and the last keeps the size (k3 s1 p1).
+  """
+
+  img_shape: Sequence[int]
+  nz: int = 256
+  ngf: int = 64
+
+  def _bn(self, train: bool, name: str):
+    return nn.BatchNorm(
+      use_running_average=not train,
+      momentum=GEN_BN_MOMENTUM,
+      epsilon=GEN_BN_EPSILON,
+      scale_init=_normal(0.02, 1.0),
+      bias_init=nn.initializers.zeros,
+      name=name,
+    )
+
+  def strides(self) -> Sequence[int]:
+    h, w, _ = self.img_shape
+    if h % 4 or w % 4:
+      raise ValueError(f'FedHydraGenerator needs H, W divisible by 4, got {self.img_shape}')
+    return (2, 2, 1)
+
+  @nn.compact
+  def __call__(self, z: jnp.ndarray, train: bool = True) -> jnp.ndarray:
+    h, w, c = self.img_shape
+    strides = self.strides()
+    scale = math.prod(strides)
+    sh, sw = h // scale, w // scale
+    kinit, binit = _normal(0.02), nn.initializers.zeros
+    x = nn.Dense(2 * self.ngf * sh * sw, kernel_init=kinit, bias_init=binit, name='fc')(z)
+    x = x.reshape(z.shape[0], sh, sw, 2 * self.ngf)
+    widths = (2 * self.ngf, self.ngf, c)
+    for i, (features, stride) in enumerate(zip(widths, strides)):
+      x = nn.leaky_relu(self._bn(train, f'bn{i}')(x), 0.2)
+      x = nn.ConvTranspose(
+        features,
+        (4, 4) if stride == 2 else (3, 3),
+        strides=(stride, stride),
+        padding='SAME',
+        kernel_init=kinit,
+        bias_init=binit,
+        name=f'convt{i}',
+      )(x)
+    return nn.sigmoid(x)
+
+
+GENERATORS = {'dense': DenseGenerator, 'fedhydra': FedHydraGenerator}
+
+
+def make_generator(
+  input_shape: Sequence[int], nz: int = 256, ngf: int = 64, kind: str = 'dense'
+) -> nn.Module:
+  """Generator for a dataset's `input_shape` (H, W, C): DENSE's (DENSE, Co-Boosting) or
+  FedHydra's (seed 000 §4.1.3)."""
+  if kind not in GENERATORS:
+    raise ValueError(f'generator {kind!r}; valid: {sorted(GENERATORS)}')
+  return GENERATORS[kind](img_shape=tuple(int(v) for v in input_shape), nz=nz, ngf=ngf)
 
 
 @functools.lru_cache(maxsize=None)

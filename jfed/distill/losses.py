@@ -7,7 +7,7 @@ that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses
 through the teacher, because the generator's input reaches the teacher).
 """
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import flax
 import jax
@@ -232,77 +232,3 @@ def apply_with_bn_loss(
     **apply_kwargs,
   )
   return logits, bn_statistics_loss(col.get('bn_inputs', {}), batch_stats)
-
-
-# ---------------------------------------------------------------------------------------------
-# FedHydra (seed 000 §3.3)
-# ---------------------------------------------------------------------------------------------
-
-
-class GeneratorLoss(NamedTuple):
-  total: jnp.ndarray
-  ce: jnp.ndarray
-  bn: jnp.ndarray
-  adv: jnp.ndarray
-
-
-def fedhydra_generator_loss(
-  sa_logits: jnp.ndarray,
-  labels: jnp.ndarray,
-  global_logits: jnp.ndarray,
-  bn_loss: jnp.ndarray,
-  lambda1: float = 1.0,
-  lambda2: float = 1.0,
-  T: float = 1.0,
-  adv_mask: bool = False,
-) -> GeneratorLoss:
-  """FedHydra generator loss, Eq. 16:
-
-      L_Gen = L_CE + λ1·L_BN + λ2·L_AD
-      L_CE  = CE(P, y)                                   (Eq. 13; P = SA logits, Eq. 12)
-      L_BN  = (1/m) Σ_k Σ_l (||μ_l − μ_{k,l}|| + ||σ²_l − σ²_{k,l}||)   (Eq. 14; pass it in, e.g.
-              `bn_statistics_loss(..., model_reduction='mean')`)
-      L_AD  = −KL(P, F_g(x̂))                                                         (Eq. 15)
-            = −mean_b Σ_c softmax(P/T)(log softmax(P/T) − log softmax(F_g/T))
-
-  The paper gives no temperature and no mask for Eq. 15 (defaults T=1, no mask); `adv_mask=True`
-  gives DENSE's disagreement-masked form used by the FL-SA precursor code.
-  """
-  ce = cross_entropy(sa_logits, labels)
-  adv = adversarial_loss(global_logits, sa_logits, T=T, use_mask=adv_mask)
-  bn = jnp.asarray(bn_loss, jnp.float32)
-  return GeneratorLoss(total=ce + lambda1 * bn + lambda2 * adv, ce=ce, bn=bn, adv=adv)
-
-
-def fedhydra_global_loss(
-  global_logits: jnp.ndarray,
-  sa_logits: jnp.ndarray,
-  beta: float = 1.0,
-  T: float = 1.0,
-  reduction: str = 'batchmean',
-  t_squared: bool = False,
-) -> jnp.ndarray:
-  """FedHydra global-model (distillation) loss, Eq. 19:
-
-      L_Glo = L_KL + β·L_ĈE
-      L_KL  = KL(P, F_g(x̂))                                                          (Eq. 17)
-            = F.kl_div(log_softmax(F_g/T), softmax(P/T), reduction) [× T²]
-      L_ĈE  = CE(F_g(x̂), H[P]),   H[P] = argmax_c P (hard label of the SA logits)    (Eq. 18)
-
-  The SA logits P are treated as constants (stop_gradient). The paper does not state T or the KL
-  reduction: defaults T=1, 'batchmean' (true KL per sample); the FL-SA code uses 'mean'.
-  """
-  P = jax.lax.stop_gradient(sa_logits)
-  kl = kl_divergence(global_logits, P, T, reduction, t_squared)
-  hard = jnp.argmax(P, axis=-1)
-  return kl + beta * cross_entropy(global_logits, hard)
-
-
-def kd_loss(
-  student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, T: float = 1.0, t_squared: bool = True
-) -> jnp.ndarray:
-  """DENSE `KLDiv(T)`: KL(softmax(t/T) ‖ softmax(s/T)) 'batchmean' × T² (teacher constant).
-  FedDF: same with `t_squared=False`."""
-  return kl_divergence(
-    student_logits, jax.lax.stop_gradient(teacher_logits), T, 'batchmean', t_squared
-  )

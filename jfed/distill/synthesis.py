@@ -13,7 +13,9 @@ z ~ N(0, I); targets y ~ U{0..C−1} (sorted for DENSE); Adam([G, z] or [G]) wit
                  'mean' Eq. 14)
           L_oh : CE(t, y) | (1 − p_y)^hs · CE  (Co-Boosting hard-sample)
           L_adv: −mean_b(mask_b · Σ_c KL_elem(t ‖ s)) at temperature T (× T² optional)
-    keep the batch x with the lowest L, evaluated before the step (DENSE `best_inputs`);
+    keep the batch x with the lowest L, evaluated before the step (DENSE `best_inputs`),
+    or every x of the epoch (`keep='all'`: FedHydra "leverages all generated intermediates",
+    seed 000 §2);
     step (optionally clipping the generator's gradient norm, PyTorch `clip_grad_norm_`).
 
 Two drivers with identical numbers: `loop='scan'` (one jitted program, `lax.scan` over steps; the
@@ -62,6 +64,15 @@ class SynthesisConfig(NamedTuple):
   input_std: Optional[float] = None
   strategy: str = 'auto'  # teacher client mapping (ensemble.resolve_strategy)
   loop: str = 'auto'  # 'scan' | 'python' | 'auto'
+  keep: str = 'best'  # 'best': the lowest-loss batch (DENSE) | 'all': every step's G(z)
+
+
+KEEP = ('best', 'all')
+
+
+def images_per_epoch(cfg: SynthesisConfig) -> int:
+  """How many images one synthesis epoch adds to the pool."""
+  return cfg.batch_size * (cfg.g_steps if cfg.keep == 'all' else 1)
 
 
 def dense_config(**kw) -> SynthesisConfig:
@@ -125,8 +136,10 @@ class SAWeights(NamedTuple):
 
 
 class SynthesisResult(NamedTuple):
-  images: jnp.ndarray  # [B, H, W, C] best (lowest-loss) un-augmented G output
-  labels: jnp.ndarray  # [B] generator targets
+  # [B, H, W, C] best (lowest-loss) un-augmented G output; keep='all': [g_steps·B, ...], every
+  # step's G output before the step, step-major
+  images: jnp.ndarray
+  labels: jnp.ndarray  # [B] generator targets ([g_steps·B] for keep='all')
   best_loss: jnp.ndarray  # scalar
   losses: jnp.ndarray  # [g_steps] total loss before each step
   components: jnp.ndarray  # [g_steps, 3] (L_bn, L_oh, L_adv) before each step
@@ -241,13 +254,21 @@ def _synthesis_step(
     grads = (g_grads, grads[1]) if cfg.optimize_z else g_grads
   updates, opt_state = _tx(cfg).update(grads, carry.opt_state, carry.opt_vars)
   opt_vars = optax.apply_updates(carry.opt_vars, updates)
-  return _Carry(opt_vars, gen_bs, opt_state, best_x, best_loss), (loss, comps)
+  return _Carry(opt_vars, gen_bs, opt_state, best_x, best_loss), (
+    loss,
+    comps,
+    x if cfg.keep == 'all' else None,
+  )
 
 
-def _finish(cfg, carry, z_fixed, targets, losses, comps):
+def _finish(cfg, carry, z_fixed, targets, losses, comps, xs=None):
   gp = carry.opt_vars[0] if cfg.optimize_z else carry.opt_vars
+  images, labels = carry.best_x, targets
+  if cfg.keep == 'all':
+    images = xs.reshape(-1, *xs.shape[2:])
+    labels = jnp.tile(targets, cfg.g_steps)
   return SynthesisResult(
-    carry.best_x, targets, carry.best_loss, losses, comps, ModelState(gp, carry.gen_bs)
+    images, labels, carry.best_loss, losses, comps, ModelState(gp, carry.gen_bs)
   )
 
 
@@ -282,8 +303,8 @@ def _synthesize_scan(
       agg,
     )
 
-  carry, (losses, comps) = jax.lax.scan(body, carry, step_keys)
-  return _finish(cfg, carry, z, targets, losses, comps)
+  carry, (losses, comps, xs) = jax.lax.scan(body, carry, step_keys)
+  return _finish(cfg, carry, z, targets, losses, comps, xs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -332,9 +353,9 @@ def synthesize(
       generator_state,
     )
   carry, z, targets, step_keys = commit(_py_init(generator, cfg, num_classes, key, generator_state))
-  losses, comps = [], []
+  losses, comps, xs = [], [], []
   for i in range(cfg.g_steps):
-    carry, (l, c) = _py_step(
+    carry, (l, c, x) = _py_step(
       generator,
       modules,
       student_module,
@@ -349,4 +370,6 @@ def synthesize(
     )
     losses.append(l)
     comps.append(c)
-  return _finish(cfg, carry, z, targets, jnp.stack(losses), jnp.stack(comps))
+    xs.append(x)
+  stacked = jnp.stack(xs) if cfg.keep == 'all' else None
+  return _finish(cfg, carry, z, targets, jnp.stack(losses), jnp.stack(comps), stacked)

@@ -28,12 +28,23 @@ synthetic set (models with BatchNorm only), then `finetune_epochs` (distill_iter
 Adam(finetune_lr) on soft labels softmax(label logits), batch `finetune_batch`, through
 `GroupTrainer` (soft-label CE = C · kd: the same Adam updates up to eps).
 
+DSA (`dsa`, jfed/distill/diffaugment.py): the reference runs `DiffAugment(x, dsa_strategy)`
+with its default strategy 'color_crop_cutout_flip_scale_rotate' (mode 'S': one of the six
+transform groups per call, fresh per-sample parameters, no Siamese seed) on the synthetic batch
+of every student step of the matching and of every fine-tuning step (not on the BN passes);
+jfed does the same, in the reference's normalised space (noise_mean, noise_std). '' or 'none'
+turns it off.
+
+Clients (`client_optimizer`, `client_lr`): the reference's clients use Adam lr 1e-3
+(`local_optimizer`), the default here; '' uses the run's `optimizer` section instead (the
+optimiser of the other methods of a comparison).
+
 Reference defaults (common.py base config, CIFAR-10 scripts): T=24, ipc 15, syn_steps 20,
 expert_epochs 3, iterations 3000, lr_img 5e-2, lr_label 1e-2, lr_lr 1e-5, lr_teacher 0.04,
 label_init 0, max_start_epoch 50, weight averaging of 2..3 checkpoints, distill_iter 20,
-distill_lr 1e-4, batch 256; 80 clients, participation 0.4, client Adam 1e-3.
-Not implemented: DiffAugment (DSA) during matching and fine-tuning. Client training uses the
-run's optimiser (the same as the other methods of a comparison).
+distill_lr 1e-4, batch 256, DSA 'color_crop_cutout_flip_scale_rotate'; 80 clients,
+participation 0.4 (`participation`; the base config keeps 1.0, the HFLDD comparison configs
+set 0.4), client Adam 1e-3, 1 local epoch, batch 32.
 
 Rounds are steps; the round body is `common.fedavg_round` (uniform weights passed as
 `weights`). The state (global model, trajectory, synthetic set) is checkpointed by the driver
@@ -46,18 +57,21 @@ measured model uploads and downloads; the summary's `bytes_by_stage` is the prot
 
 import functools
 import math
-from typing import Any, Callable, Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.data import FederatedArrays
+from jfed.distill.diffaugment import DiffAugment, strategy_words
 from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
+from jfed.errors import ConfigError
 from jfed.io import comm
 from jfed.keys import Purpose
 from jfed.methods import common
@@ -66,6 +80,7 @@ from jfed.methods.registry import register_method
 from jfed.reporting import Progress
 
 WEIGHTINGS = ('uniform', 'size')
+CLIENT_OPTIMIZERS = ('', 'sgd', 'adam')  # '': the run's `optimizer` section
 
 
 class DynaFedConfig(NamedTuple):
@@ -94,6 +109,9 @@ class DynaFedConfig(NamedTuple):
   finetune_epochs: int
   finetune_lr: float
   finetune_batch: int
+  dsa: str
+  client_optimizer: str
+  client_lr: float
 
 
 class DynaFedState(NamedTuple):
@@ -118,22 +136,38 @@ def _squared_distance(a, b):
   return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=('augment',))
 def trajectory_matching_loss(
-  apply_fn: Callable, syn_x, syn_labels, syn_lr, start_params, target_params, batches
+  apply_fn: Callable,
+  syn_x,
+  syn_labels,
+  syn_lr,
+  start_params,
+  target_params,
+  batches,
+  aug_key=None,
+  augment: Optional[Callable] = None,
 ):
   """‖θ_student − θ*‖² / ‖θ_start − θ*‖² after len(batches) SGD steps on synthetic data.
 
   apply_fn(params, x) -> logits; batches: int [syn_steps, batch] indices of the synthetic
   minibatch of each student step; the step is θ ← θ − syn_lr · ∇_θ kd_loss(apply_fn(θ, x_b),
-  syn_labels_b). Differentiable in syn_x, syn_labels and syn_lr.
+  syn_labels_b), where x_b = augment(fold_in(aug_key, step), syn_x[b]) when `augment` (a
+  hashable (key, x) -> x, e.g. `DiffAugment`) is given: fresh parameters every step, as the
+  reference's `DiffAugment` call in each student step. Differentiable in syn_x, syn_labels and
+  syn_lr.
   """
 
-  def step(params, idx):
-    grads = jax.grad(lambda p: kd_loss(apply_fn(p, syn_x[idx]), syn_labels[idx]))(params)
+  def step(params, inputs):
+    s, idx = inputs
+    x = syn_x[idx]
+    if augment is not None:
+      x = augment(jax.random.fold_in(aug_key, s), x)
+    grads = jax.grad(lambda p: kd_loss(apply_fn(p, x), syn_labels[idx]))(params)
     return jax.tree.map(lambda p, g: p - syn_lr * g, params, grads), None
 
-  student, _ = jax.lax.scan(step, start_params, batches)
+  steps = jnp.arange(batches.shape[0])
+  student, _ = jax.lax.scan(step, start_params, (steps, batches))
   return _squared_distance(student, target_params) / _squared_distance(start_params, target_params)
 
 
@@ -199,6 +233,14 @@ def sample_target(key, trajectory, schedule: MatchingSchedule):
   return start, target
 
 
+def pixel_dsa(cfg) -> Optional[DiffAugment]:
+  """`cfg.dsa` on images in [0, 1]-space, applied in the reference's normalised space
+  (noise_mean, noise_std); None when the strategy is empty ('' / 'none')."""
+  if not strategy_words(cfg.dsa):
+    return None
+  return DiffAugment(cfg.dsa, float(cfg.noise_mean), float(cfg.noise_std))
+
+
 def distill_synthetic_set(
   module, model: ModelState, trajectory, cfg, num_classes: int, input_shape, key
 ):
@@ -221,11 +263,15 @@ def distill_synthetic_set(
   )
   opt_state = tx.init(params)
 
+  augment = pixel_dsa(cfg)
+
   def objective(p, k):
-    k_target, k_batch = jax.random.split(k)
+    k_target, k_batch, k_aug = jax.random.split(k, 3)
     start, target = sample_target(k_target, trajectory, schedule)
     batches = student_batches(k_batch, n, int(cfg.syn_steps), batch)
-    return trajectory_matching_loss(apply, mean + std * p[0], p[1], p[2], start, target, batches)
+    return trajectory_matching_loss(
+      apply, mean + std * p[0], p[1], p[2], start, target, batches, k_aug, augment=augment
+    )
 
   @jax.jit
   def iteration(p, s, k):
@@ -266,10 +312,24 @@ def _bn_passes(module, model: ModelState, x, batch: int, passes: int, key) -> Mo
   return ModelState(model.params, stats)
 
 
+class AugmentedObjective(NamedTuple):
+  """`engine.classification_objective` on augment(key, x): the reference's fine-tuning batches
+  go through `DiffAugment` (fresh per-sample parameters every step)."""
+
+  augment: Callable
+
+  def __call__(self, module, params, batch_stats, x, y, weights, key):
+    k_aug, k_model = jax.random.split(key)
+    return engine.classification_objective(
+      module, params, batch_stats, self.augment(k_aug, x), y, weights, k_model
+    )
+
+
 def finetune(
   trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels, epochs: int, key
 ) -> ModelState:
-  """BN re-estimation on the synthetic set, then `epochs` epochs of soft-label training."""
+  """BN re-estimation on the synthetic set (un-augmented, as the reference), then `epochs`
+  epochs of soft-label training (augmented when the trainer's objective augments)."""
   x = np.asarray(syn_x)
   model = _bn_passes(module, model, x, trainer.batch_size, 3, jax.random.fold_in(key, 1))
   y = np.asarray(jax.nn.softmax(syn_labels, -1), np.float32)
@@ -282,6 +342,15 @@ def finetune(
 # ------------------------------------------------------------------------------------------------
 # the method
 # ------------------------------------------------------------------------------------------------
+def client_optimizer(cfg) -> Optional[ml_collections.ConfigDict]:
+  """The clients' optimiser section: None (the run's `optimizer`) when `client_optimizer` is
+  '', else that optimiser with torch's defaults and lr `client_lr` (the reference's
+  `local_optimizer` ["Adam", {"lr": 0.001}])."""
+  if not cfg.client_optimizer:
+    return None
+  return ml_collections.ConfigDict({'name': cfg.client_optimizer, 'lr': float(cfg.client_lr)})
+
+
 class DynaFedAux(NamedTuple):
   full_group: common.ClientGroup
   trainer: GroupTrainer  # the clients' local training
@@ -327,6 +396,19 @@ class DynaFed(Algorithm):
     tc.require_fraction(c.participation, f'{where}.participation')
     tc.require_choice(c.weighting, WEIGHTINGS, f'{where}.weighting')
     tc.require(
+      c.client_optimizer in CLIENT_OPTIMIZERS,
+      f"{where}.client_optimizer is {c.client_optimizer!r}; valid: '' (the run's optimizer), "
+      + ', '.join(CLIENT_OPTIMIZERS[1:]),
+    )
+    tc.require(
+      not c.client_optimizer or c.client_lr > 0,
+      f'{where}.client_lr must be positive when {where}.client_optimizer is set, got {c.client_lr}',
+    )
+    try:
+      strategy_words(c.dsa)
+    except ValueError as e:
+      raise ConfigError(f'{where}.dsa: {e}') from None
+    tc.require(
       c.expert_epochs <= c.trajectory_rounds,
       f'{where}.expert_epochs ({c.expert_epochs}) must be <= '
       f'{where}.trajectory_rounds ({c.trajectory_rounds}): a matching target lies '
@@ -342,12 +424,17 @@ class DynaFed(Algorithm):
     full_group = common.client_groups(ctx)[0]
     module = full_group.module
     init = engine.init_model(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
+    augment = pixel_dsa(cfg)
     tuner = GroupTrainer(
-      module, optax.adam(cfg.finetune_lr), cfg.finetune_batch, strategy=ctx.config.strategy
+      module,
+      optax.adam(cfg.finetune_lr),
+      cfg.finetune_batch,
+      strategy=ctx.config.strategy,
+      objective=(AugmentedObjective(augment) if augment else engine.classification_objective),
     )
     return DynaFedAux(
       full_group,
-      common.make_trainers(ctx, [full_group])[0],
+      common.make_trainers(ctx, [full_group], optimizer=client_optimizer(cfg))[0],
       tuner,
       engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
       init,

@@ -15,9 +15,13 @@ model is the best-on-validation student (including the FedAvg start).
 - 'test_split': `source_size` images of the dataset's test split, held out of evaluation;
 - a dataset name (`jfed.data.load_dataset`, e.g. 'mnist', 'kmnist'): `source_size` images of its
   training split, resized (bilinear) and channel-matched to the main input shape.
-The validation set is `val_size` labelled images of the test split, also held out of
-evaluation (`val_size=0`: no validation, no early stop, the final student is returned).
-Test accuracy is measured on the rest of the test split (`eval_samples` in the summary).
+The validation set is `val_size` labelled images (`val_size=0`: no validation, no early stop,
+the final student is returned) of the test split, held out of evaluation (`val_split='test'`),
+or of the training split (`val_split='train'`: the whole test split is evaluated, so FedDF is
+scored on the same images as the methods it is compared with; the clients' partitions are
+drawn from the training split, so the server then holds a few labelled images like those the
+clients own, used only to pick the best student). Test accuracy is measured on the test
+images not held out (`eval_samples` in the summary).
 
 `feddf.teacher_bn`: 'batch' (default, the reference: it never calls eval() on the teachers, so
 their BatchNorm normalises with each distillation batch's statistics) or 'running' (eval mode,
@@ -48,6 +52,9 @@ from jfed.methods.registry import register_method
 TEACHER_BN = ('batch', 'running')
 
 
+VAL_SPLITS = ('test', 'train')
+
+
 class FedDFConfig(NamedTuple):
   rounds: int
   local_epochs: int
@@ -56,6 +63,7 @@ class FedDFConfig(NamedTuple):
   source: str
   source_size: int
   val_size: int
+  val_split: str  # 'test' | 'train': where the validation images come from
   kd_T: float
   kd_optimizer: str
   kd_lr: float
@@ -90,7 +98,8 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
   ds = ctx.dataset
   rng = np.random.default_rng(ctx.config.seed)
   n = len(ds.test_y)
-  held = (cfg.source_size if cfg.source == 'test_split' else 0) + cfg.val_size
+  val_in_test = cfg.val_split == 'test'
+  held = (cfg.source_size if cfg.source == 'test_split' else 0) + cfg.val_size * val_in_test
   if held > n // 2:
     raise ConfigError(
       f'feddf: source_size={cfg.source_size}, val_size={cfg.val_size}: the '
@@ -98,7 +107,17 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
       'samples'
     )
   perm = rng.permutation(n)
-  val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
+  if val_in_test:
+    val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
+    val_x, val_y = ds.test_x[val], ds.test_y[val]
+  else:
+    rest = perm
+    if cfg.val_size > len(ds.train_y):
+      raise ConfigError(
+        f'feddf.val_size={cfg.val_size} but the training split has {len(ds.train_y)} samples'
+      )
+    val = np.sort(rng.choice(len(ds.train_y), cfg.val_size, replace=False))
+    val_x, val_y = ds.train_x[val], ds.train_y[val]
   if cfg.source == 'test_split':
     x, rest = ds.test_x[rest[: cfg.source_size]], rest[cfg.source_size :]
   else:
@@ -118,9 +137,7 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
       jnp.asarray(len(x), jnp.int32),
     )
   )
-  return DistillationData(
-    pool, ds.test_x[val], ds.test_y[val], ds.test_x[keep], ds.test_y[keep], cfg.source
-  )
+  return DistillationData(pool, val_x, val_y, ds.test_x[keep], ds.test_y[keep], cfg.source)
 
 
 @register_method('feddf')
@@ -135,6 +152,7 @@ class FedDF(oneshot.DistillationAlgorithm):
     tc.require_positive(self.config, self.section, ('source_size', 'total_steps', 'eval_every'))
     tc.require_non_negative(self.config, self.section, ('val_size', 'patience'))
     tc.require_choice(self.config.teacher_bn, TEACHER_BN, f'{self.section}.teacher_bn')
+    tc.require_choice(self.config.val_split, VAL_SPLITS, f'{self.section}.val_split')
 
   def epochs_per_round(self) -> int:
     return math.ceil(self.config.total_steps / self.config.eval_every)

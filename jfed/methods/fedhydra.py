@@ -19,9 +19,15 @@ distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a
    (`jfed.distill.fedhydra_config`: θ_G only, un-augmented G(z), T = 1, no mask); then the
    global model F_g is trained with Eq. 19  KL(SA ‖ F_g) + β·CE(F_g, argmax SA)  using SGD.
    SA = `stratified_aggregation` with the generator's target labels (pool labels during KD).
-   `kd_data='pool'` (default) distils on every batch synthesised so far, one shuffled pass per
-   epoch, as the DENSE-derived FL-SA code does; 'batch' takes the steps on this epoch's batch
+   `synthesis_keep='all'` (default): every one of the T_G batches G(z; θ_G^t) of the epoch
+   enters the pool, as FedHydra "leverages all generated intermediates" where other methods
+   select the optimal images (seed 000 §2); 'best' keeps only the lowest-loss batch (DENSE's
+   `best_inputs`), as jfed did before issue 12.
+   `kd_data='pool'` (default) distils on every image synthesised so far, one shuffled pass per
+   epoch, as the DENSE-derived FL-SA code does; 'batch' takes the steps on this epoch's images
    only (Algorithm 1, lines 22–24, read literally).
+   `generator='paper'` (default): seed 000 §4.1.3's generator (`jfed.distill.FedHydraGenerator`,
+   FC then 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid), for MS and HASA; 'dense': DENSE's.
    `aggregation`: 'sa' (Eqs. 8–11), 'sa_inter' (without Eq. 8) or 'ae' (DENSE's average
    ensemble, the Fig. 7 ablation; MS is skipped).
 
@@ -42,6 +48,7 @@ import numpy as np
 
 from jfed import typed_config as tc
 from jfed.distill import (
+  KEEP,
   MS_FUNCTIONS,
   MS_IMPLS,
   MSConfig,
@@ -57,6 +64,7 @@ from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 AGGREGATIONS = {'sa': 'sa', 'sa_inter': 'sa_inter', 'ae': 'mean'}
+GENERATOR_KINDS = {'paper': 'fedhydra', 'dense': 'dense'}
 SA_SCALES = ('paper', 'classes')
 
 
@@ -83,6 +91,11 @@ class FedHydraConfig(NamedTuple):
   generator_reset: bool
   nz: int
   ngf: int
+  # 'paper': seed 000 §4.1.3 (FC, 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid); 'dense': DENSE's
+  generator: str
+  # 'all': every generator step's batch enters the pool (seed 000 §2, "leverages all generated
+  # intermediates"); 'best': only the lowest-loss batch of each epoch (DENSE's best_inputs)
+  synthesis_keep: str
   ms_T_G: int
   ms_lr: float
   ms_batch: int
@@ -148,6 +161,8 @@ class FedHydra(oneshot.DistillationAlgorithm):
     tc.require_positive(c, where, ('adv_T', 'ms_T_G', 'ms_lr', 'ms_batch'))
     tc.require_non_negative(c, where, ('lambda1', 'lambda2', 'beta', 'ms_chunk'))
     tc.require_choice(c.aggregation, AGGREGATIONS, f'{where}.aggregation')
+    tc.require_choice(c.generator, GENERATOR_KINDS, f'{where}.generator')
+    tc.require_choice(c.synthesis_keep, KEEP, f'{where}.synthesis_keep')
     tc.require_choice(c.ms_impl, MS_IMPLS, f'{where}.ms_impl')
     tc.require_choice(c.sa_in_model_scale, SA_SCALES, f'{where}.sa_in_model_scale')
 
@@ -163,10 +178,16 @@ class FedHydra(oneshot.DistillationAlgorithm):
       adv_T=c.adv_T,
       aggregation=agg,
       strategy=oneshot.teacher_strategy(ctx),
+      keep=c.synthesis_keep,
     )
     kd = self.kd_config(ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
     return self.base_settings(
-      ctx, synthesis, kd, self.student_optimizer(), keep_generator=not c.generator_reset
+      ctx,
+      synthesis,
+      kd,
+      self.student_optimizer(),
+      keep_generator=not c.generator_reset,
+      generator=GENERATOR_KINDS[c.generator],
     )
 
   def round_data(self, ctx, aux, r, local, teachers):
@@ -183,7 +204,7 @@ class FedHydra(oneshot.DistillationAlgorithm):
 
     def compute() -> Stratification:
       impl = resolve_ms_impl(c.ms_impl)
-      gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf)
+      gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf, GENERATOR_KINDS[c.generator])
       ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
       kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
       t0 = time.perf_counter()

@@ -62,6 +62,7 @@ from jfed.distill import (
   dense_generator_init,
   epoch_batches,
   gather_batch,
+  images_per_epoch,
   kd_step,
   make_generator,
   pool_add,
@@ -183,6 +184,7 @@ class Settings(NamedTuple):
   keep_generator: bool  # continue one generator across epochs (FedHydra)
   nz: int
   ngf: int
+  generator: str  # jfed.distill.GENERATORS: 'dense' | 'fedhydra'
   pool_quantize: bool
   steps_per_epoch: int  # kd_data='fixed': KD steps per epoch
 
@@ -324,6 +326,7 @@ class DistillationAlgorithm(Algorithm):
       keep_generator=False,
       nz=get('nz', 0),
       ngf=get('ngf', 0),
+      generator='dense',
       pool_quantize=get('pool_quantize', False),
       steps_per_epoch=0,
     )
@@ -430,7 +433,7 @@ class DistillationAlgorithm(Algorithm):
     s = self.settings(ctx)
     shape = ctx.dataset.input_shape
     student_module = common.build_module(s.server_model, ctx.dataset)
-    generator = make_generator(shape, s.nz, s.ngf) if s.synthesis is not None else None
+    generator = make_generator(shape, s.nz, s.ngf, s.generator) if s.synthesis is not None else None
     random_student = engine.init_model(
       student_module, shape, round_key(ctx, 0, ServerRoundPurpose.STUDENT)
     )
@@ -464,7 +467,10 @@ class DistillationAlgorithm(Algorithm):
     s = aux.settings
     shape = ctx.dataset.input_shape
     if s.synthesis is not None:
-      pool = pool_init(max(1, s.epochs * s.synthesis.batch_size), shape, quantize=s.pool_quantize)
+      # kd_data='batch' reads only the latest epoch's images: the ring buffer needs no more
+      per_epoch = images_per_epoch(s.synthesis)
+      capacity = per_epoch * (1 if s.kd_data == 'batch' else s.epochs)
+      pool = pool_init(max(1, capacity), shape, quantize=s.pool_quantize)
     else:
       pool = pool_init(1, shape, quantize=False)
     if s.keep_generator:
@@ -562,7 +568,7 @@ class DistillationAlgorithm(Algorithm):
       idx, mask = epoch_batches(state.pool, rng, s.kd_batch)
       return state.pool, idx, mask
     if s.kd_data == 'batch':
-      n, cap = s.synthesis.batch_size, state.pool.capacity
+      n, cap = images_per_epoch(s.synthesis), state.pool.capacity
       latest = (int(state.pool.count) - n + np.arange(n)) % cap
       nb = -(-n // s.kd_batch)
       idx = np.zeros(nb * s.kd_batch, np.int32)
@@ -609,7 +615,8 @@ class DistillationAlgorithm(Algorithm):
           'gen_adv': float(comps[2]),
         }
       )
-      images = np.asarray(res.images), np.asarray(res.labels)
+      last = slice(-s.synthesis.batch_size, None)  # keep='all': the epoch's last G(z)
+      images = np.asarray(res.images[last]), np.asarray(res.labels[last])
     state, extra_record = self.before_kd(ctx, aux, rd, state, r, e)
     record.update(extra_record)
     pool, idx, mask = self._kd_batches(
