@@ -520,8 +520,12 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
 def make_context(
   config: ml_collections.ConfigDict, dataset: Dataset, parts: Sequence[np.ndarray], workdir=None
 ) -> RunContext:
+  from jfed.data.public import hold_out_test  # pylint: disable=g-import-not-at-top
   from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
 
+  holdout = int(config.dataset.get('test_holdout', 0) or 0)
+  if holdout and dataset.holdout_x is None:  # every method then evaluates on the same samples
+    dataset = hold_out_test(dataset, holdout, config.seed)
   mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
   return RunContext(config, dataset, parts, jax.random.PRNGKey(config.seed), mesh, workdir)
 

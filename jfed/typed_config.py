@@ -93,6 +93,8 @@ def validate_run_config(config: Any) -> None:
 
   _convert(config.seed, int, 'seed')
   _convert(config.dataset.name, str, 'dataset.name')
+  holdout = _convert(config.dataset.get('test_holdout', 0), int, 'dataset.test_holdout')
+  require(holdout >= 0, f'dataset.test_holdout must be >= 0, got {holdout}')
   p = config.partition
   require_choice(p.scheme, available_schemes(), 'partition.scheme')
   require(

@@ -82,7 +82,9 @@ def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.dataset = ml_collections.ConfigDict({'name': 'digits', 'data_dir': ''})
+  # test_holdout: test samples held out of every method's evaluation ('test_split' public sets
+  # come from them), so that a comparison scores every method on the same samples.
+  c.dataset = ml_collections.ConfigDict({'name': 'digits', 'data_dir': '', 'test_holdout': 0})
   # scheme: iid | dirichlet (alpha, min_size) | shards (#C=k: k) | disjoint (2c/c)
   #         | feddf_dirichlet (alpha) | fedcvae_dirichlet (alpha)
   c.partition = ml_collections.ConfigDict(

@@ -6,7 +6,8 @@ Command:
       --workdir=runs/hfldd_digits
 Setup: 20 clients, #C=1 (NIID-Bench shards, k=1: two clients per class, ~72 images each),
 HFLDD's MNIST CNN ('hfldd_cnn_mnist' = LeNet-5 with max pooling, padded for 8x8 inputs),
-public set = 100 images held out of the test split (evaluation on the other 260), K=10,
+public set = 100 images held out of the test split (every method, baselines included, is
+evaluated on the other 260: `dataset.test_holdout`), K=10,
 KIP 40 images per member (FC1 NTK, lr 0.004, target batch 10, 300 iterations), 20 rounds x
 2 local epochs over the cluster heads, SGD 0.05 momentum 0.9, batch 32.
 Expected: 2 heterogeneous clusters of 10 clients that each cover all 10 classes (one client
@@ -51,6 +52,8 @@ def get_config(arg: str = ''):
   h = c.hfldd
   h.pretrain_epochs = 5
   h.public, h.public_size = ('fashion_mnist' if 'fmpublic' in args else 'test_split'), 100
+  if h.public == 'test_split':  # every method is then scored on the same 260 test images
+    c.dataset.test_holdout = h.get_ref('public_size')  # follows a --config override
   h.K = 10
   h.rounds, h.local_epochs = rounds, epochs
   h.distill = 'nodd' not in args
@@ -60,7 +63,7 @@ def get_config(arg: str = ''):
   c.centralized.epochs = rounds
   c.local.epochs = h.pretrain_epochs
   s = c.fedseq
-  s.pretrain_epochs, s.public_size = 5, 100
+  s.pretrain_epochs, s.public, s.public_size = 5, h.public, h.get_ref('public_size')
   s.min_examples, s.max_clients = 700, 11  # ~10 clients of ~72 images per superclient
   s.rounds, s.local_epochs = rounds, epochs
   d = c.dynafed

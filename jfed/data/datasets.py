@@ -162,6 +162,9 @@ class Dataset(NamedTuple):
     test_x: [M, H, W, C] float32 in [0, 1].
     test_y: [M] int32.
     num_classes: number of classes (labels may leave some unused, e.g. EMNIST letters).
+    holdout_x: test samples held out of evaluation (`jfed.data.public.hold_out_test`), from
+      which a 'test_split' public set is drawn; None when nothing is held out.
+    holdout_y: their labels.
   """
 
   name: str
@@ -170,6 +173,8 @@ class Dataset(NamedTuple):
   test_x: np.ndarray
   test_y: np.ndarray
   num_classes: int
+  holdout_x: Optional[np.ndarray] = None
+  holdout_y: Optional[np.ndarray] = None
 
   @property
   def input_shape(self) -> tuple:

@@ -1,10 +1,13 @@
 """A public dataset that the server and every client can see (HFLDD, FedSeq).
 
 `source='test_split'` holds `size` samples out of the main dataset's test split (seeded); they
-are then excluded from evaluation, so methods evaluate on the rest. Any other source is a
-dataset name (e.g. 'fashion_mnist', HFLDD's public set for MNIST clients): `size` samples of
-its training split, resized (bilinear) and channel-matched to the main dataset's input shape;
-evaluation then uses the full test split.
+are then excluded from evaluation, so methods evaluate on the rest. A comparison that scores
+every method on the same test samples sets `dataset.test_holdout` instead: the driver holds
+that many test samples out for every method (`hold_out_test`, the same seeded draw), and a
+'test_split' public set is then taken from them. Any other source is a dataset name (e.g.
+'fashion_mnist', HFLDD's public set for MNIST clients): `size` samples of its training split,
+resized (bilinear) and channel-matched to the main dataset's input shape; evaluation then uses
+the test split (less any `dataset.test_holdout`).
 """
 
 from typing import NamedTuple
@@ -37,6 +40,34 @@ class PublicData(NamedTuple):
   source: str
 
 
+def _held_out_indices(n: int, size: int, seed: int, where: str):
+  if not 0 < size <= n // 2:
+    raise ConfigError(
+      f'{where}={size}: samples held out of the test split must number between 1 and half '
+      f'of its {n} samples; set {where} accordingly.'
+    )
+  idx = np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
+  return idx, np.setdiff1d(np.arange(n), idx)
+
+
+def hold_out_test(dataset: Dataset, size: int, seed: int) -> Dataset:
+  """`dataset` with `size` seeded test samples moved out of evaluation into `holdout_x/y`.
+
+  The draw is the one `public_data(..., 'test_split', size, seed)` makes, so a public set of
+  the same size is the same samples, and every method of a comparison evaluates on the rest.
+
+  Raises:
+    ConfigError: `size` is not between 1 and half of the test split.
+  """
+  idx, keep = _held_out_indices(len(dataset.test_y), int(size), seed, 'dataset.test_holdout')
+  return dataset._replace(
+    test_x=dataset.test_x[keep],
+    test_y=dataset.test_y[keep],
+    holdout_x=dataset.test_x[idx],
+    holdout_y=dataset.test_y[idx],
+  )
+
+
 def public_data(dataset: Dataset, source: str, size: int, seed: int) -> PublicData:
   """Samples the public set.
 
@@ -54,15 +85,19 @@ def public_data(dataset: Dataset, source: str, size: int, seed: int) -> PublicDa
   """
   rng = np.random.default_rng(seed)
   size = int(size)
-  if source == TEST_SPLIT:
-    n = len(dataset.test_y)
-    if not 0 < size <= n // 2:
+  if source == TEST_SPLIT and dataset.holdout_x is not None:  # the driver held them out
+    n = len(dataset.holdout_y)
+    if not 0 < size <= n:
       raise ConfigError(
-        f'public_size={size}: a public set held out of the test split must hold '
-        f'between 1 and half of its {n} samples; set public_size accordingly.'
+        f'public_size={size} but dataset.test_holdout holds {n} test samples out; set '
+        'public_size to at most dataset.test_holdout.'
       )
-    idx = np.sort(rng.choice(n, size, replace=False))
-    keep = np.setdiff1d(np.arange(n), idx)
+    idx = np.arange(n) if size == n else np.sort(rng.choice(n, size, replace=False))
+    return PublicData(
+      dataset.holdout_x[idx], dataset.holdout_y[idx], dataset.test_x, dataset.test_y, source
+    )
+  if source == TEST_SPLIT:
+    idx, keep = _held_out_indices(len(dataset.test_y), size, seed, 'public_size')
     return PublicData(
       dataset.test_x[idx], dataset.test_y[idx], dataset.test_x[keep], dataset.test_y[keep], source
     )
