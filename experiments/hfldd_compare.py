@@ -3,7 +3,7 @@ table and the seed's Tables III-V (rounds and traffic to reach a target accuracy
 
   python -m experiments.hfldd_compare --config=experiments/configs/hfldd_fashion_mnist.py:c1 \
       --out=runs/hfldd_compare_c1 [--methods=hfldd,fedavg,fedprox,fedseq,dynafed,centralized] \
-      [--targets=0.6,0.7,0.8] [--seeds=0,1,2]
+      [--targets=0.6,0.7,0.8] [--seeds=0,1,2] [--merge=OTHER_OUT,...]
 
 Each (seed, method) runs through `jfed.driver.run_experiment` with `config.seed` = the seed
 (which draws the partition, the public set and every initialisation) into OUT/seed<s>/<method>/,
@@ -21,6 +21,8 @@ the seeds whose run finished (n in each cell):
   methods' measured cumulative bytes, then every cell as the mean ± std over the seeds that
   reached the target, with how many did;
 - results.json: every seed's numbers and per-seed target tables.
+`--merge` adds the seeds of other OUTs of the same config (their results.json, e.g. seeds run in
+another session; `--seeds=` with nothing runs none and only re-renders the merged ones).
 Which accuracy the paper shows: seed 003 Fig. 3 plots the test accuracy per round, and §VI-B
 quotes the last round's ("74.0% after 300 communication rounds", "final test accuracies"):
 the final column and accuracy.png's curves; the paper reports no best-round accuracy (ours is
@@ -65,6 +67,9 @@ def define_flags() -> None:
   flags.DEFINE_list('targets', ['0.6', '0.7', '0.8'], 'Target test accuracies for the tables.')
   flags.DEFINE_string('reference', 'hfldd', 'Method whose traffic is 1X in the tables.')
   flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, public set, inits; >= 3).')
+  flags.DEFINE_list(
+    'merge', [], 'OUTs of the same config with other seeds (results.json) to add to the tables.'
+  )
   flags.mark_flags_as_required(['config', 'out'])
 
 
@@ -272,10 +277,13 @@ def run_compare(
   targets: Sequence[float],
   reference: str = 'hfldd',
   seeds: Sequence[int] = (0, 1, 2),
+  merge: Sequence[str] = (),
 ) -> str:
   """Runs every (seed, method) not finished yet and writes the figures, results.md and
   results.json over the seeds (after each seed, so that a long sweep shows its progress);
-  returns results.md's text."""
+  returns results.md's text. `merge`: OUTs of the same config holding other seeds (their
+  results.json; e.g. seeds run in another session or on another machine), whose seeds join the
+  tables; a seed run here replaces a merged one."""
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.io.comm import MIB, target_table_rows  # pylint: disable=g-import-not-at-top
   from jfed.workdir import atomic_write_text, write_json  # pylint: disable=g-import-not-at-top
@@ -290,6 +298,31 @@ def run_compare(
     f'{config.partition.scheme}'
     + (f' #C={config.partition.k}' if config.partition.scheme == 'shards' else '')
   )
+
+  def merge_seeds() -> None:
+    from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    mine = json.loads(config.to_json_best_effort())
+    mine.pop('seed', None)
+    for d in merge:
+      path = pathlib.Path(d) / 'results.json'
+      if not path.exists():
+        raise ConfigError(f'--merge: {path} does not exist')
+      other = json.loads(path.read_text())
+      theirs = dict(other.get('config') or {})
+      theirs.pop('seed', None)
+      if theirs != mine:
+        raise ConfigError(f'--merge: {path} was run with another config; merge only the same one')
+      for seed, runs in other['runs'].items():
+        if int(seed) in seeds:
+          continue
+        if seed in results:
+          raise ConfigError(f'--merge: seed {seed} is in two of the merged OUTs')
+        results[seed] = runs
+        ok = {m: r for m, r in runs.items() if 'error' not in r}
+        if ok and not sizes:
+          sizes.extend(model_and_data_sizes(config))
+        formulas[seed] = paper_formulas(config, ok, *sizes) if ok else {}
 
   def run_seed(seed: int) -> None:
     c = config.copy_and_resolve_references()
@@ -420,7 +453,8 @@ def run_compare(
     )
     return text
 
-  text = ''
+  merge_seeds()
+  text = write() if results else ''
   for seed in seeds:
     run_seed(seed)
     text = write()
@@ -439,6 +473,7 @@ def main(argv):
       [float(t) for t in FLAGS.targets],
       FLAGS.reference,
       [int(s) for s in FLAGS.seeds],
+      FLAGS.merge,
     )
   )
   print(f'\noutputs in {out}')

@@ -323,3 +323,52 @@ def test_hfldd_compare_over_seeds_tables_figures_and_resume(tmp_path, capsys):
   assert hfldd_compare.run_compare(*args, seeds=SEEDS) == text
   assert file_stamps(tmp_path, 'seed*/*/summary.json', 'seed*/*/metrics.jsonl') == stamps
   assert capsys.readouterr().out.count('already complete') == len(stamps) // 2
+
+
+def _compare_out(out, config, finals):
+  """An HFLDD comparison OUT as another session would leave it: FedAvg's runs of some seeds."""
+  runs = {
+    str(seed): {
+      'fedavg': {
+        'steps': [1, 2],
+        'accuracy': [final / 2, final],
+        'cumulative_bytes': [1000, 2000],
+        'final_test_accuracy': final,
+        'best_test_accuracy': final,
+        'best_step': 2,
+        'step_name': 'round',
+        'total_bytes': 2000,
+        'eval_samples': None,
+        'paper_setting': {},
+        'seconds': 1.0,
+      }
+    }
+    for seed, final in finals.items()
+  }
+  out.mkdir()
+  saved = {'config': json.loads(config.to_json_best_effort()), 'seeds': list(finals), 'runs': runs}
+  (out / 'results.json').write_text(json.dumps(saved))
+  return str(out)
+
+
+def test_hfldd_compare_merges_the_seeds_of_other_sessions_and_refuses_other_configs(tmp_path):
+  config = hfldd_tiny_config()
+  finals = {0: 0.61, 1: 0.83, 2: 0.72}
+  first = _compare_out(tmp_path / 'a', config, {0: finals[0]})
+  second = _compare_out(tmp_path / 'b', config, {1: finals[1], 2: finals[2]})
+  out = tmp_path / 'merged'
+  text = hfldd_compare.run_compare(config, out, ['fedavg'], [0.5], seeds=[], merge=[first, second])
+  cell = seed_stats(list(finals.values()))
+  assert f'| fedavg | {cell} | {cell} | 2 rounds |' in text
+  assert json.loads((out / 'results.json').read_text())['seeds'] == [0, 1, 2]
+  assert '| seeds reaching it | 3/3 |' in text
+
+  with pytest.raises(ConfigError, match='seed 1 is in two'):
+    hfldd_compare.run_compare(
+      config, tmp_path / 'c', ['fedavg'], [0.5], seeds=[], merge=[second] * 2
+    )
+  other = hfldd_tiny_config(**{'hfldd.rounds': 9})
+  with pytest.raises(ConfigError, match='another config'):
+    hfldd_compare.run_compare(other, tmp_path / 'd', ['fedavg'], [0.5], seeds=[], merge=[first])
+  with pytest.raises(ConfigError, match='does not exist'):
+    hfldd_compare.run_compare(config, tmp_path / 'e', ['fedavg'], [0.5], seeds=[], merge=['nope'])

@@ -19,7 +19,10 @@ FedHydra 0.839 (0.903), FedDF 0.786 (early stop after 7 of 20 evaluations; the F
 stayed best on validation), OT 0.744 (= the plain average, see jfed/methods/ot.py), DENSE 0.642
 (0.650), Co-Boosting 0.442 (0.447). Wall time of each command: FedHydra 7 min 18 s (local
 training 17 s, MS 26 s, 40 distillation epochs 359 s), DENSE 4 min 51 s, Co-Boosting
-4 min 56 s, FedDF 38 s, OT 27 s.
+4 min 56 s, FedDF 38 s, OT 27 s. Those FedHydra figures predate issue 12's defaults (the
+paper's generator, every generator intermediate kept): not re-measured at this budget. At
+`quick` (seeds 0-2, idle CPU, issue 12) FedHydra reaches 42.0 ± 5.7 % final (47.0 ± 5.4 % best)
+in 73 s per run, and 53.5 ± 8.1 % (61.9 ± 6.3 %) in 30 s with `fedhydra.synthesis_keep=best`.
 
 Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
   smoke     seconds-long budgets with two steps per method (OT: two rounds), for the driver's
