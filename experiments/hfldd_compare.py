@@ -405,7 +405,7 @@ def run_compare(
         + (f'; {failed}' if failed else '')
         + f' | {cell([r["best_test_accuracy"] for r in runs])} | {len(runs[0]["steps"])} '
         f'{runs[0]["step_name"]}s | {mean_std(measured, 1 / MIB, 1) or "—"} | '
-        f'{mean_std(paper, 1 / MIB, 1) or "—"} | {runs[0]["eval_samples"] or "all"} | '
+        f'{mean_std(paper, 1 / MIB, 1) or "—"} | {runs[0]["eval_samples"] or "?"} | '
         f'{np.mean(seconds):.0f} |'
       )
     tables = {}

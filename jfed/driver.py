@@ -446,6 +446,8 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       ckpt.close()
 
   extras = dict(algorithm.summarize(ctx, aux, state, history))
+  # what the accuracies were measured on, unless the method holds more out (a public set)
+  extras.setdefault('eval_samples', int(len(ctx.dataset.test_y)))
   if any('rejected_uploads' in r for r in history):  # uploads the server refused and excluded
     extras['rejected_uploads'] = int(sum(r.get('rejected_uploads') or 0 for r in history))
   accs = [(r['test_accuracy'], r['step']) for r in history if r.get('test_accuracy') is not None]

@@ -73,3 +73,11 @@ def test_a_negative_holdout_is_refused_by_the_config_check():
   config.dataset.test_holdout = -1
   with pytest.raises(ConfigError, match='dataset.test_holdout must be >= 0'):
     validate_run_config(config)
+
+
+def test_a_baseline_reports_the_samples_it_was_scored_on(digits):
+  from tests.support import hfldd_tiny_config  # pylint: disable=g-import-not-at-top
+
+  config = hfldd_tiny_config(**{'fedavg.rounds': 1, 'fedavg.local_epochs': 1})
+  summary = driver.run_in_memory('fedavg', config, digits)
+  assert summary['eval_samples'] == len(digits.test_y) - 60 == 300
