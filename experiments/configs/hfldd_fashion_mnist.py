@@ -35,7 +35,12 @@ Budget (default, for a 2-core CPU) vs the paper (`paper` variant):
   scaled for the CPU: 100 matching iterations (reference and `paper`: 3000). One iteration
   (150 images x 20 student steps of this CNN, second order) took 6.7 s on the 2 cores at load
   ~2 (issue 12), so 100 iterations are ~11 minutes and 3000 would be ~5.6 hours.
-Measured with the default budget and the `indist` public set (seed 0, CPU, jax 0.10.2, 2 cores
+Measured with every default above (c1, seed 0, CPU, jax 0.10.2, 2 cores shared with the test
+suite; docs/results/hfldd_compare_fashion_c1/), final (best) test accuracy after 30 rounds:
+  HFLDD 80.17% (80.17%; 60% at round 5, 80% at round 28, 112 MiB in all), FedAvg 10.00%
+  (19.48%), FedProx 19.23%, FedSeq 10.00%, DynaFed 10.23% (23.83%), centralized 88.79%
+  (89.80%); 61 minutes for the comparison (DynaFed 24 of them).
+Measured earlier with the default budget and the `indist` public set (seed 0, CPU, 2 cores
 shared with another job; not yet re-measured with the digits public set, issue 12, nor DynaFed
 at the reference settings above: its numbers below are the earlier budget's, a 10-round
 trajectory, ipc 10, 200 iterations, no DSA, the run's SGD, every client), final test
