@@ -44,22 +44,24 @@ def upsample_nearest_2x(x: jnp.ndarray) -> jnp.ndarray:
   return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
 
 
+def _generator_bn(train: bool, name: str) -> nn.BatchNorm:
+  """The BatchNorm of both generators (DENSE's momentum, epsilon and N(1, 0.02) scales)."""
+  return nn.BatchNorm(
+    use_running_average=not train,
+    momentum=GEN_BN_MOMENTUM,
+    epsilon=GEN_BN_EPSILON,
+    scale_init=_normal(0.02, 1.0),
+    bias_init=nn.initializers.zeros,
+    name=name,
+  )
+
+
 class DenseGenerator(nn.Module):
   """DENSE generator producing images of shape `img_shape` = (H, W, C) in [0, 1]."""
 
   img_shape: Sequence[int]
   nz: int = 256
   ngf: int = 64
-
-  def _bn(self, train: bool, name: str):
-    return nn.BatchNorm(
-      use_running_average=not train,
-      momentum=GEN_BN_MOMENTUM,
-      epsilon=GEN_BN_EPSILON,
-      scale_init=_normal(0.02, 1.0),
-      bias_init=nn.initializers.zeros,
-      name=name,
-    )
 
   @nn.compact
   def __call__(self, z: jnp.ndarray, train: bool = True) -> jnp.ndarray:
@@ -72,13 +74,13 @@ class DenseGenerator(nn.Module):
     # PyTorch reshapes to (N, 2ngf, s, s); in NHWC the same numbers are laid out channel-first
     # and then moved last, so a weight port would permute; for training from scratch it is moot.
     x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
-    x = self._bn(train, 'bn0')(x)
+    x = _generator_bn(train, 'bn0')(x)
     x = upsample_nearest_2x(x)
     x = nn.Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv1')(x)
-    x = nn.leaky_relu(self._bn(train, 'bn1')(x), 0.2)
+    x = nn.leaky_relu(_generator_bn(train, 'bn1')(x), 0.2)
     x = upsample_nearest_2x(x)
     x = nn.Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
-    x = nn.leaky_relu(self._bn(train, 'bn2')(x), 0.2)
+    x = nn.leaky_relu(_generator_bn(train, 'bn2')(x), 0.2)
     x = nn.Conv(
       c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit, name='conv3'
     )(x)
@@ -106,16 +108,6 @@ class FedHydraGenerator(nn.Module):
   nz: int = 256
   ngf: int = 64
 
-  def _bn(self, train: bool, name: str):
-    return nn.BatchNorm(
-      use_running_average=not train,
-      momentum=GEN_BN_MOMENTUM,
-      epsilon=GEN_BN_EPSILON,
-      scale_init=_normal(0.02, 1.0),
-      bias_init=nn.initializers.zeros,
-      name=name,
-    )
-
   def strides(self) -> Sequence[int]:
     h, w, _ = self.img_shape
     if h % 4 or w % 4:
@@ -133,7 +125,7 @@ class FedHydraGenerator(nn.Module):
     x = x.reshape(z.shape[0], sh, sw, 2 * self.ngf)
     widths = (2 * self.ngf, self.ngf, c)
     for i, (features, stride) in enumerate(zip(widths, strides)):
-      x = nn.leaky_relu(self._bn(train, f'bn{i}')(x), 0.2)
+      x = nn.leaky_relu(_generator_bn(train, f'bn{i}')(x), 0.2)
       x = nn.ConvTranspose(
         features,
         (4, 4) if stride == 2 else (3, 3),
