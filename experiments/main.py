@@ -1,7 +1,11 @@
 """The one entry point.
 
   python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR]
-      [--compilation_cache=DIR]
+      [--compilation_cache=DIR] [--coordinator=HOST:PORT --num_processes=N --process_id=I]
+
+With --coordinator (or --distributed) the run spans several JAX processes: each runs the same
+command, client groups are sharded over all their devices (set --config.shard=True), and only
+process 0 writes metrics, summaries and figures into the workdir, which all processes share.
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
 `--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
@@ -24,6 +28,20 @@ flags.DEFINE_string(
   None,
   "Directory for JAX's persistent compilation cache (off by default): later runs and resumes "
   'read the programs compiled here back instead of compiling them again.',
+)
+flags.DEFINE_string(
+  'coordinator',
+  None,
+  'host:port of process 0 of a run that spans several processes (with --num_processes and '
+  '--process_id); every process runs the same command with its own --process_id.',
+)
+flags.DEFINE_integer('num_processes', None, 'Processes of a multi-process run.')
+flags.DEFINE_integer('process_id', None, "This process's rank in [0, --num_processes).")
+flags.DEFINE_bool(
+  'distributed',
+  False,
+  "Join a multi-process run described by the cluster's environment (SLURM, Open MPI, "
+  'Kubernetes, TPU pods) instead of the three flags above.',
 )
 config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
@@ -81,7 +99,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   try:
     from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+    from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
     from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
+
+    launch = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    if FLAGS.distributed or any(v is not None for v in launch):
+      multihost.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
 
     if FLAGS.compilation_cache:
       from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
@@ -99,6 +122,8 @@ def main(argv):
     name = getattr(e, 'filename', None)
     message = str(e) if not name or str(name) in str(e) else f'{name}: {e}'
     _fail(message or type(e).__name__)
+  if not multihost.is_primary():
+    return
   print(f'{method} done; outputs in {workdir}')
   for k in (
     'final_test_accuracy',

@@ -24,6 +24,7 @@ are cached in memory, so a notebook can call a method and get a `RunSummary` bac
 identity and lock, data, partition, then `run`.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -52,7 +53,8 @@ import numpy as np
 
 from jfed import __version__
 from jfed.data import Dataset
-from jfed.errors import ConfigError, NonFiniteError
+from jfed.engine import multihost
+from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
 from jfed.io.scalars import ScalarLoggers, logging_config
 from jfed.keys import Purpose
@@ -80,6 +82,8 @@ class RunContext:
     key: the root key; methods derive theirs with `derive_key(Purpose.X, ...)`.
     mesh: a `jax.sharding.Mesh` with a 'clients' axis, or None.
     workdir: where the run writes, or None for a run in memory.
+    is_primary: whether this process writes the run's files (only process 0 of a run that
+      spans several processes; see jfed.engine.multihost).
   """
 
   def __init__(
@@ -94,6 +98,7 @@ class RunContext:
     self.config, self.dataset, self.parts = config, dataset, list(parts)
     self.key, self.mesh = key, mesh
     self.workdir = None if workdir is None else pathlib.Path(workdir)
+    self.is_primary = multihost.is_primary()
     self._memo: Dict[Tuple[str, int], Any] = {}
 
   @property
@@ -111,8 +116,9 @@ class RunContext:
     return key
 
   def output_path(self, name: str) -> Optional[pathlib.Path]:
-    """Where a method writes a figure or file of its own; None for a run in memory."""
-    return None if self.workdir is None else self.workdir / name
+    """Where a method writes a figure or file of its own; None for a run in memory and in the
+    processes other than the primary."""
+    return None if self.workdir is None or not self.is_primary else self.workdir / name
 
   def stage(
     self,
@@ -371,27 +377,38 @@ class _Metrics:
 def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSummary:
   """Runs `algorithm` to completion, resuming from `ctx.workdir`'s checkpoints if any."""
   invocation_start = time.perf_counter()
-  say = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
+  talk = progress and ctx.is_primary
+  say = (lambda msg: print(msg, flush=True)) if talk else (lambda msg: None)
   workdir = ctx.workdir
+  writes = workdir is not None and ctx.is_primary  # metrics, scalars, summary and plots
   log_options = logging_config(ctx.config) if workdir is not None else None
   n = algorithm.num_steps(ctx)
   if n < 1:
     raise ConfigError(f'{algorithm.name} has no {algorithm.step_name}s to run (num_steps = {n})')
-  if workdir is not None and (workdir / 'summary.json').exists():
-    summary = RunSummary.from_dict(json.loads((workdir / 'summary.json').read_text()))
-    if summary.steps == n:
-      say(
-        f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
-        'summary.json kept'
+  summary_path = None if workdir is None else workdir / 'summary.json'
+  complete = summary_path is not None and summary_path.exists()
+  if complete:
+    summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+    complete = summary.steps == n
+  # Every process must agree on whether to run (it will meet the others in collectives).
+  if bool(multihost.broadcast_from_primary(np.int32(complete))):
+    if not complete:
+      raise WorkdirError(
+        f'process 0 finds the run in {workdir} complete but this process cannot read its '
+        'summary.json: the processes of a run need a workdir they all share'
       )
-      return summary
+    say(
+      f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
+      'summary.json kept'
+    )
+    return summary
 
   t0 = time.perf_counter()
   aux = algorithm.setup(ctx)
   template = algorithm.init(ctx, aux)
   setup_seconds = time.perf_counter() - t0
   ckpt = None if workdir is None else RunCheckpointer(workdir / 'checkpoints')
-  metrics = _Metrics(workdir)
+  metrics = _Metrics(workdir if writes else None)
   loggers, completed = None, False
   try:
     start, state, history = (
@@ -410,7 +427,7 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       _check_finite_records(history, 'setup')
       _add_cumulative_bytes(history)
     metrics.write(history)
-    loggers = ScalarLoggers(log_options, workdir, ctx.config, start)
+    loggers = ScalarLoggers(log_options, workdir if writes else None, ctx.config, start)
     if not start:  # a resumed run's earlier records are in the event files already
       loggers.write(history)
     for i in range(start, n):
@@ -473,7 +490,7 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
     extras=extras,
     environment=_environment(),
   )
-  if workdir is not None:
+  if writes:
     write_json(workdir / 'summary.json', summary.as_dict())
     _plot_accuracy(workdir / 'accuracy.png', summary, history)
   return summary
@@ -541,14 +558,30 @@ def run_experiment(
   and partition.png, metrics.jsonl, summary.json, accuracy.png, checkpoints/ and the method's
   own stages and figures. Running the same command again resumes.
   """
+  algorithm = build_algorithm(method, config)
+  logging_config(config)  # e.g. W&B on but not installed: refused before anything is written
+  if not multihost.is_primary():
+    return _run_secondary(algorithm, config, workdir)
+  wd = Workdir(workdir)
+  with contextlib.ExitStack() as stack:
+    try:
+      wd.prepare()
+      stack.enter_context(wd.lock())
+      dataset, parts = _claim_workdir(wd, method, config, progress)
+    except BaseException:
+      multihost.agree(False, _SETUP)
+      raise
+    multihost.agree(True, _SETUP)
+    ctx = make_context(config, dataset, parts, wd.path)
+    return run(algorithm, ctx, progress)
+
+
+def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
+  """Checks and writes what the workdir holds (identity, config, partition); (dataset, parts)."""
   from jfed.data import class_count_table, format_count_table, load_dataset, unassigned_count  # pylint: disable=g-import-not-at-top
   from jfed.data.plots import plot_partition_bubbles  # pylint: disable=g-import-not-at-top
   from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
 
-  algorithm = build_algorithm(method, config)
-  logging_config(config)  # e.g. W&B on but not installed: refused before anything is written
-  wd = Workdir(workdir)
-  wd.prepare()
   config_json = config.to_json_best_effort(sort_keys=True, indent=2)
   identity = {
     'method': method,
@@ -559,41 +592,55 @@ def run_experiment(
     'jfed_version': __version__,
   }
   identity = jsonable(identity)
-  with wd.lock():
-    wd.check_identity(identity)
-    dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-    identity['dataset'] = {
-      'name': dataset.name,
-      'fingerprint': array_fingerprint(
-        dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y
-      ),
-    }
-    wd.check_identity(identity)
-    parts = partition_clients(config, dataset.train_y)
-    wd.write_identity(identity, config_json)
-    table = class_count_table(dataset.train_y, parts, dataset.num_classes)
-    unassigned = unassigned_count(parts, len(dataset.train_y))
-    note = (
-      f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no client.'
-      if unassigned
-      else ''
+  wd.check_identity(identity)
+  dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  identity['dataset'] = {
+    'name': dataset.name,
+    'fingerprint': array_fingerprint(
+      dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y
+    ),
+  }
+  wd.check_identity(identity)
+  parts = partition_clients(config, dataset.train_y)
+  wd.write_identity(identity, config_json)
+  table = class_count_table(dataset.train_y, parts, dataset.num_classes)
+  unassigned = unassigned_count(parts, len(dataset.train_y))
+  note = (
+    f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no client.'
+    if unassigned
+    else ''
+  )
+  atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
+  if not (wd.path / 'partition.png').exists():  # a resumed run's partition is the same one
+    plot_partition_bubbles(
+      table,
+      wd.path / 'partition.png',
+      title=f'{dataset.name}: {config.partition.scheme} partition',
     )
-    atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
-    if not (wd.path / 'partition.png').exists():  # a resumed run's partition is the same one
-      plot_partition_bubbles(
-        table,
-        wd.path / 'partition.png',
-        title=f'{dataset.name}: {config.partition.scheme} partition',
-      )
-    if progress:
-      print(
-        f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
-        f'sizes {[len(p) for p in parts]}'
-        + (f'; {unassigned} training samples assigned to no client' if unassigned else ''),
-        flush=True,
-      )
-    ctx = make_context(config, dataset, parts, wd.path)
-    return run(algorithm, ctx, progress)
+  if progress:
+    print(
+      f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
+      f'sizes {[len(p) for p in parts]}'
+      + (f'; {unassigned} training samples assigned to no client' if unassigned else ''),
+      flush=True,
+    )
+  return dataset, parts
+
+
+# What the primary process does before the others may start (multihost.agree).
+_SETUP = 'claim the workdir and load the data'
+
+
+def _run_secondary(algorithm: Algorithm, config, workdir) -> RunSummary:
+  """A process other than the primary: the same data, partition and steps, no files of its own
+  (it shares the primary's workdir, where it takes part in the checkpoints)."""
+  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+
+  dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  parts = partition_clients(config, dataset.train_y)
+  multihost.agree(True, _SETUP)
+  ctx = make_context(config, dataset, parts, Workdir(workdir).path)
+  return run(algorithm, ctx, progress=False)
 
 
 def run_in_memory(

@@ -8,11 +8,14 @@ import sys
 import time
 from typing import Any, Dict, Iterable, Optional, Sequence
 
+import jax
+
 
 class Progress:
   """A progress line on stderr for long work: `label  done/total  rate  eta`.
 
   Rewrites one line on a terminal; elsewhere (CI logs, files) prints at most every `every_s`.
+  Silent in the processes of a multi-process run other than process 0, which speaks for all.
   """
 
   def __init__(
@@ -22,11 +25,12 @@ class Progress:
     self.stream = stream or sys.stderr
     self.start = self.last = time.monotonic()
     self.tty = hasattr(self.stream, 'isatty') and self.stream.isatty()
+    self.silent = jax.process_index() != 0
 
   def update(self, done: int, extra: str = '') -> None:
     now = time.monotonic()
     final = done >= self.total
-    if not (self.tty or final or now - self.last >= self.every_s):
+    if self.silent or not (self.tty or final or now - self.last >= self.every_s):
       return
     self.last = now
     elapsed = now - self.start

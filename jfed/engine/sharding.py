@@ -8,6 +8,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from jfed.engine import multihost
+
 CLIENTS = 'clients'
 
 
@@ -40,8 +42,22 @@ def pad_clients(tree: Any, n_total: int) -> Any:
 
 
 def shard_group(mesh: Mesh, tree: Any) -> Any:
-  """Pads a stacked tree to a multiple of the mesh size and shards its client axis."""
+  """Pads a stacked tree to a multiple of the mesh size and shards its client axis.
+
+  On a mesh that spans processes each process supplies the shards on its own devices from its
+  own (identical) copy of `tree`.
+  """
   n = jax.tree.leaves(tree)[0].shape[0]
   tree = pad_clients(tree, padded_count(n, mesh))
-  spec = NamedSharding(mesh, P(CLIENTS))
-  return jax.device_put(tree, spec)
+  return place(mesh, tree, P(CLIENTS))
+
+
+def replicate_on_mesh(mesh: Mesh, tree: Any) -> Any:
+  """`tree` replicated on every device of the mesh (e.g. FedProx's anchor)."""
+  return place(mesh, tree, P())
+
+
+def place(mesh: Mesh, tree: Any, spec: P) -> Any:
+  if multihost.spans_processes(mesh):
+    return jax.tree.map(lambda a: multihost.global_array(mesh, a, spec), tree)
+  return jax.device_put(tree, NamedSharding(mesh, spec))

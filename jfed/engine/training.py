@@ -37,11 +37,12 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
 
 import jax
 from jax import lax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jfed.engine import sharding
+from jfed.engine import multihost, sharding
 from jfed.engine.state import ModelState, TrainState
 
 STRATEGIES = ('auto', 'loop', 'vmap', 'scan')
@@ -252,9 +253,16 @@ class GroupTrainer:
       # samples are never visited). Orders over the longer padding keep each client's order.
       n_max = padded_len = loop_padded_length(padded_len)
       x, y = _pad_samples(x, n_max), _pad_samples(y, n_max)
-    if self.strategy != 'loop' and self.mesh is not None:
-      state, x, y, sizes, context = sharding.shard_group(self.mesh, (state, x, y, sizes, context))
-      ids = sharding.pad_clients(ids, sizes.shape[0])
+    across_processes = multihost.spans_processes(self.mesh)
+    owned = range(m)  # the clients this process trains
+    if self.strategy == 'loop' and across_processes:
+      owned = _process_block(m)
+    elif self.strategy != 'loop' and self.mesh is not None:
+      state, x, y, sizes, ids, context = sharding.shard_group(
+        self.mesh, (state, x, y, sizes, ids, context)
+      )
+      if across_processes and anchor is not None:
+        anchor = sharding.replicate_on_mesh(self.mesh, anchor)
     stats = []
     for epoch in range(epochs):
       epoch_key = jax.random.fold_in(key, epoch)
@@ -262,7 +270,7 @@ class GroupTrainer:
       keys = self._client_keys(epoch_key, ids)
       if self.strategy == 'loop':
         state, epoch_stats = self._loop_epoch(
-          state, x, y, orders, sizes, keys, fed.sizes, anchor, context
+          state, x, y, orders, sizes, keys, fed.sizes, anchor, context, owned
         )
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
@@ -273,12 +281,17 @@ class GroupTrainer:
         state, epoch_stats = self._scan_epoch(
           state, x, y, orders, sizes, keys, num_steps, anchor, context
         )
-      stats.append(np.asarray(epoch_stats)[:m])
+      stats.append(multihost.to_host(epoch_stats)[:m])
       if progress is not None:
         progress(epoch + 1, epochs)
-    if self.strategy != 'loop' and self.mesh is not None:
-      state = jax.tree.map(lambda a: a[:m], state)
     stats = np.stack(stats, axis=1) if stats else np.zeros((m, 0, 3))
+    if self.strategy == 'loop' and across_processes:
+      state, stats = _gather_process_blocks((state, stats), m)
+      state = jax.tree.map(jnp.asarray, state)
+    elif self.strategy != 'loop' and across_processes:
+      state = jax.tree.map(lambda a: jnp.asarray(a[:m]), multihost.to_host(state))
+    elif self.strategy != 'loop' and self.mesh is not None:
+      state = jax.tree.map(lambda a: a[:m], state)
     count = np.maximum(stats[..., 2], 1.0)
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
 
@@ -286,10 +299,17 @@ class GroupTrainer:
     ts, st = self._client_step(ts, x, y, order, size, client_key, step, anchor, context)
     return ts, acc + st, step + 1
 
-  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None):
+  def _loop_epoch(
+    self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None, owned=None
+  ):
+    owned = range(len(sizes_np)) if owned is None else owned
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
       ts, xk, yk, order, size, ck, acc, step = self._loop_take(state, x, y, orders, sizes, keys, k)
+      if k not in owned:  # another process trains it (see _process_block)
+        new_states.append(ts)
+        epoch_stats.append(acc)
+        continue
       ctx_k = None if context is None else self._loop_take_context(context, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
@@ -297,6 +317,30 @@ class GroupTrainer:
       new_states.append(ts)
       epoch_stats.append(acc)
     return self._loop_stack(new_states, epoch_stats)
+
+
+def _process_block(m: int) -> range:
+  """The contiguous block of a group's m clients this process trains under `loop`.
+
+  Blocks follow the mesh's own layout of a sharded client axis (padded to a multiple of the
+  process count), so a process trains the clients whose shards its devices would hold.
+  """
+  per_process = -(-m // jax.process_count())
+  start = jax.process_index() * per_process
+  return range(min(start, m), min(start + per_process, m))
+
+
+def _gather_process_blocks(tree: Any, m: int) -> Any:
+  """Every process's trained block of `tree` (leading axis m), all-gathered into one tree."""
+  per_process = -(-m // jax.process_count())
+  block = _process_block(m)
+
+  def own_block(a):
+    a = np.asarray(a)[block.start : block.stop]
+    return np.concatenate([a, np.zeros((per_process - len(a), *a.shape[1:]), a.dtype)])
+
+  gathered = multihost_utils.process_allgather(jax.tree.map(own_block, tree), tiled=True)
+  return jax.tree.map(lambda a: np.asarray(a)[:m], gathered)
 
 
 def loop_padded_length(n: int) -> int:

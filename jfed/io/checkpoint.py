@@ -11,6 +11,9 @@ import pathlib
 import sys
 from typing import Any, List, Optional, Tuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jfed.errors import WorkdirError
@@ -33,7 +36,7 @@ class Checkpointer:
     )
 
   def save(self, step: int, state: Any, history: Optional[List[Any]] = None) -> None:
-    items = {'state': ocp.args.StandardSave(state)}
+    items = {'state': ocp.args.StandardSave(_host_arrays(state))}
     if history is not None:
       items['history'] = ocp.args.JsonSave({'records': history})
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -46,13 +49,14 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def restore(self, step: int, template: Any, with_history: bool = False):
-    items = {'state': ocp.args.StandardRestore(template)}
+    items = {'state': ocp.args.StandardRestore(_host_arrays(template))}
     if with_history:
       items['history'] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    state = _like_template(restored['state'], template)
     if with_history:
-      return restored['state'], list(restored['history']['records'])
-    return restored['state']
+      return state, list(restored['history']['records'])
+    return state
 
   def restore_latest(
     self, template: Any, with_history: bool = False
@@ -96,3 +100,19 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _host_arrays(tree: Any) -> Any:
+  """In a run of several processes, device arrays as NumPy: orbax takes a process's own device
+  arrays from one process only (each holds the same value; see jfed.engine.multihost)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def _like_template(restored: Any, template: Any) -> Any:
+  if jax.process_count() == 1:
+    return restored
+  return jax.tree.map(
+    lambda r, t: jnp.asarray(r) if isinstance(t, jax.Array) else r, restored, template
+  )

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from jfed.engine import multihost, sharding
 from jfed.kip.kernels import KernelFn, make_kernel_fn
 
 Array = jax.Array
@@ -477,9 +478,11 @@ def kip_distill_batched(
   with _x64_scope(config):
     args = (jnp.asarray(fed_x), jnp.asarray(fed_y, jnp.int32), jnp.asarray(sizes), jnp.asarray(idx))
     if mesh is not None:
-      shard = NamedSharding(mesh, P('clients'))
-      args = tuple(jax.device_put(a, shard) for a in args)
+      args = sharding.place(mesh, args, P('clients'))
+      key = sharding.place(mesh, key, P())
     res = prog(*args, key)
+  if multihost.spans_processes(mesh):  # every process continues with all clients' sets
+    res = jax.tree_util.tree_map(jnp.asarray, multihost.to_host(res))
   if res.x.shape[0] != m:
     res = jax.tree_util.tree_map(lambda a: a[:m], res)
   return res

@@ -327,9 +327,8 @@ class FedTSA(Algorithm):
       lr=c.ddpm_lr,
       guidance=c.ddpm_guidance,
     )
-    cache = c.ddpm_cache or (
-      str(ctx.output_path('ddpm.msgpack')) if ctx.workdir is not None else None
-    )
+    own_cache = ctx.output_path('ddpm.msgpack')
+    cache = c.ddpm_cache or (str(own_cache) if own_cache is not None else None)
     start = time.perf_counter()
     key = ctx.derive_key(Purpose.DIFFUSION)
     if cache:
