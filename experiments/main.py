@@ -3,9 +3,12 @@
   python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR]
       [--compilation_cache=DIR] [--coordinator=HOST:PORT --num_processes=N --process_id=I]
 
-With --coordinator (or --distributed) the run spans several JAX processes: each runs the same
-command, client groups are sharded over all their devices (set --config.shard=True), and only
-process 0 writes metrics, summaries and figures into the workdir, which all processes share.
+With --flower_supernodes=N the clients train on N Flower SuperNodes of a local deployment
+(jfed/flower; README, "Flower"), the server stage runs in the ServerApp, and the workdir is the
+same as in one process. With --coordinator (or --distributed) the run spans several JAX
+processes: each runs the same command, client groups are sharded over all their devices (set
+--config.shard=True), and only process 0 writes metrics, summaries and figures into the
+workdir, which all processes share.
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
 `--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
@@ -42,6 +45,12 @@ flags.DEFINE_bool(
   False,
   "Join a multi-process run described by the cluster's environment (SLURM, Open MPI, "
   'Kubernetes, TPU pods) instead of the three flags above.',
+)
+flags.DEFINE_integer(
+  'flower_supernodes',
+  0,
+  'Run through a local Flower deployment with this many SuperNodes (one SuperLink, N '
+  "SuperNodes and `flwr run` as separate processes; pip install -e '.[flower]').",
 )
 config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
@@ -112,7 +121,14 @@ def main(argv):
       use_persistent_cache(FLAGS.compilation_cache)
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
-    summary = run_experiment(method, config, workdir)
+    if FLAGS.flower_supernodes:
+      from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
+
+      spec = next(a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config='))
+      overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
+      summary = run_local_deployment(method, spec, overrides, workdir, FLAGS.flower_supernodes)
+    else:
+      summary = run_experiment(method, config, workdir)
   except KeyboardInterrupt:
     _fail('interrupted; run the same command again to resume', 130)
   except (JfedError, ValueError, OSError, EOFError) as e:

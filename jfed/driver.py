@@ -82,6 +82,8 @@ class RunContext:
     key: the root key; methods derive theirs with `derive_key(Purpose.X, ...)`.
     mesh: a `jax.sharding.Mesh` with a 'clients' axis, or None.
     workdir: where the run writes, or None for a run in memory.
+    client_transport: where client training runs when not in this process (the Flower
+      bridge's `jfed.flower.transport.FlowerTransport`), or None.
     is_primary: whether this process writes the run's files (only process 0 of a run that
       spans several processes; see jfed.engine.multihost).
   """
@@ -94,8 +96,10 @@ class RunContext:
     key: jax.Array,
     mesh: Any = None,
     workdir: Optional[pathlib.Path] = None,
+    client_transport: Any = None,
   ):
     self.config, self.dataset, self.parts = config, dataset, list(parts)
+    self.client_transport = client_transport
     self.key, self.mesh = key, mesh
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     self.is_primary = multihost.is_primary()
@@ -537,7 +541,11 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
 
 
 def make_context(
-  config: ml_collections.ConfigDict, dataset: Dataset, parts: Sequence[np.ndarray], workdir=None
+  config: ml_collections.ConfigDict,
+  dataset: Dataset,
+  parts: Sequence[np.ndarray],
+  workdir=None,
+  client_transport=None,
 ) -> RunContext:
   from jfed.data.public import hold_out_test  # pylint: disable=g-import-not-at-top
   from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
@@ -546,11 +554,16 @@ def make_context(
   if holdout and dataset.holdout_x is None:  # every method then evaluates on the same samples
     dataset = hold_out_test(dataset, holdout, config.seed)
   mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
-  return RunContext(config, dataset, parts, jax.random.PRNGKey(config.seed), mesh, workdir)
+  key = jax.random.PRNGKey(config.seed)
+  return RunContext(config, dataset, parts, key, mesh, workdir, client_transport)
 
 
 def run_experiment(
-  method: str, config: ml_collections.ConfigDict, workdir, progress: bool = True
+  method: str,
+  config: ml_collections.ConfigDict,
+  workdir,
+  progress: bool = True,
+  client_transport=None,
 ) -> RunSummary:
   """Validates, claims the workdir, loads and partitions the data, and runs `method`.
 
@@ -572,7 +585,7 @@ def run_experiment(
       multihost.agree(False, _SETUP)
       raise
     multihost.agree(True, _SETUP)
-    ctx = make_context(config, dataset, parts, wd.path)
+    ctx = make_context(config, dataset, parts, wd.path, client_transport)
     return run(algorithm, ctx, progress)
 
 

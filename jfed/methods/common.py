@@ -141,6 +141,14 @@ def make_trainers(
 ) -> List[GroupTrainer]:
   cfg = ctx.config
   tx = engine.optimizer_from_config(optimizer or cfg.optimizer, total_steps)
+  if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
+    from jfed.flower.transport import RemoteGroupTrainer  # pylint: disable=g-import-not-at-top
+
+    section = optimizer or cfg.optimizer
+    return [
+      RemoteGroupTrainer(ctx.client_transport, g.spec, tx, prox_mu, section, total_steps)
+      for g in groups
+    ]
   return [
     GroupTrainer(
       g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh

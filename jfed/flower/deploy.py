@@ -1,0 +1,155 @@
+"""A local Flower deployment of a jfed run: one SuperLink, N SuperNodes, `flwr run`.
+
+Every component is its own process on localhost, exactly as on separate machines (only the
+addresses differ; README, "Flower"). The processes are stopped when the run ends, fails or is
+interrupted; their logs stay in `<workdir>/flower_logs`.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Sequence
+
+from jfed.errors import ConfigError
+
+APP_DIR = pathlib.Path(__file__).resolve().parents[2] / 'experiments' / 'flower_app'
+FEDERATION = 'jfed-local'
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _tool(name: str) -> str:
+  here = pathlib.Path(sys.executable).parent / name
+  found = str(here) if here.exists() else shutil.which(name)
+  if not found:
+    raise ConfigError(f"{name} not found: install the Flower extra (pip install -e '.[flower]')")
+  return found
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if process.poll() is not None:
+      raise ConfigError(f'{what} exited with status {process.returncode} before it listened')
+    with socket.socket() as s:
+      if s.connect_ex(('127.0.0.1', port)) == 0:
+        return
+    time.sleep(0.2)
+  raise ConfigError(f'{what} did not listen on port {port} within {timeout_s:.0f} s')
+
+
+def run_local_deployment(
+  method: str,
+  config_spec: str,
+  overrides: Sequence[str],
+  workdir,
+  num_supernodes: int,
+  timeout_s: float = 3600.0,
+) -> dict:
+  """Runs `method` through a local Flower deployment; returns the run's summary.json."""
+  if num_supernodes < 1:
+    raise ConfigError(f'--flower_supernodes must be at least 1, got {num_supernodes}')
+  workdir = pathlib.Path(workdir).absolute()
+  path, _, arg = config_spec.partition(':')
+  spec = str(pathlib.Path(path).absolute()) + (f':{arg}' if arg else '')
+  logs = workdir / 'flower_logs'
+  logs.mkdir(parents=True, exist_ok=True)
+  home = pathlib.Path(tempfile.mkdtemp(prefix='jfed-flwr-'))
+  link_port = _free_port()
+  (home / 'config.toml').write_text(
+    f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+    f'[superlink.{FEDERATION}]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
+  )
+  root = str(APP_DIR.parents[1])
+  env = dict(
+    os.environ,
+    FLWR_HOME=str(home),
+    PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH')) if p),
+    # The SuperLink and SuperNodes start Flower's other programs by name.
+    PATH=os.pathsep.join((str(pathlib.Path(sys.executable).parent), os.environ.get('PATH', ''))),
+  )
+  # Flower starts a new ClientApp process for every message (its token is single-use), so each
+  # round would compile the node's training again: JAX's persistent cache turns that into reads.
+  env.setdefault('JAX_COMPILATION_CACHE_DIR', str(home / 'jax_cache'))
+  processes: List[subprocess.Popen] = []
+
+  def start(name: str, command: List[str]) -> subprocess.Popen:
+    log = open(logs / f'{name}.log', 'w')  # pylint: disable=consider-using-with
+    p = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    processes.append(p)
+    return p
+
+  try:
+    link = start(
+      'superlink',
+      [
+        _tool('flower-superlink'),
+        '--insecure',
+        '--port',
+        str(link_port),
+        '--disable-runtime-dependency-installation',
+      ],
+    )
+    _wait_for_port(link_port, link, 'flower-superlink', 120)
+    for i in range(num_supernodes):
+      start(
+        f'supernode{i}',
+        [
+          _tool('flower-supernode'),
+          '--insecure',
+          '--superlink',
+          f'127.0.0.1:{link_port}',
+          '--port',
+          str(_free_port()),
+          '--node-config',
+          f'partition-id={i} num-partitions={num_supernodes}',
+        ],
+      )
+    run_config = {
+      'method': method,
+      'config': spec,
+      'overrides': json.dumps(list(overrides)),
+      'workdir': str(workdir),
+      'supernodes': num_supernodes,
+    }
+    toml = home / 'run_config.toml'
+    toml.write_text(''.join(f'{k} = {json.dumps(v)}\n' for k, v in run_config.items()))
+    with open(logs / 'flwr_run.log', 'w') as log:
+      run = subprocess.run(
+        [_tool('flwr'), 'run', str(APP_DIR), FEDERATION, '--run-config', str(toml), '--stream'],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=root,
+        timeout=timeout_s,
+        check=False,
+      )
+    summary = workdir / 'summary.json'
+    if run.returncode != 0 or not summary.exists():
+      tail = (logs / 'flwr_run.log').read_text(errors='replace').strip().splitlines()[-3:]
+      raise ConfigError(
+        f'the Flower run ended without a summary (flwr run status {run.returncode}; logs in '
+        f'{logs}): {" | ".join(tail)}'
+      )
+    return json.loads(summary.read_text())
+  finally:
+    for p in reversed(processes):
+      if p.poll() is None:
+        p.terminate()
+    for p in processes:
+      try:
+        p.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,140 @@
+"""The Flower bridge: a real local deployment (SuperLink and two SuperNodes as separate
+processes on localhost) gives the in-process result, and a one-shot method completes through it.
+
+The request/reply encoding and a node's refusals are tested in this process."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip('flwr')
+
+from jfed.data.federated import federate  # noqa: E402
+from jfed.errors import ConfigError  # noqa: E402
+from jfed.flower import transport  # noqa: E402
+from tests.support import read_metrics  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
+
+
+def test_each_client_is_held_by_exactly_one_supernode():
+  for clients, nodes in [(5, 2), (7, 3), (2, 4), (20, 1)]:
+    held = [list(transport.owned_block(clients, p, nodes)) for p in range(nodes)]
+    assert sorted(c for block in held for c in block) == list(range(clients))
+
+
+def test_a_train_request_survives_its_flower_records():
+  rng = np.random.default_rng(0)
+  request = transport.TrainRequest(
+    spec='mlp',
+    prox_mu=0.01,
+    optimizer='{"name": "sgd"}',
+    optimizer_steps=0,
+    client_ids=np.array([3, 1]),
+    sizes=np.array([5, 0]),
+    digests=['a', 'b'],
+    epochs=2,
+    key=np.array([0, 42], np.uint32),
+    start=[rng.normal(size=(3, 4)).astype(np.float32), np.zeros(4, np.float32)],
+    start_shared=True,
+    anchor=[np.ones((3, 4), np.float32)],
+  )
+  back = transport.TrainRequest.from_records(request.to_records())
+  for name in ('spec', 'prox_mu', 'optimizer', 'epochs', 'start_shared', 'digests'):
+    assert getattr(back, name) == getattr(request, name)
+  for name in ('client_ids', 'sizes', 'key'):
+    np.testing.assert_array_equal(getattr(back, name), getattr(request, name))
+  for a, b in zip(back.start + back.anchor, request.start + request.anchor):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_digest_of_a_client_sees_its_samples_and_labels():
+  x = np.arange(24, dtype=np.float32).reshape(6, 2, 2, 1)
+  y = np.array([0, 1, 2, 0, 1, 2])
+  fed = federate(x, y, [np.arange(3), np.arange(3, 6)])
+  base = transport.client_digests(fed, range(2))
+  assert base[0] != base[1]
+  flipped = fed._replace(y=np.where(fed.y == 0, 1, fed.y))
+  assert transport.client_digests(flipped, range(2))[0] != base[0]
+  fewer = fed._replace(sizes=np.array([2, 3], np.int32))
+  assert transport.client_digests(fewer, range(2)) == [
+    transport.client_digests(fewer, [0])[0],
+    base[1],
+  ]
+
+
+def test_a_node_refuses_to_train_a_client_on_data_it_does_not_hold():
+  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+  from jfed.driver import make_context, partition_clients  # pylint: disable=g-import-not-at-top
+  from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config(SMOKE, ['--config.model=mlp'])
+  dataset = load_dataset('digits')
+  ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
+  node = transport.NodeTrainer(ctx, 0, 2)
+  request = transport.TrainRequest(
+    'mlp', 0.0, config.optimizer.to_json(), 0, np.array([0]), np.array([5]), ['not-it'], 1,
+    np.array([0, 0], np.uint32), [], True, None,
+  )  # fmt: skip
+  with pytest.raises(ConfigError, match='data other than their partition'):
+    node.train(request)
+  with pytest.raises(ConfigError, match='partition-id 2'):
+    transport.NodeTrainer(ctx, 2, 2)
+
+
+def _in_process(method, workdir, overrides=()):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  command = [sys.executable, '-m', 'experiments.main', f'--method={method}', f'--config={SMOKE}']
+  subprocess.run(
+    command + list(overrides) + [f'--workdir={workdir}'], cwd=ROOT, check=True, timeout=600
+  )
+
+
+def _final_params(workdir):
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  manager = ocp.CheckpointManager(workdir / 'checkpoints', item_names=('state', 'history'))
+  step = manager.latest_step()
+  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  manager.close()
+  return [np.asarray(a) for a in jax.tree.leaves(state['state'])]
+
+
+@pytest.mark.slow
+def test_fedavg_through_a_local_flower_deployment_gives_the_in_process_model(tmp_path):
+  from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
+
+  flower = tmp_path / 'flower'
+  summary = run_local_deployment('fedavg', SMOKE, [], flower, 2, timeout_s=600)
+  in_process = tmp_path / 'in_process'
+  _in_process('fedavg', in_process)
+  for a, b in zip(_final_params(flower), _final_params(in_process)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  accuracies = [r['test_accuracy'] for r in read_metrics(flower) if 'test_accuracy' in r]
+  assert accuracies == [
+    r['test_accuracy'] for r in read_metrics(in_process) if 'test_accuracy' in r
+  ]
+  assert summary['final_test_accuracy'] > 0.3  # it learns (chance is 0.1)
+  bridge = json.loads((flower / 'flower.json').read_text())
+  assert bridge['supernodes'] == 2 and bridge['message_bytes_received'] > 0
+  # jfed's own accounting of the uploads, as in one process
+  assert (
+    summary['total_bytes'] == json.loads((in_process / 'summary.json').read_text())['total_bytes']
+  )
+
+
+@pytest.mark.slow
+def test_dense_completes_through_a_local_flower_deployment_with_validated_uploads(tmp_path):
+  from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
+
+  summary = run_local_deployment('dense', SMOKE, [], tmp_path / 'dense', 2, timeout_s=600)
+  records = read_metrics(tmp_path / 'dense')
+  uploads = [r for r in records if r['step'] == 0 and r.get('upload_bytes')]
+  assert uploads and uploads[0]['upload_bytes'] > 0  # validated and counted by the server
+  assert summary['final_test_accuracy'] is not None
