@@ -30,9 +30,7 @@ def test_a_train_request_survives_its_flower_records():
   rng = np.random.default_rng(0)
   request = transport.TrainRequest(
     spec='mlp',
-    prox_mu=0.01,
-    optimizer='{"name": "sgd"}',
-    optimizer_steps=0,
+    recipe='{"kind": "classifier", "prox_mu": 0.01}',
     client_ids=np.array([3, 1]),
     sizes=np.array([5, 0]),
     digests=['a', 'b'],
@@ -43,7 +41,7 @@ def test_a_train_request_survives_its_flower_records():
     anchor=[np.ones((3, 4), np.float32)],
   )
   back = transport.TrainRequest.from_records(request.to_records())
-  for name in ('spec', 'prox_mu', 'optimizer', 'epochs', 'start_shared', 'digests'):
+  for name in ('spec', 'recipe', 'epochs', 'start_shared', 'digests'):
     assert getattr(back, name) == getattr(request, name)
   for name in ('client_ids', 'sizes', 'key'):
     np.testing.assert_array_equal(getattr(back, name), getattr(request, name))
@@ -75,9 +73,10 @@ def test_a_node_refuses_to_train_a_client_on_data_it_does_not_hold():
   dataset = load_dataset('digits')
   ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
   node = transport.NodeTrainer(ctx, 0, 2)
+  recipe = '{"kind": "classifier", "prox_mu": 0.0, "optimizer_steps": 0}'
   request = transport.TrainRequest(
-    'mlp', 0.0, config.optimizer.to_json(), 0, np.array([0]), np.array([5]), ['not-it'], 1,
-    np.array([0, 0], np.uint32), [], True, None,
+    'mlp', recipe, np.array([0]), np.array([5]), ['not-it'], 1, np.array([0, 0], np.uint32),
+    [], True, None,
   )  # fmt: skip
   with pytest.raises(ConfigError, match='data other than their partition'):
     node.train(request)
@@ -138,3 +137,26 @@ def test_dense_completes_through_a_local_flower_deployment_with_validated_upload
   uploads = [r for r in records if r['step'] == 0 and r.get('upload_bytes')]
   assert uploads and uploads[0]['upload_bytes'] > 0  # validated and counted by the server
   assert summary['final_test_accuracy'] is not None
+
+
+@pytest.mark.slow
+def test_fedmho_with_cvae_clients_on_the_supernodes_gives_the_in_process_result(tmp_path):
+  from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
+
+  fedmho = str(ROOT / 'experiments' / 'configs' / 'fedmho_digits.py') + ':smoke'
+  flower = run_local_deployment('fedmho', fedmho, [], tmp_path / 'flower', 2, timeout_s=600)
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  subprocess.run(
+    [sys.executable, '-m', 'experiments.main', '--method=fedmho', f'--config={fedmho}']
+    + [f'--workdir={tmp_path / "in_process"}'],
+    cwd=ROOT,
+    check=True,
+    timeout=600,
+  )
+  in_process = json.loads((tmp_path / 'in_process' / 'summary.json').read_text())
+  # classifier and CVAE clients trained on the nodes: the server's stage sees the same uploads
+  for key in ('final_test_accuracy', 'best_test_accuracy', 'total_bytes'):
+    assert flower[key] == in_process[key], key
+  assert json.loads((tmp_path / 'flower' / 'flower.json').read_text())['train_calls'] == 2

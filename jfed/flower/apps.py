@@ -23,8 +23,8 @@ from flwr.serverapp import Grid, ServerApp
 from jfed.errors import ConfigError
 from jfed.flower import transport as flower_transport
 
-# The methods whose client training all goes through common.make_trainers (plain classifiers on
-# the clients' own partitions), so that the bridge carries all of it.
+# The methods whose client training all goes through common.make_trainers (classifiers) or
+# generative.cvae_trainers (CVAEs), on the clients' own partitions: the bridge carries all of it.
 SUPPORTED_METHODS = (
   'fedavg',
   'fedprox',
@@ -34,6 +34,11 @@ SUPPORTED_METHODS = (
   'fedhydra',
   'ot',
   'fedavg_vote',
+  'fedmho',
+  'fedmho_md',
+  'fedmho_sd',
+  'fedcvae_ens',
+  'fedcvae_kd',
 )
 
 server_app = ServerApp()

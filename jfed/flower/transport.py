@@ -61,9 +61,7 @@ class TrainRequest:
   def __init__(
     self,
     spec: str,
-    prox_mu: float,
-    optimizer: str,
-    optimizer_steps: int,
+    recipe: str,
     client_ids: np.ndarray,
     sizes: np.ndarray,
     digests: List[str],
@@ -73,8 +71,9 @@ class TrainRequest:
     start_shared: bool,
     anchor: Optional[List[np.ndarray]],
   ):
-    self.spec, self.prox_mu = spec, prox_mu
-    self.optimizer, self.optimizer_steps = optimizer, optimizer_steps  # the config section, JSON
+    # recipe: how the clients train, as JSON ({'kind': 'classifier' | 'cvae', ...}; see
+    # common.make_trainers and generative.cvae_trainers), so a node builds the same trainer.
+    self.spec, self.recipe = spec, recipe
     self.client_ids, self.sizes, self.digests = client_ids, sizes, digests
     self.epochs, self.key = epochs, key
     self.start, self.start_shared, self.anchor = start, start_shared, anchor
@@ -86,9 +85,7 @@ class TrainRequest:
       'task': ConfigRecord(
         {
           'spec': self.spec,
-          'prox_mu': float(self.prox_mu),
-          'optimizer': self.optimizer,
-          'optimizer_steps': int(self.optimizer_steps),
+          'recipe': self.recipe,
           'client_ids': [int(c) for c in self.client_ids],
           'sizes': [int(s) for s in self.sizes],
           'digests': list(self.digests),
@@ -108,9 +105,7 @@ class TrainRequest:
     task = content['task']
     return cls(
       spec=str(task['spec']),
-      prox_mu=float(task['prox_mu']),
-      optimizer=str(task['optimizer']),
-      optimizer_steps=int(task['optimizer_steps']),
+      recipe=str(task['recipe']),
       client_ids=np.asarray(task['client_ids'], np.int64),
       sizes=np.asarray(task['sizes'], np.int32),
       digests=list(task['digests']),
@@ -133,6 +128,10 @@ class FlowerTransport:
     # and training, inside its ClientApp process); the difference is what Flower costs.
     self.exchange_seconds: List[float] = []
     self.node_seconds: List[float] = []
+
+  def trainer(self, spec: str, tx, recipe: Dict[str, Any]) -> 'RemoteGroupTrainer':
+    """The trainer of a group of `spec` clients that train as `recipe` says, on the nodes."""
+    return RemoteGroupTrainer(self, spec, tx, recipe)
 
   def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
     """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}."""
@@ -195,12 +194,9 @@ def wait_for_nodes(grid, num_nodes: int, timeout_s: float = 300.0) -> List[int]:
 class RemoteGroupTrainer:
   """`GroupTrainer.train`'s interface, run on the SuperNodes (see the module docstring)."""
 
-  def __init__(
-    self, transport: FlowerTransport, spec: str, tx, prox_mu: float, optimizer, steps: int
-  ):
+  def __init__(self, transport: FlowerTransport, spec: str, tx, recipe: Dict[str, Any]):
     self.transport, self.spec, self.tx = transport, spec, tx
-    self.prox_mu, self.optimizer_steps = float(prox_mu), int(steps)
-    self.optimizer = optimizer.to_json(sort_keys=True)
+    self.recipe = json.dumps(recipe, sort_keys=True)
 
   def train(
     self,
@@ -225,9 +221,7 @@ class RemoteGroupTrainer:
     start = jax.tree.leaves(jax.tree.map(lambda a: np.asarray(a)[0], model) if shared else model)
     request = TrainRequest(
       self.spec,
-      self.prox_mu,
-      self.optimizer,
-      self.optimizer_steps,
+      self.recipe,
       ids,
       np.asarray(fed.sizes),
       client_digests(fed, range(m)),
@@ -272,17 +266,22 @@ class NodeTrainer:
     the node's time (`setup_seconds`, the caller's, plus this call's)."""
     start = time.perf_counter()
     from flwr.app import ArrayRecord, MetricRecord, RecordDict  # pylint: disable=g-import-not-at-top
-    import ml_collections  # pylint: disable=g-import-not-at-top
 
     from jfed import engine  # pylint: disable=g-import-not-at-top
-    from jfed.methods import common  # pylint: disable=g-import-not-at-top
+    from jfed.cvae import clients as cvae_clients  # pylint: disable=g-import-not-at-top
+    from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
 
     rows = [i for i, c in enumerate(request.client_ids) if int(c) in self.owned]
     if not rows:
       result = {'client_ids': [], 'loss': [], 'accuracy': [], 'seconds': setup_seconds}
       return RecordDict({'models': ArrayRecord(numpy_ndarrays=[]), 'result': MetricRecord(result)})
     ids = request.client_ids[rows]
-    (group,) = common.client_groups(self.ctx, ids)
+    recipe = json.loads(request.recipe)
+    kind = recipe.get('kind')
+    if kind not in ('classifier', 'cvae'):
+      raise ConfigError(f'unknown kind of client training {kind!r}')
+    build = generative.build_cvae_spec if kind == 'cvae' else None
+    (group,) = common.client_groups(self.ctx, ids, build=build)
     if group.spec != request.spec:
       raise ConfigError(f'clients {ids.tolist()} are {group.spec} here, {request.spec} there')
     sizes = request.sizes[rows]
@@ -294,17 +293,14 @@ class NodeTrainer:
         f'the server trains clients {ids.tolist()} on data other than their partition here '
         '(this method trains clients on data the SuperNodes do not hold)'
       )
-    optimizer = ml_collections.ConfigDict(json.loads(request.optimizer))
-    cache_key = (request.spec, request.prox_mu, request.optimizer, request.optimizer_steps)
+    cache_key = (request.spec, request.recipe)
     if cache_key not in self._trainers:
-      self._trainers[cache_key] = common.make_trainers(
-        self.ctx, [group], request.prox_mu, optimizer, request.optimizer_steps
-      )[0]
+      self._trainers[cache_key] = _local_trainer(self.ctx, group, recipe)
     trainer = self._trainers[cache_key]
     if request.spec not in self._templates:
-      self._templates[request.spec] = engine.init_model(
-        group.module, self.ctx.dataset.input_shape, jax.random.PRNGKey(0)
-      )
+      init = cvae_clients.init_cvae if kind == 'cvae' else engine.init_model
+      shape = self.ctx.dataset.input_shape
+      self._templates[request.spec] = init(group.module, shape, jax.random.PRNGKey(0))
     treedef = jax.tree.structure(self._templates[request.spec])
     if request.start_shared:
       one = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in request.start])
@@ -335,3 +331,18 @@ class NodeTrainer:
     return RecordDict(
       {'models': ArrayRecord(numpy_ndarrays=stacked), 'result': MetricRecord(result)}
     )
+
+
+def _local_trainer(ctx, group, recipe: Dict[str, Any]):
+  """The engine's trainer that `recipe` describes, built as the server's method would."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
+
+  if recipe['kind'] == 'cvae':
+    settings = generative.CVAESettings(**{k: v for k, v in recipe.items() if k != 'kind'})
+    return generative.cvae_trainers(ctx, [group], settings)[0]
+  optimizer = ml_collections.ConfigDict(recipe['optimizer'])
+  return common.make_trainers(
+    ctx, [group], recipe['prox_mu'], optimizer, recipe['optimizer_steps']
+  )[0]

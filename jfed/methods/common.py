@@ -142,13 +142,13 @@ def make_trainers(
   cfg = ctx.config
   tx = engine.optimizer_from_config(optimizer or cfg.optimizer, total_steps)
   if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
-    from jfed.flower.transport import RemoteGroupTrainer  # pylint: disable=g-import-not-at-top
-
-    section = optimizer or cfg.optimizer
-    return [
-      RemoteGroupTrainer(ctx.client_transport, g.spec, tx, prox_mu, section, total_steps)
-      for g in groups
-    ]
+    recipe = {
+      'kind': 'classifier',
+      'prox_mu': float(prox_mu),
+      'optimizer': (optimizer or cfg.optimizer).to_dict(),
+      'optimizer_steps': int(total_steps),
+    }
+    return [ctx.client_transport.trainer(g.spec, tx, recipe) for g in groups]
   return [
     GroupTrainer(
       g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh

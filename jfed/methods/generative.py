@@ -71,6 +71,22 @@ def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[Mo
   return out
 
 
+def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAESettings):
+  """The CVAE groups' trainers: the engine with the CVAE objective, or on Flower SuperNodes
+  (which build these same trainers from the recipe) when the run has a client transport."""
+  tx = engine.make_optimizer(s.optimizer, s.lr)
+  if ctx.client_transport is not None:
+    recipe = {'kind': 'cvae', **s._asdict()}
+    return [ctx.client_transport.trainer(g.spec, tx, recipe) for g in groups]
+  objective = cvae_clients.cvae_objective(s.recon, s.beta)
+  return [
+    GroupTrainer(
+      g.module, tx, s.batch, strategy=ctx.config.strategy, mesh=ctx.mesh, objective=objective
+    )
+    for g in groups
+  ]
+
+
 class LocalCVAEs(NamedTuple):
   groups: List[common.ClientGroup]
   models: List[ModelState]  # stacked per group
@@ -99,19 +115,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
   init = init_cvaes(ctx, groups)
 
   def train():
-    tx = engine.make_optimizer(s.optimizer, s.lr)
-    objective = cvae_clients.cvae_objective(s.recon, s.beta)
-    trainers = [
-      GroupTrainer(
-        g.module,
-        tx,
-        s.batch,
-        strategy=ctx.config.strategy,
-        mesh=ctx.mesh,
-        objective=objective,
-      )
-      for g in groups
-    ]
+    trainers = cvae_trainers(ctx, groups, s)
     models, metrics = common.train_groups(
       trainers,
       groups,
