@@ -160,3 +160,64 @@ def test_fedmho_with_cvae_clients_on_the_supernodes_gives_the_in_process_result(
   for key in ('final_test_accuracy', 'best_test_accuracy', 'total_bytes'):
     assert flower[key] == in_process[key], key
   assert json.loads((tmp_path / 'flower' / 'flower.json').read_text())['train_calls'] == 2
+
+
+class _Reply:
+  def __init__(self, content):
+    self.content = content
+
+  def has_error(self):
+    return False
+
+
+class _InProcessTransport(transport.FlowerTransport):
+  """The server's transport with 'SuperNodes' that are NodeTrainers in this process: the
+  requests and replies still go through their Flower records."""
+
+  def __init__(self, node_trainers):
+    self.node_trainers = node_trainers
+    super().__init__(grid=self, num_nodes=len(node_trainers))
+
+  def get_node_ids(self):  # the grid's one method wait_for_nodes uses
+    return list(range(len(self.node_trainers)))
+
+  def _exchange(self, content):
+    return [
+      _Reply(node.train(transport.TrainRequest.from_records(content)))
+      for node in self.node_trainers
+    ]
+
+
+def _smoke_context(**kwargs):
+  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+  from jfed.driver import make_context, partition_clients  # pylint: disable=g-import-not-at-top
+  from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config(SMOKE, ['--config.model=mlp'])
+  dataset = load_dataset('digits')
+  return config, make_context(config, dataset, partition_clients(config, dataset.train_y), **kwargs)
+
+
+def test_fedprox_through_the_transport_gives_the_in_process_summary():
+  from jfed.driver import build_algorithm, run  # pylint: disable=g-import-not-at-top
+
+  config, node_ctx = _smoke_context()
+  flower = _InProcessTransport([transport.NodeTrainer(node_ctx, p, 2) for p in range(2)])
+  _, ctx = _smoke_context(client_transport=flower)
+  bridged = run(build_algorithm('fedprox', config), ctx, progress=False)
+  _, plain_ctx = _smoke_context()
+  plain = run(build_algorithm('fedprox', config), plain_ctx, progress=False)
+  for key in ('final_test_accuracy', 'best_test_accuracy', 'total_bytes'):
+    assert bridged[key] == plain[key], key
+  assert bridged['final_test_accuracy'] > 0.15  # it learns: 2 rounds of an MLP, chance 0.1
+  assert len(flower.exchange_seconds) == 2 and flower.bytes_received > flower.bytes_sent > 0
+
+
+def test_a_client_no_supernode_holds_stops_the_run():
+  from jfed.driver import build_algorithm, run  # pylint: disable=g-import-not-at-top
+
+  config, node_ctx = _smoke_context()
+  missing_one = _InProcessTransport([transport.NodeTrainer(node_ctx, 0, 2)])  # node 1 of 2
+  _, ctx = _smoke_context(client_transport=missing_one)
+  with pytest.raises(ConfigError, match='no SuperNode holds client'):
+    run(build_algorithm('fedavg', config), ctx, progress=False)

@@ -135,19 +135,17 @@ class FlowerTransport:
 
   def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
     """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}."""
-    from flwr.app import Message  # pylint: disable=g-import-not-at-top
-
     content = request.to_records()
     self.bytes_sent += _record_bytes(content) * len(self.nodes)
-    messages = [Message(content, dst_node_id=n, message_type=TRAIN_MESSAGE) for n in self.nodes]
     start = time.perf_counter()
-    replies = list(self.grid.send_and_receive(messages, timeout=self.timeout_s))
+    replies = self._exchange(content)
     self.exchange_seconds.append(time.perf_counter() - start)
-    if len(replies) < len(messages):
+    if len(replies) < len(self.nodes):
       raise ConfigError(
-        f'{len(messages) - len(replies)} of {len(messages)} SuperNodes did not reply within '
-        f'{self.timeout_s:.0f} s'
+        f'{len(self.nodes) - len(replies)} of {len(self.nodes)} SuperNodes did not reply '
+        f'within {self.timeout_s:.0f} s'
       )
+    requested = {int(c) for c in request.client_ids}
     leaves, metrics, node_seconds = {}, {}, [0.0]
     for reply in replies:
       if reply.has_error():
@@ -162,18 +160,25 @@ class FlowerTransport:
       loss = np.asarray(reply.content['result']['loss'], np.float64).reshape(len(ids), epochs)
       acc = np.asarray(reply.content['result']['accuracy'], np.float64).reshape(len(ids), epochs)
       for row, cid in enumerate(ids):
-        if cid in leaves:
-          raise ConfigError(f'client {cid} was trained by two SuperNodes')
+        if cid in leaves or cid not in requested:
+          raise ConfigError(f'client {cid} came back from a SuperNode not asked to train it')
         leaves[cid] = [a[row] for a in stacked]
         metrics[cid] = (loss[row], acc[row])
     self.node_seconds.append(max(node_seconds))
-    missing = sorted(set(int(c) for c in request.client_ids) - set(leaves))
+    missing = sorted(requested - set(leaves))
     if missing:
       raise ConfigError(
         f'no SuperNode holds client(s) {missing}: start as many SuperNodes as their '
         'num-partitions says'
       )
     return leaves, metrics
+
+  def _exchange(self, content) -> list:
+    """Sends `content` to every node; their replies."""
+    from flwr.app import Message  # pylint: disable=g-import-not-at-top
+
+    messages = [Message(content, dst_node_id=n, message_type=TRAIN_MESSAGE) for n in self.nodes]
+    return list(self.grid.send_and_receive(messages, timeout=self.timeout_s))
 
 
 def _record_bytes(content) -> int:
@@ -185,7 +190,7 @@ def wait_for_nodes(grid, num_nodes: int, timeout_s: float = 300.0) -> List[int]:
   while True:
     nodes = sorted(grid.get_node_ids())
     if len(nodes) >= num_nodes:
-      return nodes[:num_nodes] if len(nodes) == num_nodes else nodes
+      return nodes
     if time.monotonic() > deadline:
       raise ConfigError(f'{len(nodes)} of {num_nodes} SuperNodes connected in {timeout_s:.0f} s')
     time.sleep(0.5)
