@@ -159,7 +159,7 @@ def test_fedmho_with_cvae_clients_on_the_supernodes_gives_the_in_process_result(
   # classifier and CVAE clients trained on the nodes: the server's stage sees the same uploads
   for key in ('final_test_accuracy', 'best_test_accuracy', 'total_bytes'):
     assert flower[key] == in_process[key], key
-  assert json.loads((tmp_path / 'flower' / 'flower.json').read_text())['train_calls'] == 2
+  assert json.loads((tmp_path / 'flower' / 'flower.json').read_text())['exchanges'] == 2
 
 
 class _Reply:
@@ -182,10 +182,7 @@ class _InProcessTransport(transport.FlowerTransport):
     return list(range(len(self.node_trainers)))
 
   def _exchange(self, content):
-    return [
-      _Reply(node.train(transport.TrainRequest.from_records(content)))
-      for node in self.node_trainers
-    ]
+    return [_Reply(node.handle(content)) for node in self.node_trainers]
 
 
 def _smoke_context(**kwargs):
@@ -221,3 +218,27 @@ def test_a_client_no_supernode_holds_stops_the_run():
   _, ctx = _smoke_context(client_transport=missing_one)
   with pytest.raises(ConfigError, match='no SuperNode holds client'):
     run(build_algorithm('fedavg', config), ctx, progress=False)
+
+
+@pytest.mark.parametrize('method', ['hfldd', pytest.param('hfldd_nodd', marks=pytest.mark.slow)])
+def test_hfldd_phases_through_the_transport_give_the_in_process_summary(method):
+  """Soft labels, KIP on the members' nodes and the heads' hybrid data all cross the bridge."""
+  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
+  from jfed.driver import build_algorithm, make_context, partition_clients, run  # pylint: disable=g-import-not-at-top
+  from tests.support import hfldd_tiny_config  # pylint: disable=g-import-not-at-top
+
+  config = hfldd_tiny_config()
+  dataset = load_dataset('digits')
+  parts = partition_clients(config, dataset.train_y)
+  nodes = [transport.NodeTrainer(make_context(config, dataset, parts), p, 3) for p in range(3)]
+  bridge = _InProcessTransport(nodes)
+  bridged = run(
+    build_algorithm(method, config), make_context(config, dataset, parts, client_transport=bridge)
+  )
+  plain = run(build_algorithm(method, config), make_context(config, dataset, parts))
+  for key in ('final_test_accuracy', 'best_test_accuracy', 'total_bytes', 'clusters', 'heads'):
+    assert bridged[key] == plain[key], key
+  assert bridged['final_test_accuracy'] > 0.3  # it learns (chance is 0.1)
+  # soft labels, KIP (hfldd only), then one exchange per round
+  rounds = config.hfldd.rounds
+  assert len(bridge.exchange_seconds) == (2 if method == 'hfldd' else 1) + rounds

@@ -23,8 +23,9 @@ from flwr.serverapp import Grid, ServerApp
 from jfed.errors import ConfigError
 from jfed.flower import transport as flower_transport
 
-# The methods whose client training all goes through common.make_trainers (classifiers) or
-# generative.cvae_trainers (CVAEs), on the clients' own partitions: the bridge carries all of it.
+# The methods whose client work all goes through common.make_trainers (classifiers),
+# generative.cvae_trainers (CVAEs) or the transport's HFLDD operations: the bridge carries all
+# of it.
 SUPPORTED_METHODS = (
   'fedavg',
   'fedprox',
@@ -39,6 +40,8 @@ SUPPORTED_METHODS = (
   'fedmho_sd',
   'fedcvae_ens',
   'fedcvae_kd',
+  'hfldd',
+  'hfldd_nodd',
 )
 
 server_app = ServerApp()
@@ -92,7 +95,7 @@ def server_main(grid: Grid, context: Context) -> None:
       'supernodes': len(transport.nodes),
       'message_bytes_sent': transport.bytes_sent,
       'message_bytes_received': transport.bytes_received,
-      'train_calls': len(transport.exchange_seconds),
+      'exchanges': len(transport.exchange_seconds),
       'exchange_seconds': round(sum(transport.exchange_seconds), 2),
       'slowest_node_seconds': round(sum(transport.node_seconds), 2),
       'final_test_accuracy': summary['final_test_accuracy'],
@@ -118,6 +121,5 @@ def client_train(message: Message, context: Context) -> Message:
     dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
     ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
     _NODES[key] = flower_transport.NodeTrainer(ctx, partition_id, num_partitions)
-  request = flower_transport.TrainRequest.from_records(message.content)
   setup_seconds = time.perf_counter() - start
-  return Message(_NODES[key].train(request, setup_seconds), reply_to=message)
+  return Message(_NODES[key].handle(message.content, setup_seconds), reply_to=message)

@@ -1,19 +1,26 @@
-"""Client training on Flower SuperNodes, behind the interface of jfed's `GroupTrainer`.
+"""Client work on Flower SuperNodes, behind the interfaces the methods already call.
 
 On the server a `RemoteGroupTrainer` stands where a method's `GroupTrainer` stands
-(`common.make_trainers` builds one when the run has a transport), so every method whose client
-training goes through `common.train_groups` runs unchanged: its server stage receives the
-trained group, validates each upload and counts its bytes exactly as in one process. A train
-call becomes one message per SuperNode with the start model, the round's key and the clients'
-ids and sizes. Each node trains the clients it holds (a contiguous block of the client ids, by
-its `partition-id` of `num-partitions`) as one jfed group, with the same trainer and the same
-per-client keys as in one process, so every client ends exactly as it would there (the engine
-trains a client the same whatever group it is in; tests/test_engine.py).
+(`common.make_trainers` and `generative.cvae_trainers` build one when the run has a transport),
+so every method whose client training goes through them runs unchanged: its server stage
+receives the trained group, validates each upload and counts its bytes exactly as in one
+process. A train call becomes one message per SuperNode with the start model, the round's key
+and the clients' ids and sizes. Each node trains the clients it holds (a contiguous block of
+the client ids, by its `partition-id` of `num-partitions`) as one jfed group, with the same
+trainer and the same per-client keys as in one process, so every client ends exactly as it
+would there (the engine trains a client the same whatever group it is in; tests/test_engine.py).
+
+HFLDD's client phases are operations of their own, so that only what the protocol uploads
+leaves a node: `soft_labels` (pre-train, then upload the softmax outputs on the public set)
+and `distill` (KIP on the members' own data; the distilled sets come back). The heads then
+train on hybrid data: their partition plus the sets their members sent, which the server sends
+along as each head's *extra* samples (Flower is a star: a member's set reaches its head through
+the server).
 
 The node rebuilds its clients' data from the seed, like every process of a multi-process run.
-Each side digests every client's real samples, and a node refuses a request whose digests
-differ from its own: a method that trains clients on data other than their partition (HFLDD's
-distilled sets, DynaFed's synthetic data) cannot silently train the wrong data through Flower.
+Each side digests every client's partition samples, and a node refuses a request whose digests
+differ from its own: a method that trains clients on data other than their partition (DynaFed's
+synthetic data, soft-label targets) cannot silently train the wrong data through Flower.
 """
 
 import hashlib
@@ -30,6 +37,7 @@ from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
 
 TRAIN_MESSAGE = 'train'
+OPERATIONS = ('train', 'soft_labels', 'distill')
 
 
 def owned_block(num_clients: int, partition_id: int, num_partitions: int) -> range:
@@ -39,20 +47,40 @@ def owned_block(num_clients: int, partition_id: int, num_partitions: int) -> ran
   return range(start, min(start + per_node, num_clients))
 
 
-def client_digests(fed, rows: Sequence[int]) -> List[str]:
-  """A digest of each listed client's real samples (images and labels)."""
+def client_digests(fed, rows: Sequence[int], lengths: Optional[Sequence[int]] = None) -> List[str]:
+  """A digest of the first `lengths[i]` samples (default: its size) of each listed client.
+
+  Images are digested as float32 and integer labels as int64, so that the same samples held in
+  other dtypes (a hybrid set's int32 labels) digest the same.
+  """
   out = []
-  for i in rows:
-    n = int(fed.sizes[i])
+  for j, i in enumerate(rows):
+    n = int(fed.sizes[i] if lengths is None else lengths[j])
+    y = np.asarray(fed.y[i, :n])
+    y = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
     h = hashlib.sha256()
-    h.update(np.ascontiguousarray(np.asarray(fed.x[i, :n])).tobytes())
-    h.update(np.ascontiguousarray(np.asarray(fed.y[i, :n])).tobytes())
+    h.update(np.ascontiguousarray(np.asarray(fed.x[i, :n], np.float32)).tobytes())
+    h.update(np.ascontiguousarray(y).tobytes())
     out.append(h.hexdigest()[:16])
   return out
 
 
 def _all_equal(tree: Any) -> bool:
   return all(bool(np.all(np.asarray(a) == np.asarray(a)[:1])) for a in jax.tree.leaves(tree))
+
+
+def _arrays(arrays: Sequence[np.ndarray]):
+  from flwr.app import ArrayRecord  # pylint: disable=g-import-not-at-top
+
+  return ArrayRecord(numpy_ndarrays=[np.asarray(a) for a in arrays])
+
+
+def _records(op: str, task: Dict[str, Any], **arrays: Sequence[np.ndarray]):
+  from flwr.app import ConfigRecord, RecordDict  # pylint: disable=g-import-not-at-top
+
+  return RecordDict(
+    {'task': ConfigRecord({'op': op, **task}), **{k: _arrays(v) for k, v in arrays.items()}}
+  )
 
 
 class TrainRequest:
@@ -70,6 +98,8 @@ class TrainRequest:
     start: List[np.ndarray],
     start_shared: bool,
     anchor: Optional[List[np.ndarray]],
+    extra_counts: Optional[Sequence[int]] = None,
+    extra: Optional[Tuple[np.ndarray, np.ndarray]] = None,
   ):
     # recipe: how the clients train, as JSON ({'kind': 'classifier' | 'cvae', ...}; see
     # common.make_trainers and generative.cvae_trainers), so a node builds the same trainer.
@@ -77,32 +107,34 @@ class TrainRequest:
     self.client_ids, self.sizes, self.digests = client_ids, sizes, digests
     self.epochs, self.key = epochs, key
     self.start, self.start_shared, self.anchor = start, start_shared, anchor
+    # Samples a client trains on beyond its partition (an HFLDD head's received sets), all
+    # clients' concatenated in client order; extra_counts[i] of them are client i's.
+    self.extra_counts = [0] * len(client_ids) if extra_counts is None else list(extra_counts)
+    self.extra = extra
 
   def to_records(self):
-    from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # pylint: disable=g-import-not-at-top
-
-    records = {
-      'task': ConfigRecord(
-        {
-          'spec': self.spec,
-          'recipe': self.recipe,
-          'client_ids': [int(c) for c in self.client_ids],
-          'sizes': [int(s) for s in self.sizes],
-          'digests': list(self.digests),
-          'epochs': int(self.epochs),
-          'key': [int(k) for k in np.asarray(self.key).reshape(-1)],
-          'start_shared': bool(self.start_shared),
-        }
-      ),
-      'start': ArrayRecord(numpy_ndarrays=[np.asarray(a) for a in self.start]),
-    }
+    arrays = {'start': self.start}
     if self.anchor is not None:
-      records['anchor'] = ArrayRecord(numpy_ndarrays=[np.asarray(a) for a in self.anchor])
-    return RecordDict(records)
+      arrays['anchor'] = self.anchor
+    if self.extra is not None:
+      arrays['extra'] = list(self.extra)
+    task = {
+      'spec': self.spec,
+      'recipe': self.recipe,
+      'client_ids': [int(c) for c in self.client_ids],
+      'sizes': [int(s) for s in self.sizes],
+      'digests': list(self.digests),
+      'epochs': int(self.epochs),
+      'key': [int(k) for k in np.asarray(self.key).reshape(-1)],
+      'start_shared': bool(self.start_shared),
+      'extra_counts': [int(c) for c in self.extra_counts],
+    }
+    return _records('train', task, **arrays)
 
   @classmethod
   def from_records(cls, content) -> 'TrainRequest':
     task = content['task']
+    extra = content['extra'].to_numpy_ndarrays() if 'extra' in content else None
     return cls(
       spec=str(task['spec']),
       recipe=str(task['recipe']),
@@ -114,28 +146,30 @@ class TrainRequest:
       start=content['start'].to_numpy_ndarrays(),
       start_shared=bool(task['start_shared']),
       anchor=content['anchor'].to_numpy_ndarrays() if 'anchor' in content else None,
+      extra_counts=[int(c) for c in task['extra_counts']],
+      extra=None if extra is None else (extra[0], extra[1]),
     )
 
 
 class FlowerTransport:
-  """The server's side: sends train requests to every SuperNode and reassembles the group."""
+  """The server's side: sends each operation to every SuperNode and reassembles the clients'
+  results by client id."""
 
   def __init__(self, grid, num_nodes: int, timeout_s: float = 3600.0):
     self.grid, self.timeout_s = grid, timeout_s
     self.nodes = wait_for_nodes(grid, num_nodes)
     self.bytes_sent = self.bytes_received = 0
-    # Per train call: the wall time of the exchange and the slowest node's own time (its setup
-    # and training, inside its ClientApp process); the difference is what Flower costs.
+    # Per exchange: its wall time and the slowest node's own time (its setup and work, inside
+    # its ClientApp process); the difference is what Flower costs.
     self.exchange_seconds: List[float] = []
     self.node_seconds: List[float] = []
 
-  def trainer(self, spec: str, tx, recipe: Dict[str, Any]) -> 'RemoteGroupTrainer':
+  def trainer(self, spec: str, tx, recipe: Dict[str, Any], partition_sizes) -> 'RemoteGroupTrainer':
     """The trainer of a group of `spec` clients that train as `recipe` says, on the nodes."""
-    return RemoteGroupTrainer(self, spec, tx, recipe)
+    return RemoteGroupTrainer(self, spec, tx, recipe, partition_sizes)
 
-  def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
-    """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}."""
-    content = request.to_records()
+  def _ask(self, content, requested: Sequence[int]) -> Dict[int, Tuple[Any, int]]:
+    """{client id: (its node's reply content, its row there)} for the `requested` clients."""
     self.bytes_sent += _record_bytes(content) * len(self.nodes)
     start = time.perf_counter()
     replies = self._exchange(content)
@@ -145,33 +179,70 @@ class FlowerTransport:
         f'{len(self.nodes) - len(replies)} of {len(self.nodes)} SuperNodes did not reply '
         f'within {self.timeout_s:.0f} s'
       )
-    requested = {int(c) for c in request.client_ids}
-    leaves, metrics, node_seconds = {}, {}, [0.0]
+    wanted = {int(c) for c in requested}
+    found, node_seconds = {}, [0.0]
     for reply in replies:
       if reply.has_error():
-        raise ConfigError(f'a SuperNode failed to train: {reply.error.reason}')
+        raise ConfigError(f'a SuperNode failed: {reply.error.reason}')
       self.bytes_received += _record_bytes(reply.content)
       node_seconds.append(float(reply.content['result']['seconds']))
-      ids = [int(c) for c in reply.content['result']['client_ids']]
-      if not ids:
-        continue
-      stacked = reply.content['models'].to_numpy_ndarrays()
-      epochs = request.epochs
-      loss = np.asarray(reply.content['result']['loss'], np.float64).reshape(len(ids), epochs)
-      acc = np.asarray(reply.content['result']['accuracy'], np.float64).reshape(len(ids), epochs)
-      for row, cid in enumerate(ids):
-        if cid in leaves or cid not in requested:
-          raise ConfigError(f'client {cid} came back from a SuperNode not asked to train it')
-        leaves[cid] = [a[row] for a in stacked]
-        metrics[cid] = (loss[row], acc[row])
+      for row, cid in enumerate(int(c) for c in reply.content['result']['client_ids']):
+        if cid in found or cid not in wanted:
+          raise ConfigError(f'client {cid} came back from a SuperNode not asked for it')
+        found[cid] = (reply.content, row)
     self.node_seconds.append(max(node_seconds))
-    missing = sorted(requested - set(leaves))
+    missing = sorted(wanted - set(found))
     if missing:
       raise ConfigError(
         f'no SuperNode holds client(s) {missing}: start as many SuperNodes as their '
         'num-partitions says'
       )
+    return found
+
+  def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
+    """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}."""
+    found = self._ask(request.to_records(), request.client_ids)
+    leaves, metrics, unpacked = {}, {}, {}
+    for cid, (content, row) in found.items():
+      if id(content) not in unpacked:
+        result = content['result']
+        k = len(result['client_ids'])
+        unpacked[id(content)] = (
+          content['models'].to_numpy_ndarrays(),
+          np.asarray(result['loss'], np.float64).reshape(k, request.epochs),
+          np.asarray(result['accuracy'], np.float64).reshape(k, request.epochs),
+        )
+      stacked, loss, acc = unpacked[id(content)]
+      leaves[cid] = [a[row] for a in stacked]
+      metrics[cid] = (loss[row], acc[row])
     return leaves, metrics
+
+  def soft_labels(self, num_clients: int, epochs: int, x: np.ndarray) -> np.ndarray:
+    """HFLDD's label knowledge: every client pre-trains `epochs` epochs on its node and uploads
+    its softmax outputs on `x`; [clients, len(x), C] by client id."""
+    content = _records('soft_labels', {'epochs': int(epochs)}, public=[x])
+    found = self._ask(content, range(num_clients))
+    return np.stack(
+      [
+        reply['probabilities'].to_numpy_ndarrays()[0][row]
+        for reply, row in map(found.get, range(num_clients))
+      ]
+    )
+
+  def distill(self, members: np.ndarray, config, key: jax.Array) -> List[np.ndarray]:
+    """KIP on the members' nodes (member j with fold_in(key, j), as in one batched program);
+    the stacked (x, y, y_matrix, loss) of every member, in `members` order."""
+    task = {
+      'members': [int(c) for c in members],
+      'kip': json.dumps(config._asdict()),
+      'key': [int(k) for k in np.asarray(key).reshape(-1)],
+    }
+    found = self._ask(_records('distill', task), members)
+    per_member = [found[int(c)] for c in members]
+    sets = {id(reply): reply['sets'].to_numpy_ndarrays() for reply, _ in per_member}
+    return [
+      np.stack([sets[id(reply)][field][row] for reply, row in per_member]) for field in range(4)
+    ]
 
   def _exchange(self, content) -> list:
     """Sends `content` to every node; their replies."""
@@ -199,9 +270,12 @@ def wait_for_nodes(grid, num_nodes: int, timeout_s: float = 300.0) -> List[int]:
 class RemoteGroupTrainer:
   """`GroupTrainer.train`'s interface, run on the SuperNodes (see the module docstring)."""
 
-  def __init__(self, transport: FlowerTransport, spec: str, tx, recipe: Dict[str, Any]):
+  def __init__(
+    self, transport: FlowerTransport, spec: str, tx, recipe: Dict[str, Any], partition_sizes
+  ):
     self.transport, self.spec, self.tx = transport, spec, tx
     self.recipe = json.dumps(recipe, sort_keys=True)
+    self.partition_sizes = np.asarray(partition_sizes)
 
   def train(
     self,
@@ -221,6 +295,15 @@ class RemoteGroupTrainer:
       )
     m = fed.y.shape[0]
     ids = np.arange(m) if client_ids is None else np.asarray(client_ids)
+    sizes = np.asarray(fed.sizes)
+    own = np.minimum(sizes, self.partition_sizes[ids])  # samples from the client's partition
+    counts = sizes - own
+    extra = None
+    if counts.any():
+      extra = tuple(
+        np.concatenate([np.asarray(a[i, own[i] : sizes[i]]) for i in range(m)])
+        for a in (fed.x, fed.y)
+      )
     model = state.model
     shared = _all_equal(model)
     start = jax.tree.leaves(jax.tree.map(lambda a: np.asarray(a)[0], model) if shared else model)
@@ -228,13 +311,15 @@ class RemoteGroupTrainer:
       self.spec,
       self.recipe,
       ids,
-      np.asarray(fed.sizes),
-      client_digests(fed, range(m)),
+      sizes,
+      client_digests(fed, range(m), own),
       epochs,
       np.asarray(jax.random.key_data(key) if _is_typed_key(key) else key),
       [np.asarray(a) for a in start],
       shared,
       None if anchor is None else [np.asarray(a) for a in jax.tree.leaves(anchor)],
+      counts,
+      extra,
     )
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
@@ -256,7 +341,7 @@ def _is_typed_key(key) -> bool:
 # the node's side
 # ------------------------------------------------------------------------------------------------
 class NodeTrainer:
-  """A SuperNode's clients: trains the share of each request that the node holds."""
+  """A SuperNode's clients: does the share of each request that concerns the clients it holds."""
 
   def __init__(self, ctx, partition_id: int, num_partitions: int):
     if not 0 <= partition_id < num_partitions:
@@ -266,20 +351,42 @@ class NodeTrainer:
     self._trainers: Dict[Tuple, Any] = {}
     self._templates: Dict[str, Any] = {}
 
-  def train(self, request: TrainRequest, setup_seconds: float = 0.0):
-    """The reply's records: the trained models of this node's clients, with their metrics and
-    the node's time (`setup_seconds`, the caller's, plus this call's)."""
+  def handle(self, content, setup_seconds: float = 0.0):
+    """The reply's records to a request of any operation; `result` carries the ids of the
+    clients it concerns and the node's time (`setup_seconds`, the caller's, plus this call's)."""
     start = time.perf_counter()
-    from flwr.app import ArrayRecord, MetricRecord, RecordDict  # pylint: disable=g-import-not-at-top
+    op = str(content['task']['op'])
+    if op not in OPERATIONS:
+      raise ConfigError(f'unknown operation {op!r}; known: {", ".join(OPERATIONS)}')
+    if op == 'train':
+      ids, arrays, metrics = self._train(TrainRequest.from_records(content))
+    elif op == 'soft_labels':
+      ids, arrays, metrics = self._soft_labels(content)
+    else:
+      ids, arrays, metrics = self._distill(content)
+    from flwr.app import MetricRecord, RecordDict  # pylint: disable=g-import-not-at-top
 
+    result = {
+      'client_ids': [int(c) for c in ids],
+      **metrics,
+      'seconds': setup_seconds + time.perf_counter() - start,
+    }
+    return RecordDict(
+      {'result': MetricRecord(result), **{k: _arrays(v) for k, v in arrays.items()}}
+    )
+
+  def train(self, request: TrainRequest, setup_seconds: float = 0.0):
+    return self.handle(request.to_records(), setup_seconds)
+
+  def _train(self, request: TrainRequest):
     from jfed import engine  # pylint: disable=g-import-not-at-top
     from jfed.cvae import clients as cvae_clients  # pylint: disable=g-import-not-at-top
+    from jfed.data.federated import federate  # pylint: disable=g-import-not-at-top
     from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
 
     rows = [i for i, c in enumerate(request.client_ids) if int(c) in self.owned]
     if not rows:
-      result = {'client_ids': [], 'loss': [], 'accuracy': [], 'seconds': setup_seconds}
-      return RecordDict({'models': ArrayRecord(numpy_ndarrays=[]), 'result': MetricRecord(result)})
+      return [], {'models': []}, {'loss': [], 'accuracy': []}
     ids = request.client_ids[rows]
     recipe = json.loads(request.recipe)
     kind = recipe.get('kind')
@@ -290,14 +397,30 @@ class NodeTrainer:
     if group.spec != request.spec:
       raise ConfigError(f'clients {ids.tolist()} are {group.spec} here, {request.spec} there')
     sizes = request.sizes[rows]
-    if np.any(sizes > group.fed.sizes):
+    counts = np.asarray(request.extra_counts)[rows]
+    own = sizes - counts
+    if np.any(own < 0) or np.any(own > group.fed.sizes):
       raise ConfigError(f'the server asks clients {ids.tolist()} for more samples than they hold')
-    group = group._replace(fed=group.fed._replace(sizes=sizes.astype(np.int32)))
-    if client_digests(group.fed, range(len(ids))) != [request.digests[i] for i in rows]:
+    if client_digests(group.fed, range(len(ids)), own) != [request.digests[i] for i in rows]:
       raise ConfigError(
         f'the server trains clients {ids.tolist()} on data other than their partition here '
         '(this method trains clients on data the SuperNodes do not hold)'
       )
+    if counts.any():  # the partition's samples, then the extra ones the server sent
+      offsets = np.concatenate([[0], np.cumsum(request.extra_counts)])
+      xs, ys = [], []
+      for j, i in enumerate(rows):
+        ex, ey = (a[offsets[i] : offsets[i + 1]] for a in request.extra)
+        xs.append(np.concatenate([group.fed.x[j, : own[j]], ex.astype(group.fed.x.dtype)]))
+        ys.append(np.concatenate([group.fed.y[j, : own[j]], ey.astype(group.fed.y.dtype)]))
+      bounds = np.cumsum([0] + [len(x) for x in xs])
+      fed = federate(
+        np.concatenate(xs),
+        np.concatenate(ys),
+        [np.arange(bounds[j], bounds[j + 1]) for j in range(len(xs))],
+      )
+      group = group._replace(fed=fed)
+    group = group._replace(fed=group.fed._replace(sizes=sizes.astype(np.int32)))
     cache_key = (request.spec, request.recipe)
     if cache_key not in self._trainers:
       self._trainers[cache_key] = _local_trainer(self.ctx, group, recipe)
@@ -326,16 +449,54 @@ class NodeTrainer:
       anchor=anchor,
       client_ids=ids,
     )
-    stacked = [np.asarray(a) for a in jax.tree.leaves(state.model)]
-    result = {
-      'client_ids': [int(c) for c in ids],
-      'loss': [float(v) for v in np.asarray(metrics.loss).reshape(-1)],
-      'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
-      'seconds': setup_seconds + time.perf_counter() - start,
-    }
-    return RecordDict(
-      {'models': ArrayRecord(numpy_ndarrays=stacked), 'result': MetricRecord(result)}
+    return (
+      ids,
+      {'models': [np.asarray(a) for a in jax.tree.leaves(state.model)]},
+      {
+        'loss': [float(v) for v in np.asarray(metrics.loss).reshape(-1)],
+        'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
+      },
     )
+
+  def _soft_labels(self, content):
+    """HFLDD step 1 for this node's clients: pre-train as `common.local_models` does (the same
+    init and keys), then the softmax outputs on the public images the server sent."""
+    from jfed.methods import common  # pylint: disable=g-import-not-at-top
+
+    ids = list(self.owned)
+    if not ids:
+      return [], {'probabilities': []}, {}
+    x = content['public'].to_numpy_ndarrays()[0]
+    local = common.local_models(self.ctx, int(content['task']['epochs']), ids)
+    probabilities = common.client_probabilities(self.ctx, local, x)[ids]
+    return ids, {'probabilities': [probabilities]}, {}
+
+  def _distill(self, content):
+    """HFLDD step 3 for this node's members: KIP on their own data, member j of the server's
+    list with fold_in(key, j), as in the one batched program of a single process."""
+    from jfed.data.federated import federate  # pylint: disable=g-import-not-at-top
+    from jfed.kip import KIPConfig, kip_distill_batched  # pylint: disable=g-import-not-at-top
+
+    task = content['task']
+    members = [int(c) for c in task['members']]
+    positions = [j for j, c in enumerate(members) if c in self.owned]
+    if not positions:
+      return [], {'sets': []}, {}
+    ids = [members[j] for j in positions]
+    ds = self.ctx.dataset
+    fed = federate(ds.train_x, ds.train_y, [self.ctx.parts[c] for c in ids])
+    res = kip_distill_batched(
+      fed.x,
+      fed.y,
+      fed.sizes,
+      KIPConfig(**json.loads(str(task['kip']))),
+      jnp.asarray(np.asarray(task['key'], np.uint32)),
+      ds.num_classes,
+      mesh=self.ctx.mesh,
+      indices=positions,
+    )
+    sets = [np.asarray(a) for a in (res.x, res.y, res.y_matrix, res.loss)]
+    return ids, {'sets': sets}, {}
 
 
 def _local_trainer(ctx, group, recipe: Dict[str, Any]):

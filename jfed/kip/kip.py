@@ -438,6 +438,7 @@ def kip_distill_batched(
   key: Array,
   num_classes: int,
   mesh: Union[Mesh, None, str] = 'auto',
+  indices: Optional[Sequence[int]] = None,
 ) -> KIPResult:
   """KIP for ALL clients in one jitted program (vmap over the client axis).
 
@@ -455,6 +456,8 @@ def kip_distill_batched(
       sharding; or a Mesh with a 'clients' axis. With a mesh the client axis is padded to a
       multiple of the device count with empty clients (dropped from the result) and placed
       with `NamedSharding(mesh, P('clients'))`.
+    indices: the index i of each client in `fold_in(key, i)` (default 0..m-1): a subset of a
+      larger batch (a Flower SuperNode's share) then distils exactly as within it.
 
   Returns:
     The distilled sets, every field with a leading client axis m.
@@ -465,7 +468,7 @@ def kip_distill_batched(
   m = fed_x.shape[0]
   if mesh == 'auto':
     mesh = client_mesh()
-  idx = np.arange(m, dtype=np.int32)
+  idx = np.arange(m, dtype=np.int32) if indices is None else np.asarray(indices, np.int32)
   if mesh is not None:
     n_dev = mesh.devices.size
     pad = (-m) % n_dev
@@ -473,7 +476,7 @@ def kip_distill_batched(
       fed_x = np.concatenate([fed_x, np.zeros((pad,) + fed_x.shape[1:], fed_x.dtype)])
       fed_y = np.concatenate([fed_y, np.zeros((pad,) + fed_y.shape[1:], fed_y.dtype)])
       sizes = np.concatenate([sizes, np.zeros(pad, np.int32)])
-      idx = np.arange(m + pad, dtype=np.int32)
+      idx = np.concatenate([idx, np.zeros(pad, np.int32)])  # padded clients are dropped
   prog = _batched_program(config, int(num_classes), mesh)
   with _x64_scope(config):
     args = (jnp.asarray(fed_x), jnp.asarray(fed_y, jnp.int32), jnp.asarray(sizes), jnp.asarray(idx))

@@ -148,7 +148,7 @@ def make_trainers(
       'optimizer': (optimizer or cfg.optimizer).to_dict(),
       'optimizer_steps': int(total_steps),
     }
-    return [ctx.client_transport.trainer(g.spec, tx, recipe) for g in groups]
+    return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
   return [
     GroupTrainer(
       g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh

@@ -77,7 +77,7 @@ def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAE
   tx = engine.make_optimizer(s.optimizer, s.lr)
   if ctx.client_transport is not None:
     recipe = {'kind': 'cvae', **s._asdict()}
-    return [ctx.client_transport.trainer(g.spec, tx, recipe) for g in groups]
+    return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
   objective = cvae_clients.cvae_objective(s.recon, s.beta)
   return [
     GroupTrainer(

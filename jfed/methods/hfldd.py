@@ -180,10 +180,15 @@ def distill_members(ctx: RunContext, kcfg: KIPConfig, members: np.ndarray) -> Di
       kcfg.iterations,
       S,
     )
-    res = kip_distill_batched(
-      fed.x, fed.y, fed.sizes, kcfg, ctx.derive_key(Purpose.KIP), C, mesh=ctx.mesh
-    )
-    sets = DistilledSets(*(np.asarray(a) for a in (res.x, res.y, res.y_matrix, res.loss)))
+    if ctx.client_transport is not None:  # each member distils on its own node
+      sets = DistilledSets(
+        *ctx.client_transport.distill(members, kcfg, ctx.derive_key(Purpose.KIP))
+      )
+    else:
+      res = kip_distill_batched(
+        fed.x, fed.y, fed.sizes, kcfg, ctx.derive_key(Purpose.KIP), C, mesh=ctx.mesh
+      )
+      sets = DistilledSets(*(np.asarray(a) for a in (res.x, res.y, res.y_matrix, res.loss)))
     logging.info('KIP: mean KRR loss %.4g -> %.4g', sets.loss[:, 0].mean(), sets.loss[:, -1].mean())
     return sets
 
@@ -294,9 +299,12 @@ class HFLDD(Algorithm):
     spec = common.single_architecture(ctx)
 
     # 1. label knowledge collection
-    local = common.local_models(ctx, cfg.pretrain_epochs)
     public = public_data(ds, cfg.public, cfg.public_size, ctx.config.seed)
-    soft_labels = common.client_probabilities(ctx, local, public.x)
+    if ctx.client_transport is not None:  # on the clients' nodes: only the soft labels come back
+      soft_labels = ctx.client_transport.soft_labels(ctx.num_clients, cfg.pretrain_epochs, public.x)
+    else:
+      local = common.local_models(ctx, cfg.pretrain_epochs)
+      soft_labels = common.client_probabilities(ctx, local, public.x)
     soft_template = np.zeros(soft_labels.shape[1:], np.float32)
     for k in range(ctx.num_clients):
       validate_tree(soft_labels[k], soft_template, f'soft labels of client {k}')
