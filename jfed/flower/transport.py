@@ -65,6 +65,14 @@ def client_digests(fed, rows: Sequence[int], lengths: Optional[Sequence[int]] = 
   return out
 
 
+def uploaded_leaves(model: Any, recipe: Dict[str, Any]) -> List[bool]:
+  """Per leaf of a model, whether a node sends it back: all, or only those under the recipe's
+  `upload` key (a CVAE client sends its decoder; its encoder never leaves the node)."""
+  part = recipe.get('upload')
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+  return [part is None or f"['{part}']" in path for path in paths]
+
+
 def _all_equal(tree: Any) -> bool:
   return all(bool(np.all(np.asarray(a) == np.asarray(a)[:1])) for a in jax.tree.leaves(tree))
 
@@ -323,6 +331,14 @@ class RemoteGroupTrainer:
     )
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
+    sent = uploaded_leaves(model, json.loads(self.recipe))
+    if not all(sent):  # what stays on the node keeps, here, the value the client started from
+      starts = jax.tree.leaves(model)
+      for i, c in enumerate(ids):
+        returned = iter(leaves[int(c)])
+        leaves[int(c)] = [
+          next(returned) if keep else np.asarray(starts[j])[i] for j, keep in enumerate(sent)
+        ]
     per_client = [jax.tree.unflatten(treedef, leaves[int(c)]) for c in ids]
     trained = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_client)
     loss = np.stack([metrics[int(c)][0] for c in ids])
@@ -449,9 +465,11 @@ class NodeTrainer:
       anchor=anchor,
       client_ids=ids,
     )
+    sent = uploaded_leaves(state.model, recipe)
+    uploads = [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
     return (
       ids,
-      {'models': [np.asarray(a) for a in jax.tree.leaves(state.model)]},
+      {'models': uploads},
       {
         'loss': [float(v) for v in np.asarray(metrics.loss).reshape(-1)],
         'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
@@ -506,7 +524,8 @@ def _local_trainer(ctx, group, recipe: Dict[str, Any]):
   from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
 
   if recipe['kind'] == 'cvae':
-    settings = generative.CVAESettings(**{k: v for k, v in recipe.items() if k != 'kind'})
+    fields = generative.CVAESettings._fields
+    settings = generative.CVAESettings(**{k: v for k, v in recipe.items() if k in fields})
     return generative.cvae_trainers(ctx, [group], settings)[0]
   optimizer = ml_collections.ConfigDict(recipe['optimizer'])
   return common.make_trainers(

@@ -76,7 +76,7 @@ def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAE
   (which build these same trainers from the recipe) when the run has a client transport."""
   tx = engine.make_optimizer(s.optimizer, s.lr)
   if ctx.client_transport is not None:
-    recipe = {'kind': 'cvae', **s._asdict()}
+    recipe = {'kind': 'cvae', 'upload': 'decoder', **s._asdict()}
     return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
   objective = cvae_clients.cvae_objective(s.recon, s.beta)
   return [
