@@ -29,8 +29,12 @@ class LegacyLoopTrainer(GroupTrainer):
     super().__init__(module, tx, batch_size, prox_mu=prox_mu, strategy='loop')
     self._legacy_step = jax.jit(self._client_step)
 
-  def _loop_epoch(self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None):
+  def _loop_epoch(
+    self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None, owned=None
+  ):
     del sizes  # the old code converted each client's size from the host copy
+    if owned is not None and len(owned) != len(sizes_np):
+      raise ValueError('the pre-issue-14 loop trains every client in one process')
     if context is not None:
       raise ValueError('the pre-issue-14 loop had no per-client context (HeteroFL masks)')
     new_states, epoch_stats = [], []
