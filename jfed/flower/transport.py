@@ -215,14 +215,18 @@ class FlowerTransport:
       if id(content) not in unpacked:
         result = content['result']
         k = len(result['client_ids'])
+        counts = (
+          content['label_counts'].to_numpy_ndarrays()[0] if 'label_counts' in content else None
+        )
         unpacked[id(content)] = (
           content['models'].to_numpy_ndarrays(),
           np.asarray(result['loss'], np.float64).reshape(k, request.epochs),
           np.asarray(result['accuracy'], np.float64).reshape(k, request.epochs),
+          counts,
         )
-      stacked, loss, acc = unpacked[id(content)]
+      stacked, loss, acc, counts = unpacked[id(content)]
       leaves[cid] = [a[row] for a in stacked]
-      metrics[cid] = (loss[row], acc[row])
+      metrics[cid] = (loss[row], acc[row], None if counts is None else counts[row])
     return leaves, metrics
 
   def soft_labels(self, num_clients: int, epochs: int, x: np.ndarray) -> np.ndarray:
@@ -341,6 +345,13 @@ class RemoteGroupTrainer:
         ]
     per_client = [jax.tree.unflatten(treedef, leaves[int(c)]) for c in ids]
     trained = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_client)
+    if json.loads(self.recipe).get('kind') == 'cvae':  # the label histograms, checked
+      for i, c in enumerate(ids):
+        counts = metrics[int(c)][2]
+        labels = np.asarray(fed.y[i, : own[i]])
+        expected = np.bincount(labels, minlength=0 if counts is None else len(counts))
+        if counts is None or not np.array_equal(counts, expected):
+          raise ConfigError(f"the label histogram of CVAE client {int(c)} is not its data's")
     loss = np.stack([metrics[int(c)][0] for c in ids])
     accuracy = np.stack([metrics[int(c)][1] for c in ids])
     if progress is not None:
@@ -466,10 +477,22 @@ class NodeTrainer:
       client_ids=ids,
     )
     sent = uploaded_leaves(state.model, recipe)
-    uploads = [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
+    arrays = {
+      'models': [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
+    }
+    if kind == 'cvae':  # FedMHO's label histogram of the client's own samples
+      classes = self.ctx.dataset.num_classes
+      arrays['label_counts'] = [
+        np.stack(
+          [
+            np.bincount(np.asarray(group.fed.y[j, : own[j]]), minlength=classes)
+            for j in range(len(ids))
+          ]
+        ).astype(np.int32)
+      ]
     return (
       ids,
-      {'models': uploads},
+      arrays,
       {
         'loss': [float(v) for v in np.asarray(metrics.loss).reshape(-1)],
         'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
