@@ -121,6 +121,8 @@ def main(argv):
       use_persistent_cache(FLAGS.compilation_cache)
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
+    if FLAGS.flower_supernodes and FLAGS.coordinator:
+      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one', 2)
     if FLAGS.flower_supernodes:
       from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
 

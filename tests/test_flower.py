@@ -242,3 +242,31 @@ def test_hfldd_phases_through_the_transport_give_the_in_process_summary(method):
   # soft labels, KIP (hfldd only), then one exchange per round
   rounds = config.hfldd.rounds
   assert len(bridge.exchange_seconds) == (2 if method == 'hfldd' else 1) + rounds
+
+
+@pytest.mark.parametrize(
+  'method,overrides,message',
+  [
+    ('dynafed', [], 'does not run through Flower'),
+    ('fedavg', ['--config.fedavg.rounds=0'], 'rounds'),
+  ],
+)
+def test_a_bad_deployment_fails_in_one_line_before_any_flower_process(
+  tmp_path, method, overrides, message
+):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  run = subprocess.run(
+    [sys.executable, '-m', 'experiments.main', f'--method={method}', f'--config={SMOKE}']
+    + overrides
+    + [f'--workdir={tmp_path / "w"}', '--flower_supernodes=2'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 1
+  lines = run.stderr.strip().splitlines()
+  assert lines[-1].startswith('error: ') and message in lines[-1]
+  assert not (tmp_path / 'w' / 'flower_logs').exists()  # nothing started

@@ -64,13 +64,17 @@ def load_config(spec: str, overrides):
   return values.config
 
 
-def run_settings(context: Context) -> Tuple[str, str, list, str, int]:
-  rc = context.run_config
-  method = str(rc['method'])
+def require_supported(method: str) -> None:
   if method not in SUPPORTED_METHODS:
     raise ConfigError(
       f'{method} does not run through Flower yet; supported: {", ".join(SUPPORTED_METHODS)}'
     )
+
+
+def run_settings(context: Context) -> Tuple[str, str, list, str, int]:
+  rc = context.run_config
+  method = str(rc['method'])
+  require_supported(method)
   return (
     method,
     str(rc['config']),

@@ -57,11 +57,17 @@ def run_local_deployment(
   timeout_s: float = 3600.0,
 ) -> dict:
   """Runs `method` through a local Flower deployment; returns the run's summary.json."""
+  from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
+  from jfed.flower.apps import load_config, require_supported  # pylint: disable=g-import-not-at-top
+
   if num_supernodes < 1:
     raise ConfigError(f'--flower_supernodes must be at least 1, got {num_supernodes}')
   workdir = pathlib.Path(workdir).absolute()
   path, _, arg = config_spec.partition(':')
   spec = str(pathlib.Path(path).absolute()) + (f':{arg}' if arg else '')
+  # A bad method or config fails here, in one line, before any Flower process starts.
+  require_supported(method)
+  build_algorithm(method, load_config(spec, overrides))
   logs = workdir / 'flower_logs'
   logs.mkdir(parents=True, exist_ok=True)
   home = pathlib.Path(tempfile.mkdtemp(prefix='jfed-flwr-'))
