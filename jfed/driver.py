@@ -647,13 +647,20 @@ _SETUP = 'claim the workdir and load the data'
 def _run_secondary(algorithm: Algorithm, config, workdir) -> RunSummary:
   """A process other than the primary: the same data, partition and steps, no files of its own
   (it shares the primary's workdir, where it takes part in the checkpoints)."""
+  ctx = context_of_config(config, workdir=Workdir(workdir).path)
+  multihost.agree(True, _SETUP)
+  return run(algorithm, ctx, progress=False)
+
+
+def context_of_config(
+  config: ml_collections.ConfigDict, dataset: Optional[Dataset] = None, **context
+) -> RunContext:
+  """The run's context from its config alone: the dataset (loaded unless given), the seeded
+  partition, and `make_context`'s keywords (workdir, client_transport)."""
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
 
-  dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-  parts = partition_clients(config, dataset.train_y)
-  multihost.agree(True, _SETUP)
-  ctx = make_context(config, dataset, parts, Workdir(workdir).path)
-  return run(algorithm, ctx, progress=False)
+  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  return make_context(config, dataset, partition_clients(config, dataset.train_y), **context)
 
 
 def run_in_memory(
@@ -663,9 +670,5 @@ def run_in_memory(
   progress: bool = False,
 ) -> RunSummary:
   """Runs `method` without a workdir (nothing written): for notebooks and quick studies."""
-  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-
   algorithm = build_algorithm(method, config)
-  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-  ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
-  return run(algorithm, ctx, progress)
+  return run(algorithm, context_of_config(config, dataset), progress)

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip('flwr')
 
 from jfed.data.federated import federate  # noqa: E402
+from jfed.engine import sharding  # noqa: E402
 from jfed.errors import ConfigError  # noqa: E402
 from jfed.flower import transport  # noqa: E402
 from tests.support import read_metrics  # noqa: E402
@@ -22,7 +23,7 @@ SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
 
 def test_each_client_is_held_by_exactly_one_supernode():
   for clients, nodes in [(5, 2), (7, 3), (2, 4), (20, 1)]:
-    held = [list(transport.owned_block(clients, p, nodes)) for p in range(nodes)]
+    held = [list(sharding.client_block(clients, p, nodes)) for p in range(nodes)]
     assert sorted(c for block in held for c in block) == list(range(clients))
 
 
@@ -186,13 +187,11 @@ class _InProcessTransport(transport.FlowerTransport):
 
 
 def _smoke_context(**kwargs):
-  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-  from jfed.driver import make_context, partition_clients  # pylint: disable=g-import-not-at-top
+  from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config(SMOKE, ['--config.model=mlp'])
-  dataset = load_dataset('digits')
-  return config, make_context(config, dataset, partition_clients(config, dataset.train_y), **kwargs)
+  return config, context_of_config(config, **kwargs)
 
 
 def test_fedprox_through_the_transport_gives_the_in_process_summary():

@@ -24,6 +24,15 @@ def padded_count(n: int, mesh: Mesh) -> int:
   return -(-n // d) * d
 
 
+def client_block(num_clients: int, index: int, count: int) -> range:
+  """Block `index` of `count` contiguous blocks of the client ids: the clients the index-th of
+  `count` shards holds when a client axis is padded to a multiple of `count` and split evenly
+  (a process's share under `loop`, a Flower SuperNode's clients)."""
+  per_block = -(-num_clients // count)
+  start = min(index * per_block, num_clients)
+  return range(start, min(start + per_block, num_clients))
+
+
 def pad_clients(tree: Any, n_total: int) -> Any:
   """Pads the leading client axis to `n_total` with zeros.
 

@@ -320,19 +320,14 @@ class GroupTrainer:
 
 
 def _process_block(m: int) -> range:
-  """The contiguous block of a group's m clients this process trains under `loop`.
-
-  Blocks follow the mesh's own layout of a sharded client axis (padded to a multiple of the
-  process count), so a process trains the clients whose shards its devices would hold.
-  """
-  per_process = -(-m // jax.process_count())
-  start = jax.process_index() * per_process
-  return range(min(start, m), min(start + per_process, m))
+  """The block of a group's m clients this process trains under `loop`: the clients whose
+  shards its devices would hold on the mesh."""
+  return sharding.client_block(m, jax.process_index(), jax.process_count())
 
 
 def _gather_process_blocks(tree: Any, m: int) -> Any:
   """Every process's trained block of `tree` (leading axis m), all-gathered into one tree."""
-  per_process = -(-m // jax.process_count())
+  per_process = len(sharding.client_block(m, 0, jax.process_count()))
   block = _process_block(m)
 
   def own_block(a):

@@ -112,8 +112,7 @@ _NODES: Dict[Any, flower_transport.NodeTrainer] = {}
 
 @client_app.train()
 def client_train(message: Message, context: Context) -> Message:
-  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-  from jfed.driver import make_context, partition_clients  # pylint: disable=g-import-not-at-top
+  from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
 
   start = time.perf_counter()
   _, spec, overrides, _, _ = run_settings(context)
@@ -121,9 +120,7 @@ def client_train(message: Message, context: Context) -> Message:
   num_partitions = int(context.node_config['num-partitions'])
   key = (spec, tuple(overrides), partition_id, num_partitions)
   if key not in _NODES:  # a ClientApp process that serves several messages builds this once
-    config = load_config(spec, overrides)
-    dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-    ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
+    ctx = context_of_config(load_config(spec, overrides))
     _NODES[key] = flower_transport.NodeTrainer(ctx, partition_id, num_partitions)
   setup_seconds = time.perf_counter() - start
   return Message(_NODES[key].handle(message.content, setup_seconds), reply_to=message)

@@ -32,19 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfed.engine import sharding
 from jfed.engine.state import TrainState
 from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
 
 TRAIN_MESSAGE = 'train'
 OPERATIONS = ('train', 'soft_labels', 'distill')
-
-
-def owned_block(num_clients: int, partition_id: int, num_partitions: int) -> range:
-  """The client ids SuperNode `partition_id` of `num_partitions` holds."""
-  per_node = -(-num_clients // num_partitions)
-  start = min(partition_id * per_node, num_clients)
-  return range(start, min(start + per_node, num_clients))
 
 
 def client_digests(fed, rows: Sequence[int], lengths: Optional[Sequence[int]] = None) -> List[str]:
@@ -374,7 +368,7 @@ class NodeTrainer:
     if not 0 <= partition_id < num_partitions:
       raise ConfigError(f'partition-id {partition_id} is not in [0, {num_partitions})')
     self.ctx = ctx
-    self.owned = owned_block(ctx.num_clients, partition_id, num_partitions)
+    self.owned = sharding.client_block(ctx.num_clients, partition_id, num_partitions)
     self._trainers: Dict[Tuple, Any] = {}
     self._templates: Dict[str, Any] = {}
 
