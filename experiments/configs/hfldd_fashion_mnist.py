@@ -35,22 +35,16 @@ Budget (default, for a 2-core CPU) vs the paper (`paper` variant):
   scaled for the CPU: 100 matching iterations (reference and `paper`: 3000). One iteration
   (150 images x 20 student steps of this CNN, second order) took 6.7 s on the 2 cores at load
   ~2 (issue 12), so 100 iterations are ~11 minutes and 3000 would be ~5.6 hours.
-Measured with every default above (c1, seed 0, CPU, jax 0.10.2, 2 cores shared with the test
-suite; docs/results/hfldd_compare_fashion_c1/), final (best) test accuracy after 30 rounds:
-  HFLDD 80.17% (80.17%; 60% at round 5, 80% at round 28, 112 MiB in all), FedAvg 10.00%
-  (19.48%), FedProx 19.23%, FedSeq 10.00%, DynaFed 10.23% (23.83%), centralized 88.79%
-  (89.80%); 61 minutes for the comparison (DynaFed 24 of them).
-Measured earlier with the default budget and the `indist` public set (seed 0, CPU, 2 cores
-shared with another job; not yet re-measured with the digits public set, issue 12, nor DynaFed
-at the reference settings above: its numbers below are the earlier budget's, a 10-round
-trajectory, ipc 10, 200 iterations, no DSA, the run's SGD, every client), final test
-accuracy after 30 rounds:
-  c1: HFLDD 82.04% (KIP for 90 members x 300 iterations in one jitted program: 198 s; 6 min in
-      all; 80% reached at round 26 with 104 MB of traffic), FedAvg 10.00%, FedProx 12.63%,
-      FedSeq 10.12%, DynaFed 14.24%, centralized 88.08%; 37 minutes for the comparison.
-  c2: HFLDD 78.61% (60% at round 5, 70% at round 11), FedAvg 45.17%, FedProx 60.12%, FedSeq
-      72.12% (at chance until round 10, then rising), DynaFed 59.66%, centralized 88.08%;
-      40 minutes for the comparison.
+Measured with every default above (CPU, jax 0.10.2, 3 seeds, mean ± std; every method on all
+10,000 test images), final (best) test accuracy after 30 rounds:
+  c1 (docs/results/hfldd_compare_fashion_c1/): HFLDD 80.38 ± 0.26% (80.52 ± 0.48%; 60% at
+      round 4.3, 80% at round 28.0, 112 MiB in all), FedAvg 10.01% (23.45%), FedProx 14.72%
+      (24.26%), FedSeq 10.00%, DynaFed 9.67% (20.31%), centralized 89.16% (89.78%);
+      46 minutes per seed on the idle cores (61 and 77 beside other jobs).
+  c2 (docs/results/hfldd_compare_fashion_c2/): HFLDD 78.82 ± 1.01% (78.96 ± 1.09%; 60% at
+      round 5, 70% at round 9.3), FedSeq 65.71 ± 13.08% (leaves chance at round 11-25),
+      FedAvg 55.60%, FedProx 54.38%, DynaFed 50.12% (52.90%), centralized 89.16%; 49-52
+      minutes per seed on the idle cores.
 Those times are per seed: `experiments.hfldd_compare` runs 3 seeds by default (`--seeds`;
 one sweep per seed in parallel and `--merge` to combine them).
 FedSeq near chance at #C=1 is the algorithm, not a bug (BUILD_NOTES.md, "Known gaps").
