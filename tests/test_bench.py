@@ -119,3 +119,47 @@ def test_a_failing_benchmark_is_reported_and_the_others_still_run(tmp_path, monk
   assert '| fake | 2.00 |' in _section(md, 'Model stratification')
   assert 'Failed benchmarks: kip' in md
   assert 'PyTorch reference: skipped: disabled' in md
+
+
+def test_fedhydra_kd_stage_trains_the_same_student_in_both_forms(tmp_path):
+  """The command line of the MS benchmark with only FedHydra's KD pass, at tiny sizes: the
+  per-step-teacher and stored-target forms report times and the Fashion-MNIST extrapolation,
+  and train the same student."""
+  out = tmp_path / 'hydra_kd.json'
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'experiments.bench.model_stratification',
+      '--stages=hydra_kd',
+      '--forms=python',
+      '--clients=2',
+      '--pool=24',
+      '--kd_batch=8',
+      f'--out={out}',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(out.read_text())
+  forms = {r['form']: r for r in result['results']}
+  assert set(forms) == {'per-step teachers', 'stored targets', 'targets'}
+  assert all(r['seconds'] > 0 and r['steps'] == 3 for r in forms.values())
+  minutes = result['meta']['hydra_kd_fashion_minutes']
+  assert set(minutes) == {'per-step teachers', 'stored targets'}
+  assert result['meta']['hydra_kd_max_param_difference'] < 1e-4
+  assert 'FedHydra KD pass over 24 images' in proc.stdout
+
+
+def test_conv_forms_times_every_generator_layer_in_both_forms():
+  from experiments.bench import conv_forms  # pylint: disable=g-import-not-at-top
+
+  result = conv_forms.run(batch=2, ngf=32, repeats=1)
+  assert [r['name'] for r in result['results']] == [
+    layer.name for layer in conv_forms.generator_layers(32)
+  ]
+  assert all(r['lax'] > 0 and r['matmul'] > 0 for r in result['results'])
+  assert '| DENSE conv2 (28x28) | 64 -> 32 |' in result['table_markdown']

@@ -585,11 +585,13 @@ def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
   ],
   ids=['fedhydra', 'dense'],
 )
-def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg):
+@pytest.mark.parametrize('stored_targets', [False, True], ids=['kd_step', 'stored_targets'])
+def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg, stored_targets):
   """One `kd_step` (the step every one-shot method's distillation runs) on a batch with one padded
   row: the loss it reports is, over the real rows, FedHydra's Eq. 19, KL(SA ‖ F_g) + β ·
   CE(F_g, argmax SA) (Eqs. 17–18), or DENSE's T² · KL(mean teacher ‖ student) at T, and the new
-  linear model is one SGD step down that loss's NumPy gradient."""
+  linear model is one SGD step down that loss's NumPy gradient. The same for the path FedHydra's
+  KD runs (`pool_teacher_logits` once per stored image, then `kd_step_on_targets`)."""
   groups, sa, student, s_params, np_teachers, _ = hydra_setup
   rng = np.random.default_rng(5)
   x = rng.random((6, *_HYDRA_SHAPE)).astype(np.float32)
@@ -599,20 +601,29 @@ def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg):
   lr = 0.5
   ts = kd.student_state(spec, ModelState(s_params, {}))
   agg = (jnp.asarray(sa.U_r), jnp.asarray(sa.U_c)) if kcfg.aggregation == 'sa' else None
-  new, loss = kd.kd_step(
-    kcfg,
-    spec,
-    tuple(g.module for g in groups),
-    student,
-    ts,
-    tuple(g.states for g in groups),
-    agg,
-    jnp.asarray(x),
-    jnp.asarray(y),
-    jnp.asarray(mask),
-    jax.random.PRNGKey(0),
-    lr,
-  )
+  modules, states = tuple(g.module for g in groups), tuple(g.states for g in groups)
+  if stored_targets:  # the targets computed once per pool image, then the step without teachers
+    stored = pool.pool_add(pool.pool_init(8, _HYDRA_SHAPE), jnp.asarray(x), jnp.asarray(y))
+    assert kd.targets_depend_only_on_the_image(kcfg)
+    t = kd.pool_teacher_logits(kcfg, modules, states, agg, stored, jnp.arange(6))
+    new, loss = kd.kd_step_on_targets(
+      kcfg, spec, student, ts, jnp.asarray(x), t, jnp.asarray(mask), lr
+    )
+  else:
+    new, loss = kd.kd_step(
+      kcfg,
+      spec,
+      modules,
+      student,
+      ts,
+      states,
+      agg,
+      jnp.asarray(x),
+      jnp.asarray(y),
+      jnp.asarray(mask),
+      jax.random.PRNGKey(0),
+      lr,
+    )
   per_client = np_teachers(x)
   if kcfg.loss == 'fedhydra':
     t = _np_sa(per_client, np.asarray(sa.U_r), np.asarray(sa.U_c), y)

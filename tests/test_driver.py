@@ -112,7 +112,13 @@ ONE_OFF_STEPS = {'coboosting': (2,), 'dynafed': (3,), 'fedcvae_kd': (2,), 'feddf
 PROGRAMS_PER_LOOP_STEP = {'feddf_vote': 2}
 # On CPU these run as Python loops of one jitted step, whose first call must not compile a
 # second program for the later ones (tests/test_compile_once.py).
-LOOP_STEPS = ('jit(_synthesis_step)', 'jit(_ms_step)', 'jit(kd_step)')
+LOOP_STEPS = (
+  'jit(_synthesis_step)',
+  'jit(_ms_step)',
+  'jit(kd_step)',
+  'jit(kd_step_on_targets)',
+  'jit(pool_teacher_logits)',
+)
 
 
 # Resume at a round boundary of the one-shot loop is test_oneshot_methods.py's multi-round DENSE;

@@ -2,6 +2,7 @@
 
 import math
 
+import flax.linen as flax_nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -372,3 +373,50 @@ def test_cnn_mnist_matches_pytorch_dense_cnnmnist():
     ref_eval = ref(xt).numpy()
   ours_eval = model.apply({'params': p, 'batch_stats': upd['batch_stats']}, jnp.asarray(x))
   np.testing.assert_allclose(ours_eval, ref_eval, rtol=1e-4, atol=1e-4)
+
+
+# The generators' convolutions: flax's layers computed as shifted-slice matmuls on CPU.
+@pytest.mark.parametrize(
+  'hw, cin, cout, k, stride',
+  [(7, 40, 36, 4, 2), (14, 33, 64, 4, 2), (5, 32, 32, 3, 2), (6, 32, 32, 5, 3), (9, 32, 8, 3, 1)],
+)
+@pytest.mark.parametrize('impl', ['matmul', 'lax'])
+def test_conv_transpose_is_flax_conv_transpose(hw, cin, cout, k, stride, impl):
+  """layers.ConvTranspose has nn.ConvTranspose(padding='SAME')'s parameters (same names,
+  shapes and initial values from the same key) and outputs and input gradients, in both forms
+  (the matmul form computes each output phase from its own taps)."""
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, hw, hw + 1, cin))
+  ref = flax_nn.ConvTranspose(cout, (k, k), strides=(stride, stride), padding='SAME')
+  mine = layers.ConvTranspose(cout, (k, k), strides=(stride, stride), impl=impl)
+  p_ref, p_mine = ref.init(key, x), mine.init(key, x)
+  jax.tree.map(np.testing.assert_array_equal, p_ref, p_mine)
+  want, got = ref.apply(p_ref, x), mine.apply(p_ref, x)
+  assert got.shape == want.shape == (2, hw * stride, (hw + 1) * stride, cout)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  grad = lambda m: jax.grad(lambda xx: jnp.sum(jnp.sin(m.apply(p_ref, xx))))(x)
+  np.testing.assert_allclose(grad(mine), grad(ref), atol=1e-4)
+
+
+@pytest.mark.parametrize('hw, cin, cout, k, pad', [(28, 32, 33, 3, 1), (10, 40, 32, 5, 2)])
+@pytest.mark.parametrize('impl', ['matmul', 'lax'])
+def test_conv_is_flax_conv(hw, cin, cout, k, pad, impl):
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, hw, hw, cin))
+  ref = flax_nn.Conv(cout, (k, k), padding=pad, use_bias=False)
+  mine = layers.Conv(cout, (k, k), padding=pad, use_bias=False, impl=impl)
+  p_ref = ref.init(key, x)
+  jax.tree.map(np.testing.assert_array_equal, p_ref, mine.init(key, x))
+  np.testing.assert_allclose(mine.apply(p_ref, x), ref.apply(p_ref, x), atol=1e-5)
+
+
+def test_the_matmul_form_is_taken_for_wide_generator_layers_on_cpu_only():
+  on_cpu = jax.default_backend() == 'cpu'
+  assert layers.use_matmul_conv('auto', 128, 64, 28 * 28) == on_cpu  # DENSE conv2 at 28 px
+  assert layers.use_matmul_conv('auto', 128, 128) == on_cpu  # FedHydra's transposed layers
+  assert not layers.use_matmul_conv('auto', 128, 128, 14 * 14)  # as fast as XLA's there
+  assert not layers.use_matmul_conv('auto', 64, 1, 28 * 28)  # an image output layer
+  assert not layers.use_matmul_conv('auto', 16, 32, 14 * 14)  # CNNMnist
+  assert layers.use_matmul_conv('matmul', 1, 1) and not layers.use_matmul_conv('lax', 128, 128)
+  with pytest.raises(ValueError, match='conv impl'):
+    layers.use_matmul_conv('fast', 128, 128)

@@ -422,3 +422,49 @@ def test_feddf_distils_on_an_out_of_domain_source_and_evaluates_on_the_rest_of_t
   val = np.asarray(data.val_x).reshape(30, -1)
   assert np.allclose(((val[:, None, :] - train[None]) ** 2).sum(-1).min(1), 0.0)
   np.testing.assert_array_equal(np.sort(np.asarray(data.eval_y)), np.sort(digits.test_y))
+
+
+def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
+  tmp_path, monkeypatch
+):
+  """FedHydra's KD computes each pool image's SA target once, when the image enters the pool
+  (`oneshot.KDTargets`), instead of at every KD step: over two rounds (new teachers and MS
+  weights in round 2) the records and the result are those of the per-step teachers
+  (`kd_step`), every stored image's target is computed once (plus the padding of a partly
+  filled block), and no step runs the teachers."""
+  from jfed.methods import oneshot  # pylint: disable=g-import-not-at-top
+  from jfed.methods.fedhydra import FedHydra  # pylint: disable=g-import-not-at-top
+
+  config = _config('smoke,rounds=2', model='mlp')
+  calls = {'rows': 0, 'kd_step': 0}
+  teacher_rows, per_step = oneshot.pool_teacher_logits, oneshot.kd_step
+
+  def counted_rows(kcfg, modules, states, agg, pool, idx):
+    calls['rows'] += int(idx.shape[0])
+    return teacher_rows(kcfg, modules, states, agg, pool, idx)
+
+  def counted_step(*args):
+    calls['kd_step'] += 1
+    return per_step(*args)
+
+  monkeypatch.setattr(oneshot, 'pool_teacher_logits', counted_rows)
+  monkeypatch.setattr(oneshot, 'kd_step', counted_step)
+  stored = _run('fedhydra', config, tmp_path / 'stored')
+  records = _epochs(tmp_path / 'stored')
+  assert calls['kd_step'] == 0
+  pool_per_round = max(r['pool_size'] for r in records)
+  block = config.fedhydra.kd_batch
+  assert pool_per_round <= calls['rows'] / 2 <= pool_per_round + len(records) * block
+  monkeypatch.setattr(FedHydra, 'kd_agg_fixed_in_round', False)
+  per_step_run = _run('fedhydra', config, tmp_path / 'per_step')
+  assert calls['kd_step'] == sum(r['kd_steps'] for r in records)
+  reference = _epochs(tmp_path / 'per_step')
+  assert [r['kd_steps'] for r in records] == [r['kd_steps'] for r in reference]
+  np.testing.assert_allclose(
+    [r['kd_loss'] for r in records], [r['kd_loss'] for r in reference], rtol=1e-4
+  )
+  np.testing.assert_allclose(
+    [r['test_accuracy'] for r in records], [r['test_accuracy'] for r in reference], atol=0.01
+  )
+  final = per_step_run['final_test_accuracy']
+  assert stored['final_test_accuracy'] == pytest.approx(final, abs=0.01)

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.model_stratification [--clients=5] [--classes=10] [--T_G=30]
         [--ms_batch=8] [--g_steps=30] [--synthesis_batch=64] [--pool=1024] [--kd_batch=128]
-        [--nz=256] [--ngf=64] [--stages=ms,dense] [--forms=python,loop,batched,torch]
+        [--nz=256] [--ngf=64] [--stages=ms,dense,hydra_kd] [--forms=python,loop,batched,torch]
         [--scan_runs=1] [--seq_runs=0] [--out=FILE.json]
 
 From Python: `run(Sizes(...))` returns the table and raw numbers as a dict
@@ -31,6 +31,12 @@ z, `g_steps` Adam steps on BN (hooks, 'paper' mode) + CE(mean of m teachers) + m
 KL against the student, RandomCrop(4) + HFlip view, best batch kept) then one KD pass over a pool
 of `pool` images (KL T = 20 × T², SGD 0.005 m0.9, HFlip) — jfed (`synthesize` + `distill.kd_step`)
 vs the same in PyTorch.
+Stage 3, FedHydra's KD pass (`hydra_kd`): one shuffled pass over a pool of `pool` images with
+m CNNMnist teachers, SA targets (random MS weights) and Eq. 19, timed as the teachers run at
+every step (`kd_step`), as the steps take targets computed beforehand (`kd_step_on_targets`,
+what FedHydra runs: jfed.methods.oneshot `KDTargets`) and as computing every pool image's
+target once (`pool_teacher_logits`); from these per-image times the report gives FedHydra's KD
+minutes over the fedhydra_fashion_mnist.py CPU budget in both forms.
 
 Timed calls follow a warm-up call on the same runs that compiles (jfed) / warms up (torch); both
 are reported.
@@ -80,7 +86,7 @@ class Sizes(NamedTuple):
   kd_batch: int = 128  # DENSE: 256
   nz: int = 256  # generator noise size (DENSE: 256)
   ngf: int = 64  # generator width (DENSE: 64)
-  stages: Tuple[str, ...] = ('ms', 'dense')
+  stages: Tuple[str, ...] = ('ms', 'dense', 'hydra_kd')
   forms: Tuple[str, ...] = MS_FORMS  # torch also gates the DENSE-epoch reference
   # CPU only: time the lax.scan forms (batched, loop) on this many (client, class) runs of
   # client 0 and extrapolate per generator step (~1 s per step on XLA:CPU); 0: all runs.
@@ -182,6 +188,65 @@ def jfed_dense_epoch(sz, teachers, generator, c: int):
     return t.model.params
 
   return epoch
+
+
+def jfed_hydra_kd(sz, teachers, c: int):
+  """FedHydra's KD pass over the pool (Eq. 19 on SA targets), in its two forms: a function per
+  form, each returning the trained params: 'per-step teachers' (`kd_step`, the teachers run at
+  every step), 'stored targets' (`kd_step_on_targets` on targets computed beforehand) and
+  'targets' (`pool_teacher_logits` over the whole pool, what stored targets cost per image)."""
+  from jfed.distill import committed, epoch_batches, gather_batch, kd_step, pool_add, pool_init
+  from jfed.distill.kd import (
+    KDConfig,
+    gather_batch_with_targets,
+    kd_step_on_targets,
+    pool_teacher_logits,
+    student_state,
+  )
+  from jfed.engine import init_model
+  from jfed.engine.optim import OptimizerSpec
+
+  student_module = teachers.module
+  student = init_model(student_module, SHAPE, jax.random.PRNGKey(2))
+  kcfg = KDConfig(loss='fedhydra', T=1.0, aggregation='sa')
+  ocfg = OptimizerSpec('sgd', lr=0.01, momentum=0.9)
+  rng = np.random.default_rng(0)
+  pool = pool_init(sz.pool, SHAPE, quantize=True)
+  labels = rng.integers(0, c, sz.pool).astype(np.int32)
+  pool = committed(pool_add(pool, jnp.asarray(rng.random((sz.pool, *SHAPE), np.float32)), labels))
+  u = rng.uniform(0.1, 2.0, (c, sz.clients))
+  agg = committed((jnp.asarray(u / u.sum(1, keepdims=True)), jnp.asarray(u / u.sum(0))))
+  teachers = teachers._replace(states=committed(teachers.states))
+  ts = committed(student_state(ocfg, student))
+  modules, states = (teachers.module,), (teachers.states,)
+  idx, mask = epoch_batches(pool, np.random.default_rng(1), sz.kd_batch)
+
+  def targets():
+    out = []
+    for b in range(idx.shape[0]):
+      out.append(pool_teacher_logits(kcfg, modules, states, agg, pool, jnp.asarray(idx[b])))
+    return jnp.zeros((sz.pool, c)).at[jnp.asarray(idx.reshape(-1))].set(jnp.concatenate(out))
+
+  stored = targets()
+
+  def per_step():
+    t = ts
+    for b in range(idx.shape[0]):
+      x, y = gather_batch(pool, jnp.asarray(idx[b]))
+      t, _ = kd_step(
+        kcfg, ocfg, modules, student_module, t, states, agg, x, y, jnp.asarray(mask[b]),
+        jax.random.PRNGKey(b), 0.01,
+      )  # fmt: skip
+    return t.model.params
+
+  def on_targets():
+    t = ts
+    for b in range(idx.shape[0]):
+      x, tb = gather_batch_with_targets(pool, stored, jnp.asarray(idx[b]))
+      t, _ = kd_step_on_targets(kcfg, ocfg, student_module, t, x, tb, jnp.asarray(mask[b]), 0.01)
+    return t.model.params
+
+  return {'per-step teachers': per_step, 'stored targets': on_targets, 'targets': targets}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,6 +540,31 @@ def run(sz: Sizes = Sizes()) -> dict:
         }
       )
       log(f'    first {first:.1f} s, second {second:.1f} s')
+  if 'hydra_kd' in sz.stages:
+    log(f'  FedHydra KD pass over {sz.pool} images, {sz.clients} teachers, SA targets')
+    trained = {}
+    for form, fn in jfed_hydra_kd(sz, teachers, c).items():
+      first, second, trained[form] = twice(fn)
+      rows.append(
+        {
+          'stage': 'FedHydra KD',
+          'form': form,
+          'first_s': first,
+          'seconds': second,
+          'ms_per_step': 1e3 * second / math.ceil(sz.pool / sz.kd_batch),
+          'steps': math.ceil(sz.pool / sz.kd_batch),
+          'load_average': load_average(),
+        }
+      )
+      log(f'    {form}: first {first:.1f} s, second {second:.2f} s')
+    meta['hydra_kd_fashion_minutes'] = hydra_kd_fashion_minutes(rows, sz.pool)
+    # the two forms must train the same student (float rounding apart)
+    meta['hydra_kd_max_param_difference'] = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(
+        jax.tree.leaves(trained['per-step teachers']), jax.tree.leaves(trained['stored targets'])
+      )
+    )
   meta['total_seconds'] = time.perf_counter() - t_start
   meta['load_average_end'] = load_average()
   _add_ratios(rows)
@@ -484,6 +574,21 @@ def run(sz: Sizes = Sizes()) -> dict:
     'results': rows,
     'headline': headline(meta, rows),
     'table_markdown': report(meta, rows),
+  }
+
+
+def hydra_kd_fashion_minutes(rows, pool: int, epochs: int = 30, per_epoch: int = 30 * 64):
+  """FedHydra's KD minutes over the fedhydra_fashion_mnist.py CPU budget (T_g = 30 epochs, each
+  adding T_G × 64 = 1,920 images; epoch e distils on e × 1,920), from the measured seconds per
+  pool image: per-step teachers vs stored targets (each image's target computed once)."""
+  per_image = {r['form']: r['seconds'] / pool for r in rows if r['stage'] == 'FedHydra KD'}
+  distilled = per_epoch * epochs * (epochs + 1) / 2  # images distilled over the T_g epochs
+  return {
+    'per-step teachers': distilled * per_image['per-step teachers'] / 60,
+    'stored targets': (
+      distilled * per_image['stored targets'] + per_epoch * epochs * per_image['targets']
+    )
+    / 60,
   }
 
 
@@ -530,7 +635,7 @@ def headline(meta, rows):
 def report(meta, rows) -> str:
   sz = meta['sizes']
   lines = [
-    '### Model stratification (FedHydra MS) and one DENSE epoch',
+    "### Model stratification (FedHydra MS), one DENSE epoch and FedHydra's KD pass",
     '',
     f'MS: m={sz["clients"]} CNNMnist clients x c={sz["classes"]} classes, T_G={sz["T_G"]}, '
     f'batch {sz["ms_batch"]}, DENSE generator nz={sz["nz"]} ngf={sz["ngf"]}, 28x28x1. FedHydra '
@@ -556,6 +661,9 @@ def report(meta, rows) -> str:
     'python': 'jfed python (per-run jitted steps)',
     'torch': 'PyTorch (reference structure, one run at a time)',
     'jfed': 'jfed (synthesize + distill.kd_step)',
+    'per-step teachers': 'jfed kd_step (teachers at every step)',
+    'stored targets': 'jfed kd_step_on_targets (targets given)',
+    'targets': 'jfed pool_teacher_logits (every pool image once)',
   }
   for r in rows:
     name = names[r['form']]
@@ -588,6 +696,19 @@ def report(meta, rows) -> str:
     'lax.scan forms run one run of client 0: `scan_runs`; elsewhere the one-run-at-a-time '
     'forms run the first `seq_runs` runs).'
   )
+  kd = meta.get('hydra_kd_fashion_minutes')
+  if kd:
+    by = {r['form']: r['seconds'] for r in rows if r['stage'] == 'FedHydra KD'}
+    lines.append(
+      f'- FedHydra KD pass over {sz["pool"]} images: per-step teachers '
+      f'{by["per-step teachers"]:.2f} s, stored targets {by["stored targets"]:.2f} s '
+      f'(+ {by["targets"]:.2f} s to compute every target once): '
+      f'{by["per-step teachers"] / by["stored targets"]:.2f}x per pass, largest difference '
+      f'between the two trained students {meta["hydra_kd_max_param_difference"]:.1e}. Over the '
+      'fedhydra_fashion_mnist.py CPU budget (30 epochs of 1,920 new images, 892,800 images '
+      f'distilled): **{kd["per-step teachers"]:.1f} min** per-step vs **{kd["stored targets"]:.1f} '
+      'min** stored.'
+    )
   lines.append(f'- total {meta["total_seconds"]:.0f} s')
   return '\n'.join(lines)
 
@@ -606,7 +727,7 @@ def define_flags():
   flags.DEFINE_integer('kd_batch', d.kd_batch, 'KD batch size (DENSE: 256).')
   flags.DEFINE_integer('nz', d.nz, 'Generator noise size (DENSE: 256).')
   flags.DEFINE_integer('ngf', d.ngf, 'Generator width (DENSE: 64).')
-  flags.DEFINE_list('stages', list(d.stages), 'Stages to run: ms, dense.')
+  flags.DEFINE_list('stages', list(d.stages), 'Stages to run: ms, dense, hydra_kd.')
   flags.DEFINE_list('forms', list(d.forms), 'MS forms: python, loop, batched, torch.')
   flags.DEFINE_integer(
     'scan_runs',
@@ -619,6 +740,9 @@ def define_flags():
     d.seq_runs,
     'Time the one-run-at-a-time forms (python, loop, torch) on the first this many runs and '
     'extrapolate; 0 = all runs.',
+  )
+  flags.DEFINE_integer(
+    'chunk_size', 0, 'Batched MS form: lax.map over chunks of this many runs (0: one vmap).'
   )
   flags.DEFINE_integer('torch_threads', 0, 'PyTorch intra-op threads (0: one per CPU).')
   flags.DEFINE_string('out', None, 'Optional JSON file for the table and the raw numbers.')
@@ -633,6 +757,7 @@ def main(argv):
   sz = Sizes(
     **{k: (tuple(getattr(f, k)) if k in ('stages', 'forms') else getattr(f, k)) for k in fields}
   )
+  sz = sz._replace(chunk_size=sz.chunk_size or None)
   result = run(sz)
   print(result['table_markdown'])
   if f.out:

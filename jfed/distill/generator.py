@@ -15,6 +15,10 @@ The module's initialisers are DENSE's `reset_model` distribution: Conv/Dense ker
 biases 0, BN scale ~ N(1, 0.02), BN bias 0. `dense_generator_init` draws the same distribution with
 a single random call (fast to compile) and is what synthesis / model stratification use; it is
 jittable and vmappable over keys (MS initialises m·c generators in one call).
+
+The convolutions are `jfed.models.layers.Conv` / `ConvTranspose`: flax's parameters and numbers,
+computed on CPU as shifted-slice matmuls where XLA:CPU's convolutions are several times slower
+(the wide layers; BUILD_NOTES, "Generator convolutions on CPU").
 """
 
 import functools
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jfed.engine.state import ModelState
+from jfed.models.layers import Conv, ConvTranspose
 
 GEN_BN_MOMENTUM = 0.9  # PyTorch momentum 0.1
 GEN_BN_EPSILON = 1e-5
@@ -76,14 +81,14 @@ class DenseGenerator(nn.Module):
     x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
     x = _generator_bn(train, 'bn0')(x)
     x = upsample_nearest_2x(x)
-    x = nn.Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv1')(x)
+    x = Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv1')(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn1')(x), 0.2)
     x = upsample_nearest_2x(x)
-    x = nn.Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
+    x = Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn2')(x), 0.2)
-    x = nn.Conv(
-      c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit, name='conv3'
-    )(x)
+    x = Conv(c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit, name='conv3')(
+      x
+    )
     return nn.sigmoid(x)
 
 
@@ -126,11 +131,10 @@ class FedHydraGenerator(nn.Module):
     widths = (2 * self.ngf, self.ngf, c)
     for i, (features, stride) in enumerate(zip(widths, strides)):
       x = nn.leaky_relu(_generator_bn(train, f'bn{i}')(x), 0.2)
-      x = nn.ConvTranspose(
+      x = ConvTranspose(
         features,
         (4, 4) if stride == 2 else (3, 3),
         strides=(stride, stride),
-        padding='SAME',
         kernel_init=kinit,
         bias_init=binit,
         name=f'convt{i}',

@@ -55,6 +55,7 @@ class DenseConfig(NamedTuple):
 class Dense(oneshot.DistillationAlgorithm):
   """Fresh generator per epoch, mean-logit teacher, KD over the whole synthetic pool."""
 
+  kd_agg_fixed_in_round = True
   section = 'dense'
   Config = DenseConfig
 

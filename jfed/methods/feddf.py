@@ -144,6 +144,7 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
 class FedDF(oneshot.DistillationAlgorithm):
   """FedAvg start, mean-logit teacher on unlabelled data, best-on-validation student."""
 
+  kd_agg_fixed_in_round = True
   section = 'feddf'
   Config = FedDFConfig
 

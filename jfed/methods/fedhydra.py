@@ -152,6 +152,7 @@ def _file_name(stem: str, r: int, ext: str) -> str:
 class FedHydra(oneshot.DistillationAlgorithm):
   """Model stratification, then HASA: SA-guided synthesis and Eq. 19 distillation."""
 
+  kd_agg_fixed_in_round = True
   section = 'fedhydra'
   Config = FedHydraConfig
 

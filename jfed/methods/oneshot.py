@@ -30,7 +30,13 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
      c. distillation (`jfed.distill.kd_step`): the student takes optimiser steps on KD batches
         — the whole pool in shuffled batches (`kd_data='pool'`, DENSE), only the batch
         synthesised this epoch (`'batch'`, FedHydra Algorithm 1 read literally) or
-        `steps_per_epoch` batches of a fixed unlabelled set (`'fixed'`, FedDF);
+        `steps_per_epoch` batches of a fixed unlabelled set (`'fixed'`, FedDF). Where a stored
+        image's teacher target cannot change within the round (the method's teacher weights
+        are fixed for the round, no random KD view or ODS, eval-mode teachers: FedHydra's and
+        DENSE-without-augmentation's case) the targets are computed once per image when it
+        enters the pool (`KDTargets`, not checkpointed: rebuilt on resume) and the steps run
+        `kd_step_on_targets`: the same numbers without a teacher forward pass per step, which
+        with FedHydra's every-intermediate pool is most of its KD time;
      d. test accuracy of the student; the method's `after_epoch` hook (FedDF: validation,
         best-on-val model, early stop: the remaining steps of a stopped round change nothing
         and record nothing);
@@ -72,7 +78,13 @@ from jfed.distill import (
   student_state,
   synthesize,
 )
-from jfed.distill.kd import KD_AUGMENT
+from jfed.distill.kd import (
+  KD_AUGMENT,
+  gather_batch_with_targets,
+  kd_step_on_targets,
+  pool_teacher_logits,
+  targets_depend_only_on_the_image,
+)
 from jfed.distill.synthesis import SynthesisConfig
 from jfed.driver import Algorithm
 from jfed.engine import ModelState
@@ -208,6 +220,15 @@ class RoundData(NamedTuple):
   data: Any  # the method's `round_data` (FedHydra MS, Co-Boosting client ids, ...)
 
 
+class KDTargets(NamedTuple):
+  """The aggregated teacher logits of every pool slot for round `round`, valid for the images
+  the pool held when its counter read `count` (see `DistillationAlgorithm._pool_targets`)."""
+
+  round: int
+  count: int
+  logits: Any  # [capacity, classes]
+
+
 class DistillAux:
   """The run's constants and a cache of the current round's `RoundData` (not checkpointed)."""
 
@@ -226,6 +247,7 @@ class DistillAux:
     self.random_student, self.evaluator = random_student, evaluator
     self.eval_x, self.eval_y, self.data = eval_x, eval_y, data
     self.round_cache: Dict[int, RoundData] = {}
+    self.kd_targets: Optional[KDTargets] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +261,9 @@ class DistillationAlgorithm(Algorithm):
   """
 
   step_name = 'epoch'
+  # Whether `kd_agg` stays the same through a round (not Co-Boosting's per-epoch weights), so
+  # that a stored image's teacher target can be computed once (`_pool_targets`).
+  kd_agg_fixed_in_round = False
 
   # -- what a method says --------------------------------------------------------------------
   def settings(self, ctx: RunContext) -> Settings:
@@ -625,6 +650,9 @@ class DistillationAlgorithm(Algorithm):
     modules = tuple(t.module for t in rd.teachers)
     t_states = tuple(t.states for t in rd.teachers)
     agg = self.kd_agg(state, rd)
+    targets = None
+    if self.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
+      targets = self._pool_targets(aux, r, pool, modules, t_states, agg)
     ts, losses = state.student, []
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
@@ -632,19 +660,24 @@ class DistillationAlgorithm(Algorithm):
     for b in range(idx.shape[0]):
       if s.opt.schedule == 'cosine':
         lr = scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe)
-      ts, loss = kd_step(
-        s.kd,
-        s.opt,
-        modules,
-        aux.student_module,
-        ts,
-        t_states,
-        agg,
-        *gather_batch(pool, jnp.asarray(idx[b])),
-        jnp.asarray(mask[b]),
-        jax.random.fold_in(kd_key, b),
-        lr,
-      )
+      batch_idx, batch_mask = jnp.asarray(idx[b]), jnp.asarray(mask[b])
+      if targets is not None:
+        x, t = gather_batch_with_targets(pool, targets, batch_idx)
+        ts, loss = kd_step_on_targets(s.kd, s.opt, aux.student_module, ts, x, t, batch_mask, lr)
+      else:
+        ts, loss = kd_step(
+          s.kd,
+          s.opt,
+          modules,
+          aux.student_module,
+          ts,
+          t_states,
+          agg,
+          *gather_batch(pool, batch_idx),
+          batch_mask,
+          jax.random.fold_in(kd_key, b),
+          lr,
+        )
       losses.append(loss)
     record.update(
       {
@@ -655,6 +688,34 @@ class DistillationAlgorithm(Algorithm):
       }
     )
     return state._replace(student=ts), record, images
+
+  def _pool_targets(self, aux: DistillAux, r: int, pool, modules, t_states, agg):
+    """The teacher logits of every filled slot of `pool`, computing only the slots written
+    since the last call of round r (all of them on a new round or after a resume).
+
+    Slots are computed in aligned blocks of `kd_batch` (one compiled shape), so a slot's logits
+    do not depend on when it was computed: a resumed run keeps the numbers of an uninterrupted
+    one.
+    """
+    count, capacity, block = int(pool.count), pool.capacity, aux.settings.kd_batch
+    cached = aux.kd_targets
+    if cached is not None and cached.round == r and cached.count <= count:
+      new = min(count - cached.count, capacity)
+      slots = (cached.count + np.arange(new)) % capacity
+      logits = cached.logits
+    else:
+      slots = np.arange(min(count, capacity))
+      logits = None
+    for start in np.unique(slots // block) * block:
+      idx = jnp.asarray(np.minimum(start + np.arange(block), capacity - 1), jnp.int32)
+      t = pool_teacher_logits(aux.settings.kd, modules, t_states, agg, pool, idx)
+      if logits is None:
+        logits = jnp.zeros((capacity, t.shape[-1]), t.dtype)
+      logits = logits.at[idx].set(t)
+    if logits is None:  # an empty pool: no KD batch reads it
+      logits = jnp.zeros((capacity, aux.student_module.num_classes), jnp.float32)
+    aux.kd_targets = KDTargets(r, count, logits)
+    return logits
 
   # -- figures -------------------------------------------------------------------------------
   def _save_samples(self, ctx: RunContext, images, r: int) -> None:

@@ -193,3 +193,128 @@ def global_avg_pool(x):
 def flatten(x):
   """[B, ...] -> [B, prod(...)]."""
   return x.reshape((x.shape[0], -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions as shifted-slice matmuls (XLA:CPU)
+# ---------------------------------------------------------------------------------------------
+CONV_IMPLS = ('auto', 'lax', 'matmul')
+# 'auto' takes the matmul form on CPU for every transposed convolution and for convolutions
+# with a 28×28 or larger output, where both channel counts reach MATMUL_MIN_CHANNELS: there
+# XLA:CPU's own convolutions are 3-8× slower (BUILD_NOTES, "Generator convolutions on CPU"),
+# while with few channels (CNNMnist, an image output layer) or small maps they are as fast or
+# faster than the matmul.
+MATMUL_MIN_CHANNELS = 32
+MATMUL_MIN_CONV_PIXELS = 28 * 28
+
+
+def use_matmul_conv(impl: str, in_features: int, features: int, out_pixels: int = 0) -> bool:
+  """Whether a convolution (out_pixels: its output map's H·W) or a transposed convolution
+  (out_pixels 0) runs as shifted-slice matmuls."""
+  if impl not in CONV_IMPLS:
+    raise ValueError(f'conv impl {impl!r}; valid: {CONV_IMPLS}')
+  if impl != 'auto':
+    return impl == 'matmul'
+  if jax.default_backend() != 'cpu' or min(in_features, features) < MATMUL_MIN_CHANNELS:
+    return False
+  return out_pixels == 0 or out_pixels >= MATMUL_MIN_CONV_PIXELS
+
+
+def _taps_matmul(xp, kernel_taps, offsets, out_h: int, out_w: int):
+  """Σ over taps of xp[:, dy + q, dx + p, :] @ kernel_tap, as one matmul of the concatenated
+  shifted slices ([B, out_h, out_w, taps·C_in] @ [taps·C_in, C_out])."""
+  cols = jnp.concatenate([xp[:, dy : dy + out_h, dx : dx + out_w, :] for dy, dx in offsets], -1)
+  return cols @ jnp.concatenate(kernel_taps, 0)
+
+
+def conv_transpose_padding(k: int, s: int) -> Tuple[int, int]:
+  """lax.conv_transpose's 'SAME' padding of the stride-dilated input for kernel k, stride s."""
+  pad_len = k + s - 2
+  pad_lo = k - 1 if s > k - 1 else math.ceil(pad_len / 2)
+  return pad_lo, pad_len - pad_lo
+
+
+def conv_transpose_matmul(x, kernel, strides: Tuple[int, int]):
+  """flax ConvTranspose(padding='SAME', transpose_kernel=False) as one shifted-slice matmul per
+  output phase (sub-pixel form): output row s·q + r sums x[q + d_t]·w[t] over the taps t whose
+  stride-dilated position lands on it, so no multiply touches a dilation zero."""
+  (kh, kw), (sh, sw) = kernel.shape[:2], strides
+  h, w = x.shape[1], x.shape[2]
+
+  def phase_taps(k, s):  # per output phase r: [(tap t, input offset d_t)]
+    lo, _ = conv_transpose_padding(k, s)
+    return [[(t, (r + t - lo) // s) for t in range(k) if (r + t - lo) % s == 0] for r in range(s)]
+
+  rows, cols = phase_taps(kh, sh), phase_taps(kw, sw)
+  offs_y = [d for taps in rows for _, d in taps]
+  offs_x = [d for taps in cols for _, d in taps]
+  py = (max(0, -min(offs_y)), max(0, max(offs_y)))
+  px = (max(0, -min(offs_x)), max(0, max(offs_x)))
+  xp = jnp.pad(x, ((0, 0), py, px, (0, 0)))
+  phases = []
+  for ty in rows:
+    row = []
+    for tx in cols:
+      taps = [(a, b) for a in ty for b in tx]
+      offsets = [(dy + py[0], dx + px[0]) for (_, dy), (_, dx) in taps]
+      row.append(_taps_matmul(xp, [kernel[a, b] for (a, _), (b, _) in taps], offsets, h, w))
+    phases.append(jnp.stack(row, 3))  # [B, h, w, sw, C]
+  y = jnp.stack(phases, 2)  # [B, h, sh, w, sw, C]
+  return y.reshape(x.shape[0], h * sh, w * sw, kernel.shape[-1])
+
+
+class Conv(nn.Module):
+  """nn.Conv (stride 1, symmetric integer padding) with the same parameters ('kernel' [kh, kw,
+  C_in, C_out], 'bias'), computed as a shifted-slice matmul where `impl` says so."""
+
+  features: int
+  kernel_size: Tuple[int, int]
+  padding: int = 0
+  use_bias: bool = True
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros
+  impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x):
+    kh, kw = self.kernel_size
+    kernel = self.param('kernel', self.kernel_init, (kh, kw, x.shape[-1], self.features))
+    p = self.padding
+    out_h, out_w = x.shape[1] + 2 * p - kh + 1, x.shape[2] + 2 * p - kw + 1
+    if use_matmul_conv(self.impl, x.shape[-1], self.features, out_h * out_w):
+      xp = jnp.pad(x, ((0, 0), (p, p), (p, p), (0, 0)))
+      offsets = [(i, j) for i in range(kh) for j in range(kw)]
+      y = _taps_matmul(xp, [kernel[i, j] for i, j in offsets], offsets, out_h, out_w)
+    else:
+      y = jax.lax.conv_general_dilated(
+        x, kernel, (1, 1), ((p, p), (p, p)), dimension_numbers=('NHWC', 'HWIO', 'NHWC')
+      )
+    if self.use_bias:
+      y = y + self.param('bias', self.bias_init, (self.features,))
+    return y
+
+
+class ConvTranspose(nn.Module):
+  """nn.ConvTranspose(padding='SAME') with the same parameters, computed per output phase as a
+  shifted-slice matmul (`conv_transpose_matmul`) where `impl` says so."""
+
+  features: int
+  kernel_size: Tuple[int, int]
+  strides: Tuple[int, int] = (1, 1)
+  use_bias: bool = True
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros
+  impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', self.kernel_init, (*self.kernel_size, x.shape[-1], self.features))
+    if use_matmul_conv(self.impl, x.shape[-1], self.features):
+      y = conv_transpose_matmul(x, kernel, self.strides)
+    else:
+      y = jax.lax.conv_transpose(
+        x, kernel, self.strides, 'SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC')
+      )
+    if self.use_bias:
+      y = y + self.param('bias', self.bias_init, (self.features,))
+    return y
