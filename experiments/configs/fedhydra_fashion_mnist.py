@@ -24,18 +24,18 @@ Budgets (get_config(arg), comma-separated):
             every method is scored on all 10,000 test images. Measured before Co-Boosting's
             synthesis was un-augmented, FedDF's source and teacher BN changed and FedHydra got
             the paper's generator (issue 12: to be re-measured), seed 0, CPU, jax
-            0.10.2; `--partitions=dir0.5,dir0.1,2c/c`, ~2 h per seed on 2 shared cores; the
+            0.10.2; `--partitions=dir0.5,dir0.1,2c/c`, then ~2 h per seed on 2 shared cores; the
             command runs 3 seeds by default, `--seeds`), final
             test accuracy % at Dir(0.5) / Dir(0.1) / 2c/c:
               FedAvg 48.33 / 41.70 / 28.18, OT 48.95 / 42.36 / 28.18,
               FedDF 53.78 / 41.92 / 29.00, DENSE 47.93 / 34.83 / 24.86,
               Co-Boosting 54.11 / 40.83 / 26.74, FedHydra 53.98 / 43.57 / 32.00
             (paper, its budget: FedHydra 77.20 / 50.48 / 39.06; the gaps are discussed in
-            BUILD_NOTES.md). Time per partition (the distillation epochs summed; the cores
-            were shared with other jobs for most of the sweep): local training 5-7 min
-            (shared by all methods; one-shot FedAvg averages those models), FedDF 1.6-2.4
-            min, DENSE 6-9 min, Co-Boosting 7-15 min, FedHydra 8-13 min with MS (1.4-2.6
-            min), OT seconds.
+            BUILD_NOTES.md). Time per partition with the current defaults (seed 0,
+            Dir(0.5), 2 cores, 2026-11-25): local training 11.5 min (shared by all methods;
+            one-shot FedAvg averages those models), FedDF 8.6 min, DENSE ~16.5 min,
+            Co-Boosting 22.5 min, FedHydra ~30 min (MS 3.2 min, then 34-70 s per epoch as
+            its every-intermediate pool grows), OT seconds: about 4.5 h per seed.
   paper     seed 000 §4.1.5: E = 200 local epochs, T_g = 200 distillation epochs, T_G = 30,
             synthesis / MS batch 256, FedDF 10,000 steps (accelerator budget; hours on a GPU).
   smoke     checks the pipeline on the real data (1 local epoch, 2 distillation epochs of 5
