@@ -7,6 +7,11 @@ and one optimiser step (`jfed.engine.optim`, with the learning rate set by the c
 step). It is jitted at module level, so one process compiles it once per (settings,
 architectures, batch shape): it takes the gathered batch rather than the pool, whose capacity
 (epochs × synthesis batch) would otherwise make every budget compile its own step.
+
+Where a stored image's target cannot change within a round (`targets_depend_only_on_the_image`
+and teacher weights fixed for the round: FedHydra's defaults), the loop computes the targets
+once per image (`pool_teacher_logits`) and steps with `kd_step_on_targets`, the same student
+update without the teachers.
 """
 
 import functools
