@@ -39,7 +39,6 @@ OUTs written before the seeds (OUT/<partition>/<method>/, one seed) are not read
 results.json is refused, so give such a sweep a new --out.
 """
 
-import datetime
 import json
 import pathlib
 import traceback
@@ -48,6 +47,7 @@ from typing import Dict, List, Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import seed_tables
 from experiments.seed_tables import (
   curve_stats,
   mean_std,
@@ -328,7 +328,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'seeds': [] if merge else seeds,
   }
   results_path = out / 'results.json'

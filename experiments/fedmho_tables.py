@@ -29,7 +29,6 @@ Fig. 9 grid of the first FedMHO-MD run (five kept and five removed samples per c
 that fails is counted as 'error' (its message in results.json) and the sweep goes on.
 """
 
-import datetime
 import json
 import pathlib
 import shutil
@@ -39,6 +38,7 @@ from typing import Dict, List, NamedTuple
 from absl import app, flags
 import numpy as np
 
+from experiments import seed_tables
 from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
 
 FLAGS = flags.FLAGS
@@ -297,7 +297,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'budget': budget,
     'seeds': seeds,
   }

@@ -34,7 +34,6 @@ then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (with the same --config/--bud
 directories stay where they ran.
 """
 
-import datetime
 import json
 import pathlib
 import traceback
@@ -43,6 +42,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 from absl import app, flags
 import numpy as np
 
+from experiments import seed_tables
 from experiments.seed_tables import (
   load_config_module,
   percent_stats_each,
@@ -323,7 +323,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'budget': budget,
     'seeds': seeds,
   }

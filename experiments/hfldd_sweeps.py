@@ -39,7 +39,6 @@ override is refused.
 """
 
 import ast
-import datetime
 import json
 import pathlib
 import sys
@@ -49,6 +48,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 from absl import app, flags, logging
 import numpy as np
 
+from experiments import seed_tables
 from experiments.seed_tables import (
   curve_stats,
   load_config_module,
@@ -420,7 +420,7 @@ def run_sweep(
     'overrides': list(overrides),
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'seeds': [] if merge else seeds,
   }
 

@@ -28,7 +28,6 @@ OUT/results.json, the latter after every finished part: rerunning the command sk
 the other (results.json is read at the start).
 """
 
-import datetime
 import json
 import pathlib
 import time
@@ -37,6 +36,7 @@ from typing import Any, Dict, List, Sequence
 from absl import app, flags, logging
 import numpy as np
 
+from experiments import seed_tables
 from experiments.configs import hfldd_digits, hfldd_fashion_mnist
 from experiments.seed_tables import mean_std, value_stats
 
@@ -534,7 +534,7 @@ def run_analysis(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'commands': commands,
     'smoke': bool(smoke),
     'settings': mine,

@@ -18,7 +18,6 @@ A failed run is recorded as 'error' and the sweep goes on. Seeds in parallel: on
 seed into its own OUT, then `--merge=OUT1,OUT2 --out=OUT0` writes the tables of all of them.
 """
 
-import datetime
 import json
 import pathlib
 import traceback
@@ -26,6 +25,7 @@ from typing import Dict, Sequence
 
 from absl import app, flags, logging
 
+from experiments import seed_tables
 from experiments.seed_tables import (
   load_config_module,
   mean_std,
@@ -187,7 +187,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': datetime.date.today().isoformat(),
+    'date': seed_tables.report_date(),
     'config': config_arg,
     'seeds': sorted(seeds),
   }

@@ -1,10 +1,12 @@
 """What the table commands over seeds share (fedmho_tables, fedtsa_tables, fedhydra_tables,
 hfldd_compare, hfldd_sweeps): loading the config file they sweep, the mean ± sample std over
 seeds of an accuracy (or any number), as text and for plots (one panel or several), and
-results.json records keyed by seed."""
+results.json records keyed by seed, and the date a report is stamped with."""
 
+import datetime
 import importlib.util
 import json
+import os
 import pathlib
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -22,6 +24,19 @@ def load_config_module(path: str, name: str):
   if not hasattr(module, 'get_config'):
     raise app.UsageError(f'--config={path!r} has no get_config')
   return module
+
+
+def report_date() -> str:
+  """The ISO date a rendered report carries: today, or the reproducible-builds convention's
+  SOURCE_DATE_EPOCH (seconds, UTC) where it is set, so that a re-render after midnight (a resumed
+  sweep, the tests) gives the same bytes."""
+  epoch = os.environ.get('SOURCE_DATE_EPOCH')
+  if epoch:
+    try:
+      return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc).date().isoformat()
+    except (ValueError, OverflowError, OSError) as e:
+      raise app.UsageError(f'SOURCE_DATE_EPOCH={epoch!r} is not a count of seconds') from e
+  return datetime.date.today().isoformat()
 
 
 def value_stats(values: Sequence[float], scale: float = 1.0) -> Tuple[float, float]:

@@ -3,7 +3,8 @@
 Four fake CPU devices, so sharded code (client training, KIP, model stratification) is exercised
 on any machine. Many tests compile the same small programs (the same model and step on digits)
 in new trainer objects or new processes; the persistent cache turns those recompilations into
-disk reads. The environment variables reach the `experiments.main` subprocesses too.
+disk reads. Rendered reports carry a fixed date. The environment variables reach the
+`experiments.main` subprocesses too.
 """
 
 import gc
@@ -19,6 +20,9 @@ os.environ.setdefault(
 )
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('MPLBACKEND', 'Agg')
+# Reports are stamped with this date (2026-01-01), not today's: a test that renders a table, then
+# resumes and renders it again must not fail for the clock passing midnight between the two.
+os.environ.setdefault('SOURCE_DATE_EPOCH', '1767225600')
 _CACHE = os.environ.setdefault(
   'JAX_COMPILATION_CACHE_DIR', str(pathlib.Path(tempfile.gettempdir()) / 'jfed-test-jax-cache')
 )

@@ -177,6 +177,7 @@ def test_fedmho_tables_sweep_shares_clients_averages_seeds_and_resumes(tmp_path)
   assert (tmp_path / 'table3.png').exists()
   # rerunning skips the finished runs and reproduces the same numbers
   assert fedmho_tables.run_sweep(*args) == table
+  assert '2026-01-01' in table  # conftest's SOURCE_DATE_EPOCH, not the clock
 
 
 FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
@@ -274,6 +275,25 @@ def test_seed_statistics_match_the_statistics_module():
   np.testing.assert_allclose(stds, [statistics.stdev(pct), 0.0, 0.0])
   assert np.isnan(means[2])
   assert seed_tables.percent_stats_each([])[0].shape == (0,)
+
+
+def test_reports_carry_source_date_epoch_or_today(monkeypatch):
+  """SOURCE_DATE_EPOCH (UTC seconds) fixes the stamped date, so a render after midnight matches
+  one before it; unset, the date is today's; garbage is a one-line usage error."""
+  import datetime  # pylint: disable=g-import-not-at-top
+
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  from experiments import seed_tables  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setenv('SOURCE_DATE_EPOCH', str(1767225600 + 86399))  # 2026-01-01 23:59:59 UTC
+  assert seed_tables.report_date() == '2026-01-01'
+  monkeypatch.setenv('SOURCE_DATE_EPOCH', 'yesterday')
+  with pytest.raises(app.UsageError, match='SOURCE_DATE_EPOCH'):
+    seed_tables.report_date()
+  monkeypatch.delenv('SOURCE_DATE_EPOCH')
+  before = datetime.date.today().isoformat()
+  assert seed_tables.report_date() in (before, datetime.date.today().isoformat())
 
 
 @pytest.mark.slow  # the whole command: HFLDD and FedAvg on two seeds
