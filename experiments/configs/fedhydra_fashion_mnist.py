@@ -21,16 +21,14 @@ Budgets (get_config(arg), comma-separated):
             distils on other datasets: all 1,437 scikit-learn digits training images, resized
             (`feddf.source=digits`; `--config.feddf.source=test_split` for in-domain held-out
             test images), validated on 1,000 training images (`feddf.val_split=train`) so that
-            every method is scored on all 10,000 test images. Measured before Co-Boosting's
-            synthesis was un-augmented, FedDF's source and teacher BN changed and FedHydra got
-            the paper's generator (issue 12: to be re-measured), seed 0, CPU, jax
-            0.10.2; `--partitions=dir0.5,dir0.1,2c/c`, then ~2 h per seed on 2 shared cores; the
-            command runs 3 seeds by default, `--seeds`), final
-            test accuracy % at Dir(0.5) / Dir(0.1) / 2c/c:
-              FedAvg 48.33 / 41.70 / 28.18, OT 48.95 / 42.36 / 28.18,
-              FedDF 53.78 / 41.92 / 29.00, DENSE 47.93 / 34.83 / 24.86,
-              Co-Boosting 54.11 / 40.83 / 26.74, FedHydra 53.98 / 43.57 / 32.00
-            (paper, its budget: FedHydra 77.20 / 50.48 / 39.06; the gaps are discussed in
+            every method is scored on all 10,000 test images. Measured with these defaults
+            (seed 0 only so far, CPU, jax 0.10.2; the 3-seed table is in progress, BUILD_NOTES
+            "FedHydra and its baselines against seed 000"), final (best) test accuracy % at
+            Dir(0.5) / Dir(0.1):
+              FedAvg 48.30 / 41.90, OT 48.97 / 42.47, FedDF 49.02 / 41.90,
+              DENSE 47.42 (47.50) / 34.57 (35.68), Co-Boosting 65.53 (69.21) / 43.75 (52.40),
+              FedHydra 50.91 (60.76) / 33.31 (39.16)
+            (paper, its budget: FedHydra 77.20 / 50.48, 2c/c 39.06; the gaps are discussed in
             BUILD_NOTES.md). Time per partition with the current defaults (seed 0,
             Dir(0.5), 2 cores, 2026-11-25): local training 11.5 min (shared by all methods;
             one-shot FedAvg averages those models), FedDF 8.6 min, DENSE ~16.5 min,
