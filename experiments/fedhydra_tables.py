@@ -47,12 +47,12 @@ from typing import Dict, List, Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import seed_tables
 from experiments.seed_tables import (
   curve_stats,
   mean_std,
   plot_bands,
   read_seed_results,
+  report_date,
   seed_cell,
   seed_values,
   value_stats,
@@ -328,7 +328,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'seeds': [] if merge else seeds,
   }
   results_path = out / 'results.json'

@@ -38,8 +38,7 @@ from typing import Dict, List, NamedTuple
 from absl import app, flags
 import numpy as np
 
-from experiments import seed_tables
-from experiments.seed_tables import load_config_module, mean_std, percent_stats_each
+from experiments.seed_tables import load_config_module, mean_std, percent_stats_each, report_date
 
 FLAGS = flags.FLAGS
 
@@ -297,7 +296,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'budget': budget,
     'seeds': seeds,
   }

@@ -42,11 +42,11 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 from absl import app, flags
 import numpy as np
 
-from experiments import seed_tables
 from experiments.seed_tables import (
   load_config_module,
   percent_stats_each,
   read_seed_results,
+  report_date,
   seed_cell,
   seed_values,
 )
@@ -323,7 +323,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'budget': budget,
     'seeds': seeds,
   }

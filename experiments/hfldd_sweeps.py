@@ -48,13 +48,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 from absl import app, flags, logging
 import numpy as np
 
-from experiments import seed_tables
 from experiments.seed_tables import (
   curve_stats,
   load_config_module,
   mean_std,
   plot_band_panels,
   read_seed_results,
+  report_date,
   seed_cell,
   seed_values,
 )
@@ -420,7 +420,7 @@ def run_sweep(
     'overrides': list(overrides),
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'seeds': [] if merge else seeds,
   }
 

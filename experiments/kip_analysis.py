@@ -36,9 +36,8 @@ from typing import Any, Dict, List, Sequence
 from absl import app, flags, logging
 import numpy as np
 
-from experiments import seed_tables
 from experiments.configs import hfldd_digits, hfldd_fashion_mnist
-from experiments.seed_tables import mean_std, value_stats
+from experiments.seed_tables import mean_std, report_date, value_stats
 
 FLAGS = flags.FLAGS
 
@@ -534,7 +533,7 @@ def run_analysis(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'commands': commands,
     'smoke': bool(smoke),
     'settings': mine,

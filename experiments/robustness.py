@@ -25,12 +25,12 @@ from typing import Dict, Sequence
 
 from absl import app, flags, logging
 
-from experiments import seed_tables
 from experiments.seed_tables import (
   load_config_module,
   mean_std,
   percent_stats_each,
   read_seed_results,
+  report_date,
   seed_errors,
   seed_values,
 )
@@ -187,7 +187,7 @@ def run_sweep(
   meta = {
     'backend': jax.default_backend(),
     'jax_version': jax.__version__,
-    'date': seed_tables.report_date(),
+    'date': report_date(),
     'config': config_arg,
     'seeds': sorted(seeds),
   }
