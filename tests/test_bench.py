@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from experiments.bench import all as bench_all
-from experiments.bench import kip, model_stratification
+from experiments.bench import client_training, kip, model_stratification
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = r'\d+\.\d+'
@@ -119,6 +119,36 @@ def test_a_failing_benchmark_is_reported_and_the_others_still_run(tmp_path, monk
   assert '| fake | 2.00 |' in _section(md, 'Model stratification')
   assert 'Failed benchmarks: kip' in md
   assert 'PyTorch reference: skipped: disabled' in md
+
+
+def test_a_run_stopped_midway_keeps_the_sections_it_finished(tmp_path, monkeypatch):
+  """A time limit (here a KeyboardInterrupt, which no section catches) must not lose the
+  benchmarks that finished before it: the report is rewritten after each one."""
+
+  def fine(sizes):
+    return {'headline': [], 'table_markdown': '| finished section | 1.00 |'}
+
+  def stopped(sizes):
+    raise KeyboardInterrupt
+
+  monkeypatch.setitem(
+    bench_all.BENCHMARKS,
+    'client_training',
+    bench_all.Benchmark('Client training', fine, client_training.Sizes),
+  )
+  monkeypatch.setitem(
+    bench_all.BENCHMARKS,
+    'model_stratification',
+    bench_all.Benchmark('Model stratification', stopped, model_stratification.Sizes),
+  )
+  with pytest.raises(KeyboardInterrupt):
+    bench_all.run_all(str(tmp_path), profile='tiny', use_torch=False)
+  md = (tmp_path / 'report.md').read_text()
+  assert '| finished section | 1.00 |' in _section(md, 'Client training')
+  assert '**Not run: model_stratification, kip**' in md
+  saved = json.loads((tmp_path / 'report.json').read_text())
+  assert saved['sections']['client_training']['status'] == 'ok'
+  assert saved['pending'] == ['model_stratification', 'kip']
 
 
 def test_fedhydra_kd_stage_trains_the_same_student_in_both_forms(tmp_path):
