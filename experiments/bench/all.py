@@ -206,7 +206,7 @@ def run_all(
   t_all = time.perf_counter()
   names = [n for n in BENCHMARKS if n in only]
 
-  def write_report(final: bool) -> dict:
+  def write_report() -> dict:
     report = {
       'command': command or f'python -m experiments.bench.all --out={out}',
       'profile': profile,
@@ -221,10 +221,10 @@ def run_all(
     os.makedirs(out, exist_ok=True)
     atomic_write_text(f'{out}/report.json', json.dumps(report, indent=2, default=str))
     atomic_write_text(f'{out}/report.md', report['markdown'])
-    if final:
-      log(f'wrote {out}/report.md ({report["total_seconds"]:.0f} s in all)')
     return report
 
+  # before and after every section, so that a run stopped by a time limit keeps what it measured
+  report = write_report()
   for i, name in enumerate(names, 1):
     bench = BENCHMARKS[name]
     kwargs = dict(PROFILES[profile][name])
@@ -247,9 +247,9 @@ def run_all(
     section['load_average_end'] = load_average()
     log(f'[{i}/{len(names)}] {bench.title}: {section["status"]} in {section["seconds"]:.0f} s')
     sections[name] = section
-    # after every section, so that a run stopped by a time limit keeps what it measured
-    write_report(final=False)
-  return write_report(final=True)
+    report = write_report()
+  log(f'wrote {out}/report.md ({report["total_seconds"]:.0f} s in all)')
+  return report
 
 
 def _fmt(v, spec='.2f'):
