@@ -193,3 +193,22 @@ def test_conv_forms_times_every_generator_layer_in_both_forms():
   ]
   assert all(r['lax'] > 0 and r['matmul'] > 0 for r in result['results'])
   assert '| DENSE conv2 (28x28) | 64 -> 32 |' in result['table_markdown']
+
+
+def test_the_batched_ms_variants_are_timed_and_the_headline_takes_the_fastest():
+  """The by-client and matmul-generator variants of batched MS (for the accelerator lead in
+  BUILD_NOTES) run as their own rows; the goal's headline reports the fastest batched row."""
+  forms = ('python', 'batched', 'batched_clients_matmul')
+  sz = model_stratification.Sizes(
+    clients=1, classes=2, T_G=2, ms_batch=2, nz=8, ngf=4, stages=('ms',), forms=forms, torch=False
+  )
+  out = model_stratification.run(sz)
+  rows = {r['form']: r for r in out['results']}
+  assert set(rows) == set(forms)
+  fastest = min(forms[1:], key=lambda f: rows[f]['ms_per_step'])
+  (head,) = out['headline']
+  assert head['figure'].startswith(f'jfed {fastest} MS')
+  assert head['value'] == rows[fastest]['full_ms_s']
+  assert 'by client, generator convolutions as matmuls' in out['table_markdown']
+  with pytest.raises(ValueError, match='unknown MS forms'):
+    model_stratification.run(sz._replace(forms=('batched_torch',)))

@@ -284,6 +284,20 @@ def test_coboosting_weight_update():
 # ----------------------------------------------------------------------------- generator / pool
 
 
+def test_dense_generator_conv_forms_agree_and_a_bad_form_is_refused():
+  """The forced matmul form computes DENSE's generator with the same parameters and numbers as
+  XLA's convolutions (32 channels: 'auto' would pick either by backend)."""
+  lax_gen, matmul_gen = (
+    generator.make_generator((28, 28, 1), nz=16, ngf=16, conv_impl=impl)
+    for impl in ('lax', 'matmul')
+  )
+  st, z = generator.dense_generator_init(jax.random.PRNGKey(0), lax_gen, noise_batch=4)
+  want, got = (generator.generate(g, st, z)[0] for g in (lax_gen, matmul_gen))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  with pytest.raises(ValueError, match="conv_impl 'cudnn'; valid"):
+    generator.make_generator((28, 28, 1), conv_impl='cudnn')
+
+
 @pytest.mark.parametrize('shape', [(8, 8, 1), (28, 28, 1), (32, 32, 3)])
 def test_generator_shape_and_range(shape):
   g = generator.make_generator(shape, nz=16, ngf=8)

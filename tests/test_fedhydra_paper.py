@@ -64,7 +64,8 @@ def _port(fc, body, ngf, s):
 @pytest.mark.parametrize(
   'shape, s, strides', [((28, 28, 1), 7, (2, 2, 1)), ((32, 32, 3), 8, (2, 2, 1))]
 )
-def test_fedhydra_generator_is_the_papers_architecture(shape, s, strides):
+@pytest.mark.parametrize('conv_impl', ['lax', 'matmul'])
+def test_fedhydra_generator_is_the_papers_architecture(shape, s, strides, conv_impl):
   nz, ngf = 12, 4
   torch.manual_seed(0)
   fc, body = _torch_paper_generator(nz, ngf, s, shape[2], strides)
@@ -76,7 +77,7 @@ def test_fedhydra_generator_is_the_papers_architecture(shape, s, strides):
   with torch.no_grad():
     h = fc(torch.tensor(z)).view(6, 2 * ngf, s, s)
     want = body.train()(h).numpy().transpose(0, 2, 3, 1)
-  gen = make_generator(shape, nz, ngf, 'fedhydra')
+  gen = make_generator(shape, nz, ngf, 'fedhydra', conv_impl=conv_impl)
   assert isinstance(gen, FedHydraGenerator) and tuple(gen.strides()) == strides
   variables = gen.init(jax.random.PRNGKey(0), jnp.zeros((2, nz)), train=False)
   got, _ = gen.apply(

@@ -168,6 +168,34 @@ def test_sharded_ms_matches_one_device(batched_conv):
   np.testing.assert_allclose(batched_conv.U_r, one.U_r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+  'conv_impl,chunk_size,devices', [('lax', None, 1), ('matmul', 3, 1), ('lax', 6, 4)]
+)
+def test_client_layout_equals_the_run_layout(batched_conv, conv_impl, chunk_size, devices):
+  """layout='clients' (clients vmapped, then classes sharing the client's weights) runs the same
+  m·c runs as the flat layout: whole or in chunks of clients, with the generator's convolutions
+  as matmuls, and sharded over the 4 forced host devices (2 clients padded to 4)."""
+  gen = generator.make_generator((8, 8, 1), nz=8, ngf=4, conv_impl=conv_impl)
+  r = S.model_stratification(
+    ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2)),
+    gen,
+    3,
+    KEY,
+    CFG,
+    chunk_size=chunk_size,
+    devices=jax.devices()[:devices],
+    layout='clients',
+  )
+  np.testing.assert_allclose(r.losses, batched_conv.losses, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(r.U_r, batched_conv.U_r, rtol=1e-3, atol=1e-5)
+
+
+def test_an_unknown_ms_layout_is_refused():
+  group = ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2))
+  with pytest.raises(ValueError, match="layout 'flat'; valid"):
+    S.model_stratification(group, GEN, 3, KEY, CFG, layout='flat')
+
+
 def test_ms_heatmap_numbers_clients_from_zero(tmp_path):
   """Clients are 0..m-1 in the heatmap, as in partition.txt and partition.png."""
   from jfed.distill import plots  # pylint: disable=g-import-not-at-top

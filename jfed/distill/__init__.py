@@ -61,6 +61,7 @@ from jfed.distill.pool import (
 from jfed.distill.stratification import (
   MS_FUNCTIONS,
   MS_IMPLS,
+  MS_LAYOUTS,
   MSConfig,
   StratificationResult,
   average_ensemble,

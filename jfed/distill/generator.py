@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jfed.engine.state import ModelState
-from jfed.models.layers import Conv, ConvTranspose
+from jfed.models.layers import CONV_IMPLS, Conv, ConvTranspose
 
 GEN_BN_MOMENTUM = 0.9  # PyTorch momentum 0.1
 GEN_BN_EPSILON = 1e-5
@@ -67,6 +67,7 @@ class DenseGenerator(nn.Module):
   img_shape: Sequence[int]
   nz: int = 256
   ngf: int = 64
+  conv_impl: str = 'auto'  # jfed.models.layers.CONV_IMPLS
 
   @nn.compact
   def __call__(self, z: jnp.ndarray, train: bool = True) -> jnp.ndarray:
@@ -81,14 +82,37 @@ class DenseGenerator(nn.Module):
     x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
     x = _generator_bn(train, 'bn0')(x)
     x = upsample_nearest_2x(x)
-    x = Conv(2 * self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv1')(x)
+    x = Conv(
+      2 * self.ngf,
+      (3, 3),
+      padding=1,
+      use_bias=False,
+      kernel_init=kinit,
+      name='conv1',
+      impl=self.conv_impl,
+    )(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn1')(x), 0.2)
     x = upsample_nearest_2x(x)
-    x = Conv(self.ngf, (3, 3), padding=1, use_bias=False, kernel_init=kinit, name='conv2')(x)
+    x = Conv(
+      self.ngf,
+      (3, 3),
+      padding=1,
+      use_bias=False,
+      kernel_init=kinit,
+      name='conv2',
+      impl=self.conv_impl,
+    )(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn2')(x), 0.2)
-    x = Conv(c, (3, 3), padding=1, use_bias=True, kernel_init=kinit, bias_init=binit, name='conv3')(
-      x
-    )
+    x = Conv(
+      c,
+      (3, 3),
+      padding=1,
+      use_bias=True,
+      kernel_init=kinit,
+      bias_init=binit,
+      name='conv3',
+      impl=self.conv_impl,
+    )(x)
     return nn.sigmoid(x)
 
 
@@ -112,6 +136,7 @@ class FedHydraGenerator(nn.Module):
   img_shape: Sequence[int]
   nz: int = 256
   ngf: int = 64
+  conv_impl: str = 'auto'  # jfed.models.layers.CONV_IMPLS
 
   def strides(self) -> Sequence[int]:
     h, w, _ = self.img_shape
@@ -138,6 +163,7 @@ class FedHydraGenerator(nn.Module):
         kernel_init=kinit,
         bias_init=binit,
         name=f'convt{i}',
+        impl=self.conv_impl,
       )(x)
     return nn.sigmoid(x)
 
@@ -146,13 +172,21 @@ GENERATORS = {'dense': DenseGenerator, 'fedhydra': FedHydraGenerator}
 
 
 def make_generator(
-  input_shape: Sequence[int], nz: int = 256, ngf: int = 64, kind: str = 'dense'
+  input_shape: Sequence[int],
+  nz: int = 256,
+  ngf: int = 64,
+  kind: str = 'dense',
+  conv_impl: str = 'auto',
 ) -> nn.Module:
   """Generator for a dataset's `input_shape` (H, W, C): DENSE's (DENSE, Co-Boosting) or
-  FedHydra's (seed 000 §4.1.3)."""
+  FedHydra's (seed 000 §4.1.3). `conv_impl` (jfed.models.layers.CONV_IMPLS) forces how its
+  convolutions compute ('auto': the matmul form on CPU where it is faster)."""
   if kind not in GENERATORS:
     raise ValueError(f'generator {kind!r}; valid: {sorted(GENERATORS)}')
-  return GENERATORS[kind](img_shape=tuple(int(v) for v in input_shape), nz=nz, ngf=ngf)
+  if conv_impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl {conv_impl!r}; valid: {CONV_IMPLS}')
+  shape = tuple(int(v) for v in input_shape)
+  return GENERATORS[kind](img_shape=shape, nz=nz, ngf=ngf, conv_impl=conv_impl)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,8 @@ runs are flattened into an N = m_g·c axis, `jax.vmap` maps over it (each run ha
 parameters, noise and label; client parameters are gathered by k), and `lax.scan` runs the T_G
 steps. With more than one device the N axis is sharded over a `Mesh(devices, ('clients',))` with
 `NamedSharding(mesh, P('clients'))` (padded to a multiple of the device count).
+`layout='clients'` nests the vmap instead (clients, then classes sharing their client's
+weights), for accelerators where grouped convolutions over m·c kernels are slow.
 `model_stratification_loop` runs the same jitted single-run function one (k, j) at a time.
 """
 
@@ -229,6 +231,31 @@ def _ms_batched(
   return jax.vmap(run)((keys, labels, clients))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _ms_batched_by_client(
+  teacher_module, generator, init_fn, cfg, clients_per_chunk, t_states, keys
+):
+  """keys [m, c]: a vmap over clients of a vmap over classes. Within a client the teacher's
+  weights are shared, so its convolutions see the c runs' images as one batch; only across
+  clients do they differ (grouped convolutions of m groups, not m·c)."""
+  labels = jnp.arange(keys.shape[1], dtype=jnp.int32)
+
+  def client(args):
+    key_row, params, batch_stats = args
+    single = lambda key, label: _ms_single_run(
+      teacher_module, generator, init_fn, cfg, params, batch_stats, key, label
+    )
+    return jax.vmap(single)(key_row, labels)
+
+  xs = (keys, t_states.params, t_states.batch_stats)
+  if clients_per_chunk:
+    return jax.lax.map(client, xs, batch_size=clients_per_chunk)
+  return jax.vmap(client)(xs)
+
+
+MS_LAYOUTS = ('runs', 'clients')
+
+
 def _run_keys(key: jax.Array, client_offset: int, m: int, c: int) -> jnp.ndarray:
   """Per-(k, j) keys fold_in(key, (offset + k)·c + j): identical in the batched and loop forms."""
   ids = (client_offset + np.arange(m))[:, None] * c + np.arange(c)[None, :]
@@ -252,6 +279,7 @@ def model_stratification(
   generator_init_fn: Optional[Callable] = None,
   chunk_size: Optional[int] = None,
   devices: Optional[Sequence[Any]] = None,
+  layout: str = 'runs',
   **cfg_overrides,
 ) -> StratificationResult:
   """Algorithm 2 for all clients: m·c fresh-generator runs of T_G steps, batched.
@@ -262,14 +290,26 @@ def model_stratification(
   from `cfg` (MSConfig) and keyword overrides (T_G=, lr=, batch_size=, ...). `chunk_size` bounds
   memory: `lax.map` over chunks of that many vmapped runs. `devices` (default all devices of the
   default backend) shards the run axis when more than one.
+  `layout`: 'runs' vmaps over the flat m·c axis (each run gathers its client's weights);
+  'clients' vmaps over clients, then over classes with the client's weights shared
+  (`_ms_batched_by_client`; chunks and shards are whole clients, chunk_size // c of them). Both
+  give the same numbers; which is faster is what experiments/bench/model_stratification.py's
+  `batched_clients` form measures.
   Returns StratificationResult(losses [m,c,T_G], u [m,c], U, U_r, U_c [c,m]).
   """
+  if layout not in MS_LAYOUTS:
+    raise ValueError(f'layout {layout!r}; valid: {MS_LAYOUTS}')
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
   devices = list(devices) if devices is not None else jax.devices()
   all_losses, offset = [], 0
   for module, states in _as_groups(teacher_groups):
     m = jax.tree.leaves(states.params)[0].shape[0]
     keys = _run_keys(key, offset, m, num_classes)
+    if layout == 'clients':
+      losses = _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys)
+      all_losses.append(losses[:m])
+      offset += m
+      continue
     labels = jnp.tile(jnp.arange(num_classes, dtype=jnp.int32), m)
     clients = jnp.repeat(jnp.arange(m, dtype=jnp.int32), num_classes)
     n = m * num_classes
@@ -287,6 +327,22 @@ def model_stratification(
     all_losses.append(np.asarray(losses)[:n].reshape(m, num_classes, cfg.T_G))
     offset += m
   return stratification_from_losses(np.concatenate(all_losses, 0))
+
+
+def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys):
+  """The 'clients' layout of one group: losses [m', c, T_G], m' >= m (padding clients)."""
+  m = jax.tree.leaves(states.params)[0].shape[0]
+  c = keys.shape[0] // m
+  keys = keys.reshape((m, c) + keys.shape[1:])
+  per_chunk = max(1, chunk_size // c) if chunk_size else None
+  if len(devices) > 1:
+    pad = (-m) % len(devices)
+    sel = jnp.concatenate([jnp.arange(m), jnp.full((pad,), m - 1)])
+    keys, states = keys[sel], jax.tree.map(lambda a: a[sel], states)
+    shard = NamedSharding(Mesh(np.asarray(devices), ('clients',)), P('clients'))
+    keys, states = jax.device_put((keys, states), shard)
+  losses = _ms_batched_by_client(module, generator, init_fn, cfg, per_chunk, states, keys)
+  return np.asarray(losses)
 
 
 def _run_by_run(
