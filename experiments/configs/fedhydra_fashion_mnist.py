@@ -22,12 +22,15 @@ Budgets (get_config(arg), comma-separated):
             (`feddf.source=digits`; `--config.feddf.source=test_split` for in-domain held-out
             test images), validated on 1,000 training images (`feddf.val_split=train`) so that
             every method is scored on all 10,000 test images. Measured with these defaults
-            (seed 0 only so far, CPU, jax 0.10.2; the 3-seed table is in progress, BUILD_NOTES
-            "FedHydra and its baselines against seed 000"), final (best) test accuracy % at
-            Dir(0.5) / Dir(0.1):
-              FedAvg 48.30 / 41.90, OT 48.97 / 42.47, FedDF 49.02 / 41.90,
-              DENSE 47.42 (47.50) / 34.57 (35.68), Co-Boosting 65.53 (69.21) / 43.75 (52.40),
-              FedHydra 50.91 (60.76) / 33.31 (39.16)
+            (CPU, jax 0.10.2; BUILD_NOTES "FedHydra and its baselines against seed 000"),
+            final (best) test accuracy %, Dir(0.5) as mean ± sample std over seeds 0-2:
+              FedAvg 60.80 ± 15.61, OT 61.02 ± 15.84, FedDF 61.04 ± 15.33,
+              DENSE 53.82 ± 6.28 (54.30 ± 6.78), Co-Boosting 69.59 ± 4.23 (72.15 ± 4.15),
+              FedHydra 58.79 ± 7.74 (65.00 ± 5.14);
+            Dir(0.1) and 2c/c, seed 0 only so far (the other seeds are running):
+              FedAvg 41.90 / 28.52, OT 42.47 / 28.52, FedDF 41.90 / 29.05,
+              DENSE 34.57 (35.68) / 24.79 (24.86), Co-Boosting 43.75 (52.40) / 37.10 (39.09),
+              FedHydra 33.31 (39.16) / 13.49 (16.38)
             (paper, its budget: FedHydra 77.20 / 50.48, 2c/c 39.06; the gaps are discussed in
             BUILD_NOTES.md). Time per partition with the current defaults (seed 0,
             Dir(0.5), 2 cores, 2026-11-25): local training 11.5 min (shared by all methods;
