@@ -13,10 +13,11 @@ a fresh DENSE generator (nz, ngf; 28×28×1 output) and fixed z ~ N(0, I) of `ms
 `T_G` Adam(lr 1e-3, betas (0.5, 0.999)) steps on CE(F_k(G(z)), j) with F_k a fixed CNNMnist
 (the clients' models; random weights, the work does not depend on them). Forms:
   - jfed batched: `jfed.distill.model_stratification` — ONE jitted program (vmap over the m·c
-    runs of a lax.scan over the T_G steps); not run by default, its variants `batched_clients`
-    (layout='clients': vmap over clients, then over classes sharing the client's weights),
-    `batched_matmul` (the generators' convolutions as matmuls, `conv_impl='matmul'`) and
-    `batched_clients_matmul` (both), to find why batched MS misses its accelerator goal;
+    runs of a lax.scan over the T_G steps). Its variants run only when named in --forms:
+    `batched_clients` (layout='clients': vmap over clients, then over classes sharing the
+    client's weights), `batched_matmul` (the generators' convolutions as matmuls,
+    `conv_impl='matmul'`) and `batched_clients_matmul` (both), to find why batched MS misses
+    its accelerator goal;
   - jfed loop:    `jfed.distill.model_stratification_loop` — the same jitted single-run program
     (lax.scan over T_G) called once per (k, j);
   - jfed python:  `jfed.distill.model_stratification_python` — the same run as T_G
