@@ -82,37 +82,15 @@ class DenseGenerator(nn.Module):
     x = x.reshape(z.shape[0], 2 * self.ngf, sh, sw).transpose(0, 2, 3, 1)
     x = _generator_bn(train, 'bn0')(x)
     x = upsample_nearest_2x(x)
-    x = Conv(
-      2 * self.ngf,
-      (3, 3),
-      padding=1,
-      use_bias=False,
-      kernel_init=kinit,
-      name='conv1',
-      impl=self.conv_impl,
-    )(x)
+    conv = functools.partial(
+      Conv, kernel_size=(3, 3), padding=1, kernel_init=kinit, impl=self.conv_impl
+    )
+    x = conv(2 * self.ngf, use_bias=False, name='conv1')(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn1')(x), 0.2)
     x = upsample_nearest_2x(x)
-    x = Conv(
-      self.ngf,
-      (3, 3),
-      padding=1,
-      use_bias=False,
-      kernel_init=kinit,
-      name='conv2',
-      impl=self.conv_impl,
-    )(x)
+    x = conv(self.ngf, use_bias=False, name='conv2')(x)
     x = nn.leaky_relu(_generator_bn(train, 'bn2')(x), 0.2)
-    x = Conv(
-      c,
-      (3, 3),
-      padding=1,
-      use_bias=True,
-      kernel_init=kinit,
-      bias_init=binit,
-      name='conv3',
-      impl=self.conv_impl,
-    )(x)
+    x = conv(c, use_bias=True, bias_init=binit, name='conv3')(x)
     return nn.sigmoid(x)
 
 

@@ -305,44 +305,49 @@ def model_stratification(
   for module, states in _as_groups(teacher_groups):
     m = jax.tree.leaves(states.params)[0].shape[0]
     keys = _run_keys(key, offset, m, num_classes)
-    if layout == 'clients':
-      losses = _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys)
-      all_losses.append(losses[:m])
-      offset += m
-      continue
-    labels = jnp.tile(jnp.arange(num_classes, dtype=jnp.int32), m)
-    clients = jnp.repeat(jnp.arange(m, dtype=jnp.int32), num_classes)
-    n = m * num_classes
-    if len(devices) > 1:
-      nd = len(devices)
-      pad = (-n) % nd
-      if pad:
-        sel = jnp.concatenate([jnp.arange(n), jnp.full((pad,), n - 1)])
-        keys, labels, clients = keys[sel], labels[sel], clients[sel]
-      mesh = Mesh(np.asarray(devices), ('clients',))
-      shard, repl = NamedSharding(mesh, P('clients')), NamedSharding(mesh, P())
-      keys, labels, clients = (jax.device_put(a, shard) for a in (keys, labels, clients))
-      states = jax.device_put(states, repl)
-    losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels, clients)
-    all_losses.append(np.asarray(losses)[:n].reshape(m, num_classes, cfg.T_G))
+    layout_losses = _by_client_losses if layout == 'clients' else _flat_losses
+    all_losses.append(
+      layout_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, num_classes)
+    )
     offset += m
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
-def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys):
-  """The 'clients' layout of one group: losses [m', c, T_G], m' >= m (padding clients)."""
+def _padded_index(n: int, num_devices: int) -> jnp.ndarray:
+  """0..n-1, then n-1 repeated up to a multiple of num_devices (rows to shard evenly)."""
+  return jnp.concatenate([jnp.arange(n), jnp.full(((-n) % num_devices,), n - 1)])
+
+
+def _first_axis_sharding(devices) -> NamedSharding:
+  return NamedSharding(Mesh(np.asarray(devices), ('clients',)), P('clients'))
+
+
+def _flat_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, c):
+  """The 'runs' layout of one group: the m·c runs on one axis; losses [m, c, T_G]."""
   m = jax.tree.leaves(states.params)[0].shape[0]
-  c = keys.shape[0] // m
+  n = m * c
+  labels = jnp.tile(jnp.arange(c, dtype=jnp.int32), m)
+  clients = jnp.repeat(jnp.arange(m, dtype=jnp.int32), c)
+  if len(devices) > 1:
+    sel = _padded_index(n, len(devices))
+    shard = _first_axis_sharding(devices)
+    keys, labels, clients = jax.device_put((keys[sel], labels[sel], clients[sel]), shard)
+    states = jax.device_put(states, NamedSharding(shard.mesh, P()))
+  losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels, clients)
+  return np.asarray(losses)[:n].reshape(m, c, cfg.T_G)
+
+
+def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, c):
+  """The 'clients' layout of one group: whole clients per chunk and shard; losses [m, c, T_G]."""
+  m = jax.tree.leaves(states.params)[0].shape[0]
   keys = keys.reshape((m, c) + keys.shape[1:])
   per_chunk = max(1, chunk_size // c) if chunk_size else None
   if len(devices) > 1:
-    pad = (-m) % len(devices)
-    sel = jnp.concatenate([jnp.arange(m), jnp.full((pad,), m - 1)])
+    sel = _padded_index(m, len(devices))
     keys, states = keys[sel], jax.tree.map(lambda a: a[sel], states)
-    shard = NamedSharding(Mesh(np.asarray(devices), ('clients',)), P('clients'))
-    keys, states = jax.device_put((keys, states), shard)
+    keys, states = jax.device_put((keys, states), _first_axis_sharding(devices))
   losses = _ms_batched_by_client(module, generator, init_fn, cfg, per_chunk, states, keys)
-  return np.asarray(losses)
+  return np.asarray(losses)[:m]
 
 
 def _run_by_run(
