@@ -48,6 +48,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.seed_tables import (
+  backend_line,
   curve_stats,
   mean_std,
   plot_bands,
@@ -55,6 +56,7 @@ from experiments.seed_tables import (
   report_date,
   seed_cell,
   seed_values,
+  stamp_backend,
   value_stats,
 )
 
@@ -238,8 +240,7 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     'the test images. FedDF: its final model is the best-on-validation student, evaluated on '
     'the test images not held out.',
     '',
-    f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
-    f'{meta["seeds"]}. Budget:',
+    f'{backend_line(results, meta)}; {meta["date"]}, seeds {meta["seeds"]}. Budget:',
   ]
   lines += budget_lines(config)
   groups = []
@@ -327,6 +328,7 @@ def run_sweep(
   bases = {p: partition_config(config, p) for p in partitions}  # a bad partition fails first
   meta = {
     'backend': jax.default_backend(),
+    'device_kind': jax.devices()[0].device_kind,
     'jax_version': jax.__version__,
     'date': report_date(),
     'seeds': [] if merge else seeds,
@@ -346,6 +348,7 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
 
   def save():
+    stamp_backend(results, meta)
     atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
     atomic_write_text(out / 'tables.md', render(config, results, methods, partitions, meta))
 

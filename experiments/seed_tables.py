@@ -109,6 +109,48 @@ def merge_seed_results(results: Dict, other: Mapping) -> None:
           raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
 
 
+def backend_of(meta: Mapping) -> str:
+  """Where a sweep's runs ran, from its results.json meta: 'gpu (NVIDIA H100 ...), jax 0.11.2'."""
+  kind = meta.get('device_kind') or ''
+  kind = f' ({kind})' if kind and kind.lower() != meta.get('backend') else ''
+  return f'{meta.get("backend", "?")}{kind}, jax {meta.get("jax_version", "?")}'
+
+
+def stamp_backend(results: Dict, meta: Mapping) -> None:
+  """Marks every finished record without a 'backend' as run where `meta` says: records keep
+  their backend when sweeps from several machines are merged into one table."""
+  for seeds in results.values():
+    for runs in seeds.values():
+      for record in runs.values():
+        if isinstance(record, dict) and record.get('status') != 'error':
+          record.setdefault('backend', backend_of(meta))
+
+
+def backend_line(results: Mapping, fallback: Mapping) -> str:
+  """'Backend X' when every finished run ran on X (`fallback`'s meta when none has run);
+  otherwise the most used backend and, per other backend, the (cell, seed) runs on it."""
+  where: Dict[str, List[Tuple[str, str, str]]] = {}
+  for cell, seeds in results.items():
+    for seed, runs in seeds.items():
+      for run, record in runs.items():
+        if isinstance(record, dict) and record.get('backend'):
+          where.setdefault(record['backend'], []).append((cell, seed, run))
+  if len(where) <= 1:
+    return f'Backend {next(iter(where), backend_of(fallback))}'
+  main, *others = sorted(where, key=lambda b: -len(where[b]))
+  parts = []
+  for backend in others:
+    by_cell: Dict[Tuple[str, str], List[str]] = {}
+    for cell, seed, run in where[backend]:
+      by_cell.setdefault((cell, seed), []).append(run)
+    cells = []
+    for (cell, seed), runs in sorted(by_cell.items()):
+      every = set(runs) == set(results[cell][seed])
+      cells.append(f'{cell} seed {seed} ({"every run" if every else ", ".join(sorted(runs))})')
+    parts.append(f'{backend}: {"; ".join(cells)}')
+  return f'Backend {main}, except on ' + '; on '.join(parts)
+
+
 def read_seed_results(
   results_path: pathlib.Path,
   merge: Sequence[str],
@@ -117,7 +159,8 @@ def read_seed_results(
 ) -> Dict:
   """The results a sweep starts from: those OUT/results.json already holds (a resumed or
   re-merged OUT keeps its seeds) with every `merge` directory's results.json merged in
-  (`merge_seed_results`); their seeds join `meta['seeds']`. `read(path)` loads one file
+  (`merge_seed_results`); their seeds join `meta['seeds']`. Each record read keeps the backend
+  its file's meta names (`stamp_backend`). `read(path)` loads one file
   (default: its JSON) and may refuse it; a missing merge file is a ConfigError."""
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
@@ -126,12 +169,14 @@ def read_seed_results(
   if results_path.exists():
     saved = read(results_path)
     results = saved['results']
+    stamp_backend(results, saved['meta'])
     meta['seeds'] = sorted(set(meta['seeds']) | set(saved['meta'].get('seeds', [])))
   for d in merge:
     path = pathlib.Path(d) / 'results.json'
     if not path.exists():
       raise ConfigError(f'--merge: {path} does not exist')
     other = read(path)
+    stamp_backend(other['results'], other['meta'])
     merge_seed_results(results, other['results'])
     meta['seeds'] = sorted(set(meta['seeds']) | set(other['meta']['seeds']))
   return results

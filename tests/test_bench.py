@@ -210,5 +210,10 @@ def test_the_batched_ms_variants_are_timed_and_the_headline_takes_the_fastest():
   assert head['figure'].startswith(f'jfed {fastest} MS')
   assert head['value'] == rows[fastest]['full_ms_s']
   assert 'by client, generator convolutions as matmuls' in out['table_markdown']
+  # throughput = XLA's FLOP count of a step x the steps timed / the seconds
+  gflop = out['meta']['ms_step_gflop']
+  for r in rows.values():
+    assert r['tflop_per_s'] == pytest.approx(gflop * r['steps'] / r['seconds'] / 1e3)
+  assert f'one generator step is {gflop:.2f} GFLOP' in out['table_markdown']
   with pytest.raises(ValueError, match='unknown MS forms'):
     model_stratification.run(sz._replace(forms=('batched_torch',)))

@@ -229,3 +229,28 @@ def test_sa_logits_are_a_cth_of_the_clients_unless_rescaled():
   np.testing.assert_allclose(
     S.stratified_aggregation(logits, *sa_weights(U_r, even, 'paper'), labels), by_hand, rtol=1e-5
   )
+
+
+def test_ms_step_flops_match_a_hand_count_of_the_layers():
+  """XLA's count of one MS step is, within the padding taps it skips, 2 x the multiply-adds of
+  G's layers three times (forward, input and weight gradients) and of F_k's twice (forward,
+  input gradients only), per image."""
+  from jfed.distill import MSConfig, make_generator, ms_step_flops
+  from jfed.models import get_model
+
+  nz, ngf, batch = 64, 16, 4
+  generator = make_generator((28, 28, 1), nz, ngf)
+  teacher = get_model('cnn_mnist', 10, (28, 28, 1))
+  variables = teacher.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1)))
+  cfg = MSConfig(T_G=2, batch_size=batch)
+  conv = lambda hw, cin, cout, k: 2 * hw * hw * cin * cout * k * k
+  g_forward = (
+    2 * nz * 2 * ngf * 7 * 7
+    + conv(14, 2 * ngf, 2 * ngf, 3)
+    + conv(28, 2 * ngf, ngf, 3)
+    + conv(28, ngf, 1, 3)
+  )
+  f_forward = conv(28, 1, 16, 5) + conv(14, 16, 32, 5) + 2 * 7 * 7 * 32 * 10
+  hand = batch * (3 * g_forward + 2 * f_forward)
+  counted = ms_step_flops(teacher, variables, generator, cfg)
+  assert 0.85 * hand < counted < 1.1 * hand, (counted, hand)

@@ -144,6 +144,39 @@ def test_fedhydra_tables_merges_sweeps_of_other_seeds_and_refuses_the_old_layout
     fedhydra_tables.run_sweep(config, old, ['fedavg'], ['dir0.5'], [0])
 
 
+def test_merged_tables_name_the_backend_of_every_run(tmp_path):
+  """Sweeps merged from two machines keep each run's backend, and the table names the runs
+  that ran on the less used one."""
+  config = fedhydra_digits.get_config('smoke')
+  cpu = {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0.10.2'}
+  gpu = {'backend': 'gpu', 'device_kind': 'NVIDIA H100 80GB HBM3', 'jax_version': '0.11.2'}
+
+  def sweep(name, meta, runs):
+    out = tmp_path / name
+    out.mkdir()
+    results = {
+      cell: {str(seed): {m: {'final_test_accuracy': 0.5, 'best_test_accuracy': 0.5} for m in ms}}
+      for cell, seed, ms in runs
+    }
+    meta = {**meta, 'seeds': sorted({seed for _, seed, _ in runs})}
+    (out / 'results.json').write_text(json.dumps({'meta': meta, 'results': results}))
+    return str(out)
+
+  methods = ['fedavg', 'feddf']
+  sweep('a', cpu, [('dir0.5', 0, methods), ('2c/c', 0, methods), ('2c/c', 1, ['fedavg'])])
+  b = sweep('b', gpu, [('dir0.5', 1, methods), ('2c/c', 1, ['feddf'])])
+  table = fedhydra_tables.run_sweep(config, tmp_path / 'a', methods, ['dir0.5', '2c/c'], [], [b])
+  assert (
+    'Backend cpu, jax 0.10.2, except on gpu (NVIDIA H100 80GB HBM3), jax 0.11.2: '
+    '2c/c seed 1 (feddf); dir0.5 seed 1 (every run);'
+  ) in table
+  saved = json.loads((tmp_path / 'a' / 'results.json').read_text())['results']
+  assert saved['dir0.5']['1']['fedavg']['backend'] == 'gpu (NVIDIA H100 80GB HBM3), jax 0.11.2'
+  assert saved['dir0.5']['0']['fedavg']['backend'] == 'cpu, jax 0.10.2'
+  one = fedhydra_tables.run_sweep(config, tmp_path / 'c', methods, ['dir0.5'], [], [b])
+  assert 'Backend gpu (NVIDIA H100 80GB HBM3), jax 0.11.2;' in one
+
+
 FEDMHO_RUNS = ['fedavg_vote', 'fedmho_sd', 'fedmho_sd_nofilter']
 
 

@@ -157,6 +157,17 @@ def jfed_ms(sz, form: str, teachers, generator, m: int, c: int):
   return lambda: MS_FUNCTIONS[impl](group, generator, c, jax.random.PRNGKey(1), cfg, **kw).U
 
 
+def ms_step_gflop(sz, teachers, generator) -> float:
+  """GFLOP of one MS generator step (one run, batch sz.ms_batch) by XLA's cost analysis."""
+  from jfed.distill import MSConfig, ms_step_flops
+  from jfed.engine import take
+
+  cfg = MSConfig(T_G=sz.T_G, lr=LR_G, b1=BETAS[0], b2=BETAS[1], batch_size=sz.ms_batch)
+  state = take(teachers.states, 0)
+  variables = {'params': state.params, 'batch_stats': state.batch_stats}
+  return ms_step_flops(teachers.module, variables, generator, cfg) / 1e9
+
+
 def jfed_dense_epoch(sz, teachers, generator, c: int):
   from jfed.distill import (
     KDConfig,
@@ -486,6 +497,8 @@ def run(sz: Sizes = Sizes()) -> dict:
   )
   generator = make_generator(SHAPE, sz.nz, sz.ngf)
   teachers = jfed_teachers(m, c)
+  if 'ms' in sz.stages:
+    meta['ms_step_gflop'] = ms_step_gflop(sz, teachers, generator)
   rows = []
   t_start = time.perf_counter()
   if 'ms' in sz.stages:
@@ -521,6 +534,7 @@ def run(sz: Sizes = Sizes()) -> dict:
           'steps': steps,
           'runs': mf * cf,
           'full_ms_s': second * (m * c) / (mf * cf),
+          'tflop_per_s': meta['ms_step_gflop'] * steps / second / 1e3,
           'load_average': load_average(),
         }
       )
@@ -720,6 +734,14 @@ def report(meta, rows) -> str:
     'lax.scan forms run one run of client 0: `scan_runs`; elsewhere the one-run-at-a-time '
     'forms run the first `seq_runs` runs).'
   )
+  flops = {r['form']: r['tflop_per_s'] for r in rows if r.get('tflop_per_s') is not None}
+  if flops:
+    lines.append(
+      f"- one generator step is {meta['ms_step_gflop']:.2f} GFLOP by XLA's cost analysis (G "
+      'and F_k forward, the backward to G, Adam); at that count the forms ran '
+      + ', '.join(f'{form} {v:.3g}' for form, v in flops.items())
+      + " TFLOP/s (a bound on what any form can gain: the device's peak over these)."
+    )
   kd = meta.get('hydra_kd_fashion_minutes')
   if kd:
     by = {r['form']: r['seconds'] for r in rows if r['stage'] == 'FedHydra KD'}

@@ -68,6 +68,7 @@ from jfed.distill.stratification import (
   model_stratification,
   model_stratification_loop,
   model_stratification_python,
+  ms_step_flops,
   normalise_U,
   resolve_ms_impl,
   stratification_from_losses,

@@ -253,6 +253,18 @@ def _ms_batched_by_client(
   return jax.vmap(client)(xs)
 
 
+def ms_step_flops(teacher_module, teacher_vars, generator: DenseGenerator, cfg: MSConfig) -> float:
+  """Floating-point operations of one MS generator step of one (client, class) run, as XLA's
+  cost analysis counts the compiled step (G and F_k forward, their backward to G's parameters,
+  Adam): benchmarks divide it by a step's time for the throughput a form achieves."""
+  carry, z, step_keys = _ms_run_init(generator, None, cfg, jax.random.PRNGKey(0))
+  step = jax.jit(
+    lambda carry, k: _ms_step(teacher_module, generator, cfg, carry, z, teacher_vars, 0, k)
+  )
+  cost = step.lower(carry, step_keys[0]).compile().cost_analysis()
+  return float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
+
+
 MS_LAYOUTS = ('runs', 'clients')
 
 
