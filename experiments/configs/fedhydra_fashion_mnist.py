@@ -22,28 +22,35 @@ Budgets (get_config(arg), comma-separated):
             (`feddf.source=digits`; `--config.feddf.source=test_split` for in-domain held-out
             test images), validated on 1,000 training images (`feddf.val_split=train`) so that
             every method is scored on all 10,000 test images. Measured with these defaults
-            (CPU, jax 0.10.2; BUILD_NOTES "FedHydra and its baselines against seed 000"),
-            final (best) test accuracy %, Dir(0.5) as mean ± sample std over seeds 0-2:
-              FedAvg 60.80 ± 15.61, OT 61.02 ± 15.84, FedDF 61.04 ± 15.33,
-              DENSE 53.82 ± 6.28 (54.30 ± 6.78), Co-Boosting 69.59 ± 4.23 (72.15 ± 4.15),
-              FedHydra 58.79 ± 7.74 (65.00 ± 5.14);
-            Dir(0.1) and 2c/c, seed 0 only so far (the other seeds are running):
-              FedAvg 41.90 / 28.52, OT 42.47 / 28.52, FedDF 41.90 / 29.05,
-              DENSE 34.57 (35.68) / 24.79 (24.86), Co-Boosting 43.75 (52.40) / 37.10 (39.09),
-              FedHydra 33.31 (39.16) / 13.49 (16.38)
-            (paper, its budget: FedHydra 77.20 / 50.48, 2c/c 39.06; the gaps are discussed in
-            BUILD_NOTES.md). Time per partition with the current defaults (seed 0,
-            Dir(0.5), 2 cores, 2026-11-25): local training 11.5 min (shared by all methods;
-            one-shot FedAvg averages those models), FedDF 8.6 min, DENSE ~16.5 min,
-            Co-Boosting 22.5 min, FedHydra ~30 min (MS 3.2 min, then 34-70 s per epoch as
-            its every-intermediate pool grows), OT seconds: about 4.5 h per seed.
+            (the Table 1/2 sweep above, seeds 0-2, CPU with jax 0.10.2 except 14 of the 54
+            runs on an H100; docs/results/fedhydra_tables.md, BUILD_NOTES "FedHydra and its
+            baselines against seed 000"), final (best) test accuracy %, mean ± sample std:
+              Dir(0.5): FedAvg 60.80 ± 15.61, OT 61.02 ± 15.84, FedDF 61.04 ± 15.33,
+                DENSE 53.82 ± 6.28 (54.30 ± 6.78), Co-Boosting 69.59 ± 4.23 (72.15 ± 4.15),
+                FedHydra 58.79 ± 7.74 (65.00 ± 5.14);
+              Dir(0.1): FedAvg 31.65 ± 8.88, OT 34.90 ± 6.59, FedDF 38.55 ± 7.66,
+                DENSE 30.89 ± 3.49 (33.27 ± 2.15), Co-Boosting 44.10 ± 1.79 (49.51 ± 2.50),
+                FedHydra 39.56 ± 12.58 (46.57 ± 9.95);
+              2c/c: FedAvg = OT 25.44 ± 7.17, FedDF 25.50 ± 7.49 (25.98 ± 6.66),
+                DENSE 18.94 ± 7.35 (20.01 ± 5.76), Co-Boosting 26.17 ± 14.13 (35.96 ± 3.99),
+                FedHydra 13.42 ± 5.90 (19.84 ± 4.50)
+            (paper, its budget: FedHydra 77.20 / 50.48 / 39.06; the gaps are discussed in
+            BUILD_NOTES.md). Time per partition and seed on the 2 cores (Dir(0.5), seed 0,
+            2026-11-25): local training 11.5 min (shared by all methods; one-shot FedAvg
+            averages those models), FedDF 8.6 min, DENSE ~16.5 min, Co-Boosting 22.5 min,
+            FedHydra ~30 min (MS 3.2 min, then 34-70 s per epoch as its every-intermediate
+            pool grows), OT seconds: about 4.5 h per seed. On an H100 (jax 0.11.2) a whole
+            partition and seed took 2-4 minutes, its methods in parallel processes.
   paper     seed 000 §4.1.5: E = 200 local epochs, T_g = 200 distillation epochs, T_G = 30,
             synthesis / MS batch 256, FedDF 10,000 steps (accelerator budget). Measured on an
             NVIDIA H200 (jax 0.11.2), seed 0, Dir(0.5), `--methods=fedavg,ot,feddf` of the
             sweep: the clients' 200 epochs 35 s, the three methods 88 s in all; FedAvg 57.63,
             OT 59.15, FedDF 59.59 (59.72), teacher ensemble 63.30
             (docs/results/fedhydra_paper_clients_dir0.5_h200.md). DENSE, Co-Boosting and
-            FedHydra at T_g = 200 have not run.
+            FedHydra at T_g = 200 have not run. The default budget with the paper's E = 200
+            (`--config.local.epochs=200 --config.<method>.local_epochs=200`, Dir(0.5), seeds
+            0-2, H100): docs/results/fedhydra_tables_e200_dir0.5_h100.md (the averages gain
+            about 7 points, FedHydra and Co-Boosting lose 14 and 17 at T_g = 30).
   smoke     checks the pipeline on the real data (1 local epoch, 2 distillation epochs of 5
             generator steps; measured: FedHydra 55 s, DENSE 17 s, Co-Boosting 22 s, FedDF 9 s,
             OT 6 s, FedAvg 29 s after one shared local training; accuracy meaningless).
