@@ -56,8 +56,8 @@ from experiments.seed_tables import (
   report_date,
   seed_cell,
   seed_values,
-  stamp_backend,
   value_stats,
+  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -348,8 +348,7 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
 
   def save():
-    stamp_backend(results, meta)
-    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    write_seed_results(results_path, meta, results)
     atomic_write_text(out / 'tables.md', render(config, results, methods, partitions, meta))
 
   for seed in [] if merge else seeds:

@@ -34,7 +34,6 @@ then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (with the same --config/--bud
 directories stay where they ran.
 """
 
-import json
 import pathlib
 import traceback
 from typing import Dict, List, NamedTuple, Optional, Sequence
@@ -49,6 +48,7 @@ from experiments.seed_tables import (
   report_date,
   seed_cell,
   seed_values,
+  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -340,7 +340,7 @@ def run_sweep(
   jobs = list(dict.fromkeys(jobs))
 
   def save():
-    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    write_seed_results(results_path, meta, results)
     atomic_write_text(out / 'tables.md', render(base, results, plan, meta))
     if partitions:
       plot_table(out / 'table3.png', results, runs, partitions)

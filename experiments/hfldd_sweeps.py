@@ -57,6 +57,7 @@ from experiments.seed_tables import (
   report_date,
   seed_cell,
   seed_values,
+  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -439,7 +440,7 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
 
   def save(figure: bool = True) -> None:
-    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    write_seed_results(results_path, meta, results)
     atomic_write_text(out / 'results.md', render(results, plan, meta))
     if figure:
       plot(out / 'accuracy.png', results, plan, dataset)

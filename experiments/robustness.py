@@ -18,7 +18,6 @@ A failed run is recorded as 'error' and the sweep goes on. Seeds in parallel: on
 seed into its own OUT, then `--merge=OUT1,OUT2 --out=OUT0` writes the tables of all of them.
 """
 
-import json
 import pathlib
 import traceback
 from typing import Dict, Sequence
@@ -33,6 +32,7 @@ from experiments.seed_tables import (
   report_date,
   seed_errors,
   seed_values,
+  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -196,7 +196,7 @@ def run_sweep(
   results = read_seed_results(results_path, merge, meta)
 
   def save():
-    atomic_write_text(results_path, json.dumps({'meta': meta, 'results': results}, indent=2))
+    write_seed_results(results_path, meta, results)
     atomic_write_text(
       out / 'tables.md', render(base, module.CLIP_NORM[base.dataset.name], results, plan, meta)
     )

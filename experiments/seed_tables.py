@@ -126,6 +126,14 @@ def stamp_backend(results: Dict, meta: Mapping) -> None:
           record.setdefault('backend', backend_of(meta))
 
 
+def write_seed_results(path: pathlib.Path, meta: Mapping, results: Dict) -> None:
+  """Writes a sweep's results.json atomically, its unmarked records marked as run here."""
+  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
+
+  stamp_backend(results, meta)
+  atomic_write_text(path, json.dumps({'meta': meta, 'results': results}, indent=2))
+
+
 def backend_line(results: Mapping, fallback: Mapping) -> str:
   """'Backend X' when every finished run ran on X (`fallback`'s meta when none has run);
   otherwise the most used backend and, per other backend, the (cell, seed) runs on it."""
