@@ -45,6 +45,9 @@ Measured with every default above (CPU, jax 0.10.2, 3 seeds, mean ± std; every 
       round 5, 70% at round 9.3), FedSeq 65.71 ± 13.08% (leaves chance at round 11-25),
       FedAvg 55.60%, FedProx 54.38%, DynaFed 50.12% (52.90%), centralized 89.16%; 49-52
       minutes per seed on the idle cores.
+  iid (docs/results/hfldd_compare_fashion_iid/, seed 0 only): FedSeq 87.43%, HFLDD 79.90%
+      (80.03%; 80% at round 29), DynaFed 76.05%, FedAvg 74.27%, FedProx 74.24%, centralized
+      88.79%; 61 minutes beside another run.
 Those times are per seed: `experiments.hfldd_compare` runs 3 seeds by default (`--seeds`;
 one sweep per seed in parallel and `--merge` to combine them).
 FedSeq near chance at #C=1 is the algorithm, not a bug (BUILD_NOTES.md, "Known gaps").
