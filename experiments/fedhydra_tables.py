@@ -50,6 +50,7 @@ from ml_collections import config_flags
 from experiments.seed_tables import (
   backend_line,
   curve_stats,
+  machine_meta,
   mean_std,
   plot_bands,
   read_seed_results,
@@ -318,7 +319,6 @@ def run_sweep(
   """Runs every (seed, partition, method) not finished yet (or, with `merge`, only merges those
   directories' results); rewrites results.json and tables.md after each run and the figures
   after each partition; returns the tables' text."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -327,9 +327,7 @@ def run_sweep(
   methods, partitions, seeds = list(methods), list(partitions), [int(s) for s in seeds]
   bases = {p: partition_config(config, p) for p in partitions}  # a bad partition fails first
   meta = {
-    'backend': jax.default_backend(),
-    'device_kind': jax.devices()[0].device_kind,
-    'jax_version': jax.__version__,
+    **machine_meta(),
     'date': report_date(),
     'seeds': [] if merge else seeds,
   }

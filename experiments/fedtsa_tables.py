@@ -43,6 +43,7 @@ import numpy as np
 
 from experiments.seed_tables import (
   load_config_module,
+  machine_meta,
   percent_stats_each,
   read_seed_results,
   report_date,
@@ -301,7 +302,6 @@ def run_sweep(
   """Runs every (cell, seed, run) not finished yet (or, with `merge`, only merges those
   directories' results); rewrites results.json, tables.md and the plots after each run;
   returns the tables' text."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -321,8 +321,7 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
   (out / 'ddpm').mkdir(exist_ok=True)
   meta = {
-    'backend': jax.default_backend(),
-    'jax_version': jax.__version__,
+    **machine_meta(),
     'date': report_date(),
     'budget': budget,
     'seeds': seeds,

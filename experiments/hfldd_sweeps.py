@@ -51,6 +51,7 @@ import numpy as np
 from experiments.seed_tables import (
   curve_stats,
   load_config_module,
+  machine_meta,
   mean_std,
   plot_band_panels,
   read_seed_results,
@@ -406,7 +407,6 @@ def run_sweep(
   directories' results); rewrites results.json and results.md after each run and accuracy.png
   after each (seed, partition); returns results.md's text. Every argument is checked before
   anything is written."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -419,8 +419,7 @@ def run_sweep(
     'config': config_arg,
     'budget': budget,
     'overrides': list(overrides),
-    'backend': jax.default_backend(),
-    'jax_version': jax.__version__,
+    **machine_meta(),
     'date': report_date(),
     'seeds': [] if merge else seeds,
   }

@@ -26,6 +26,7 @@ from absl import app, flags, logging
 
 from experiments.seed_tables import (
   load_config_module,
+  machine_meta,
   mean_std,
   percent_stats_each,
   read_seed_results,
@@ -161,7 +162,6 @@ def run_sweep(
 ) -> str:
   """Runs every (rule, cell, seed) not finished yet (or only merges `merge`'s results);
   rewrites results.json, tables.md and robustness.png after each run; returns the tables."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
@@ -185,8 +185,7 @@ def run_sweep(
   # Every run compiles the same few programs (one shape per dataset): read them back from disk.
   use_persistent_cache(str(out / 'compilation_cache'), min_compile_seconds=0.2)
   meta = {
-    'backend': jax.default_backend(),
-    'jax_version': jax.__version__,
+    **machine_meta(),
     'date': report_date(),
     'config': config_arg,
     'seeds': sorted(seeds),

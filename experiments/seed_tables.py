@@ -109,6 +109,17 @@ def merge_seed_results(results: Dict, other: Mapping) -> None:
           raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
 
 
+def machine_meta() -> Dict[str, str]:
+  """The results.json meta keys naming where a sweep runs (read back by `backend_of`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return {
+    'backend': jax.default_backend(),
+    'device_kind': jax.devices()[0].device_kind,
+    'jax_version': jax.__version__,
+  }
+
+
 def backend_of(meta: Mapping) -> str:
   """Where a sweep's runs ran, from its results.json meta: 'gpu (NVIDIA H100 ...), jax 0.11.2'."""
   kind = meta.get('device_kind') or ''
@@ -119,11 +130,12 @@ def backend_of(meta: Mapping) -> str:
 def stamp_backend(results: Dict, meta: Mapping) -> None:
   """Marks every finished record without a 'backend' as run where `meta` says: records keep
   their backend when sweeps from several machines are merged into one table."""
+  here = backend_of(meta)
   for seeds in results.values():
     for runs in seeds.values():
       for record in runs.values():
         if isinstance(record, dict) and record.get('status') != 'error':
-          record.setdefault('backend', backend_of(meta))
+          record.setdefault('backend', here)
 
 
 def write_seed_results(path: pathlib.Path, meta: Mapping, results: Dict) -> None:
