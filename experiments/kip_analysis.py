@@ -120,6 +120,9 @@ def analysis_config(dataset: str, classes_per_client: int, seed: int, smoke: boo
   c = CONFIGS[dataset].get_config('smoke' if smoke else '')
   c.partition.k = int(classes_per_client)
   c.seed = int(seed)
+  # The analysis trains on the clients' own or distilled sets and needs no public set: every
+  # training sample stays with the clients.
+  c.dataset.holdout_size = 0
   return c
 
 

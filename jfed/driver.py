@@ -540,6 +540,21 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
   return cls.from_config(config)
 
 
+def holdout_size(config: ml_collections.ConfigDict) -> int:
+  return int(config.dataset.get('holdout_size', 0) or 0)
+
+
+def hold_out(config: ml_collections.ConfigDict, dataset: Dataset) -> Dataset:
+  """`dataset` less the `dataset.holdout_size` training samples no client may hold (they go to
+  `holdout_x/holdout_y`, for the server's public or distillation data); unchanged when 0."""
+  from jfed.data.public import hold_out_train  # pylint: disable=g-import-not-at-top
+
+  size = holdout_size(config)
+  if not size or dataset.holdout_x is not None:
+    return dataset
+  return hold_out_train(dataset, size, config.seed)
+
+
 def make_context(
   config: ml_collections.ConfigDict,
   dataset: Dataset,
@@ -547,12 +562,16 @@ def make_context(
   workdir=None,
   client_transport=None,
 ) -> RunContext:
-  from jfed.data.public import hold_out_test  # pylint: disable=g-import-not-at-top
+  """The run's context over `dataset` (after `hold_out`) and `parts`, index arrays into its
+  training split."""
   from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
 
-  holdout = int(config.dataset.get('test_holdout', 0) or 0)
-  if holdout and dataset.holdout_x is None:  # every method then evaluates on the same samples
-    dataset = hold_out_test(dataset, holdout, config.seed)
+  if holdout_size(config) and dataset.holdout_x is None:
+    raise ConfigError(
+      f'dataset.holdout_size={holdout_size(config)} but the dataset given holds nothing out: '
+      'build the context with jfed.driver.context_of_config, or pass jfed.driver.hold_out(config, '
+      'dataset) and a partition of its training split'
+    )
   mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
   key = jax.random.PRNGKey(config.seed)
   return RunContext(config, dataset, parts, key, mesh, workdir, client_transport)
@@ -614,6 +633,7 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
     ),
   }
   wd.check_identity(identity)
+  dataset = hold_out(config, dataset)
   parts = partition_clients(config, dataset.train_y)
   wd.write_identity(identity, config_json)
   table = class_count_table(dataset.train_y, parts, dataset.num_classes)
@@ -623,6 +643,8 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
     if unassigned
     else ''
   )
+  if holdout_size(config):
+    note += f'\n{holdout_size(config)} training samples are held out of every client.'
   atomic_write_text(wd.path / 'partition.txt', format_count_table(table) + note + '\n')
   if not (wd.path / 'partition.png').exists():  # a resumed run's partition is the same one
     plot_partition_bubbles(
@@ -660,6 +682,7 @@ def context_of_config(
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
 
   dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  dataset = hold_out(config, dataset)
   return make_context(config, dataset, partition_clients(config, dataset.train_y), **context)
 
 

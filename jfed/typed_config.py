@@ -93,8 +93,13 @@ def validate_run_config(config: Any) -> None:
 
   _convert(config.seed, int, 'seed')
   _convert(config.dataset.name, str, 'dataset.name')
-  holdout = _convert(config.dataset.get('test_holdout', 0), int, 'dataset.test_holdout')
-  require(holdout >= 0, f'dataset.test_holdout must be >= 0, got {holdout}')
+  require(
+    'test_holdout' not in config.dataset,
+    'dataset.test_holdout is gone: the test split is for scoring only; hold training samples '
+    'out of the clients with dataset.holdout_size instead',
+  )
+  holdout = _convert(config.dataset.get('holdout_size', 0), int, 'dataset.holdout_size')
+  require(holdout >= 0, f'dataset.holdout_size must be >= 0, got {holdout}')
   p = config.partition
   require_choice(p.scheme, available_schemes(), 'partition.scheme')
   require(

@@ -3,7 +3,7 @@
 import json
 import shutil
 
-from experiments.configs import hfldd_digits
+from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed.driver import RunCheckpointer
 
 HFLDD_CLIENTS = 20
@@ -84,3 +84,61 @@ def hfldd_tiny_config(**overrides):
   c.dynafed.ipc, c.dynafed.syn_steps, c.dynafed.iterations = 1, 2, 3
   c.dynafed.finetune_epochs = 2
   return override(c, **overrides)
+
+
+ONESHOT = ('dense', 'coboosting', 'feddf', 'fedhydra', 'ot')
+HFLDD_FAMILY = ('hfldd', 'hfldd_nodd', 'fedseq', 'dynafed')
+
+
+def _oneshot(**overrides):
+  """The one-shot methods on MLP clients: what resume checks does not depend on the model, and
+  the CNN paths (BatchNorm statistics, the DENSE BN loss) run in tests/test_oneshot_methods.py."""
+  return override(fedhydra_digits.get_config('smoke'), **{'model': 'mlp', **overrides})
+
+
+def _hfldd():
+  c = hfldd_tiny_config()
+  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 3, 1
+  c.fedseq.pretrain_epochs, c.fedseq.rounds, c.fedseq.local_epochs = 1, 3, 1
+  d = c.dynafed
+  # Rounds 1-2 record the trajectory, round 3 distils the synthetic set (once) and starts the
+  # fine-tuning, round 4 is a round with fine-tuning.
+  d.rounds, d.trajectory_rounds, d.local_epochs, d.participation = 4, 2, 1, 0.5
+  d.finetune_epochs = 1
+  return c
+
+
+def smoke_config(method: str):
+  """The smallest config on which `method` runs at least two steps, and every kind of step."""
+  if method == 'fedhydra':
+    # Two global rounds of two distillation epochs: step 1 is an epoch, step 2 a new round
+    # (local training from the global model, new teachers, model stratification), step 3 an
+    # epoch.
+    return _oneshot(
+      **{
+        'fedhydra.rounds': 2,
+        'fedhydra.epochs': 2,
+        'fedhydra.local_epochs': 1,
+        'fedhydra.ms_T_G': 1,
+      }
+    )
+  if method == 'coboosting':  # its ensemble weights adapt from epoch 2 on: a third epoch
+    return _oneshot(**{'coboosting.epochs': 3})
+  if method in ONESHOT:
+    return _oneshot()
+  if method in HFLDD_FAMILY:
+    return _hfldd()
+  if method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
+    return fedmho_digits.get_config('smoke')
+  if method in ('fedcvae_ens', 'fedcvae_kd'):
+    return fedmho_digits.get_config('fedcvae,smoke')
+  if method in ('heterofl', 'fedproto', 'fedmd', 'fedtsa'):  # MLP widths, partial participation
+    return fedtsa_digits.get_config('smoke')
+  if method == 'feddf_vote':  # two prototypes of two epochs
+    c = fedmho_digits.get_config('baselines,smoke')
+    c.feddf.update({'local_epochs': 1, 'total_steps': 4, 'eval_every': 2, 'patience': 100})
+    return c
+  # Partial participation: each FedProx round selects other clients, of other sizes.
+  c = digits.get_config('smoke')
+  c.fedavg.rounds = c.fedprox.rounds = 3
+  return override(c, **{'model': 'mlp', 'fedprox.participation': 0.6})

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits
+from experiments.configs import digits
 from jfed import driver, engine
 from jfed import typed_config as tc
 from jfed.data import load_dataset
@@ -27,16 +27,14 @@ from jfed.workdir import dumps
 from tests.support import (
   Interrupted,
   comparable_summary,
-  hfldd_tiny_config,
   interrupt_after,
   override,
   read_metrics,
+  smoke_config,
   snapshot_every_step,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ONESHOT = ('dense', 'coboosting', 'feddf', 'fedhydra', 'ot')
-HFLDD_FAMILY = ('hfldd', 'hfldd_nodd', 'fedseq', 'dynafed')
 
 
 def _digits(**overrides):
@@ -49,58 +47,6 @@ def _workdir_config(**overrides):
   """For the tests of workdirs, checkpoints and failures: the MLP runs in a third of the CNN's
   time, and what those tests check does not depend on the model."""
   return _digits(**{'model': 'mlp', **overrides})
-
-
-def _oneshot(**overrides):
-  """The one-shot methods on MLP clients: what resume checks does not depend on the model, and
-  the CNN paths (BatchNorm statistics, the DENSE BN loss) run in tests/test_oneshot_methods.py."""
-  return override(fedhydra_digits.get_config('smoke'), **{'model': 'mlp', **overrides})
-
-
-def _hfldd():
-  c = hfldd_tiny_config()
-  c.hfldd.pretrain_epochs, c.hfldd.rounds, c.hfldd.local_epochs = 1, 3, 1
-  c.fedseq.pretrain_epochs, c.fedseq.rounds, c.fedseq.local_epochs = 1, 3, 1
-  d = c.dynafed
-  # Rounds 1-2 record the trajectory, round 3 distils the synthetic set (once) and starts the
-  # fine-tuning, round 4 is a round with fine-tuning.
-  d.rounds, d.trajectory_rounds, d.local_epochs, d.participation = 4, 2, 1, 0.5
-  d.finetune_epochs = 1
-  return c
-
-
-def smoke_config(method: str):
-  """The smallest config on which `method` runs at least two steps, and every kind of step."""
-  if method == 'fedhydra':
-    # Two global rounds of two distillation epochs: step 1 is an epoch, step 2 a new round
-    # (local training from the global model, new teachers, model stratification), step 3 an
-    # epoch.
-    return _oneshot(
-      **{
-        'fedhydra.rounds': 2,
-        'fedhydra.epochs': 2,
-        'fedhydra.local_epochs': 1,
-        'fedhydra.ms_T_G': 1,
-      }
-    )
-  if method == 'coboosting':  # its ensemble weights adapt from epoch 2 on: a third epoch
-    return _oneshot(**{'coboosting.epochs': 3})
-  if method in ONESHOT:
-    return _oneshot()
-  if method in HFLDD_FAMILY:
-    return _hfldd()
-  if method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
-    return fedmho_digits.get_config('smoke')
-  if method in ('fedcvae_ens', 'fedcvae_kd'):
-    return fedmho_digits.get_config('fedcvae,smoke')
-  if method in ('heterofl', 'fedproto', 'fedmd', 'fedtsa'):  # MLP widths, partial participation
-    return fedtsa_digits.get_config('smoke')
-  if method == 'feddf_vote':  # two prototypes of two epochs
-    c = fedmho_digits.get_config('baselines,smoke')
-    c.feddf.update({'local_epochs': 1, 'total_steps': 4, 'eval_every': 2, 'patience': 100})
-    return c
-  # Partial participation: each FedProx round selects other clients, of other sizes.
-  return _workdir_config(**{'fedprox.participation': 0.6})
 
 
 # Driver steps after the first that may compile: the first use of a stage (Co-Boosting's

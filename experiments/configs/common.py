@@ -82,9 +82,10 @@ def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  # test_holdout: test samples held out of every method's evaluation ('test_split' public sets
-  # come from them), so that a comparison scores every method on the same samples.
-  c.dataset = ml_collections.ConfigDict({'name': 'digits', 'data_dir': '', 'test_holdout': 0})
+  # holdout_size: training samples held out of every client (seeded), the source 'holdout' of
+  # the servers' public, distillation and generator data. The test split is for scoring only;
+  # every method of a comparison sets the same holdout_size, so their clients hold the same data.
+  c.dataset = ml_collections.ConfigDict({'name': 'digits', 'data_dir': '', 'holdout_size': 0})
   # scheme: iid | dirichlet (alpha, min_size) | shards (#C=k: k) | disjoint (2c/c)
   #         | feddf_dirichlet (alpha) | fedcvae_dirichlet (alpha)
   c.partition = ml_collections.ConfigDict(
@@ -151,7 +152,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.hfldd = ml_collections.ConfigDict(
     {
       'pretrain_epochs': 1,
-      'public': 'test_split',
+      'public': 'holdout',
       'public_size': 1000,
       'K': 10,
       'symmetric': False,
@@ -179,7 +180,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedseq = ml_collections.ConfigDict(
     {
       'pretrain_epochs': 10,
-      'public': 'test_split',
+      'public': 'holdout',
       'public_size': 1000,
       'min_examples': 800,
       'max_clients': 11,
@@ -261,7 +262,7 @@ def base_config() -> ml_collections.ConfigDict:
       'local_epochs': 200,
       'server_model': '',
       'init': 'fedavg',
-      'source': 'test_split',
+      'source': 'holdout',
       'source_size': 4000,
       'val_size': 1000,
       'val_split': 'test',  # 'train': validate on training images, evaluate the whole test split
@@ -433,7 +434,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedmd = ml_collections.ConfigDict(
     {
       'rounds': 20,
-      'public': 'test_split',
+      'public': 'holdout',
       'public_size': 5000,
       'public_epochs': 20,
       'public_batch': 128,
@@ -477,7 +478,7 @@ def base_config() -> ml_collections.ConfigDict:
       'source': 'ddpm',
       'images_per_prompt': 200,
       'prompt_template': 'a photo of real {}',
-      'holdout': 'test_split',
+      'holdout': 'holdout',
       'holdout_size': 2000,
       'ddpm_steps': 1000,
       'ddpm_timesteps': 100,

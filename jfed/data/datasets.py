@@ -162,8 +162,9 @@ class Dataset(NamedTuple):
     test_x: [M, H, W, C] float32 in [0, 1].
     test_y: [M] int32.
     num_classes: number of classes (labels may leave some unused, e.g. EMNIST letters).
-    holdout_x: test samples held out of evaluation (`jfed.data.public.hold_out_test`), from
-      which a 'test_split' public set is drawn; None when nothing is held out.
+    holdout_x: training samples held out of every client (`dataset.holdout_size`,
+      `jfed.data.public.hold_out_train`): the server's public or distillation data; None when
+      nothing is held out.
     holdout_y: their labels.
   """
 

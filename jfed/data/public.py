@@ -1,13 +1,14 @@
-"""A public dataset that the server and every client can see (HFLDD, FedSeq).
+"""Data held out of every client, and public sets: the test split is for scoring only.
 
-`source='test_split'` holds `size` samples out of the main dataset's test split (seeded); they
-are then excluded from evaluation, so methods evaluate on the rest. A comparison that scores
-every method on the same test samples sets `dataset.test_holdout` instead: the driver holds
-that many test samples out for every method (`hold_out_test`, the same seeded draw), and a
-'test_split' public set is then taken from them. Any other source is a dataset name (e.g.
-'fashion_mnist', HFLDD's public set for MNIST clients): `size` samples of its training split,
-resized (bilinear) and channel-matched to the main dataset's input shape; evaluation then uses
-the test split (less any `dataset.test_holdout`).
+`dataset.holdout_size` moves that many samples of the TRAINING split (a seeded draw) out of the
+clients' reach before the partition is drawn (`hold_out_train`); methods find them in
+`dataset.holdout_x/holdout_y`. Whatever a server needs besides the clients' uploads (FedDF's
+distillation and validation images, HFLDD's and FedSeq's public set, FedMD's public set,
+FedTSA's diffusion-model training images) comes from there (`source='holdout'`) or from another
+dataset's training split (`source=<dataset name>`, resized and channel-matched to the main
+input shape). Every method is scored on the whole test split, which no method reads for
+anything else; every method of a comparison sets the same `holdout_size`, so all their clients
+hold the same samples.
 """
 
 from typing import NamedTuple
@@ -18,93 +19,110 @@ from jfed.data.datasets import Dataset, available_datasets, load_dataset
 from jfed.data.transforms import match_input_shape
 from jfed.errors import ConfigError
 
-TEST_SPLIT = 'test_split'
+HOLDOUT = 'holdout'
 
 
 def check_source(source: str, where: str) -> None:
-  """Raises ConfigError unless `source` is 'test_split' or a dataset name `load_dataset` knows."""
-  if source == TEST_SPLIT or source in available_datasets() or source.startswith('tfds:'):
+  """Raises ConfigError unless `source` is 'holdout' or a dataset name `load_dataset` knows."""
+  if source == HOLDOUT or source in available_datasets() or source.startswith('tfds:'):
     return
   raise ConfigError(
-    f'{where} is {source!r}; valid: {TEST_SPLIT}, {", ".join(available_datasets())} or tfds:<name>'
+    f'{where} is {source!r}; valid: {HOLDOUT} (training samples held out of every client: '
+    f'dataset.holdout_size), {", ".join(available_datasets())} or tfds:<name>'
   )
 
 
+def check_holdout_fits(config, source: str, size: int, where: str) -> None:
+  """For a method's `validate`: raises ConfigError (before anything is written) when `source` is
+  'holdout' and `dataset.holdout_size` holds fewer than `size` samples out; checks the source."""
+  check_source(source, where)
+  held = int(config.dataset.get('holdout_size', 0) or 0)
+  if source == HOLDOUT and int(size) > held:
+    raise ConfigError(
+      f'{where}={source!r} needs {int(size)} training samples held out of the clients but '
+      f'dataset.holdout_size is {held}; set --config.dataset.holdout_size={int(size)} (the same '
+      'for every method of a comparison)'
+    )
+
+
 class PublicData(NamedTuple):
-  """The public set and the test samples left for evaluation."""
+  """The public set and the test samples used for scoring (always the whole test split)."""
 
   x: np.ndarray  # [n_public, H, W, C] in the main dataset's input shape
   y: np.ndarray  # [n_public] labels of the public samples (in their own dataset)
-  eval_x: np.ndarray  # the test samples used for evaluation
+  eval_x: np.ndarray
   eval_y: np.ndarray
   source: str
 
 
-def _held_out_indices(n: int, size: int, seed: int, where: str):
-  if not 0 < size <= n // 2:
-    raise ConfigError(
-      f'{where}={size}: samples held out of the test split must number between 1 and half '
-      f'of its {n} samples; set {where} accordingly.'
-    )
-  idx = np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
-  return idx, np.setdiff1d(np.arange(n), idx)
+def hold_out_train(dataset: Dataset, size: int, seed: int) -> Dataset:
+  """`dataset` with `size` seeded training samples moved into `holdout_x/holdout_y`.
 
-
-def hold_out_test(dataset: Dataset, size: int, seed: int) -> Dataset:
-  """`dataset` with `size` seeded test samples moved out of evaluation into `holdout_x/y`.
-
-  The draw is the one `public_data(..., 'test_split', size, seed)` makes, so a public set of
-  the same size is the same samples, and every method of a comparison evaluates on the rest.
+  The clients are then partitioned from the remaining training samples; the test split is
+  untouched.
 
   Raises:
-    ConfigError: `size` is not between 1 and half of the test split.
+    ConfigError: `size` is not between 1 and half of the training split.
   """
-  idx, keep = _held_out_indices(len(dataset.test_y), int(size), seed, 'dataset.test_holdout')
+  n, size = len(dataset.train_y), int(size)
+  if not 0 < size <= n // 2:
+    raise ConfigError(
+      f'dataset.holdout_size={size}: the training samples held out of the clients must number '
+      f'between 1 and half of the {n} training samples of {dataset.name}'
+    )
+  idx = np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
+  keep = np.setdiff1d(np.arange(n), idx)
   return dataset._replace(
-    test_x=dataset.test_x[keep],
-    test_y=dataset.test_y[keep],
-    holdout_x=dataset.test_x[idx],
-    holdout_y=dataset.test_y[idx],
+    train_x=dataset.train_x[keep],
+    train_y=dataset.train_y[keep],
+    holdout_x=dataset.train_x[idx],
+    holdout_y=dataset.train_y[idx],
   )
+
+
+def holdout_sample(dataset: Dataset, size: int, seed: int, where: str):
+  """(x, y): `size` of the held-out training samples (all of them when `size` is their number;
+  otherwise a seeded draw).
+
+  Raises:
+    ConfigError: fewer than `size` samples are held out (names `where` and the key to set).
+  """
+  n, size = (0 if dataset.holdout_y is None else len(dataset.holdout_y)), int(size)
+  if not 0 < size <= n:
+    raise ConfigError(
+      f'{where}={size} but dataset.holdout_size holds {n} training samples out of the clients; '
+      f'set dataset.holdout_size to at least {max(size, 1)}'
+    )
+  if size == n:
+    return dataset.holdout_x, dataset.holdout_y
+  idx = np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
+  return dataset.holdout_x[idx], dataset.holdout_y[idx]
 
 
 def public_data(dataset: Dataset, source: str, size: int, seed: int) -> PublicData:
   """Samples the public set.
 
   Args:
-    dataset: the main (client) dataset.
-    source: 'test_split' or the name of another dataset (see the module docstring).
+    dataset: the main (client) dataset, after `hold_out_train`.
+    source: 'holdout' or the name of another dataset (see the module docstring).
     size: number of public samples.
     seed: seed of the sample (`np.random.default_rng(seed)`).
 
   Returns:
-    The public samples and the test samples to evaluate on.
+    The public samples and the test split to score on.
 
   Raises:
     ConfigError: `size` does not fit the source.
   """
-  rng = np.random.default_rng(seed)
+  check_source(source, 'the public source')
   size = int(size)
-  if source == TEST_SPLIT and dataset.holdout_x is not None:  # the driver held them out
-    n = len(dataset.holdout_y)
-    if not 0 < size <= n:
-      raise ConfigError(
-        f'public_size={size} but dataset.test_holdout holds {n} test samples out; set '
-        'public_size to at most dataset.test_holdout.'
-      )
-    idx = np.arange(n) if size == n else np.sort(rng.choice(n, size, replace=False))
-    return PublicData(
-      dataset.holdout_x[idx], dataset.holdout_y[idx], dataset.test_x, dataset.test_y, source
-    )
-  if source == TEST_SPLIT:
-    idx, keep = _held_out_indices(len(dataset.test_y), size, seed, 'public_size')
-    return PublicData(
-      dataset.test_x[idx], dataset.test_y[idx], dataset.test_x[keep], dataset.test_y[keep], source
-    )
+  if source == HOLDOUT:
+    x, y = holdout_sample(dataset, size, seed, 'public_size')
+    return PublicData(x, y, dataset.test_x, dataset.test_y, source)
   other = load_dataset(source)
   if not 0 < size <= len(other.train_y):
     raise ConfigError(f'public_size={size} but {source} has {len(other.train_y)} training samples')
-  idx = np.sort(rng.choice(len(other.train_y), size, replace=False))
+  idx = np.sort(np.random.default_rng(seed).choice(len(other.train_y), size, replace=False))
   return PublicData(
     match_input_shape(other.train_x[idx], dataset.input_shape),
     other.train_y[idx],
