@@ -252,9 +252,9 @@ class LocalDiffusionSource:
     if n == 0:
       return SyntheticImages(images=images, labels=labels)
 
+    pipe = self.pipeline  # first: says what to install when torch or diffusers is missing
     import torch  # pylint: disable=g-import-not-at-top
 
-    pipe = self.pipeline
     seeds = image_seeds(key, len(prompts), per_prompt)
     item_prompts = [p for p in prompts for _ in range(per_prompt)]
     size = {} if self.resolution is None else {'height': self.resolution, 'width': self.resolution}
