@@ -17,10 +17,9 @@ Setup (paper Sec. VI-A where it gives values): 100 clients, #C=1 ('c1', default)
 for pre-training and 32 for the heads; jfed has one batch size); K=10; public set = 1000 images
 of a dataset other than the clients' (seed 003: "a distribution different from the datasets of
 the clients", FMNIST for MNIST clients): the embedded scikit-learn digits, resized to 28x28
-(`jfed.data.public`); every method is evaluated on all 10000 test images. `indist` holds the
-1000 public images out of Fashion-MNIST's own test split instead (the earlier default; every
-method then evaluates on the other 9000, `dataset.test_holdout`), which makes the KL clustering
-ideal at #C=1.
+(`jfed.data.public`); every method is evaluated on all 10000 test images. `indist` takes the
+1000 public images from Fashion-MNIST's own training split instead, held out of every method's
+clients (`dataset.holdout_size` = 1000), which makes the KL clustering ideal at #C=1.
 
 Budget (default, for a 2-core CPU) vs the paper (`paper` variant):
   HFLDD pre-training 5 epochs; KIP 100 images per member, 300 iterations, lr 0.004, target
@@ -76,10 +75,10 @@ def get_config(arg: str = 'c1'):
   rounds, epochs = 30, 1
   h = c.hfldd
   h.pretrain_epochs = 5
-  public = 'test_split' if 'indist' in args else 'digits'
+  public = 'holdout' if 'indist' in args else 'digits'
   h.public, h.public_size, h.K = public, 1000, 10
-  if public == 'test_split':  # every method is then scored on the same 9000 test images
-    c.dataset.test_holdout = h.get_ref('public_size')  # follows a --config override
+  if public == 'holdout':  # the same training samples held out of every method's clients
+    c.dataset.holdout_size = h.get_ref('public_size')  # follows a --config override
   h.rounds, h.local_epochs = rounds, epochs
   h.kip.support_size, h.kip.iterations, h.kip.lr, h.kip.target_batch = 100, 300, 0.004, 10
   c.fedavg.rounds, c.fedavg.local_epochs = rounds, epochs

@@ -26,7 +26,7 @@ BatchNorm models run the student in train mode (batch statistics; running stats 
 Fine-tuning (server.py:datadistill): BN statistics re-estimated with 3 passes over the
 synthetic set (models with BatchNorm only), then `finetune_epochs` (distill_iter) epochs of
 Adam(finetune_lr) on soft labels softmax(label logits), batch `finetune_batch`, through
-`GroupTrainer` (soft-label CE = C · kd: the same Adam updates up to eps).
+`GroupTrainer` on the reference's kd_loss (`FinetuneObjective`: soft-label CE / C).
 
 DSA (`dsa`, jfed/distill/diffaugment.py): the reference runs `DiffAugment(x, dsa_strategy)`
 with its default strategy 'color_crop_cutout_flip_scale_rotate' (mode 'S': one of the six
@@ -312,17 +312,24 @@ def _bn_passes(module, model: ModelState, x, batch: int, passes: int, key) -> Mo
   return ModelState(model.params, stats)
 
 
-class AugmentedObjective(NamedTuple):
-  """`engine.classification_objective` on augment(key, x): the reference's fine-tuning batches
-  go through `DiffAugment` (fresh per-sample parameters every step)."""
+class FinetuneObjective(NamedTuple):
+  """The reference's fine-tuning loss (server.py:datadistill, utils.kd_loss): the mean over B·C
+  of −softmax(y) · log_softmax(f(x)), i.e. `engine.classification_objective`'s soft-label cross
+  entropy / C. The scale matters under Adam where a gradient is as small as Adam's eps. With
+  `augment` the batches first go through it (`DiffAugment`: fresh per-sample parameters every
+  step, as the reference's fine-tuning batches)."""
 
-  augment: Callable
+  augment: Optional[Callable] = None
 
   def __call__(self, module, params, batch_stats, x, y, weights, key):
-    k_aug, k_model = jax.random.split(key)
-    return engine.classification_objective(
-      module, params, batch_stats, self.augment(k_aug, x), y, weights, k_model
+    if self.augment is not None:
+      k_aug, key = jax.random.split(key)
+      x = self.augment(k_aug, x)
+    loss, (reported, correct, count, stats) = engine.classification_objective(
+      module, params, batch_stats, x, y, weights, key
     )
+    num_classes = y.shape[-1]
+    return loss / num_classes, (reported / num_classes, correct, count, stats)
 
 
 def finetune(
@@ -430,7 +437,7 @@ class DynaFed(Algorithm):
       optax.adam(cfg.finetune_lr),
       cfg.finetune_batch,
       strategy=ctx.config.strategy,
-      objective=(AugmentedObjective(augment) if augment else engine.classification_objective),
+      objective=FinetuneObjective(augment),
     )
     return DynaFedAux(
       full_group,

@@ -4,8 +4,9 @@ sequentially, then FedAvg over superclients.
 Setup:
 1. Client representers: every client trains locally (`common.local_models`,
    `fedseq.pretrain_epochs`; the reference trains LeNet for 10 epochs, we use the run's model),
-   predicts the public exemplars (`jfed.data.public`, default 'test_split': held out of the
-   test split and excluded from evaluation, as in the reference) and uploads its confidence
+   predicts the public exemplars (`jfed.data.public`, default 'holdout': training samples held
+   out of every client, `dataset.holdout_size`; the reference takes them from the test split,
+   which jfed only scores, whole) and uploads its confidence
    vector `conf[c] = Σ_{x of class c} p(x, c)`, normalised (`jfed.clustering.fedseq_confidence`).
 2. The server groups clients greedily into superclients (`jfed.clustering.fedseq_clusters`:
    maximise `1 − KL(mean(cluster, client) ‖ uniform)` until a superclient holds
@@ -15,7 +16,7 @@ Steps: each round, every (sampled, `participation`) superclient visits its clien
 seeded random order; each client starts from the previous client's model (the first from the
 global model), trains `local_epochs` epochs on its own data with a fresh optimiser, and hands
 the model on; the last client uploads it. The server averages the superclient models weighted
-by their data size and evaluates the global model.
+by their data size and evaluates the global model on the whole test split.
 
 Superclients run in parallel: step j of the sequences trains the j-th client of every
 superclient that has one as one client group (`common.train_groups`), so a round costs
@@ -36,7 +37,7 @@ from jfed import engine
 from jfed import typed_config as tc
 from jfed.clustering import MEASURES, fedseq_clusters, fedseq_confidence
 from jfed.data import federate
-from jfed.data.public import PublicData, check_source, public_data
+from jfed.data.public import PublicData, check_holdout_fits, public_data
 from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.io import ModelUpload, comm, validate_model_upload, validate_tree
@@ -110,7 +111,7 @@ class FedSeq(Algorithm):
     )
     tc.require_fraction(c.participation, f'{where}.participation')
     tc.require_choice(c.measure, MEASURES, f'{where}.measure')
-    check_source(c.public, f'{where}.public')
+    check_holdout_fits(config, c.public, c.public_size, f'{where}.public')
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds

@@ -5,8 +5,9 @@ Setup (`HFLDD.setup`), each stage a shared block:
 1. Label knowledge collection: every client pre-trains locally (`common.local_models`,
    `hfldd.pretrain_epochs` epochs), infers soft labels (softmax) on a public dataset
    (`jfed.data.public`, `hfldd.public` / `public_size`) and uploads them (float32
-   [n_public, C], validated and counted in bytes). With `public='test_split'` the public
-   samples are held out of the test split and excluded from evaluation.
+   [n_public, C], validated and counted in bytes). `public='holdout'` takes them from the
+   training samples held out of every client (`dataset.holdout_size`); the test split is only
+   ever scored, whole.
 2. Server: Eq. 4 KL divergence matrix -> K-means (K homogeneous clusters) -> Algorithm 1
    heterogeneous clusters -> one random head per cluster (`jfed.clustering.build_topology`);
    the topology figure is written to workdir/topology.png.
@@ -25,7 +26,7 @@ Setup (`HFLDD.setup`), each stage a shared block:
 
 Steps: a round of FedAvg over the heads (`common.fedavg_round`), each head training
 `local_epochs` epochs on its hybrid dataset (own data + received sets), weighted by hybrid
-size; the global model is evaluated on the non-public test samples.
+size; the global model is evaluated on the whole test split.
 
 Communication (Eq. 18) is measured from the real msgpack-serialised payloads: the setup record
 (step 0) carries the soft-label uploads (`upload_bytes`) and the member -> head sets
@@ -51,7 +52,7 @@ from jfed.clustering import (
   plot_topology,
 )
 from jfed.data import FederatedArrays, class_count_table, federate
-from jfed.data.public import PublicData, check_source, public_data
+from jfed.data.public import PublicData, check_holdout_fits, public_data
 from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.io import comm, validate_tree
@@ -284,7 +285,7 @@ class HFLDD(Algorithm):
     tc.require_positive(c, where, ('pretrain_epochs', 'public_size', 'K', 'rounds', 'local_epochs'))
     tc.require_choice(c.image_dtype, IMAGE_DTYPES, f'{where}.image_dtype')
     tc.require_choice(c.leftover, LEFTOVER_RULES, f'{where}.leftover')
-    check_source(c.public, f'{where}.public')
+    check_holdout_fits(config, c.public, c.public_size, f'{where}.public')
     if self.distill:
       k = c.kip
       tc.require_positive(k, f'{where}.kip', ('support_size', 'iterations', 'lr', 'target_batch'))
