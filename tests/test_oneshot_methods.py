@@ -214,7 +214,7 @@ def test_method_runs_end_to_end_and_learns(tmp_path, local_dir, method):
     assert w.shape == (5,) and np.all((w >= 0) & (w <= 1))
     assert records[-1]['lr'] < records[0]['lr']  # CosineAnnealingLR over the epochs
   if method == 'feddf':
-    assert 'val_accuracy' in records[-1] and summary['eval_samples'] == 360 - 90 - 60
+    assert 'val_accuracy' in records[-1] and summary['eval_samples'] == 360
     assert records[-1]['lr'] < records[0]['lr']  # cosine over the KD steps
   if method == 'fedhydra':
     assert (tmp_path / 'model_stratification.npz').exists()
@@ -384,16 +384,16 @@ def test_coboosting_synthesises_from_unaugmented_generator_output_as_its_referen
   config = fedhydra_digits.get_config('smoke')
   if augment:
     config.coboosting.synthesis_augment = True
-  dataset = load_dataset('digits')
-  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  ctx = driver.context_of_config(config)
   settings = driver.build_algorithm('coboosting', config).settings(ctx)
   assert settings.synthesis.augment is augment
   assert settings.synthesis.input_mean is None  # the digits pipeline does not normalise
 
 
-def test_feddf_distils_on_an_out_of_domain_source_and_evaluates_on_the_rest_of_the_test_split():
+def test_feddf_distils_on_an_out_of_domain_source_and_validates_on_held_out_training_images():
   """`feddf.source=<dataset>`: unlabelled images of another dataset's training split, resized
-  to the clients' input shape; only the validation set is held out of the test split."""
+  to the clients' input shape; the validation images are training images no client holds
+  (`val_split='holdout'`) or training images of the clients (`'train'`); no test image."""
   from jfed.data.transforms import match_input_shape  # pylint: disable=g-import-not-at-top
   from jfed.methods.feddf import distillation_data  # pylint: disable=g-import-not-at-top
 
@@ -405,6 +405,7 @@ def test_feddf_distils_on_an_out_of_domain_source_and_evaluates_on_the_rest_of_t
     train_x=match_input_shape(digits.train_x, (16, 16, 1)),
     test_x=match_input_shape(digits.test_x, (16, 16, 1)),
   )
+  clients = driver.hold_out(config, clients)
   ctx = driver.make_context(config, clients, driver.partition_clients(config, clients.train_y))
   data = distillation_data(ctx, driver.build_algorithm('feddf', config).config)
   assert int(data.pool.count) == 50 and data.pool.images.shape[1:] == (16, 16, 1)
@@ -413,15 +414,16 @@ def test_feddf_distils_on_an_out_of_domain_source_and_evaluates_on_the_rest_of_t
   # every pool image is one of the source's training images, resized (nearest in L2 is exact)
   d = ((pool[:, None, :] - sources[None, :, :]) ** 2).sum(-1)
   assert np.allclose(d.min(1), 0.0, atol=1e-8)
-  assert len(data.eval_y) == len(digits.test_y) - 30 and len(data.val_y) == 30
-  # val_split='train': the validation images are training images, the whole test split is scored
+
+  def drawn_from(x, images):
+    flat = images.reshape(len(images), -1)
+    return np.allclose(((x.reshape(len(x), -1)[:, None] - flat[None]) ** 2).sum(-1).min(1), 0.0)
+
+  assert len(data.val_y) == 30 and drawn_from(np.asarray(data.val_x), clients.holdout_x)
+  # val_split='train': the validation images are training images of the clients
   config.feddf.val_split = 'train'
   data = distillation_data(ctx, driver.build_algorithm('feddf', config).config)
-  assert len(data.eval_y) == len(digits.test_y) and len(data.val_y) == 30
-  train = clients.train_x.reshape(len(clients.train_x), -1)
-  val = np.asarray(data.val_x).reshape(30, -1)
-  assert np.allclose(((val[:, None, :] - train[None]) ** 2).sum(-1).min(1), 0.0)
-  np.testing.assert_array_equal(np.sort(np.asarray(data.eval_y)), np.sort(digits.test_y))
+  assert len(data.val_y) == 30 and drawn_from(np.asarray(data.val_x), clients.train_x)
 
 
 def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(

@@ -1,27 +1,42 @@
-"""FedDF (Lin et al., NeurIPS'20; epfml/federated-learning-public-code FedDF-code,
-reference-code.md §9.1) on the shared one-shot distillation loop (`jfed.methods.oneshot`, whose
+"""FedDF (Lin, Kong, Stich, Jaggi: Ensemble Distillation for Robust Model Fusion in Federated
+Learning, NeurIPS'20, arXiv 2006.07242; github.com/epfml/federated-learning-public-code,
+codes/FedDF-code) on the shared one-shot distillation loop (`jfed.methods.oneshot`, whose
 docstring defines a round and a step).
 
-Server: the student starts from the FedAvg (size-weighted) of the uploaded models of its
-architecture (random when no client has it) and is distilled on UNLABELLED data against the
-`avg_logits` teacher (mean of the client logits): KL(softmax(t/T) ‖ softmax(s/T)) 'batchmean',
-T = 1, no T²; Adam(1e-3), cosine decay over `total_steps` (10,000) batches of 128 ('cosine'),
-gradient norm clipped to 5. Every `eval_every` (100) batches — one epoch, i.e. one driver step —
-the student is validated on a labelled server validation set; after `patience` (1,000) batches
-without improvement the round stops early (its remaining steps record nothing), and the round's
-model is the best-on-validation student (including the FedAvg start).
+Server, every round: one student per distilled architecture (`feddf.architectures`). Each starts
+from the FedAvg (size-weighted) of the uploaded models of its architecture (random when no
+client has it) and is distilled on UNLABELLED data against the `avg_logits` teacher, the mean of
+the logits of ALL clients, whatever their architecture: KL(softmax(t/T) ‖ softmax(s/T))
+'batchmean', T = 1, no T²; Adam(1e-3), cosine decay over `total_steps` (10,000) batches of 128
+('cosine'), gradient norm clipped to 5. Every `eval_every` (100) batches — one epoch, i.e. one
+driver step — the student is validated on a labelled server validation set; after `patience`
+(1,000) batches without improvement its round stops early (its remaining steps record nothing),
+and its round's model is its best-on-validation student (including the FedAvg start). In round
+r > 1 the clients of each distilled architecture start from that architecture's student, the
+others from their own round r − 1 model.
 
-`feddf.source`: where the unlabelled distillation data comes from —
-- 'test_split': `source_size` images of the dataset's test split, held out of evaluation;
+`feddf.architectures`:
+- 'all' (default): every client architecture gets a student (Lin et al.'s FedDF for
+  heterogeneous systems, the paper's algorithm for model prototypes: each prototype's FedAvg is
+  distilled against the ensemble of all received models, and each client receives the fused
+  model of its prototype), plus `server_model`'s when no client has it;
+- 'server': only `server_model`'s architecture is distilled; the clients of the other
+  architectures never receive a server model (jfed before issue 33).
+The method's result, `test_accuracy` and `round_accuracy`, is `server_model`'s student (default
+`config.model`); with several students every record adds `student_test_accuracy`
+{architecture: accuracy} and the summary each student's round accuracy.
+
+Data: the test split is for scoring only and scored whole. `feddf.source`: where the unlabelled
+distillation images come from —
+- 'holdout': `source_size` of the training samples held out of every client
+  (`dataset.holdout_size`, `jfed.data.public`);
 - a dataset name (`jfed.data.load_dataset`, e.g. 'mnist', 'kmnist'): `source_size` images of its
   training split, resized (bilinear) and channel-matched to the main input shape.
-The validation set is `val_size` labelled images (`val_size=0`: no validation, no early stop,
-the final student is returned) of the test split, held out of evaluation (`val_split='test'`),
-or of the training split (`val_split='train'`: the whole test split is evaluated, so FedDF is
-scored on the same images as the methods it is compared with; the clients' partitions are
-drawn from the training split, so the server then holds a few labelled images like those the
-clients own, used only to pick the best student). Test accuracy is measured on the test
-images not held out (`eval_samples` in the summary).
+`feddf.val_split`: where the `val_size` labelled validation images come from (`val_size=0`: no
+validation, no early stop, the final student is returned) — 'holdout' (default: held-out
+training samples, disjoint from a 'holdout' source; the reference validates on training samples
+it keeps from the clients, `val_data_ratio`) or 'train' (training samples the clients also
+hold).
 
 `feddf.teacher_bn`: 'batch' (default, the reference: it never calls eval() on the teachers, so
 their BatchNorm normalises with each distillation batch's statistics) or 'running' (eval mode,
@@ -33,14 +48,13 @@ Config (`config.feddf`): the fields of `FedDFConfig`.
 """
 
 import math
-from typing import Any, Dict, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from jfed import typed_config as tc
-from jfed.data import load_dataset
-from jfed.data.transforms import match_input_shape
+from jfed.data.public import HOLDOUT, check_holdout_fits, check_source, public_data
 from jfed.distill import ImagePool, committed
 from jfed.driver import Algorithm
 from jfed.engine import ModelState
@@ -50,9 +64,8 @@ from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 TEACHER_BN = ('batch', 'running')
-
-
-VAL_SPLITS = ('test', 'train')
+VAL_SPLITS = (HOLDOUT, 'train')
+ARCHITECTURES = ('all', 'server')
 
 
 class FedDFConfig(NamedTuple):
@@ -63,7 +76,7 @@ class FedDFConfig(NamedTuple):
   source: str
   source_size: int
   val_size: int
-  val_split: str  # 'test' | 'train': where the validation images come from
+  val_split: str  # VAL_SPLITS: where the validation images come from
   kd_T: float
   kd_optimizer: str
   kd_lr: float
@@ -75,61 +88,55 @@ class FedDFConfig(NamedTuple):
   kd_schedule: str
   kd_augment: str
   teacher_bn: str
+  architectures: str  # ARCHITECTURES: which architectures get a student
 
 
 class DistillationData(NamedTuple):
   pool: ImagePool  # the unlabelled images (float32, labels −1)
   val_x: np.ndarray
   val_y: np.ndarray
-  eval_x: np.ndarray
-  eval_y: np.ndarray
   source: str
 
 
 class FedDFExtra(NamedTuple):
   best: ModelState  # best-on-validation student of this round
   best_val: Any  # its validation accuracy (float32 scalar)
-  best_test: Any  # its test accuracy
   bad_epochs: Any  # evaluations since the last improvement (int32 scalar)
 
 
+def held_out_count(cfg: FedDFConfig) -> int:
+  """How many of the held-out training samples FedDF reads (distillation + validation)."""
+  return cfg.source_size * (cfg.source == HOLDOUT) + cfg.val_size * (cfg.val_split == HOLDOUT)
+
+
 def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
-  """The unlabelled distillation set, the validation set and the evaluation set (seeded)."""
-  ds = ctx.dataset
-  rng = np.random.default_rng(ctx.config.seed)
-  n = len(ds.test_y)
-  val_in_test = cfg.val_split == 'test'
-  held = (cfg.source_size if cfg.source == 'test_split' else 0) + cfg.val_size * val_in_test
-  if held > n // 2:
+  """The unlabelled distillation set and the validation set (seeded; no test sample)."""
+  ds, seed = ctx.dataset, int(ctx.config.seed)
+  val_held = cfg.val_split == HOLDOUT
+  held = held_out_count(cfg)
+  available = 0 if ds.holdout_y is None else len(ds.holdout_y)
+  if held > available:
     raise ConfigError(
-      f'feddf: source_size={cfg.source_size}, val_size={cfg.val_size}: the '
-      f'sets held out of the test split must total at most half of its {n} '
-      'samples'
+      f'feddf: source={cfg.source!r} (source_size={cfg.source_size}) and '
+      f'val_split={cfg.val_split!r} (val_size={cfg.val_size}) read {held} training samples held '
+      f'out of the clients, but dataset.holdout_size holds {available}; set '
+      f'--config.dataset.holdout_size={held}'
     )
-  perm = rng.permutation(n)
-  if val_in_test:
-    val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
-    val_x, val_y = ds.test_x[val], ds.test_y[val]
+  x_held = y_held = None
+  if held:
+    public = public_data(ds, HOLDOUT, held, seed)
+    x_held, y_held = public.x, public.y
+  if val_held:  # the first val_size held-out samples validate, the others are distilled on
+    val_x, val_y = x_held[: cfg.val_size], y_held[: cfg.val_size]
+    x_held = x_held[cfg.val_size :]
   else:
-    rest = perm
     if cfg.val_size > len(ds.train_y):
       raise ConfigError(
         f'feddf.val_size={cfg.val_size} but the training split has {len(ds.train_y)} samples'
       )
-    val = np.sort(rng.choice(len(ds.train_y), cfg.val_size, replace=False))
+    val = np.sort(np.random.default_rng(seed).choice(len(ds.train_y), cfg.val_size, replace=False))
     val_x, val_y = ds.train_x[val], ds.train_y[val]
-  if cfg.source == 'test_split':
-    x, rest = ds.test_x[rest[: cfg.source_size]], rest[cfg.source_size :]
-  else:
-    other = load_dataset(cfg.source)
-    if cfg.source_size > len(other.train_y):
-      raise ConfigError(
-        f'feddf.source_size={cfg.source_size} but {cfg.source} has '
-        f'{len(other.train_y)} training samples'
-      )
-    pick = np.sort(rng.choice(len(other.train_y), cfg.source_size, replace=False))
-    x = match_input_shape(other.train_x[pick], ds.input_shape)
-  keep = np.sort(rest)
+  x = x_held if cfg.source == HOLDOUT else public_data(ds, cfg.source, cfg.source_size, seed).x
   pool = committed(
     ImagePool(
       jnp.asarray(x, jnp.float32),
@@ -137,23 +144,32 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
       jnp.asarray(len(x), jnp.int32),
     )
   )
-  return DistillationData(pool, val_x, val_y, ds.test_x[keep], ds.test_y[keep], cfg.source)
+  return DistillationData(pool, val_x, val_y, cfg.source)
 
 
-@register_method('feddf')
-class FedDF(oneshot.DistillationAlgorithm):
-  """FedAvg start, mean-logit teacher on unlabelled data, best-on-validation student."""
+class FedDFStudent(oneshot.DistillationAlgorithm):
+  """The FedDF student of one architecture (`server_model`): FedAvg start, mean-logit teacher
+  of all clients on unlabelled data, best-on-validation student. Not a method by itself: `FedDF`
+  runs one per distilled architecture, `FedDFVote` one per prototype."""
 
+  name = 'feddf'
   kd_agg_fixed_in_round = True
   section = 'feddf'
   Config = FedDFConfig
 
   def validate(self, config) -> None:
     super().validate(config)
-    tc.require_positive(self.config, self.section, ('source_size', 'total_steps', 'eval_every'))
-    tc.require_non_negative(self.config, self.section, ('val_size', 'patience'))
-    tc.require_choice(self.config.teacher_bn, TEACHER_BN, f'{self.section}.teacher_bn')
-    tc.require_choice(self.config.val_split, VAL_SPLITS, f'{self.section}.val_split')
+    c = self.config
+    tc.require_positive(c, self.section, ('source_size', 'total_steps', 'eval_every'))
+    tc.require_non_negative(c, self.section, ('val_size', 'patience'))
+    tc.require_choice(c.teacher_bn, TEACHER_BN, f'{self.section}.teacher_bn')
+    tc.require_choice(c.val_split, VAL_SPLITS, f'{self.section}.val_split')
+    tc.require_choice(c.architectures, ARCHITECTURES, f'{self.section}.architectures')
+    check_source(c.source, f'{self.section}.source')
+    if held_out_count(c):
+      check_holdout_fits(
+        config, HOLDOUT, held_out_count(c), f'{self.section}.source_size + val_size from'
+      )
 
   def epochs_per_round(self) -> int:
     return math.ceil(self.config.total_steps / self.config.eval_every)
@@ -175,9 +191,6 @@ class FedDF(oneshot.DistillationAlgorithm):
   def method_data(self, ctx, settings) -> DistillationData:
     return distillation_data(ctx, self.config)
 
-  def eval_data(self, ctx, data: DistillationData):
-    return data.eval_x, data.eval_y
-
   def fixed_pool(self, aux):
     return aux.data.pool
 
@@ -187,21 +200,15 @@ class FedDF(oneshot.DistillationAlgorithm):
     return aux.evaluator.accuracy(model, aux.data.val_x, aux.data.val_y)
 
   def init_extra(self, ctx, aux, student) -> FedDFExtra:
-    test = aux.evaluator.accuracy(student, aux.eval_x, aux.eval_y)
-    return FedDFExtra(
-      student, jnp.float32(self._val(aux, student)), jnp.float32(test), jnp.int32(0)
-    )
+    return FedDFExtra(student, jnp.float32(self._val(aux, student)), jnp.int32(0))
 
   def after_epoch(self, ctx, aux, state, test_accuracy, r, e):
     if len(aux.data.val_y) == 0:
-      ex = state.extra._replace(best=state.student.model, best_test=jnp.float32(test_accuracy))
-      return state._replace(extra=ex), {}
+      return state._replace(extra=state.extra._replace(best=state.student.model)), {}
     val = self._val(aux, state.student.model)
     ex = state.extra
     if val > float(ex.best_val):
-      ex = FedDFExtra(
-        state.student.model, jnp.float32(val), jnp.float32(test_accuracy), jnp.int32(0)
-      )
+      ex = FedDFExtra(state.student.model, jnp.float32(val), jnp.int32(0))
     else:
       ex = ex._replace(bad_epochs=jnp.int32(int(ex.bad_epochs) + 1))  # host-side: no program
     stop = int(ex.bad_epochs) * self.config.eval_every >= self.config.patience
@@ -213,8 +220,10 @@ class FedDF(oneshot.DistillationAlgorithm):
   def round_model(self, state):
     return state.extra.best
 
-  def round_accuracy(self, state, last_test_accuracy):
-    return float(state.extra.best_test)
+  def round_accuracy(self, aux, state, last_test_accuracy):
+    if len(aux.data.val_y) == 0:
+      return last_test_accuracy
+    return aux.evaluator.accuracy(state.extra.best, aux.eval_x, aux.eval_y)
 
   def method_summary(self, ctx, aux, rd, state, history):
     d = aux.data
@@ -222,37 +231,135 @@ class FedDF(oneshot.DistillationAlgorithm):
       'source': d.source,
       'source_size': int(d.pool.count),
       'val_size': int(len(d.val_y)),
-      'eval_samples': int(len(d.eval_y)),
+      'val_split': self.config.val_split,
+      'eval_samples': int(len(aux.eval_y)),
       'best_val_accuracy': float(state.extra.best_val),
       'early_stopped': bool(state.stopped),
     }
 
 
+class FedDFAux(NamedTuple):
+  architectures: Tuple[str, ...]  # the distilled architectures; the first is `server_model`
+  students: Tuple[FedDFStudent, ...]
+  auxes: Tuple[oneshot.DistillAux, ...]
+
+
+@register_method('feddf')
+class FedDF(Algorithm):
+  """FedDF with a student per distilled architecture (see the module docstring). A step is one
+  distillation epoch of every student that has not stopped; its record is `server_model`'s
+  student's, with every student's test accuracy added when there are several."""
+
+  section = 'feddf'
+  Config = FedDFConfig
+  step_name = 'epoch'
+
+  def _student(self, spec: str) -> FedDFStudent:
+    return FedDFStudent(self.config._replace(server_model=spec))
+
+  def validate(self, config) -> None:
+    self._student(self.config.server_model).validate(config)
+
+  def architectures(self, ctx: RunContext) -> Tuple[str, ...]:
+    """The distilled architectures, `server_model`'s first."""
+    server = self.config.server_model or ctx.config.model
+    if self.config.architectures == 'server':
+      return (server,)
+    return tuple(dict.fromkeys([server, *common.client_model_specs(ctx)]))
+
+  def epochs_per_round(self) -> int:
+    return self._student('').epochs_per_round()
+
+  def num_steps(self, ctx: RunContext) -> int:
+    return self.config.rounds * self.epochs_per_round()
+
+  def step_label(self, i: int, n: int) -> str:
+    return self._student('').step_label(i, n)
+
+  def setup(self, ctx: RunContext) -> FedDFAux:
+    specs = self.architectures(ctx)
+    students = tuple(self._student(s) for s in specs)
+    return FedDFAux(specs, students, tuple(s.setup(ctx) for s in students))
+
+  def setup_records(self, ctx: RunContext, aux: FedDFAux):
+    return aux.students[0].setup_records(ctx, aux.auxes[0])
+
+  def init(self, ctx: RunContext, aux: FedDFAux) -> Tuple[oneshot.ServerState, ...]:
+    return tuple(s.init(ctx, a) for s, a in zip(aux.students, aux.auxes))
+
+  def step(self, ctx: RunContext, aux: FedDFAux, state, i: int):
+    r, e = divmod(i, self.epochs_per_round())
+    r += 1
+    if e == 0 and r > 1:
+      # The round's uploads, trained once (a stage) with every architecture's clients starting
+      # from their architecture's student; each student's step then reads them.
+      global_models = {
+        spec: student.round_model(s)
+        for spec, student, s in zip(aux.architectures, aux.students, state)
+      }
+      oneshot.round_uploads(ctx, r, self.config.local_epochs, aux.architectures[0], global_models)
+    new, records = [], []
+    for student, student_aux, s in zip(aux.students, aux.auxes, state):
+      s, recs = student.step(ctx, student_aux, s, i)
+      new.append(s)
+      records.append(recs[0] if recs else None)
+    return tuple(new), self._records(aux, r, e, records)
+
+  def _records(self, aux: FedDFAux, r: int, e: int, records: List[Any]) -> List[Dict[str, Any]]:
+    if all(rec is None for rec in records):
+      return []
+    out = dict(records[0]) if records[0] is not None else {'round': r, 'epoch': e + 1}
+    if len(records) == 1:
+      return [out]
+    ran = [(spec, rec) for spec, rec in zip(aux.architectures, records) if rec is not None]
+    out['student_test_accuracy'] = {spec: rec['test_accuracy'] for spec, rec in ran}
+    rounds = {spec: rec['round_accuracy'] for spec, rec in ran if 'round_accuracy' in rec}
+    if rounds:
+      out['student_round_accuracy'] = rounds
+    download = sum(rec.get('download_bytes', 0) for _, rec in ran)
+    if download:  # every architecture's clients download their student
+      out['download_bytes'] = download
+    return [out]
+
+  def final_accuracy(self, history) -> Any:
+    return self._student('').final_accuracy(history)
+
+  def summarize(self, ctx: RunContext, aux: FedDFAux, state, history) -> Dict[str, Any]:
+    out = aux.students[0].summarize(ctx, aux.auxes[0], state[0], history)
+    out['architectures'] = self.config.architectures
+    out['students'] = list(aux.architectures)
+    out['student_test_accuracy'] = {
+      spec: a.evaluator.accuracy(student.round_model(s), a.eval_x, a.eval_y)
+      for spec, student, a, s in zip(aux.architectures, aux.students, aux.auxes, state)
+    }
+    return out
+
+
 class FedDFVoteAux(NamedTuple):
   prototypes: Tuple[str, ...]  # the architectures, in client order
-  algorithms: Tuple[FedDF, ...]  # one FedDF per architecture, its student of that architecture
+  algorithms: Tuple[FedDFStudent, ...]  # one student per architecture
   auxes: Tuple[oneshot.DistillAux, ...]
 
 
 @register_method('feddf_vote')
 class FedDFVote(Algorithm):
-  """FedDF for heterogeneous clients as FedMHO (seed 004 §5.1.2) runs it: one student per
-  architecture ("model prototype"), each the FedDF of this module — started from the FedAvg of
-  its architecture's clients and distilled against the mean logits of *all* clients — and the
-  result is the prototypes' vote, the argmax of the mean of their best-on-validation students'
-  logits (as `fedavg_vote` votes). Steps: the epochs of prototype 1, then of prototype 2, ...;
-  each prototype's records carry 'prototype' and its student's 'prototype_test_accuracy'; the
-  last step adds the vote's 'test_accuracy' on FedDF's evaluation images (the test split minus
-  the held-out unlabelled and validation images). Config: `config.feddf` (rounds must be 1;
-  `server_model` is ignored: every architecture gets a student).
+  """FedDF for heterogeneous clients as FedMHO (Yao et al., WWW'26; github.com/YXShi2000/FedMHO,
+  §5.1.2) runs it: one student per architecture ("model prototype"), each FedDF's
+  (`FedDFStudent`) — started from the FedAvg of its architecture's clients and distilled against
+  the mean logits of *all* clients — and the result is the prototypes' vote, the argmax of the
+  mean of their best-on-validation students' logits (as `fedavg_vote` votes). Steps: the epochs
+  of prototype 1, then of prototype 2, ...; each prototype's records carry 'prototype' and its
+  student's 'prototype_test_accuracy'; the last step adds the vote's 'test_accuracy' on the whole
+  test split. Config: `config.feddf` (rounds must be 1; `server_model` and `architectures` are
+  ignored: every architecture gets a student).
   """
 
   section = 'feddf'
   Config = FedDFConfig
   step_name = 'epoch'
 
-  def _prototype(self, spec: str) -> FedDF:
-    return FedDF(self.config._replace(server_model=spec))
+  def _prototype(self, spec: str) -> FedDFStudent:
+    return FedDFStudent(self.config._replace(server_model=spec))
 
   def validate(self, config) -> None:
     self._prototype('').validate(config)

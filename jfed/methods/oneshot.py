@@ -1,9 +1,10 @@
 """The server side of the one-shot methods that distil client models into a server model.
 
-DENSE, Co-Boosting, FedHydra and FedDF are `DistillationAlgorithm`s (this module; not a method
-itself): each says how it synthesises data, how the teachers are combined, which student loss it
-uses and what (if anything) it does between synthesis and distillation (the hooks below). OT
-shares only the uploads of every round (`round_uploads`).
+DENSE, Co-Boosting, FedHydra and FedDF's students (one per distilled architecture,
+`jfed.methods.feddf`) are `DistillationAlgorithm`s (this module; not a method itself): each
+says how it synthesises data, how the teachers are combined, which student loss it uses and
+what (if anything) it does between synthesis and distillation (the hooks below). OT shares
+only the uploads of every round (`round_uploads`).
 
 Protocol of one global round r (r = 1..rounds), `epochs` driver steps per round: step i is
 epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
@@ -50,7 +51,7 @@ after every step. Every key is `ctx.derive_key(Purpose.SERVER, r, e, ...)` or a 
 uninterrupted one.
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from absl import logging
 import jax
@@ -118,13 +119,14 @@ def round_uploads(
   r: int,
   local_epochs: int,
   server_spec: str,
-  global_model: Optional[ModelState] = None,
+  global_model: Union[None, ModelState, Dict[str, ModelState]] = None,
 ) -> common.LocalModels:
   """The client models uploaded in round r (see the module docstring).
 
   Round r > 1 is the stage 'round_models' (tag r): trained once, from `global_model` (the global
-  model of round r − 1) and the clients' round r − 1 models; `global_model` may be None when the
-  stage is already cached (a resumed run, the summary).
+  model of round r − 1, for the clients of `server_spec`; or {spec: global model} when several
+  architectures have one, as FedDF's students) and the other clients' round r − 1 models;
+  `global_model` may be None when the stage is already cached (a resumed run, the summary).
   """
   first = common.local_models(ctx, local_epochs)
   if r == 1:
@@ -134,8 +136,9 @@ def round_uploads(
     if global_model is None:
       raise ValueError(f'round {r} of local training needs the global model of round {r - 1}')
     prev = round_uploads(ctx, r - 1, local_epochs, server_spec).models
+    global_models = global_model if isinstance(global_model, dict) else {server_spec: global_model}
     starts = [
-      engine.replicate(global_model, len(g.client_ids)) if g.spec == server_spec else p
+      engine.replicate(global_models[g.spec], len(g.client_ids)) if g.spec in global_models else p
       for g, p in zip(first.groups, prev)
     ]
     trainers = common.run_trainers(ctx, first.groups)
@@ -270,7 +273,7 @@ class DistillationAlgorithm(Algorithm):
     raise NotImplementedError
 
   def method_data(self, ctx: RunContext, settings: Settings) -> Any:
-    """Run-level constants of the method (FedDF: its unlabelled, validation and test sets)."""
+    """Run-level constants of the method (FedDF: its unlabelled and validation sets)."""
     return None
 
   def eval_data(self, ctx: RunContext, data: Any) -> Tuple[np.ndarray, np.ndarray]:
@@ -312,7 +315,7 @@ class DistillationAlgorithm(Algorithm):
   def round_model(self, state: ServerState) -> ModelState:
     return state.student.model
 
-  def round_accuracy(self, state: ServerState, last_test_accuracy: float) -> float:
+  def round_accuracy(self, aux: DistillAux, state: ServerState, last_test_accuracy: float) -> float:
     return last_test_accuracy
 
   def method_summary(
@@ -551,7 +554,7 @@ class DistillationAlgorithm(Algorithm):
     state, extra = self.after_epoch(ctx, aux, state, accuracy, r, e)
     record.update({'test_accuracy': accuracy, **epoch_record, **extra})
     if e + 1 == s.epochs or bool(state.stopped):
-      record['round_accuracy'] = self.round_accuracy(state, accuracy)
+      record['round_accuracy'] = self.round_accuracy(aux, state, accuracy)
       if images is not None:
         self._save_samples(ctx, images, r)
     return state, [record]
