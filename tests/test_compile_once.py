@@ -62,7 +62,7 @@ def compiles_per_step(algorithm: driver.Algorithm, ctx: driver.RunContext) -> St
 def run_method(method: str, config, dataset) -> StepCompiles:
   jax.clear_caches()
   algorithm = driver.build_algorithm(method, config)
-  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  ctx = driver.context_of_config(config, dataset)
   return compiles_per_step(algorithm, ctx)
 
 
@@ -141,7 +141,7 @@ def _add_one(s):
 
 def test_the_harness_attributes_a_per_round_recompilation_to_its_rounds(dataset):
   config = digits.get_config('smoke')
-  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  ctx = driver.context_of_config(config, dataset)
   counts = compiles_per_step(_RecompilesFromRound(_Config(rounds=4)), ctx)
   assert len(counts.steps) == 4
   assert recompiling_steps(counts).keys() == {2, 3}, counts

@@ -169,7 +169,7 @@ def test_the_documented_new_method_runs_on_the_interface_and_equals_fedavg_at_mo
     {'rounds': 3, 'local_epochs': config.fedavg.local_epochs, 'server_momentum': 0.0}
   )
   dataset = load_dataset('digits')
-  ctx = driver.make_context(config, dataset, driver.partition_clients(config, dataset.train_y))
+  ctx = driver.context_of_config(config, dataset)
   summary = driver.run(_FedAvgM.from_config(config), ctx, progress=False)
   monkeypatch.chdir(tmp_path)
   reference = driver.run_in_memory('fedavg', config)

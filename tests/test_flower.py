@@ -67,11 +67,11 @@ def test_the_digest_of_a_client_sees_its_samples_and_labels():
 
 def test_a_node_refuses_to_train_a_client_on_data_it_does_not_hold():
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-  from jfed.driver import make_context, partition_clients  # pylint: disable=g-import-not-at-top
+  from jfed.driver import hold_out, make_context, partition_clients  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config(SMOKE, ['--config.model=mlp'])
-  dataset = load_dataset('digits')
+  dataset = hold_out(config, load_dataset('digits'))
   ctx = make_context(config, dataset, partition_clients(config, dataset.train_y))
   node = transport.NodeTrainer(ctx, 0, 2)
   recipe = '{"kind": "classifier", "prox_mu": 0.0, "optimizer_steps": 0}'
@@ -190,7 +190,8 @@ def _smoke_context(**kwargs):
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
 
-  config = load_config(SMOKE, ['--config.model=mlp'])
+  # Four local epochs: at the smoke budget's one, two rounds of the MLP stay near chance.
+  config = load_config(SMOKE, ['--config.model=mlp', '--config.fedprox.local_epochs=4'])
   return config, context_of_config(config, **kwargs)
 
 
@@ -223,11 +224,11 @@ def test_a_client_no_supernode_holds_stops_the_run():
 def test_hfldd_phases_through_the_transport_give_the_in_process_summary(method):
   """Soft labels, KIP on the members' nodes and the heads' hybrid data all cross the bridge."""
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-  from jfed.driver import build_algorithm, make_context, partition_clients, run  # pylint: disable=g-import-not-at-top
+  from jfed.driver import build_algorithm, hold_out, make_context, partition_clients, run  # pylint: disable=g-import-not-at-top
   from tests.support import hfldd_tiny_config  # pylint: disable=g-import-not-at-top
 
   config = hfldd_tiny_config()
-  dataset = load_dataset('digits')
+  dataset = hold_out(config, load_dataset('digits'))
   parts = partition_clients(config, dataset.train_y)
   nodes = [transport.NodeTrainer(make_context(config, dataset, parts), p, 3) for p in range(3)]
   bridge = _InProcessTransport(nodes)

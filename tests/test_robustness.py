@@ -63,7 +63,7 @@ def test_a_norm_bound_rejects_the_attackers_uploads_and_counts_them(digits):
 
 def test_label_flippers_train_on_flipped_labels(digits):
   config = _five_iid(**{'attack.kind': 'label_flip', 'attack.clients': '0,4'})
-  ctx = driver.make_context(config, digits, driver.partition_clients(config, digits.train_y))
+  ctx = driver.context_of_config(config, digits)
   (group,) = common.client_groups(ctx)
   for row, cid in enumerate(group.client_ids):
     n = group.fed.sizes[row]
