@@ -17,8 +17,15 @@ and its runs share it (`local_models_dir` / `local_cvaes_dir` = OUT/dir<α>/seed
   number the filter keeps, 0.8 · N_syn: the paper's "same number of samples");
 - 'baselines' (VGG-9 + small CNN, variant word 'baselines'): fedavg_vote, feddf_vote, dense,
   coboosting;
-- 'fedcvae' (CVAE-large + CVAE-small, variant word 'fedcvae'): fedcvae_ens, fedcvae_kd.
-The seed changes the partition, every initialisation and every draw.
+- 'fedcvae' (CVAE-large + CVAE-small, variant word 'fedcvae'): fedcvae_ens, run as the FedMHO
+  reference runs its FEDCVAE row (`fedcvae.protocol='fedmho'`: FedMHO's per-class generation and
+  filter, FedMHO's server optimiser, batch and epochs);
+- 'fedcvae_kd' (CVAE-large + CVAE-small at one latent size, variant word 'fedcvae_kd'):
+  fedcvae_kd, whose server decoder is fed the users' latents (the paper has no FEDCVAE-KD row).
+Every run of a config holds out the same `dataset.holdout_size` training samples (FedDF's
+distillation and validation images), so all methods' clients hold the same data, and every run
+is scored on the whole test split. The seed changes the partition, every initialisation and
+every draw.
 
 Writes OUT/tables.md — Table 3 (runs × α, "mean ± std over seeds" of the final and of the best
 test accuracy in %, the paper's number beside ours), Table 4 (with and without the filter) and
@@ -57,7 +64,7 @@ def define_flags() -> None:
 
 class Run(NamedTuple):
   method: str  # the registered method
-  clients: str  # the client set: '' (the config's default), 'baselines' or 'fedcvae'
+  clients: str  # the client set: '' (the config's default), 'baselines', 'fedcvae', 'fedcvae_kd'
   name: str  # Table 3 / 4 row
   ablation: bool = False  # Table 4: R_th = 1 with the filtered sample count
 
@@ -68,7 +75,7 @@ RUNS: Dict[str, Run] = {
   'dense': Run('dense', 'baselines', 'DENSE'),
   'coboosting': Run('coboosting', 'baselines', 'Co-Boosting'),
   'fedcvae_ens': Run('fedcvae_ens', 'fedcvae', 'FEDCVAE (Ens)'),
-  'fedcvae_kd': Run('fedcvae_kd', 'fedcvae', 'FEDCVAE-KD'),
+  'fedcvae_kd': Run('fedcvae_kd', 'fedcvae_kd', 'FEDCVAE-KD'),
   'fedmho': Run('fedmho', '', 'FedMHO'),
   'fedmho_md': Run('fedmho_md', '', 'FedMHO-MD'),
   'fedmho_sd': Run('fedmho_sd', '', 'FedMHO-SD'),
@@ -169,12 +176,18 @@ def budget_lines(c) -> List[str]:
     f'{m.cvae_optimizer} {m.cvae_lr} (paper: 40)',
     f'- FedMHO server: N_syn {m.num_synthetic}, R_th {m.clean_rate}, {m.epochs} epochs of '
     f'Adam {m.lr}, batch {m.batch}, λ {m.lam}',
-    f'- FedCVAE: CVAE-large + CVAE-small clients, {cv.cvae_epochs} epochs of {cv.cvae_optimizer} '
-    f'{cv.cvae_lr}; {cv.num_synthetic} samples, classifier {cv.epochs} epochs of Adam {cv.lr}',
+    f'- FedCVAE ({cv.protocol} protocol): CVAE-large + CVAE-small clients, {cv.cvae_epochs} '
+    f'epochs of {cv.cvae_optimizer} {cv.cvae_lr} (CVAE-small {cv.cvae_small_lr or cv.cvae_lr}); '
+    f'{cv.num_synthetic} samples'
+    + (f', R_th {cv.clean_rate}' if cv.protocol == 'fedmho' else '')
+    + f', classifier {cv.epochs} epochs of Adam {cv.lr}, batch {cv.batch}',
     f'- baselines (VGG-9 + small CNN clients, {c.fedavg_vote.local_epochs} local epochs): DENSE '
     f'{d.epochs} epochs x {d.g_steps} generator steps on {d.synthesis_batch}; Co-Boosting '
     f'{cb.epochs} x {cb.g_steps} on {cb.synthesis_batch}; FedDF {df.total_steps} steps of '
-    f'{df.kd_batch} on {df.source_size} unlabelled test images per prototype student',
+    f'{df.kd_batch} on {df.source_size} unlabelled held-out training images per prototype '
+    f'student',
+    f'- every method: {c.dataset.get("holdout_size", 0)} training samples held out of the '
+    'clients; scored on the whole test split',
   ]
 
 
@@ -290,6 +303,9 @@ def run_sweep(
   unknown = [r for r in runs if r not in RUNS]
   if unknown:
     raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(RUNS)}')
+  # In RUNS order: run 'fedmho' must claim its workdir before the runs of its client set put
+  # their shared clients there (OUT/dir<α>/seed<s>/fedmho/local_models).
+  runs = [r for r in RUNS if r in runs]
   module = load_config_module(config_path, 'fedmho_tables_config')
   base = module.get_config(budget)
   out.mkdir(parents=True, exist_ok=True)

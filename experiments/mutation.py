@@ -2,9 +2,10 @@
 argument, a dropped loss term?
 
 For each module named, a scratch copy of the working tree (tracked and untracked, not ignored
-files) gets a `[tool.mutmut]` section that mutates that module alone and runs the module's own
-fast tests (`MODULES`: its oracle test and its unit tests), then `mutmut run`. mutmut 3 runs, for
-each mutant, only the tests that call the mutated function; its workers come from a fork server
+files; `--scratch`/<module>, kept, so that a stopped run resumes where it stopped) gets a
+`[tool.mutmut]` section that mutates that module alone and runs the module's own fast tests
+(`MODULES`: its oracle test and its unit tests), then `mutmut run`. mutmut 3 runs, for each
+mutant, only the tests that call the mutated function; its workers come from a fork server
 that imports nothing but the scientific stack (JAX must not be initialised before a fork).
 
     python -m experiments.mutation --modules=aggregation,fedavg --max_children=2 \
@@ -17,6 +18,7 @@ mutant and worker; a module has 100-400 mutants.
 """
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -34,6 +36,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list('modules', ['aggregation'], 'keys of MODULES, or "all"')
 flags.DEFINE_integer('max_children', 2, 'mutmut workers')
 flags.DEFINE_string('out', 'docs/results/mutation', 'report folder')
+flags.DEFINE_string(
+  'scratch',
+  os.path.join(tempfile.gettempdir(), 'jfed-mutation'),
+  "where each module's copy and mutmut's state live: a stopped run resumes from there",
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -147,21 +154,21 @@ def _mutmut(dest: pathlib.Path, *args: str, log=None) -> str:
 def run_module(key: str, out: pathlib.Path) -> Dict:
   paths, tests = MODULES[key]
   t0 = time.time()
-  with tempfile.TemporaryDirectory(prefix=f'jfed-mutation-{key}-') as tmp:
-    dest = pathlib.Path(tmp)
-    scratch_copy(dest)
-    configure(dest, paths, tests)
-    with open(out / f'{key}.log', 'w') as log:
-      _mutmut(dest, 'run', '--max-children', str(FLAGS.max_children), log=log)
-    _mutmut(dest, 'export-cicd-stats')
-    stats_path = dest / 'mutants' / 'mutmut-cicd-stats.json'
-    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-    survivors = [
-      line.strip().split(':')[0]
-      for line in _mutmut(dest, 'results').splitlines()
-      if line.strip().endswith(': survived')
-    ]
-    diffs = {name: _mutmut(dest, 'show', name) for name in survivors}
+  dest = pathlib.Path(FLAGS.scratch) / key
+  dest.mkdir(parents=True, exist_ok=True)
+  scratch_copy(dest)
+  configure(dest, paths, tests)
+  with open(out / f'{key}.log', 'a') as log:
+    _mutmut(dest, 'run', '--max-children', str(FLAGS.max_children), log=log)
+  _mutmut(dest, 'export-cicd-stats')
+  stats_path = dest / 'mutants' / 'mutmut-cicd-stats.json'
+  stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+  survivors = [
+    line.strip().split(':')[0]
+    for line in _mutmut(dest, 'results').splitlines()
+    if line.strip().endswith(': survived')
+  ]
+  diffs = {name: _mutmut(dest, 'show', name) for name in survivors}
   tested = stats.get('total', 0) - stats.get('skipped', 0) - stats.get('no_tests', 0)
   killed = stats.get('killed', 0) + stats.get('timeout', 0)
   row = {

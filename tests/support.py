@@ -130,8 +130,10 @@ def smoke_config(method: str):
     return _hfldd()
   if method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
     return fedmho_digits.get_config('smoke')
-  if method in ('fedcvae_ens', 'fedcvae_kd'):
+  if method == 'fedcvae_ens':
     return fedmho_digits.get_config('fedcvae,smoke')
+  if method == 'fedcvae_kd':  # its server decoder takes every user's latents: one latent size
+    return fedmho_digits.get_config('fedcvae_kd,smoke')
   if method in ('heterofl', 'fedproto', 'fedmd', 'fedtsa'):  # MLP widths, partial participation
     return fedtsa_digits.get_config('smoke')
   if method == 'feddf_vote':  # two prototypes of two epochs

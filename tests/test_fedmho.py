@@ -1,6 +1,8 @@
 """FedMHO / FedCVAE machinery: CVAE clients on the shared engine, their uploads, the server's
 sample counts, the prototype vote of one-shot FedAvg, and (slow) that FedMHO-MD learns."""
 
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -109,8 +111,8 @@ def test_decoded_labels_and_counts_are_what_was_asked():
 
 def test_fedavg_vote_is_the_argmax_of_the_mean_prototype_logits():
   config = fedmho_digits.get_config('baselines,smoke')
-  ds = load_dataset('digits')
-  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  ctx = driver.context_of_config(config)
+  ds = ctx.dataset
   algorithm = get_method('fedavg_vote').from_config(config)
   local = algorithm.setup(ctx)
   _, (record,) = algorithm.step(ctx, local, algorithm.init(ctx, local), 0)
@@ -137,8 +139,7 @@ def test_fedmho_md_learns_on_digits_above_its_initial_global_model():
 def test_feddf_vote_is_the_argmax_of_the_mean_logits_of_its_best_students():
   config = fedmho_digits.get_config('baselines,smoke')
   config.feddf.update({'local_epochs': 1, 'total_steps': 4, 'eval_every': 2, 'patience': 100})
-  ds = load_dataset('digits')
-  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  ctx = driver.context_of_config(config)
   algorithm = get_method('feddf_vote').from_config(config)
   aux = algorithm.setup(ctx)
   state = algorithm.init(ctx, aux)
@@ -194,7 +195,7 @@ def test_decoder_distillation_loss_is_the_summed_bce_over_the_batch_and_falls():
 
 @pytest.mark.slow
 def test_fedcvae_kd_learns_on_digits():
-  summary = driver.run_in_memory('fedcvae_kd', fedmho_digits.get_config('fedcvae'))
+  summary = driver.run_in_memory('fedcvae_kd', fedmho_digits.get_config('fedcvae_kd'))
   assert summary['final_test_accuracy'] > 0.4, summary['final_test_accuracy']
 
 
@@ -223,8 +224,10 @@ def test_a_diverged_cvae_client_is_excluded_and_the_run_goes_on(monkeypatch):
 
   monkeypatch.setattr(generative.common, 'train_groups', diverge_second_client)
   config = fedmho_digits.get_config('smoke')
-  ds = load_dataset('digits')
-  ctx = driver.make_context(config, ds, driver.partition_clients(config, ds.train_y))
+  # N_syn at which the excluded decoder's share changes the total (the rounding of 200 hides it)
+  config.fedmho.num_synthetic = 2000
+  ctx = driver.context_of_config(config)
+  ds = ctx.dataset
   cvaes = generative.local_cvaes(ctx, generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0))
   group = cvaes.groups[0]
   assert cvaes.excluded == [int(group.client_ids[1])]
@@ -241,3 +244,38 @@ def test_a_diverged_cvae_client_is_excluded_and_the_run_goes_on(monkeypatch):
   every = np.concatenate([g.client_ids for g in cvaes.groups])
   kept = [int(k) for k in every if int(k) not in cvaes.excluded]
   assert summary['synthetic_generated'] == owed(kept) != owed(every), (owed(kept), owed(every))
+
+
+def test_cvae_small_clients_train_at_their_own_learning_rate_when_set():
+  """FedMHO's reference trains CVAE-small at Adam 5e-2 and CVAE-large at 1e-3 (MNIST family)."""
+  ds = load_dataset('digits')
+  small = cvae_clients.build_cvae({'size': 'small'}, 10, ds.input_shape)
+  large = cvae_clients.build_cvae({'size': 'large'}, 10, ds.input_shape)
+  s = generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0, 5e-2)
+  assert generative.group_lr(small, s) == 5e-2 and generative.group_lr(large, s) == 1e-3
+  assert generative.group_lr(small, s._replace(small_lr=0.0)) == 1e-3
+
+
+@pytest.mark.parametrize('module', ['fedmho_fashion_mnist', 'fedmho_digits'])
+def test_every_run_of_the_fedmho_table_holds_out_the_same_training_samples(module, tmp_path):
+  """One scoring protocol per table: every run holds the same training samples out of its
+  clients (FedDF's distillation and validation images come from them), and the FEDCVAE row runs
+  FedMHO's server protocol with FedMHO's server steps."""
+  from experiments import fedmho_tables  # pylint: disable=g-import-not-at-top
+  from experiments.seed_tables import load_config_module  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(__file__).parents[1] / 'experiments' / 'configs' / f'{module}.py'
+  config_module = load_config_module(str(path), f'table_{module}')
+  configs = {
+    name: fedmho_tables.run_config(config_module, '', run, 0.5, 0, tmp_path)
+    for name, run in fedmho_tables.RUNS.items()
+  }
+  sizes = {name: c.dataset.holdout_size for name, c in configs.items()}
+  assert len(set(sizes.values())) == 1 and min(sizes.values()) > 0, sizes
+  feddf = configs['feddf_vote'].feddf
+  assert feddf.source == 'holdout'
+  assert feddf.source_size + feddf.val_size * (feddf.val_split == 'holdout') <= sizes['feddf_vote']
+  ens, mho = configs['fedcvae_ens'], configs['fedmho']
+  assert ens.fedcvae.protocol == 'fedmho'
+  for key in ('num_synthetic', 'clean_rate', 'epochs', 'lr', 'batch'):
+    assert ens.fedcvae[key] == mho.fedmho[key], key

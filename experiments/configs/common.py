@@ -265,7 +265,7 @@ def base_config() -> ml_collections.ConfigDict:
       'source': 'holdout',
       'source_size': 4000,
       'val_size': 1000,
-      'val_split': 'test',  # 'train': validate on training images, evaluate the whole test split
+      'val_split': 'holdout',  # 'train': validate on training images the clients also hold
       'kd_T': 1.0,
       'kd_optimizer': 'adam',
       'kd_lr': 1e-3,
@@ -277,6 +277,7 @@ def base_config() -> ml_collections.ConfigDict:
       'kd_schedule': 'cosine',
       'kd_augment': 'none',
       'teacher_bn': 'batch',
+      'architectures': 'all',  # 'server': distil only server_model's architecture
     }
   )
   c.coboosting = ml_collections.ConfigDict(
@@ -380,7 +381,7 @@ def base_config() -> ml_collections.ConfigDict:
       'lr': 5e-4,
       'batch': 64,
       'lam': 0.5,
-      'kl_reduction': 'batchmean',
+      'kl_reduction': 'mean',  # the reference's nn.KLDivLoss() ('batchmean': the paper's sum)
     }
   )
   # FedCVAE-Ens and -KD (reference-code.md §3): CVAE clients only; the server classifier from
@@ -400,6 +401,11 @@ def base_config() -> ml_collections.ConfigDict:
       'epochs': 20,
       'lr': 1e-3,
       'batch': 32,
+      # 'fed_cvae': ceh-2000/fed_cvae's server; 'fedmho': the FEDCVAE row as FedMHO's reference
+      # runs it (FedMHO's per-class generation and filter at clean_rate; Ens only)
+      'protocol': 'fed_cvae',
+      'clean_rate': 0.8,
+      'cvae_small_lr': 0.0,  # > 0: CVAE-small clients' own Adam lr (FedMHO's reference: 5e-2)
       'server_decoder': 'cvae:size=v0',
       'decoder_samples': 5000,
       'decoder_epochs': 7,
@@ -420,13 +426,25 @@ def base_config() -> ml_collections.ConfigDict:
       'static_bn': True,
       'grad_clip': 1.0,
       'eval_submodels': True,
+      'scaler': True,  # the reference's Scaler: hidden pre-activations / rate in training
     }
   )
-  # FedProto (yuetan031/FedProto): 100 rounds of 1 local epoch, ld = 1; `embed_dim` > 0 gives
-  # every client model a ReLU embedding layer of that width (models of different widths need
-  # one prototype width); 0 uses the models' own penultimate features.
+  # FedProto (yuetan031/FedProto): 100 rounds of 1 local epoch, ld = 1; prototypes are the
+  # features of the last local epoch's batches ('last_epoch'; 'after_training': a pass after
+  # training). Prototypes are the models' own penultimate features; with `widest_features` the
+  # layer feeding the classifier is built at the widest client's width (the reference's clients
+  # differ before a prototype layer of one width); `embed_dim` > 0 instead adds a ReLU embedding
+  # layer of that width, which the reference does not have.
   c.fedproto = ml_collections.ConfigDict(
-    {'rounds': 100, 'local_epochs': 1, 'participation': 1.0, 'ld': 1.0, 'embed_dim': 0}
+    {
+      'rounds': 100,
+      'local_epochs': 1,
+      'participation': 1.0,
+      'ld': 1.0,
+      'prototypes': 'last_epoch',
+      'widest_features': True,
+      'embed_dim': 0,
+    }
   )
   # FedMD (diogenes0319/FedMD_clean, CIFAR_balance_conf.json): public pre-training 20 epochs of
   # batch 128, private 25 epochs of batch 32, then 20 rounds of N_alignment = 5000, digest 1
@@ -445,6 +463,9 @@ def base_config() -> ml_collections.ConfigDict:
       'digest_batch': 256,
       'revisit_epochs': 4,
       'revisit_batch': 5,
+      # 'client': config.optimizer in every stage (the client optimiser of every other method
+      # of a comparison); 'adam': the reference's Adam at `lr`
+      'optimizer': 'client',
       'lr': 1e-3,
     }
   )
@@ -475,6 +496,8 @@ def base_config() -> ml_collections.ConfigDict:
       'kl_weight': 1.0,
       'stage2_lr': 0.0,
       'stage2_batch': 100,
+      'stage2_bn_stats': 'keep',  # 'recalibrate': keep Stage 2's running-statistics updates
+      'reported_model': 'widest',  # or 'client_weighted' (mean over clients of their cluster's)
       'source': 'ddpm',
       'images_per_prompt': 200,
       'prompt_template': 'a photo of real {}',

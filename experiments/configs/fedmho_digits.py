@@ -6,7 +6,8 @@ clients different models):
       --workdir=runs/digits_fedmho_md               # also fedmho, fedmho_sd
   python -m experiments.main --method=fedcvae_ens \
       --config=experiments/configs/fedmho_digits.py:fedcvae --workdir=runs/digits_fedcvae
-                                                    # also fedcvae_kd
+  python -m experiments.main --method=fedcvae_kd \
+      --config=experiments/configs/fedmho_digits.py:fedcvae_kd --workdir=runs/digits_fedcvae_kd
   python -m experiments.main --method=fedavg_vote|dense|coboosting|feddf \
       --config=experiments/configs/fedmho_digits.py:baselines --workdir=runs/digits_<method>
   FedMHO-MD/-SD reuse FedMHO's clients: --config.local_models_dir=runs/digits_fedmho_md/local_models
@@ -17,13 +18,17 @@ width 1/4 with 128-wide FC layers (8×8 inputs) and 5 CVAE-small clients (Table 
 the classifiers train 30 epochs with Adam 1e-3 (Table 7's SGD 5e-3 for 200 epochs does not move
 a VGG-9 without BatchNorm in 30 epochs of ~140 samples; the paper's own Adam setting of A.3.6 is
 5e-4), batch 32; CVAEs 30 epochs of Adam 1e-3; N_syn = 2,000, R_th = 0.8; 10 global epochs of
-Adam 1e-3, λ = 0.5.
+Adam 1e-3, λ = 0.5. FedCVAE-Ens runs as FedMHO's reference runs its FEDCVAE row
+(`fedcvae.protocol='fedmho'`: FedMHO's generation, filter and server settings).
 Measured (seed 0, jax 0.10.2, CPU, 2 cores): see BUILD_NOTES.md "FedMHO and FedCVAE".
 
 Variants (comma-separated):
   fedcvae    every client a CVAE, CVAE-large and CVAE-small alternating (Table 1's FEDCVAE)
+  fedcvae_kd as fedcvae with CVAE-small at latent 20, the CVAE-large's (FedCVAE-KD's server
+             decoder, FedCVAE's v0 at latent 20, is fed every user's latents)
   fedcvae_v0 every client FedCVAE's own CVAE (v0, 32×32 with BatchNorm, latent 10 as the
-             reference's MNIST/Fashion-MNIST setting), and a v0 server decoder for fedcvae_kd
+             reference's MNIST/Fashion-MNIST setting), a v0 server decoder for fedcvae_kd, and
+             ceh-2000/fed_cvae's server (`fedcvae.protocol='fed_cvae'`)
   baselines  VGG-9 and FedMHO's small CNN alternating (Table 1's FedAvg/FedDF/DENSE/Co-Boosting);
              the DENSE / Co-Boosting / FedDF server model is the VGG-9
   smoke      seconds-long budgets (MLP classifiers, 1–2 epochs, 200 samples): the driver's
@@ -33,10 +38,11 @@ Variants (comma-separated):
 
 from experiments.configs.common import base_config, variant_value, variant_words
 
-VARIANTS = ('fedcvae', 'fedcvae_v0', 'baselines', 'smoke', 'dir=')
+VARIANTS = ('fedcvae', 'fedcvae_kd', 'fedcvae_v0', 'baselines', 'smoke', 'dir=')
 VGG = 'vgg9:width_mult=0.25,fc_width=128'
 FEDMHO_CLIENTS = f'{VGG};cvae:size=small'
 FEDCVAE_CLIENTS = 'cvae:size=large;cvae:size=small'
+FEDCVAE_KD_CLIENTS = 'cvae:size=large;cvae:size=small,latent=20'
 FEDCVAE_V0 = 'cvae:size=v0,latent=10'
 BASELINE_CLIENTS = f'{VGG};fedmho_cnn'
 
@@ -62,13 +68,17 @@ def get_config(arg: str = ''):
       'batch': 32,
     }
   )
+  m = c.fedmho
   c.fedcvae.update(
     {
-      'cvae_epochs': 30,
-      'cvae_batch': 32,
-      'num_synthetic': 2000,
-      'epochs': 10,
-      'batch': 32,
+      'protocol': 'fedmho',  # FedMHO's FEDCVAE row: its generation, filter and server
+      'cvae_epochs': m.cvae_epochs,
+      'cvae_batch': m.cvae_batch,
+      'num_synthetic': m.num_synthetic,
+      'clean_rate': m.clean_rate,
+      'epochs': m.epochs,
+      'lr': m.lr,
+      'batch': m.batch,
       'decoder_samples': 2000,
       'decoder_epochs': 7,
     }
@@ -81,6 +91,9 @@ def get_config(arg: str = ''):
     c[m].update(
       {'epochs': 20, 'g_steps': 10, 'synthesis_batch': 32, 'nz': 32, 'ngf': 16, 'kd_batch': 32}
     )
+  # FedDF's 90 distillation and 60 validation images: training images no client holds (the
+  # test split is for scoring only); every method of the table loses the same 150.
+  c.dataset.holdout_size = 150
   c.feddf.update(
     {
       'source_size': 90,
@@ -93,9 +106,12 @@ def get_config(arg: str = ''):
   )
   if 'fedcvae' in args:
     c.client_models = FEDCVAE_CLIENTS
+  if 'fedcvae_kd' in args:
+    c.client_models = FEDCVAE_KD_CLIENTS
   if 'fedcvae_v0' in args:
     c.client_models = FEDCVAE_V0
     c.fedcvae.server_decoder = FEDCVAE_V0
+    c.fedcvae.protocol = 'fed_cvae'
   if 'baselines' in args:
     c.client_models = BASELINE_CLIENTS
   for a in args:

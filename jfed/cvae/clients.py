@@ -23,6 +23,10 @@ from jfed.engine import ModelState
 from jfed.io import DecoderUpload, serialized_nbytes, validate_decoder_upload
 
 GENERATIVE_MODEL = 'cvae'
+# A spec's latent size when it names none. CVAE-small: the FedMHO reference's default
+# (`--latent_size`, YXShi2000/FedMHO:parameters.py), whose FLOPs are Table 2's 408.06K (Yao et
+# al., "FedMHO", WWW'26); CVAE-large: 20, hard-coded there; FedCVAE's v0: 20, as before.
+DEFAULT_LATENT = {'small': 2, 'large': 20, 'v0': 20}
 
 
 def is_generative(spec: str) -> bool:
@@ -31,17 +35,19 @@ def is_generative(spec: str) -> bool:
 
 
 def build_cvae(kwargs: dict, num_classes: int, input_shape: Sequence[int]) -> CVAE:
-  """The CVAE of a parsed spec's keyword arguments (size, latent, hidden, width_mult)."""
+  """The CVAE of a parsed spec's keyword arguments (size, latent, hidden, width_mult); latent
+  defaults to `DEFAULT_LATENT` of the size."""
   unknown = set(kwargs) - {'size', 'latent', 'hidden', 'width_mult'}
   if unknown:
     raise ValueError(
       f'Unknown CVAE option(s) {sorted(unknown)}; valid: size, latent, hidden, width_mult'
     )
+  size = str(kwargs.get('size', 'small'))
   return CVAE(
     num_classes=int(num_classes),
     image_shape=tuple(int(d) for d in input_shape),
-    size=str(kwargs.get('size', 'small')),
-    latent=int(kwargs.get('latent', 20)),
+    size=size,
+    latent=int(kwargs.get('latent', DEFAULT_LATENT.get(size, 20))),
     hidden=int(kwargs.get('hidden', 256)),
     width_mult=float(kwargs.get('width_mult', 1.0)),
   )

@@ -45,7 +45,7 @@ class FusionTrainer:
     module,
     tx: optax.GradientTransformation,
     lam: float = 0.5,
-    kl_reduction: str = 'batchmean',
+    kl_reduction: str = 'mean',
   ):
     self.module, self.tx, self.lam, self.kl_reduction = module, tx, float(lam), kl_reduction
     self._step = jax.jit(self._train_step)

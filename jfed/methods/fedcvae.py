@@ -1,5 +1,6 @@
-"""FedCVAE-Ens (Heinbaugh et al., ICLR'23; ceh-2000/fed_cvae, reference-code.md §3.3–§3.4), the
-baseline FedMHO calls FEDCVAE: every client trains a CVAE, the server decodes a synthetic set
+"""FedCVAE-Ens ("Data-Free One-Shot Federated Learning Under Very High Statistical
+Heterogeneity", Heinbaugh, Luz-Ricca, Shao, ICLR'23; reference ceh-2000/fed_cvae), the baseline
+FedMHO calls FEDCVAE: every client trains a CVAE, the server decodes a synthetic set
 from the uploaded decoders and trains a classifier from scratch on it, in one round.
 
 Clients: every client's spec must be `cvae[:size=..]` (FedMHO Table 1: CVAE-large and
@@ -7,10 +8,21 @@ CVAE-small); each trains Eq. 3 for `cvae_epochs` (`jfed.methods.generative`) and
 decoder and class counts (its data share n_k / N follows from the counts of all uploads).
 
 Server (setup): decoder k generates n_k = int(share_k · N_syn) samples (`weight_by_share`,
-reference default; else N_syn / K), the last decoder the remainder; labels y ~ Categorical(pmf_k),
-z ~ N(0, I) truncated to [−z_bound, z_bound] (the reference's misnamed `uniform_range`, tuned to
-(−3, 3)); x = sigmoid(decoder_k(z, y)). A step is one epoch of Adam(`lr`) cross entropy of a
-randomly initialised `server_model` (default `config.model`) on that set, batches of `batch`.
+reference default; else N_syn / K), the last client (highest id) the remainder; labels
+y ~ Categorical(pmf_k), z ~ N(0, I) truncated to [−z_bound, z_bound] (the reference's misnamed
+`uniform_range`, tuned to (−3, 3)); x = sigmoid(decoder_k(z, y)). A step is one epoch of
+Adam(`lr`) cross entropy of a randomly initialised `server_model` (default `config.model`) on
+that set, batches of `batch`.
+
+`protocol` (FedCVAE-Ens): 'fed_cvae' (default) draws the set as above, as ceh-2000/fed_cvae does;
+'fedmho' runs the FEDCVAE row as FedMHO's reference runs it (YXShi2000/FedMHO with every client a
+CVAE: pcode/aggregation/semi_supervised.py): FedMHO's generation (int(N_syn / C) per class, split
+over the decoders by n_kc² / Σ n_k'c², z ~ N(0, I)) and Algorithm 2's filter (`clean_rate`), the
+same server stage as FedMHO without a teacher, from the random `server_model` (no client has a
+classifier to average). FedMHO's tables set it with FedMHO's server Adam lr, batch and epochs,
+so both rows take the same server steps. `cvae_small_lr` (> 0) trains the CVAE-small clients at
+their own Adam lr (FedMHO's reference: 5e-2, CVAE-large 1e-3).
+FedCVAE-KD, which FedMHO's reference does not run, always draws as ceh-2000/fed_cvae.
 
 Config (`config.fedcvae`): the fields of `FedCVAEConfig`.
 """
@@ -50,6 +62,12 @@ class FedCVAEConfig(NamedTuple):
   epochs: int
   lr: float
   batch: int
+  protocol: str
+  clean_rate: float
+  cvae_small_lr: float
+
+
+PROTOCOLS = ('fed_cvae', 'fedmho')
 
 
 class FedCVAEAux(NamedTuple):
@@ -61,6 +79,7 @@ class FedCVAEAux(NamedTuple):
   images: np.ndarray
   labels: np.ndarray
   init: Any
+  generated: int  # samples decoded (before FedMHO's filter under protocol 'fedmho')
 
 
 def decoder_sample_counts(sizes: np.ndarray, total: int, weight_by_share: bool) -> np.ndarray:
@@ -88,7 +107,10 @@ def synthesize(
   latents [N, latent]); `tag` separates the draws of different uses (0: the Ens classifier set,
   1: FedCVAE-KD's decoder targets)."""
   sizes = np.concatenate([u.label_counts.sum(1) for u in cvaes.uploads])
-  counts = decoder_sample_counts(sizes, total, cfg.weight_by_share)
+  # The reference's "last user" (the remainder) is the last in client order, not group order.
+  by_id = np.argsort(np.concatenate([u.client_ids for u in cvaes.uploads]), kind='stable')
+  counts = np.empty(len(sizes), np.int64)
+  counts[by_id] = decoder_sample_counts(sizes[by_id], total, cfg.weight_by_share)
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
   key = jax.random.fold_in(key, tag) if tag else key
   parts, latents, row = [], [], 0
@@ -130,7 +152,7 @@ def train_local_cvaes(ctx: RunContext, c: FedCVAEConfig) -> generative.LocalCVAE
   return generative.local_cvaes(
     ctx,
     generative.CVAESettings(
-      c.cvae_epochs, c.cvae_optimizer, c.cvae_lr, c.cvae_batch, c.cvae_recon, 1.0
+      c.cvae_epochs, c.cvae_optimizer, c.cvae_lr, c.cvae_batch, c.cvae_recon, 1.0, c.cvae_small_lr
     ),
   )
 
@@ -164,6 +186,9 @@ def validate_common(c: FedCVAEConfig, where: str) -> None:
     where,
     ('cvae_epochs', 'cvae_lr', 'cvae_batch', 'num_synthetic', 'z_bound', 'epochs', 'lr', 'batch'),
   )
+  tc.require_non_negative(c, where, ('cvae_small_lr',))
+  tc.require_fraction(c.clean_rate, f'{where}.clean_rate')
+  tc.require_choice(c.protocol, PROTOCOLS, f'{where}.protocol')
   tc.require_choice(c.cvae_optimizer, OPTIMIZERS, f'{where}.cvae_optimizer')
   tc.require_choice(c.cvae_recon, RECON_LOSSES, f'{where}.cvae_recon')
 
@@ -186,12 +211,17 @@ class FedCVAEEns(Algorithm):
     c = self.config
     require_all_generative(ctx, self.name)
     cvaes = train_local_cvaes(ctx, c)
-    images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
+    if c.protocol == 'fedmho':
+      s = generative.fedmho_synthetic(ctx, cvaes, c.num_synthetic, c.clean_rate)
+      images, labels, generated = s.images[s.kept], s.labels[s.kept], len(s.labels)
+    else:
+      images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
+      generated = len(labels)
     module, init, trainer, evaluator = server_classifier(ctx, c)
     data = engine.commit(
       SyntheticSet(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32), None)
     )
-    return FedCVAEAux(module, trainer, evaluator, cvaes, data, images, labels, init)
+    return FedCVAEAux(module, trainer, evaluator, cvaes, data, images, labels, init, generated)
 
   def setup_records(self, ctx: RunContext, aux: FedCVAEAux):
     return [
@@ -199,7 +229,8 @@ class FedCVAEEns(Algorithm):
         'round': 1,
         'clients': ctx.num_clients,
         'upload_bytes': aux.cvaes.upload_bytes,
-        'synthetic_generated': int(len(aux.labels)),
+        'synthetic_generated': aux.generated,
+        'synthetic_kept': int(len(aux.labels)),
       }
     ]
 
@@ -217,7 +248,9 @@ class FedCVAEEns(Algorithm):
     return {
       'server_model': self.config.server_model or ctx.config.model,
       'client_models': common.client_model_specs(ctx),
-      'synthetic_generated': int(len(aux.labels)),
+      'protocol': self.config.protocol,
+      'synthetic_generated': aux.generated,
+      'synthetic_kept': int(len(aux.labels)),
       'synthetic_per_class': np.bincount(aux.labels, minlength=ctx.dataset.num_classes).tolist(),
       'decoder_upload_bytes': aux.cvaes.upload_bytes,
       'excluded_cvae_clients': aux.cvaes.excluded,
@@ -237,6 +270,9 @@ class FedCVAEKDConfig(NamedTuple):
   epochs: int
   lr: float
   batch: int
+  protocol: str
+  clean_rate: float
+  cvae_small_lr: float
   server_decoder: str
   decoder_samples: int
   decoder_epochs: int

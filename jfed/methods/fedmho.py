@@ -1,5 +1,6 @@
-"""FedMHO, FedMHO-MD and FedMHO-SD (Yao et al., WWW'26; seed 004; YXShi2000/FedMHO,
-reference-code.md §4): one-shot FL with classifier clients and CVAE clients.
+"""FedMHO, FedMHO-MD and FedMHO-SD ("FedMHO: Heterogeneous One-Shot Federated Learning Towards
+Resource-Constrained Edge Devices", Yao et al., WWW'26; reference YXShi2000/FedMHO): one-shot FL
+with classifier clients and CVAE clients.
 
 Clients (Algorithm 1, lines 3–7): a client whose spec is a classifier (VGG-9 in the paper)
 trains it `local_epochs` epochs with the shared `config.optimizer` (Table 7: SGD 5e-3, momentum
@@ -20,8 +21,10 @@ Server (setup, once):
 A step is one global epoch (Table 7: 20 for FMNIST) of Adam(`lr`) on Eq. 7,
 λ·CE + (1 − λ)·KL (λ = `lam`, 0.5; FedMHO: CE only), batches of `batch` (64) in a seeded order.
 
-`kl_reduction`: 'batchmean' (default) is the paper's KL, summed over classes; 'mean' is the
-reference's `nn.KLDivLoss()` default (1/C of it, reference-code.md §4.6).
+`kl_reduction`: 'mean' (default) is the reference's `nn.KLDivLoss()` default reduction, the KL
+summed over the batch and classes / (B·C) (YXShi2000/FedMHO:pcode/aggregation/semi_supervised.py,
+whose loss CE + KL is λ = 0.5 here up to a factor 2 that Adam does not see); 'batchmean' is the
+paper's KL summed over classes / B, C times the reference's weight.
 
 Config (`config.fedmho`): the fields of `FedMHOConfig`.
 """
@@ -29,21 +32,17 @@ Config (`config.fedmho`): the fields of `FedMHOConfig`.
 from typing import Any, Dict, List, NamedTuple
 
 from absl import logging
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
-from jfed.cvae import clients as cvae_clients
-from jfed.cvae import generation_counts, kmeans_filter
 from jfed.cvae.losses import RECON_LOSSES
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.driver import Algorithm
 from jfed.engine import ModelState, TrainState
 from jfed.engine.optim import OPTIMIZERS
 from jfed.errors import ConfigError
-from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common, generative
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
@@ -67,15 +66,6 @@ class FedMHOConfig(NamedTuple):
   kl_reduction: str
 
 
-class Synthetic(NamedTuple):
-  """The generated set before the filter and which samples the filter kept."""
-
-  images: np.ndarray  # [N, H, W, C] in [0, 1]
-  labels: np.ndarray  # [N]
-  owners: np.ndarray  # [N] the generating decoder's client id
-  kept: np.ndarray  # indices kept by Algorithm 2
-
-
 class FedMHOAux(NamedTuple):
   spec: str  # the classifiers' (and global model's) architecture
   module: Any
@@ -83,29 +73,10 @@ class FedMHOAux(NamedTuple):
   evaluator: engine.Evaluator
   local: common.LocalModels
   cvaes: generative.LocalCVAEs
-  synthetic: Synthetic
+  synthetic: generative.Synthetic
   data: SyntheticSet  # the kept set with its teacher logits, on the device
   initial: ModelState
   initial_accuracy: float
-
-
-def synthesize(ctx: RunContext, cvaes: generative.LocalCVAEs, total: int, clean_rate: float):
-  """Data generation (§4.2.2) and Algorithm 2 over every decoder group."""
-  counts = generation_counts(np.concatenate([u.label_counts for u in cvaes.uploads]), total)
-  key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
-  parts, row = [], 0
-  for g, u in zip(cvaes.groups, cvaes.uploads):
-    group_counts = counts[row : row + len(u.client_ids)]
-    row += len(u.client_ids)
-    if not len(group_counts):  # every client of the group was excluded
-      continue
-    labels, real = cvae_clients.labels_of_counts(group_counts)
-    z = jax.vmap(
-      lambda c: jax.random.normal(jax.random.fold_in(key, c), (labels.shape[1], g.module.latent))
-    )(jnp.asarray(u.client_ids))
-    parts.append(cvae_clients.generate(g.module, u, labels, real, z))
-  images, labels, owners = cvae_clients.concat_generated(parts)
-  return Synthetic(images, labels, owners, kmeans_filter(images, labels, clean_rate))
 
 
 class _FedMHOBase(Algorithm):
@@ -159,7 +130,7 @@ class _FedMHOBase(Algorithm):
     cvaes = generative.local_cvaes(ctx, self.cvae_settings())
     group, models = local.groups[0], local.models[0]
     initial = engine.commit(engine.weighted_average(models, np.ones(len(group.client_ids))))
-    synthetic = synthesize(ctx, cvaes, c.num_synthetic, c.clean_rate)
+    synthetic = generative.fedmho_synthetic(ctx, cvaes, c.num_synthetic, c.clean_rate)
     x = synthetic.images[synthetic.kept]
     evaluator = engine.Evaluator(group.module, ctx.config.eval_batch_size, ctx.config.strategy)
     teacher = None
@@ -248,7 +219,7 @@ class _FedMHOBase(Algorithm):
       'clean_rate': self.config.clean_rate,
     }
 
-  def _plot_samples(self, ctx: RunContext, s: Synthetic) -> None:
+  def _plot_samples(self, ctx: RunContext, s: generative.Synthetic) -> None:
     path = ctx.output_path('synthetic_samples.png')
     if path is None or not len(s.labels):
       return

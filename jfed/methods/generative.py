@@ -11,15 +11,17 @@ from typing import Any, List, NamedTuple, Sequence
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
 from jfed.cvae import clients as cvae_clients
+from jfed.cvae import generation_counts, kmeans_filter
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.data import class_count_table
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError, NonFiniteError
-from jfed.keys import Purpose
+from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
 
@@ -33,6 +35,14 @@ class CVAESettings(NamedTuple):
   batch: int
   recon: str  # 'bce' | 'mse'
   beta: float
+  small_lr: float = 0.0  # CVAE-small groups' lr (0: `lr`); FedMHO's reference: 5e-2 vs 1e-3
+
+
+def group_lr(module, s: CVAESettings) -> float:
+  """The learning rate of a CVAE group: `s.small_lr` for CVAE-small when set, else `s.lr` (the
+  FedMHO reference trains CVAE-small at Adam 5e-2 and CVAE-large at 1e-3 on the MNIST family,
+  YXShi2000/FedMHO:pcode/worker_lmf.py)."""
+  return s.small_lr if s.small_lr and module.size == 'small' else s.lr
 
 
 def split_clients(ctx: RunContext):
@@ -74,16 +84,19 @@ def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[Mo
 def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAESettings):
   """The CVAE groups' trainers: the engine with the CVAE objective, or on Flower SuperNodes
   (which build these same trainers from the recipe) when the run has a client transport."""
-  tx = engine.make_optimizer(s.optimizer, s.lr)
+  txs = [engine.make_optimizer(s.optimizer, group_lr(g.module, s)) for g in groups]
   if ctx.client_transport is not None:
     recipe = {'kind': 'cvae', 'upload': 'decoder', **s._asdict()}
-    return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
+    return [
+      ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
+      for g, tx in zip(groups, txs)
+    ]
   objective = cvae_clients.cvae_objective(s.recon, s.beta)
   return [
     GroupTrainer(
       g.module, tx, s.batch, strategy=ctx.config.strategy, mesh=ctx.mesh, objective=objective
     )
-    for g in groups
+    for g, tx in zip(groups, txs)
   ]
 
 
@@ -158,6 +171,38 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
   if not any(len(u.client_ids) for u in uploads):
     raise NonFiniteError(f'every CVAE client diverged ({excluded}); lower the CVAE learning rate')
   return LocalCVAEs(groups, list(models), uploads, excluded)
+
+
+class Synthetic(NamedTuple):
+  """The generated set before the filter and which samples the filter kept."""
+
+  images: np.ndarray  # [N, H, W, C] in [0, 1]
+  labels: np.ndarray  # [N]
+  owners: np.ndarray  # [N] the generating decoder's client id
+  kept: np.ndarray  # indices kept by Algorithm 2
+
+
+def fedmho_synthetic(
+  ctx: RunContext, cvaes: LocalCVAEs, total: int, clean_rate: float
+) -> Synthetic:
+  """FedMHO's data generation (§4.2.2: int(N_syn / C) per class, split over the decoders by
+  n_kc² / Σ n_k'c², z ~ N(0, I)) and Algorithm 2's filter, over every decoder group (FedMHO;
+  FedCVAE-Ens under FedMHO's protocol)."""
+  counts = generation_counts(np.concatenate([u.label_counts for u in cvaes.uploads]), total)
+  key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
+  parts, row = [], 0
+  for g, u in zip(cvaes.groups, cvaes.uploads):
+    group_counts = counts[row : row + len(u.client_ids)]
+    row += len(u.client_ids)
+    if not len(group_counts):  # every client of the group was excluded
+      continue
+    labels, real = cvae_clients.labels_of_counts(group_counts)
+    z = jax.vmap(
+      lambda c: jax.random.normal(jax.random.fold_in(key, c), (labels.shape[1], g.module.latent))
+    )(jnp.asarray(u.client_ids))
+    parts.append(cvae_clients.generate(g.module, u, labels, real, z))
+  images, labels, owners = cvae_clients.concat_generated(parts)
+  return Synthetic(images, labels, owners, kmeans_filter(images, labels, clean_rate))
 
 
 def fusion_epoch(

@@ -174,8 +174,9 @@ class FedMHOCNN(nn.Module):
   inputs too small for them (8x8 digits).
 
   `softmax_output`: the reference returns softmax *probabilities*, which its cross entropy then
-  treats as logits (a double softmax). The paper describes a CNN trained with cross entropy
-  (Eq. 2), so logits are the default; True reproduces the reference's outputs.
+  treats as logits (a double softmax) and its prototype vote averages with the VGG-9's logits.
+  The registered 'fedmho_cnn' follows the reference (softmax_output=1); 'fedmho_cnn:
+  softmax_output=0' returns logits, the CNN trained with cross entropy that the paper describes.
   """
 
   num_classes: int
@@ -223,8 +224,9 @@ def cnn_mnist(num_classes, input_shape, channels: Sequence[int] = (16, 32), embe
 
 
 @register_model('fedmho_cnn')
-def fedmho_cnn(num_classes, input_shape, softmax_output: int = 0):
-  """FedMHO's small CNN (see `FedMHOCNN`); softmax_output=1 gives the reference's outputs."""
+def fedmho_cnn(num_classes, input_shape, softmax_output: int = 1):
+  """FedMHO's small CNN (see `FedMHOCNN`): softmax probabilities as the reference's (default),
+  logits with softmax_output=0."""
   del input_shape
   return FedMHOCNN(num_classes=num_classes, softmax_output=bool(softmax_output))
 
