@@ -12,8 +12,11 @@ cell's words (`iid` or `dir=α` for Table 3; `iid,rates=…` for a Table 4 degre
 seed, run) goes through `jfed.driver.run_experiment` into OUT/<cell>/seed<s>/<run>/ (metrics,
 summary, plots, checkpoints): rerunning the command resumes an interrupted run and skips
 finished ones. FedTSA's DDPM is trained once per seed and shared by every FedTSA run of that
-seed (`fedtsa.ddpm_cache` = OUT/ddpm/seed<s>.msgpack; its training images, the held-out test
-split, do not depend on the partition).
+seed (`fedtsa.ddpm_cache` = OUT/ddpm/seed<s>.msgpack; its training images, drawn from the
+training images held out of every client by `dataset.holdout_size`, depend on the seed, not on
+the partition). Every run of a table holds out the same `dataset.holdout_size` training images
+and trains its clients with the same optimiser (`config.optimizer`), and every run is scored on
+the whole test split (`check_comparable` refuses a config that breaks this).
 
 Table 3 has the paper's columns IID, Dir(0.6), Dir(0.3) (`--partitions`); FedAvg and FedProx
 appear twice, every client pruned to 0.6 (lower bound) and every client at 1.0 (upper bound).
@@ -173,6 +176,23 @@ def run_config(module, budget: str, run: Run, cell: str, seed: int, out: pathlib
   return c
 
 
+def check_comparable(configs: Dict[str, object]) -> None:
+  """ConfigError unless every run's config holds out the same training images
+  (`dataset.holdout_size`), trains its clients with the same optimiser and, for FedMD, uses that
+  optimiser rather than its reference's Adam."""
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  seen = {
+    name: (int(c.dataset.get('holdout_size', 0)), str(c.optimizer.name))
+    for name, c in configs.items()
+  }
+  if len(set(seen.values())) > 1:
+    raise ConfigError(f'the runs of a table differ in (holdout_size, client optimiser): {seen}')
+  for name, c in configs.items():
+    if ALL_RUNS[name].method == 'fedmd' and c.fedmd.optimizer != 'client':
+      raise ConfigError(f'{name}: fedmd.optimizer={c.fedmd.optimizer!r}; a table needs client')
+
+
 def gather(results: dict, cell: str, run: str, key: str) -> List[float]:
   return seed_values(results, cell, run, key)
 
@@ -187,7 +207,7 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
     f'# FedTSA Tables 3 and 4 on {config.dataset.name} (seed 001 §5)',
     '',
     "Top-1 test accuracy (%), mean ± std over seeds (n = seeds finished), of each method's "
-    "reported model (FedTSA: the clients' cluster models, client-weighted; FedProto and FedMD: "
+    "reported model (FedTSA: the rate-1.0 cluster's model; FedProto and FedMD: "
     'the mean client accuracy; HeteroFL, FedDF, FedAvg, FedProx: the global model).',
     '',
     f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
@@ -318,6 +338,7 @@ def run_sweep(
   base = module.get_config(budget)
   for cell in partitions + [degree_cell(d) for d in degrees]:
     module.get_config(','.join(w for w in (budget, cell) if w))  # bad words fail before any run
+    check_comparable({r: run_config(module, budget, ALL_RUNS[r], cell, 0, out) for r in runs})
   out.mkdir(parents=True, exist_ok=True)
   (out / 'ddpm').mkdir(exist_ok=True)
   meta = {

@@ -4,8 +4,11 @@
 Per batch, every model computes its logits in train mode from the same parameters (before any of
 them updates, as a PyTorch loop `outputs = [m(x) for m in models]` followed by one step per model
 does); the consensus z̄ is their mean (Eq. 7), held fixed; then each model takes one optimiser
-step on `mutual_learning_loss` towards it. Models of different widths are different compiled
-programs: one jitted logits function and one jitted step per model, each compiled once per run.
+step on `mutual_learning_loss` towards it. BatchNorm normalises with each batch's statistics;
+the models' running statistics are kept as they came in unless `keep_running_stats` is False
+(then each step's running-average update on the shared images is kept). Models of different
+widths are different compiled programs: one jitted logits function and one jitted step per
+model, each compiled once per run.
 """
 
 from typing import List, NamedTuple, Sequence, Tuple
@@ -24,6 +27,10 @@ class MutualLearningConfig(NamedTuple):
   temperature: float = 5.0  # T of Eq. 6 (the paper's default)
   kl_weight: float = 1.0  # α of Eq. 9; 1 = KL only (the paper's default)
   t_squared: bool = False  # the paper writes no T² factor
+  # True: the forward passes use each batch's statistics (train mode) but the models' BatchNorm
+  # running statistics stay as they came in; False: each step's running-average update is kept
+  # (recalibration on the shared images).
+  keep_running_stats: bool = True
 
 
 class _Member:
@@ -65,6 +72,8 @@ class _Member:
 
     (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(ts.model.params)
     updates, opt_state = self.tx.update(grads, ts.opt_state, ts.model.params)
+    if self.cfg.keep_running_stats:
+      stats = ts.model.batch_stats
     return TrainState(
       ModelState(optax.apply_updates(ts.model.params, updates), stats), opt_state
     ), loss

@@ -5,9 +5,11 @@ consensus of their logits on a public dataset. A baseline of FedTSA (seed 001 §
 Setup (a stage of the driver, checkpointed under workdir/fedmd_transfer): transfer learning.
 Every architecture's model is trained on the labelled public data (`public_epochs`, batch
 `public_batch`), copied to its clients, and each client trains on its private data
-(`private_epochs`, batch `private_batch`). The public data (`jfed.data.public`): 'test_split'
-holds `public_size` labelled images out of the test split (evaluation uses the rest) or a
-dataset name (its training split, resized; labels must be classes of the main dataset).
+(`private_epochs`, batch `private_batch`). The public data (`jfed.data.public`): 'holdout'
+draws `public_size` labelled images from the training samples held out of every client
+(`dataset.holdout_size`), or a dataset name takes its training split (resized; labels must be
+classes of the main dataset), as the reference's public sets are other datasets (MNIST for
+FEMNIST clients, CIFAR-10 for CIFAR-100 clients). The test split is for scoring only.
 
 Each round (every client takes part, as in the reference):
 1. a new alignment subset of `alignment_size` public images (seeded per round);
@@ -17,16 +19,18 @@ Each round (every client takes part, as in the reference):
    mean over classes and samples) for `digest_epochs` epochs of batch `digest_batch`;
 4. revisit: each client trains on its private data for `revisit_epochs` epochs of batch
    `revisit_batch`.
-All stages use Adam(`lr`). Every group of clients of one architecture is one compiled program
-per stage. Reported: `test_accuracy` = the mean over clients of each client model's test
-accuracy (the reference reports each party's accuracy), `client_test_accuracy`; the setup
-record (step 0) holds the same after transfer learning.
+Every stage uses `optimizer`: 'client' (default) is config.optimizer, the client optimiser of
+every other method of a comparison (so that a lead is FedMD's and not its optimiser's); 'adam'
+is the reference's Adam at `lr`. Every group of clients of one architecture is one compiled
+program per stage. Reported: `test_accuracy` = the mean over clients of each client model's
+accuracy on the whole test split (the reference reports each party's accuracy),
+`client_test_accuracy`; the setup record (step 0) holds the same after transfer learning.
 
 Differences from the reference: the public pre-training runs once per architecture (the
 reference's parties each have their own architecture, so it trains once per architecture too;
 clients sharing an architecture here share that pre-trained start); no early stopping in the
-transfer-learning stages; each stage starts a fresh Adam (Keras keeps a model's optimiser state
-across `fit` calls).
+transfer-learning stages; each stage starts a fresh optimiser (Keras keeps a model's optimiser
+state across `fit` calls).
 
 Config (`config.fedmd`): the fields of `FedMDConfig`.
 """
@@ -40,7 +44,7 @@ import numpy as np
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.data import FederatedArrays, federate
-from jfed.data.public import PublicData, check_source, public_data
+from jfed.data.public import PublicData, check_holdout_fits, public_data
 from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError
@@ -49,6 +53,8 @@ from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
+
+OPTIMIZERS = ('client', 'adam')
 
 
 class FedMDConfig(NamedTuple):
@@ -64,6 +70,7 @@ class FedMDConfig(NamedTuple):
   digest_batch: int
   revisit_epochs: int
   revisit_batch: int
+  optimizer: str
   lr: float
 
 
@@ -135,13 +142,16 @@ class FedMD(Algorithm):
       c.alignment_size <= c.public_size,
       f'fedmd.alignment_size={c.alignment_size} exceeds fedmd.public_size={c.public_size}',
     )
-    check_source(c.public, f'{where}.public')
+    tc.require_choice(c.optimizer, OPTIMIZERS, f'{where}.optimizer')
+    check_holdout_fits(config, c.public, c.public_size, f'{where}.public')
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
 
-  def _tx(self):
-    return engine.make_optimizer('adam', self.config.lr)
+  def _tx(self, ctx: RunContext):
+    if self.config.optimizer == 'adam':
+      return engine.make_optimizer('adam', self.config.lr)
+    return engine.optimizer_from_config(ctx.config.optimizer)
 
   def setup(self, ctx: RunContext) -> FedMDAux:
     c, cfg, ds = self.config, ctx.config, ctx.dataset
@@ -152,7 +162,7 @@ class FedMD(Algorithm):
         f'{ds.num_classes} classes of {ds.name}'
       )
     groups = common.client_groups(ctx)
-    tx = self._tx()
+    tx = self._tx(ctx)
     trainers: Dict[Tuple[str, int, str], GroupTrainer] = {}
 
     def trainer(g: common.ClientGroup, batch: int, kind: str) -> GroupTrainer:

@@ -10,15 +10,22 @@ from its own random init. Each round (`participation` of the clients, seeded):
    CE + ld · MSE(embedding, global_proto[y]): the MSE is the mean over all B·D elements of the
    batch, with the rows of classes that have no global prototype yet counting as zero (the
    reference's `loss_mse(proto_new, protos)`), ld = 1;
-2. it uploads its per-class mean embeddings and class counts (`PrototypeUpload`, validated);
+2. it uploads its local prototypes, the per-class means of the embeddings its training computed
+   in the last local epoch's batches (train mode, each batch's features before that batch's
+   step: the reference's `agg_protos_label`, reset every epoch), and its class counts
+   (`PrototypeUpload`, validated);
 3. the server's global prototype of a class is the unweighted mean over the clients that hold
    the class (the reference's `proto_aggregation`).
 One compiled program per architecture group; the global prototypes reach every client as the
 objective's `context`, so new prototypes compile nothing.
 
-Embedding widths must match across clients (the reference uses one width); `embed_dim` > 0
-gives every client model a ReLU embedding layer of that width (the `embed_dim` option of
-ResNet-18 and CNNMnist), which ResNets of different widths need.
+Embedding widths must match across clients: the reference's heterogeneous clients differ before
+a prototype layer of one width (CNNMnist's 50-wide fc1 after convolutions of 18, 20 or 22
+channels). With `widest_features` (default) every client model's layer feeding the classifier
+(the MLP's last hidden layer, ResNet-18's last stage) is built at the widest client's width and
+every other layer keeps its own width. `embed_dim` > 0 instead adds a ReLU embedding layer of
+that width to every model (the `embed_dim` option of ResNet-18, MLP and CNNMnist), a layer the
+reference does not have.
 
 Evaluation (every round, on the test split; the reference evaluates each client on its own
 test split of its own classes, which we do not have, so we report both readings):
@@ -32,11 +39,10 @@ test split of its own classes, which we do not have, so we report both readings)
   local_proto_test_accuracy  nearest global prototype among the client's own classes, on those
                              samples (the reference's accuracy "with protos").
 
-Differences from the reference: a client's local prototypes are the class means of its trained
-model's train-mode embeddings of its data (batches of `batch_size`, in order, no dropout),
-computed after local training, instead of those collected while the last local epoch trains
-(eval-mode embeddings, tried first, made the prototypes of BatchNorm ResNets useless: digits
-FedProto 29% instead of 50% after 8 rounds). Local optimiser and batch size come from
+`prototypes='after_training'` computes the local prototypes instead from the trained model's
+train-mode embeddings of the client's data after local training (batches of `batch_size`, in
+order, no dropout). Differences from the reference: the last batch is padded, not dropped
+(`drop_last=True` in the reference); local optimiser and batch size come from
 `config.optimizer` / `config.batch_size` (the reference: SGD lr 0.01, momentum 0.5, batch 4).
 
 Config (`config.fedproto`): the fields of `FedProtoConfig`.
@@ -55,7 +61,7 @@ from jfed.data import class_count_table
 from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.engine.training import supervised_loss
-from jfed.errors import ConfigError
+from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import PrototypeUpload, serialized_nbytes, validate_prototype_upload
 from jfed.keys import Purpose
 from jfed.methods import common
@@ -64,12 +70,19 @@ from jfed.methods.registry import register_method
 from jfed.models import get_model
 from jfed.models.layers import apply_with_features
 
+PROTOTYPES = ('last_epoch', 'after_training')
+# The key under which a model's batch_stats carry the running class sums of its embeddings
+# while the last local epoch trains (stripped before the model is used anywhere else).
+CLASS_SUMS = 'fedproto_class_sums'
+
 
 class FedProtoConfig(NamedTuple):
   rounds: int
   local_epochs: int
   participation: float
   ld: float
+  prototypes: str
+  widest_features: bool
   embed_dim: int
 
 
@@ -94,12 +107,15 @@ def prototype_mse(features, labels, weights, protos: GlobalPrototypes):
 
 def fedproto_objective(ld: float):
   """The engine's `LocalObjective` of a FedProto client: CE + ld · `prototype_mse`; `context`
-  is the client's copy of the `GlobalPrototypes`."""
+  is the client's copy of the `GlobalPrototypes`. When the model's batch_stats carry
+  `CLASS_SUMS` ({'sums': [C, D], 'counts': [C]}), the batch's embeddings (as computed for the
+  loss, before the step) are added to them per class: the reference's prototype collection."""
 
   def objective(module, params, batch_stats, x, y, weights, key, context):
+    own_stats = {k: v for k, v in batch_stats.items() if k != CLASS_SUMS}
     logits, features, new_stats = apply_with_features(
       module,
-      {'params': params, 'batch_stats': batch_stats},
+      {'params': params, 'batch_stats': own_stats},
       x,
       train=True,
       mask=weights > 0,
@@ -107,9 +123,41 @@ def fedproto_objective(ld: float):
     )
     ce, correct, count = supervised_loss(logits, y, weights)
     loss = ce + ld * prototype_mse(features, y, weights, context)
+    if CLASS_SUMS in batch_stats:
+      sums = batch_stats[CLASS_SUMS]
+      onehot = jax.nn.one_hot(y, sums['counts'].shape[-1]) * weights[:, None]
+      seen = jnp.where(weights[:, None] > 0, lax.stop_gradient(features), 0.0)
+      new_stats = {
+        **new_stats,
+        CLASS_SUMS: {
+          'sums': sums['sums'] + onehot.T @ seen,
+          'counts': sums['counts'] + onehot.sum(0),
+        },
+      }
     return loss, (loss, correct, count, new_stats)
 
   return objective
+
+
+def with_class_sums(models: ModelState, num_classes: int, dim: int) -> ModelState:
+  """A stacked group's models with zeroed `CLASS_SUMS` in their batch_stats."""
+  m = jax.tree.leaves(models.params)[0].shape[0]
+  stats = {k: v for k, v in models.batch_stats.items() if k != CLASS_SUMS}
+  stats[CLASS_SUMS] = {
+    'sums': jnp.zeros((m, num_classes, dim), jnp.float32),
+    'counts': jnp.zeros((m, num_classes), jnp.float32),
+  }
+  return models._replace(batch_stats=stats)
+
+
+def without_class_sums(models: ModelState) -> Tuple[ModelState, np.ndarray]:
+  """(the models without `CLASS_SUMS`, [m, C, D] class means of what was collected; zero rows
+  for classes not seen)."""
+  stats = dict(models.batch_stats)
+  sums = stats.pop(CLASS_SUMS)
+  counts = np.asarray(sums['counts'])
+  means = np.asarray(sums['sums']) / np.maximum(counts, 1.0)[..., None]
+  return models._replace(batch_stats=stats), means.astype(np.float32)
 
 
 def aggregate_prototypes(prototypes: np.ndarray, counts: np.ndarray) -> GlobalPrototypes:
@@ -180,6 +228,16 @@ class ClassMeans:
     return np.asarray(total) / np.maximum(counts, 1)[..., None]
 
 
+def feature_dim(module, input_shape) -> int:
+  """The width of `module`'s penultimate features (nothing is computed)."""
+  x = jnp.zeros((2, *input_shape), jnp.float32)
+  shapes = jax.eval_shape(
+    lambda k: apply_with_features(module, module.init(k, x, train=False), x)[1],
+    jax.random.PRNGKey(0),
+  )
+  return int(shapes.shape[-1])
+
+
 class FedProtoAux(NamedTuple):
   groups: List[common.ClientGroup]
   trainers: List[GroupTrainer]
@@ -203,6 +261,7 @@ class FedProto(Algorithm):
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
     tc.require_non_negative(c, self.section, ('ld', 'embed_dim'))
+    tc.require_choice(c.prototypes, PROTOTYPES, f'{self.section}.prototypes')
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
@@ -218,21 +277,40 @@ class FedProto(Algorithm):
         f'fedproto.embed_dim={self.config.embed_dim}: model {spec!r} has no embed_dim option ({e})'
       ) from None
 
+  def _widest_features_build(self, ctx: RunContext):
+    """A `build` whose models feed their classifier from a layer of the widest client model's
+    feature width (the MLP's last hidden layer, ResNet-18's last stage); the other layers keep
+    each model's own widths."""
+    ds = ctx.dataset
+    plain = {s: self._build(s, ds) for s in dict.fromkeys(common.client_model_specs(ctx))}
+    dims = {s: feature_dim(m, ds.input_shape) for s, m in plain.items()}
+    width = max(dims.values())
+
+    def build(spec: str, dataset):
+      module = plain[spec]
+      if dims[spec] == width:
+        return module
+      if hasattr(module, 'widths'):  # ResNet: the pooled last stage is the feature
+        return module.clone(widths=tuple(module.widths[:-1]) + (width,))
+      if getattr(module, 'hidden', ()):  # MLP / CNN with FC layers: the last hidden layer
+        return module.clone(hidden=tuple(module.hidden[:-1]) + (width,))
+      raise ConfigError(
+        f'fedproto.widest_features: model {spec!r} has no layer to widen to the feature width '
+        f'{width} of the other clients; set fedproto.embed_dim > 0'
+      )
+
+    return build
+
   def setup(self, ctx: RunContext) -> FedProtoAux:
     cfg, ds = ctx.config, ctx.dataset
-    groups = common.client_groups(ctx, build=self._build)
-    dims = {}
-    for g in groups:
-      x = jnp.zeros((2, *ds.input_shape), jnp.float32)
-      shapes = jax.eval_shape(
-        lambda k, m=g.module: apply_with_features(m, m.init(k, x, train=False), x)[1],
-        jax.random.PRNGKey(0),
-      )
-      dims[g.spec] = int(shapes.shape[-1])
+    widen = self.config.widest_features and not self.config.embed_dim
+    build = self._widest_features_build(ctx) if widen else self._build
+    groups = common.client_groups(ctx, build=build)
+    dims = {g.spec: feature_dim(g.module, ds.input_shape) for g in groups}
     if len(set(dims.values())) != 1:
       raise ConfigError(
         f'fedproto needs one embedding width across client models, got {dims}; set '
-        'fedproto.embed_dim > 0'
+        'fedproto.widest_features=True or fedproto.embed_dim > 0'
       )
     dim = dims[groups[0].spec]
     all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
@@ -286,19 +364,26 @@ class FedProto(Algorithm):
     groups = [common.sitting_out_as_size_zero(g, w) for g, w in zip(aux.groups, weights)]
     protos = jax.device_put(state.protos)  # host arrays after round 1: no program, unlike jnp
     contexts = [engine.replicate(protos, len(g.client_ids)) for g in groups]
-    models, metrics = common.train_groups(
-      aux.trainers,
-      groups,
-      list(state.models),
-      c.local_epochs,
-      ctx.derive_key(Purpose.ROUNDS, i),
-      label=f'round {i + 1}/{c.rounds}',
-      contexts=contexts,
-    )
+    key = ctx.derive_key(Purpose.ROUNDS, i)
+    if c.prototypes == 'last_epoch':
+      models, metrics, collected = self._train_collecting(aux, groups, state.models, key, contexts)
+    else:
+      models, metrics = common.train_groups(
+        aux.trainers,
+        groups,
+        list(state.models),
+        c.local_epochs,
+        key,
+        label=f'round {i + 1}/{c.rounds}',
+        contexts=contexts,
+      )
+      collected = [
+        means_of(m, g.fed, aux.dim) for g, m, means_of in zip(aux.groups, models, aux.class_means)
+      ]
     uploaded, counts, upload_bytes = [], [], 0
     num_classes = ctx.dataset.num_classes
-    for g, m, w, means_of in zip(aux.groups, models, weights, aux.class_means):
-      means = means_of(m, g.fed, aux.dim).astype(np.float32)
+    for g, w, means in zip(aux.groups, weights, collected):
+      means = np.asarray(means, np.float32)
       for j in np.flatnonzero(w):
         cid = int(g.client_ids[j])
         upload = PrototypeUpload(cid, int(g.fed.sizes[j]), means[j], aux.counts[cid])
@@ -320,6 +405,40 @@ class FedProto(Algorithm):
       'download_bytes': serialized_nbytes(new_protos) * int(len(selected)),
     }
     return state, [record]
+
+  def _train_collecting(self, aux: FedProtoAux, groups, models, key, contexts):
+    """Local training of every group with one optimiser for all local epochs, collecting the
+    class sums of the embeddings during the last epoch; returns (models, metrics, [m, C, D]
+    local prototypes per group)."""
+    c = self.config
+    num_classes = int(aux.counts.shape[1])
+    out_models, out_metrics, out_means = [], [], []
+    for trainer, g, model, context in zip(aux.trainers, groups, models, contexts):
+      ts = engine.init_train_state(trainer.tx, with_class_sums(model, num_classes, aux.dim))
+      losses = []
+      if c.local_epochs > 1:
+        ts, first = trainer.train(
+          ts, g.fed, c.local_epochs - 1, key, client_ids=g.client_ids, context=context
+        )
+        losses.append(np.asarray(first.loss))
+        ts = ts._replace(model=with_class_sums(ts.model, num_classes, aux.dim))
+      last_key = jax.random.fold_in(key, c.local_epochs - 1)
+      ts, last = trainer.train(ts, g.fed, 1, last_key, client_ids=g.client_ids, context=context)
+      losses.append(np.asarray(last.loss))
+      trained, means = without_class_sums(ts.model)
+      final = np.asarray(last.loss)[:, -1]
+      bad = [
+        int(k) for k, l, n in zip(g.client_ids, final, g.fed.sizes) if n > 0 and not np.isfinite(l)
+      ]
+      if bad:
+        raise NonFiniteError(
+          f'fedproto: the training loss of client(s) {bad} ({g.spec}) became non-finite; lower '
+          'the learning rate or check the data'
+        )
+      out_models.append(trained)
+      out_metrics.append(engine.TrainMetrics(loss=np.concatenate(losses, axis=1), accuracy=None))
+      out_means.append(means)
+    return out_models, out_metrics, out_means
 
   def _evaluate(self, ctx: RunContext, aux: FedProtoAux, state: FedProtoState) -> Dict[str, Any]:
     x, y = ctx.dataset.test_x, np.asarray(ctx.dataset.test_y)

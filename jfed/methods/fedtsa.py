@@ -29,13 +29,13 @@ and images):
    (`prompt_template`, "a photo of real {class}"); the server's prompt pool is their union, and
    the image source (`source`) makes `images_per_prompt` images of each prompt:
    - 'ddpm' (default): a class-conditional DDPM in Flax (`jfed.diffusion.train`), trained once
-     on the held-out images (`holdout`: 'test_split' holds `holdout_size` test images out of
-     evaluation, which then uses the rest; or another dataset's training split), cached in
-     `ddpm_cache` (default `<workdir>/ddpm.msgpack`) and reused by later runs with the same
-     settings and data; each prompt is mapped to its class;
+     on `holdout_size` labelled images of `holdout` ('holdout': training samples held out of
+     every client by `dataset.holdout_size`; or another dataset's training split; never the
+     test split), cached in `ddpm_cache` (default `<workdir>/ddpm.msgpack`) and reused by later
+     runs with the same settings and data; each prompt is mapped to its class;
    - 'pipeline': a Stable-Diffusion-style pipeline from the local directory `pipeline_dir`
      (`jfed.diffusion.local_pipeline`, the paper's SD v1-4; the `diffusion` extra);
-   - 'public': the held-out images themselves, `images_per_prompt` of each prompt's class.
+   - 'public': those held-out images themselves, `images_per_prompt` of each prompt's class.
    A grid of the images is written to `stage2_images.png`.
 
 Each round (`participation` of the clients, seeded):
@@ -48,10 +48,18 @@ Each round (`participation` of the clients, seeded):
   `stage2_batch` the consensus is the mean of all cluster models' logits (Eq. 7) and each model
   takes one step of KL(softmax(z̄/T) ‖ softmax(z/T)) (Eqs. 6, 8; `temperature` T = 5), or
   `kl_weight`·KL + (1 − `kl_weight`)·CE on the prompts' classes (Eq. 9); optimiser
-  config.optimizer's at `stage2_lr` (0: config.optimizer.lr);
-- every cluster model is evaluated. `test_accuracy` is the mean over clients of the accuracy of
-  their cluster's model (each cluster weighted by its number of clients);
-  `cluster_test_accuracy` lists each cluster's, fastest (widest) first.
+  config.optimizer's at `stage2_lr` (0: config.optimizer.lr). The forward passes are in train
+  mode (BatchNorm on each batch's statistics); `stage2_bn_stats` says what happens to the
+  cluster models' running statistics: 'keep' (default: the Stage-1 averages of the clients'
+  statistics; the paper says nothing of BatchNorm, so Stage 2 changes parameters only) or
+  'recalibrate' (each train-mode step's running-average update on the Stage-2 images is kept,
+  so after an epoch they are mostly statistics of those images);
+- every cluster model is scored on the whole test split. `test_accuracy` is the reported
+  model's (`reported_model`): 'widest' (default: the rate-1.0 cluster's unpruned model, the
+  counterpart of the other methods' server model; the paper defines no mean over clusters) or
+  'client_weighted' (the mean over clients of their cluster model's accuracy);
+  `cluster_test_accuracy` lists each cluster's, fastest (widest) first, and
+  `client_weighted_test_accuracy` is always recorded.
 
 Defaults are the paper's (§5.1): 100 rounds, T = 5, 1 global epoch, KL-only, 200 images per
 prompt, rates 1.0/0.8/0.6 for 20/40/40 % of the clients. Not stated by the paper, and chosen
@@ -59,7 +67,7 @@ here: the Stage-2 optimiser and batch (the clients' optimiser, batch 100 as the 
 whether "200 images" is per prompt or in total (per prompt here: 200 images in total would be
 20 per class on CIFAR-10); the KDE's axis and bandwidth (log durations, factor 0.1, at least
 0.05: the one setting measured to recover every Table 4 degree's device classes, see
-BUILD_NOTES.md); evaluation (above).
+BUILD_NOTES.md); BatchNorm in Stage 2 and the reported model (above).
 
 Config (`config.fedtsa`): the fields of `FedTSAConfig`.
 """
@@ -75,7 +83,7 @@ import numpy as np
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.data import class_names, federate
-from jfed.data.public import PublicData, check_source, public_data
+from jfed.data.public import PublicData, check_holdout_fits, public_data
 from jfed.diffusion import (
   PromptPool,
   PublicImageSource,
@@ -106,6 +114,8 @@ from jfed.profiling import (
 
 PROFILES = ('simulated', 'measured', 'file')
 SOURCES = ('ddpm', 'pipeline', 'public')
+STAGE2_BN_STATS = ('keep', 'recalibrate')
+REPORTED_MODELS = ('widest', 'client_weighted')
 # Models whose `width_mult` prunes every hidden layer and keeps the classes.
 PRUNABLE_MODELS = ('resnet18', 'mlp')
 
@@ -133,6 +143,8 @@ class FedTSAConfig(NamedTuple):
   kl_weight: float
   stage2_lr: float
   stage2_batch: int
+  stage2_bn_stats: str
+  reported_model: str
   # Stage-2 images.
   source: str
   images_per_prompt: int
@@ -228,6 +240,8 @@ class FedTSA(Algorithm):
     tc.require(0.0 <= c.kl_weight <= 1.0, f'{where}.kl_weight must be in [0, 1], got {c.kl_weight}')
     tc.require_choice(c.profile, PROFILES, f'{where}.profile')
     tc.require_choice(c.source, SOURCES, f'{where}.source')
+    tc.require_choice(c.stage2_bn_stats, STAGE2_BN_STATS, f'{where}.stage2_bn_stats')
+    tc.require_choice(c.reported_model, REPORTED_MODELS, f'{where}.reported_model')
     tc.require(
       c.profile != 'file' or bool(c.durations_file),
       f"{where}.profile='file' needs {where}.durations_file",
@@ -240,8 +254,8 @@ class FedTSA(Algorithm):
     parse_bandwidth(c.bandwidth)
     tc.require('{}' in c.prompt_template, f'{where}.prompt_template must contain {{}}')
     if c.source in ('ddpm', 'public'):
-      check_source(c.holdout, f'{where}.holdout')
       tc.require_positive(c, where, ('holdout_size',))
+      check_holdout_fits(config, c.holdout, c.holdout_size, f'{where}.holdout')
     if c.stage2 and c.source == 'ddpm':
       tc.require_positive(
         c, where, ('ddpm_steps', 'ddpm_timesteps', 'ddpm_channels', 'ddpm_batch', 'ddpm_lr')
@@ -285,8 +299,7 @@ class FedTSA(Algorithm):
 
   def _holdout(self, ctx: RunContext) -> Optional[PublicData]:
     c = self.config
-    # Held out whether or not Stage 2 runs, so that ablations evaluate on the same images.
-    if c.source == 'pipeline':
+    if c.source == 'pipeline' or not c.stage2:
       return None
     return public_data(ctx.dataset, c.holdout, c.holdout_size, int(ctx.config.seed))
 
@@ -436,11 +449,12 @@ class FedTSA(Algorithm):
       learner = MutualLearner(
         [g.module for g in groups],
         tx,
-        MutualLearningConfig(temperature=c.temperature, kl_weight=c.kl_weight),
+        MutualLearningConfig(
+          temperature=c.temperature,
+          kl_weight=c.kl_weight,
+          keep_running_stats=c.stage2_bn_stats == 'keep',
+        ),
       )
-    eval_x, eval_y = (
-      (holdout.eval_x, holdout.eval_y) if holdout is not None else (ds.test_x, ds.test_y)
-    )
     return FedTSAAux(
       durations=durations,
       clusters=clusters,
@@ -449,8 +463,8 @@ class FedTSA(Algorithm):
       templates=list(init),
       init=init,
       evaluators=[engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups],
-      eval_x=eval_x,
-      eval_y=eval_y,
+      eval_x=ds.test_x,
+      eval_y=ds.test_y,
       pool=pool,
       images=images,
       learner=learner,
@@ -520,9 +534,14 @@ class FedTSA(Algorithm):
       models, record['stage2_loss'] = self._stage2(ctx, aux, models, i)
     accuracy = self.cluster_accuracies(aux, models)
     sizes = np.array([len(g.client_ids) for g in aux.groups], np.float64)
+    client_weighted = float(np.sum(accuracy * sizes) / np.sum(sizes))
+    widest = int(np.argmax(aux.clusters.rates))
     record.update(
       {
-        'test_accuracy': float(np.sum(accuracy * sizes) / np.sum(sizes)),
+        'test_accuracy': (
+          float(accuracy[widest]) if c.reported_model == 'widest' else client_weighted
+        ),
+        'client_weighted_test_accuracy': client_weighted,
         'cluster_test_accuracy': accuracy.tolist(),
         'train_loss': float(np.mean(losses)),
         'clients': len(losses),
@@ -546,5 +565,6 @@ class FedTSA(Algorithm):
       'source': self.config.source if aux.learner is not None else None,
       'stage2_images': 0 if aux.images is None else int(len(aux.images.labels)),
       'eval_samples': int(len(aux.eval_y)),
+      'reported_model': self.config.reported_model,
       'model_bytes': [serialized_nbytes(t) for t in aux.templates],
     }

@@ -36,10 +36,16 @@ Evaluation: the global (full-width) model on the test set (`test_accuracy`, the 
 'Global-Accuracy') and, with `eval_submodels`, each rate's sub-model of the new global model
 with its own static statistics (`submodel_test_accuracy`, keyed by rate).
 
-Differences from the reference: the Scaler (x / rate in training) is omitted: in the
-reference's Conv and ResNet every Scaler feeds a normalisation layer, which is invariant to a
-positive rescaling of its input (up to its eps), so it changes nothing with 'bn'. The global
-learning-rate schedule across rounds (MultiStepLR) is not applied (constant `optimizer.lr`).
+The Scaler (`scaler`, on by default as the reference's `cfg['scale']`): in training, a client
+of rate r divides the output of every hidden linear map (each Dense but the output layer, each
+Conv) by r, the reference's `Scaler` module (`x / rate` when training, identity in evaluation),
+which sits after every convolution of its Conv and ResNet models. It is applied by dividing
+those layers' kernels and biases by r inside the local objective, so gradients flow through it
+as through the reference's module. Where a BatchNorm follows (ResNet-18) it changes only the
+norm's eps term; on the MLP (FedAvg's 2NN, no norm layers) it rescales every hidden activation.
+
+Differences from the reference: the global learning-rate schedule across rounds (MultiStepLR)
+is not applied (constant `optimizer.lr`).
 The reference's 'Local-Accuracy' on per-client test splits is not computed (no per-client test
 splits here). Our ResNet-18 is kuangliu's (post-activation), not the reference's pre-activation
 variant.
@@ -81,6 +87,7 @@ class HeteroFLConfig(NamedTuple):
   static_bn: bool
   grad_clip: float
   eval_submodels: bool
+  scaler: bool
 
 
 def client_rates(model: str, client_specs) -> Dict[str, float]:
@@ -128,6 +135,33 @@ def masked_classification_objective(module, params, batch_stats, x, y, weights, 
   )
   loss, correct, count = supervised_loss(mask_logits(logits, context), y, weights)
   return loss, (loss, correct, count, updates.get('batch_stats', batch_stats))
+
+
+def scale_hidden_layers(params: Any, factor: float, output_layer: str) -> Any:
+  """`params` with every kernel and bias of a Dense or Conv layer other than the top-level
+  `output_layer` multiplied by `factor`: the reference's Scaler (1 / rate) after each hidden
+  linear map, folded into its weights."""
+
+  def scale(path, leaf):
+    names = [str(getattr(k, 'key', k)) for k in path]
+    hidden = names[0] != output_layer and len(names) >= 2
+    linear = (
+      hidden and names[-2].startswith(('Dense_', 'Conv_')) and names[-1] in ('kernel', 'bias')
+    )
+    return leaf * factor if linear else leaf
+
+  return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def scaled_objective(rate: float, output_layer: str):
+  """The local objective of a client of width `rate`: `masked_classification_objective` with
+  the Scaler (every hidden linear map's output divided by `rate`)."""
+
+  def objective(module, params, batch_stats, x, y, weights, key, context):
+    scaled = scale_hidden_layers(params, 1.0 / rate, output_layer)
+    return masked_classification_objective(module, scaled, batch_stats, x, y, weights, key, context)
+
+  return objective
 
 
 def model_shapes(module, input_shape) -> ModelState:
@@ -215,7 +249,11 @@ class HeteroFL(Algorithm):
           cfg.batch_size,
           strategy=cfg.strategy,
           mesh=ctx.mesh,
-          objective=masked_classification_objective,
+          objective=(
+            scaled_objective(rates[g.spec], output_layer)
+            if c.scaler
+            else masked_classification_objective
+          ),
         )
         for g in groups
       ],
