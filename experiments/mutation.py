@@ -145,7 +145,8 @@ def _mutmut(dest: pathlib.Path, *args: str, log=None) -> str:
     [sys.executable, '-m', 'mutmut', *args],
     cwd=dest,
     stdout=log or subprocess.PIPE,
-    stderr=subprocess.STDOUT,
+    # mutmut's deprecation warnings (paths_to_mutate, tests_dir) stay out of the reports
+    stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
     text=True,
   )
   return out.stdout or ''
