@@ -120,9 +120,13 @@ def analysis_config(dataset: str, classes_per_client: int, seed: int, smoke: boo
   c = CONFIGS[dataset].get_config('smoke' if smoke else '')
   c.partition.k = int(classes_per_client)
   c.seed = int(seed)
-  # The analysis trains on the clients' own or distilled sets and needs no public set: every
-  # training sample stays with the clients.
+  # The analysis trains on the clients' own or distilled sets and reads no public set: every
+  # training sample stays with the clients, as in the analyses already reported, and the
+  # (unused) public source is one that needs no holdout. The config ties holdout_size to
+  # hfldd.public_size by reference: unlink it rather than zero both.
+  del c.dataset['holdout_size']
   c.dataset.holdout_size = 0
+  c.hfldd.public = c.dataset.name
   return c
 
 

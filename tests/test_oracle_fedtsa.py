@@ -43,7 +43,16 @@ from tests.support import override
 BATCH = 8
 LR, MOMENTUM = 0.01, 0.9  # base_config()'s client optimiser: SGD with momentum
 WIDE, NARROW = 'mlp:width_mult=0.1', 'mlp:width_mult=0.05'  # hidden widths 20 and 10
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _torch_float64():
+  """The oracles compute in float64; other modules' torch tests keep torch's float32 default."""
+  previous = torch.get_default_dtype()
+  torch.set_default_dtype(torch.float64)
+  yield
+  torch.set_default_dtype(previous)
+
 
 # ---------------------------------------------------------------------------------------------
 # the tiny problem

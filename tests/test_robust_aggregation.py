@@ -247,3 +247,80 @@ def test_attackers_are_seeded_or_named_and_labels_flip():
   with pytest.raises(ValueError, match="'20' is not a client id"):
     attacks.parse_client_ids('1,20', 20)
   np.testing.assert_array_equal(attacks.flip_labels(np.array([0, 3, 9]), 10), [9, 6, 0])
+
+
+# ---- edge cases found by mutation testing (/tmp/agent_notes/aggregation_survivors.md) ----------
+
+
+def test_trimmed_mean_keeps_one_middle_client_of_three():
+  # K = 3, beta = 0.4: floor(1.2) = 1 dropped per side, the middle value (the median) remains.
+  rows = np.array([[1.0, 5, 0, 2, 9], [2.0, 3, 0, 7, 8], [4.0, 4, 1, 3, 7]])
+  got = _aggregate(_config('trimmed_mean', trim_fraction=0.4), rows)
+  np.testing.assert_array_equal(got, [2, 4, 0, 3, 8])
+
+
+def test_multi_krum_keeping_every_client_is_the_weighted_mean():
+  rows = RNG.normal(size=(5, 4)).astype(np.float32)  # K = 5 clients wider than D = 4
+  w = np.array([1.0, 2, 3, 4, 5])
+  got = _aggregate(_config('krum', krum_byzantine=1, krum_selected=5), rows, w)
+  np.testing.assert_allclose(got, np.average(rows, axis=0, weights=w), rtol=1e-5)
+
+
+def test_krum_refuses_bad_counts_with_their_numbers():
+  rows = RNG.normal(size=(4, 5)).astype(np.float32)  # K = 4 clients, D = 5
+  with pytest.raises(ValueError, match=r'multi-Krum keeps 1\.\.4 clients, got 5'):
+    _aggregate(_config('krum', krum_byzantine=1, krum_selected=5), rows)
+  with pytest.raises(ValueError, match=r'Krum needs K > f \+ 2; got K=4 clients and f=2'):
+    _aggregate(_config('krum', krum_byzantine=2), rows)
+
+
+def test_unknown_rule_is_refused_with_the_valid_ones():
+  with pytest.raises(
+    ValueError,
+    match=r"unknown aggregation rule 'bogus'; valid: mean, median, trimmed_mean, krum, "
+    r'geometric_median$',
+  ):
+    make_aggregator(_config('bogus'))
+
+
+@pytest.mark.parametrize('iterations', [1, 2])
+def test_geometric_median_runs_exactly_the_configured_weiszfeld_steps(iterations):
+  rows = RNG.normal(size=(5, 5))
+  w = np.array([1.0, 2, 3, 4, 5])
+  v = np.average(rows, axis=0, weights=w)  # Weiszfeld starts from the weighted mean
+  for _ in range(iterations):
+    beta = w / np.linalg.norm(rows - v, axis=1)
+    v = beta @ rows / beta.sum()
+  got = _aggregate(_config('geometric_median', geomed_iterations=iterations), rows, w)
+  np.testing.assert_allclose(got, v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('clip_norm', [0.0, 1e6])
+def test_half_precision_weights_are_normalised_in_float32(clip_norm):
+  # 1/3 is 0.33325 in float16: normalising there would give a mean of 0.99976, not 1.
+  rows = np.ones((3, 5), np.float32)
+  got = _aggregate(_config('mean', clip_norm=clip_norm), rows, np.ones(3, np.float16))
+  np.testing.assert_allclose(got, np.ones(5), rtol=1e-6)
+
+
+@pytest.mark.parametrize('rule, clip_norm', [('mean', 0.0), ('mean', 1e6), ('median', 0.0)])
+def test_bfloat16_models_come_back_in_bfloat16(rule, clip_norm):
+  stacked = ModelState({'w': jnp.arange(12.0, dtype=jnp.bfloat16).reshape(4, 3)}, {})
+  ref = jax.tree.map(lambda a: a[0], stacked)
+  out = make_aggregator(_config(rule, clip_norm=clip_norm)).aggregate(stacked, np.ones(4), ref)
+  assert out.params['w'].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out.params['w'], np.float32), [4.5, 5.5, 6.5])
+
+
+@pytest.mark.parametrize(
+  'rule, clip_norm, name',
+  [
+    ('mean', 0.0, 'mean'),
+    ('mean', 0.5, 'mean+clip(0.5)'),
+    ('krum', 0.0, 'krum'),
+    ('krum', 0.5, 'krum+clip(0.5)'),
+    ('median', 2.0, 'median+clip(2)'),
+  ],
+)
+def test_aggregator_names_record_rule_and_clipping(rule, clip_norm, name):
+  assert make_aggregator(_config(rule, clip_norm=clip_norm)).name == name
