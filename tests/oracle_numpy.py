@@ -338,3 +338,25 @@ def visiting_order(epoch_key, client_id: int, size: int) -> np.ndarray:
   ckey = jax.random.fold_in(epoch_key, int(client_id))
   u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(ckey, i)))(jnp.arange(size))
   return np.argsort(np.asarray(u), kind='stable')
+
+
+def epoch_orders(key, client_id: int, size: int, epochs: int, first_epoch: int = 0):
+  """`visiting_order` of epochs first_epoch .. first_epoch + epochs - 1 (epoch key =
+  fold_in(key, epoch))."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return [
+    visiting_order(jax.random.fold_in(key, e), client_id, size)
+    for e in range(first_epoch, first_epoch + epochs)
+  ]
+
+
+def assert_tree_close(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+  """Two two-level parameter trees ({layer: {leaf: array}}) have the same keys and close leaves."""
+  got, want = to_numpy(got), to_numpy(want)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    for leaf in want[name]:
+      np.testing.assert_allclose(
+        got[name][leaf], want[name][leaf], rtol=rtol, atol=atol, err_msg=f'{name}/{leaf}'
+      )

@@ -130,20 +130,6 @@ def _client_data(ctx, k: int):
   return ctx.dataset.train_x[idx], ctx.dataset.train_y[idx]
 
 
-def _orders(key, client_id: int, size: int, epochs: int) -> List[np.ndarray]:
-  return [onp.visiting_order(jax.random.fold_in(key, e), client_id, size) for e in range(epochs)]
-
-
-def _assert_tree_close(got, want, rtol=1e-4, atol=1e-5):
-  got, want = onp.to_numpy(got), onp.to_numpy(want)
-  assert sorted(got) == sorted(want)
-  for name in want:
-    for leaf in want[name]:
-      np.testing.assert_allclose(
-        got[name][leaf], want[name][leaf], rtol=rtol, atol=atol, err_msg=f'{name}/{leaf}'
-      )
-
-
 def _test_accuracy(params) -> float:
   return onp.accuracy(onp.mlp_forward(params, _dataset().test_x), _dataset().test_y)
 
@@ -172,7 +158,7 @@ def _assert_scored(scored, models):
   assert len(scored) == len(models)
   for (params, samples), want in zip(scored, models):
     assert samples == len(_dataset().test_y)
-    _assert_tree_close(params, want)
+    onp.assert_tree_close(params, want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +270,7 @@ def _oracle_rounds(
         global_params,
         x,
         y,
-        _orders(key, k, len(y), epochs),
+        onp.epoch_orders(key, k, len(y), epochs),
         BATCH,
         LR,
         MOMENTUM,
@@ -338,7 +324,7 @@ def test_fedavg_rounds_match_the_oracle(server_optimizer, scored):
   want = _oracle_rounds(ctx, 2, 1, server_momentum=momentum)
   _assert_scored(scored, [params for params, _, _ in want])  # the global model, not the aggregate
   for r, (params, acc, loss) in enumerate(want):
-    _assert_tree_close(rec.states[r].model.params, params)
+    onp.assert_tree_close(rec.states[r].model.params, params)
     (record,) = rec.records[r]
     assert record['test_accuracy'] == pytest.approx(acc, abs=1e-9)
     assert record['train_loss'] == pytest.approx(loss, rel=1e-4)
@@ -354,7 +340,7 @@ def test_fedavg_with_partial_participation_matches_the_oracle():
   want = _oracle_rounds(ctx, 2, 1, participation=0.75)
   assert [_sampled(ctx, r, 0.75) for r in range(2)] != [[0, 1, 2]] * 2  # not the first three
   for r, (params, acc, loss) in enumerate(want):
-    _assert_tree_close(rec.states[r].model.params, params)
+    onp.assert_tree_close(rec.states[r].model.params, params)
     (record,) = rec.records[r]
     assert record['clients'] == 3
     assert record['test_accuracy'] == pytest.approx(acc, abs=1e-9)
@@ -379,7 +365,7 @@ def test_fedprox_round_matches_the_oracle():
   summary, rec, ctx = _run('fedprox', config)
   want = _oracle_rounds(ctx, 2, 2, prox_mu=0.5, weight_decay=4e-4)
   for r, (params, acc, loss) in enumerate(want):
-    _assert_tree_close(rec.states[r].model.params, params)
+    onp.assert_tree_close(rec.states[r].model.params, params)
     assert rec.records[r][0]['test_accuracy'] == pytest.approx(acc, abs=1e-9)
   # the proximal term changes the result: the same run with mu = 0 is another model
   plain = _oracle_rounds(ctx, 1, 2, prox_mu=0.0, weight_decay=4e-4)[0][0]
@@ -404,7 +390,7 @@ def _oracle_local_models(ctx, specs: Sequence[str], epochs: int) -> List[Dict]:
   for k, spec in enumerate(specs):
     x, y = _client_data(ctx, k)
     params, _, _ = onp.mlp_local_sgd(
-      inits[spec], x, y, _orders(key, k, len(y), epochs), BATCH, LR, MOMENTUM
+      inits[spec], x, y, onp.epoch_orders(key, k, len(y), epochs), BATCH, LR, MOMENTUM
     )
     models.append(params)
   return models
@@ -416,7 +402,7 @@ def test_one_shot_fedavg_of_the_shared_local_models_matches_the_oracle():
   summary, rec, ctx = _run('fedavg', config)
   clients = _oracle_local_models(ctx, [NARROW] * 3, 2)
   want = onp.weighted_average(clients, SIZES)
-  _assert_tree_close(rec.states[0].model.params, want)
+  onp.assert_tree_close(rec.states[0].model.params, want)
   (record,) = rec.records[0]
   assert record['reused_local_models'] and record['clients'] == 3
   assert record['test_accuracy'] == pytest.approx(_test_accuracy(want), abs=1e-9)
@@ -462,8 +448,8 @@ def test_fedavg_vote_matches_the_oracle(monkeypatch):
     for spec in (NARROW, WIDE)
   }
   (narrow_got, wide_got) = rec.states[0]
-  _assert_tree_close(narrow_got.params, prototypes[NARROW])
-  _assert_tree_close(wide_got.params, prototypes[WIDE])
+  onp.assert_tree_close(narrow_got.params, prototypes[NARROW])
+  onp.assert_tree_close(wide_got.params, prototypes[WIDE])
   test_x, test_y = _dataset().test_x, _dataset().test_y
   logits = {s: onp.mlp_forward(p, test_x) for s, p in prototypes.items()}
   # the vote: argmax of the mean of the prototypes' logits
@@ -503,7 +489,7 @@ def test_centralized_matches_the_oracle(scored):
     params, buffers, (loss,) = onp.mlp_local_sgd(
       params, ds.train_x, ds.train_y, [order], BATCH, LR, MOMENTUM, buffers=buffers
     )
-    _assert_tree_close(engine.take(rec.states[epoch].model.params, 0), params)
+    onp.assert_tree_close(engine.take(rec.states[epoch].model.params, 0), params)
     (record,) = rec.records[epoch]
     assert record['test_accuracy'] == pytest.approx(_test_accuracy(params), abs=1e-9)
     assert record['train_loss'] == pytest.approx(loss, rel=1e-4)
@@ -543,7 +529,7 @@ def test_ot_fuses_a_permuted_copy_to_the_aligned_average(scored):
   summary, rec, _ = _run('ot', config, (23, 41), local_models=[_stack([base, client1])])
   # aligned to the anchor (client 0), client 1 is base + noise: the fused model is their mean
   want = onp.tree_map(lambda a, n: a + n / 2, base, noise)
-  _assert_tree_close(rec.states[0].params, want)
+  onp.assert_tree_close(rec.states[0].params, want)
   (record,) = rec.records[0]
   assert record['test_accuracy'] == pytest.approx(_test_accuracy(want), abs=1e-9)
   plain = onp.weighted_average([base, client1], [1, 1])
@@ -600,7 +586,7 @@ def test_ot_fusion_of_unrelated_models_matches_the_oracle(anchor):
   config = _config(3, **{'ot.local_epochs': 1, 'ot.anchor': anchor, 'model': tiny})
   summary, rec, _ = _run('ot', config, local_models=[_stack(models)])
   want = _oracle_ot(models, anchor)
-  _assert_tree_close(rec.states[0].params, want)
+  onp.assert_tree_close(rec.states[0].params, want)
   assert rec.records[0][0]['test_accuracy'] == pytest.approx(_test_accuracy(want), abs=1e-9)
   # the generic case is not trivial: the models are not aligned as they come
   plain = onp.weighted_average(models, np.ones(3))

@@ -138,23 +138,6 @@ def _run(method: str, config, dataset: Dataset, parts):
   return summary, recorder, ctx
 
 
-def _orders(key, client_id: int, size: int, epochs: int, first_epoch: int = 0):
-  return [
-    onp.visiting_order(jax.random.fold_in(key, e), client_id, size)
-    for e in range(first_epoch, first_epoch + epochs)
-  ]
-
-
-def _assert_tree_close(got, want, rtol=1e-4, atol=1e-5):
-  got, want = onp.to_numpy(got), onp.to_numpy(want)
-  assert sorted(got) == sorted(want)
-  for name in want:
-    for leaf in want[name]:
-      np.testing.assert_allclose(
-        got[name][leaf], want[name][leaf], rtol=rtol, atol=atol, err_msg=f'{name}/{leaf}'
-      )
-
-
 # ---------------------------------------------------------------------------------------------
 # PyTorch: the MLP, its loss and torch.optim.SGD
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +265,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
       return _ce(logits.masked_fill(~mask, 0.0), yb)  # the reference's masked_fill(.., 0)
 
     tp, _ = torch_local_sgd(
-      _corner(glob, shapes), x, y, _orders(key, k, len(y), 2), loss, grad_clip=1.0
+      _corner(glob, shapes), x, y, onp.epoch_orders(key, k, len(y), 2), loss, grad_clip=1.0
     )
     trained.append(_to_numpy(tp))
   want = {}
@@ -299,7 +282,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
         total[corner] += sub * ones
         count[corner] += ones
       want[n][leaf] = np.where(count > 0, total / np.maximum(count, 1), g)
-  _assert_tree_close(rec.after[0].params, want)
+  onp.assert_tree_close(rec.after[0].params, want)
   acc = onp.accuracy(onp.mlp_forward(want, ds.test_x), ds.test_y)
   assert summary.final_test_accuracy == pytest.approx(acc, abs=1e-9)
 
@@ -355,8 +338,8 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
     local = {}
     for k in range(3):
       x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
-      orders = _orders(key, k, len(y), epochs - 1)
-      orders += _orders(jax.random.fold_in(key, epochs - 1), k, len(y), 1)
+      orders = onp.epoch_orders(key, k, len(y), epochs - 1)
+      orders += onp.epoch_orders(jax.random.fold_in(key, epochs - 1), k, len(y), 1)
       sums, counts = np.zeros((10, 20)), np.zeros(10)
 
       def collect(e, tp, xb, yb, sums=sums, counts=counts):
@@ -384,7 +367,7 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
       rec.after[r].protos.prototypes, protos, rtol=1e-4, atol=1e-5, err_msg=f'round {r + 1}'
     )
   for k in range(3):
-    _assert_tree_close(_client_params(rec.after[1], groups, k), params[k])
+    onp.assert_tree_close(_client_params(rec.after[1], groups, k), params[k])
   # Inference: the classifier, or the nearest global prototype (smallest MSE); the reference's
   # readings on a client's own classes: both restricted to the test images of those classes,
   # the prototypes to those classes.
@@ -454,7 +437,7 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
       onp.to_numpy(init.params),
       ds.holdout_x,
       ds.holdout_y,
-      _orders(public_key, idx, 40, 1),
+      onp.epoch_orders(public_key, idx, 40, 1),
       ce_loss,
     )
     pretrained[spec] = _to_numpy(tp)
@@ -463,13 +446,13 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   for k in range(3):
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
     tp, _ = torch_local_sgd(
-      pretrained[spec_of[k]], x, y, _orders(private_key, k, len(y), 1), ce_loss
+      pretrained[spec_of[k]], x, y, onp.epoch_orders(private_key, k, len(y), 1), ce_loss
     )
     params[k] = _to_numpy(tp)
   transfer_acc = [onp.accuracy(_mlp_logits(params[k], ds.test_x), ds.test_y) for k in range(3)]
   np.testing.assert_allclose(rec.aux.transfer_accuracy, transfer_acc, atol=1e-9)
   for k in range(3):
-    _assert_tree_close(_client_params(rec.before[0], rec.aux.groups, k, plain=True), params[k])
+    onp.assert_tree_close(_client_params(rec.before[0], rec.aux.groups, k, plain=True), params[k])
 
   # Round 1.
   align = build_algorithm('fedmd', config).alignment_indices(ctx, 0)
@@ -482,11 +465,15 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
     def l1(tp, xb, yb):
       return torch.mean(torch.abs(torch_mlp(tp, align_x[xb])[0] - torch.as_tensor(consensus[yb])))
 
-    tp, _ = torch_local_sgd(params[k], index, index, _orders(digest_key, k, len(index), 1), l1)
+    tp, _ = torch_local_sgd(
+      params[k], index, index, onp.epoch_orders(digest_key, k, len(index), 1), l1
+    )
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
-    tp, _ = torch_local_sgd(_to_numpy(tp), x, y, _orders(revisit_key, k, len(y), 1), ce_loss)
+    tp, _ = torch_local_sgd(
+      _to_numpy(tp), x, y, onp.epoch_orders(revisit_key, k, len(y), 1), ce_loss
+    )
     params[k] = _to_numpy(tp)
-    _assert_tree_close(_client_params(rec.after[0], rec.aux.groups, k, plain=True), params[k])
+    onp.assert_tree_close(_client_params(rec.after[0], rec.aux.groups, k, plain=True), params[k])
   acc = [onp.accuracy(_mlp_logits(params[k], ds.test_x), ds.test_y) for k in range(3)]
   assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
   assert summary['eval_samples'] == len(ds.test_y)  # the whole test split, never a public set
@@ -573,7 +560,11 @@ def test_fedtsa_clusters_averages_in_cluster_and_learns_mutually_from_the_mean_l
     for cid in g.client_ids:
       x, y = ds.train_x[parts[cid]], ds.train_y[parts[cid]]
       tp, _ = torch_local_sgd(
-        start, x, y, _orders(key, cid, len(y), 1), lambda tp, xb, yb: _ce(torch_mlp(tp, xb)[0], yb)
+        start,
+        x,
+        y,
+        onp.epoch_orders(key, cid, len(y), 1),
+        lambda tp, xb, yb: _ce(torch_mlp(tp, xb)[0], yb),
       )
       trained.append(_to_numpy(tp))
       weights.append(len(y))
@@ -606,7 +597,7 @@ def test_fedtsa_clusters_averages_in_cluster_and_learns_mutually_from_the_mean_l
       opt.step()
   final = [_to_numpy(m) for m in models]
   for k in range(3):
-    _assert_tree_close(rec.after[0][k].params, final[k])
+    onp.assert_tree_close(rec.after[0][k].params, final[k])
   acc = [onp.accuracy(onp.mlp_forward(p, ds.test_x), ds.test_y) for p in final]
   record = rec.records[0][0]
   np.testing.assert_allclose(record['cluster_test_accuracy'], acc)
