@@ -364,7 +364,7 @@ def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   assert summary['reused_local_models'] and summary['rounds'] == 1
   assert summary['final_test_accuracy'] > LEARNED
 
-  ds = load_dataset('digits')
+  ds = driver.hold_out(config, load_dataset('digits'))
   parts = driver.partition_clients(config, ds.train_y)
   module = get_model(config.model, ds.num_classes, ds.input_shape)
   template = engine.init_models(module, ds.input_shape, jax.random.PRNGKey(0), len(parts))

@@ -240,7 +240,14 @@ def test_fedtsa_tables_cells_degrees_ablations_and_resume(tmp_path):
     )
     assert ablation['fedtsa']['stage2'] is False
     for run in FEDTSA_RUNS:  # every run learned (chance 10 %)
-      assert results['iid'][seed][run]['final_test_accuracy'] > CHANCE + 0.2, (seed, run)
+      record = results['iid'][seed][run]
+      if run.startswith('fedtsa'):
+        # every cluster model (the score FedTSA reported before issue 33) ...
+        assert record['client_weighted_test_accuracy'] > CHANCE + 0.2, (seed, run)
+        # ... and the reported unpruned model, which at this size is one or two clients' FedAvg
+        assert record['final_test_accuracy'] > CHANCE + 0.1, (seed, run)
+      else:
+        assert record['final_test_accuracy'] > CHANCE + 0.2, (seed, run)
   finals = [results['iid'][s]['fedtsa']['final_test_accuracy'] for s in ('0', '1')]
   assert finals[0] != finals[1]
   mean, std = 100 * np.mean(finals), 100 * np.std(finals, ddof=1)

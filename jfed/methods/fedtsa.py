@@ -561,6 +561,7 @@ class FedTSA(Algorithm):
       'cluster_sizes': [len(g.client_ids) for g in aux.groups],
       'cluster_models': [g.spec for g in aux.groups],
       'cluster_test_accuracy': last.get('cluster_test_accuracy'),
+      'client_weighted_test_accuracy': last.get('client_weighted_test_accuracy'),
       'stage2': aux.learner is not None,
       'source': self.config.source if aux.learner is not None else None,
       'stage2_images': 0 if aux.images is None else int(len(aux.images.labels)),
