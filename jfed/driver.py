@@ -53,6 +53,7 @@ import numpy as np
 
 from jfed import __version__
 from jfed.data import Dataset
+from jfed.data.public import hold_out_train, holdout_size
 from jfed.engine import multihost
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
@@ -540,15 +541,9 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
   return cls.from_config(config)
 
 
-def holdout_size(config: ml_collections.ConfigDict) -> int:
-  return int(config.dataset.get('holdout_size', 0) or 0)
-
-
 def hold_out(config: ml_collections.ConfigDict, dataset: Dataset) -> Dataset:
   """`dataset` less the `dataset.holdout_size` training samples no client may hold (they go to
   `holdout_x/holdout_y`, for the server's public or distillation data); unchanged when 0."""
-  from jfed.data.public import hold_out_train  # pylint: disable=g-import-not-at-top
-
   size = holdout_size(config)
   if not size or dataset.holdout_x is not None:
     return dataset

@@ -32,11 +32,16 @@ def check_source(source: str, where: str) -> None:
   )
 
 
+def holdout_size(config) -> int:
+  """The run config's `dataset.holdout_size` (0 when unset)."""
+  return int(config.dataset.get('holdout_size', 0) or 0)
+
+
 def check_holdout_fits(config, source: str, size: int, where: str) -> None:
   """For a method's `validate`: raises ConfigError (before anything is written) when `source` is
   'holdout' and `dataset.holdout_size` holds fewer than `size` samples out; checks the source."""
   check_source(source, where)
-  held = int(config.dataset.get('holdout_size', 0) or 0)
+  held = holdout_size(config)
   if source == HOLDOUT and int(size) > held:
     raise ConfigError(
       f'{where}={source!r} needs {int(size)} training samples held out of the clients but '
