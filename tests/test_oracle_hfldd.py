@@ -118,11 +118,15 @@ def full_batch_sgd(params, x, y, epochs):
   return out
 
 
-def assert_tree_close(got, expected, rtol=1e-4, atol=1e-5):
-  got, expected = onp.to_numpy(got), onp.to_numpy(expected)
-  assert sorted(got) == sorted(expected)
-  for g, e in zip(onp.tree_leaves(got), onp.tree_leaves(expected)):
-    np.testing.assert_allclose(g, e, rtol=rtol, atol=atol)
+def assert_heads_fedavg(state, new_state, records, hybrid, local_epochs, ds):
+  """The round: every head trains from the global model on its hybrid set; the new global model
+  is their FedAvg weighted by hybrid size, scored on the whole test split."""
+  start = onp.to_numpy(state.params)
+  heads = [full_batch_sgd(start, x, y, local_epochs) for x, y in hybrid]
+  expected = onp.weighted_average(heads, [len(y) for _, y in hybrid])
+  onp.assert_tree_close(new_state.params, expected)
+  logits = onp.mlp_forward(expected, ds.test_x)
+  assert records[0]['test_accuracy'] == pytest.approx(onp.accuracy(logits, ds.test_y))
 
 
 def assert_rows_of(rows, pool, absent=()):
@@ -372,13 +376,7 @@ def test_hfldd_kip_members_send_to_their_heads_and_the_heads_fedavg(hfldd_proble
     hybrid.append((x, y))
   assert list(aux.group.client_ids) == [int(hd) for hd in topo.heads]
 
-  # the round: every head trains from the global model; FedAvg weighted by hybrid size
-  start = onp.to_numpy(state.params)
-  heads = [full_batch_sgd(start, x, y, h.local_epochs) for x, y in hybrid]
-  expected = onp.weighted_average(heads, [len(y) for _, y in hybrid])
-  assert_tree_close(new_state.params, expected)
-  logits = onp.mlp_forward(expected, ds.test_x)
-  assert records[0]['test_accuracy'] == pytest.approx(onp.accuracy(logits, ds.test_y))
+  assert_heads_fedavg(state, new_state, records, hybrid, h.local_epochs, ds)
 
 
 def test_hfldd_without_dd_sends_the_raw_uint8_images_to_the_same_heads(hfldd_problem):
@@ -403,12 +401,7 @@ def test_hfldd_without_dd_sends_the_raw_uint8_images_to_the_same_heads(hfldd_pro
     y = np.concatenate([ds.train_y[ctx.parts[int(c)]] for c in [head, *cluster_members]])
     hybrid.append((x, y))
   assert aux.group.fed.sizes.tolist() == [len(y) for _, y in hybrid]
-  start = onp.to_numpy(state.params)
-  heads = [full_batch_sgd(start, x, y, h.local_epochs) for x, y in hybrid]
-  expected = onp.weighted_average(heads, [len(y) for _, y in hybrid])
-  assert_tree_close(new_state.params, expected)
-  logits = onp.mlp_forward(expected, ds.test_x)
-  assert records[0]['test_accuracy'] == pytest.approx(onp.accuracy(logits, ds.test_y))
+  assert_heads_fedavg(state, new_state, records, hybrid, h.local_epochs, ds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -588,7 +581,7 @@ def test_fedseq_superclients_sequential_training_and_aggregation():
     models.append(params)
   weights = [sum(sizes[k] for k in c) for c in expected]
   global_params = onp.weighted_average(models, weights)
-  assert_tree_close(new_state.params, global_params)
+  onp.assert_tree_close(new_state.params, global_params)
   logits = onp.mlp_forward(global_params, dataset.test_x)
   assert records[0]['test_accuracy'] == pytest.approx(onp.accuracy(logits, dataset.test_y))
 
@@ -732,10 +725,10 @@ def test_dynafed_trajectory_matching_and_fine_tuning():
   # round 1: FedAvg, its global model is the trajectory's θ_1 (θ_0 the initial model)
   theta0 = onp.to_numpy(state0.model.params)
   theta1 = fedavg(theta0)
-  assert_tree_close(state1.model.params, theta1)
+  onp.assert_tree_close(state1.model.params, theta1)
   trajectory = onp.to_numpy(state1.trajectory)
-  assert_tree_close(onp.tree_map(lambda a: a[0], trajectory), theta0, rtol=0, atol=0)
-  assert_tree_close(onp.tree_map(lambda a: a[1], trajectory), theta1)
+  onp.assert_tree_close(onp.tree_map(lambda a: a[0], trajectory), theta0, rtol=0, atol=0)
+  onp.assert_tree_close(onp.tree_map(lambda a: a[1], trajectory), theta1)
 
   # round 2 = T + 1: distil once (start θ_0, target θ_1: the only pair of a 1-round trajectory)
   key = jax.random.split(ctx.derive_key(Purpose.SYNTHETIC_SET))[0]  # the noise jfed drew
@@ -763,7 +756,7 @@ def test_dynafed_trajectory_matching_and_fine_tuning():
     d.finetune_epochs,
     d.finetune_lr,
   )
-  assert_tree_close(state2.model.params, tuned)
+  onp.assert_tree_close(state2.model.params, tuned)
   assert records[0]['test_accuracy'] == pytest.approx(
     onp.accuracy(onp.mlp_forward(tuned, dataset.test_x), dataset.test_y)
   )
