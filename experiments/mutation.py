@@ -37,6 +37,9 @@ flags.DEFINE_list('modules', ['aggregation'], 'keys of MODULES, or "all"')
 flags.DEFINE_integer('max_children', 2, 'mutmut workers')
 flags.DEFINE_string('out', 'docs/results/mutation', 'report folder')
 flags.DEFINE_string(
+  'merge', None, "Instead of running: add another report folder's modules (summary.json) to OUT"
+)
+flags.DEFINE_string(
   'scratch',
   os.path.join(tempfile.gettempdir(), 'jfed-mutation'),
   "where each module's copy and mutmut's state live: a stopped run resumes from there",
@@ -180,13 +183,14 @@ def run_module(key: str, out: pathlib.Path) -> Dict:
     'score': (killed / tested) if tested else None,
     'survivors': survivors,
     'minutes': (time.time() - t0) / 60,
+    'machine': f'{os.cpu_count()} CPU cores, {FLAGS.max_children} workers',
   }
   lines = [
     f'# Mutation testing: {key}',
     '',
     f'Files: {", ".join(paths)}. Tests: {", ".join(tests)}.',
     f'Command: `python -m experiments.mutation --modules={key} '
-    f'--max_children={FLAGS.max_children}` ({row["minutes"]:.0f} min, CPU).',
+    f'--max_children={FLAGS.max_children}` ({row["minutes"]:.0f} min on {row["machine"]}).',
     '',
     f'mutmut stats: {json.dumps(stats)}',
     'Score (killed + timeout over mutants some test ran): '
@@ -201,6 +205,46 @@ def run_module(key: str, out: pathlib.Path) -> Dict:
   return row
 
 
+def write_summary(out: pathlib.Path, rows: Dict[str, Dict]) -> None:
+  """OUT/summary.json (every module's row) and OUT/summary.md (their table; a module's triage,
+  OUT/<module>_triage.md, linked where it exists)."""
+  atomic_write_text(out / 'summary.json', json.dumps(rows, indent=2) + '\n')
+  table = [
+    '# Mutation scores (mutmut; `python -m experiments.mutation`)',
+    '',
+    'Score: killed + timeout over the mutants some selected test ran. Survivors, each with',
+    'its diff: `<module>.md`; their triage (killed by a new test, or why equivalent):',
+    '`<module>_triage.md`.',
+    '',
+    '| module | mutants | killed | timeout | survived | no tests | score | minutes | machine '
+    '| triage |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for k, r in rows.items():
+    s = r['stats']
+    score = f'{100 * r["score"]:.1f}%' if r['score'] is not None else 'n/a'
+    triage = f'[{k}_triage.md]({k}_triage.md)' if (out / f'{k}_triage.md').exists() else '—'
+    table.append(
+      f'| {k} | {s.get("total", 0)} | {s.get("killed", 0)} | {s.get("timeout", 0)} | '
+      f'{s.get("survived", 0)} | {s.get("no_tests", 0)} | {score} | {r["minutes"]:.0f} | '
+      f'{r.get("machine", "2 CPU cores, 2 workers")} | {triage} |'
+    )
+  atomic_write_text(out / 'summary.md', '\n'.join(table) + '\n')
+
+
+def merge(out: pathlib.Path, rows: Dict[str, Dict], other: pathlib.Path) -> None:
+  """Adds the modules of another report folder (a run on another machine) to OUT: their rows and
+  their <module>.md reports."""
+  path = other / 'summary.json'
+  if not path.exists():
+    raise app.UsageError(f'--merge={other}: no summary.json there')
+  for key, row in json.loads(path.read_text()).items():
+    if key not in MODULES:
+      raise app.UsageError(f'--merge={other}: unknown module {key!r}')
+    shutil.copyfile(other / f'{key}.md', out / f'{key}.md')
+    rows[key] = row
+
+
 def main(argv):
   del argv
   keys = list(MODULES) if FLAGS.modules == ['all'] else FLAGS.modules
@@ -211,26 +255,16 @@ def main(argv):
   out.mkdir(parents=True, exist_ok=True)
   summary_path = out / 'summary.json'
   rows = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+  if FLAGS.merge:
+    merge(out, rows, pathlib.Path(FLAGS.merge))
+    write_summary(out, rows)
+    return
   for key in keys:
     print(f'mutating {key} ...', flush=True)
     rows[key] = run_module(key, out)
     r = rows[key]
     print(f'{key}: {r["stats"]} ({r["minutes"]:.0f} min)', flush=True)
-    atomic_write_text(summary_path, json.dumps(rows, indent=2) + '\n')
-    table = [
-      '# Mutation scores (mutmut; `python -m experiments.mutation`)',
-      '',
-      '| module | mutants | killed | timeout | survived | no tests | score | minutes |',
-      '|---|---|---|---|---|---|---|---|',
-    ]
-    for k, r in rows.items():
-      s = r['stats']
-      score = f'{100 * r["score"]:.1f}%' if r['score'] is not None else 'n/a'
-      table.append(
-        f'| {k} | {s.get("total", 0)} | {s.get("killed", 0)} | {s.get("timeout", 0)} | '
-        f'{s.get("survived", 0)} | {s.get("no_tests", 0)} | {score} | {r["minutes"]:.0f} |'
-      )
-    atomic_write_text(out / 'summary.md', '\n'.join(table) + '\n')
+    write_summary(out, rows)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,126 @@
+"""The GPU queue (experiments/gpu_queue.py): chunks that name real commands, what comes back of a
+chunk (results, never checkpoints), the ledger, the time limit and hostile archives."""
+
+import importlib.util
+import io
+import json
+import pathlib
+import subprocess
+import tarfile
+
+from absl import app
+import pytest
+
+from experiments import gpu_queue as q
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAKE = q.Chunk('fake_s0', 'fake', 'experiments.fedhydra_tables', ('--seeds=0',))
+META = {'backend': 'gpu', 'device_kind': 'Test GPU', 'jax_version': '0.0'}
+
+
+def test_chunks_are_unique_and_name_real_commands_and_configs():
+  chunks = q.chunks()
+  assert len({c.name for c in chunks}) == len(chunks)
+  for c in chunks:
+    assert importlib.util.find_spec(c.module) is not None, c.module
+    for arg in c.args + c.merge_args:
+      if arg.startswith('--config='):
+        assert (ROOT / arg.split('=', 1)[1].split(':')[0]).is_file(), arg
+  # issue 36's order: the headline FedHydra Dir(0.5) cell of seed 0 first
+  assert chunks[0].group == 'fedhydra_t1t2_fmnist_dir0.5_paper' and chunks[0].name.endswith(
+    's0_dense'
+  )
+
+
+def _fake_run(folder: pathlib.Path) -> None:
+  run = folder / 'run' / 'seed0' / 'dir0.5' / 'dense'
+  (run / 'checkpoints' / '3').mkdir(parents=True)
+  (run / 'checkpoints' / '3' / 'state.json').write_text('{}')
+  (run / 'metrics.jsonl').write_text(
+    '{"step": 0, "seconds": 1.0}\n{"step": 1, "test_accuracy": 0.5}\nnot json\n'
+  )
+  (run / 'weights.npy').write_bytes(b'\0' * 16)
+  (folder / 'run' / 'results.json').write_text('{"results": {}}')
+
+
+def test_pack_keeps_results_and_progress_but_no_checkpoints(tmp_path):
+  folder = tmp_path / 'scratch' / FAKE.name
+  _fake_run(folder)
+  assert q.run_progress(folder / 'run') == 'seed0/dir0.5/dense: step 1 (0.5000)'
+  archive = q.pack(FAKE, folder, {'status': 'done'}, tmp_path)
+  with tarfile.open(archive) as tar:
+    names = set(tar.getnames())
+  assert 'entry.json' in names and 'run/results.json' in names
+  assert 'run/seed0/dir0.5/dense/metrics.jsonl' in names
+  assert not any('checkpoints' in n or n.endswith('.npy') for n in names)
+
+
+def test_ingest_records_the_ledger_and_the_next_chunk(tmp_path, monkeypatch):
+  other = q.Chunk('fake_s1', 'fake', FAKE.module, ('--seeds=1',))
+  monkeypatch.setattr(q, 'chunks', lambda: [FAKE, other])
+  folder, back, results = tmp_path / 'scratch' / FAKE.name, tmp_path / 'back', tmp_path / 'res'
+  _fake_run(folder)
+  back.mkdir()
+  q.pack(FAKE, folder, {'status': 'done', 'seconds': 12, 'device': 'Test GPU'}, back)
+  assert q.ingest(back, results) == [FAKE.name]
+  ledger = q.read_ledger(results)
+  assert ledger[FAKE.name]['seconds'] == 12
+  assert (results / FAKE.name / 'run' / 'results.json').exists()
+  assert [c.name for c in q.pending(q.chunks(), ledger)] == ['fake_s1']
+  text = q.listing(q.chunks(), ledger)
+  assert '| fake_s0 | done | 12 | Test GPU' in text and '| fake_s1 | not run (next)' in text
+  assert q.ingest(back, results) == []  # a done chunk is not overwritten
+
+
+def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch):
+  monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
+  back = tmp_path / 'back'
+  back.mkdir()
+  with tarfile.open(back / f'{FAKE.name}.tar.gz', 'w:gz') as tar:
+    data = b'{}'
+    info = tarfile.TarInfo('../../escaped.json')
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+  with pytest.raises(app.UsageError, match='not a file inside the chunk'):
+    q.ingest(back, tmp_path / 'res')
+  assert not (tmp_path / 'escaped.json').exists()
+  (back / 'unknown_chunk.tar.gz').write_bytes(b'')
+  (back / f'{FAKE.name}.tar.gz').unlink()
+  with pytest.raises(app.UsageError, match='not a chunk of this queue'):
+    q.ingest(back, tmp_path / 'res')
+
+
+def test_skip_needs_a_reason_and_takes_the_chunk_out_of_the_queue(tmp_path, monkeypatch):
+  monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
+  with pytest.raises(app.UsageError, match='--reason'):
+    q.skip([FAKE.name], '', tmp_path)
+  with pytest.raises(app.UsageError, match='not chunks'):
+    q.skip(['nope'], 'r', tmp_path)
+  q.skip([FAKE.name], 'measured: too long', tmp_path)
+  ledger = q.read_ledger(tmp_path)
+  assert ledger[FAKE.name]['status'] == 'skipped' and q.pending([FAKE], ledger) == []
+  (tmp_path / q.LEDGER).write_text('{broken')
+  with pytest.raises(app.UsageError, match='not JSON'):
+    q.read_ledger(tmp_path)
+
+
+@pytest.mark.parametrize(
+  'command, limit_s, status',
+  [(['true'], 30, 'done'), (['sleep', '60'], 1, 'partial'), (['false'], 30, 'failed')],
+)
+def test_run_next_packs_each_chunk_with_its_status(tmp_path, monkeypatch, command, limit_s, status):
+  monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
+  monkeypatch.setattr(q, 'RESULTS', tmp_path / 'res')
+  monkeypatch.setattr(q, 'machine', lambda: META)
+
+  def start(chunk, folder, memory_fraction):
+    del chunk, memory_fraction
+    folder.mkdir(parents=True)
+    return subprocess.Popen(command, start_new_session=True)
+
+  monkeypatch.setattr(q, 'start', start)
+  assert q.run_next(tmp_path / 'out', 2, limit_s, tmp_path / 'scratch') == [FAKE.name]
+  with tarfile.open(tmp_path / 'out' / f'{FAKE.name}.tar.gz') as tar:
+    entry = json.load(tar.extractfile('entry.json'))
+  assert entry['status'] == status and entry['device'] == 'Test GPU'
+  assert (entry['seconds'] == f'>{limit_s}') == (status == 'partial')
