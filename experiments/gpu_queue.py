@@ -49,6 +49,7 @@ LEDGER = 'ledger.json'
 # What comes back of a chunk's folder: results and curves, never checkpoints or arrays.
 KEPT_SUFFIXES = ('.md', '.json', '.jsonl', '.png', '.log')
 MAX_KEPT_BYTES = 4 << 20
+LOG_TAIL_LINES = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +274,10 @@ def has_errors(folder: pathlib.Path) -> bool:
 def pack(chunk: Chunk, folder: pathlib.Path, entry: dict, out: pathlib.Path) -> pathlib.Path:
   """OUT/<chunk>.tar.gz: the entry and the folder's small result files."""
   atomic_write_text(folder / 'entry.json', json.dumps(entry, indent=2) + '\n')
+  log = folder / 'chunk.log'
+  if log.exists():  # the log's end says why a chunk stopped; its progress lines run to megabytes
+    lines = log.read_text(errors='replace').splitlines()[-LOG_TAIL_LINES:]
+    atomic_write_text(log, '\n'.join(lines) + '\n')
   archive = out / f'{chunk.name}.tar.gz'
   with tarfile.open(archive, 'w:gz') as tar:
     for path in sorted(folder.rglob('*')):

@@ -46,10 +46,13 @@ def _fake_run(folder: pathlib.Path) -> None:
 def test_pack_keeps_results_and_progress_but_no_checkpoints(tmp_path):
   folder = tmp_path / 'scratch' / FAKE.name
   _fake_run(folder)
+  (folder / 'chunk.log').write_text(''.join(f'line {i}\n' for i in range(500)))
   assert q.run_progress(folder / 'run') == 'seed0/dir0.5/dense: step 1 (0.5000)'
   archive = q.pack(FAKE, folder, {'status': 'done'}, tmp_path)
   with tarfile.open(archive) as tar:
     names = set(tar.getnames())
+    log = tar.extractfile('chunk.log').read().decode().splitlines()
+  assert log[0] == 'line 300' and log[-1] == 'line 499'  # the end of the log only
   assert 'entry.json' in names and 'run/results.json' in names
   assert 'run/seed0/dir0.5/dense/metrics.jsonl' in names
   assert not any('checkpoints' in n or n.endswith('.npy') for n in names)
