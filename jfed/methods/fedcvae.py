@@ -213,9 +213,11 @@ class FedCVAEEns(Algorithm):
     cvaes = train_local_cvaes(ctx, c)
     if c.protocol == 'fedmho':
       s = generative.fedmho_synthetic(ctx, cvaes, c.num_synthetic, c.clean_rate)
+      generative.save_synthetic(ctx, s.images, s.labels, s.kept)
       images, labels, generated = s.images[s.kept], s.labels[s.kept], len(s.labels)
     else:
       images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
+      generative.save_synthetic(ctx, images, labels)
       generated = len(labels)
     module, init, trainer, evaluator = server_classifier(ctx, c)
     data = engine.commit(

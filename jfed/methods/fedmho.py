@@ -131,6 +131,7 @@ class _FedMHOBase(Algorithm):
     group, models = local.groups[0], local.models[0]
     initial = engine.commit(engine.weighted_average(models, np.ones(len(group.client_ids))))
     synthetic = generative.fedmho_synthetic(ctx, cvaes, c.num_synthetic, c.clean_rate)
+    generative.save_synthetic(ctx, synthetic.images, synthetic.labels, synthetic.kept)
     x = synthetic.images[synthetic.kept]
     evaluator = engine.Evaluator(group.module, ctx.config.eval_batch_size, ctx.config.strategy)
     teacher = None

@@ -7,7 +7,8 @@ the local CVAEs are a driver stage ('local_cvaes', tagged by their epochs, read 
 `config.local_cvaes_dir` when set) so a sweep over server-side methods trains them once.
 """
 
-from typing import Any, List, NamedTuple, Sequence
+import io
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 from absl import logging
 import jax
@@ -24,6 +25,7 @@ from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
+from jfed.workdir import atomic_write_bytes
 
 
 class CVAESettings(NamedTuple):
@@ -203,6 +205,28 @@ def fedmho_synthetic(
     parts.append(cvae_clients.generate(g.module, u, labels, real, z))
   images, labels, owners = cvae_clients.concat_generated(parts)
   return Synthetic(images, labels, owners, kmeans_filter(images, labels, clean_rate))
+
+
+SYNTHETIC_FILE = 'synthetic.npz'
+
+
+def save_synthetic(
+  ctx: RunContext, images: np.ndarray, labels: np.ndarray, kept: Optional[np.ndarray] = None
+) -> None:
+  """workdir/synthetic.npz: the generated set (images as uint8, 1/255 steps), its labels and the
+  indices the filter kept (all when there is no filter), so that `experiments.generator_check`
+  can score the samples with a classifier trained on real data (nothing written in memory)."""
+  path = ctx.output_path(SYNTHETIC_FILE)
+  if path is None:
+    return
+  buffer = io.BytesIO()
+  np.savez_compressed(
+    buffer,
+    images=np.round(np.clip(images, 0.0, 1.0) * 255).astype(np.uint8),
+    labels=np.asarray(labels, np.int32),
+    kept=np.arange(len(labels)) if kept is None else np.asarray(kept, np.int64),
+  )
+  atomic_write_bytes(path, buffer.getvalue())
 
 
 def fusion_epoch(
