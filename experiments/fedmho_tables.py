@@ -34,6 +34,12 @@ backend in its header; OUT/table3.png (Table 3 as bars with std error bars, the 
 OUT/results.json (every run's numbers); OUT/synthetic_samples.png, the
 Fig. 9 grid of the first FedMHO-MD run (five kept and five removed samples per class). A run
 that fails is counted as 'error' (its message in results.json) and the sweep goes on.
+
+The header also shows whether the generators produce usable data (issue 36's precondition): a
+reference classifier (`--reference_model`, default cnn_mnist, `--reference_epochs` on the real
+training images, once per sweep; 0 turns it off) labels each FedMHO-MD and FEDCVAE (Ens) run's
+generated samples (`experiments.generator_check`), and the line gives the share of the kept and
+of the removed samples labelled as their conditioned class, mean ± std over seeds.
 """
 
 import json
@@ -45,6 +51,7 @@ from typing import Dict, List, NamedTuple
 from absl import app, flags
 import numpy as np
 
+from experiments import generator_check
 from experiments.seed_tables import load_config_module, mean_std, percent_stats_each, report_date
 
 FLAGS = flags.FLAGS
@@ -59,6 +66,13 @@ def define_flags() -> None:
   flags.DEFINE_list('alphas', ['0.5', '0.3', '0.1'], 'Dirichlet α (columns).')
   flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
   flags.DEFINE_list('runs', None, 'Runs (rows); default: all of RUNS.')
+  flags.DEFINE_integer(
+    'reference_epochs',
+    3,
+    'Epochs of the reference classifier (trained on real training images) that labels the '
+    "generated samples of the runs that generate (the table's precondition line); 0: none.",
+  )
+  flags.DEFINE_string('reference_model', 'cnn_mnist', 'The reference classifier (a model spec).')
   flags.mark_flags_as_required(['config'])
 
 
@@ -191,6 +205,34 @@ def budget_lines(c) -> List[str]:
   ]
 
 
+# The runs whose server learns from generated samples; the runs of one client set share them.
+GENERATING = ('fedmho_md', 'fedcvae_ens')
+
+
+def precondition_lines(results: dict, runs: List[str], alphas: List[float], meta: dict):
+  """Issue 36's precondition for the generating runs: the share of the kept (and of the removed)
+  generated samples that a classifier trained on real training images labels as their class."""
+  reference = meta.get('reference')
+  shown = [r for r in GENERATING if r in runs]
+  if not reference or not shown:
+    return []
+  lines = [
+    '',
+    f'Generated samples labelled as their conditioned class by a reference {reference["model"]} '
+    f'({reference["epochs"]} epochs on the training split, test accuracy '
+    f'{100 * reference["test_accuracy"]:.2f} %; `experiments.generator_check`), kept / removed by '
+    'the filter, mean ± std over seeds (usable at ≥ 80 % kept):',
+  ]
+  for run in shown:
+    cells = []
+    for a in alphas:
+      kept = mean_std(gather(results, run, a, 'kept_labelled_right'))
+      removed = mean_std(gather(results, run, a, 'removed_labelled_right'))
+      cells.append(f'α={a}: {kept or "—"} / {removed or "—"}')
+    lines.append(f'- {RUNS[run].name}: ' + '; '.join(cells))
+  return lines
+
+
 def render(config, results: dict, runs: List[str], alphas: List[float], meta: dict) -> str:
   paper = config.dataset.name == 'fashion_mnist'
   head = (
@@ -221,6 +263,7 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
     f'{meta["seeds"]}. Budget ({meta["budget"] or "the config default"}):',
   ]
   lines += budget_lines(config)
+  lines += precondition_lines(results, runs, alphas, meta)
   for title, key in (
     ('final model', 'final_test_accuracy'),
     ('best epoch', 'best_test_accuracy'),
@@ -292,9 +335,12 @@ def run_sweep(
   runs: List[str],
   alphas: List[float],
   seeds: List[int],
+  reference_epochs: int = 0,
+  reference_model: str = 'cnn_mnist',
 ) -> str:
   """Runs every (α, seed, run) not finished yet; writes results.json and tables.md after each;
-  returns the tables' text."""
+  returns the tables' text. With `reference_epochs`, a classifier trained on the real training
+  images (once, on the first generating run) labels each generating run's samples."""
   import jax
 
   from jfed.driver import run_experiment
@@ -317,7 +363,31 @@ def run_sweep(
     'seeds': seeds,
   }
   results_path = out / 'results.json'
-  results = json.loads(results_path.read_text())['results'] if results_path.exists() else {}
+  saved = json.loads(results_path.read_text()) if results_path.exists() else {}
+  results = saved.get('results', {})
+  if 'reference' in saved.get('meta', {}):
+    meta['reference'] = saved['meta']['reference']
+  predict = []  # the reference classifier, trained when first needed
+
+  def label_samples(workdir: pathlib.Path, record: dict) -> None:
+    if not reference_epochs or not (workdir / 'synthetic.npz').exists():
+      return
+    if not predict:
+      classify, accuracy = generator_check.reference_classifier(
+        base, reference_model, reference_epochs
+      )
+      predict.append(classify)
+      meta['reference'] = {
+        'model': reference_model,
+        'epochs': reference_epochs,
+        'test_accuracy': accuracy,
+      }
+    images, labels, kept = generator_check.load_synthetic(workdir)
+    s = generator_check.score(workdir.name, predict[0](images), labels, kept, int(labels.max()) + 1)
+    record['kept_labelled_right'] = s.kept_accuracy
+    record['removed_labelled_right'] = (
+      None if s.removed_accuracy != s.removed_accuracy else (s.removed_accuracy)
+    )
 
   def save():
     results_path.write_text(json.dumps({'meta': meta, 'results': results}, indent=2) + '\n')
@@ -336,6 +406,8 @@ def run_sweep(
           c = run_config(module, budget, run, alpha, seed, cell)
           summary = run_experiment(run.method, c, workdir)
           record[name] = {k: summary.get(k) for k in SUMMARY_KEYS}
+          if name in GENERATING:
+            label_samples(workdir, record[name])
         except Exception as e:  # one failed run must not lose the sweep
           traceback.print_exc()
           record[name] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
@@ -352,7 +424,18 @@ def main(argv):
   runs = FLAGS.runs or list(RUNS)
   alphas = [float(a) for a in FLAGS.alphas]
   seeds = [int(s) for s in FLAGS.seeds]
-  print(run_sweep(FLAGS.config, FLAGS.budget, pathlib.Path(FLAGS.out), runs, alphas, seeds))
+  print(
+    run_sweep(
+      FLAGS.config,
+      FLAGS.budget,
+      pathlib.Path(FLAGS.out),
+      runs,
+      alphas,
+      seeds,
+      FLAGS.reference_epochs,
+      FLAGS.reference_model,
+    )
+  )
 
 
 if __name__ == '__main__':

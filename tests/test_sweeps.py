@@ -213,6 +213,21 @@ def test_fedmho_tables_sweep_shares_clients_averages_seeds_and_resumes(tmp_path)
   assert '2026-01-01' in table  # conftest's SOURCE_DATE_EPOCH, not the clock
 
 
+@pytest.mark.slow  # a FedMHO-MD smoke run and a reference classifier
+def test_fedmho_tables_labels_the_generated_samples_with_a_reference(tmp_path):
+  config = str(pathlib.Path(fedmho_digits.__file__))
+  args = (config, 'smoke', tmp_path, ['fedmho_md'], [0.5], [0], 2, 'mlp')
+  table = fedmho_tables.run_sweep(*args)
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  record = saved['results']['0.5']['0']['fedmho_md']
+  assert 0.0 <= record['kept_labelled_right'] <= 1.0
+  assert saved['meta']['reference']['model'] == 'mlp'
+  kept = f'{100 * record["kept_labelled_right"]:.2f} ± 0.00'
+  assert f'- FedMHO-MD: α=0.5: {kept} / ' in table
+  assert 'a reference mlp (2 epochs on the training split' in table
+  assert fedmho_tables.run_sweep(*args) == table  # the resumed sweep keeps the reference
+
+
 FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
 
 
