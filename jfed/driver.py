@@ -406,7 +406,10 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
       'summary.json kept'
     )
-    return summary
+    # this invocation's time, not the one that finished the run (summary.json keeps that)
+    return dataclasses.replace(
+      summary, seconds_this_invocation=time.perf_counter() - invocation_start
+    )
 
   t0 = time.perf_counter()
   aux = algorithm.setup(ctx)

@@ -209,7 +209,10 @@ def test_a_finished_run_is_kept_and_says_so(tmp_path, capsys):
   again = driver.run_experiment('fedavg', _workdir_config(), tmp_path)
   assert 'already complete' in capsys.readouterr().out
   assert again.seconds == first.seconds
-  assert again.seconds_this_invocation == first.seconds_this_invocation
+  # this invocation's time (it ran nothing), while summary.json keeps the finishing one's
+  assert again.seconds_this_invocation < first.seconds_this_invocation
+  saved = json.loads((tmp_path / 'summary.json').read_text())
+  assert saved['seconds_this_invocation'] == first.seconds_this_invocation
 
 
 def _listing(workdir, depth=3):
