@@ -8,7 +8,7 @@ import importlib.util
 import json
 import os
 import pathlib
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import app
 import numpy as np
@@ -93,6 +93,101 @@ def seed_cell(results: Mapping, cell: str, run: str, key: str) -> str:
   n_err = seed_errors(results, cell, run)
   text = f'{mean_std(values)} (n={len(values)})' if values else '—'
   return text + (f', {n_err} error' if n_err else '')
+
+
+class Ordering(NamedTuple):
+  """One pair of methods in the order a paper's table gives them (`better` scored above `worse`
+  there), and what our seeds say of it."""
+
+  better: str
+  worse: str
+  paper: Tuple[float, float]  # the paper's numbers of `better` and `worse`
+  ours: Tuple[float, float]  # our means over the seeds both finished (in [0, 1])
+  seeds: int  # the seeds with both methods finished
+  p_value: float  # paired two-sided t-test over those seeds; NaN with fewer than 2
+  verdict: str  # 'holds', 'fails', 'within noise' or 'too few seeds'
+
+
+def ordering_verdict(better: Sequence[float], worse: Sequence[float], level: float = 0.05):
+  """(verdict, p) for a paper's claim that `better` beats `worse`, from values paired by seed
+  (the methods of a seed share its partition and, in the one-shot tables, its client models, so
+  the seed-to-seed swing cancels): the two-sided paired t-test decides whether the seeds tell
+  the two apart at `level`; if they do, the claim holds or fails by the sign of the mean
+  difference."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+
+  a, b = np.asarray(better, np.float64), np.asarray(worse, np.float64)
+  if len(a) < 2:
+    return 'too few seeds', float('nan')
+  d = a - b
+  if np.all(d == d[0]):  # no spread: the t statistic is undefined
+    p = 1.0 if d[0] == 0 else 0.0
+  else:
+    p = float(stats.ttest_rel(a, b).pvalue)
+  if p >= level:
+    return 'within noise', p
+  return ('holds' if d.mean() > 0 else 'fails'), p
+
+
+def paper_orderings(
+  results: Mapping, cell: str, paper: Mapping[str, float], key: str = 'final_test_accuracy'
+) -> List[Ordering]:
+  """Every pair of methods the paper's column `paper` (method -> number) ranks apart, with its
+  verdict from our seeds' `key` in `cell` (the seeds where both finished); in the paper's order,
+  best first."""
+  ranked = sorted(paper, key=lambda m: -paper[m])
+  seeds = results.get(cell, {})
+
+  def value(seed: str, run: str) -> Optional[float]:
+    record = seeds[seed].get(run)
+    return record.get(key) if isinstance(record, dict) else None
+
+  out = []
+  for i, hi in enumerate(ranked):
+    for lo in ranked[i + 1 :]:
+      pairs = [
+        (value(s, hi), value(s, lo))
+        for s in sorted(seeds)
+        if value(s, hi) is not None and value(s, lo) is not None
+      ]
+      if paper[hi] == paper[lo] or not pairs:
+        continue
+      a, b = (list(v) for v in zip(*pairs))
+      verdict, p = ordering_verdict(a, b)
+      out.append(
+        Ordering(
+          hi,
+          lo,
+          (paper[hi], paper[lo]),
+          (float(np.mean(a)), float(np.mean(b))),
+          len(pairs),
+          p,
+          verdict,
+        )
+      )
+  return out
+
+
+def ordering_lines(orderings: Sequence[Ordering], names: Mapping[str, str]) -> List[str]:
+  """A Markdown table of the orderings and a count of each verdict."""
+  if not orderings:
+    return ['No pair of methods has our numbers on both sides yet.']
+  lines = [
+    '| paper says | paper | ours (mean %) | seeds | p (paired t) | verdict |',
+    '|---|---|---|---|---:|---|',
+  ]
+  for o in orderings:
+    p = '—' if o.p_value != o.p_value else f'{o.p_value:.3f}'
+    lines.append(
+      f'| {names.get(o.better, o.better)} > {names.get(o.worse, o.worse)} | '
+      f'{o.paper[0]:.2f} > {o.paper[1]:.2f} | {100 * o.ours[0]:.2f} vs {100 * o.ours[1]:.2f} | '
+      f'{o.seeds} | {p} | {o.verdict} |'
+    )
+  counts = {
+    v: sum(o.verdict == v for o in orderings) for v in dict.fromkeys(o.verdict for o in orderings)
+  }
+  lines += ['', 'Verdicts: ' + ', '.join(f'{k} {v}' for k, v in counts.items()) + '.']
+  return lines
 
 
 def merge_seed_results(results: Dict, other: Mapping) -> None:

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables, hfldd_compare
+from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables, hfldd_compare, seed_tables
 from experiments.configs import fedhydra_digits, fedmho_digits, fedtsa_digits
 from jfed.errors import ConfigError
 from tests.support import hfldd_tiny_config
@@ -447,3 +447,35 @@ def test_hfldd_compare_merges_the_seeds_of_other_sessions_and_refuses_other_conf
     hfldd_compare.run_compare(other, tmp_path / 'd', ['fedavg'], [0.5], seeds=[], merge=[first])
   with pytest.raises(ConfigError, match='does not exist'):
     hfldd_compare.run_compare(config, tmp_path / 'e', ['fedavg'], [0.5], seeds=[], merge=['nope'])
+
+
+def test_ordering_verdicts_pair_the_seeds_and_match_scipy_free_arithmetic():
+  # paired differences 0.02, 0.03, 0.025: t = mean / (sd / sqrt(3)), df = 2, computed by hand
+  better, worse = [0.70, 0.55, 0.81], [0.68, 0.52, 0.785]
+  d = np.subtract(better, worse)
+  t = d.mean() / (d.std(ddof=1) / np.sqrt(3))
+  # two-sided p for Student's t with 2 degrees of freedom: 1 - t / sqrt(2 + t^2)
+  p = 1 - t / np.sqrt(2 + t**2)
+  verdict, p_value = seed_tables.ordering_verdict(better, worse)
+  assert verdict == 'holds' and p_value == pytest.approx(p, rel=1e-9)
+  # the same numbers unpaired would be lost in the seed-to-seed swing; reversed, the claim fails
+  assert seed_tables.ordering_verdict(worse, better)[0] == 'fails'
+  assert seed_tables.ordering_verdict([0.7, 0.5], [0.5, 0.71])[0] == 'within noise'
+  assert seed_tables.ordering_verdict([0.7], [0.5])[0] == 'too few seeds'
+  assert seed_tables.ordering_verdict([0.7, 0.6], [0.6, 0.5]) == ('holds', 0.0)  # no spread
+
+
+def test_paper_orderings_take_the_papers_order_and_the_seeds_both_finished():
+  results = {
+    'dir0.5': {
+      '0': {'a': {'final_test_accuracy': 0.6}, 'b': {'final_test_accuracy': 0.7}},
+      '1': {'a': {'final_test_accuracy': 0.5}, 'b': {'final_test_accuracy': 0.62}},
+      '2': {'a': {'final_test_accuracy': 0.55}, 'b': {'status': 'error', 'error': 'x'}},
+      '3': {'a': {'final_test_accuracy': 0.4}, 'b': {'final_test_accuracy': 0.49}},
+    }
+  }
+  (o,) = seed_tables.paper_orderings(results, 'dir0.5', {'a': 77.2, 'b': 75.9, 'c': 70.0})
+  assert (o.better, o.worse, o.seeds, o.verdict) == ('a', 'b', 3, 'fails')
+  assert o.ours == pytest.approx((0.5, 0.6033333333))
+  text = '\n'.join(seed_tables.ordering_lines([o], {'a': 'A', 'b': 'B'}))
+  assert '| A > B | 77.20 > 75.90 | 50.00 vs 60.33 | 3 |' in text and 'fails 1' in text
