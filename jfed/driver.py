@@ -540,7 +540,7 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
   from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
 
   cls = get_method(method)
-  validate_run_config(config)
+  validate_run_config(config, cls.section)
   return cls.from_config(config)
 
 

@@ -9,7 +9,7 @@ All checks run before anything is written or loaded.
 
 import math
 import typing
-from typing import Any, Iterable, Type, TypeVar
+from typing import Any, Iterable, Optional, Type, TypeVar
 
 from jfed.errors import ConfigError
 
@@ -85,13 +85,23 @@ def require_choice(value: str, choices: Iterable[str], where: str) -> None:
   require(value in choices, f'{where} is {value!r}; valid: {", ".join(choices)}')
 
 
-def validate_run_config(config: Any) -> None:
-  """Checks the keys every method shares (data, partition, model, optimiser, batching)."""
+# Seeds are PRNGKey(seed) with 32-bit keys: 2**32 would be the key of seed 0.
+SEED_LIMIT = 2**32
+
+
+def validate_run_config(config: Any, method_section: Optional[str] = None) -> None:
+  """Checks the keys every method shares (data, partition, model, optimiser, batching, the
+  server side of uploads); `method_section` names the method's section (its `participation`
+  sizes the aggregations the server checks)."""
   from jfed.data.partitions import available_schemes  # pylint: disable=g-import-not-at-top
   from jfed.engine.optim import OPTIMIZERS  # pylint: disable=g-import-not-at-top
   from jfed.models import available_models  # pylint: disable=g-import-not-at-top
 
-  _convert(config.seed, int, 'seed')
+  seed = _convert(config.seed, int, 'seed')
+  require(
+    0 <= seed < SEED_LIMIT,
+    f'seed={seed} is not in [0, 2**32): use an integer seed from 0 to {SEED_LIMIT - 1}',
+  )
   _convert(config.dataset.name, str, 'dataset.name')
   require(
     'test_holdout' not in config.dataset,
@@ -128,7 +138,7 @@ def validate_run_config(config: Any) -> None:
   require(wd >= 0.0, f'optimizer.weight_decay must be >= 0, got {wd}')
   from jfed.methods.common import validate_server_config  # pylint: disable=g-import-not-at-top
 
-  validate_server_config(config)
+  validate_server_config(config, method_section)
   from jfed.cvae.clients import GENERATIVE_MODEL  # pylint: disable=g-import-not-at-top
 
   classifiers = set(available_models())

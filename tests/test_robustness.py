@@ -25,6 +25,8 @@ def _five_iid(**overrides):
   """Digits over 5 IID clients, MLP, 6 rounds x 2 epochs: the mean learns to about 0.9."""
   c = robustness_config.get_config('dataset=digits')
   c.partition.scheme, c.partition.num_clients = 'iid', 5
+  # Krum's guarantee needs n >= 2f + 3: f = 1 of 5 clients; multi-Krum averages the 3 best
+  c.aggregation.krum_byzantine, c.aggregation.krum_selected = 1, 3
   c.fedavg.rounds = 6
   return override(c, **overrides)
 

@@ -124,8 +124,12 @@ def base_config() -> ml_collections.ConfigDict:
     {'kind': 'none', 'fraction': 0.0, 'clients': '', 'strength': 10.0}
   )
   # on_invalid_upload: drop (log it, exclude the client, count it) | fail (stop the run);
-  # max_update_norm_ratio > 0 rejects ||θ_k − θ_global|| > ratio · ||θ_global||.
-  c.server = ml_collections.ConfigDict({'on_invalid_upload': 'drop', 'max_update_norm_ratio': 0.0})
+  # max_update_norm_ratio > 0 rejects ||θ_k − θ_global|| > ratio · ||θ_global||;
+  # allow_empty_rounds: a round whose uploads were all rejected keeps the global model (False:
+  # such a round fails the run).
+  c.server = ml_collections.ConfigDict(
+    {'on_invalid_upload': 'drop', 'max_update_norm_ratio': 0.0, 'allow_empty_rounds': False}
+  )
   # Every run's workdir/tensorboard event files (the scalars of metrics.jsonl); Weights & Biases
   # when wandb is installed (pip install -e '.[wandb]') and turned on. Not part of the workdir's
   # identity: a resumed run may change them.

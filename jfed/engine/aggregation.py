@@ -21,8 +21,10 @@ one flat vector, so a rule sees the clients as the rows of a [K, D] matrix:
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+import math
+from typing import Any, Callable, NamedTuple, Optional
 
+from absl import logging
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
@@ -52,12 +54,26 @@ def median_rows(x: jax.Array) -> jax.Array:
   return jnp.median(x, axis=0)
 
 
+def trimmed_per_side(beta: float, k: int) -> int:
+  """How many of k values the trimmed mean drops at each end: floor(beta k)."""
+  return int(beta * k)
+
+
 def trimmed_mean_rows(x: jax.Array, beta: float) -> jax.Array:
   """Mean of each column without its floor(beta K) smallest and largest entries."""
   k = x.shape[0]
-  cut = int(beta * k)
+  cut = trimmed_per_side(beta, k)
   if 2 * cut >= k:
     raise ValueError(f'trimmed mean with beta={beta} drops every one of {k} clients')
+  if cut == 0:
+    # The config check rules this out for a full round; fewer uploads than that (rejected ones,
+    # a small FedTSA cluster) can still get here. Logged once per compiled shape.
+    logging.warning(
+      'trimmed mean with trim_fraction=%g trims none of %d uploads: this aggregate is the '
+      'plain mean',
+      beta,
+      k,
+    )
   return jnp.mean(jnp.sort(x, axis=0)[cut : k - cut], axis=0)
 
 
@@ -120,6 +136,54 @@ class AggregationConfig(NamedTuple):
   geomed_iterations: int
   geomed_smoothing: float  # Weiszfeld's ν: distances below it count as ν
   clip_norm: float  # > 0: clip every client's update to this L2 norm before the rule
+
+
+def _smallest_trim_fraction(n: int) -> float:
+  """The smallest trim_fraction of three decimals that trims one of n values at each end."""
+  beta = math.ceil(1000 / n) / 1000
+  while trimmed_per_side(beta, n) < 1:
+    beta = round(beta + 0.001, 3)
+  return beta
+
+
+def size_problem(config: AggregationConfig, n: int, clients: str) -> Optional[str]:
+  """Why `config`'s rule would do nothing or void its guarantee with n uploads per aggregation
+  (described by `clients`, e.g. '5 clients'), or None when it is fine.
+
+  The trimmed mean must trim at least one upload at each end (otherwise it is the mean, under
+  the trimmed mean's name); Krum's guarantee needs n >= 2f + 3 (Blanchard et al., NeurIPS'17),
+  and multi-Krum cannot keep more than n.
+  """
+  c = config
+  if c.rule == 'trimmed_mean':
+    cut = trimmed_per_side(c.trim_fraction, n)
+    if cut == 0:
+      head = (
+        f'aggregation.trim_fraction={c.trim_fraction:g} trims floor({c.trim_fraction:g}*{n})=0 '
+        f'of {clients}: the trimmed mean would be the plain mean'
+      )
+      if n < 3:
+        return (
+          f'{head}; a trimmed mean needs at least 3 clients per aggregation: use '
+          'aggregation.rule=median or mean'
+        )
+      return f'{head}; use aggregation.trim_fraction >= {_smallest_trim_fraction(n):g}'
+  if c.rule == 'krum':
+    f = c.krum_byzantine
+    if n < 2 * f + 3:
+      head = (
+        f'aggregation.krum_byzantine={f}: Krum needs n >= 2f + 3 = {2 * f + 3} clients per '
+        f'aggregation, the config has {clients}'
+      )
+      if n < 3:
+        return f'{head}; Krum needs at least 3 clients per aggregation: use aggregation.rule=median'
+      return f'{head}; use aggregation.krum_byzantine <= {(n - 3) // 2}'
+    if c.krum_selected > n:
+      return (
+        f'aggregation.krum_selected={c.krum_selected} keeps more clients than an aggregation '
+        f'has ({clients}); use aggregation.krum_selected <= {n}'
+      )
+  return None
 
 
 class Aggregator(NamedTuple):

@@ -20,7 +20,7 @@ rounded), or named (`attack.clients`). Their uploads then go through the server'
 like any other, as a real attacker's would.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,33 @@ class AttackConfig(NamedTuple):
   fraction: float  # of the clients, rounded, drawn from the seed (when `clients` is empty)
   clients: str  # comma-separated client ids; overrides `fraction`
   strength: float  # s above (unused by label_flip)
+
+
+def strength_problem(kind: str, strength: float) -> Optional[str]:
+  """Why `strength` would make `kind` another attack than the one recorded, or None.
+
+  A negative s turns sign_flip (reference − s Δ) into scaling by |s| and scaling into a sign
+  flip, and noise's s is a standard deviation; same_value sends any value s, and label_flip
+  does not read s.
+  """
+  if strength >= 0 or kind not in ('sign_flip', 'scaling', 'noise'):
+    return None
+  head = f'attack.strength={strength:g} is negative: '
+  if kind == 'sign_flip':
+    return (
+      f'{head}sign_flip sends reference - s*update, so s={strength:g} is a x{-strength:g} '
+      f'scaling attack recorded as a sign flip; use attack.strength={-strength:g} (or '
+      'attack.kind=scaling)'
+    )
+  if kind == 'scaling':
+    return (
+      f'{head}scaling sends reference + s*update, so s={strength:g} is a sign flip recorded as '
+      f'scaling; use attack.kind=sign_flip with attack.strength={-strength:g}'
+    )
+  return (
+    f'{head}noise adds N(0, s^2) per coordinate, s is its standard deviation; use '
+    f'attack.strength={-strength:g}'
+  )
 
 
 def parse_client_ids(text: str, num_clients: int) -> np.ndarray:

@@ -17,6 +17,10 @@ train on hybrid data: their partition plus the sets their members sent, which th
 along as each head's *extra* samples (Flower is a star: a member's set reaches its head through
 the server).
 
+A node's reply is untrusted like any upload: its arrays are checked (count, rows, and per client
+the dtype and shape of every leaf against the model the client started from) before anything is
+stacked or cast, so a float64 leaf is refused, never cast to float32 on the way.
+
 The node rebuilds its clients' data from the seed, like every process of a multi-process run.
 Each side digests every client's partition samples, and a node refuses a request whose digests
 differ from its own: a method that trains clients on data other than their partition (DynaFed's
@@ -36,8 +40,11 @@ from jfed.engine import sharding
 from jfed.engine.state import TrainState
 from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
+from jfed.io.uploads import UploadError, validate_tree
 
 TRAIN_MESSAGE = 'train'
+# A node's distilled sets (KIPResult's x, y, y_matrix, loss), as the batched program makes them.
+DISTILLED_DTYPES = (np.float32, np.int32, np.float32, np.float32)
 OPERATIONS = ('train', 'soft_labels', 'distill')
 
 
@@ -69,6 +76,58 @@ def uploaded_leaves(model: Any, recipe: Dict[str, Any]) -> List[bool]:
 
 def _all_equal(tree: Any) -> bool:
   return all(bool(np.all(np.asarray(a) == np.asarray(a)[:1])) for a in jax.tree.leaves(tree))
+
+
+def _reply_rows(
+  content, field: str, clients: Sequence[int], dtypes: Optional[Sequence[Any]] = None
+) -> List[np.ndarray]:
+  """The arrays of a node's reply under `field`, each with one row per client of the reply
+  (`clients`); with `dtypes`, one array of each dtype, in order. Anything else is an
+  UploadError naming the clients."""
+  what = f'SuperNode reply for client(s) {list(clients)}'
+  try:
+    arrays = content[field].to_numpy_ndarrays()
+  except Exception as e:  # untrusted input: a missing or unreadable record is a refusal
+    raise UploadError(f'{what}: no readable {field!r} arrays ({type(e).__name__}: {e})') from None
+  if dtypes is not None and len(arrays) != len(dtypes):
+    raise UploadError(f'{what}: carries {len(arrays)} {field} arrays, expected {len(dtypes)}')
+  for j, a in enumerate(arrays):
+    if not isinstance(a, np.ndarray) or a.ndim == 0:
+      raise UploadError(f'{what}: {field} array {j} has 0 dimensions, expected a row per client')
+    if a.shape[0] != len(clients):
+      raise UploadError(
+        f'{what}: {field} array {j} has {a.shape[0]} rows, expected one per client ({len(clients)})'
+      )
+    if dtypes is not None and a.dtype != np.dtype(dtypes[j]):
+      raise UploadError(
+        f'{what}: {field} array {j} is {a.dtype}, expected {np.dtype(dtypes[j]).name}'
+      )
+  return arrays
+
+
+def _reply_values(result, name: str, count: int, clients: Sequence[int]) -> np.ndarray:
+  """A node's per-client metric `name` as `count` floats; anything else is an UploadError."""
+  try:
+    values = np.asarray(result[name], np.float64).reshape(-1)
+  except Exception as e:  # untrusted input
+    raise UploadError(
+      f'SuperNode reply for client(s) {list(clients)}: {name} is not a list of numbers '
+      f'({type(e).__name__})'
+    ) from None
+  if values.size != count:
+    raise UploadError(
+      f'SuperNode reply for client(s) {list(clients)}: {name} has {values.size} values, '
+      f'expected {count}'
+    )
+  return values
+
+
+def _same_trailing_shapes(field: str, per_reply: Sequence[Sequence[np.ndarray]]) -> None:
+  """np.stack over replies needs the same shape after the client axis in every reply."""
+  for j in range(len(per_reply[0]) if per_reply else 0):
+    shapes = {a[j].shape[1:] for a in per_reply}
+    if len(shapes) > 1:
+      raise UploadError(f'SuperNode replies disagree on the shape of {field} array {j}: {shapes}')
 
 
 def _arrays(arrays: Sequence[np.ndarray]):
@@ -208,14 +267,20 @@ class FlowerTransport:
     for cid, (content, row) in found.items():
       if id(content) not in unpacked:
         result = content['result']
-        k = len(result['client_ids'])
-        counts = (
-          content['label_counts'].to_numpy_ndarrays()[0] if 'label_counts' in content else None
-        )
+        clients = [int(c) for c in result['client_ids']]
+        k = len(clients)
+        counts = None
+        if 'label_counts' in content:
+          (counts,) = _reply_rows(content, 'label_counts', clients)
+          if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
+            raise UploadError(
+              f'SuperNode reply for client(s) {clients}: label_counts is '
+              f'{counts.dtype}{list(counts.shape)}, expected int[{k}, classes]'
+            )
         unpacked[id(content)] = (
-          content['models'].to_numpy_ndarrays(),
-          np.asarray(result['loss'], np.float64).reshape(k, request.epochs),
-          np.asarray(result['accuracy'], np.float64).reshape(k, request.epochs),
+          _reply_rows(content, 'models', clients),
+          _reply_values(result, 'loss', k * request.epochs, clients).reshape(k, request.epochs),
+          _reply_values(result, 'accuracy', k * request.epochs, clients).reshape(k, request.epochs),
           counts,
         )
       stacked, loss, acc, counts = unpacked[id(content)]
@@ -228,11 +293,20 @@ class FlowerTransport:
     its softmax outputs on `x`; [clients, len(x), C] by client id."""
     content = _records('soft_labels', {'epochs': int(epochs)}, public=[x])
     found = self._ask(content, range(num_clients))
+    probabilities = {}
+    for reply, _ in found.values():
+      if id(reply) not in probabilities:
+        clients = [int(c) for c in reply['result']['client_ids']]
+        (p,) = _reply_rows(reply, 'probabilities', clients, [np.float32])
+        if p.ndim != 3 or p.shape[1] != len(x):
+          raise UploadError(
+            f'SuperNode reply for client(s) {clients}: probabilities are '
+            f'float32{list(p.shape)}, expected [{len(clients)}, {len(x)}, classes]'
+          )
+        probabilities[id(reply)] = [p]
+    _same_trailing_shapes('probabilities', list(probabilities.values()))
     return np.stack(
-      [
-        reply['probabilities'].to_numpy_ndarrays()[0][row]
-        for reply, row in map(found.get, range(num_clients))
-      ]
+      [probabilities[id(reply)][0][row] for reply, row in map(found.get, range(num_clients))]
     )
 
   def distill(self, members: np.ndarray, config, key: jax.Array) -> List[np.ndarray]:
@@ -245,7 +319,12 @@ class FlowerTransport:
     }
     found = self._ask(_records('distill', task), members)
     per_member = [found[int(c)] for c in members]
-    sets = {id(reply): reply['sets'].to_numpy_ndarrays() for reply, _ in per_member}
+    sets = {}
+    for reply, _ in per_member:
+      if id(reply) not in sets:
+        clients = [int(c) for c in reply['result']['client_ids']]
+        sets[id(reply)] = _reply_rows(reply, 'sets', clients, DISTILLED_DTYPES)
+    _same_trailing_shapes('sets', list(sets.values()))
     return [
       np.stack([sets[id(reply)][field][row] for reply, row in per_member]) for field in range(4)
     ]
@@ -330,6 +409,12 @@ class RemoteGroupTrainer:
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
     sent = uploaded_leaves(model, json.loads(self.recipe))
+    for c in ids:
+      if len(leaves[int(c)]) != sum(sent):
+        raise UploadError(
+          f'SuperNode reply for client {int(c)}: carries {len(leaves[int(c)])} arrays, '
+          f'expected {sum(sent)}'
+        )
     if not all(sent):  # what stays on the node keeps, here, the value the client started from
       starts = jax.tree.leaves(model)
       for i, c in enumerate(ids):
@@ -338,6 +423,12 @@ class RemoteGroupTrainer:
           next(returned) if keep else np.asarray(starts[j])[i] for j, keep in enumerate(sent)
         ]
     per_client = [jax.tree.unflatten(treedef, leaves[int(c)]) for c in ids]
+    # Each client's leaves are the dtype and shape it started from before they are stacked
+    # (np.stack would promote one float64 leaf, jnp.asarray cast it back to float32). Non-finite
+    # values pass: a diverged client is the server's to handle, as in one process.
+    one_client = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model)
+    for c, tree in zip(ids, per_client):
+      validate_tree(tree, one_client, f'SuperNode reply for client {int(c)}', require_finite=False)
     trained = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_client)
     if json.loads(self.recipe).get('kind') == 'cvae':  # the label histograms, checked
       for i, c in enumerate(ids):

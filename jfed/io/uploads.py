@@ -3,11 +3,15 @@
 Communication cost is measured from these real serialised bytes (never estimated from parameter
 counts), and the server rejects a malformed upload with a clear error instead of crashing later.
 
-Validation is strict, because an upload is untrusted input: the key paths, container types,
-shapes and exact dtypes must be the template's (a float64 leaf is refused, not cast), floating
-values must be finite, `num_samples` must be a positive integer no larger than what the client
-holds, and a model update may be bounded relative to the global model. Every refusal is an
-`UploadError` whose one-line message names the client and the offending key path.
+Validation is strict, because an upload is untrusted input: the key paths, container types
+and keys, shapes and exact dtypes must be the template's (a float64 leaf is refused, not cast),
+every leaf must be an array, floating values must be finite, `num_samples` must be a positive
+integer no larger than what the client holds, and a model update may be bounded relative to the
+global model. The upload's structure is read without JAX and compared with the template before
+any leaf is flattened or converted, so that any input, however hostile (keys of mixed types,
+cyclic or 10^4-deep nesting, objects whose methods raise), ends in a refusal: every refusal is
+an `UploadError` whose one-line message names the client and the offending key path, and the
+validators raise nothing else (tests/test_upload_fuzz.py).
 """
 
 from collections.abc import Mapping
@@ -15,6 +19,7 @@ import math
 import numbers
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import flax.core
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -58,38 +63,68 @@ def serialized_nbytes(tree: Any) -> int:
 # ------------------------------------------------------------------------------------------------
 # structure
 # ------------------------------------------------------------------------------------------------
+# An upload's containers are read here without JAX, whose flattening sorts dict keys (and
+# raises on keys of mixed types), opens any registered node and recurses without bound; the
+# upload is compared with the template before any of its leaves is flattened, converted or cast.
+
 # At most this many key paths are named per list in a structure message; the rest are counted.
 _MAX_NAMED = 4
+# Longer reprs of keys and errors are cut in messages.
+_MAX_REPR = 80
 
 
-def _name(path: Sequence[Any]) -> str:
+def _type_name(x: Any) -> str:
+  """The name of x's type (not of x.__class__, which an object may fake)."""
+  try:
+    return str(type(x).__name__)
+  except Exception:  # a metaclass with a hostile __name__
+    return 'object'
+
+
+def _safe_repr(x: Any) -> str:
+  """repr(x) on one line of at most _MAX_REPR characters; a repr that fails is named so."""
+  try:
+    text = ' '.join(repr(x).split())
+  except Exception:  # a hostile __repr__
+    return f'<{_type_name(x)} whose repr fails>'
+  return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 1] + '…'
+
+
+def _error_text(e: BaseException) -> str:
+  try:
+    text = ' '.join(str(e).split())
+  except Exception:  # a hostile __str__
+    text = ''
+  text = f'{_type_name(e)}: {text}' if text else _type_name(e)
+  return text if len(text) <= 2 * _MAX_REPR else text[: 2 * _MAX_REPR - 1] + '…'
+
+
+class _Entry(NamedTuple):
+  """One step of a key path, rendered as JAX's keystr renders it."""
+
+  kind: str  # 'key' (a mapping's), 'index' (a list's or tuple's), 'attr' (a NamedTuple's)
+  key: Any
+
+  def __str__(self) -> str:
+    plain = type(self.key) in (str, int)
+    if self.kind == 'attr':
+      return f'.{self.key}' if plain else f'.{_safe_repr(self.key)}'
+    if self.kind == 'index':
+      return f'[{self.key}]' if plain else f'[{_safe_repr(self.key)}]'
+    return f'[{_safe_repr(self.key)}]'
+
+  def label(self) -> str:
+    return _safe_repr(self.key)
+
+  def same(self, other: '_Entry') -> bool:
+    """Exactly the same key: of the same type and equal (a key can be equal to, or print like,
+    another of another type)."""
+    return self.kind == other.kind and type(self.key) is type(other.key) and self.key == other.key
+
+
+def _name(path: Sequence[_Entry]) -> str:
   # A NamedTuple field renders as '.params'; messages read better as "params['Dense_0']".
-  return jax.tree_util.keystr(tuple(path)).lstrip('.') or 'value'
-
-
-def _is_none(x: Any) -> bool:
-  return x is None
-
-
-def _leaves_with_paths(tree: Any) -> List[Tuple[Tuple[Any, ...], Any]]:
-  """(key path, leaf) pairs; None counts as a leaf (so that it is named where an array is due),
-  and mappings that are not registered pytrees (JAX would take them for leaves) are opened, so
-  their keys can be named too."""
-  out = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)[0]:
-    if isinstance(leaf, Mapping):
-      try:
-        items = sorted(leaf.items(), key=lambda kv: str(kv[0]))
-      except Exception:  # a hostile mapping: left a leaf, which the dtype check names
-        out.append((path, leaf))
-        continue
-      for key, value in items:
-        out.extend(
-          (path + (jax.tree_util.DictKey(key),) + sub, v) for sub, v in _leaves_with_paths(value)
-        )
-    else:
-      out.append((path, leaf))
-  return out
+  return ''.join(str(e) for e in path).lstrip('.') or 'value'
 
 
 def _some(names: Sequence[str]) -> str:
@@ -97,37 +132,137 @@ def _some(names: Sequence[str]) -> str:
   return shown + (f' and {len(names) - _MAX_NAMED} more' if len(names) > _MAX_NAMED else '')
 
 
-def _children(x: Any) -> Optional[List[Tuple[Any, Any]]]:
-  """x's children as (key, child), or None when JAX takes x for a leaf (None is a container
-  without children)."""
-  children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
-  if len(children) == 1 and children[0][1] is x:
+def _in_key_order(items: List[Tuple[Any, Any]]) -> List[Tuple[Any, Any]]:
+  """Mapping items sorted by key as JAX orders a dict's; as given when the keys do not sort."""
+  try:
+    return sorted(items, key=lambda kv: kv[0])
+  except Exception:  # keys of mixed types, or a hostile __lt__: the structure check names them
+    return items
+
+
+def _jax_entry(entry: Any) -> _Entry:
+  for attr, kind in (('key', 'key'), ('name', 'attr'), ('idx', 'index')):
+    if hasattr(entry, attr):
+      return _Entry(kind, getattr(entry, attr))
+  return _Entry('index', str(entry).strip('[]'))
+
+
+def _children(x: Any) -> Optional[List[Tuple[_Entry, Any]]]:
+  """x's children, or None when x is a leaf (None is one: it is named where an array is due).
+
+  Mappings (registered with JAX or not, so that their keys can be named), lists, tuples and
+  NamedTuples are read without calling anything of x's own type; other nodes registered with
+  JAX (flax structs) through JAX, one level. Raises whatever a hostile object raises.
+  """
+  t = type(x)  # not x.__class__, which an object may fake
+  if x is None:
     return None
-  return [(path[0], child) for path, child in children]
+  if issubclass(t, dict):
+    items = list(dict.items(x))  # the dict's own items: a subclass's overrides are not called
+  elif issubclass(t, Mapping):
+    items = list(x.items())
+  else:
+    items = None
+  if items is not None:
+    return [(_Entry('key', k), v) for k, v in _in_key_order(items)]
+  if t is list or t is tuple:
+    return [(_Entry('index', i), v) for i, v in enumerate(x)]
+  if issubclass(t, tuple) and isinstance(getattr(t, '_fields', None), tuple):  # a NamedTuple
+    values = tuple.__getitem__(x, slice(None))
+    if len(values) != len(t._fields):
+      raise ValueError(f'{len(values)} values for the {len(t._fields)} fields of {t.__name__}')
+    return [(_Entry('attr', f), v) for f, v in zip(t._fields, values)]
+  if issubclass(t, (np.ndarray, np.generic, jax.Array, str, bytes, numbers.Number)):
+    return None
+  flat = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+  if len(flat) == 1 and flat[0][1] is x:
+    return None
+  return [(_jax_entry(path[0]), child) for path, child in flat]
 
 
-def _key_label(key: Any) -> str:
-  for attr in ('key', 'name', 'idx'):  # DictKey, GetAttrKey, SequenceKey
-    if hasattr(key, attr):
-      return repr(getattr(key, attr))
-  return str(key)
+def _readable_children(what: str, x: Any, path: Tuple[_Entry, ...]):
+  try:
+    return _children(x)
+  except Exception as e:  # untrusted input: a container that cannot be read is a refusal
+    raise UploadError(
+      f'{what}: {_name(path)} is a {_type_name(x)} that cannot be read ({_error_text(e)})'
+    ) from None
 
 
-def _container_mismatch(got: Any, want: Any, path: Tuple[Any, ...] = ()) -> Optional[str]:
+class _Shape(NamedTuple):
+  """A tree's (key path, leaf) pairs, the depth of its deepest node and its node count."""
+
+  leaves: List[Tuple[Tuple[_Entry, ...], Any]]
+  depth: int
+  nodes: int
+
+
+def _leaves_with_paths(
+  tree: Any, what: str, max_depth: Optional[int] = None, max_nodes: Optional[int] = None
+) -> _Shape:
+  """`tree`'s leaves with their key paths, walked without recursion. A node `max_depth` deep is
+  taken for a leaf (unopened): an upload deeper than its template, cyclic or nested 10^4 deep,
+  is named there and refused; one of more than `max_nodes` nodes (a list holding itself 1000
+  times) is refused before it is walked."""
+  out, deepest, nodes = [], 0, 1
+  stack = [((), tree)]
+  while stack:
+    path, x = stack.pop()
+    deepest = max(deepest, len(path))
+    children = None
+    if max_depth is None or len(path) < max_depth:
+      children = _readable_children(what, x, path)
+    if children is None:
+      out.append((path, x))
+      continue
+    nodes += len(children)
+    if max_nodes is not None and nodes > max_nodes:
+      raise UploadError(
+        f'{what}: structure differs from the template: more than {max_nodes} containers and leaves'
+      )
+    stack.extend((path + (entry,), child) for entry, child in reversed(children))
+  return _Shape(out, deepest, nodes)
+
+
+def _is_jax_leaf(x: Any) -> bool:
+  """Whether JAX takes x for a leaf (an unregistered mapping such as a mappingproxy is one)."""
+  try:
+    flat = jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)
+  except Exception:  # a registered node whose flattening fails: a container all the same
+    return False
+  return len(flat) == 1 and flat[0] is x
+
+
+def _container_mismatch(
+  what: str, got: Any, want: Any, path: Tuple[_Entry, ...] = ()
+) -> Optional[str]:
   """Where the upload's containers differ from the template's although the key paths of their
-  leaves agree (a dict where a FrozenDict is due, an empty subtree more or less)."""
+  leaves agree (a dict where a FrozenDict is due, an empty subtree more or less, a key that only
+  prints like the template's)."""
   want_children = _children(want)
   if want_children is None:
     return None
-  want_desc = f'a {type(want).__name__} of [{", ".join(_key_label(k) for k, _ in want_children)}]'
-  got_children = _children(got)
-  if got_children is None:
-    return f'{_name(path)} is a {type(got).__name__} (not a pytree container), expected {want_desc}'
-  got_desc = f'a {type(got).__name__} of [{", ".join(_key_label(k) for k, _ in got_children)}]'
-  if got_desc != want_desc or type(got) is not type(want):
+  want_desc = f'a {type(want).__name__} of [{", ".join(e.label() for e, _ in want_children)}]'
+  got_children = _readable_children(what, got, path)
+  if got_children is None or _is_jax_leaf(got):
+    return f'{_name(path)} is a {_type_name(got)} (not a pytree container), expected {want_desc}'
+  same = (
+    type(got) is type(want)
+    and len(got_children) == len(want_children)
+    and all(g.same(w) for (g, _), (w, _) in zip(got_children, want_children))
+  )
+  if not same:
+    for g, _ in got_children:
+      lookalike = [w for w, _ in want_children if w.label() == g.label() and not g.same(w)]
+      if lookalike and not any(g.same(w) for w, _ in want_children):
+        return (
+          f'{_name(path)} has the key {g.label()} of type {_type_name(g.key)}, expected the '
+          f'{_type_name(lookalike[0].key)} {lookalike[0].label()}'
+        )
+    got_desc = f'a {_type_name(got)} of [{", ".join(e.label() for e, _ in got_children)}]'
     return f'{_name(path)} is {got_desc}, expected {want_desc}'
-  for (key, g), (_, w) in zip(got_children, want_children):
-    found = _container_mismatch(g, w, path + (key,))
+  for (entry, g), (_, w) in zip(got_children, want_children):
+    found = _container_mismatch(what, g, w, path + (entry,))
     if found:
       return found
   return None
@@ -149,31 +284,46 @@ def _spec(x: Any) -> Tuple[np.dtype, Tuple[int, ...]]:
   return a.dtype, a.shape
 
 
+def _is_array(x: Any) -> bool:
+  return issubclass(type(x), (np.ndarray, np.generic, jax.Array))
+
+
 def _host_array(what: str, name: str, leaf: Any, expected: str) -> np.ndarray:
   """The upload's leaf as a host array; anything that is not one is an UploadError."""
   if leaf is None:
     raise UploadError(f'{what}: {name} is None, expected {expected}')
   try:
     # On the host, like the bytes sent: an eager jnp check compiles a program per leaf shape.
-    return np.asarray(leaf)
+    a = np.asarray(leaf)
+    if not isinstance(a, np.ndarray):
+      raise TypeError(f'np.asarray gave a {_type_name(a)}')
+    return a
   except Exception as e:  # untrusted input: any failure to convert is a refusal
     raise UploadError(
-      f'{what}: {name} is a {type(leaf).__name__} that is not an array ({e}), expected {expected}'
+      f'{what}: {name} is a {_type_name(leaf)} that is not an array ({_error_text(e)}), '
+      f'expected {expected}'
     ) from None
 
 
-def validate_tree(tree: Any, template: Any, what: str = 'upload') -> None:
-  """Raises UploadError unless `tree` matches the template exactly.
+def validate_tree(
+  tree: Any, template: Any, what: str = 'upload', require_finite: bool = True
+) -> None:
+  """Raises UploadError, and nothing else, unless `tree` matches the template exactly.
 
-  The key paths of the leaves, the container types, the shapes and the dtypes (numpy's, with no
-  canonicalisation: float64 is not float32) must be the template's, and floating leaves must be
-  finite. Messages name the key path: "upload of client 3: params['Dense_0']['kernel'] is
-  float64[64, 10], expected float32[64, 10]".
+  The key paths of the leaves, the container types and keys (of the same types), the shapes
+  and the dtypes (numpy's, with no canonicalisation: float64 is not float32) must be the
+  template's, every leaf must be an array (NumPy's or JAX's, not an object that converts to
+  one), and floating leaves must be finite (unless `require_finite` is False). The upload's
+  structure is read and compared before any of its leaves is converted. Messages name the key
+  path: "upload of client 3: params['Dense_0']['kernel'] is float64[64, 10], expected
+  float32[64, 10]".
   """
-  got = _leaves_with_paths(tree)
-  want = _leaves_with_paths(template)
-  got_names = {_name(p): leaf for p, leaf in got}
-  want_names = {_name(p): leaf for p, leaf in want}
+  want = _leaves_with_paths(template, 'template')
+  # One level deeper than the template names what is too deep; twice its nodes (and some) name
+  # what is missing and unexpected in any upload that is not hostile.
+  got = _leaves_with_paths(tree, what, want.depth + 1, 2 * want.nodes + 1000)
+  got_names = {_name(p): leaf for p, leaf in got.leaves}
+  want_names = {_name(p): leaf for p, leaf in want.leaves}
   missing = [n for n in want_names if n not in got_names]
   unexpected = [n for n in got_names if n not in want_names]
   if missing or unexpected:
@@ -181,25 +331,28 @@ def validate_tree(tree: Any, template: Any, what: str = 'upload') -> None:
       [f'unexpected {_some(unexpected)}'] if unexpected else []
     )
     raise UploadError(f'{what}: structure differs from the template: {"; ".join(parts)}')
-  if jax.tree.structure(tree, is_leaf=_is_none) != jax.tree.structure(template, is_leaf=_is_none):
-    found = _container_mismatch(tree, template)
-    raise UploadError(f'{what}: structure differs from the template: {found or "containers"}')
+  found = _container_mismatch(what, tree, template)
+  if found:
+    raise UploadError(f'{what}: structure differs from the template: {found}')
   for name, want_leaf in want_names.items():
     got_leaf = got_names[name]
     if want_leaf is None:
       if got_leaf is not None:
-        raise UploadError(f'{what}: {name} is a {type(got_leaf).__name__}, expected None')
+        raise UploadError(f'{what}: {name} is a {_type_name(got_leaf)}, expected None')
       continue
     dtype, shape = _spec(want_leaf)
     expected = _describe(dtype, shape)
     a = _host_array(what, name, got_leaf, expected)
     if a.dtype != dtype or a.shape != shape:
-      plain = isinstance(got_leaf, (np.ndarray, np.generic, jax.Array))
-      kind = '' if plain else f' ({type(got_leaf).__name__})'
+      kind = '' if _is_array(got_leaf) else f' ({_type_name(got_leaf)})'
       raise UploadError(
         f'{what}: {name} is {_describe(a.dtype, a.shape)}{kind}, expected {expected}'
       )
-    if jnp.issubdtype(dtype, jnp.inexact) and not np.isfinite(a).all():
+    if not _is_array(got_leaf):
+      raise UploadError(
+        f'{what}: {name} is a {_type_name(got_leaf)}, not an array, expected {expected}'
+      )
+    if require_finite and jnp.issubdtype(dtype, jnp.inexact) and not np.isfinite(a).all():
       raise UploadError(f'{what}: {name} has non-finite values')
 
 
@@ -209,15 +362,18 @@ def validate_tree(tree: Any, template: Any, what: str = 'upload') -> None:
 def check_num_samples(what: str, num_samples: Any, max_samples: Optional[int] = None) -> int:
   """`num_samples` as an int; UploadError unless it is a positive integer (Python or NumPy, not
   bool, float or str) and, when `max_samples` is given, at most `max_samples`."""
-  is_int = isinstance(num_samples, (numbers.Integral, np.integer)) and not isinstance(
-    num_samples, (bool, np.bool_)
-  )
-  if not is_int:
+  t = type(num_samples)  # not num_samples.__class__, which an object may fake
+  n = None
+  if issubclass(t, (numbers.Integral, np.integer)) and not issubclass(t, (bool, np.bool_)):
+    try:
+      n = int(num_samples)
+    except Exception:  # an int subclass whose __int__ fails
+      n = None
+  if type(n) is not int:
     raise UploadError(
       f'{what}: num_samples must be a positive integer, '
-      f'got {num_samples!r} ({type(num_samples).__name__})'
+      f'got {_safe_repr(num_samples)} ({_type_name(num_samples)})'
     )
-  n = int(num_samples)
   if n <= 0:
     raise UploadError(f'{what}: num_samples must be a positive integer, got {n}')
   if max_samples is not None and n > int(max_samples):
@@ -314,10 +470,20 @@ def validate_decoder_upload(
   n = check_num_samples(what, upload.num_samples, max_samples)
   _check_counts(what, upload.label_counts, n, num_classes)
   validate_tree(upload.decoder, template, what)
-  if template_stats or upload.decoder_stats:
-    validate_tree(
-      upload.decoder_stats or {}, template_stats or {}, f'{what} (BatchNorm statistics)'
-    )
+  # No statistics are None or an empty mapping (never the truth value of an untrusted object).
+  stats = {} if _is_empty(upload.decoder_stats) else upload.decoder_stats
+  want_stats = {} if _is_empty(template_stats) else template_stats
+  validate_tree(stats, want_stats, f'{what} (BatchNorm statistics)')
+
+
+def _is_empty(tree: Any) -> bool:
+  """None, or a dict or FrozenDict without keys."""
+  if tree is None:
+    return True
+  t = type(tree)
+  return (issubclass(t, dict) and dict.__len__(tree) == 0) or (
+    t is flax.core.FrozenDict and len(tree) == 0
+  )
 
 
 class PrototypeUpload(NamedTuple):
@@ -344,7 +510,8 @@ def _check_counts(what: str, counts: Any, num_samples: int, num_classes: int) ->
     raise UploadError(
       f'{what}: label_counts is {counts.dtype}{list(counts.shape)}, expected int[{num_classes}]'
     )
-  if np.any(counts < 0) or int(counts.sum()) != int(num_samples):
+  # Each count at most num_samples first: int64 counts could sum to it modulo 2**64.
+  if np.any(counts < 0) or np.any(counts > num_samples) or int(counts.sum()) != int(num_samples):
     raise UploadError(
       f'{what}: label_counts must be non-negative and sum to num_samples={num_samples}, '
       f'got {counts.tolist()}'

@@ -13,9 +13,9 @@ import numpy as np
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.data import FederatedArrays, federate
-from jfed.engine import GroupTrainer, ModelState, attacks
+from jfed.engine import GroupTrainer, ModelState, aggregation, attacks
 from jfed.engine.aggregation import RULES, AggregationConfig, Aggregator, make_aggregator
-from jfed.errors import ConfigError, NonFiniteError
+from jfed.errors import ConfigError, JfedError, NonFiniteError
 from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
 from jfed.methods.context import RunContext
@@ -71,11 +71,16 @@ def single_architecture(ctx: RunContext) -> str:
   return specs.pop()
 
 
+def clients_per_round(num_clients: int, participation: float) -> int:
+  """How many clients `select_clients` draws: round(participation * n), at least one."""
+  return max(1, int(round(participation * num_clients)))
+
+
 def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
   """Seeded client sampling: round(participation * n) clients (at least one), sorted."""
   if not 0.0 < participation <= 1.0:
     raise ConfigError(f'participation must be in (0, 1], got {participation}')
-  count = max(1, int(round(participation * num_clients)))
+  count = clients_per_round(num_clients, participation)
   if count == num_clients:
     return np.arange(num_clients)
   return np.sort(np.asarray(jax.random.choice(key, num_clients, (count,), replace=False)))
@@ -224,6 +229,11 @@ def train_groups(
   return out_models, out_metrics
 
 
+class EmptyRoundError(JfedError):
+  """Every upload of a round was rejected, so nothing was aggregated (and the run would go on
+  with an unchanged global model), and `server.allow_empty_rounds` does not allow it."""
+
+
 class Server(NamedTuple):
   """The server side of a run's model uploads (`Server.receive`): the attackers' uploads are
   rewritten as the attack says, every upload is validated (a rejected one is dropped or fails
@@ -236,6 +246,7 @@ class Server(NamedTuple):
   on_invalid: str  # 'drop' | 'fail'
   max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
   partition_sizes: np.ndarray  # [num_clients]: a client's num_samples may not exceed its own
+  allow_empty_rounds: bool = False  # False: a receive whose uploads were all rejected fails
 
   def receive(
     self,
@@ -265,6 +276,10 @@ class Server(NamedTuple):
     Returns:
       The aggregate and the record fields 'upload_bytes', 'rejected_uploads' (a count) and,
       when some were rejected, 'rejected_clients'.
+
+    Raises:
+      UploadError: an upload is malformed and `on_invalid` is 'fail'.
+      EmptyRoundError: every upload was rejected and `allow_empty_rounds` is False.
     """
     k = len(group.client_ids)
     taking_part = np.ones(k, bool) if taking_part is None else np.asarray(taking_part, bool)
@@ -279,7 +294,7 @@ class Server(NamedTuple):
       jax.random.fold_in(jax.random.fold_in(self.attack_key, step), part),
     )
     ratio = self.max_update_norm_ratio if self.max_update_norm_ratio > 0 else None
-    accepted, rejected = np.zeros(k, bool), []
+    accepted, rejected, last_reason = np.zeros(k, bool), [], ''
     for i in np.flatnonzero(taking_part):
       cid = int(group.client_ids[i])
       upload = ModelUpload(cid, int(group.fed.sizes[i]), engine.take(stacked, int(i)))
@@ -296,6 +311,7 @@ class Server(NamedTuple):
           raise
         logging.warning('rejected and excluded: %s', e)
         rejected.append(cid)
+        last_reason = str(e)
         continue
       accepted[i] = True
     record = {
@@ -305,6 +321,17 @@ class Server(NamedTuple):
     if rejected:
       record['rejected_clients'] = rejected
     if not accepted.any():
+      if rejected and not self.allow_empty_rounds:
+        uploads = (
+          f'all {len(rejected)} uploads (clients {rejected}) were'
+          if len(rejected) > 1
+          else f'the only upload (client {rejected[0]}) was'
+        )
+        raise EmptyRoundError(
+          f'round {step + 1}: {uploads} rejected, so nothing was aggregated (the last: '
+          f'{last_reason}); set server.allow_empty_rounds=True to keep the global model in such '
+          'a round'
+        )
       logging.warning('every upload was rejected: the global model stays as it was')
       return reference, record
     w = np.asarray(group.fed.sizes if weights is None else weights, np.float64)
@@ -319,6 +346,7 @@ class ServerConfig(NamedTuple):
 
   on_invalid_upload: str  # 'drop': log it and exclude the client; 'fail': stop the run
   max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
+  allow_empty_rounds: bool  # a round whose uploads were all rejected keeps the global model
 
 
 ON_INVALID = ('drop', 'fail')
@@ -346,12 +374,33 @@ def run_server(ctx: RunContext) -> Server:
       s.on_invalid_upload,
       s.max_update_norm_ratio,
       ctx.client_sizes,
+      s.allow_empty_rounds,
     )
   return _RUN_SERVERS[ctx]
 
 
-def validate_server_config(config) -> None:
-  """Checks the `aggregation`, `attack` and `server` sections (before anything is written)."""
+def uploads_per_aggregation(config, method_section: Optional[str] = None) -> Tuple[int, str]:
+  """The most uploads one aggregation of the method of `method_section` receives, and how that
+  number comes about (for messages): its clients per round when the section has a
+  `participation` below 1, else every client. Methods that aggregate parts of a round
+  (FedTSA's clusters, HFLDD's heads) receive at most this many."""
+  n = int(config.partition.num_clients)
+  section = config.get(method_section) if method_section else None
+  p = section.get('participation') if hasattr(section, 'get') else None
+  if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p < 1.0:
+    per_round = clients_per_round(n, p)
+    if per_round < n:
+      return (
+        per_round,
+        f'{per_round} clients per round ({method_section}.participation={p:g} of {n})',
+      )
+  return n, f'{n} clients'
+
+
+def validate_server_config(config, method_section: Optional[str] = None) -> None:
+  """Checks the `aggregation`, `attack` and `server` sections (before anything is written):
+  settings that would make the rule or the attack another than the one recorded are refused,
+  with the number of uploads per aggregation of the method of `method_section`."""
   a = aggregation_config(config)
   tc.require_choice(a.rule, RULES, 'aggregation.rule')
   tc.require(
@@ -360,8 +409,12 @@ def validate_server_config(config) -> None:
   )
   tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
   tc.require_positive(a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing'))
+  problem = aggregation.size_problem(a, *uploads_per_aggregation(config, method_section))
+  tc.require(problem is None, problem)
   t = attack_config(config)
   tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
+  problem = attacks.strength_problem(t.kind, t.strength)
+  tc.require(problem is None, problem)
   tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
   try:
     attacks.parse_client_ids(t.clients, config.partition.num_clients)
