@@ -4,9 +4,9 @@ Command (the README's):
   python -m experiments.main --method=fedavg --config=experiments/configs/digits.py \
       --workdir=runs/digits_fedavg
 Expected: FedAvg, 5 clients, Dir(0.5), DENSE CNNMnist, 20 rounds x 2 local epochs.
-Measured (seed 0, CPU, jax 0.10.2, 2 cores shared with a test run; 150 training images held
-out of every client): 98.33% test accuracy (best 98.61% at round 18) in 60 s wall (47 s of
-steps).
+Measured (seed 0, CPU, jax 0.10.2, the idle 2 cores, empty compilation cache, 2026-11-26; 150
+training images held out of every client): 98.33% test accuracy (best 98.61% at round 18) in
+20.1 s wall (16.2 s in the driver), 0.67 GB peak memory.
 
 Every method runs on the same data and partition (--method=NAME; each reads its own section)
 at a digits-sized budget: seconds to a few minutes on 2 CPU cores.
