@@ -57,18 +57,23 @@ def dumps(obj: Any, **kwargs) -> str:
 
 def atomic_write_bytes(path, data: bytes) -> None:
   """Writes `data` to `path` via a temporary file in the same directory and a rename, so that
-  an interrupted write never leaves a truncated file behind."""
+  an interrupted write never leaves a truncated file behind. An OSError names `path` (a full
+  disk's write error names no file)."""
   path = pathlib.Path(path)
-  fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+  tmp = None
   try:
+    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
     with os.fdopen(fd, 'wb') as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
+  except BaseException as e:
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    if isinstance(e, OSError) and e.errno is not None:
+      raise OSError(e.errno, e.strerror, str(path)) from e
     raise
 
 

@@ -2,14 +2,32 @@
 
 Each checkpoint holds the state and, for the driver's run checkpoints, the run's metric history
 as JSON in the same orbax step: the two are committed together, so a resumed run never pairs a
-state with a history of another step. A checkpoint that fails to restore (a deleted or
-truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning, and
-removed so the resumed run can write that step again.
+state with a history of another step.
+
+Every step is verified before it is restored: once orbax has committed a step, the SHA-256
+digest of each of its files goes into `<step>/jfed_sha256.json`. Orbax (0.12) checks that a
+step's files exist and parse, not what they hold: a flipped byte in a data file restored as
+other numbers. A checkpoint that fails verification or to restore (a flipped byte, a deleted or
+truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning naming the
+step and the file, and removed so the resumed run can write that step again. A step without
+checksums (written by an earlier jfed, or by a run killed between orbax's commit and the
+checksums) restores with a warning that it is unverified.
+
+A write that fails (a full disk, a read-only directory) is one WorkdirError naming the step,
+the directory and the system's reason. Orbax logs the failure with a traceback from each of
+its writer threads as well (~300 lines for one full disk); those records are dropped, since
+the error reports the failure, unless experiments.main runs with --traceback.
 """
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
 import pathlib
+import re
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +35,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jfed.errors import WorkdirError
+from jfed.workdir import atomic_write_text
+
+# Written into each step's directory after orbax commits the step: {relative path: SHA-256}.
+CHECKSUMS = 'jfed_sha256.json'
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
 
 
 class Checkpointer:
@@ -34,13 +57,27 @@ class Checkpointer:
       item_names=('state', 'history'),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
     )
+    self._write_failed = False
 
   def save(self, step: int, state: Any, history: Optional[List[Any]] = None) -> None:
+    """Writes `step` and, once orbax has committed it, its checksums. Raises WorkdirError when
+    the checkpoint cannot be written."""
     items = {'state': ocp.args.StandardSave(_host_arrays(state))}
     if history is not None:
       items['history'] = ocp.args.JsonSave({'records': history})
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self._manager.wait_until_finished()
+    self._check_writable(step)
+    try:
+      with _orbax_error_logs_held():
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  # re-raised unless an I/O failure
+      reason = _io_failure(e)
+      if reason is None:
+        raise
+      self._write_failed = True
+      raise WorkdirError(f'cannot write checkpoint {step} in {self.directory}: {reason}') from e
+    if jax.process_index() == 0:  # the directory is shared; orbax's commit waits for all
+      self._write_checksums(step)
 
   def steps(self) -> List[int]:
     return sorted(self._manager.all_steps())
@@ -49,6 +86,9 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def restore(self, step: int, template: Any, with_history: bool = False):
+    """The state (and history) of `step`. Raises WorkdirError, naming the file, when a file of
+    the step does not match the checksum written with it."""
+    self._verify(step)
     items = {'state': ocp.args.StandardRestore(_host_arrays(template))}
     if with_history:
       items['history'] = ocp.args.JsonRestore()
@@ -61,15 +101,16 @@ class Checkpointer:
   def restore_latest(
     self, template: Any, with_history: bool = False
   ) -> Tuple[Optional[int], Any, List[Any]]:
-    """(step, state, history) of the newest checkpoint that restores; (None, template, [])
-    when there is none. Raises WorkdirError when checkpoints exist but none restores."""
+    """(step, state, history) of the newest checkpoint that verifies and restores;
+    (None, template, []) when there is none. Raises WorkdirError when checkpoints exist but
+    none restores."""
     steps = self.steps()
     errors = []
     for step in reversed(steps):
       try:
         out = self.restore(step, template, with_history)
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         errors.append(f'step {step}: {type(e).__name__}: {first_line}')
         print(
           f'warning: checkpoint {step} in {self.directory} does not restore '
@@ -99,7 +140,151 @@ class Checkpointer:
     return None, template, []
 
   def close(self) -> None:
-    self._manager.close()
+    """Waits for orbax's writers to stop. After a failed save, the save's error is the one
+    reported: the same failure, raised again here, is not."""
+    try:
+      with _orbax_error_logs_held():
+        self._manager.close()
+    except Exception as e:  # pylint: disable=broad-except  # orbax re-raises a writer's error
+      if not (self._write_failed and _io_failure(e) is not None):
+        raise
+
+  def _step_dir(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def _check_writable(self, step: int) -> None:
+    """Orbax creates a step's directory in one writer thread while the others wait for it; when
+    it cannot (a read-only or full file system) they wait out orbax's 300 s coordination
+    timeout, and the process cannot exit before. A directory that cannot be created here
+    starts none of them."""
+    probe = self.directory / f'.{step}.jfed-probe-{jax.process_index()}-{os.getpid()}'
+    try:
+      probe.mkdir(parents=True, exist_ok=True)
+      probe.rmdir()
+    except OSError as e:
+      self._write_failed = True
+      raise WorkdirError(
+        f'cannot write checkpoint {step} in {self.directory}: {e.strerror or e}'
+      ) from e
+
+  def _write_checksums(self, step: int) -> None:
+    step_dir = self._step_dir(step)
+    digests = {
+      path.relative_to(step_dir).as_posix(): _sha256(path) for path in _files_of_step(step_dir)
+    }
+    try:
+      atomic_write_text(step_dir / CHECKSUMS, json.dumps(digests, indent=0, sort_keys=True))
+    except OSError as e:
+      self._write_failed = True
+      raise WorkdirError(
+        f'cannot write checkpoint {step} in {self.directory}: {e.strerror or e}'
+      ) from e
+
+  def _verify(self, step: int) -> None:
+    step_dir = self._step_dir(step)
+    manifest = step_dir / CHECKSUMS
+    if not manifest.exists():
+      print(
+        f'warning: checkpoint {step} in {self.directory} has no {CHECKSUMS} (written by an '
+        'earlier jfed, or by a run stopped while it saved); restoring it unverified',
+        file=sys.stderr,
+        flush=True,
+      )
+      return
+    try:
+      digests = json.loads(manifest.read_text())
+      if not isinstance(digests, dict):
+        raise ValueError('not a JSON object')
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+      raise WorkdirError(f'{manifest} is unreadable ({e}): the checkpoint is damaged') from e
+    for name, digest in sorted(digests.items()):
+      path = step_dir / name
+      if not path.is_file():
+        raise WorkdirError(f'{path} is missing: the checkpoint is damaged')
+      if _sha256(path) != digest:
+        raise WorkdirError(
+          f'{path} does not match the SHA-256 digest written with it: the checkpoint is damaged'
+        )
+
+
+def _files_of_step(step_dir: pathlib.Path) -> Iterator[pathlib.Path]:
+  for root, _, names in os.walk(step_dir):
+    for name in sorted(names):
+      path = pathlib.Path(root) / name
+      if path != step_dir / CHECKSUMS:
+        yield path
+
+
+def _sha256(path: pathlib.Path) -> str:
+  with open(path, 'rb') as f:
+    return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
+# A tensorstore error reports the system's errno this way, e.g. "... [os_error_code='28']".
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+# The tensorstore status codes of a failed file operation (it raises them as ValueError).
+_IO_STATUS = ('RESOURCE_EXHAUSTED', 'PERMISSION_DENIED', 'UNAVAILABLE', 'DATA_LOSS')
+
+
+def _io_failure(error: BaseException) -> Optional[str]:
+  """The system's reason when `error` (or its cause) is a failed file operation, else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError):
+      reason = error.strerror or str(error)
+      return f'{reason}: {error.filename}' if error.filename else reason
+    message = str(error)
+    code = _OS_ERROR_CODE.search(message)
+    if code:
+      return os.strerror(int(code.group(1)))
+    if message.startswith(_IO_STATUS):
+      return (message.splitlines() or [message])[0][:300]
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _tracebacks_requested() -> bool:
+  """experiments.main's --traceback; False where jfed runs without that flag."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  try:
+    return bool(flags.FLAGS['traceback'].value)
+  except KeyError:
+    return False
+
+
+class _HeldOrbaxErrors(logging.Filter):
+  """Keeps orbax's ERROR records (its writer threads log each failure with a traceback)."""
+
+  def __init__(self):
+    super().__init__()
+    self.held: List[logging.LogRecord] = []
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and record.pathname.startswith(_ORBAX_DIR):
+      self.held.append(record)
+      return False
+    return True
+
+
+@contextlib.contextmanager
+def _orbax_error_logs_held() -> Iterator[None]:
+  """Holds orbax's error logs while it writes: dropped when the write raises (the exception
+  reports the failure, and its traceback holds the writer thread's frames), logged after all
+  when it does not (then nothing else reports them). Off with --traceback."""
+  if _tracebacks_requested():
+    yield
+    return
+  logger = logging.getLogger('absl')  # orbax logs through absl.logging
+  held = _HeldOrbaxErrors()
+  logger.addFilter(held)
+  try:
+    yield
+  finally:
+    logger.removeFilter(held)
+  for record in held.held:
+    logger.handle(record)
 
 
 def _host_arrays(tree: Any) -> Any:
