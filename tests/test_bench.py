@@ -197,7 +197,7 @@ def test_conv_forms_times_every_generator_layer_in_both_forms():
 
 def test_the_batched_ms_variants_are_timed_and_the_headline_takes_the_fastest():
   """The by-client and matmul-generator variants of batched MS (for the accelerator lead in
-  BUILD_NOTES) run as their own rows; the goal's headline reports the fastest batched row."""
+  docs/performance.md) run as their own rows; the goal's headline takes the fastest batched row."""
   forms = ('python', 'batched', 'batched_clients_matmul')
   sz = model_stratification.Sizes(
     clients=1, classes=2, T_G=2, ms_batch=2, nz=8, ngf=4, stages=('ms',), forms=forms, torch=False

@@ -113,7 +113,7 @@ class _FedAvgMConfig(NamedTuple):
 
 
 class _FedAvgM(driver.Algorithm):
-  """BUILD_NOTES.md's example of a new method on the interface (not registered)."""
+  """docs/driver.md's example of a new method on the interface (not registered)."""
 
   name, section, Config, step_name = 'fedavgm', 'fedavgm', _FedAvgMConfig, 'round'
 

@@ -57,7 +57,7 @@ BENCHMARKS: Dict[str, Benchmark] = {
   'kip': Benchmark('KIP', kip.run, kip.Sizes),
 }
 
-# Keyword arguments of each benchmark's Sizes. Measured runtimes: BUILD_NOTES.md.
+# Keyword arguments of each benchmark's Sizes. Measured runtimes: docs/performance.md.
 PROFILES = {
   'cpu': {
     'client_training': dict(
@@ -76,7 +76,7 @@ PROFILES = {
       eval_repeats=2,
     ),
     # The lax.scan forms take seconds per generator step on XLA:CPU; `loop` (a per-run scan)
-    # costs what `batched` costs per step (BUILD_NOTES, issue 3), so only `batched` runs here,
+    # costs what `batched` costs per step (docs/fedhydra.md), so only `batched` runs here,
     # on one run, and `python` (the CPU's ms_impl) is the one-run-at-a-time reference.
     'model_stratification': dict(
       clients=2,

@@ -1,6 +1,6 @@
 """Full Fashion-MNIST (Debian's dataset-fashion-mnist), 5 clients, DENSE's CNNMnist.
 
-Variants (get_config(arg)); measured results and times are in BUILD_NOTES.md:
+Variants (get_config(arg)); measured results and times are in docs/performance.md, "foundation":
   centralized:  python -m experiments.main --method=centralized \
                   --config=experiments/configs/fashion_mnist.py:centralized \
                   --workdir=runs/fm_central

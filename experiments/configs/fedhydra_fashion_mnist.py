@@ -25,8 +25,8 @@ Budgets (get_config(arg), comma-separated):
             that no client loses data; every method is scored on all 10,000 test images.
             Measured with these defaults
             (the Table 1/2 sweep above, seeds 0-2, CPU with jax 0.10.2 except 14 of the 54
-            runs on an H100; docs/results/fedhydra_tables.md, BUILD_NOTES "FedHydra and its
-            baselines against seed 000"), final (best) test accuracy %, mean ± sample std:
+            runs on an H100; docs/results/fedhydra_tables.md, docs/fedhydra.md "FedHydra and
+            its baselines against seed 000"), final (best) test accuracy %, mean ± sample std:
               Dir(0.5): FedAvg 60.80 ± 15.61, OT 61.02 ± 15.84, FedDF 61.04 ± 15.33,
                 DENSE 53.82 ± 6.28 (54.30 ± 6.78), Co-Boosting 69.59 ± 4.23 (72.15 ± 4.15),
                 FedHydra 58.79 ± 7.74 (65.00 ± 5.14);
@@ -37,7 +37,7 @@ Budgets (get_config(arg), comma-separated):
                 DENSE 18.94 ± 7.35 (20.01 ± 5.76), Co-Boosting 26.17 ± 14.13 (35.96 ± 3.99),
                 FedHydra 13.42 ± 5.90 (19.84 ± 4.50)
             (paper, its budget: FedHydra 77.20 / 50.48 / 39.06; the gaps are discussed in
-            BUILD_NOTES.md). Time per partition and seed on the 2 cores (Dir(0.5), seed 0,
+            docs/fedhydra.md). Time per partition and seed on the 2 cores (Dir(0.5), seed 0,
             2026-11-25): local training 11.5 min (shared by all methods; one-shot FedAvg
             averages those models), FedDF 8.6 min, DENSE ~16.5 min, Co-Boosting 22.5 min,
             FedHydra ~30 min (MS 3.2 min, then 34-70 s per epoch as its every-intermediate

@@ -20,7 +20,7 @@ a VGG-9 without BatchNorm in 30 epochs of ~140 samples; the paper's own Adam set
 5e-4), batch 32; CVAEs 30 epochs of Adam 1e-3; N_syn = 2,000, R_th = 0.8; 10 global epochs of
 Adam 1e-3, λ = 0.5. FedCVAE-Ens runs as FedMHO's reference runs its FEDCVAE row
 (`fedcvae.protocol='fedmho'`: FedMHO's generation, filter and server settings).
-Measured (seed 0, jax 0.10.2, CPU, 2 cores): see BUILD_NOTES.md "FedMHO and FedCVAE".
+Measured (seed 0, jax 0.10.2, CPU, 2 cores): see docs/fedmho.md "FedMHO and FedCVAE".
 
 Variants (comma-separated):
   fedcvae    every client a CVAE, CVAE-large and CVAE-small alternating (Table 1's FEDCVAE)

@@ -20,7 +20,7 @@ trimmed mean β = 0.2 per side and Krum f = 2 (a bound of 20% attackers among 10
 `CLIP_NORM` is the update norm of the command's 'clipped_mean' row (the config itself does not
 clip): about the median honest update norm of a clean round, measured (digits 0.4-2.1 over
 rounds 1-3, Fashion-MNIST 2.1-5.8).
-Expected results and times: BUILD_NOTES.md, "Robust aggregation, attacks, server optimisers,
+Expected results and times: docs/robustness.md, "Robust aggregation, attacks, server optimisers,
 TensorBoard (issue 10)"; tables in docs/results/robustness_*.md.
 """
 

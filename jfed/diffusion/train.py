@@ -3,7 +3,7 @@
 The server trains the DDPM once on images the clients never see (FedTSA's `holdout`), caches
 the EMA weights in the workdir and maps each prompt of the prompt pool to its class, generating
 `per_prompt` images per prompt. The paper uses Stable Diffusion; no weights can be downloaded
-here, so a small DDPM trained on a held-out split stands in for it (BUILD_NOTES.md, FedTSA).
+here, so a small DDPM trained on a held-out split stands in for it (docs/fedtsa.md).
 
 - Training: Adam with gradient clipping at 1, `steps` steps of `batch` images drawn uniformly
   with replacement, run as jitted chunks of `CHUNK` steps (`lax.scan`) so a chunk is one
@@ -41,7 +41,7 @@ CACHE_FORMAT = 1
 
 
 class DDPMConfig(NamedTuple):
-  """Defaults: what learns digits on 2 CPU cores in about 1.5 minutes (BUILD_NOTES.md)."""
+  """Defaults: what learns digits on 2 CPU cores in about 1.5 minutes (docs/fedtsa.md)."""
 
   timesteps: int = 100
   base_channels: int = 16

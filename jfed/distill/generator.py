@@ -18,7 +18,7 @@ jittable and vmappable over keys (MS initialises m·c generators in one call).
 
 The convolutions are `jfed.models.layers.Conv` / `ConvTranspose`: flax's parameters and numbers,
 computed on CPU as shifted-slice matmuls where XLA:CPU's convolutions are several times slower
-(the wide layers; BUILD_NOTES, "Generator convolutions on CPU").
+(the wide layers; docs/fedhydra.md, "Generator convolutions on CPU").
 """
 
 import functools

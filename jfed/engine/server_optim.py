@@ -12,7 +12,7 @@ an optax transformation applied to Δ:
   'fedadagrad'  optax.adagrad(lr, eps = τ).
 
 optax's Adam corrects the moments' bias and its Adagrad has no first moment; Reddi et al.'s
-Algorithm 2 has neither correction and gives Adagrad the β1 momentum. BUILD_NOTES.md records
+Algorithm 2 has neither correction and gives Adagrad the β1 momentum. docs/robustness.md records
 this. Only the parameters follow the optimiser: BatchNorm statistics are not trained, so the
 global model takes their aggregate as FedAvg does.
 """

@@ -104,7 +104,7 @@ class FedHydraConfig(NamedTuple):
   aggregation: str
   # 'paper': Ū_c as Eq. 6 (each client's class weights sum to 1, so SA logits are about 1/c of
   # a client's); 'classes': Ū_c × c (mean weight 1: the same relative weighting at the
-  # clients' logit scale). BUILD_NOTES.md, "SA logit scale".
+  # clients' logit scale). docs/fedhydra.md, "SA logit scale".
   sa_in_model_scale: str
   beta: float
   kd_T: float

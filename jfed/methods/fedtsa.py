@@ -67,7 +67,7 @@ here: the Stage-2 optimiser and batch (the clients' optimiser, batch 100 as the 
 whether "200 images" is per prompt or in total (per prompt here: 200 images in total would be
 20 per class on CIFAR-10); the KDE's axis and bandwidth (log durations, factor 0.1, at least
 0.05: the one setting measured to recover every Table 4 degree's device classes, see
-BUILD_NOTES.md); BatchNorm in Stage 2 and the reported model (above).
+docs/fedtsa.md, "KDE clustering"); BatchNorm in Stage 2 and the reported model (above).
 
 Config (`config.fedtsa`): the fields of `FedTSAConfig`.
 """

@@ -201,7 +201,7 @@ def flatten(x):
 CONV_IMPLS = ('auto', 'lax', 'matmul')
 # 'auto' takes the matmul form on CPU for every transposed convolution and for convolutions
 # with a 28×28 or larger output, where both channel counts reach MATMUL_MIN_CHANNELS: there
-# XLA:CPU's own convolutions are 3-8× slower (BUILD_NOTES, "Generator convolutions on CPU"),
+# XLA:CPU's own convolutions are 3-8× slower (docs/fedhydra.md, "Generator convolutions on CPU"),
 # while with few channels (CNNMnist, an image output layer) or small maps they are as fast or
 # faster than the matmul.
 MATMUL_MIN_CHANNELS = 32
