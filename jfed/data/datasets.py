@@ -9,7 +9,9 @@ Sources:
   * 'digits': scikit-learn's 8x8 digits (bundled with scikit-learn, always available); the
     fast smoke-test dataset.
   * 'mnist', 'fashion_mnist', 'kmnist', 'emnist': the original IDX files, read with a small
-    NumPy parser (no TensorFlow, no torchvision).
+    NumPy parser (no TensorFlow, no torchvision). Headers are checked before any data is
+    decompressed, and no more data is read than they promise. Float IDX images whose values
+    all lie in [0, 1] are taken as already scaled; all other images are scaled by 1/255.
   * 'cifar10', 'cifar100' (fine labels), 'cifar100_coarse' (the 20 superclasses): the binary
     version of CIFAR, fixed-size records read with NumPy. The Python version is never read:
     loading it means unpickling, which can run arbitrary code.
@@ -22,11 +24,13 @@ Loaded datasets are cached per process (FMNIST takes ~1 s to decompress and pars
 arrays are marked read-only so that no caller can silently corrupt the cached copy.
 """
 
+import contextlib
 import functools
 import gzip
 import os
 import pathlib
-from typing import NamedTuple, Optional, Sequence
+import struct
+from typing import BinaryIO, Iterator, NamedTuple, Optional, Sequence
 import zlib
 
 import numpy as np
@@ -146,6 +150,16 @@ _IDX_DTYPES = {
   0x0D: np.dtype('>f4'),
   0x0E: np.dtype('>f8'),
 }
+
+# The dimension counts an IDX file may declare, by what the loader expects it to hold.
+_IDX_NDIMS = {'images': (3, 4), 'labels': (1,)}
+
+# Deflate never inflates one compressed byte to more than 1032 (zlib's documented maximum
+# ratio): a gzipped file whose header promises more data than that cannot hold it.
+_MAX_DEFLATE_RATIO = 1032
+
+# Bytes decompressed per read: bounds what a stream longer than its header holds in memory.
+_IDX_READ_CHUNK = 1 << 20
 
 
 class DatasetNotFoundError(DataError, FileNotFoundError):
@@ -279,10 +293,11 @@ def load_dataset(name: str, data_dir: Optional[str] = None) -> Dataset:
   Raises:
     ValueError: unknown name.
     DatasetNotFoundError: a known dataset that is not available locally.
-    DataError: a data file that is truncated, corrupt, or holds labels outside
-      [0, num_classes) (negative labels for EMNIST, [1, 10] for SVHN), images that are not 0-255
-      pixel values, or (SVHN) variables missing or of the wrong shape or type; the message
-      names the file.
+    DataError: a data file that is truncated, corrupt, longer than its header says, or holds
+      no samples, labels outside [0, num_classes) (negative labels for EMNIST, [1, 10] for
+      SVHN), images that are not 0-255 pixel values (or, in float IDX files, values already
+      scaled to [0, 1]), or (SVHN) variables missing or of the wrong shape or type; IDX train
+      and test images of different shapes; the message names the file(s).
   """
   if name == 'digits':
     return _load_digits()
@@ -300,23 +315,76 @@ def load_dataset(name: str, data_dir: Optional[str] = None) -> Dataset:
   )
 
 
-def read_idx(path) -> np.ndarray:
+class _IdxHeader(NamedTuple):
+  """What an IDX header promises: the data's big-endian type and its dimensions."""
+
+  dtype: np.dtype
+  shape: tuple
+
+  @property
+  def described(self) -> str:
+    """The header in words, magic number included: a wrong one shows up in what it implies."""
+    type_byte = next(b for b, dtype in _IDX_DTYPES.items() if dtype == self.dtype)
+    return (
+      f'header (magic number 0x0000{type_byte:02x}{len(self.shape):02x}: '
+      f'{self.dtype.name}, {len(self.shape)} dimensions)'
+    )
+
+  @property
+  def data_bytes(self) -> int:
+    """Exact, in Python integers: dimensions near 2**32 overflow NumPy's int64 product."""
+    count = 1
+    for d in self.shape:
+      count *= d
+    return count * self.dtype.itemsize
+
+
+def read_idx(path, kind: Optional[str] = None) -> np.ndarray:
   """Reads one IDX file (gzipped or not) into a native-endian NumPy array.
 
   The format (http://yann.lecun.com/exdb/mnist/): two zero bytes, a type byte, the number
-  of dimensions, the dimensions as big-endian uint32, then the big-endian data.
+  of dimensions, the dimensions as big-endian uint32, then the big-endian data. The header is
+  read and checked first; then exactly the data bytes it promises are read (and decompressed),
+  plus one to see whether more follow, so a small gzip that inflates to gigabytes is refused
+  after inflating no more than the header promised.
+
+  Args:
+    path: the file.
+    kind: 'images' (3 or 4 dimensions) or 'labels' (1): the dimension counts its magic number
+      may declare; None accepts any.
 
   Raises:
     DataError: the file cannot be read, is a truncated or corrupt gzip file, is not an IDX
-      file, or holds fewer or more data bytes than its header says; the message names it.
+      file (of `kind`), has a header promising more data than the file can hold, or holds fewer
+      or more data bytes than its header says; the message names it.
   """
   path = pathlib.Path(path)
+  with _open_idx(path) as (f, stored_bytes, gzipped):
+    header = _read_idx_header(f, path, kind, stored_bytes, gzipped)
+    return _read_idx_data(f, path, header)
+
+
+def _idx_header(path, kind: Optional[str] = None) -> _IdxHeader:
+  """The checked header of an IDX file, read without reading (or decompressing) its data."""
+  path = pathlib.Path(path)
+  with _open_idx(path) as (f, stored_bytes, gzipped):
+    return _read_idx_header(f, path, kind, stored_bytes, gzipped)
+
+
+@contextlib.contextmanager
+def _open_idx(path: pathlib.Path) -> Iterator[tuple]:
+  """(stream, size on disk, whether gzipped) for an IDX file; errors reading or decompressing
+  it, raised by the caller's reads too, become a DataError naming it."""
   try:
-    with open(path, 'rb') as f:
-      gzipped = f.read(2) == b'\x1f\x8b'
-    opener = gzip.open if gzipped else open
-    with opener(path, 'rb') as f:
-      raw = f.read()
+    with open(path, 'rb') as raw:
+      stored_bytes = os.fstat(raw.fileno()).st_size
+      gzipped = raw.read(2) == b'\x1f\x8b'
+      raw.seek(0)
+      if gzipped:
+        with gzip.GzipFile(fileobj=raw, mode='rb') as f:
+          yield f, stored_bytes, True
+      else:
+        yield raw, stored_bytes, False
   except (EOFError, zlib.error, OSError) as e:  # gzip.BadGzipFile is an OSError.
     detail = getattr(e, 'strerror', None) or str(e) or type(e).__name__
     if _is_decompression_error(e):
@@ -324,20 +392,95 @@ def read_idx(path) -> np.ndarray:
         f'{path}: truncated or corrupt gzip file ({detail}); download it again.'
       ) from e
     raise DataError(f'{path}: cannot be read ({detail}).') from e
-  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-    raise DataError(f'{path} is not an IDX file (bad magic number {raw[:4]!r}).')
-  dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
-  if len(raw) < 4 + 4 * ndim:
-    raise DataError(f'{path}: IDX header cut short ({len(raw)} bytes for {ndim} dimensions).')
-  shape = tuple(int(d) for d in np.frombuffer(raw, dtype='>u4', count=ndim, offset=4))
-  offset = 4 + 4 * ndim
-  count = int(np.prod(shape, dtype=np.int64))
-  if len(raw) - offset != count * dtype.itemsize:
+
+
+def _read_idx_header(
+  f: BinaryIO, path: pathlib.Path, kind: Optional[str], stored_bytes: int, gzipped: bool
+) -> _IdxHeader:
+  """Reads and checks the header at the start of `f`; DataError (naming `path`) unless its
+  magic number fits `kind` and the file can hold the data it promises."""
+  magic = f.read(4)
+  if not magic:
+    raise DataError(f'{path}: empty (no IDX header); download it again.')
+  ndims = _IDX_NDIMS[kind] if kind else range(256)
+  if len(magic) < 4 or magic[:2] != b'\0\0' or magic[2] not in _IDX_DTYPES or magic[3] not in ndims:
+    raise DataError(_bad_magic_message(path, magic, kind))
+  dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
+  dims = f.read(4 * ndim)
+  if len(dims) < 4 * ndim:
     raise DataError(
-      f'{path}: header says shape {shape} but the file holds {len(raw) - offset} data bytes.'
+      f'{path}: IDX header cut short ({4 + len(dims)} bytes for {ndim} dimensions); the file '
+      f'is truncated. Download it again.'
     )
-  data = np.frombuffer(raw, dtype=dtype, count=count, offset=offset).reshape(shape)
-  return data.astype(dtype.newbyteorder('='))
+  header = _IdxHeader(dtype, struct.unpack(f'>{ndim}I', dims))
+  header_bytes = 4 + 4 * ndim
+  if gzipped and header.data_bytes > stored_bytes * _MAX_DEFLATE_RATIO:
+    raise DataError(
+      f'{path}: {header.described} promises shape {header.shape} ({header.data_bytes} data '
+      f'bytes), more than a {stored_bytes}-byte gzip file can inflate to; its magic number or '
+      f'dimensions are corrupt. Download the file again.'
+    )
+  if not gzipped and header.data_bytes != stored_bytes - header_bytes:
+    raise DataError(_size_mismatch_message(path, header, stored_bytes - header_bytes))
+  return header
+
+
+def _read_idx_data(f: BinaryIO, path: pathlib.Path, header: _IdxHeader) -> np.ndarray:
+  """Reads the data `header` promises from `f` (positioned after the header), and one byte
+  more to refuse a file that holds more; never holds more than that in memory."""
+  expected = header.data_bytes
+  try:
+    data = np.empty(header.shape, header.dtype)
+  except (MemoryError, ValueError) as e:
+    raise DataError(
+      f'{path}: {header.described} promises shape {header.shape} ({expected} data bytes), '
+      f'more than this machine can hold ({type(e).__name__}: {e}).'
+    ) from e
+  out = data.reshape(-1).view(np.uint8)
+  filled = 0
+  while filled < expected:
+    chunk = f.read(min(_IDX_READ_CHUNK, expected - filled))
+    if not chunk:
+      break
+    out[filled : filled + len(chunk)] = np.frombuffer(chunk, np.uint8)
+    filled += len(chunk)
+  if filled < expected:
+    raise DataError(_size_mismatch_message(path, header, filled))
+  if f.read(1):
+    raise DataError(_size_mismatch_message(path, header, None))
+  return data.astype(header.dtype.newbyteorder('='), copy=False)
+
+
+def _size_mismatch_message(path: pathlib.Path, header: _IdxHeader, held: Optional[int]) -> str:
+  """Why a file's data disagrees with its header; `held`: the data bytes it holds, None when
+  it holds more than the header promises and was not read to its end."""
+  if held is None or held > header.data_bytes:
+    count = '' if held is None else f' ({held} bytes)'
+    return (
+      f'{path}: holds more data{count} than its {header.described} promises (shape '
+      f'{header.shape}: {header.data_bytes} data bytes); the file is corrupt. Download it again.'
+    )
+  return (
+    f'{path}: {header.described} promises shape {header.shape} ({header.data_bytes} data '
+    f'bytes), but the file holds only {held} data bytes; it is truncated or its magic number '
+    f'or dimensions are corrupt. Download it again.'
+  )
+
+
+def _bad_magic_message(path: pathlib.Path, magic: bytes, kind: Optional[str]) -> str:
+  """Why `magic` (the first bytes of `path`, at most 4) is not that of an IDX file of `kind`."""
+  types = ', '.join(f'0x{byte:02x} {dtype.name}' for byte, dtype in _IDX_DTYPES.items())
+  got = f'0x{magic.hex()}' + ('' if len(magic) == 4 else f' (the file is only {len(magic)} bytes)')
+  what = f'an IDX {kind} file' if kind else 'an IDX file'
+  if kind:
+    type_byte = magic[2] if len(magic) > 2 and magic[2] in _IDX_DTYPES else 0x08
+    expected = ' or '.join(f'0x0000{type_byte:02x}{n:02x}' for n in _IDX_NDIMS[kind])
+  else:
+    expected = '0x0000TTNN'
+  return (
+    f'{path} is not {what} (bad magic number {got}; expected {expected}: two zero bytes, '
+    f'the type byte ({types}) and the number of dimensions).'
+  )
 
 
 def _is_decompression_error(error: BaseException) -> bool:
@@ -345,27 +488,34 @@ def _is_decompression_error(error: BaseException) -> bool:
   return isinstance(error, (EOFError, zlib.error, gzip.BadGzipFile))
 
 
-def _check_idx_images(images: np.ndarray, path) -> None:
-  """Raises DataError (naming `path`) unless `images` are [N, H, W(, C)] 0-255 pixel values.
+def _check_idx_images(images: np.ndarray, path) -> bool:
+  """Raises DataError (naming `path`) unless `images` are [N, H, W(, C)] pixel values; returns
+  whether they are already scaled to [0, 1].
 
-  uint8 files always pass; other types (float IDX files, signed integers) must hold finite
-  values in [0, 255], since the loader scales by 1/255 (float files already scaled to [0, 1]
-  pass but come out 255 times too dark).
+  Integer files (uint8 always passes) must hold values in [0, 255]: they are pixel values,
+  never already scaled, even when none exceeds 1. Float files must hold finite values: in
+  [0, 1] they are taken as already scaled, otherwise they must lie in [0, 255].
   """
   if images.ndim not in (3, 4):
     raise DataError(f'{path}: images must be [N, H, W] or [N, H, W, C], got shape {images.shape}.')
   if images.dtype == np.uint8 or not images.size:
-    return
-  if np.issubdtype(images.dtype, np.floating) and not np.all(np.isfinite(images)):
+    return False
+  is_float = np.issubdtype(images.dtype, np.floating)
+  if is_float and not np.all(np.isfinite(images)):
     bad = int(np.size(images) - np.count_nonzero(np.isfinite(images)))
     raise DataError(
-      f'{path}: {bad} image values are NaN or infinite; expected pixel values in [0, 255].'
+      f'{path}: {bad} image values are NaN or infinite; expected pixel values in [0, 255] '
+      f'(or, for float images, already scaled to [0, 1]).'
     )
   low, high = images.min(), images.max()
   if low < 0 or high > 255:
-    raise DataError(
-      f'{path}: image values span [{low}, {high}]; expected pixel values in [0, 255].'
+    expected = (
+      'pixel values in [0, 255] or float images already scaled to [0, 1]'
+      if is_float
+      else 'pixel values in [0, 255]'
     )
+    raise DataError(f'{path}: image values span [{low}, {high}]; expected {expected}.')
+  return bool(is_float and high <= 1)
 
 
 def _check_idx_labels(
@@ -492,13 +642,16 @@ def _layout_hint(source: str, dirs: Sequence[pathlib.Path]) -> str:
   return ''
 
 
-def _to_images(raw: np.ndarray, transpose: bool) -> np.ndarray:
-  """uint8 [N, H, W] or [N, H, W, C] -> float32 NHWC in [0, 1]."""
+def _to_images(raw: np.ndarray, transpose: bool, already_scaled: bool = False) -> np.ndarray:
+  """[N, H, W] or [N, H, W, C] pixel values in [0, 255] (or, `already_scaled`, in [0, 1]) ->
+  float32 NHWC in [0, 1]."""
   x = np.asarray(raw)
   if x.ndim == 3:
     x = x[..., None]
   if transpose:
     x = np.swapaxes(x, 1, 2)
+  if already_scaled:
+    return np.ascontiguousarray(x, dtype=np.float32)
   return np.ascontiguousarray(x, dtype=np.float32) / np.float32(255.0)
 
 
@@ -530,38 +683,72 @@ def _load_digits() -> Dataset:
 
 @functools.lru_cache(maxsize=None)
 def _load_idx_dataset(name: str, directory: str) -> Dataset:
+  """Reads the four IDX files of `name` in `directory`.
+
+  Every header is read and checked against the others before any file's data is read: each
+  file must hold samples, images and labels of a split must agree in number, and train and
+  test images in shape. Images of an integer type are 0-255 pixel values, scaled by 1/255.
+  Float images whose values all lie in [0, 1] are taken as already scaled and kept as they
+  are; other float images must lie in [0, 255] and are scaled by 1/255 (each file is judged
+  on its own, so either kind of file may be paired with a uint8 one).
+  """
   directory = pathlib.Path(directory)
   transpose = name.startswith(_TRANSPOSED_PREFIXES)
   known_classes = _IDX_NUM_CLASSES.get(name)
-  arrays = {}
-  for split, kind in _IDX_STEMS:
-    path = _find_idx_file(directory, split, kind)
-    arrays[split, kind] = read_idx(path)
+  paths = {(split, kind): _find_idx_file(directory, split, kind) for split, kind in _IDX_STEMS}
+  headers = {key: _idx_header(path, key[1]) for key, path in paths.items()}
+  _check_idx_headers(directory, paths, headers)
+  arrays, already_scaled = {}, {}
+  for (split, kind), path in paths.items():
+    arrays[split, kind] = read_idx(path, kind)
     if kind == 'images':
-      _check_idx_images(arrays[split, kind], path)
+      already_scaled[split] = _check_idx_images(arrays[split, kind], path)
     else:
       _check_idx_labels(arrays[split, kind], path, known_classes)
-  for split in ('train', 'test'):
-    if len(arrays[split, 'images']) != len(arrays[split, 'labels']):
-      raise DataError(
-        f'{directory}: {split} images and labels differ in length '
-        f'({len(arrays[split, "images"])} in {_find_idx_file(directory, split, "images")}, '
-        f'{len(arrays[split, "labels"])} in {_find_idx_file(directory, split, "labels")}).'
-      )
   train_y = arrays['train', 'labels'].astype(np.int32)
   test_y = arrays['test', 'labels'].astype(np.int32)
   # EMNIST 'letters' labels run 1..26, so class 0 stays empty; num_classes covers max label.
   num_classes = known_classes or int(max(train_y.max(initial=0), test_y.max(initial=0))) + 1
-  return _freeze(
-    Dataset(
-      name,
-      _to_images(arrays['train', 'images'], transpose),
-      train_y,
-      _to_images(arrays['test', 'images'], transpose),
-      test_y,
-      num_classes,
-    )
+  train_x, test_x = (
+    _to_images(arrays[split, 'images'], transpose, already_scaled[split])
+    for split in ('train', 'test')
   )
+  return _freeze(Dataset(name, train_x, train_y, test_x, test_y, num_classes))
+
+
+def _check_idx_headers(directory: pathlib.Path, paths: dict, headers: dict) -> None:
+  """Raises DataError naming the file(s) unless the four headers fit together: every file
+  holds samples, images have pixels, and the splits agree in length and image shape."""
+  for (split, kind), header in headers.items():
+    if header.shape[0] == 0:
+      raise DataError(
+        f'{paths[split, kind]}: holds no samples (its header says shape {header.shape}); the '
+        f'file is empty or not the {split} {kind} of this dataset. Download it again.'
+      )
+    if kind == 'images' and 0 in header.shape[1:]:
+      raise DataError(
+        f'{paths[split, kind]}: images of shape {_image_size(header.shape[1:])} hold no pixels.'
+      )
+  for split in ('train', 'test'):
+    images, labels = headers[split, 'images'].shape[0], headers[split, 'labels'].shape[0]
+    if images != labels:
+      raise DataError(
+        f'{directory}: {split} images and labels differ in length ({images} in '
+        f'{paths[split, "images"]}, {labels} in {paths[split, "labels"]}).'
+      )
+  train, test = (headers[split, 'images'].shape[1:] for split in ('train', 'test'))
+  # [N, H, W] is read as [N, H, W, 1]: the two spellings of one channel agree.
+  if train + (1,) * (3 - len(train)) != test + (1,) * (3 - len(test)):
+    raise DataError(
+      f'Train and test images differ in shape: {_image_size(train)} in '
+      f'{paths["train", "images"]}, {_image_size(test)} in {paths["test", "images"]}; both '
+      f'splits must come from the same dataset.'
+    )
+
+
+def _image_size(shape: Sequence[int]) -> str:
+  """'28x28', '32x32x3': the size of one image, from its shape without the sample count."""
+  return 'x'.join(str(d) for d in shape)
 
 
 def _read_cifar_file(path: pathlib.Path, labels: Sequence[tuple]) -> tuple:
