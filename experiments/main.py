@@ -1,14 +1,16 @@
 """The one entry point.
 
   python -m experiments.main --method=NAME --config=FILE[:ARG] [--workdir=DIR]
-      [--compilation_cache=DIR] [--coordinator=HOST:PORT --num_processes=N --process_id=I]
+      [--compilation_cache=DIR] [--coordinator=HOST:PORT --num_processes=N --process_id=I
+      [--init_timeout_s=S]]
 
 With --flower_supernodes=N the clients train on N Flower SuperNodes of a local deployment
 (jfed/flower; README, "Flower"), the server stage runs in the ServerApp, and the workdir is the
 same as in one process. With --coordinator (or --distributed) the run spans several JAX
 processes: each runs the same command, client groups are sharded over all their devices (set
 --config.shard=True), and only process 0 writes metrics, summaries and figures into the
-workdir, which all processes share.
+workdir, which all processes share. While the processes gather, each says how long it has
+waited; one that has not met all the others within --init_timeout_s ends with an `error:` line.
 
 Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
 `--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
@@ -40,6 +42,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer('num_processes', None, 'Processes of a multi-process run.')
 flags.DEFINE_integer('process_id', None, "This process's rank in [0, --num_processes).")
+flags.DEFINE_integer(
+  'init_timeout_s',
+  300,
+  'Seconds a process of a multi-process run waits for all the others to join before it ends '
+  'with an error (with --coordinator or --distributed).',
+)
 flags.DEFINE_bool(
   'distributed',
   False,
@@ -112,8 +120,17 @@ def main(argv):
     from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
 
     launch = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    if FLAGS.distributed or any(v is not None for v in launch):
-      multihost.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    multi_process = FLAGS.distributed or any(v is not None for v in launch)
+    if FLAGS['init_timeout_s'].present and not multi_process:
+      _fail(
+        '--init_timeout_s applies only to a multi-process run (--coordinator or --distributed)', 2
+      )
+    if FLAGS.flower_supernodes and FLAGS.coordinator:
+      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one', 2)
+    if multi_process:
+      multihost.initialize(
+        FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout_s
+      )
 
     if FLAGS.compilation_cache:
       from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
@@ -121,8 +138,6 @@ def main(argv):
       use_persistent_cache(FLAGS.compilation_cache)
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
-    if FLAGS.flower_supernodes and FLAGS.coordinator:
-      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one', 2)
     if FLAGS.flower_supernodes:
       from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
 
