@@ -4,7 +4,7 @@ the paper's.
     python -m experiments.fedhydra_tables --config=experiments/configs/fedhydra_fashion_mnist.py \
         --out=runs/fedhydra_tables [--methods=fedavg,ot,feddf,dense,coboosting,fedhydra] \
         [--partitions=dir0.5,dir0.3,dir0.1,dir0.01,2c/c] [--seeds=0,1,2] \
-        [--config.fedhydra.epochs=...]
+        [--config.fedhydra.epochs=...] [--nobatch_seeds]
 
 Each (seed, partition, method) runs through `jfed.driver.run_experiment` with `config.seed` = the
 seed (which draws the partition and every initialisation) into OUT/seed<s>/<partition>/<method>/
@@ -14,7 +14,11 @@ OUT/seed<s>/<partition>/local_models), so the clients train once per seed and pa
 FedAvg (method 'fedavg' with rounds = 1) averages those same local models
 (`fedavg.reuse_local_models`), as in the paper, where every method starts from one set of local
 models. Multi-round FedAvg (rounds=N) trains its own clients. The seeds run one after the other,
-each one whole before the next.
+each one whole before the next; but first (`--batch_seeds`, on by default), per partition, the
+shared local models of every seed that has none yet train as one client group of all those
+seeds' clients (`jfed.methods.seed_batch`: each client with its own seed's data, init and keys,
+so the models are those its own run would train), written to each seed's local_models, where
+the runs find them.
 
 Writes OUT/tables.md — Table 1 (methods × Dirichlet α) and Table 2 (2c/c) in the paper's layout,
 twice: the final epoch and the best epoch, each cell the mean ± sample std over the finished
@@ -82,6 +86,12 @@ def define_flags() -> None:
     'Partitions (columns): dir<alpha> or 2c/c.',
   )
   flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition and initialisations; >= 3).')
+  flags.DEFINE_bool(
+    'batch_seeds',
+    True,
+    "Before a partition's runs: train the shared local models of its seeds that have none yet "
+    'in one program (jfed.methods.seed_batch), which the runs then read.',
+  )
   flags.DEFINE_list(
     'merge',
     [],
@@ -323,6 +333,23 @@ def plot_partition(out: pathlib.Path, partition: str, results: dict, methods) ->
     )
 
 
+def pretrain_seeds(seeds, label: str) -> None:
+  """`jfed.methods.seed_batch.pretrain_cell` of one cell's seeds (per seed, its planned runs),
+  printing what it trained. A failure is printed and the sweep goes on: each run then trains
+  its own clients, as without batching."""
+  from jfed.methods import seed_batch  # pylint: disable=g-import-not-at-top
+
+  try:
+    done = seed_batch.pretrain_cell(seeds)
+  except Exception:  # pylint: disable=broad-except  # the runs train their clients themselves
+    traceback.print_exc()
+    print(f'=== {label}: batched local training failed; each seed trains its own', flush=True)
+    return
+  trained = sorted({d.seed for d in done if d.trained})
+  if trained:
+    print(f'=== {label}: local models of seeds {trained} trained in one program', flush=True)
+
+
 def run_sweep(
   config,
   out: pathlib.Path,
@@ -330,13 +357,17 @@ def run_sweep(
   partitions: Sequence[str],
   seeds: Sequence[int] = (0, 1, 2),
   merge: Sequence[str] = (),
+  batch_seeds: bool = True,
 ) -> str:
   """Runs every (seed, partition, method) not finished yet (or, with `merge`, only merges those
   directories' results); rewrites results.json and tables.md after each run and the figures
-  after each partition; returns the tables' text."""
+  after each partition; returns the tables' text. With `batch_seeds`, first, per partition, the
+  shared local models of the seeds that will read them and have none yet train in one program
+  (`pretrain_seeds`)."""
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from jfed.methods.seed_batch import PlannedRun  # pylint: disable=g-import-not-at-top
   from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
   methods, partitions, seeds = list(methods), list(partitions), [int(s) for s in seeds]
@@ -364,13 +395,25 @@ def run_sweep(
     write_seed_results(results_path, meta, results)
     atomic_write_text(out / 'tables.md', render(config, results, methods, partitions, meta))
 
+  def seed_config(seed: int, partition: str):
+    base = bases[partition].copy_and_resolve_references()
+    base.seed = seed
+    base.local_models_dir = str(
+      (out / f'seed{seed}' / dirname(partition) / 'local_models').absolute()
+    )
+    base.fedavg.reuse_local_models = base.fedavg.rounds == 1
+    return base
+
+  def planned_runs(seed: int, partition: str) -> List[PlannedRun]:
+    cell = out / f'seed{seed}' / dirname(partition)
+    return [PlannedRun(m, seed_config(seed, partition), cell / m) for m in methods]
+
   for seed in [] if merge else seeds:
     for partition in partitions:
+      if batch_seeds and seed == seeds[0]:  # before the partition's first run
+        pretrain_seeds([planned_runs(s, partition) for s in seeds], partition)
       cell = out / f'seed{seed}' / dirname(partition)
-      base = bases[partition].copy_and_resolve_references()
-      base.seed = seed
-      base.local_models_dir = str((cell / 'local_models').absolute())
-      base.fedavg.reuse_local_models = base.fedavg.rounds == 1
+      base = seed_config(seed, partition)
       record = results.setdefault(partition, {}).setdefault(str(seed), {})
       for method in methods:
         workdir = cell / method
@@ -401,6 +444,7 @@ def main(argv):
       FLAGS.partitions,
       [int(s) for s in FLAGS.seeds],
       FLAGS.merge,
+      FLAGS.batch_seeds,
     )
   )
 

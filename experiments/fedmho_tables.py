@@ -25,7 +25,10 @@ and its runs share it (`local_models_dir` / `local_cvaes_dir` = OUT/dir<α>/seed
 Every run of a config holds out the same `dataset.holdout_size` training samples (FedDF's
 distillation and validation images), so all methods' clients hold the same data, and every run
 is scored on the whole test split. The seed changes the partition, every initialisation and
-every draw.
+every draw. Before an α's first run (`--batch_seeds`, on by default) the baseline set's local
+models of every seed that has none yet train as one client group of all those seeds' clients
+(`jfed.methods.seed_batch`: each client with its own seed's data, init and keys, so the models
+are those its own run would train), written where the runs look for them.
 
 Writes OUT/tables.md — Table 3 (runs × α, "mean ± std over seeds" of the final and of the best
 test accuracy in %, the paper's number beside ours), Table 4 (with and without the filter) and
@@ -80,6 +83,12 @@ def define_flags() -> None:
     "generated samples of the runs that generate (the table's precondition line); 0: none.",
   )
   flags.DEFINE_string('reference_model', 'cnn_mnist', 'The reference classifier (a model spec).')
+  flags.DEFINE_bool(
+    'batch_seeds',
+    True,
+    "Before an α's runs: train the baseline client set's local models of its seeds that have "
+    'none yet in one program (jfed.methods.seed_batch), which the runs then read.',
+  )
   flags.mark_flags_as_required(['config'])
 
 
@@ -348,6 +357,45 @@ def plot_table(
   fig.savefig(path)
 
 
+# The client sets whose local models `pretrain_seeds` trains for all seeds at once: the
+# baselines' (every client a classifier, shared in OUT/dir<α>/seed<s>/baselines/). FedMHO's own
+# set shares its classifiers inside the workdir of run 'fedmho' (written there first, they would
+# make that run refuse its workdir as one of an unknown run), and the FedCVAE sets have no
+# classifier clients.
+BATCHED_CLIENTS = ('baselines',)
+
+
+def pretrain_seeds(
+  module, budget: str, out: pathlib.Path, runs: List[str], alpha: float, seeds: List[int]
+) -> None:
+  """`jfed.methods.seed_batch.pretrain_cell` of the α's seeds, for the runs of the client sets
+  of `BATCHED_CLIENTS`, printing what it trained. A failure is printed and the sweep goes on:
+  each run then trains its own clients, as without batching."""
+  from jfed.methods import seed_batch  # pylint: disable=g-import-not-at-top
+
+  try:
+    plan = [
+      [
+        seed_batch.PlannedRun(
+          RUNS[name].method,
+          run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed)),
+          cell_dir(out, alpha, seed) / name,
+        )
+        for name in runs
+        if RUNS[name].clients in BATCHED_CLIENTS
+      ]
+      for seed in seeds
+    ]
+    done = seed_batch.pretrain_cell(plan)
+  except Exception:  # pylint: disable=broad-except  # the runs train their clients themselves
+    traceback.print_exc()
+    print(f'=== α={alpha}: batched local training failed; each seed trains its own', flush=True)
+    return
+  trained = sorted({d.seed for d in done if d.trained})
+  if trained:
+    print(f'=== α={alpha}: local models of seeds {trained} trained in one program', flush=True)
+
+
 def run_sweep(
   config_path: str,
   budget: str,
@@ -357,10 +405,13 @@ def run_sweep(
   seeds: List[int],
   reference_epochs: int = 0,
   reference_model: str = 'cnn_mnist',
+  batch_seeds: bool = True,
 ) -> str:
   """Runs every (α, seed, run) not finished yet; writes results.json and tables.md after each;
   returns the tables' text. With `reference_epochs`, a classifier trained on the real training
-  images (once, on the first generating run) labels each generating run's samples."""
+  images (once, on the first generating run) labels each generating run's samples. With
+  `batch_seeds`, before an α's first run, the local models of its seeds' baseline client set
+  (`BATCHED_CLIENTS`) that have none yet train in one program (`pretrain_seeds`)."""
   import jax
 
   from jfed.driver import run_experiment
@@ -415,6 +466,8 @@ def run_sweep(
     plot_table(out / 'table3.png', results, runs, alphas, base.dataset.name == 'fashion_mnist')
 
   for alpha in alphas:
+    if batch_seeds:
+      pretrain_seeds(module, budget, out, runs, alpha, seeds)
     for seed in seeds:
       cell = cell_dir(out, alpha, seed)
       record = results.setdefault(str(alpha), {}).setdefault(str(seed), {})
@@ -454,6 +507,7 @@ def main(argv):
       seeds,
       FLAGS.reference_epochs,
       FLAGS.reference_model,
+      FLAGS.batch_seeds,
     )
   )
 

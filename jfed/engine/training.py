@@ -73,15 +73,27 @@ def client_orders(
   order depends only on (key, its id, its size): not on the group's padding or its position in
   the group. That is what makes a padded client train exactly as it would alone.
   """
+  return jax.vmap(_client_order, in_axes=(None, 0, 0, None, None))(
+    key, client_ids, sizes, n_max, padded_len
+  )
+
+
+def client_orders_each(
+  keys: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max: int, padded_len: int
+) -> jax.Array:
+  """`client_orders` with a key per client ([clients] keys): clients of several runs (seeds) in
+  one group each get the orders of their own run."""
+  return jax.vmap(_client_order, in_axes=(0, 0, 0, None, None))(
+    keys, client_ids, sizes, n_max, padded_len
+  )
+
+
+def _client_order(key, client_id, size, n_max: int, padded_len: int) -> jax.Array:
   positions = jnp.arange(n_max)
-
-  def one(client_id, size):
-    ckey = jax.random.fold_in(key, client_id)
-    u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(ckey, i)))(positions)
-    u = jnp.where(positions < size, u, 2.0)
-    return jnp.pad(jnp.argsort(u), (0, padded_len - n_max))
-
-  return jax.vmap(one)(client_ids, sizes)
+  ckey = jax.random.fold_in(key, client_id)
+  u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(ckey, i)))(positions)
+  u = jnp.where(positions < size, u, 2.0)
+  return jnp.pad(jnp.argsort(u), (0, padded_len - n_max))
 
 
 def supervised_loss(logits, labels, weights):
@@ -174,6 +186,9 @@ class GroupTrainer:
     self._loop_take_context = jax.jit(_take_context)
     self._orders = jax.jit(client_orders, static_argnums=(3, 4))
     self._client_keys = jax.jit(client_step_keys)
+    self._epoch_keys_each = jax.jit(epoch_keys_each)
+    self._orders_each = jax.jit(client_orders_each, static_argnums=(3, 4))
+    self._client_keys_each = jax.jit(client_step_keys_each)
 
   # -- the one step every strategy runs ------------------------------------------------------
   def _client_step(self, ts: TrainState, x, y, order, size, client_key, step, anchor, context):
@@ -226,7 +241,10 @@ class GroupTrainer:
       state: stacked TrainState of the group (leading axis = clients of `fed`).
       fed: FederatedArrays (x [m, n_max, ...], y [m, n_max] or [m, n_max, C], sizes [m]).
       epochs: local epochs.
-      key: data-order key; a client's order in epoch e depends only on (key, e, its id).
+      key: data-order key; a client's order in epoch e depends only on (key, e, its id). Or
+        one key per client ([m] keys, `is_key_per_client`): client k's orders and step keys
+        are then those of a group trained with key keys[k], so the clients of several runs
+        (seeds) train in one program exactly as in their own runs.
       anchor: FedProx reference parameters (single model), required when prox_mu > 0.
       progress: called as progress(epochs_done, epochs) after each epoch.
       client_ids: global ids of the group's clients (default 0..m-1).
@@ -255,19 +273,29 @@ class GroupTrainer:
       x, y = _pad_samples(x, n_max), _pad_samples(y, n_max)
     across_processes = multihost.spans_processes(self.mesh)
     owned = range(m)  # the clients this process trains
+    per_client_keys = is_key_per_client(key)
+    if per_client_keys and len(key) != m:
+      raise ValueError(f'{len(key)} per-client keys for a group of {m} clients')
     if self.strategy == 'loop' and across_processes:
       owned = _process_block(m)
     elif self.strategy != 'loop' and self.mesh is not None:
       state, x, y, sizes, ids, context = sharding.shard_group(
         self.mesh, (state, x, y, sizes, ids, context)
       )
+      if per_client_keys:  # the padded clients' keys: size 0, they never step
+        key = sharding.shard_group(self.mesh, key)
       if across_processes and anchor is not None:
         anchor = sharding.replicate_on_mesh(self.mesh, anchor)
     stats = []
     for epoch in range(epochs):
-      epoch_key = jax.random.fold_in(key, epoch)
-      orders = self._orders(epoch_key, ids, sizes, n_max, padded_len)
-      keys = self._client_keys(epoch_key, ids)
+      if per_client_keys:
+        epoch_keys = self._epoch_keys_each(key, epoch)
+        orders = self._orders_each(epoch_keys, ids, sizes, n_max, padded_len)
+        keys = self._client_keys_each(epoch_keys, ids)
+      else:
+        epoch_key = jax.random.fold_in(key, epoch)
+        orders = self._orders(epoch_key, ids, sizes, n_max, padded_len)
+        keys = self._client_keys(epoch_key, ids)
       if self.strategy == 'loop':
         state, epoch_stats = self._loop_epoch(
           state, x, y, orders, sizes, keys, fed.sizes, anchor, context, owned
@@ -352,6 +380,27 @@ def client_step_keys(epoch_key: jax.Array, client_ids: jax.Array) -> jax.Array:
   """[clients] keys of an epoch; a step's key is fold_in(this, step) (see the module docstring)."""
   base = jax.random.fold_in(epoch_key, STEP_KEY_TAG)
   return jax.vmap(lambda c: jax.random.fold_in(base, c))(client_ids)
+
+
+def client_step_keys_each(epoch_keys: jax.Array, client_ids: jax.Array) -> jax.Array:
+  """`client_step_keys` with a key per client ([clients] epoch keys)."""
+  return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, STEP_KEY_TAG), c))(
+    epoch_keys, client_ids
+  )
+
+
+def epoch_keys_each(keys: jax.Array, epoch: jax.Array) -> jax.Array:
+  """fold_in(key, epoch) of every client's key ([clients] keys)."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, epoch))(keys)
+
+
+def is_key_per_client(key: jax.Array) -> bool:
+  """Whether `key` is a stack of keys (one per client) rather than one key: a typed key array
+  with a leading axis, or a raw uint32 key array of shape [clients, 2]."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim == 1
+  return key.ndim == 2
 
 
 def _take_client(state, x, y, orders, sizes, keys, k):
