@@ -1,6 +1,6 @@
 """Checkpoints and client uploads."""
 
-from jfed.io.checkpoint import Checkpointer
+from jfed.io.checkpoint import Checkpointer, saved_steps
 from jfed.io.uploads import (
   DecoderUpload,
   LogitsUpload,

@@ -301,3 +301,15 @@ def _like_template(restored: Any, template: Any) -> Any:
   return jax.tree.map(
     lambda r, t: jnp.asarray(r) if isinstance(t, jax.Array) else r, restored, template
   )
+
+
+def saved_steps(directory) -> List[int]:
+  """The steps (or stage tags) a checkpoint directory holds; empty when it does not exist."""
+  path = pathlib.Path(directory)
+  if not path.exists():
+    return []
+  ckpt = Checkpointer(path)
+  try:
+    return ckpt.steps()
+  finally:
+    ckpt.close()

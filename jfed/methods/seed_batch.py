@@ -29,7 +29,7 @@ from jfed import driver, engine
 from jfed.data import Dataset, FederatedArrays
 from jfed.engine import ModelState
 from jfed.errors import ConfigError, NonFiniteError
-from jfed.io import Checkpointer
+from jfed.io import saved_steps
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
@@ -223,14 +223,7 @@ def train_seeds(
 def cached(directory: str, epochs: int) -> bool:
   """Whether a `local_models_dir` holds the local models of `epochs` local epochs (the tag
   `common.local_models` restores)."""
-  path = pathlib.Path(directory)
-  if not path.exists():
-    return False
-  ckpt = Checkpointer(path)
-  try:
-    return int(epochs) in ckpt.steps()
-  finally:
-    ckpt.close()
+  return int(epochs) in saved_steps(directory)
 
 
 def pretrain_local_models(
