@@ -56,7 +56,7 @@ from jfed.data import Dataset
 from jfed.data.public import hold_out_train, holdout_size
 from jfed.engine import multihost
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
-from jfed.io import Checkpointer, saved_steps
+from jfed.io import Checkpointer
 from jfed.io.scalars import ScalarLoggers, logging_config
 from jfed.keys import Purpose
 from jfed.workdir import Workdir, atomic_write_text, dumps, jsonable, write_json
@@ -168,12 +168,6 @@ class RunContext:
         ckpt.close()
     self._memo[memo_key] = result
     return result
-
-  def stage_tags(self, name: str, directory: Optional[str] = None) -> List[int]:
-    """Tags of the cached results of a stage (empty for a run in memory)."""
-    if self.workdir is None and directory is None:
-      return sorted(t for (n, t) in self._memo if n == name)
-    return saved_steps(pathlib.Path(directory) if directory else self.workdir / name)
 
 
 class Algorithm(Generic[ConfigT, AuxT, StateT]):
