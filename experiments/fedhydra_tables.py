@@ -59,6 +59,7 @@ from experiments.seed_tables import (
   ordering_lines,
   paper_orderings,
   plot_bands,
+  pretrain_seeds,
   read_seed_results,
   report_date,
   seed_cell,
@@ -333,23 +334,6 @@ def plot_partition(out: pathlib.Path, partition: str, results: dict, methods) ->
     )
 
 
-def pretrain_seeds(seeds, label: str) -> None:
-  """`jfed.methods.seed_batch.pretrain_cell` of one cell's seeds (per seed, its planned runs),
-  printing what it trained. A failure is printed and the sweep goes on: each run then trains
-  its own clients, as without batching."""
-  from jfed.methods import seed_batch  # pylint: disable=g-import-not-at-top
-
-  try:
-    done = seed_batch.pretrain_cell(seeds)
-  except Exception:  # pylint: disable=broad-except  # the runs train their clients themselves
-    traceback.print_exc()
-    print(f'=== {label}: batched local training failed; each seed trains its own', flush=True)
-    return
-  trained = sorted({d.seed for d in done if d.trained})
-  if trained:
-    print(f'=== {label}: local models of seeds {trained} trained in one program', flush=True)
-
-
 def run_sweep(
   config,
   out: pathlib.Path,
@@ -411,7 +395,7 @@ def run_sweep(
   for seed in [] if merge else seeds:
     for partition in partitions:
       if batch_seeds and seed == seeds[0]:  # before the partition's first run
-        pretrain_seeds([planned_runs(s, partition) for s in seeds], partition)
+        pretrain_seeds(lambda: [planned_runs(s, partition) for s in seeds], partition)
       cell = out / f'seed{seed}' / dirname(partition)
       base = seed_config(seed, partition)
       record = results.setdefault(partition, {}).setdefault(str(seed), {})

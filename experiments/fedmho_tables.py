@@ -61,6 +61,7 @@ from experiments.seed_tables import (
   ordering_lines,
   paper_orderings,
   percent_stats_each,
+  pretrain_seeds,
   report_date,
 )
 
@@ -365,35 +366,25 @@ def plot_table(
 BATCHED_CLIENTS = ('baselines',)
 
 
-def pretrain_seeds(
+def batched_plan(
   module, budget: str, out: pathlib.Path, runs: List[str], alpha: float, seeds: List[int]
-) -> None:
-  """`jfed.methods.seed_batch.pretrain_cell` of the α's seeds, for the runs of the client sets
-  of `BATCHED_CLIENTS`, printing what it trained. A failure is printed and the sweep goes on:
-  each run then trains its own clients, as without batching."""
+):
+  """Per seed of the α, the `seed_batch.PlannedRun`s of the runs of the client sets of
+  `BATCHED_CLIENTS` (what `seed_tables.pretrain_seeds` trains in one program)."""
   from jfed.methods import seed_batch  # pylint: disable=g-import-not-at-top
 
-  try:
-    plan = [
-      [
-        seed_batch.PlannedRun(
-          RUNS[name].method,
-          run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed)),
-          cell_dir(out, alpha, seed) / name,
-        )
-        for name in runs
-        if RUNS[name].clients in BATCHED_CLIENTS
-      ]
-      for seed in seeds
+  return [
+    [
+      seed_batch.PlannedRun(
+        RUNS[name].method,
+        run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed)),
+        cell_dir(out, alpha, seed) / name,
+      )
+      for name in runs
+      if RUNS[name].clients in BATCHED_CLIENTS
     ]
-    done = seed_batch.pretrain_cell(plan)
-  except Exception:  # pylint: disable=broad-except  # the runs train their clients themselves
-    traceback.print_exc()
-    print(f'=== α={alpha}: batched local training failed; each seed trains its own', flush=True)
-    return
-  trained = sorted({d.seed for d in done if d.trained})
-  if trained:
-    print(f'=== α={alpha}: local models of seeds {trained} trained in one program', flush=True)
+    for seed in seeds
+  ]
 
 
 def run_sweep(
@@ -467,7 +458,7 @@ def run_sweep(
 
   for alpha in alphas:
     if batch_seeds:
-      pretrain_seeds(module, budget, out, runs, alpha, seeds)
+      pretrain_seeds(lambda: batched_plan(module, budget, out, runs, alpha, seeds), f'α={alpha}')
     for seed in seeds:
       cell = cell_dir(out, alpha, seed)
       record = results.setdefault(str(alpha), {}).setdefault(str(seed), {})

@@ -190,6 +190,25 @@ def ordering_lines(orderings: Sequence[Ordering], names: Mapping[str, str]) -> L
   return lines
 
 
+def pretrain_seeds(plan: Callable[[], Sequence[Sequence]], label: str) -> None:
+  """`jfed.methods.seed_batch.pretrain_cell` of one cell's seeds (`plan()`: per seed, its
+  `seed_batch.PlannedRun`s), printing what it trained. A failure, planning included, is printed
+  and the sweep goes on: each run then trains its own clients, as without batching."""
+  import traceback  # pylint: disable=g-import-not-at-top
+
+  from jfed.methods import seed_batch  # pylint: disable=g-import-not-at-top
+
+  try:
+    done = seed_batch.pretrain_cell(plan())
+  except Exception:  # pylint: disable=broad-except  # the runs train their clients themselves
+    traceback.print_exc()
+    print(f'=== {label}: batched local training failed; each seed trains its own', flush=True)
+    return
+  trained = sorted({d.seed for d in done if d.trained})
+  if trained:
+    print(f'=== {label}: local models of seeds {trained} trained in one program', flush=True)
+
+
 def merge_seed_results(results: Dict, other: Mapping) -> None:
   """Adds `other`'s (cell, seed, run) records to `results`; a finished record wins over an
   error, and two finished records of one run must agree (the same run twice)."""
