@@ -28,6 +28,7 @@ class Purpose(enum.IntEnum):
   STAGE2_IMAGES = 71  # FedTSA: the synthetic images of Stage 2 (generation)
   DIFFUSION = 72  # FedTSA: training the DDPM
   ATTACK = 81  # simulated attacks: fold_in(0) the attackers, fold_in(1) then round r the uploads
+  PRIVACY = 91  # DP-FedAvg's noise (jfed/engine/privacy.py), per round
 
 
 @enum.unique

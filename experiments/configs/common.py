@@ -142,6 +142,24 @@ def base_config() -> ml_collections.ConfigDict:
     {'name': 'fedavg', 'lr': 1.0, 'momentum': 0.9, 'b1': 0.9, 'b2': 0.99, 'eps': 1e-3}
   )
 
+  # Differential privacy of FedAvg / FedProx (DP-FedAvg; jfed/engine/privacy.py): every update
+  # clipped to L2 norm clip_norm (adaptive: C follows the target_quantile of the update norms,
+  # step clip_lr, its count noised with std count_noise_fraction x clients per round; Andrew et
+  # al. 2021), Gaussian noise of std noise_multiplier x C on their sum at the server, or (local)
+  # on each upload at its client; ε at delta is recorded every round.
+  c.dp = ml_collections.ConfigDict(
+    {
+      'enabled': False,
+      'noise_multiplier': 1.0,
+      'clip_norm': 1.0,
+      'adaptive': False,
+      'target_quantile': 0.5,
+      'clip_lr': 0.2,
+      'count_noise_fraction': 0.05,
+      'delta': 1e-5,
+      'local': False,
+    }
+  )
   c.fedavg = ml_collections.ConfigDict(
     {'rounds': 1, 'local_epochs': 1, 'participation': 1.0, 'reuse_local_models': False}
   )

@@ -13,6 +13,13 @@ the server optimiser's state after every round.
 again. FedHydra's tables compare every method on the same local models; this also saves one
 round of local training per partition in `experiments.fedhydra_tables`.
 
+`dp.enabled` makes them DP-FedAvg / DP-FedProx (`jfed.engine.privacy`): the server clips every
+upload's update to `dp.clip_norm` (fixed, or adaptive toward `dp.target_quantile` of the norms),
+adds Gaussian noise of std z·C to their sum and divides by the clients per round; or, with
+`dp.local`, every client clips and noises its own update before it uploads. Each round records
+the ε spent so far at `dp.delta` (`dp_epsilon`, from dp-accounting's RDP accountant) and the
+clip norm it used; the summary's `dp` gives the final ε with δ, z, C and the sampling rate q.
+
 `fedavg_vote` is one-shot FedAvg for heterogeneous clients as FedMHO (seed 004 §5.1.2) runs it:
 the shared one-shot local models (`common.local_models`) are averaged *uniformly* within each
 architecture ("model prototype"; the reference's `_avg_over_archs`), and the result is "the
@@ -25,12 +32,14 @@ import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
 from jfed.driver import Algorithm
-from jfed.engine import GroupTrainer, ModelState, server_optim
+from jfed.engine import GroupTrainer, ModelState, privacy, server_optim
+from jfed.engine.aggregation import Aggregator
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.context import RunContext
@@ -64,11 +73,73 @@ class FedAvgAux(NamedTuple):
   server: common.Server
   server_tx: Any  # optax.GradientTransformation on the pseudo-gradient
   server_update: Callable  # jitted (opt_state, global, aggregate) -> (global, opt_state)
+  dp: Optional['DpSetup'] = None  # None: no differential privacy
 
 
 class FedAvgState(NamedTuple):
   model: ModelState  # the global model
   server_opt_state: Any  # the server optimiser's state
+  dp_clip_norm: Any = None  # adaptive clipping's C for the next round (else None)
+
+
+class DpSetup(NamedTuple):
+  """A DP run's mechanism: its `dp` section and the numbers its accounting depends on."""
+
+  config: privacy.DpConfig
+  clients_per_round: int  # m: the fixed denominator of the server-side mean
+  sampling_rate: float  # q = m / N
+  count_std: Optional[float]  # σ_b of adaptive clipping's count (None: fixed clipping)
+
+  @property
+  def update_noise_multiplier(self) -> float:
+    return privacy.update_noise_multiplier(self.config.noise_multiplier, self.count_std)
+
+  def epsilon(self, rounds: int) -> float:
+    """ε after `rounds` rounds at `dp.delta` (per client under local DP)."""
+    c = self.config
+    if c.local:
+      return privacy.local_epsilon(c.noise_multiplier, rounds, c.delta)
+    return privacy.central_epsilon(
+      self.sampling_rate, c.noise_multiplier, rounds, c.delta, self.count_std
+    )
+
+
+class _DpServer(NamedTuple):
+  """The run's server for one DP round: with local DP the clients' uploads are clipped and
+  noised before the server receives them; otherwise the server's rule is the DP mean (attack
+  simulation and upload validation stay as they are). `released` gets the noised unclipped
+  fraction b̃ (the Aggregator API returns only the model)."""
+
+  server: common.Server
+  dp: DpSetup
+  noise: privacy.RoundNoise
+  released: Dict[str, Any]
+
+  @property
+  def attack(self):
+    return self.server.attack
+
+  def receive(self, group, stacked, reference, template, step, weights=None, **kwargs):
+    if self.dp.config.local:
+      stacked = privacy.privatize_locally(
+        stacked,
+        reference,
+        self.noise.key,
+        jnp.asarray(group.client_ids),
+        self.noise.clip_norm,
+        jnp.float32(self.dp.config.noise_multiplier),
+      )
+      return self.server.receive(group, stacked, reference, template, step, weights, **kwargs)
+
+    def dp_mean(rows, unused_weights, ref):  # every clipped update counts 1, not its size
+      model, self.released['unclipped_fraction'] = privacy.central_aggregate(rows, ref, self.noise)
+      return model
+
+    server = self.server._replace(aggregator=Aggregator('dp_mean', dp_mean))
+    model, record = server.receive(group, stacked, reference, template, step, weights, **kwargs)
+    if 'unclipped_fraction' not in self.released:  # every upload rejected: noise all the same
+      model, self.released['unclipped_fraction'] = privacy.central_noise_only(reference, self.noise)
+    return model, record
 
 
 def server_optimizer_config(config) -> server_optim.ServerOptimizerConfig:
@@ -97,6 +168,12 @@ class FedAvg(Algorithm):
     c = self.config
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
+    problem = privacy.config_problem(
+      privacy.dp_config(config),
+      common.clients_per_round(int(config.partition.num_clients), c.participation),
+      common.aggregation_config(config),
+    )
+    tc.require(problem is None, problem)
     so = server_optimizer_config(config)
     tc.require_choice(so.name, server_optim.SERVER_OPTIMIZERS, 'server_optimizer.name')
     tc.require_positive(so, 'server_optimizer', ('lr', 'eps'))
@@ -124,23 +201,77 @@ class FedAvg(Algorithm):
     server = common.run_server(ctx)
     tx = server_optim.make_server_optimizer(server_optimizer_config(ctx.config))
     update = jax.jit(functools.partial(server_optim.server_update, tx))
+    dp = self._dp_setup(ctx)
     if self.reuse_local_models:
       local = common.local_models(ctx, self.config.local_epochs)
       assert local.groups[0].spec == spec
-      return FedAvgAux(full_group, None, evaluator, init, local, server, tx, update)
+      return FedAvgAux(full_group, None, evaluator, init, local, server, tx, update, dp)
     trainer = common.make_trainers(ctx, [full_group], self.prox_mu)[0]
-    return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update)
+    return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update, dp)
+
+  def _dp_setup(self, ctx: RunContext) -> Optional[DpSetup]:
+    dp = privacy.dp_config(ctx.config)
+    self._dp = None
+    if not dp.enabled:
+      return None
+    m = common.clients_per_round(ctx.num_clients, self.config.participation)
+    count_std = privacy.count_noise_std(dp, m) if dp.adaptive else None
+    self._dp = DpSetup(dp, m, m / ctx.num_clients, count_std)
+    return self._dp
+
+  def step_label(self, i: int, n: int) -> str:
+    label = super().step_label(i, n)
+    dp = getattr(self, '_dp', None)
+    if dp is None:
+      return label
+    return f'{label} (ε = {dp.epsilon(i + 1):.3g} at δ = {dp.config.delta:g})'
 
   def init(self, ctx: RunContext, aux: FedAvgAux) -> FedAvgState:
-    return FedAvgState(aux.init, aux.server_tx.init(aux.init.params))
+    clip = None
+    if aux.dp is not None and aux.dp.config.adaptive:
+      clip = jnp.float32(aux.dp.config.clip_norm)
+    return FedAvgState(aux.init, aux.server_tx.init(aux.init.params), clip)
+
+  def _round_server(self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int):
+    """The server of round i: the run's, or under DP the run's behind round i's mechanism."""
+    if aux.dp is None:
+      return aux.server
+    dp = aux.dp
+    clip = dp.config.clip_norm if state.dp_clip_norm is None else state.dp_clip_norm
+    clip = jnp.asarray(clip, jnp.float32)
+    noise = privacy.RoundNoise(
+      ctx.derive_key(Purpose.PRIVACY, i),
+      clip,
+      jnp.float32(dp.update_noise_multiplier) * clip,
+      jnp.float32(dp.count_std or 0.0),
+      jnp.float32(dp.clients_per_round),
+    )
+    return _DpServer(aux.server, dp, noise, {})
+
+  def _dp_round(
+    self, aux: FedAvgAux, state: FedAvgState, server: Any, i: int
+  ) -> Tuple[Any, Dict[str, Any]]:
+    """The next adaptive clip norm and round i's privacy record fields."""
+    if aux.dp is None:
+      return state.dp_clip_norm, {}
+    dp, clip = aux.dp, server.noise.clip_norm
+    # the driver's progress line prints it too (`step_label`)
+    record = {'dp_epsilon': dp.epsilon(i + 1), 'dp_clip_norm': float(clip)}
+    if not dp.config.adaptive:
+      return None, record
+    fraction = server.released['unclipped_fraction']
+    record['dp_unclipped_fraction'] = float(fraction)
+    c = dp.config
+    return privacy.next_clip_norm(clip, fraction, c.target_quantile, c.clip_lr), record
 
   def step(
     self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int
   ) -> Tuple[FedAvgState, List[Dict[str, Any]]]:
     c = self.config
+    server = self._round_server(ctx, aux, state, i)
     if aux.local is not None:  # one-shot aggregate of the shared local models
       (group,), (models,) = aux.local.groups, aux.local.models
-      aggregate, received = aux.server.receive(group, models, state.model, aux.init, i)
+      aggregate, received = server.receive(group, models, state.model, aux.init, i)
       record = {
         'clients': ctx.num_clients,
         **received,
@@ -160,14 +291,16 @@ class FedAvg(Algorithm):
         c.local_epochs,
         ctx.derive_key(Purpose.ROUNDS, i),
         aux.init,
-        aux.server,
+        server,
         i,
         prox_mu=self.prox_mu,
         label=f'round {i + 1}/{c.rounds}',
       )
+    clip, dp_record = self._dp_round(aux, state, server, i)
     model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
     accuracy = aux.evaluator.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
-    return FedAvgState(model, opt_state), [{'round': i + 1, 'test_accuracy': accuracy, **record}]
+    record = {'round': i + 1, 'test_accuracy': accuracy, **record, **dp_record}
+    return FedAvgState(model, opt_state, clip), [record]
 
   def summarize(self, ctx, aux, state, history) -> Dict[str, Any]:
     return {
@@ -177,7 +310,31 @@ class FedAvg(Algorithm):
       'server_optimizer': server_optimizer_config(ctx.config).name,
       'attack': aux.server.attack.kind,
       'attackers': aux.server.attackers.tolist(),
+      **({} if aux.dp is None else {'dp': self._dp_summary(aux.dp, state, history)}),
     }
+
+  def _dp_summary(self, dp: DpSetup, state: FedAvgState, history) -> Dict[str, Any]:
+    c = dp.config
+    epsilons = [r['dp_epsilon'] for r in history if 'dp_epsilon' in r]
+    out = {
+      'mechanism': 'local' if c.local else 'central',
+      'epsilon': epsilons[-1],
+      'delta': c.delta,
+      'noise_multiplier': c.noise_multiplier,
+      'clip_norm': c.clip_norm,
+      'sampling_rate': dp.sampling_rate,
+      'clients_per_round': dp.clients_per_round,
+      'rounds': len(epsilons),
+      'accountant': privacy.accountant_name(),
+    }
+    if c.adaptive:
+      out.update(
+        final_clip_norm=float(state.dp_clip_norm),
+        target_quantile=c.target_quantile,
+        update_noise_multiplier=dp.update_noise_multiplier,
+        count_noise_std=dp.count_std,
+      )
+    return out
 
 
 @register_method('fedprox')
