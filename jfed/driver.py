@@ -526,8 +526,13 @@ def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm
   from jfed.methods.registry import get_method  # pylint: disable=g-import-not-at-top
   from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
 
+  from jfed.engine import privacy  # pylint: disable=g-import-not-at-top
+
   cls = get_method(method)
   validate_run_config(config, cls.section)
+  dp_problem = privacy.method_problem(method, config)
+  if dp_problem:
+    raise ConfigError(dp_problem)
   return cls.from_config(config)
 
 

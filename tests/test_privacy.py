@@ -440,6 +440,9 @@ def test_dp_is_refused_for_a_method_that_does_not_implement_it():
   assert privacy.method_problem('dense', config) == (
     'dp.enabled: differential privacy is implemented for fedavg and fedprox only, not dense'
   )
+  # the driver asks before it builds anything: a method that would ignore dp never runs
+  with pytest.raises(ConfigError, match='^dp.enabled: .* not dense$'):
+    build_algorithm('dense', config)
 
 
 # ---------------------------------------------------------------------------------------------
