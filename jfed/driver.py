@@ -523,10 +523,9 @@ def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> 
 
 def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm:
   """The registered algorithm `method` with its typed config; validates the whole config."""
+  from jfed.engine import privacy  # pylint: disable=g-import-not-at-top
   from jfed.methods.registry import get_method  # pylint: disable=g-import-not-at-top
   from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
-
-  from jfed.engine import privacy  # pylint: disable=g-import-not-at-top
 
   cls = get_method(method)
   validate_run_config(config, cls.section)
