@@ -28,21 +28,17 @@ clients and half of them take part in each round (q = 0.5), with a narrow MLP (h
 import pathlib
 import shutil
 import time
-import traceback
 from typing import Dict, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import sweep
 from experiments.seed_tables import (
   backend_line,
-  machine_meta,
   mean_std,
   percent_stats_each,
-  read_seed_results,
-  report_date,
   seed_errors,
   seed_values,
-  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -66,11 +62,10 @@ SUMMARY_KEYS = ('final_test_accuracy', 'best_test_accuracy', 'seconds')
 def define_flags() -> None:
   """Defined only when run as a command (importing the module in tests defines no flags)."""
   flags.DEFINE_enum('dataset', 'digits', DATASETS, 'The setup (see the module docstring).')
-  flags.DEFINE_string('out', None, 'Output directory (default runs/dp_<dataset>).')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, init, sampling and noise).')
+  # --out (default runs/dp_<dataset>), --seeds, --smoke
+  sweep.define_flags(None, merge=False, smoke='2 rounds of 10 digits clients (tests).')
   flags.DEFINE_list('rows', list(ROWS), f'Rows: {", ".join(ROWS)}.')
   flags.DEFINE_string('doc', '', 'Also write the table here (and its plot beside it).')
-  flags.DEFINE_bool('smoke', False, '2 rounds of 10 digits clients (tests).')
 
 
 def setup(dataset: str, smoke: bool = False):
@@ -231,49 +226,43 @@ def run_table(
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
-  unknown = [r for r in rows if r not in ROWS]
-  if unknown:
-    raise ConfigError(f'--rows: unknown {unknown}; valid: {", ".join(ROWS)}')
+  sweep.check_known('rows', rows, ROWS)
   if dataset not in DATASETS:
     raise ConfigError(f'--dataset: {dataset!r}; valid: {", ".join(DATASETS)}')
   out.mkdir(parents=True, exist_ok=True)
   use_persistent_cache(str(out / 'compilation_cache'), min_compile_seconds=0.2)
-  meta = {**machine_meta(), 'date': report_date(), 'dataset': dataset, 'seeds': sorted(seeds)}
-  results_path = out / 'results.json'
-  results = read_seed_results(results_path, (), meta)
+  s = sweep.Sweep.open(out, sorted(seeds), dataset=dataset)
   name = f'dp_{dataset}' + ('_smoke' if smoke else '')
   png = pathlib.Path(doc).with_suffix('.png').name if doc else f'{name}.png'
   base = setup(dataset, smoke)
+  s.render = lambda s: {f'{name}.md': render(base, s.results, rows, s.meta, png)}
+  s.after_save = lambda s: plot(out / f'{name}.png', s.results, rows, f'DP-FedAvg on {dataset}')
 
-  def save():
-    write_seed_results(results_path, meta, results)
-    atomic_write_text(out / f'{name}.md', render(base, results, rows, meta, png))
-    plot(out / f'{name}.png', results, rows, f'DP-FedAvg on {dataset}')
+  def execute(row: str, seed: int, workdir: pathlib.Path) -> sweep.Record:
+    t0 = time.perf_counter()
+    summary = run_experiment(
+      'fedavg', row_config(dataset, row, seed, smoke), workdir, progress=False
+    )
+    record = sweep.summary_record(summary, SUMMARY_KEYS)
+    record['wall_seconds'] = time.perf_counter() - t0
+    dp = summary.extras.get('dp')
+    if dp:
+      record['epsilon'] = dp['epsilon']
+      record['final_clip_norm'] = dp.get('final_clip_norm', dp['clip_norm'])
+    return record
 
   for seed in seeds:
     for row in rows:
-      record = results.setdefault(CELL, {}).setdefault(str(seed), {})
-      if isinstance(record.get(row), dict) and record[row].get('status') != 'error':
-        continue
       workdir = out / row / f'seed{seed}'
-      print(f'=== {dataset} {row} seed={seed} -> {workdir}', flush=True)
-      t0 = time.perf_counter()
-      try:
-        summary = run_experiment(
-          'fedavg', row_config(dataset, row, seed, smoke), workdir, progress=False
-        )
-        record[row] = {k: summary.get(k) for k in SUMMARY_KEYS}
-        record[row]['wall_seconds'] = time.perf_counter() - t0
-        dp = summary.extras.get('dp')
-        if dp:
-          record[row]['epsilon'] = dp['epsilon']
-          record[row]['final_clip_norm'] = dp.get('final_clip_norm', dp['clip_norm'])
-      except Exception as e:  # pylint: disable=broad-except  # a failure must not lose the table
-        traceback.print_exc()
-        record[row] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-      save()
-  save()
-  table = (out / f'{name}.md').read_text()
+      s.run_one(
+        CELL,
+        seed,
+        row,
+        lambda: execute(row, seed, workdir),  # pylint: disable=cell-var-from-loop
+        f'{dataset} {row} seed={seed} -> {workdir}',
+      )
+  s.save()
+  table = s.text(f'{name}.md')
   if doc:
     target = pathlib.Path(doc)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -292,5 +281,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

@@ -1,5 +1,5 @@
-"""FedHydra Tables 1 and 2 (seed 000): every method on every partition over seeds, ours beside
-the paper's.
+"""FedHydra Tables 1 and 2 (Bai et al., KDD 2025): every method on every partition over seeds,
+ours beside the paper's.
 
     python -m experiments.fedhydra_tables --config=experiments/configs/fedhydra_fashion_mnist.py \
         --out=runs/fedhydra_tables [--methods=fedavg,ot,feddf,dense,coboosting,fedhydra] \
@@ -22,22 +22,22 @@ the runs find them.
 
 Writes OUT/tables.md — Table 1 (methods × Dirichlet α) and Table 2 (2c/c) in the paper's layout,
 twice: the final epoch and the best epoch, each cell the mean ± sample std over the finished
-seeds in %, beside the paper's Fashion-MNIST number (seed 000 Tables 1 and 2). The paper does not
-say which epoch it reports; its Fig. 3 shows accuracy collapsing late in distillation and the
-DENSE code it builds on keeps the best checkpoint, so the tables mark its columns as plausibly
-the best epoch (not stated). Also OUT/results.json (every run's numbers and, for the
-distillation methods, its accuracy-vs-epoch curve) and per partition
+seeds in %, beside the paper's Fashion-MNIST number (FedHydra (Bai et al., KDD 2025) Tables 1
+and 2). The paper does not say which epoch it reports; its Fig. 3 shows accuracy collapsing
+late in distillation and the DENSE code it builds on keeps the best checkpoint, so the tables
+mark its columns as plausibly the best epoch (not stated). Also OUT/results.json (every run's
+numbers and, for the distillation methods, its accuracy-vs-epoch curve) and per partition
 OUT/<partition>_accuracy_vs_epoch.png (Fig. 3 / Fig. 6: test accuracy vs distillation epoch of
 every distillation method, mean over every seed in results.json with a ± std band; FedAvg, OT
 and the teacher ensemble as horizontal lines at their mean). A run that fails is counted as
 'error' (its message in results.json) and the sweep goes on.
 
-Rerunning the command skips the finished runs (the driver returns their summary.json) and
-resumes an interrupted one; results.json keeps the seeds it holds, so a later `--seeds=3,4` adds
-to them. Seeds in parallel: run one sweep per seed into its own OUT (`--seeds=1
---out=runs/t_s1`, ...), then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (same --config,
---methods and --partitions) adds their records to OUT's results.json and rewrites its tables and
-figures, running nothing; the run directories stay where they ran.
+Rerunning the command skips the runs results.json records as finished (`experiments.sweep`),
+retries the failed ones and resumes an interrupted one; results.json keeps the seeds it holds,
+so a later `--seeds=3,4` adds to them. Seeds in parallel: run one sweep per seed into its own
+OUT (`--seeds=1 --out=runs/t_s1`, ...), then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (same
+--config, --methods and --partitions) adds their records to OUT's results.json and rewrites its
+tables and figures, running nothing; the run directories stay where they ran.
 
 OUTs written before the seeds (OUT/<partition>/<method>/, one seed) are not read: their
 results.json is refused, so give such a sweep a new --out.
@@ -45,27 +45,22 @@ results.json is refused, so give such a sweep a new --out.
 
 import json
 import pathlib
-import traceback
 from typing import Dict, List, Sequence
 
 from absl import app, flags
-from ml_collections import config_flags
 
+from experiments import sweep
 from experiments.seed_tables import (
   backend_line,
   curve_stats,
-  machine_meta,
   mean_std,
   ordering_lines,
   paper_orderings,
   plot_bands,
   pretrain_seeds,
-  read_seed_results,
-  report_date,
   seed_cell,
   seed_values,
   value_stats,
-  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -74,10 +69,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Defined only when run as a command, so that importing the module (tests) does not clash
   with the flags of the other comparison commands."""
-  config_flags.DEFINE_config_file(
-    'config', None, 'Experiment config (get_config(arg)).', lock_config=False
-  )
-  flags.DEFINE_string('out', 'runs/fedhydra_tables', 'Output directory.')
+  sweep.define_flags('runs/fedhydra_tables', config='Experiment config (get_config(arg)).')
   flags.DEFINE_list(
     'methods', ['fedavg', 'ot', 'feddf', 'dense', 'coboosting', 'fedhydra'], 'Methods (rows).'
   )
@@ -86,23 +78,15 @@ def define_flags() -> None:
     ['dir0.5', 'dir0.3', 'dir0.1', 'dir0.01', '2c/c'],
     'Partitions (columns): dir<alpha> or 2c/c.',
   )
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition and initialisations; >= 3).')
   flags.DEFINE_bool(
     'batch_seeds',
     True,
     "Before a partition's runs: train the shared local models of its seeds that have none yet "
     'in one program (jfed.methods.seed_batch), which the runs then read.',
   )
-  flags.DEFINE_list(
-    'merge',
-    [],
-    'Instead of running: merge the results.json of these output directories (sweeps of other '
-    'seeds run in parallel) into OUT and write its tables.',
-  )
-  flags.mark_flags_as_required(['config'])
 
 
-# Seed 000 (FedHydra, Bai et al. KDD'25), Fashion-MNIST columns: Table 1 (Dir(α), top-1 test
+# FedHydra (Bai et al., KDD 2025), Fashion-MNIST columns: Table 1 (Dir(α), top-1 test
 # accuracy %) and Table 2 (2c/c).
 PAPER = {
   'fedavg': {'dir0.5': 75.76, 'dir0.3': 74.81, 'dir0.1': 35.35, 'dir0.01': 33.71, '2c/c': 32.73},
@@ -236,9 +220,11 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     return lines
 
   source = (
-    'Paper: seed 000 Table 1 (Dir(α)) and Table 2 (2c/c), Fashion-MNIST columns, beside ours.'
+    'Paper: FedHydra (Bai et al., KDD 2025) Table 1 (Dir(α)) and Table 2 (2c/c), '
+    'Fashion-MNIST columns, beside ours.'
     if paper
-    else 'In the layout of seed 000 Tables 1 and 2 (the paper reports no numbers for this dataset).'
+    else 'In the layout of FedHydra (Bai et al., KDD 2025) Tables 1 and 2 (the paper reports '
+    'no numbers for this dataset).'
   )
   lines = [
     f'# FedHydra Tables 1 and 2 on {config.dataset.name}: jfed vs the paper',
@@ -247,7 +233,8 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     'draws its own partition and initialisations), of the final epoch and, in the second table '
     f'of each pair, of the best epoch. {source}',
     '',
-    "Which one the paper's columns are: seed 000 does not say. Its Fig. 3 shows accuracy "
+    "Which one the paper's columns are: FedHydra (Bai et al., KDD 2025) does not say. "
+    'Its Fig. 3 shows accuracy '
     'collapsing late in distillation, and the DENSE code it builds on keeps the best '
     f'checkpoint, so its columns are **{PAPER_COLUMN}**: compare them with the best-epoch '
     'tables. The final-epoch tables are what a method delivers without choosing an epoch on '
@@ -352,16 +339,9 @@ def run_sweep(
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from jfed.methods.seed_batch import PlannedRun  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
   methods, partitions, seeds = list(methods), list(partitions), [int(s) for s in seeds]
   bases = {p: partition_config(config, p) for p in partitions}  # a bad partition fails first
-  meta = {
-    **machine_meta(),
-    'date': report_date(),
-    'seeds': [] if merge else seeds,
-  }
-  results_path = out / 'results.json'
 
   def load(path: pathlib.Path) -> dict:
     saved = json.loads(path.read_text())
@@ -372,12 +352,8 @@ def run_sweep(
       )
     return saved
 
-  results = read_seed_results(results_path, merge, meta, load)
-  out.mkdir(parents=True, exist_ok=True)
-
-  def save():
-    write_seed_results(results_path, meta, results)
-    atomic_write_text(out / 'tables.md', render(config, results, methods, partitions, meta))
+  s = sweep.Sweep.open(out, [] if merge else seeds, merge, load)
+  s.render = lambda s: {'tables.md': render(config, s.results, methods, partitions, s.meta)}
 
   def seed_config(seed: int, partition: str):
     base = bases[partition].copy_and_resolve_references()
@@ -392,30 +368,31 @@ def run_sweep(
     cell = out / f'seed{seed}' / dirname(partition)
     return [PlannedRun(m, seed_config(seed, partition), cell / m) for m in methods]
 
+  def execute(method: str, seed: int, partition: str, workdir: pathlib.Path) -> sweep.Record:
+    summary = run_experiment(method, seed_config(seed, partition), workdir)
+    record = sweep.summary_record(summary, SUMMARY_KEYS)
+    if method in DISTILL:
+      record['curve'] = epoch_curve(workdir)
+    return record
+
   for seed in [] if merge else seeds:
     for partition in partitions:
       if batch_seeds and seed == seeds[0]:  # before the partition's first run
         pretrain_seeds(lambda: [planned_runs(s, partition) for s in seeds], partition)
-      cell = out / f'seed{seed}' / dirname(partition)
-      base = seed_config(seed, partition)
-      record = results.setdefault(partition, {}).setdefault(str(seed), {})
       for method in methods:
-        workdir = cell / method
-        print(f'=== seed {seed} / {partition} / {method} -> {workdir}', flush=True)
-        try:
-          summary = run_experiment(method, base, workdir)
-          record[method] = {k: summary.get(k) for k in SUMMARY_KEYS}
-          if method in DISTILL:
-            record[method]['curve'] = epoch_curve(workdir)
-        except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
-          traceback.print_exc()
-          record[method] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-        save()
-      plot_partition(out, partition, results, methods)
-  save()
+        workdir = out / f'seed{seed}' / dirname(partition) / method
+        s.run_one(
+          partition,
+          seed,
+          method,
+          lambda: execute(method, seed, partition, workdir),  # pylint: disable=cell-var-from-loop
+          f'seed {seed} / {partition} / {method} -> {workdir}',
+        )
+      plot_partition(out, partition, s.results, methods)
+  s.save()
   for partition in partitions:
-    plot_partition(out, partition, results, methods)
-  return (out / 'tables.md').read_text()
+    plot_partition(out, partition, s.results, methods)
+  return s.text('tables.md')
 
 
 def main(argv):
@@ -434,5 +411,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

@@ -1,4 +1,5 @@
-"""FedMHO Tables 3 and 4 and Fig. 9 (seed 004): every method on every Dirichlet α, over seeds.
+"""FedMHO Tables 3 and 4 and Fig. 9 (Yao et al., WWW 2026): every method on every Dirichlet
+α, over seeds.
 
     python -m experiments.fedmho_tables --config=experiments/configs/fedmho_fashion_mnist.py \
         --out=runs/fedmho_tables [--budget=paper] [--alphas=0.5,0.3,0.1] [--seeds=0,1,2] \
@@ -10,8 +11,9 @@ Each (α, seed, run) goes through `jfed.driver.run_experiment` into OUT/dir<α>/
 (metrics, summary, plots, checkpoints): rerunning the command resumes an interrupted run and
 skips finished ones, so the sweep can be stopped at any point and continued later.
 
-Seed 004 Table 1 gives the methods different clients; per (α, seed) each client set trains once
-and its runs share it (`local_models_dir` / `local_cvaes_dir` = OUT/dir<α>/seed<s>/<set>/):
+FedMHO (Yao et al., WWW 2026) Table 1 gives the methods different clients; per (α, seed) each
+client set trains once and its runs share it (`local_models_dir` / `local_cvaes_dir` =
+OUT/dir<α>/seed<s>/<set>/):
 - 'fedmho' (the config's default clients: VGG-9 + CVAE-small): fedmho, fedmho_md, fedmho_sd
   and the Table 4 ablation runs fedmho_md_nofilter / fedmho_sd_nofilter (R_th = 1, N_syn the
   number the filter keeps, 0.8 · N_syn: the paper's "same number of samples");
@@ -48,13 +50,12 @@ of the removed samples labelled as their conditioned class, mean ± std over see
 import json
 import pathlib
 import shutil
-import traceback
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Sequence
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
-from experiments import generator_check
+from experiments import generator_check, sweep
 from experiments.seed_tables import (
   load_config_module,
   mean_std,
@@ -62,7 +63,6 @@ from experiments.seed_tables import (
   paper_orderings,
   percent_stats_each,
   pretrain_seeds,
-  report_date,
 )
 
 FLAGS = flags.FLAGS
@@ -71,11 +71,9 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The command's flags; defined only when it runs as a command, so that importing the module
   (tests) does not clash with the flags of the other comparison commands."""
-  flags.DEFINE_string('config', None, 'A FedMHO config file with get_config(arg).')
-  flags.DEFINE_string('budget', '', "The config's budget words (e.g. 'paper', 'smoke').")
-  flags.DEFINE_string('out', 'runs/fedmho_tables', 'Output directory.')
+  sweep.define_flags('runs/fedmho_tables', config='A FedMHO config file, FILE[:budget words].')
+  flags.DEFINE_string('budget', '', "More budget words for the config (e.g. 'paper', 'smoke').")
   flags.DEFINE_list('alphas', ['0.5', '0.3', '0.1'], 'Dirichlet α (columns).')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
   flags.DEFINE_list('runs', None, 'Runs (rows); default: all of RUNS.')
   flags.DEFINE_integer(
     'reference_epochs',
@@ -90,7 +88,6 @@ def define_flags() -> None:
     "Before an α's runs: train the baseline client set's local models of its seeds that have "
     'none yet in one program (jfed.methods.seed_batch), which the runs then read.',
   )
-  flags.mark_flags_as_required(['config'])
 
 
 class Run(NamedTuple):
@@ -114,7 +111,7 @@ RUNS: Dict[str, Run] = {
   'fedmho_sd_nofilter': Run('fedmho_sd', '', 'FedMHO-SD w/o data optimisation', True),
 }
 
-# Seed 004 (FedMHO, Yao et al. WWW'26) Table 3, Fashion-MNIST, top-1 test accuracy (%) mean ±
+# FedMHO (Yao et al., WWW 2026) Table 3, Fashion-MNIST, top-1 test accuracy (%) mean ±
 # std, and Table 4 (Fashion-MNIST, without the unsupervised data optimisation).
 PAPER = {
   'fedavg_vote': {0.5: (60.24, 1.47), 0.3: (47.36, 0.21), 0.1: (30.37, 0.79)},
@@ -270,10 +267,12 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
   lines = [
     f'# FedMHO Table 3 on {config.dataset.name}: jfed vs the paper',
     '',
-    'Top-1 test accuracy (%), mean ± std over seeds (n = the seeds finished). Paper: seed 004 '
+    'Top-1 test accuracy (%), mean ± std over seeds (n = the seeds finished). Paper: '
+    'FedMHO (Yao et al., WWW 2026) '
     'Table 3 (and Table 4), Fashion-MNIST, Dir(α) of FedDF, 10 clients.'
     if paper
-    else 'Top-1 test accuracy (%), mean ± std over seeds, in the layout of seed 004 Table 3 '
+    else 'Top-1 test accuracy (%), mean ± std over seeds, in the layout of FedMHO '
+    '(Yao et al., WWW 2026) Table 3 '
     '(the paper reports no numbers for this dataset).',
     '',
     f'Backend {meta["backend"]}, jax {meta["jax_version"]}, {meta["date"]}, seeds '
@@ -397,38 +396,36 @@ def run_sweep(
   reference_epochs: int = 0,
   reference_model: str = 'cnn_mnist',
   batch_seeds: bool = True,
+  merge: Sequence[str] = (),
 ) -> str:
-  """Runs every (α, seed, run) not finished yet; writes results.json and tables.md after each;
-  returns the tables' text. With `reference_epochs`, a classifier trained on the real training
-  images (once, on the first generating run) labels each generating run's samples. With
-  `batch_seeds`, before an α's first run, the local models of its seeds' baseline client set
-  (`BATCHED_CLIENTS`) that have none yet train in one program (`pretrain_seeds`)."""
-  import jax
+  """Runs every (α, seed, run) not finished yet (or, with `merge`, only merges those
+  directories' results); writes results.json and tables.md after each; returns the tables'
+  text. With `reference_epochs`, a classifier trained on the real training images (once, on the
+  first generating run) labels each generating run's samples. With `batch_seeds`, before an
+  α's first run, the local models of its seeds' baseline client set (`BATCHED_CLIENTS`) that
+  have none yet train in one program (`pretrain_seeds`)."""
+  from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
 
-  from jfed.driver import run_experiment
-  from jfed.errors import ConfigError
-
-  unknown = [r for r in runs if r not in RUNS]
-  if unknown:
-    raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(RUNS)}')
+  sweep.check_known('runs', runs, RUNS)
   # In RUNS order: run 'fedmho' must claim its workdir before the runs of its client set put
   # their shared clients there (OUT/dir<α>/seed<s>/fedmho/local_models).
   runs = [r for r in RUNS if r in runs]
   module = load_config_module(config_path, 'fedmho_tables_config')
   base = module.get_config(budget)
   out.mkdir(parents=True, exist_ok=True)
-  meta = {
-    'backend': jax.default_backend(),
-    'jax_version': jax.__version__,
-    'date': report_date(),
-    'budget': budget,
-    'seeds': seeds,
-  }
-  results_path = out / 'results.json'
-  saved = json.loads(results_path.read_text()) if results_path.exists() else {}
-  results = saved.get('results', {})
-  if 'reference' in saved.get('meta', {}):
-    meta['reference'] = saved['meta']['reference']
+  references = []
+
+  def read(path: pathlib.Path) -> dict:
+    saved = json.loads(path.read_text())
+    references.append(saved['meta'].get('reference'))
+    return saved
+
+  s = sweep.Sweep.open(out, seeds, merge, read, budget=budget)
+  if any(references):
+    s.meta['reference'] = next(r for r in references if r)
+  paper = base.dataset.name == 'fashion_mnist'
+  s.render = lambda s: {'tables.md': render(base, s.results, runs, alphas, s.meta)}
+  s.after_save = lambda s: plot_table(out / 'table3.png', s.results, runs, alphas, paper)
   predict = []  # the reference classifier, trained when first needed
 
   def label_samples(workdir: pathlib.Path, record: dict) -> None:
@@ -439,48 +436,45 @@ def run_sweep(
         base, reference_model, reference_epochs
       )
       predict.append(classify)
-      meta['reference'] = {
+      s.meta['reference'] = {
         'model': reference_model,
         'epochs': reference_epochs,
         'test_accuracy': accuracy,
       }
     images, labels, kept = generator_check.load_synthetic(workdir)
-    s = generator_check.score(workdir.name, predict[0](images), labels, kept, int(labels.max()) + 1)
-    record['kept_labelled_right'] = s.kept_accuracy
+    score = generator_check.score(
+      workdir.name, predict[0](images), labels, kept, int(labels.max()) + 1
+    )
+    record['kept_labelled_right'] = score.kept_accuracy
     record['removed_labelled_right'] = (
-      None if s.removed_accuracy != s.removed_accuracy else (s.removed_accuracy)
+      None if score.removed_accuracy != score.removed_accuracy else (score.removed_accuracy)
     )
 
-  def save():
-    results_path.write_text(json.dumps({'meta': meta, 'results': results}, indent=2) + '\n')
-    (out / 'tables.md').write_text(render(base, results, runs, alphas, meta))
-    plot_table(out / 'table3.png', results, runs, alphas, base.dataset.name == 'fashion_mnist')
+  def execute(name: str, alpha: float, seed: int, workdir: pathlib.Path) -> sweep.Record:
+    c = run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed))
+    record = sweep.summary_record(run_experiment(RUNS[name].method, c, workdir), SUMMARY_KEYS)
+    if name in GENERATING:
+      label_samples(workdir, record)
+    return record
 
-  for alpha in alphas:
+  for alpha in [] if merge else alphas:
     if batch_seeds:
       pretrain_seeds(lambda: batched_plan(module, budget, out, runs, alpha, seeds), f'α={alpha}')
     for seed in seeds:
-      cell = cell_dir(out, alpha, seed)
-      record = results.setdefault(str(alpha), {}).setdefault(str(seed), {})
       for name in runs:
-        run = RUNS[name]
-        workdir = cell / name
-        print(f'=== α={alpha} seed={seed} {name} -> {workdir}', flush=True)
-        try:
-          c = run_config(module, budget, run, alpha, seed, cell)
-          summary = run_experiment(run.method, c, workdir)
-          record[name] = {k: summary.get(k) for k in SUMMARY_KEYS}
-          if name in GENERATING:
-            label_samples(workdir, record[name])
-        except Exception as e:  # one failed run must not lose the sweep
-          traceback.print_exc()
-          record[name] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-        save()
+        workdir = cell_dir(out, alpha, seed) / name
+        s.run_one(
+          str(alpha),
+          seed,
+          name,
+          lambda: execute(name, alpha, seed, workdir),  # pylint: disable=cell-var-from-loop
+          f'α={alpha} seed={seed} {name} -> {workdir}',
+        )
         figure = workdir / 'synthetic_samples.png'
         if name == 'fedmho_md' and figure.exists() and not (out / figure.name).exists():
           shutil.copy(figure, out / figure.name)
-  save()
-  return (out / 'tables.md').read_text()
+  s.save()
+  return s.text('tables.md')
 
 
 def main(argv):
@@ -488,10 +482,11 @@ def main(argv):
   runs = FLAGS.runs or list(RUNS)
   alphas = [float(a) for a in FLAGS.alphas]
   seeds = [int(s) for s in FLAGS.seeds]
+  path, words = sweep.config_flag()
   print(
     run_sweep(
-      FLAGS.config,
-      FLAGS.budget,
+      path,
+      ','.join(w for w in (words, FLAGS.budget) if w),
       pathlib.Path(FLAGS.out),
       runs,
       alphas,
@@ -499,10 +494,10 @@ def main(argv):
       FLAGS.reference_epochs,
       FLAGS.reference_model,
       FLAGS.batch_seeds,
+      FLAGS.merge,
     )
   )
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

@@ -1,5 +1,5 @@
-"""FedTSA Tables 3 and 4 and its ablations (seed 001 §5): every method per data partition and
-per degree of model heterogeneity, over seeds.
+"""FedTSA Tables 3 and 4 and its ablations (Fan et al., ECCV 2024, §5): every method per data
+partition and per degree of model heterogeneity, over seeds.
 
     python -m experiments.fedtsa_tables --config=experiments/configs/fedtsa_fashion_mnist.py \
         --out=runs/fedtsa_tables [--budget=paper] [--partitions=iid,dir=0.6,dir=0.3] \
@@ -38,21 +38,17 @@ directories stay where they ran.
 """
 
 import pathlib
-import traceback
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
+from experiments import sweep
 from experiments.seed_tables import (
   load_config_module,
-  machine_meta,
   percent_stats_each,
-  read_seed_results,
-  report_date,
   seed_cell,
   seed_values,
-  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -61,20 +57,11 @@ DEFAULT_DEGREE = '0.6/0.8/1.0'
 
 def define_flags() -> None:
   """Defined only when run as a command (importing the module in tests defines no flags)."""
-  flags.DEFINE_string('config', None, 'A FedTSA config file with get_config(arg).')
-  flags.DEFINE_string('budget', '', "The config's budget words (e.g. 'paper', 'smoke').")
-  flags.DEFINE_string('out', 'runs/fedtsa_tables', 'Output directory.')
+  sweep.define_flags('runs/fedtsa_tables', config='A FedTSA config file, FILE[:budget words].')
+  flags.DEFINE_string('budget', '', "More budget words for the config (e.g. 'paper', 'smoke').")
   flags.DEFINE_list('partitions', ['iid', 'dir=0.6', 'dir=0.3'], 'Table 3 columns.')
   flags.DEFINE_list('degrees', [], 'Table 4 rows, e.g. 1.0,0.5/1.0,0.6/0.8/1.0 (none: no Table 4).')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
   flags.DEFINE_list('runs', None, 'Runs (rows); default: every Table 3 run.')
-  flags.DEFINE_list(
-    'merge',
-    [],
-    'Instead of running: merge the results.json of these output directories (sweeps of other '
-    'seeds run in parallel) into OUT and write its tables.',
-  )
-  flags.mark_flags_as_required(['config'])
 
 
 class Run(NamedTuple):
@@ -108,7 +95,7 @@ ABLATIONS: Dict[str, Run] = {
 }
 ALL_RUNS = {**RUNS, **ABLATIONS}
 
-# Seed 001 (FedTSA, ECCV'24 workshop / arXiv 2407.05098) on CIFAR-10, ResNet-18, 20 clients:
+# FedTSA (Fan et al., ECCV 2024; arXiv 2407.05098) on CIFAR-10, ResNet-18, 20 clients:
 # Table 3 (FedAvg / FedProx as 'pruned-full') and Table 4 (IID, degrees of heterogeneity).
 PAPER_TABLE3 = {
   'iid': {
@@ -211,7 +198,7 @@ def ours(results: dict, cell: str, run: str, key: str) -> str:
 def render(config, results: dict, plan: dict, meta: dict) -> str:
   partitions, degrees, runs = plan['partitions'], plan['degrees'], plan['runs']
   lines = [
-    f'# FedTSA Tables 3 and 4 on {config.dataset.name} (seed 001 §5)',
+    f'# FedTSA Tables 3 and 4 on {config.dataset.name} (Fan et al., ECCV 2024, §5)',
     '',
     "Top-1 test accuracy (%), mean ± std over seeds (n = seeds finished), of each method's "
     "reported model (FedTSA: the rate-1.0 cluster's model; FedProto and FedMD: "
@@ -255,7 +242,8 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
     '',
     '## The paper (CIFAR-10, ResNet-18, 20 clients, 100 rounds; for the ordering only)',
     '',
-    'Seed 001 does not say whether it reports the last or the best round; compare either.',
+    'FedTSA (Fan et al., ECCV 2024) does not say whether it reports the last or the best round; '
+    'compare either.',
     '',
     '| Method | ' + ' | '.join(PAPER_TABLE3) + ' |',
     '|---|' + '---:|' * len(PAPER_TABLE3),
@@ -332,11 +320,8 @@ def run_sweep(
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
-  unknown = [r for r in runs if r not in ALL_RUNS]
-  if unknown:
-    raise ConfigError(f'--runs: unknown {unknown}; valid: {", ".join(ALL_RUNS)}')
+  sweep.check_known('runs', runs, ALL_RUNS)
   try:
     degrees = [normalise_degree(d) for d in degrees]
   except ValueError:
@@ -348,15 +333,17 @@ def run_sweep(
     check_comparable({r: run_config(module, budget, ALL_RUNS[r], cell, 0, out) for r in runs})
   out.mkdir(parents=True, exist_ok=True)
   (out / 'ddpm').mkdir(exist_ok=True)
-  meta = {
-    **machine_meta(),
-    'date': report_date(),
-    'budget': budget,
-    'seeds': seeds,
-  }
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
-  results_path = out / 'results.json'
-  results = read_seed_results(results_path, merge, meta)
+  s = sweep.Sweep.open(out, seeds, merge, budget=budget)
+  s.render = lambda s: {'tables.md': render(base, s.results, plan, s.meta)}
+
+  def plots(s: sweep.Sweep) -> None:
+    if partitions:
+      plot_table(out / 'table3.png', s.results, runs, partitions)
+    if degrees:
+      plot_table4(out / 'table4.png', s.results, runs, degrees)
+
+  s.after_save = plots
 
   # (cell, run) pairs: Table 3 runs on every partition; ablations on the first; Table 4's
   # heterogeneous methods on every degree (the default degree is the IID cell, run once).
@@ -366,40 +353,31 @@ def run_sweep(
     jobs += [(degree_cell(d), r) for r in TABLE4_RUNS if r in runs]
   jobs = list(dict.fromkeys(jobs))
 
-  def save():
-    write_seed_results(results_path, meta, results)
-    atomic_write_text(out / 'tables.md', render(base, results, plan, meta))
-    if partitions:
-      plot_table(out / 'table3.png', results, runs, partitions)
-    if degrees:
-      plot_table4(out / 'table4.png', results, runs, degrees)
+  def execute(cell: str, name: str, seed: int, workdir: pathlib.Path) -> sweep.Record:
+    c = run_config(module, budget, ALL_RUNS[name], cell, seed, out)
+    return sweep.summary_record(run_experiment(ALL_RUNS[name].method, c, workdir), SUMMARY_KEYS)
 
-  if merge:
-    save()
-    return (out / 'tables.md').read_text()
-  for seed in seeds:
+  for seed in [] if merge else seeds:
     for cell, name in jobs:
-      record = results.setdefault(cell, {}).setdefault(str(seed), {})
       workdir = out / cell_dirname(cell) / f'seed{seed}' / name
-      print(f'=== {cell} seed={seed} {name} -> {workdir}', flush=True)
-      try:
-        c = run_config(module, budget, ALL_RUNS[name], cell, seed, out)
-        summary = run_experiment(ALL_RUNS[name].method, c, workdir)
-        record[name] = {k: summary.get(k) for k in SUMMARY_KEYS}
-      except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
-        traceback.print_exc()
-        record[name] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-      save()
-  save()
-  return (out / 'tables.md').read_text()
+      s.run_one(
+        cell,
+        seed,
+        name,
+        lambda: execute(cell, name, seed, workdir),  # pylint: disable=cell-var-from-loop
+        f'{cell} seed={seed} {name} -> {workdir}',
+      )
+  s.save()
+  return s.text('tables.md')
 
 
 def main(argv):
   del argv
+  path, words = sweep.config_flag()
   print(
     run_sweep(
-      FLAGS.config,
-      FLAGS.budget,
+      path,
+      ','.join(w for w in (words, FLAGS.budget) if w),
       pathlib.Path(FLAGS.out),
       FLAGS.runs or list(RUNS),
       FLAGS.partitions,
@@ -411,5 +389,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

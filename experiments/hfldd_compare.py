@@ -23,8 +23,9 @@ the seeds whose run finished (n in each cell):
 - results.json: every seed's numbers and per-seed target tables.
 `--merge` adds the seeds of other OUTs of the same config (their results.json, e.g. seeds run in
 another session; `--seeds=` with nothing runs none and only re-renders the merged ones).
-Which accuracy the paper shows: seed 003 Fig. 3 plots the test accuracy per round, and §VI-B
-quotes the last round's ("74.0% after 300 communication rounds", "final test accuracies"):
+Which accuracy the paper shows: HFLDD (Shi et al., arXiv 2409.17517) Fig. 3 plots the test
+accuracy per round, and §VI-B quotes the last round's ("74.0% after 300 communication
+rounds", "final test accuracies"):
 the final column and accuracy.png's curves; the paper reports no best-round accuracy (ours is
 the best round on the test images). Its Tables III-V give the first round whose accuracy
 reaches the target.
@@ -41,13 +42,14 @@ import pathlib
 import traceback
 from typing import Any, Callable, Dict, List, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
-from ml_collections import config_flags
 import numpy as np
 
+from experiments import sweep
 from experiments.seed_tables import curve_stats, mean_std, plot_bands
+from experiments.sweep import error_record, is_error
 
 FLAGS = flags.FLAGS
 
@@ -55,10 +57,9 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Defined only when run as a command, so that importing the module (tests) does not clash
   with the flags of the other comparison commands."""
-  config_flags.DEFINE_config_file(
-    'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
-  )
-  flags.DEFINE_string('out', None, 'Output directory; each run in OUT/seed<s>/<method>.')
+  # --out (each run in OUT/seed<s>/<method>), --seeds, --merge (OUTs of the same config with
+  # other seeds), --config
+  sweep.define_flags(None, config='Experiment config file (get_config(arg)).')
   flags.DEFINE_list(
     'methods',
     ['hfldd', 'fedavg', 'fedprox', 'fedseq', 'dynafed', 'centralized'],
@@ -66,11 +67,7 @@ def define_flags() -> None:
   )
   flags.DEFINE_list('targets', ['0.6', '0.7', '0.8'], 'Target test accuracies for the tables.')
   flags.DEFINE_string('reference', 'hfldd', 'Method whose traffic is 1X in the tables.')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, public set, inits; >= 3).')
-  flags.DEFINE_list(
-    'merge', [], 'OUTs of the same config with other seeds (results.json) to add to the tables.'
-  )
-  flags.mark_flags_as_required(['config', 'out'])
+  flags.mark_flags_as_required(['out'])
 
 
 def method_curve(records: List[Dict[str, Any]]):
@@ -128,7 +125,8 @@ def paper_setting(method: str, extras: Dict[str, Any]) -> Dict[str, Any]:
 def paper_formulas(
   config, results: Dict[str, Dict[str, Any]], num_params: int, num_classes: int, values: int
 ) -> Dict[str, Callable[[int], int]]:
-  """Per method, rounds -> bits of seed 003's traffic formula with this run's settings."""
+  """Per method, rounds -> bits of HFLDD's traffic formula (Shi et al., arXiv 2409.17517) with
+  this run's settings."""
   from jfed.io import comm
 
   def bind(fn, **kw):
@@ -191,7 +189,7 @@ def budget_lines(config) -> List[str]:
 
 def finished(results: Dict[str, Dict[str, Any]], method: str) -> List[Dict[str, Any]]:
   """`method`'s records of the seeds where it finished."""
-  return [r[method] for r in results.values() if method in r and 'error' not in r[method]]
+  return [r[method] for r in results.values() if method in r and not is_error(r[method])]
 
 
 def cell(accuracies: Sequence[float]) -> str:
@@ -319,7 +317,7 @@ def run_compare(
         if seed in results:
           raise ConfigError(f'--merge: seed {seed} is in two of the merged OUTs')
         results[seed] = runs
-        ok = {m: r for m, r in runs.items() if 'error' not in r}
+        ok = {m: r for m, r in runs.items() if not is_error(r)}
         if ok and not sizes:
           sizes.extend(model_and_data_sizes(config))
         formulas[seed] = paper_formulas(config, ok, *sizes) if ok else {}
@@ -335,7 +333,7 @@ def run_compare(
         summary = run_experiment(method, c, workdir)
       except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the rest
         traceback.print_exc()
-        mine[method] = {'error': f'{type(e).__name__}: {e}'}
+        mine[method] = error_record(e)
         continue
       records = [
         json.loads(line)
@@ -356,7 +354,7 @@ def run_compare(
         'paper_setting': paper_setting(method, summary.extras),
         'seconds': summary.seconds,
       }
-    ok = {m: r for m, r in mine.items() if 'error' not in r}
+    ok = {m: r for m, r in mine.items() if not is_error(r)}
     formulas[str(seed)] = {}
     try:  # the paper-formula column must not lose the hours of measured results above
       if ok and not sizes:
@@ -380,7 +378,8 @@ def run_compare(
       *budget_lines(config),
       '',
       'Accuracy: mean ± sample std over the seeds where the run finished (n). Which one the '
-      'paper shows: seed 003 Fig. 3 plots the test accuracy per round and §VI-B quotes the '
+      'paper shows: HFLDD (Shi et al., arXiv 2409.17517) Fig. 3 plots the test accuracy per '
+      'round and §VI-B quotes the '
       'last round\'s ("74.0% after 300 communication rounds", "final test accuracies"), i.e. '
       '**the final column** and the curves of accuracy.png; the paper reports no best-round '
       'accuracy (ours: the best round on the test images). Its Tables III-V give the first '
@@ -392,7 +391,7 @@ def run_compare(
     ]
     for m in methods:
       runs = finished(results, m)
-      errors = [r[m]['error'] for r in results.values() if 'error' in r.get(m, {})]
+      errors = [r[m]['error'] for r in results.values() if is_error(r.get(m))]
       failed = f'failed in {len(errors)} of {n} seeds: {errors[0]}' if errors else ''
       if not runs:
         lines.append(f'| {m} | {failed or "—"} | | | | | | |')
@@ -416,7 +415,7 @@ def run_compare(
         table_methods = [
           (m, r['accuracy'], round_transfers(r['cumulative_bytes']))
           for m, r in mine.items()
-          if 'error' not in r and r['cumulative_bytes']
+          if not is_error(r) and r['cumulative_bytes']
         ]
         ref = reference if any(m == reference for m, _, _ in table_methods) else None
         per_seed[seed] = target_table_rows(
@@ -428,7 +427,8 @@ def run_compare(
     if table_methods:
       lines += [
         '',
-        '## Rounds and traffic to reach a target accuracy (seed 003, Tables III-V layout)',
+        '## Rounds and traffic to reach a target accuracy '
+        '(HFLDD, Shi et al., arXiv 2409.17517, Tables III-V layout)',
         '',
         'Per seed, the first round whose test accuracy reaches the target and the traffic up to '
         'it; each cell the mean ± std over the seeds that reached it ("seeds reaching it"); the '
@@ -480,5 +480,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

@@ -1,5 +1,6 @@
-"""HFLDD's sensitivity studies (seed 003): test accuracy against the K of the K-Means homogeneous
-clustering (§VI-F, Table VII) and against the distilled data size per member (§VI-D, Fig. 7),
+"""HFLDD's sensitivity studies (Shi et al., arXiv 2409.17517): test accuracy against the K of
+the K-Means homogeneous clustering (§VI-F, Table VII) and against the distilled data size per
+member (§VI-D, Fig. 7),
 at #C=1, #C=2 and #C=10 (IID), over seeds.
 
   python -m experiments.hfldd_sweeps --config=experiments/configs/hfldd_digits.py \
@@ -22,8 +23,9 @@ resumes an interrupted run and skips a finished one. The runs of one (seed, part
 clients' pre-training (`local_models_dir` = OUT/seed<s>/<partition>_local_models/), which no swept
 value changes. After every run OUT gets (accuracy.png: after every seed's partition):
 - results.md: the budget and, in the Table VII layout (rows: partitions, columns: values), the
-  mean ± sample std over the finished seeds (n) of the final-round test accuracy (what seed 003
-  reports) and of the best round's; the K sweep adds the number of heterogeneous clusters and the
+  mean ± sample std over the finished seeds (n) of the final-round test accuracy (what HFLDD
+  (Shi et al., arXiv 2409.17517) reports) and of the best round's; the K sweep adds the number
+  of heterogeneous clusters and the
   paper's Table VII MNIST rows as a reference, the size sweep the measured traffic;
 - results.json: meta (sweep, config words, overrides, seeds) and results[partition][seed][value]
   (final and best accuracy, curve, traffic, heads, seconds; or status 'error' with its message:
@@ -42,23 +44,19 @@ import ast
 import json
 import pathlib
 import sys
-import traceback
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from absl import app, flags, logging
 import numpy as np
 
+from experiments import sweep as runner
 from experiments.seed_tables import (
   curve_stats,
   load_config_module,
-  machine_meta,
   mean_std,
   plot_band_panels,
-  read_seed_results,
-  report_date,
   seed_cell,
   seed_values,
-  write_seed_results,
 )
 
 FLAGS = flags.FLAGS
@@ -72,19 +70,25 @@ class Sweep(NamedTuple):
 
 
 SWEEPS = {
-  'k': Sweep('hfldd.K', 'K-Means K (homogeneous clusters)', 'K', 'seed 003 §VI-F, Table VII'),
+  'k': Sweep(
+    'hfldd.K',
+    'K-Means K (homogeneous clusters)',
+    'K',
+    'HFLDD (Shi et al., arXiv 2409.17517) §VI-F, Table VII',
+  ),
   'distilled_size': Sweep(
     'hfldd.kip.support_size',
     'distilled images per member (KIP support size)',
     'size',
-    'seed 003 §VI-D, Fig. 7',
+    'HFLDD (Shi et al., arXiv 2409.17517) §VI-D, Fig. 7',
   ),
 }
 # Table VII's rows: the config word and the number of classes per client (#C) it gives.
 PARTITIONS = {'c1': 1, 'c2': 2, 'iid': 10}
 PARTITION_LABELS = {'c1': '#C=1', 'c2': '#C=2', 'iid': '#C=10 (IID)'}
-# Seed 003 Table VII, MNIST rows (K = 5..11). The seed's text lost the #C of each row; they are
-# read in Table VI's order (#C=1, 2, 10), which §VI-F's text confirms (the first rows move most).
+# HFLDD (Shi et al., arXiv 2409.17517) Table VII, MNIST rows (K = 5..11). The paper's text lost
+# the #C of each row; they are read in Table VI's order (#C=1, 2, 10), which §VI-F's text
+# confirms (the first rows move most).
 PAPER_TABLE7_MNIST = {
   'c1': (95.2, 97.1, 97.3, 98.0, 98.0, 98.1, 98.1),
   'c2': (98.3, 98.0, 98.3, 98.3, 98.1, 98.3, 98.1),
@@ -96,26 +100,20 @@ META_KEYS = ('sweep', 'config', 'budget', 'overrides')  # what OUT and merged sw
 
 def define_flags() -> None:
   """Defined only when run as a command (importing the module in tests defines no flags)."""
-  flags.DEFINE_string('config', None, 'An HFLDD config file, optionally FILE:words.')
   flags.DEFINE_string('sweep', None, f'What to sweep: {" | ".join(SWEEPS)}.')
   flags.DEFINE_list('values', None, 'The swept values (positive integers): the columns.')
   flags.DEFINE_list('partitions', list(PARTITIONS), f'Rows, of {", ".join(PARTITIONS)}.')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (at least 3 for a table).')
   flags.DEFINE_string('budget', '', "More config words for every run (e.g. 'smoke').")
   flags.DEFINE_list(
     'override',
     [],
     'Dotted config keys for every run, e.g. hfldd.rounds=30,hfldd.pretrain_epochs=2.',
   )
-  flags.DEFINE_string('out', None, 'Output directory; each run in OUT/seed<s>/<partition>_<value>.')
-  flags.DEFINE_list(
-    'merge',
-    [],
-    'Instead of running: merge the results.json of these output directories (sweeps of other '
-    'seeds run in parallel) into OUT and write its outputs.',
-  )
+  runner.define_flags(
+    None, config='An HFLDD config file, optionally FILE:words.'
+  )  # --out (each run in OUT/seed<s>/<partition>_<value>), --seeds, --merge
   flags.DEFINE_bool('traceback', False, 'Show the full stack of an error instead of one line.')
-  flags.mark_flags_as_required(['config', 'sweep', 'values', 'out'])
+  flags.mark_flags_as_required(['sweep', 'values', 'out'])
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
@@ -314,7 +312,8 @@ def render(results: dict, plan: Plan, meta: dict) -> str:
     f'{budget_line(base, plan.sweep)}.',
     '',
     'Test accuracy (%) of the global model, mean ± sample std over the seeds whose run finished '
-    "(n). Final = the last round, what seed 003 reports (its Table VII quotes HFLDD's test "
+    '(n). Final = the last round, what HFLDD (Shi et al., arXiv 2409.17517) reports '
+    "(its Table VII quotes HFLDD's test "
     'accuracy, its Figs. plot it per round); best = the best round on the test images (not '
     'reported by the paper). Curves per round: accuracy.png.',
     '',
@@ -410,57 +409,44 @@ def run_sweep(
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
   plan = make_plan(config_arg, budget, sweep, values, partitions, overrides)
   seeds = [int(s) for s in seeds]
-  meta = {
-    'sweep': sweep,
-    'config': config_arg,
-    'budget': budget,
-    'overrides': list(overrides),
-    **machine_meta(),
-    'date': report_date(),
-    'seeds': [] if merge else seeds,
-  }
+  mine = {'sweep': sweep, 'config': config_arg, 'budget': budget, 'overrides': list(overrides)}
 
   def load(path: pathlib.Path) -> dict:
     saved = json.loads(path.read_text())
     theirs = {k: saved.get('meta', {}).get(k) for k in META_KEYS}
-    mine = {k: meta[k] for k in META_KEYS}
     if theirs != mine:
       diff = {k: theirs[k] for k in META_KEYS if theirs[k] != mine[k]}
       raise ConfigError(f'{path} holds another sweep ({diff}, here {mine}): use a new --out')
     return saved
 
-  results_path = out / 'results.json'
-  results = read_seed_results(results_path, merge, meta, load)
+  s = runner.Sweep.open(out, [] if merge else seeds, merge, load, **mine)
+  s.render = lambda s: {'results.md': render(s.results, plan, s.meta)}
   dataset = plan.config(plan.partitions[0], plan.values[0], 0).dataset.name
   out.mkdir(parents=True, exist_ok=True)
 
-  def save(figure: bool = True) -> None:
-    write_seed_results(results_path, meta, results)
-    atomic_write_text(out / 'results.md', render(results, plan, meta))
-    if figure:
-      plot(out / 'accuracy.png', results, plan, dataset)
+  def execute(p: str, v: int, seed: int, workdir: pathlib.Path) -> runner.Record:
+    c = plan.config(p, v, seed)
+    c.local_models_dir = str((out / f'seed{seed}' / f'{p}_local_models').absolute())
+    return run_record(workdir, run_experiment('hfldd', c, workdir))
 
   for seed in [] if merge else seeds:
     for p in plan.partitions:
       for v in plan.values:
-        record = results.setdefault(p, {}).setdefault(str(seed), {})
         workdir = out / f'seed{seed}' / run_dirname(p, v)
-        print(f'=== seed {seed} / {p} / {SWEEPS[sweep].symbol}={v} -> {workdir}', flush=True)
-        try:
-          c = plan.config(p, v, seed)
-          c.local_models_dir = str((out / f'seed{seed}' / f'{p}_local_models').absolute())
-          record[str(v)] = run_record(workdir, run_experiment('hfldd', c, workdir))
-        except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
-          traceback.print_exc()
-          record[str(v)] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-        save(figure=False)  # about a second each: the figure after every partition
-      save()
-  save()
-  return (out / 'results.md').read_text()
+        s.run_one(
+          p,
+          seed,
+          str(v),
+          lambda: execute(p, v, seed, workdir),  # pylint: disable=cell-var-from-loop
+          f'seed {seed} / {p} / {SWEEPS[sweep].symbol}={v} -> {workdir}',
+        )
+      plot(out / 'accuracy.png', s.results, plan, dataset)  # about a second: once per partition
+  s.save()
+  plot(out / 'accuracy.png', s.results, plan, dataset)
+  return s.text('results.md')
 
 
 def main(argv):
@@ -470,7 +456,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   out = pathlib.Path(FLAGS.out)
   try:
-    plan_args = (FLAGS.config, FLAGS.budget, FLAGS.sweep, FLAGS.values, FLAGS.partitions)
+    config_arg = ':'.join(w for w in runner.config_flag() if w)
+    plan_args = (config_arg, FLAGS.budget, FLAGS.sweep, FLAGS.values, FLAGS.partitions)
     make_plan(*plan_args, FLAGS.override)  # fails before the compilation cache dir is made
     if not FLAGS.merge:
       from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
@@ -478,7 +465,7 @@ def main(argv):
       # every run compiles the same few programs: read them back from disk
       use_persistent_cache(str(out / 'compilation_cache'), min_compile_seconds=0.2)
     text = run_sweep(
-      FLAGS.config,
+      config_arg,
       FLAGS.sweep,
       FLAGS.values,
       out,

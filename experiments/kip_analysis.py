@@ -33,9 +33,10 @@ import pathlib
 import time
 from typing import Any, Dict, List, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 import numpy as np
 
+from experiments import sweep
 from experiments.configs import hfldd_digits, hfldd_fashion_mnist
 from experiments.seed_tables import mean_std, report_date, value_stats
 
@@ -44,8 +45,9 @@ FLAGS = flags.FLAGS
 CONFIGS = {'digits': hfldd_digits, 'fashion_mnist': hfldd_fashion_mnist}
 LABEL_MODES = ('fixed', 'learned')
 
-# Seed 003 on KIP, its support/target choice and its labels (the only passages that bear on them).
-SEED_003_QUOTES = (
+# HFLDD (Shi et al., arXiv 2409.17517) on KIP, its support/target choice and its labels (the
+# only passages that bear on them).
+HFLDD_QUOTES = (
   (
     'III-A',
     'the KIP method is to find a ditilled dataset that is approximate to the target dataset by '
@@ -76,7 +78,7 @@ SEED_003_QUOTES = (
     'long-tailed label distributions.',
   ),
 )
-SEED_003_READING = (
+HFLDD_READING = (
   'The paper never mentions learning the labels (only "the distilled data" is optimised, and '
   'Eq. 18 counts 8 bits per value of a distilled sample and nothing for its label), nor how the '
   'support set is initialised. Its target is "a minibatch of 10 samples drawn from the original '
@@ -105,10 +107,9 @@ def define_flags() -> None:
   """Defined only when run as a command (importing the module in tests defines no flags)."""
   flags.DEFINE_enum('dataset', None, list(CONFIGS), 'HFLDD config: experiments/configs/hfldd_*.')
   flags.DEFINE_list('classes_per_client', ['1', '2', '10'], '#C values (shard partition k).')
-  flags.DEFINE_string('out', None, 'Output directory (results.json, kip_analysis.md, png).')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, KIP keys, model init).')
+  # --out (results.json, kip_analysis.md, png), --seeds (partition, KIP keys, model init), --smoke
+  sweep.define_flags(None, merge=False, smoke="The config's `smoke` variant (short KIP).")
   flags.DEFINE_list('labels', list(LABEL_MODES), f'KIP label modes: {", ".join(LABEL_MODES)}.')
-  flags.DEFINE_bool('smoke', False, "The config's `smoke` variant (fewer clients, short KIP).")
   flags.mark_flags_as_required(['dataset', 'out'])
 
 
@@ -452,11 +453,11 @@ def render(base_config, results: Dict, plan: Dict, meta: Dict) -> str:
     '',
     WHY,
     '',
-    '## Seed 003 on label learning and the support/target choice',
+    '## HFLDD (Shi et al., arXiv 2409.17517) on label learning and the support/target choice',
     '',
   ]
-  lines += [f'- §{where}: "{text}"' for where, text in SEED_003_QUOTES]
-  lines += ['', SEED_003_READING, '', 'Loss curves: kip_loss.png; every number: results.json.']
+  lines += [f'- §{where}: "{text}"' for where, text in HFLDD_QUOTES]
+  lines += ['', HFLDD_READING, '', 'Loss curves: kip_loss.png; every number: results.json.']
   return '\n'.join(lines) + '\n'
 
 
@@ -594,5 +595,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

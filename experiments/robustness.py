@@ -19,22 +19,12 @@ seed into its own OUT, then `--merge=OUT1,OUT2 --out=OUT0` writes the tables of 
 """
 
 import pathlib
-import traceback
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence, Union
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from experiments.seed_tables import (
-  load_config_module,
-  machine_meta,
-  mean_std,
-  percent_stats_each,
-  read_seed_results,
-  report_date,
-  seed_errors,
-  seed_values,
-  write_seed_results,
-)
+from experiments import sweep
+from experiments.seed_tables import load_config_module, mean_std, percent_stats_each, seed_values
 
 FLAGS = flags.FLAGS
 
@@ -59,26 +49,25 @@ CLEAN = 'none_0'
 
 def define_flags() -> None:
   """Defined only when run as a command (importing the module in tests defines no flags)."""
-  flags.DEFINE_string('config', None, 'experiments/configs/robustness.py:<dataset>[,smoke].')
-  flags.DEFINE_string('out', 'runs/robustness', 'Output directory.')
-  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (partition, init and attackers).')
+  sweep.define_flags(
+    'runs/robustness', config='experiments/configs/robustness.py:<dataset>[,smoke].'
+  )
   flags.DEFINE_list('rules', list(RULES), f'Aggregation rows: {", ".join(RULES)}.')
   flags.DEFINE_list('attacks', list(ATTACKS), f'Attacks: {", ".join(STRENGTHS)}.')
   flags.DEFINE_list('fractions', list(FRACTIONS), 'Attacker fractions (besides 0).')
-  flags.DEFINE_list('merge', [], "Merge these OUTs' results.json into OUT instead of running.")
-  flags.mark_flags_as_required(['config'])
 
 
 def cell_name(attack: str, fraction: str) -> str:
   return f'{attack}_{fraction}'
 
 
-def run_config(module, arg: str, rule: str, attack: str, fraction: str, seed: int):
-  c = module.get_config(arg)
+def run_config(base, clip_norm: float, rule: str, attack: str, fraction: str, seed: int):
+  """`base` with one row's aggregation, one cell's attack and `seed`."""
+  c = base.copy_and_resolve_references()
   c.seed = seed
   c.aggregation.update(RULES[rule])
   if rule == 'clipped_mean':
-    c.aggregation.clip_norm = module.CLIP_NORM[c.dataset.name]
+    c.aggregation.clip_norm = clip_norm
   if attack == 'none':
     c.attack.kind, c.attack.fraction = 'none', 0.0
   else:
@@ -89,7 +78,7 @@ def run_config(module, arg: str, rule: str, attack: str, fraction: str, seed: in
 
 def text(results: dict, rule: str, cell: str, key: str) -> str:
   """'mean ± std' over seeds, with the failed seeds counted."""
-  errors = seed_errors(results, cell, rule)
+  errors = sweep.cell_stats(results, cell, rule, key).errors
   out = mean_std(seed_values(results, cell, rule, key)) or '—'
   return out + (f' ({errors} error)' if errors else '')
 
@@ -112,94 +101,88 @@ def render(config, clip_norm: float, results: dict, plan: dict, meta: dict) -> s
   for title, key in (('final round', 'final_test_accuracy'), ('best round', 'best_test_accuracy')):
     for attack in attacks:
       lines += ['', f'## {attack}, {title}', '']
-      lines += ['| Rule | no attack | ' + ' | '.join(f'{float(f):.0%}' for f in fractions) + ' |']
-      lines += ['|---|---:|' + '---:|' * len(fractions)]
-      for rule in rules:
-        cells = [text(results, rule, CLEAN, key)] + [
-          text(results, rule, cell_name(attack, f), key) for f in fractions
-        ]
-        lines.append(f'| {rule} | ' + ' | '.join(cells) + ' |')
+      head = ['Rule', 'no attack'] + [f'{float(f):.0%}' for f in fractions]
+      rows = [
+        [rule, text(results, rule, CLEAN, key)]
+        + [text(results, rule, cell_name(attack, f), key) for f in fractions]
+        for rule in rules
+      ]
+      lines += sweep.table_lines(head, rows)
   lines += ['', 'Per run: OUT/<rule>/<attack>_<fraction>/seed<s>/ (metrics, summary, plots).']
   return '\n'.join(lines) + '\n'
 
 
 def plot(path: pathlib.Path, results: dict, plan: dict, title: str) -> None:
   """One panel per attack: final accuracy against the attacker fraction, a line per rule."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-
-  attacks, fractions = plan['attacks'], plan['fractions']
-  fig = Figure(figsize=(3.2 * len(attacks) + 1, 3.4), dpi=120)
-  FigureCanvasAgg(fig)
+  fractions = plan['fractions']
   x = [0.0] + [float(f) for f in fractions]
-  for j, attack in enumerate(attacks):
-    ax = fig.add_subplot(1, len(attacks), j + 1)
-    for rule in plan['rules']:
-      cells = [CLEAN] + [cell_name(attack, f) for f in fractions]
-      mean, std = percent_stats_each(
-        [seed_values(results, c, rule, 'final_test_accuracy') for c in cells]
+  panels = {}
+  for attack in plan['attacks']:
+    cells = [CLEAN] + [cell_name(attack, f) for f in fractions]
+    panels[attack] = {
+      rule: (
+        x,
+        *percent_stats_each([seed_values(results, c, rule, 'final_test_accuracy') for c in cells]),
       )
-      ax.errorbar(x, mean, yerr=std, marker='o', ms=3, capsize=2, label=rule)
-    ax.set_title(attack, fontsize=9)
-    ax.set_xlabel('attacker fraction')
-    ax.set_ylim(0, 100)
-    if j == 0:
-      ax.set_ylabel('final test accuracy (%)')
-  fig.axes[-1].legend(fontsize=7, loc='lower left')
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path)
+      for rule in plan['rules']
+    }
+  sweep.plot_errorbar_panels(
+    path, panels, 'attacker fraction', 'final test accuracy (%)', title, ylim=(0, 100)
+  )
 
 
 def run_sweep(
-  config_arg: str,
+  config: Union[str, object],
   out: pathlib.Path,
   seeds: Sequence[int],
   rules: Sequence[str],
   attacks: Sequence[str],
   fractions: Sequence[str],
   merge: Sequence[str] = (),
+  clip_norm: Optional[Dict[str, float]] = None,
+  label: str = '',
 ) -> str:
   """Runs every (rule, cell, seed) not finished yet (or only merges `merge`'s results);
-  rewrites results.json, tables.md and robustness.png after each run; returns the tables."""
-
+  rewrites results.json, tables.md and robustness.png after each run; returns the tables.
+  `config`: the base config, or its 'FILE:words'; `clip_norm`: the clipped mean's norm per
+  dataset (default: the config file's CLIP_NORM); `label`: the config's FILE:words for
+  results.json (default: `config` when it is that string)."""
+  from experiments.configs import robustness as default  # pylint: disable=g-import-not-at-top
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
-  for name, given, valid in (('rules', rules, RULES), ('attacks', attacks, STRENGTHS)):
-    unknown = [g for g in given if g not in valid]
-    if unknown:
-      raise ConfigError(f'--{name}: unknown {unknown}; valid: {", ".join(valid)}')
+  sweep.check_known('rules', rules, RULES)
+  sweep.check_known('attacks', attacks, STRENGTHS)
   try:
     fractions = [f'{float(f):g}' for f in fractions]
   except ValueError:
     raise ConfigError(f'--fractions: expected numbers in (0, 1), got {fractions}') from None
   if not all(0 < float(f) < 1 for f in fractions):
     raise ConfigError(f'--fractions: expected numbers in (0, 1), got {fractions}')
-  path, _, arg = config_arg.partition(':')
-  module = load_config_module(path, 'robustness_config')
-  base = module.get_config(arg)  # a bad word fails before any run
+  label = label or (config if isinstance(config, str) else '')
+  if isinstance(config, str):
+    path, _, arg = config.partition(':')
+    module = load_config_module(path, 'robustness_config')
+    clip_norm = clip_norm or module.CLIP_NORM
+    config = module.get_config(arg)  # a bad word fails before any run
+  clip = (clip_norm or default.CLIP_NORM)[config.dataset.name]
   out.mkdir(parents=True, exist_ok=True)
   # Every run compiles the same few programs (one shape per dataset): read them back from disk.
   use_persistent_cache(str(out / 'compilation_cache'), min_compile_seconds=0.2)
-  meta = {
-    **machine_meta(),
-    'date': report_date(),
-    'config': config_arg,
-    'seeds': sorted(seeds),
-  }
   plan = {'rules': list(rules), 'attacks': list(attacks), 'fractions': fractions}
-  results_path = out / 'results.json'
-  results = read_seed_results(results_path, merge, meta)
+  s = sweep.Sweep.open(out, sorted(seeds), merge, config=label)
+  s.meta['seeds'] = sorted(s.meta['seeds'])
+  s.render = lambda s: {'tables.md': render(config, clip, s.results, plan, s.meta)}
+  title = f'FedAvg under attack on {config.dataset.name}'
+  s.after_save = lambda s: plot(out / 'robustness.png', s.results, plan, title)
 
-  def save():
-    write_seed_results(results_path, meta, results)
-    atomic_write_text(
-      out / 'tables.md', render(base, module.CLIP_NORM[base.dataset.name], results, plan, meta)
-    )
-    plot(out / 'robustness.png', results, plan, f'FedAvg under attack on {base.dataset.name}')
+  def execute(rule: str, attack: str, fraction: str, seed: int, workdir: pathlib.Path):
+    c = run_config(config, clip, rule, attack, fraction, seed)
+    summary = run_experiment('fedavg', c, workdir, progress=False)
+    record = sweep.summary_record(summary, SUMMARY_KEYS)
+    record['rejected_uploads'] = summary.extras.get('rejected_uploads')
+    return record
 
   if not merge:
     cells = [('none', '0')] + [(a, f) for a in attacks for f in fractions]
@@ -207,20 +190,16 @@ def run_sweep(
       for attack, fraction in cells:
         for rule in rules:
           cell = cell_name(attack, fraction)
-          record = results.setdefault(cell, {}).setdefault(str(seed), {})
           workdir = out / rule / cell / f'seed{seed}'
-          print(f'=== {rule} {cell} seed={seed} -> {workdir}', flush=True)
-          try:
-            c = run_config(module, arg, rule, attack, fraction, seed)
-            summary = run_experiment('fedavg', c, workdir, progress=False)
-            record[rule] = {k: summary.get(k) for k in SUMMARY_KEYS}
-            record[rule]['rejected_uploads'] = summary.extras.get('rejected_uploads')
-          except Exception as e:  # pylint: disable=broad-except  # a failure must not lose the sweep
-            traceback.print_exc()
-            record[rule] = {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-          save()
-  save()
-  return (out / 'tables.md').read_text()
+          s.run_one(
+            cell,
+            seed,
+            rule,
+            lambda: execute(rule, attack, fraction, seed, workdir),  # pylint: disable=cell-var-from-loop
+            f'{rule} {cell} seed={seed} -> {workdir}',
+          )
+  s.save()
+  return s.text('tables.md')
 
 
 def main(argv):
@@ -235,10 +214,10 @@ def main(argv):
       FLAGS.attacks,
       FLAGS.fractions,
       FLAGS.merge,
+      label=flags.FLAGS['config'].config_filename,
     )
   )
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  sweep.run_command(main, define_flags)

@@ -15,7 +15,12 @@ import numpy as np
 
 
 def load_config_module(path: str, name: str):
-  """The config file at `path` as a module named `name`; UsageError if it has no get_config."""
+  """The config file at `path` as a module named `name`; ConfigError if there is no such file,
+  UsageError if it has no get_config."""
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  if not pathlib.Path(path).is_file():
+    raise ConfigError(f'--config: file {path} not found')
   spec = importlib.util.spec_from_file_location(name, path)
   if spec is None or spec.loader is None:
     raise app.UsageError(f'--config={path!r}: not a Python file')

@@ -1,14 +1,6 @@
 """One driver runs every method: checkpoints, resume, metrics, the run summary, progress, plots.
 
-A method is an `Algorithm` (in the spirit of fedjax's `FederatedAlgorithm` and optax's pairs of
-pure functions): a typed config parsed once from the config file, and
-
-  setup(ctx) -> aux                    one-off stages (local models, clustering, KIP, ...),
-                                       cached by the driver's stage checkpoints (`ctx.stage`);
-  init(ctx, aux) -> state              the state before step 0 (also the restore template);
-  step(ctx, aux, state, i) -> (state, records)
-                                       step i of `num_steps(ctx)` (a round, an epoch, ...).
-
+A method is a `jfed.api.Algorithm` (setup / init / step over a `jfed.api.RunContext`).
 The driver owns everything else: after each step it checks the records and the state are finite,
 numbers the records (`step` = i + 1), adds `seconds` and the running `cumulative_bytes`, saves
 the state together with the whole metric history in one checkpoint, rewrites `metrics.jsonl`
@@ -31,20 +23,7 @@ import math
 import pathlib
 import platform
 import time
-from typing import (
-  Any,
-  Callable,
-  ClassVar,
-  Dict,
-  Generic,
-  Iterator,
-  List,
-  Mapping,
-  Optional,
-  Sequence,
-  Tuple,
-  TypeVar,
-)
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,239 +31,56 @@ import ml_collections
 import numpy as np
 
 from jfed import __version__
-from jfed.data import Dataset
-from jfed.data.public import hold_out_train, holdout_size
-from jfed.engine import multihost
+from jfed.api import (  # the names a method stands on, re-exported for the driver's callers
+  BYTE_FIELDS,
+  Algorithm,
+  Record,
+  RunContext,
+  RunSummary,
+  context_of_config,
+  hold_out,
+  make_context,
+  partition_clients,
+)
+from jfed.data import (
+  Dataset,
+  class_count_table,
+  format_count_table,
+  load_dataset,
+  unassigned_count,
+)
+from jfed.data.plots import plot_partition_bubbles
+from jfed.data.public import holdout_size
+from jfed.engine import aggregation, multihost, privacy
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
 from jfed.io.scalars import ScalarLoggers, logging_config
-from jfed.keys import Purpose
-from jfed.workdir import Workdir, atomic_write_text, dumps, jsonable, write_json
+from jfed.methods.registry import get_method
+from jfed.reporting import plot_curves
+from jfed.run_config import validate_run_config
+from jfed.workdir import Workdir, array_fingerprint, atomic_write_text, dumps, jsonable, write_json
 
-Record = Dict[str, Any]
-ConfigT = TypeVar('ConfigT')
-AuxT = TypeVar('AuxT')
-StateT = TypeVar('StateT')
-
-# Record fields that count as communication; their running sum is `cumulative_bytes`.
-BYTE_FIELDS = ('upload_bytes', 'download_bytes', 'peer_bytes')
-
-
-# ------------------------------------------------------------------------------------------------
-# what a method sees
-# ------------------------------------------------------------------------------------------------
-class RunContext:
-  """Everything a method needs, built once by the driver.
-
-  Attributes:
-    config: the whole resolved config (shared keys: data, model, optimiser, batch sizes, ...).
-    dataset: the loaded dataset.
-    parts: one index array into `dataset.train_x` per client.
-    key: the root key; methods derive theirs with `derive_key(Purpose.X, ...)`.
-    mesh: a `jax.sharding.Mesh` with a 'clients' axis, or None.
-    workdir: where the run writes, or None for a run in memory.
-    client_transport: where client training runs when not in this process (the Flower
-      bridge's `jfed.flower.transport.FlowerTransport`), or None.
-    is_primary: whether this process writes the run's files (only process 0 of a run that
-      spans several processes; see jfed.engine.multihost).
-  """
-
-  def __init__(
-    self,
-    config: ml_collections.ConfigDict,
-    dataset: Dataset,
-    parts: Sequence[np.ndarray],
-    key: jax.Array,
-    mesh: Any = None,
-    workdir: Optional[pathlib.Path] = None,
-    client_transport: Any = None,
-  ):
-    self.config, self.dataset, self.parts = config, dataset, list(parts)
-    self.client_transport = client_transport
-    self.key, self.mesh = key, mesh
-    self.workdir = None if workdir is None else pathlib.Path(workdir)
-    self.is_primary = multihost.is_primary()
-    self._memo: Dict[Tuple[str, int], Any] = {}
-
-  @property
-  def num_clients(self) -> int:
-    return len(self.parts)
-
-  @property
-  def client_sizes(self) -> np.ndarray:
-    return np.array([len(p) for p in self.parts])
-
-  def derive_key(self, purpose: Purpose, *path: int) -> jax.Array:
-    key = jax.random.fold_in(self.key, int(purpose))
-    for p in path:
-      key = jax.random.fold_in(key, int(p))
-    return key
-
-  def output_path(self, name: str) -> Optional[pathlib.Path]:
-    """Where a method writes a figure or file of its own; None for a run in memory and in the
-    processes other than the primary."""
-    return None if self.workdir is None or not self.is_primary else self.workdir / name
-
-  def stage(
-    self,
-    name: str,
-    tag: int,
-    template: Any,
-    compute: Callable[[], Any],
-    directory: Optional[str] = None,
-    max_to_keep: int = 2,
-  ) -> Any:
-    """The result of a one-off stage, computed once per run and cached.
-
-    Args:
-      name: the stage (its checkpoints live in `<workdir>/<name>`).
-      tag: what distinguishes versions of the stage (epochs trained, a round number); a cached
-        result with another tag is not reused.
-      template: a pytree with the result's structure, shapes and dtypes (restore target).
-      compute: produces the result when no cached one exists.
-      directory: read (and write) the cache there instead, e.g. `local_models_dir`.
-      max_to_keep: tags kept.
-
-    Returns:
-      The result, from the cache when the workdir (or `directory`) holds it.
-    """
-    memo_key = (directory or name, int(tag))
-    if memo_key in self._memo:
-      return self._memo[memo_key]
-    if self.workdir is None and directory is None:
-      result = compute()
-    else:
-      ckpt = Checkpointer(
-        pathlib.Path(directory) if directory else self.workdir / name, max_to_keep=max_to_keep
-      )
-      try:
-        result = None
-        if int(tag) in ckpt.steps():
-          result = ckpt.restore(int(tag), template)
-        if result is None:
-          result = compute()
-          ckpt.save(int(tag), result)
-      finally:
-        ckpt.close()
-    self._memo[memo_key] = result
-    return result
-
-
-class Algorithm(Generic[ConfigT, AuxT, StateT]):
-  """A method: a typed config and setup / init / step. Subclass, then `@register_method`.
-
-  Class attributes:
-    name: the `--method` name.
-    section: the config section it reads (`config.<section>`).
-    Config: a NamedTuple type of the section's keys (no defaults: see typed_config).
-    step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
-  """
-
-  name: ClassVar[str] = ''
-  section: ClassVar[str] = ''
-  Config: ClassVar[type] = type(None)
-  step_name: ClassVar[str] = 'round'
-
-  def __init__(self, config: ConfigT):
-    self.config = config
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> 'Algorithm':
-    from jfed import typed_config  # pylint: disable=g-import-not-at-top
-
-    algorithm = cls(typed_config.parse(cls.Config, config.get(cls.section), cls.section))
-    algorithm.validate(config)
-    return algorithm
-
-  def validate(self, config: ml_collections.ConfigDict) -> None:
-    """Checks the typed config (and shared keys it depends on); raises ConfigError."""
-
-  def num_steps(self, ctx: RunContext) -> int:
-    raise NotImplementedError
-
-  def setup(self, ctx: RunContext) -> AuxT:
-    return None
-
-  def setup_records(self, ctx: RunContext, aux: AuxT) -> List[Record]:
-    """Records of the setup stages (bytes of one-off uploads, ...), written as step 0."""
-    return []
-
-  def init(self, ctx: RunContext, aux: AuxT) -> StateT:
-    raise NotImplementedError
-
-  def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int) -> Tuple[StateT, List[Record]]:
-    raise NotImplementedError
-
-  def step_label(self, i: int, n: int) -> str:
-    return f'{self.step_name} {i + 1}/{n}'
-
-  def final_accuracy(self, history: Sequence[Record]) -> Optional[float]:
-    """The run's result: by default the last recorded test accuracy."""
-    accs = [r['test_accuracy'] for r in history if r.get('test_accuracy') is not None]
-    return accs[-1] if accs else None
-
-  def summarize(
-    self, ctx: RunContext, aux: AuxT, state: StateT, history: Sequence[Record]
-  ) -> Dict[str, Any]:
-    """The method's extras for the summary (cluster assignments, client accuracies, ...)."""
-    return {}
+__all__ = [
+  'BYTE_FIELDS',
+  'Algorithm',
+  'Record',
+  'RunCheckpointer',
+  'RunContext',
+  'RunSummary',
+  'build_algorithm',
+  'context_of_config',
+  'hold_out',
+  'make_context',
+  'partition_clients',
+  'run',
+  'run_experiment',
+  'run_in_memory',
+]
 
 
 # ------------------------------------------------------------------------------------------------
-# the summary
+# the loop
 # ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RunSummary(Mapping):
-  """The typed result of a run. Also a read-only mapping of its flat JSON form, so
-  `summary['final_test_accuracy']` and `summary['<extra>']` both work."""
-
-  method: str
-  dataset: str
-  step_name: str
-  steps: int
-  final_test_accuracy: Optional[float]
-  best_test_accuracy: Optional[float]
-  best_step: Optional[int]
-  total_bytes: Optional[int]
-  seconds: float  # compute time of every step and stage, all invocations
-  seconds_this_invocation: float
-  num_clients: int
-  partition: str
-  backend: str
-  extras: Dict[str, Any] = dataclasses.field(default_factory=dict)
-  environment: Dict[str, Any] = dataclasses.field(default_factory=dict)
-
-  def as_dict(self) -> Dict[str, Any]:
-    out = dict(self.extras)
-    out.update(self.environment)
-    for f in dataclasses.fields(self):
-      if f.name not in ('extras', 'environment'):
-        out[f.name] = getattr(self, f.name)
-    out['extras'] = sorted(self.extras)
-    return jsonable(out)
-
-  @classmethod
-  def from_dict(cls, d: Dict[str, Any]) -> 'RunSummary':
-    names = {f.name for f in dataclasses.fields(cls)} - {'extras', 'environment'}
-    extra_names = set(d.get('extras', []))
-    return cls(
-      **{n: d.get(n) for n in names},
-      extras={k: d[k] for k in extra_names if k in d},
-      environment={
-        k: v for k, v in d.items() if k not in names and k not in extra_names and k != 'extras'
-      },
-    )
-
-  def __getitem__(self, key: str) -> Any:
-    return self.as_dict()[key]
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self.as_dict())
-
-  def __len__(self) -> int:
-    return len(self.as_dict())
-
-
 def _environment() -> Dict[str, Any]:
   return {
     'devices': [str(d) for d in jax.devices()],
@@ -294,9 +90,6 @@ def _environment() -> Dict[str, Any]:
   }
 
 
-# ------------------------------------------------------------------------------------------------
-# the loop
-# ------------------------------------------------------------------------------------------------
 class RunCheckpointer(Checkpointer):
   """The driver's per-step checkpoints (state + history); tests patch its `save`."""
 
@@ -492,8 +285,6 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
 
 
 def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Record]) -> None:
-  from jfed.reporting import plot_curves  # pylint: disable=g-import-not-at-top
-
   records = [r for r in history if r.get('test_accuracy') is not None]
   if not records:
     return
@@ -511,59 +302,17 @@ def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Re
 # ------------------------------------------------------------------------------------------------
 # the command line's path
 # ------------------------------------------------------------------------------------------------
-def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> List[np.ndarray]:
-  """The seeded client partition of `config.partition`."""
-  from jfed.data import make_partition  # pylint: disable=g-import-not-at-top
-  from jfed.data.partitions import partition_arguments  # pylint: disable=g-import-not-at-top
-
-  p = config.partition
-  kwargs = {name: p[name] for name in partition_arguments(p.scheme) if name in p}
-  return make_partition(labels, p.num_clients, p.scheme, config.seed, **kwargs)
-
-
 def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm:
   """The registered algorithm `method` with its typed config; validates the whole config."""
-  from jfed.engine import privacy  # pylint: disable=g-import-not-at-top
-  from jfed.methods.registry import get_method  # pylint: disable=g-import-not-at-top
-  from jfed.typed_config import validate_run_config  # pylint: disable=g-import-not-at-top
-
   cls = get_method(method)
   validate_run_config(config, cls.section)
   dp_problem = privacy.method_problem(method, config)
   if dp_problem:
     raise ConfigError(dp_problem)
+  ignored = aggregation.ignored_settings_problem(method, config)
+  if ignored:
+    raise ConfigError(ignored)
   return cls.from_config(config)
-
-
-def hold_out(config: ml_collections.ConfigDict, dataset: Dataset) -> Dataset:
-  """`dataset` less the `dataset.holdout_size` training samples no client may hold (they go to
-  `holdout_x/holdout_y`, for the server's public or distillation data); unchanged when 0."""
-  size = holdout_size(config)
-  if not size or dataset.holdout_x is not None:
-    return dataset
-  return hold_out_train(dataset, size, config.seed)
-
-
-def make_context(
-  config: ml_collections.ConfigDict,
-  dataset: Dataset,
-  parts: Sequence[np.ndarray],
-  workdir=None,
-  client_transport=None,
-) -> RunContext:
-  """The run's context over `dataset` (after `hold_out`) and `parts`, index arrays into its
-  training split."""
-  from jfed.engine import client_mesh  # pylint: disable=g-import-not-at-top
-
-  if holdout_size(config) and dataset.holdout_x is None:
-    raise ConfigError(
-      f'dataset.holdout_size={holdout_size(config)} but the dataset given holds nothing out: '
-      'build the context with jfed.driver.context_of_config, or pass jfed.driver.hold_out(config, '
-      'dataset) and a partition of its training split'
-    )
-  mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
-  key = jax.random.PRNGKey(config.seed)
-  return RunContext(config, dataset, parts, key, mesh, workdir, client_transport)
 
 
 def run_experiment(
@@ -599,10 +348,6 @@ def run_experiment(
 
 def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
   """Checks and writes what the workdir holds (identity, config, partition); (dataset, parts)."""
-  from jfed.data import class_count_table, format_count_table, load_dataset, unassigned_count  # pylint: disable=g-import-not-at-top
-  from jfed.data.plots import plot_partition_bubbles  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import array_fingerprint  # pylint: disable=g-import-not-at-top
-
   config_json = config.to_json_best_effort(sort_keys=True, indent=2)
   identity = {
     'method': method,
@@ -661,18 +406,6 @@ def _run_secondary(algorithm: Algorithm, config, workdir) -> RunSummary:
   ctx = context_of_config(config, workdir=Workdir(workdir).path)
   multihost.agree(True, _SETUP)
   return run(algorithm, ctx, progress=False)
-
-
-def context_of_config(
-  config: ml_collections.ConfigDict, dataset: Optional[Dataset] = None, **context
-) -> RunContext:
-  """The run's context from its config alone: the dataset (loaded unless given), the seeded
-  partition, and `make_context`'s keywords (workdir, client_transport)."""
-  from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-
-  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
-  dataset = hold_out(config, dataset)
-  return make_context(config, dataset, partition_clients(config, dataset.train_y), **context)
 
 
 def run_in_memory(

@@ -59,7 +59,17 @@ def plot_curves(
   x: Optional[Dict[str, Sequence[float]]] = None,
   hlines: Optional[Dict[str, float]] = None,
 ) -> None:
-  """Line plot of named series (e.g. test accuracy per round, one line per method)."""
+  """Line plot of named series (e.g. test accuracy per round, one line per method).
+
+  Args:
+    path: Where the figure is saved.
+    series: name -> y values, one line each.
+    xlabel: x-axis label.
+    ylabel: y-axis label.
+    title: Axes title; None for none.
+    x: name -> x values of that series; None (or a missing name) plots against 1..n.
+    hlines: name -> y value of a horizontal reference line; None for none.
+  """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 

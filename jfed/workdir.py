@@ -3,8 +3,12 @@
 - Every file a run rewrites goes through `atomic_write_text` (temporary file + rename), so a kill
   leaves either the old or the new content, never a torn one.
 - `Workdir.lock()` holds an exclusive `flock` on `<workdir>/.lock` for the whole run: a second
-  run on the same workdir is refused at once. The kernel drops the lock when its process dies,
-  so a lock file left by a killed run is simply taken over.
+  run on the same workdir is refused at once, naming the holder. The kernel drops the lock when
+  its process dies, so the lock file of a killed run is taken over, with a one-line warning
+  naming the dead pid; a run that ends removes its lock file. A child forked while the lock is
+  held closes its copy, so it cannot keep the lock after the run ends. Where the file system has
+  no `flock` (some network file systems), the pid in the file is the lock: a dead pid on this
+  host is replaced, a live one refuses.
 - `identity.json` records what the workdir holds (method, resolved config, dataset and a
   fingerprint of its arrays, jfed version). A run whose identity differs is refused, naming the
   differing keys, as soon as the workdir holds progress (a checkpoint of any stage) or a
@@ -20,8 +24,10 @@ import json
 import math
 import os
 import pathlib
+import re
+import sys
 import tempfile
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -132,29 +138,57 @@ class Workdir:
   def lock(self) -> Iterator[None]:
     """Exclusive for the duration of the run; refused at once if another process holds it."""
     path = self.path / LOCK_FILE
+    f = self._open_locked(path)
+    if f is None:  # no flock on this file system
+      with _pid_lock(path, self.path):
+        yield
+      return
     try:
-      f = open(path, 'a+')
-    except OSError as e:
-      raise WorkdirError(f'workdir {self.path} cannot be written: {e.strerror or e}') from None
-    try:
+      f.seek(0)
+      previous = f.read().strip()
+      if previous:
+        print(f'warning: workdir {self.path}: {_stale_note(previous)}', file=sys.stderr, flush=True)
+      f.seek(0)
+      f.truncate()
+      f.write(_holder_line())
+      f.flush()
+      _HELD_FDS.add(f.fileno())
+      yield
+    finally:
+      _HELD_FDS.discard(f.fileno())
+      with contextlib.suppress(OSError):  # still ours: nobody replaces it while it is locked
+        path.unlink()
+      f.close()  # closing the descriptor releases the flock
+
+  def _open_locked(self, path: pathlib.Path):
+    """The lock file, open and flocked; None when the file system does not support flock."""
+    for _ in range(_LOCK_TRIES):
+      try:
+        f = open(path, 'a+')
+      except OSError as e:
+        raise WorkdirError(f'workdir {self.path} cannot be written: {e.strerror or e}') from None
       try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-          raise
         f.seek(0)
-        holder = f.read().strip() or 'another process'
-        raise WorkdirBusy(
-          f'workdir {self.path} is busy: a run ({holder}) is using it; wait for '
-          'it to finish or choose another --workdir'
-        ) from None
-      f.seek(0)
-      f.truncate()
-      f.write(f'pid {os.getpid()} on {os.uname().nodename}\n')
-      f.flush()
-      yield
-    finally:
-      f.close()  # closing the descriptor releases the flock
+        holder = f.read().strip()
+        f.close()
+        if e.errno in _NO_FLOCK:
+          return None
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+          raise WorkdirError(
+            f'workdir {self.path}: cannot lock {path}: {e.strerror or e}'
+          ) from None
+        raise WorkdirBusy(_busy_message(self.path, holder, path)) from None
+      # A run that ended removes the file it locked: the one opened here may be that removed
+      # one, and another run may hold a new one. Ours only if it is still the path's file.
+      try:
+        if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+          return f
+      except OSError:
+        pass
+      f.close()
+    raise WorkdirError(f'workdir {self.path}: {path} kept being replaced while it was locked')
 
   def read_identity(self) -> Optional[Dict[str, Any]]:
     path = self.path / IDENTITY_FILE
@@ -203,3 +237,115 @@ class Workdir:
   def write_identity(self, identity: Dict[str, Any], config_json: str) -> None:
     write_json(self.path / IDENTITY_FILE, identity)
     atomic_write_text(self.path / 'config.json', config_json + '\n')
+
+
+# ---- the lock file -------------------------------------------------------------------------
+
+_LOCK_TRIES = 20
+# flock's errors where the file system has none (NFS without lockd, some FUSE file systems).
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_HOLDER = re.compile(r'^pid (\d+) on (\S+)')
+# Descriptors of the locks this process holds: a forked child closes its copies (a copy would
+# hold the flock after this process ends, and a dead pid would then block the next run).
+_HELD_FDS: Set[int] = set()
+
+
+def _close_held_locks_in_child() -> None:
+  for fd in list(_HELD_FDS):
+    with contextlib.suppress(OSError):
+      os.close(fd)
+  _HELD_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks_in_child)
+
+
+def _holder_line() -> str:
+  return f'pid {os.getpid()} on {os.uname().nodename}\n'
+
+
+def _holder(text: str) -> Optional[Tuple[int, str]]:
+  """(pid, host) of a lock file's 'pid N on HOST' line, or None."""
+  match = _HOLDER.match(text.strip())
+  return (int(match.group(1)), match.group(2)) if match else None
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether a process `pid` exists on this host (one of another user's counts)."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _here(host: str) -> bool:
+  return host == os.uname().nodename
+
+
+def _stale_note(text: str) -> str:
+  """One line on the lock file of a run that no longer holds it."""
+  holder = _holder(text)
+  if holder is None:
+    return f'replaced a stale lock file ({text[:80]!r})'
+  pid, host = holder
+  if not _here(host):
+    why = f'on {host}, which no longer holds it'
+  elif pid_alive(pid):
+    why = 'which no longer holds it (that pid now belongs to another process)'
+  else:
+    why = 'which is no longer running'
+  return f'replaced the stale lock of pid {pid} {why}'
+
+
+def _busy_message(workdir: pathlib.Path, text: str, path: pathlib.Path) -> str:
+  holder = _holder(text)
+  if holder is not None and _here(holder[1]) and not pid_alive(holder[0]):
+    return (
+      f'workdir {workdir} is locked, though its run (pid {holder[0]}) is no longer running: a '
+      f'process it started still holds {path}; stop that process (`fuser -v {path}` names it) '
+      'or choose another --workdir'
+    )
+  return (
+    f'workdir {workdir} is busy: a run ({text or "another process"}) is using it; wait for it '
+    'to finish or choose another --workdir'
+  )
+
+
+@contextlib.contextmanager
+def _pid_lock(path: pathlib.Path, workdir: pathlib.Path) -> Iterator[None]:
+  """The lock where flock is missing: the file, created exclusively, names its holder; a file
+  naming a dead pid of this host is stale and replaced, one naming a live pid refuses."""
+  for _ in range(_LOCK_TRIES):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      break
+    except FileExistsError:
+      try:
+        text = path.read_text().strip()
+      except OSError:
+        continue  # removed in between: try again
+      holder = _holder(text)
+      if holder is None or not _here(holder[1]) or pid_alive(holder[0]):
+        raise WorkdirBusy(_busy_message(workdir, text, path)) from None
+      print(f'warning: workdir {workdir}: {_stale_note(text)}', file=sys.stderr, flush=True)
+      with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    except OSError as e:
+      raise WorkdirError(f'workdir {workdir} cannot be written: {e.strerror or e}') from None
+  else:
+    raise WorkdirError(f'workdir {workdir}: {path} kept being replaced while it was locked')
+  try:
+    os.write(fd, _holder_line().encode())
+  finally:
+    os.close(fd)
+  try:
+    yield
+  finally:
+    with contextlib.suppress(OSError):
+      if _holder(path.read_text()) == (os.getpid(), os.uname().nodename):
+        path.unlink()

@@ -77,6 +77,9 @@ def test_all_tiny_reports_every_benchmark_with_numbers(tmp_path):
   assert ct['summary']['loop_vs_legacy_max_abs_diff']['2'] <= 1e-6
   assert ct['summary']['probe_max_abs_diff'] <= 1e-6
   assert all(r['max_abs_diff_vs_legacy'] <= 1e-5 for r in ct['evaluation'])
+  # The per-model table (issue 34): jfed beside PyTorch, with the form and the load average.
+  assert [r['model'] for r in ct['per_model']] == ['mlp']
+  assert '#### Client training per model' in md
   # KIP's batched and looped programs agree to float32 round-off, which the ill-conditioned
   # 4-image support of the tiny sizes amplifies (1e-6 to 4e-4 seen); test_kip checks 1e-5.
   kip_rows = data['sections']['kip']['result']['results']
@@ -217,3 +220,61 @@ def test_the_batched_ms_variants_are_timed_and_the_headline_takes_the_fastest():
   assert f'one generator step is {gflop:.2f} GFLOP' in out['table_markdown']
   with pytest.raises(ValueError, match='unknown MS forms'):
     model_stratification.run(sz._replace(forms=('batched_torch',)))
+
+
+def test_the_per_model_table_times_jfed_and_pytorch_in_turn(monkeypatch):
+  from experiments.bench import model_zoo_training as zoo
+
+  calls = []
+  monkeypatch.setattr(zoo, '_torch_train', lambda *a: calls.append('torch'))
+  real_form = zoo._jfed_form
+
+  def counted(*a):
+    call, form = real_form(*a)
+    return (lambda: (calls.append('jfed'), call())), form  # noqa: B023
+
+  monkeypatch.setattr(zoo, '_jfed_form', counted)
+
+  class FakeTorch:
+    __version__ = 'fake'
+
+    @staticmethod
+    def manual_seed(seed):
+      pass
+
+    @staticmethod
+    def from_numpy(a):
+      return a
+
+  monkeypatch.setattr(zoo, 'torch_model', lambda torch, name: None)
+  rows = zoo.model_rows(FakeTorch, ('mlp',), steps=1, repeats=2)
+  # one warm-up each, then A/B/A/B
+  assert calls == ['jfed', 'torch', 'jfed', 'torch', 'jfed', 'torch']
+  (r,) = rows
+  assert r['jfed_form'] == 'loop' and r['batch'] == 64
+  assert r['ratio_vs_torch'] == pytest.approx(
+    r['torch_ms_per_client_step'] / r['jfed_ms_per_client_step']
+  )
+  table = zoo.report(rows, 2)
+  assert '| `mlp` | 64 |' in table and 'PyTorch with 2 thread(s)' in table
+  with pytest.raises(ValueError, match='unknown models'):
+    zoo.model_rows(None, ('alexnet',), 1, 1)
+
+
+def test_the_pytorch_twins_have_the_jfed_parameter_counts():
+  torch = pytest.importorskip('torch')
+  import jax
+  import numpy as np
+
+  from experiments.bench import model_zoo_training as zoo
+  from jfed.methods.common import parse_model_spec
+  from jfed.models import get_model, param_count
+
+  for name, case in zoo.MODELS.items():
+    model_name, kw = parse_model_spec(case.spec)
+    module = get_model(model_name, zoo.NUM_CLASSES, zoo.INPUT_SHAPE, **kw)
+    shapes = jax.eval_shape(
+      module.init, jax.random.key(0), np.zeros((1, *zoo.INPUT_SHAPE), np.float32)
+    )
+    twin = zoo.torch_model(torch, name)
+    assert param_count(shapes['params']) == sum(p.numel() for p in twin.parameters()), name

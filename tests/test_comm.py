@@ -1,4 +1,5 @@
-"""Communication accounting from serialised bytes (seed 003 Eq. 3 / 18 / 19, Tables III–V)."""
+"""Communication accounting from serialised bytes (HFLDD, Shi et al., arXiv 2409.17517,
+Eq. 3 / 18 / 19, Tables III–V)."""
 
 from typing import NamedTuple
 
@@ -239,7 +240,7 @@ def test_target_table_rows_and_format():
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 003 Tables III–V from the paper's own settings
+# HFLDD (Shi et al., arXiv 2409.17517) Tables III–V from the paper's own settings
 # ------------------------------------------------------------------------------------------------
 PAPER_PARAMS = {'MNIST': 44_426, 'CIFAR10': 1_020_160, 'CINIC10': 320_010}  # Sec. VI-A2
 PAPER_IMAGE_VALUES = {'MNIST': 28 * 28, 'CIFAR10': 32 * 32 * 3, 'CINIC10': 32 * 32 * 3}

@@ -470,7 +470,7 @@ def test_batch_bn_teachers_normalise_with_the_batch_statistics():
     ensemble.teacher_outputs((net, stacked), x, with_bn_loss=True, batch_bn=True)
 
 
-# ----------------------------------------------------------------------------- FedHydra (seed 000)
+# --------------------------------------------------------------- FedHydra (Bai et al., KDD 2025)
 # What the method runs: `synthesize` with `fedhydra_config` (Eq. 16) and `kd_step` with
 # KDConfig(loss='fedhydra', aggregation='sa') (Eq. 19), against NumPy on two teacher architectures
 # (BNNet with BN loss, MLP without) and a linear global model, all computable by hand.
@@ -505,7 +505,7 @@ def _np_mlp(st, x):
 
 
 def _np_sa(per_client, U_r, U_c, y):
-  """Stratified aggregation written out as seed 000 Eqs. 8–11, one sample at a time."""
+  """Stratified aggregation written out as FedHydra Eqs. 8–11, one sample at a time."""
   m, b, c = per_client.shape
   out = np.zeros((b, c))
   for i in range(b):

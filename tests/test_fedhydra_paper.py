@@ -1,5 +1,5 @@
-"""FedHydra's own generator (seed 000 §4.1.3) and its use of every generator intermediate
-(seed 000 §2), checked against a PyTorch build of the described generator and against the
+"""FedHydra's own generator (Bai et al., KDD 2025, §4.1.3) and its use of every generator
+intermediate (§2), checked against a PyTorch build of the described generator and against the
 synthesis loop's own loss trace."""
 
 import jax
@@ -22,7 +22,7 @@ torch = pytest.importorskip('torch')
 
 
 def _torch_paper_generator(nz, ngf, s, channels, strides):
-  """Seed 000 §4.1.3 written in PyTorch: Linear → 2D map → 3 × [BN, LeakyReLU, ConvTranspose2d]
+  """FedHydra §4.1.3 written in PyTorch: Linear → 2D map → 3 × [BN, LeakyReLU, ConvTranspose2d]
   → Sigmoid (k4 s2 p1 for the ×2 layers, k3 s1 p1 for a size-keeping one)."""
   layers = []
   widths = (2 * ngf, 2 * ngf, ngf, channels)

@@ -1,5 +1,6 @@
-"""FedTSA (seed 001): the Stage-2 deep-mutual-learning loss against its formula, the mutual
-learning step, clustering and pruning in the method's setup, Stage-2 images, participation."""
+"""FedTSA (Fan et al., ECCV 2024): the Stage-2 deep-mutual-learning loss against its formula, the
+mutual learning step, clustering and pruning in the method's setup, Stage-2 images,
+participation."""
 
 import jax
 import jax.numpy as jnp

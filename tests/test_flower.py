@@ -4,6 +4,7 @@ processes on localhost) gives the in-process result, and a one-shot method compl
 The request/reply encoding and a node's refusals are tested in this process."""
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -270,3 +271,56 @@ def test_a_bad_deployment_fails_in_one_line_before_any_flower_process(
   lines = run.stderr.strip().splitlines()
   assert lines[-1].startswith('error: ') and message in lines[-1]
   assert not (tmp_path / 'w' / 'flower_logs').exists()  # nothing started
+
+
+class _RecordingTransport(_InProcessTransport):
+  def __init__(self, node_trainers):
+    self.sent, self.replies = [], []
+    super().__init__(node_trainers)
+
+  def _exchange(self, content):
+    self.sent.append(content)
+    replies = super()._exchange(content)
+    self.replies.extend(r.content for r in replies)
+    return replies
+
+
+def test_fedprox_messages_have_the_record_layout_flower_mods_wrap():
+  """One ArrayRecord (the start model; FedProx's anchor is that model, not sent again) and one
+  ConfigRecord out; `arrays` and a `metrics` MetricRecord with `num-examples` back."""
+  from jfed.driver import build_algorithm, run  # pylint: disable=g-import-not-at-top
+
+  config, node_ctx = _smoke_context()
+  flower = _RecordingTransport([transport.NodeTrainer(node_ctx, p, 2) for p in range(2)])
+  _, ctx = _smoke_context(client_transport=flower)
+  run(build_algorithm('fedprox', config), ctx, progress=False)
+  for content in flower.sent:
+    assert list(content.array_records) == ['arrays'] and list(content.config_records) == ['config']
+    assert content['config']['anchor_is_start']
+  for k, reply in enumerate(flower.replies):
+    assert 'arrays' in reply.array_records and list(reply.metric_records) == ['metrics']
+    asked = flower.sent[k // 2]['config']  # two nodes' replies per request
+    sizes = dict(zip(asked['client_ids'], asked['sizes']))
+    clients = list(reply['metrics']['client_ids'])
+    assert clients and reply['metrics']['num-examples'] == sum(sizes[c] for c in clients)
+
+
+def test_a_local_deployment_streams_the_servers_lines_as_they_come(tmp_path):
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  from jfed.flower.deploy import stream_command  # pylint: disable=g-import-not-at-top
+
+  arrivals = []
+  code = 'import time; print("round 1", flush=True); time.sleep(2); print("round 2")'
+  start = time.monotonic()
+  status = stream_command(
+    [sys.executable, '-c', code], dict(os.environ), str(tmp_path), tmp_path / 'log', 60,
+    echo=lambda line: arrivals.append((line, time.monotonic() - start)),
+  )  # fmt: skip
+  assert status == 0 and [line for line, _ in arrivals] == ['round 1\n', 'round 2\n']
+  assert arrivals[1][1] - arrivals[0][1] > 1.5  # the first line did not wait for the end
+  assert (tmp_path / 'log').read_text() == 'round 1\nround 2\n'
+  with pytest.raises(ConfigError, match='ran past'):
+    stream_command([sys.executable, '-c', 'import time; time.sleep(30)'], dict(os.environ),
+                   str(tmp_path), tmp_path / 'log2', 1)  # fmt: skip

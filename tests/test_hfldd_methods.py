@@ -197,7 +197,7 @@ def test_dynafed_client_optimizer_is_the_named_one_or_the_runs():
   cfg = _config().dynafed
   section = dynafed.client_optimizer(cfg)
   assert (section.name, section.lr) == ('adam', 1e-3)
-  state = engine.optimizer_from_config(section).init({'w': jnp.zeros(3)})
+  state = engine.build_optimizer(engine.optimizer_spec(section)).init({'w': jnp.zeros(3)})
   assert float(state.hyperparams['learning_rate']) == pytest.approx(1e-3)
   cfg.client_optimizer = ''
   assert dynafed.client_optimizer(cfg) is None  # common.make_trainers: the run's optimizer

@@ -1,4 +1,4 @@
-"""experiments/hfldd_sweeps.py: HFLDD's K and distilled-size sweeps over seeds (seed 003 Table VII,
+"""experiments/hfldd_sweeps.py: HFLDD's K and distilled-size sweeps over seeds (HFLDD Table VII,
 Fig. 7) on the digits smoke config, shrunk further by --override."""
 
 import json

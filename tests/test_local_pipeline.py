@@ -1,4 +1,5 @@
-"""`LocalDiffusionSource`: FedTSA's Stable Diffusion generator (seed 001, §4.4) loaded from disk.
+"""`LocalDiffusionSource`: FedTSA's (Fan et al., ECCV 2024) Stable Diffusion generator,
+loaded from disk.
 
 No weights can be downloaded here, so the pipeline tests build a tiny randomly initialised
 Stable-Diffusion-style pipeline (UNet, VAE, CLIP text encoder, a CLIP tokenizer from a vocabulary

@@ -205,7 +205,7 @@ def test_method_runs_end_to_end_and_learns(tmp_path, local_dir, method):
   assert records[-1]['round_accuracy'] == summary['final_test_accuracy']
   assert (tmp_path / 'distillation_accuracy.png').exists()
   if method != 'feddf':  # synthesis methods: a growing pool and a sample grid
-    # FedHydra keeps every generator step's batch (seed 000 §2), the others the best one
+    # FedHydra keeps every generator step's batch (FedHydra §2), the others the best one
     per_epoch = 32 * (config.fedhydra.T_G if method == 'fedhydra' else 1)
     assert [r['pool_size'] for r in records] == [per_epoch * (e + 1) for e in range(epochs)]
     assert (tmp_path / 'synthetic_samples.png').exists()

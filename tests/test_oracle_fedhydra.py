@@ -175,8 +175,8 @@ def cnn_mnist(params, stats, x, train=False):
 
 
 def generator(params, z, img_hw=8):
-  """Seed 000 §4.1.3's generator in PyTorch: Linear -> (2ngf, s, s) -> 3 x [BN (train),
-  LeakyReLU(0.2), ConvTranspose2d] (k4 s2 p1, k4 s2 p1, k3 s1 p1) -> Sigmoid. flax's
+  """FedHydra's (Bai et al., KDD 2025) §4.1.3 generator in PyTorch: Linear -> (2ngf, s, s) -> 3 x
+  [BN (train), LeakyReLU(0.2), ConvTranspose2d] (k4 s2 p1, k4 s2 p1, k3 s1 p1) -> Sigmoid. flax's
   ConvTranspose kernel [kh, kw, in, out] is unflipped; PyTorch's [in, out, kh, kw] is flipped.
   Returns (images NHWC, per BN layer its batch (mean, biased var))."""
   s = img_hw // 4

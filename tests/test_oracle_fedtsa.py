@@ -29,8 +29,8 @@ import pytest
 
 from experiments.configs.common import base_config
 from jfed import engine
-from jfed.cvae.server import epoch_order
 from jfed.data import load_dataset
+from jfed.data.batches import epoch_order
 from jfed.data.datasets import Dataset
 from jfed.distill.mutual import MutualLearner, MutualLearningConfig
 from jfed.driver import build_algorithm, make_context, run

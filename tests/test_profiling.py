@@ -1,4 +1,4 @@
-"""FedTSA's resource profiling and KDE clustering (seed 001 §4.3)."""
+"""FedTSA's resource profiling and KDE clustering (FedTSA, Fan et al., ECCV 2024, §4.3)."""
 
 import json
 

@@ -10,7 +10,7 @@ from jfed import driver
 from jfed.data import load_dataset
 from jfed.data.public import check_holdout_fits, hold_out_train, public_data
 from jfed.errors import ConfigError
-from jfed.typed_config import validate_run_config
+from jfed.run_config import validate_run_config
 from tests.support import override
 
 

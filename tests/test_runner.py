@@ -7,10 +7,10 @@ import pytest
 
 from experiments.configs import digits
 from jfed import engine
+from jfed.driver import run_experiment
 from jfed.errors import ConfigError
 from jfed.io import ModelUpload, UploadError, validate_model_upload
 from jfed.methods import available_methods, get_method
-from jfed.runner import run_experiment
 from tests.support import override, read_metrics
 
 

@@ -74,6 +74,9 @@ PROFILES = {
       eval_examples=500,
       eval_batch=250,
       eval_repeats=2,
+      models=('cnn_mnist', 'vgg9', 'resnet18', 'mlp'),
+      model_steps=4,
+      model_repeats=5,
     ),
     # The lax.scan forms take seconds per generator step on XLA:CPU; `loop` (a per-run scan)
     # costs what `batched` costs per step (docs/fedhydra.md), so only `batched` runs here,
@@ -129,6 +132,9 @@ PROFILES = {
       eval_examples=16,
       eval_batch=8,
       eval_repeats=1,
+      models=('mlp',),
+      model_steps=1,
+      model_repeats=1,
     ),
     'model_stratification': dict(
       clients=1,

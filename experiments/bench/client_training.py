@@ -99,6 +99,10 @@ class Sizes(NamedTuple):
   eval_examples: int = 1000
   eval_batch: int = 500
   eval_repeats: int = 2
+  # Per-model table (experiments/bench/model_zoo_training.py): the configs' CPU client models.
+  models: Tuple[str, ...] = ()
+  model_steps: int = 4
+  model_repeats: int = 3
 
 
 def default_steps(m: int) -> int:
@@ -602,6 +606,14 @@ def run(sizes: Sizes = Sizes()) -> dict:
   if sizes.eval_models:
     log(f'  evaluation: {sizes.eval_models} models x {sizes.eval_examples} images')
     evaluation = evaluation_rows(sizes)
+  per_model = []
+  if sizes.models:
+    from experiments.bench import model_zoo_training
+
+    log(f'  per model: {", ".join(sizes.models)}')
+    per_model = model_zoo_training.model_rows(
+      torch, tuple(sizes.models), sizes.model_steps, sizes.model_repeats
+    )
   meta['total_seconds'] = time.perf_counter() - t0
   meta['load_average_end'] = load_average()
   fastest = {}
@@ -619,12 +631,17 @@ def run(sizes: Sizes = Sizes()) -> dict:
     'probe_max_abs_diff': probe_diff,
   }
   table = report(meta, rows, probe, evaluation, summary)
+  if per_model:
+    from experiments.bench import model_zoo_training
+
+    table += '\n\n' + model_zoo_training.report(per_model, meta['torch_threads'])
   return {
     'name': 'client_training',
     'meta': meta,
     'results': rows,
     'probe': probe,
     'evaluation': evaluation,
+    'per_model': per_model,
     'summary': summary,
     'headline': headline(meta, rows, probe, summary),
     'table_markdown': table,
@@ -650,6 +667,10 @@ def define_flags():
   flags.DEFINE_integer('probe_clients', 20, 'Clients of the dispatch probe (0: skip it).')
   flags.DEFINE_integer('eval_models', 10, 'Models of the evaluation table (0: skip it).')
   flags.DEFINE_string('out', None, 'Optional JSON file for the tables and the raw numbers.')
+  flags.DEFINE_list(
+    'models', [], 'Per-model table: cnn_mnist, vgg9, resnet18, mlp (model_zoo_training.py).'
+  )
+  flags.DEFINE_integer('model_repeats', 3, 'Interleaved timed calls per side in that table.')
   flags.DEFINE_bool(
     'skip_slow',
     True,
@@ -673,6 +694,8 @@ def main(argv):
     torch_threads=f.torch_threads,
     probe_clients=f.probe_clients,
     eval_models=f.eval_models,
+    models=tuple(f.models),
+    model_repeats=f.model_repeats,
   )
   result = run(sizes)
   print(result['table_markdown'])

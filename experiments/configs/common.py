@@ -169,7 +169,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedavg_vote = ml_collections.ConfigDict({'local_epochs': 1})
   c.centralized = ml_collections.ConfigDict({'epochs': 1})
   c.local = ml_collections.ConfigDict({'epochs': 1})
-  # HFLDD (seed 003): label knowledge collection -> clustering -> KIP -> FedAvg over heads.
+  # HFLDD (Shi et al., arXiv 2409.17517): label knowledge collection -> clustering -> KIP -> FedAvg
+  # over heads.
   # Paper values (Sec. VI-A4) where the paper gives them; see jfed/methods/hfldd.py.
   c.hfldd = ml_collections.ConfigDict(
     {
@@ -250,8 +251,8 @@ def base_config() -> ml_collections.ConfigDict:
     }
   )
   # One-shot distillation methods (jfed/methods/oneshot.py defines a round; each module's
-  # docstring its settings). Defaults: the reference code / seed 000 §4.1.5 (E = T_g = 200);
-  # experiment configs shrink them for CPU.
+  # docstring its settings). Defaults: the reference code / FedHydra
+  # (Bai et al., KDD 2025) §4.1.5 (E = T_g = 200); experiment configs shrink them for CPU.
   c.dense = ml_collections.ConfigDict(
     {
       'rounds': 1,
@@ -367,8 +368,8 @@ def base_config() -> ml_collections.ConfigDict:
       'generator_reset': False,
       'nz': 256,
       'ngf': 64,
-      'generator': 'paper',  # seed 000 §4.1.3; 'dense': DENSE's generator
-      'synthesis_keep': 'all',  # seed 000 §2: every intermediate batch; 'best': DENSE's one
+      'generator': 'paper',  # FedHydra §4.1.3; 'dense': DENSE's generator
+      'synthesis_keep': 'all',  # FedHydra §2: every intermediate batch; 'best': DENSE's one
       'ms_T_G': 30,
       'ms_lr': 1e-3,
       'ms_batch': 256,
@@ -387,8 +388,9 @@ def base_config() -> ml_collections.ConfigDict:
       'pool_quantize': True,
     }
   )
-  # FedMHO (seed 004): classifier + CVAE clients; defaults are Table 7's Fashion-MNIST column
-  # (the global model's Adam lr and epochs, the CVAE-small's Adam lr and epochs, N_syn, R_th).
+  # FedMHO (Yao et al., WWW 2026): classifier + CVAE clients; defaults are Table 7's
+  # Fashion-MNIST column (the global model's Adam lr and epochs, the CVAE-small's Adam lr and
+  # epochs, N_syn, R_th).
   c.fedmho = ml_collections.ConfigDict(
     {
       'local_epochs': 200,
@@ -406,8 +408,8 @@ def base_config() -> ml_collections.ConfigDict:
       'kl_reduction': 'mean',  # the reference's nn.KLDivLoss() ('batchmean': the paper's sum)
     }
   )
-  # FedCVAE-Ens and -KD (reference-code.md §3): CVAE clients only; the server classifier from
-  # scratch. KD: the server decoder distilled from the users' (decoder_*: the reference's tuned
+  # FedCVAE-Ens and -KD (github.com/ceh-2000/fed_cvae): CVAE clients only; the server classifier
+  # from scratch. KD: the server decoder distilled from the users' (decoder_*: the reference's tuned
   # Fashion-MNIST values, experiments/best_hyperparameters/fashion/fedvae.txt).
   c.fedcvae = ml_collections.ConfigDict(
     {
@@ -435,8 +437,8 @@ def base_config() -> ml_collections.ConfigDict:
       'decoder_batch': 32,
     }
   )
-  # Model-heterogeneous baselines of FedTSA (seed 001 §5.1). Defaults: the reference code
-  # (reference-code.md §9.3–9.5); experiment configs shrink them for CPU.
+  # Model-heterogeneous baselines of FedTSA (Fan et al., ECCV 2024, §5.1). Defaults: the
+  # reference code of each (docs/references.md); experiment configs shrink them for CPU.
   # HeteroFL: global model = `model`, clients = `client_models` (the same model, smaller
   # width_mult); diaoenmao/HeteroFL: 5 local epochs, frac 0.1, masked CE, static BN, clip 1.
   c.heterofl = ml_collections.ConfigDict(
@@ -491,7 +493,7 @@ def base_config() -> ml_collections.ConfigDict:
       'lr': 1e-3,
     }
   )
-  # FedTSA (seed 001 §5.1): 100 rounds, T = 5, 1 global epoch, KL-only, 200 images per prompt,
+  # FedTSA (§5.1): 100 rounds, T = 5, 1 global epoch, KL-only, 200 images per prompt,
   # devices at rates 1.0 / 0.8 / 0.6 for 20 / 40 / 40 % of the clients, 100 local epochs (its
   # batch 100 and lr 0.03 are config.batch_size and config.optimizer). Its diffusion model is
   # Stable Diffusion v1-4 (source='pipeline'); the default here is a DDPM trained on held-out

@@ -14,7 +14,7 @@ Variants (get_config(arg)); measured results and times are in docs/performance.m
                   --config=experiments/configs/fashion_mnist.py:oneshot --workdir=runs/fm_oneshot
                 One-shot FedAvg (1 round) at Dir(0.5), 10 local epochs.
                 Measured (CPU, 2 cores): 54.06% test accuracy, 12 min. FedHydra Table 1
-                reports 75.76% for one-shot FedAvg at Dir(0.5) with E=200, B=128 (seed 000
+                reports 75.76% for one-shot FedAvg at Dir(0.5) with E=200, B=128 (FedHydra
                 §4.1.5). Add `,paper` for that budget (~3 h on a 2-core CPU).
 Add `,smoke` to any variant for a 1-2 minute run (1 epoch / 1 round). An unknown variant word
 is an error that lists these.

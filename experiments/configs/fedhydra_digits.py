@@ -35,7 +35,7 @@ Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
   hetero    Table 3's five client architectures (GoogLeNet, ResNet18, two CNNs, LeNet) at small
             widths, ResNet18 server for dense/coboosting/feddf/fedhydra
   ae        FedHydra with the average ensemble instead of SA (Fig. 7 ablation)
-  rounds=N  N global rounds for every one-shot method (seed 000 Tables 5, 8, 11–18)
+  rounds=N  N global rounds for every one-shot method (FedHydra Tables 5, 8, 11–18)
 """
 
 from experiments.configs.common import base_config, variant_value, variant_words

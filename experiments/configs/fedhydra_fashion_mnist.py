@@ -1,4 +1,5 @@
-"""FedHydra and its one-shot baselines on full Fashion-MNIST (seed 000 Tables 1–3, Figs. 3, 5–7).
+"""FedHydra and its one-shot baselines on full Fashion-MNIST (FedHydra, Bai et al.,
+KDD 2025: Tables 1–3, Figs. 3, 5–7).
 
 Needs Debian's dataset-fashion-mnist (`sudo apt-get install dataset-fashion-mnist`).
 5 clients, DENSE CNNMnist (= FedHydra's two-layer CNN) clients and server, local SGD(0.01,
@@ -14,7 +15,7 @@ The Table 1/2 sweep (every method x partition, clients trained once per partitio
 Budgets (get_config(arg), comma-separated):
   (default) CPU budget: 10 local epochs; 30 distillation epochs for DENSE / Co-Boosting /
             FedHydra with 30 generator steps on 64 images each (nz 256, ngf 64; DENSE's generator
-            for DENSE / Co-Boosting, seed 000 §4.1.3's for FedHydra, which pools the batch of
+            for DENSE / Co-Boosting, the paper's §4.1.3 for FedHydra, which pools the batch of
             every generator step),
             KD batch 128; FedHydra MS with T_G = 30 on 16 images per (client, class) run; FedDF
             2,000 Adam steps of 128 on out-of-domain unlabelled images, as the FedDF paper
@@ -26,7 +27,7 @@ Budgets (get_config(arg), comma-separated):
             Measured with these defaults
             (the Table 1/2 sweep above, seeds 0-2, CPU with jax 0.10.2 except 14 of the 54
             runs on an H100; docs/results/fedhydra_tables.md, docs/fedhydra.md "FedHydra and
-            its baselines against seed 000"), final (best) test accuracy %, mean ± sample std:
+            its baselines against the paper"), final (best) test accuracy %, mean ± sample std:
               Dir(0.5): FedAvg 60.80 ± 15.61, OT 61.02 ± 15.84, FedDF 61.04 ± 15.33,
                 DENSE 53.82 ± 6.28 (54.30 ± 6.78), Co-Boosting 69.59 ± 4.23 (72.15 ± 4.15),
                 FedHydra 58.79 ± 7.74 (65.00 ± 5.14);
@@ -43,7 +44,7 @@ Budgets (get_config(arg), comma-separated):
             FedHydra ~30 min (MS 3.2 min, then 34-70 s per epoch as its every-intermediate
             pool grows), OT seconds: about 4.5 h per seed. On an H100 (jax 0.11.2) a whole
             partition and seed took 2-4 minutes, its methods in parallel processes.
-  paper     seed 000 §4.1.5: E = 200 local epochs, T_g = 200 distillation epochs, T_G = 30,
+  paper     the paper's §4.1.5: E = 200 local epochs, T_g = 200 distillation epochs, T_G = 30,
             synthesis / MS batch 256, FedDF 10,000 steps (accelerator budget). Measured on an
             NVIDIA H200 (jax 0.11.2), seed 0, Dir(0.5), `--methods=fedavg,ot,feddf` of the
             sweep: the clients' 200 epochs 35 s, the three methods 88 s in all; FedAvg 57.63,

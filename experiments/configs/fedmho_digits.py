@@ -1,6 +1,6 @@
 """FedMHO, its variants and its baselines on the embedded scikit-learn digits (8×8, no download).
 
-Commands (the client set is a variant word, because the methods of seed 004 Table 1 give
+Commands (the client set is a variant word, because the methods of FedMHO's Table 1 give
 clients different models):
   python -m experiments.main --method=fedmho_md --config=experiments/configs/fedmho_digits.py \
       --workdir=runs/digits_fedmho_md               # also fedmho, fedmho_sd
@@ -13,7 +13,7 @@ clients different models):
   FedMHO-MD/-SD reuse FedMHO's clients: --config.local_models_dir=runs/digits_fedmho_md/local_models
       --config.local_cvaes_dir=runs/digits_fedmho_md/local_cvaes
 
-Default: 10 clients, FedDF's Dirichlet(0.5) partition (seed 004 §5.1.1), 5 VGG-9 clients at
+Default: 10 clients, FedDF's Dirichlet(0.5) partition (FedMHO §5.1.1), 5 VGG-9 clients at
 width 1/4 with 128-wide FC layers (8×8 inputs) and 5 CVAE-small clients (Table 1). CPU budget:
 the classifiers train 30 epochs with Adam 1e-3 (Table 7's SGD 5e-3 for 200 epochs does not move
 a VGG-9 without BatchNorm in 30 epochs of ~140 samples; the paper's own Adam setting of A.3.6 is

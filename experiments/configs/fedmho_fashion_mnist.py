@@ -1,9 +1,10 @@
-"""FedMHO, its variants and its baselines on Fashion-MNIST (seed 004 Tables 3, 4 and 7).
+"""FedMHO, its variants and its baselines on Fashion-MNIST (FedMHO, Yao et al., WWW
+2026: Tables 3, 4 and 7).
 
 Needs Debian's dataset-fashion-mnist (`sudo apt-get install dataset-fashion-mnist`).
 10 clients, FedDF's Dirichlet partition (α = 0.5 by default), batch 64 (Table 7).
 
-Commands (the client set is a variant word, as seed 004 Table 1 gives methods different models):
+Commands (the client set is a variant word, as the paper's Table 1 gives methods different models):
   python -m experiments.main --method=fedmho_md \
       --config=experiments/configs/fedmho_fashion_mnist.py --workdir=runs/fm_fedmho_md
   python -m experiments.main --method=fedcvae_ens \
@@ -81,7 +82,7 @@ def get_config(arg: str = ''):
       'batch': m.batch,
     }
   )
-  # FedMHO's copy of FedDF distils with Adam 2e-4 (reference-code.md §9.1)
+  # FedMHO's copy of FedDF distils with Adam 2e-4 (github.com/YXShi2000/FedMHO)
   c.feddf.kd_lr = 2e-4
   # FedDF's 4,000 distillation and 1,000 validation images: training images no client holds
   # (the test split is for scoring only); every method of the table loses the same 5,000.

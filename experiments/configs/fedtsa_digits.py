@@ -1,5 +1,5 @@
-"""FedTSA and its baselines (seed 001 §5.1: HeteroFL, FedProto, FedMD, FedDF, FedAvg and FedProx)
-on the embedded scikit-learn digits (8×8, no download).
+"""FedTSA and its baselines (Fan et al., ECCV 2024, §5.1: HeteroFL, FedProto, FedMD, FedDF, FedAvg
+and FedProx) on the embedded scikit-learn digits (8×8, no download).
 
 Commands:
   python -m experiments.main --method=heterofl --config=experiments/configs/fedtsa_digits.py \

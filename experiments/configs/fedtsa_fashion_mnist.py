@@ -1,5 +1,5 @@
-"""FedTSA and its baselines on Fashion-MNIST (seed 001 §5.1, Table 3's setting on another
-dataset: the paper's are CIFAR-10/100 and Tiny-ImageNet, which cannot be downloaded here).
+"""FedTSA and its baselines on Fashion-MNIST (Fan et al., ECCV 2024, §5.1, Table 3's setting on
+another dataset: the paper's are CIFAR-10/100 and Tiny-ImageNet, which cannot be downloaded here).
 
 Needs Debian's dataset-fashion-mnist (`sudo apt-get install dataset-fashion-mnist`).
 20 clients (§5.1), Dirichlet(0.3) by default (`iid`, `dir=A`: Table 3's IID, 0.6, 0.3); devices

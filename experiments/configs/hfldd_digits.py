@@ -1,5 +1,5 @@
 """HFLDD and its baselines on scikit-learn digits (embedded, no download): a laptop-sized
-version of the seed 003 MNIST experiment (#C=1: every client holds one class).
+version of HFLDD's MNIST experiment (#C=1: every client holds one class).
 
 Command:
   python -m experiments.main --method=hfldd --config=experiments/configs/hfldd_digits.py \
@@ -27,7 +27,7 @@ Comparison with every baseline (figure + Tables III-V layout):
   python -m experiments.hfldd_compare --config=experiments/configs/hfldd_digits.py \
       --out=runs/hfldd_compare_digits --targets=0.5,0.8
 
-IID (#C=10, seed 003 Tables III-V's setting), 3 seeds, 39 min on the 2 cores:
+IID (#C=10, HFLDD's Tables III-V setting), 3 seeds, 39 min on the 2 cores:
   python -m experiments.hfldd_compare --config=experiments/configs/hfldd_digits.py:iid \
       --out=runs/hfldd_compare_digits_iid --targets=0.8,0.9
   measured (docs/results/hfldd_compare_digits_iid/), final %: HFLDD 95.00 ± 1.54, FedSeq

@@ -1,5 +1,6 @@
-"""HFLDD vs FedAvg / FedProx / FedSeq / DynaFed / centralized on Fashion-MNIST (seed 003's MNIST
-setting, with Fashion-MNIST as the client data: MNIST itself is not installed here).
+"""HFLDD vs FedAvg / FedProx / FedSeq / DynaFed / centralized on Fashion-MNIST (the MNIST
+setting of Shi et al., arXiv 2409.17517, with Fashion-MNIST as the client data: MNIST itself is
+not installed here).
 
 Needs the Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
 
@@ -15,7 +16,7 @@ Setup (paper Sec. VI-A where it gives values): 100 clients, #C=1 ('c1', default)
 ('c2') NIID-Bench shards (600 images per client at #C=1), 'iid' = #C=10; HFLDD's MNIST CNN
 ('hfldd_cnn_mnist', 44,426 parameters); SGD lr 0.01 momentum 0.9, batch 32 (the paper uses 64
 for pre-training and 32 for the heads; jfed has one batch size); K=10; public set = 1000 images
-of a dataset other than the clients' (seed 003: "a distribution different from the datasets of
+of a dataset other than the clients' (the paper: "a distribution different from the datasets of
 the clients", FMNIST for MNIST clients): the embedded scikit-learn digits, resized to 28x28
 (`jfed.data.public`); every method is evaluated on all 10000 test images. `indist` takes the
 1000 public images from Fashion-MNIST's own training split instead, held out of every method's
@@ -26,8 +27,8 @@ Budget (default, for a 2-core CPU) vs the paper (`paper` variant):
   batch 10 (paper: 400 images, 3000 iterations); rounds 30 x 1 local epoch for every method
   (paper: R and E not recoverable from the seed; its MNIST figures run to ~100 rounds);
   FedSeq superclients of 10 clients (min_examples 6000, as the paper's 10 x 10);
-  DynaFed at the reference's settings (pipilurj/DynaFed; seed 003 Sec. VI-A4 gives only ipc 15
-  and 20 fine-tuning epochs of batch 256 for it, and says only FedAvg and FedSeq run HFLDD's
+  DynaFed at the reference's settings (github.com/pipilurj/DynaFed; HFLDD's Sec. VI-A4 gives only
+  ipc 15 and 20 fine-tuning epochs of batch 256 for it, and says only FedAvg and FedSeq run HFLDD's
   rounds and local epochs "to ensure a fair comparison"): participation 0.4, clients on Adam
   lr 1e-3, trajectory 24 rounds, ipc 15, syn_steps 20, expert_epochs 3, DSA
   'color_crop_cutout_flip_scale_rotate' in matching and fine-tuning, 20 fine-tuning epochs;

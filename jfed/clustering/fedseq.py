@@ -1,4 +1,5 @@
-"""FedSeq superclients (Zaccone et al.; RickZack/FedSeq, reference-code.md §9.6).
+"""FedSeq superclients (Zaccone et al., ICPR 2022; `github.com/RickZack/FedSeq`,
+`src/algo/fedseq_modules/`).
 
 `src/algo/fedseq_modules/greedy_cluster_maker.py` and `client_evaluator.py`: every client is
 represented by a confidence vector over the classes (`fedseq_confidence`), and superclients

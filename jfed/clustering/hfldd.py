@@ -1,6 +1,6 @@
-"""HFLDD client clustering (Shi et al., seed 003, §IV-B2, Eq. 4, Algorithm 1).
+"""HFLDD client clustering (Shi et al., arXiv 2409.17517, §IV-B2, Eq. 4, Algorithm 1).
 
-HFLDD has no public code (reference-code.md §7). The steps:
+HFLDD has no public code (the authors' is "available upon request"). The steps:
 
 1. every client infers soft labels `p_i ∈ [n_public, C]` on a shared public set;
 2. the server builds the divergence matrix `S` (Eq. 4, `kl_similarity_matrix`):
@@ -19,7 +19,7 @@ HFLDD has no public code (reference-code.md §7). The steps:
    clients. Smaller homogeneous clusters are exhausted first and sampling continues over the
    larger ones; once only ONE homogeneous cluster has clients left, its remaining clients are
    assigned one by one to individual (singleton) heterogeneous clusters: the "isolated nodes"
-   of the seed's Fig. 4 and §VII. (This is also what the sampling loop itself produces when a
+   of the paper's Fig. 4 and §VII. (This is also what the sampling loop itself produces when a
    single pool is left.) `leftover='distribute'` instead appends those clients round-robin to
    the existing heterogeneous clusters (an alternative reading, offered as an option);
 5. `choose_heads`: one uniformly random head per heterogeneous cluster.

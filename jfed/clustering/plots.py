@@ -1,4 +1,4 @@
-"""The HFLDD topology figure (seed 003, Fig. 4).
+"""The HFLDD topology figure (Shi et al., arXiv 2409.17517, Fig. 4).
 
 Clients are nodes coloured by homogeneous cluster, grouped into heterogeneous clusters: one star
 per cluster, the head in the centre (a larger star marker), its members around it, edges
@@ -18,7 +18,16 @@ import numpy as np
 def topology_layout(
   clusters: Sequence[Sequence[int]], heads: Sequence[int], num_clients: Optional[int] = None
 ) -> np.ndarray:
-  """Node positions [m, 2]: cluster stars on a grid, the head at each star's centre."""
+  """Node positions [m, 2]: cluster stars on a grid, the head at each star's centre.
+
+  Args:
+    clusters: Per cluster, the ids of its clients.
+    heads: Per cluster, the id of its head.
+    num_clients: m; None takes the largest id + 1.
+
+  Returns:
+    Positions [m, 2] (clients in no cluster stay at the origin).
+  """
   m = num_clients if num_clients is not None else 1 + max(int(c) for cl in clusters for c in cl)
   pos = np.zeros((m, 2))
   n = len(clusters)

@@ -1,5 +1,6 @@
 """CVAE clients on the shared engine: their groups, local training, uploads and the server's
-batched decoding (FedMHO §4.2, Algorithm 1 lines 3–7 and 11–12; FedCVAE, reference-code.md §3).
+batched decoding (FedMHO §4.2, Algorithm 1 lines 3–7 and 11–12; FedCVAE,
+`github.com/ceh-2000/fed_cvae`).
 
 A client whose model spec is `cvae[:size=small|large|v0,latent=..,hidden=..]` is a *generative*
 client. Its group is one compiled program like a classifier group: `GroupTrainer` runs the CVAE
@@ -36,7 +37,16 @@ def is_generative(spec: str) -> bool:
 
 def build_cvae(kwargs: dict, num_classes: int, input_shape: Sequence[int]) -> CVAE:
   """The CVAE of a parsed spec's keyword arguments (size, latent, hidden, width_mult); latent
-  defaults to `DEFAULT_LATENT` of the size."""
+  defaults to `DEFAULT_LATENT` of the size.
+
+  Args:
+    kwargs: The spec's options: size ('small', 'large' or 'v0'), latent, hidden, width_mult.
+    num_classes: Number of label classes the CVAE conditions on.
+    input_shape: (H, W, C) of the dataset's images.
+
+  Returns:
+    The (uninitialised) CVAE module.
+  """
   unknown = set(kwargs) - {'size', 'latent', 'hidden', 'width_mult'}
   if unknown:
     raise ValueError(
@@ -90,6 +100,16 @@ def _init(module: CVAE, input_shape: Tuple[int, ...], key: jax.Array) -> ModelSt
 
 
 def init_cvae(module: CVAE, input_shape: Sequence[int], key: jax.Array) -> ModelState:
+  """Fresh CVAE variables.
+
+  Args:
+    module: The CVAE module.
+    input_shape: (H, W, C) of the dataset's images.
+    key: PRNG key of the init.
+
+  Returns:
+    The CVAE's ModelState.
+  """
   return _init(module, tuple(int(d) for d in input_shape), key)
 
 
@@ -107,7 +127,17 @@ def receive_decoder_uploads(
   client_ids: np.ndarray, models: ModelState, counts: np.ndarray, template: ModelState
 ) -> DecoderUploads:
   """Server side of the CVAE clients' uploads: each client's decoder and class counts are
-  validated against the template's decoder; bytes are the msgpack size of each real upload."""
+  validated against the template's decoder; bytes are the msgpack size of each real upload.
+
+  Args:
+    client_ids: Global ids of the group's clients [k].
+    models: The clients' CVAE states, stacked over the group.
+    counts: Their class counts [k, num_classes].
+    template: A CVAE state of the group's architecture (structure, shapes and dtypes).
+
+  Returns:
+    The validated DecoderUploads, with the total upload bytes.
+  """
   template_decoder = template.params['decoder']
   template_stats = decoder_stats_of(template)
   stats = decoder_stats_of(models)
@@ -140,7 +170,19 @@ def decode_group(
   """Images in [0, 1] (sigmoid of the logits, decoders in eval mode) from every decoder of a
   group in one call: decoders and their BatchNorm statistics ({} without BN) stacked [k],
   z [k, n, latent], labels [k, n] -> [k, n, H, W, C], resized to `out_hw` (default: the dataset's
-  image size)."""
+  image size).
+
+  Args:
+    module: The group's CVAE module.
+    decoders: Decoder parameters stacked [k].
+    decoder_stats: Their BatchNorm statistics stacked [k] ({} without BN).
+    z: Latents [k, n, latent].
+    labels: Labels to decode [k, n].
+    out_hw: (H, W) of the returned images; None takes the dataset's.
+
+  Returns:
+    Images [k, n, H, W, C] in [0, 1].
+  """
   out_hw = tuple(module.image_shape[:2]) if out_hw is None else tuple(out_hw)
 
   def one(params, stats, zk, yk):
@@ -176,7 +218,19 @@ def generate(
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Decodes labels [k, n] (real [k, n]) from latents z [k, n, latent] with every decoder of
   `uploads`: (images [N, H, W, C] float32 at `out_hw` (default: the dataset's), labels [N],
-  decoder client id [N]) of the real ones, decoder by decoder."""
+  decoder client id [N]) of the real ones, decoder by decoder.
+
+  Args:
+    module: The group's CVAE module.
+    uploads: The group's validated uploads.
+    labels: Labels to decode [k, n], one row per decoder.
+    real: [k, n] bool, the cells to keep (the rest pad each row to n).
+    z: Latents [k, n, latent].
+    out_hw: (H, W) of the images; None takes the dataset's.
+
+  Returns:
+    (images [N, H, W, C] float32, labels [N], decoder client id [N]), N the number of real cells.
+  """
   stats = {} if uploads.decoder_stats is None else uploads.decoder_stats
   hw = None if out_hw is None else tuple(int(d) for d in out_hw)
   images = np.asarray(decode_group(module, uploads.decoders, stats, z, jnp.asarray(labels), hw))

@@ -1,5 +1,5 @@
-"""FedCVAE-KD's server decoder distillation (reference-code.md §3.5,
-`ceh-2000/fed_cvae:servers/server_fed_cvae_kd.py:distill_user_decoders`).
+"""FedCVAE-KD's server decoder distillation (FedCVAE, Heinbaugh et al., ICLR 2023;
+`github.com/ceh-2000/fed_cvae`, `servers/server_fed_cvae_kd.py:distill_user_decoders`).
 
 The users' decoders (eval mode) decode (z, y) pairs into targets sigmoid(x̂); the server's decoder
 is trained, in train mode, to reconstruct each target from the same (z, y) with the CVAE's
@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from jfed.cvae.models import CVAE, to_image_shape
-from jfed.cvae.server import epoch_order
+from jfed.data.batches import epoch_order
 from jfed.engine import ModelState, TrainState
 
 
@@ -30,7 +30,16 @@ class DecoderTargets(NamedTuple):
 
 
 def decoder_recon_loss(logits: jnp.ndarray, target: jnp.ndarray, weights: jnp.ndarray):
-  """Σ_pixels BCE(sigmoid(logits), target), averaged over the real samples (weights 1)."""
+  """Σ_pixels BCE(sigmoid(logits), target), averaged over the real samples (weights 1).
+
+  Args:
+    logits: Decoder output logits [B, H, W, C].
+    target: The user decoders' images [B, H, W, C] in [0, 1].
+    weights: [B], 1 real and 0 padding.
+
+  Returns:
+    The scalar loss.
+  """
   axes = tuple(range(1, target.ndim))
   per_sample = jnp.sum(optax.sigmoid_binary_cross_entropy(logits, target), axis=axes)
   return jnp.sum(per_sample * weights) / jnp.maximum(jnp.sum(weights), 1.0)
@@ -80,7 +89,14 @@ class DecoderDistiller:
     ), loss
 
   def epoch(self, ts: TrainState, data: DecoderTargets, batch: int, rng: np.random.Generator):
-    """One shuffled epoch over `data`; returns (new state, mean batch loss)."""
+    """One shuffled epoch over `data`; returns (new state, mean batch loss).
+
+    Args:
+      ts: The server decoder's TrainState.
+      data: The distillation set.
+      batch: Batch size.
+      rng: Host generator of the shuffle.
+    """
     idx, mask = epoch_order(int(data.y.shape[0]), batch, rng)
     losses = []
     for b in range(len(idx)):
@@ -89,6 +105,15 @@ class DecoderDistiller:
     return ts, float(np.mean(np.asarray(losses)))
 
   def decode(self, decoder: ModelState, z, y) -> jnp.ndarray:
-    """Images in [0, 1] from the server decoder in eval mode, at the dataset's image size."""
+    """Images in [0, 1] from the server decoder in eval mode, at the dataset's image size.
+
+    Args:
+      decoder: The server decoder's state.
+      z: Latents [B, latent].
+      y: Labels [B].
+
+    Returns:
+      Images [B, H, W, C] in [0, 1].
+    """
     logits, _ = self._apply(decoder, z, y, train=False)
     return to_image_shape(self.module, jax.nn.sigmoid(logits))

@@ -1,4 +1,5 @@
-"""The CVAE client objective, FedMHO Eq. 3 (reference-code.md §3.2, §4.5).
+"""The CVAE client objective, FedMHO Eq. 3 (as `utils.py` of
+`github.com/ceh-2000/fed_cvae` and `pcode/worker_lmf.py` of `github.com/YXShi2000/FedMHO`).
 
 Per sample i: recon_i = Σ_pixels BCE(sigmoid(x̂_i), x_i) (or, for FedCVAE's 3-channel images,
 Σ_pixels (sigmoid(x̂_i) − x_i)²) and KL_i = −½ Σ_j (1 + log σ²_ij − μ²_ij − σ²_ij); the loss is
@@ -22,7 +23,16 @@ RECON_LOSSES = ('bce', 'mse')
 
 
 def cvae_terms(out: CVAEOutput, x: jnp.ndarray, recon: str = 'bce') -> Tuple[jnp.ndarray, ...]:
-  """Per-sample (reconstruction, KL) terms, each [B]."""
+  """Per-sample (reconstruction, KL) terms, each [B].
+
+  Args:
+    out: The CVAE's output on x.
+    x: The input images [B, H, W, C] in [0, 1] (resized to the reconstruction's size).
+    recon: 'bce' (Σ_pixels BCE on the logits) or 'mse' (Σ_pixels squared error of the sigmoid).
+
+  Returns:
+    (reconstruction [B], KL [B]).
+  """
   x = resize_images(x, out.recon_logits.shape[-3:-1])
   axes = tuple(range(1, x.ndim))
   if recon == 'bce':
@@ -39,6 +49,13 @@ def cvae_loss(
   out: CVAEOutput, x: jnp.ndarray, weights: jnp.ndarray, beta: float = 1.0, recon: str = 'bce'
 ):
   """Eq. 3 over the real samples (weights [B]: 1 real, 0 padding).
+
+  Args:
+    out: The CVAE's output on x.
+    x: The input images [B, H, W, C] in [0, 1].
+    weights: [B], 1 real and 0 padding.
+    beta: Weight of the KL term.
+    recon: 'bce' or 'mse' (see `cvae_terms`).
 
   Returns:
     (loss, (mean reconstruction term, mean KL term, real-sample count)).

@@ -1,4 +1,4 @@
-"""Conditional VAEs of the resource-constrained clients of FedMHO (seed 004, Table 1).
+"""Conditional VAEs of the resource-constrained clients of FedMHO (Yao et al., WWW 2026, Table 1).
 
 Every CVAE maps (images x [B, H, W, C] in [0, 1], integer labels [B], a PRNG key) to a
 `CVAEOutput` (reconstruction *logits* x̂, the posterior mean μ and log-variance log σ²), and
@@ -11,7 +11,7 @@ clamp of log(p) at -100 for saturated pixels.
   CVAE-small): encoder [x_flat ⊕ onehot(y)] → Linear 256 → ReLU → (Linear → μ, Linear →
   log σ²); decoder [z ⊕ onehot(y)] → Linear 256 → ReLU → Linear H·W·C.
 - `CVAE(size='v0')` (FedCVAE's own CVAE, `ceh-2000/fed_cvae:models/encoder.py:ConditionalEncoder`,
-  `models/decoder.py:ConditionalDecoder`, reference-code.md §3.1). It works at 32×32, as the
+  `models/decoder.py:ConditionalDecoder`). It works at 32×32, as the
   reference resizes MNIST/Fashion-MNIST to 32: inputs are resized (bilinear) to 32×32 and
   `decode` returns 32×32 logits (`native_shape`); `to_image_shape` maps decoded images back to the
   dataset's shape. Encoder (no label input): [Conv4×4 s2 p1, BatchNorm, ReLU] × 4 with 32, 32, 64,
@@ -27,7 +27,8 @@ clamp of log(p) at -100 for saturated pixels.
   bilinear ×2 → ConvT 64→C. `width_mult` scales its conv channels (64, 128, 256), for CPU
   budgets only (1 = the reference).
 
-reference-code.md §4.3-4.4. Inits are PyTorch's defaults (jfed.models.layers); flattening is
+Reference: `github.com/YXShi2000/FedMHO` (`pcode/models/cvae.py`, `pcode/models/cvae_large.py`).
+Inits are PyTorch's defaults (jfed.models.layers); flattening is
 NHWC rather than PyTorch's NCHW, which permutes the input features of one Linear layer and
 changes nothing learnable.
 """
@@ -49,7 +50,16 @@ class CVAEOutput(NamedTuple):
 
 
 def reparameterize(key: jax.Array, mu: jnp.ndarray, logvar: jnp.ndarray) -> jnp.ndarray:
-  """z = μ + exp(log σ² / 2) · ε, ε ~ N(0, I)."""
+  """z = μ + exp(log σ² / 2) · ε, ε ~ N(0, I).
+
+  Args:
+    key: PRNG key of ε.
+    mu: Posterior mean [B, latent].
+    logvar: Posterior log-variance [B, latent].
+
+  Returns:
+    z [B, latent].
+  """
   return mu + jnp.exp(0.5 * logvar) * jax.random.normal(key, mu.shape, mu.dtype)
 
 
@@ -240,7 +250,17 @@ class CVAE(nn.Module):
     return CVAEOutput(self.decoder(reparameterize(key, mu, logvar), labels), mu, logvar)
 
   def decode(self, z, labels, train: bool = False, mask=None) -> jnp.ndarray:
-    """Image logits [B, *native_shape] for latents z [B, latent] and integer labels [B]."""
+    """Image logits [B, *native_shape] for latents z [B, latent] and integer labels [B].
+
+    Args:
+      z: Latents [B, latent].
+      labels: Integer labels [B].
+      train: Train mode (BatchNorm on batch statistics; only decoders with BN).
+      mask: [B], the real samples whose statistics BatchNorm uses in train mode; None uses all.
+
+    Returns:
+      Image logits [B, *native_shape].
+    """
     if self.has_batch_norm:
       return self.decoder(z, labels, train, mask)
     return self.decoder(z, labels)

@@ -5,7 +5,16 @@ import numpy as np
 
 def plot_filter_grid(path, images, labels, kept, num_classes: int, per_class: int = 5) -> None:
   """One row per class: `per_class` kept samples (nearest the class mean first), then up to
-  `per_class` removed ones (farthest first); an empty cell where a class has fewer."""
+  `per_class` removed ones (farthest first); an empty cell where a class has fewer.
+
+  Args:
+    path: Where the figure is saved.
+    images: The generated images [N, H, W, C] in [0, 1].
+    labels: Their labels [N].
+    kept: Indices of the images the K-means filter kept.
+    num_classes: Number of rows.
+    per_class: Kept (and removed) images shown per class.
+  """
   from jfed.distill.plots import plot_image_grid  # pylint: disable=g-import-not-at-top
 
   images, labels = np.asarray(images, np.float32), np.asarray(labels)

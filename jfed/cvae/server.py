@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jfed.data.batches import epoch_order
 from jfed.distill.losses import knowledge_fusion_loss
 from jfed.engine import ModelState, TrainState
 
@@ -26,15 +27,6 @@ class SyntheticSet(NamedTuple):
   x: Any  # [N, H, W, C] float32 in [0, 1]
   y: Any  # [N] int32
   teacher: Optional[Any]  # [N, C] float32 or None
-
-
-def epoch_order(n: int, batch: int, rng: np.random.Generator):
-  """([batches, batch] indices, [batches, batch] mask) of one shuffled epoch over n samples."""
-  nb = max(1, -(-n // batch))
-  idx = np.zeros(nb * batch, np.int32)
-  mask = np.zeros(nb * batch, bool)
-  idx[:n], mask[:n] = rng.permutation(n), True
-  return idx.reshape(nb, batch), mask.reshape(nb, batch)
 
 
 class FusionTrainer:
@@ -79,7 +71,15 @@ class FusionTrainer:
   def epoch(
     self, ts: TrainState, data: SyntheticSet, batch: int, rng: np.random.Generator, key: jax.Array
   ):
-    """One epoch over `data`; returns (new state, mean batch loss)."""
+    """One epoch over `data`; returns (new state, mean batch loss).
+
+    Args:
+      ts: The global model's TrainState.
+      data: The server's synthetic training set.
+      batch: Batch size.
+      rng: Host generator of the shuffle.
+      key: PRNG key of the epoch (one fold per batch).
+    """
     idx, mask = epoch_order(int(data.y.shape[0]), batch, rng)
     losses = []
     for b in range(len(idx)):

@@ -44,7 +44,16 @@ def kmeans_keep(features: np.ndarray, ratio: float) -> np.ndarray:
 
 
 def kmeans_filter(images: np.ndarray, labels: np.ndarray, ratio: float) -> np.ndarray:
-  """Algorithm 2 over every class: the indices (ascending) of the samples kept."""
+  """Algorithm 2 over every class: the indices (ascending) of the samples kept.
+
+  Args:
+    images: Generated images [N, ...].
+    labels: Their labels [N].
+    ratio: R_th in (0, 1], the fraction of each class kept.
+
+  Returns:
+    Indices into `images` of the kept samples, ascending.
+  """
   labels = np.asarray(labels)
   members = [np.flatnonzero(labels == c) for c in np.unique(labels)]
   kept = [m[kmeans_keep(images[m], ratio)] for m in members]

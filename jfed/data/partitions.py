@@ -1,8 +1,11 @@
 """Label-skew partitions of a training set over federated clients.
 
-Each scheme reproduces the partition code of the paper whose numbers we compare against
-(reference-code.md §10, §3.6): the same heterogeneity knob means different things in
-DENSE, FedDF and FedCVAE, so "Dirichlet alpha=0.5" is only comparable within one scheme.
+Each scheme reproduces the partition code of the paper whose numbers we compare against:
+`github.com/Xtra-Computing/NIID-Bench` (`utils.py`) for DENSE and FedHydra,
+`github.com/epfml/federated-learning-public-code` (`codes/FedDF-code/pcode/datasets/`) for FedDF
+and FedMHO, and `github.com/ceh-2000/fed_cvae` (`data.py`) for FedCVAE. The same heterogeneity
+knob means different things in DENSE, FedDF and FedCVAE, so "Dirichlet alpha=0.5" is only
+comparable within one scheme.
 
 All functions take the label vector, draw every random number from
 `np.random.default_rng(seed)` (one generator per call, so a partition is a pure function of
@@ -61,7 +64,16 @@ def _finish(parts: Sequence, rng: np.random.Generator) -> list:
 
 
 def partition_iid(labels, num_clients: int, seed: int) -> list:
-  """Uniformly random split into near-equal parts (sizes differ by at most one)."""
+  """Uniformly random split into near-equal parts (sizes differ by at most one).
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    seed: Seed of the generator every random draw comes from.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client.
+  """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
   rng = np.random.default_rng(seed)
@@ -122,12 +134,26 @@ def _balanced_dirichlet_split(
 def partition_dirichlet(
   labels, num_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000
 ) -> list:
-  """DENSE / NIID-Bench "noniid-labeldir" Dirichlet label skew (reference-code.md §10.1).
+  """DENSE / NIID-Bench "noniid-labeldir" Dirichlet label skew.
+
+  As `partition_data` in `github.com/Xtra-Computing/NIID-Bench` (`utils.py`), identical in
+  `github.com/zj-jayzhang/DENSE` (`helpers/datasets.py`).
 
   Per class: shuffle its indices, p ~ Dir(alpha * 1_n), zero out clients already holding
   >= N/n samples, renormalise, split by cumsum; redraw everything until the smallest client
   has >= min_size samples (NIID-Bench/DENSE use 10); finally shuffle each client. Client
   sizes are unequal. Used by DENSE, FedHydra (FL-SA) and the NIID-Bench baselines.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    alpha: Dirichlet concentration; smaller is more skewed.
+    seed: Seed of the generator every random draw comes from.
+    min_size: Smallest client size accepted; smaller draws are redrawn.
+    max_tries: Redraws allowed before PartitionError.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client.
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -155,7 +181,9 @@ def partition_dirichlet(
 def partition_shards_k(
   labels, num_clients: int, k: int, seed: int, num_classes: Optional[int] = None
 ) -> list:
-  """NIID-Bench "#C=k" (noniid-#label{k}): every client sees exactly k classes (§10.2).
+  """NIID-Bench "#C=k" (noniid-#label{k}): every client sees exactly k classes.
+
+  As `partition_data` in `github.com/Xtra-Computing/NIID-Bench` (`utils.py`).
 
   Client i owns class i mod C plus k-1 further distinct classes drawn uniformly at random;
   each class's shuffled indices are `array_split` equally among its owners. k = C gives each
@@ -168,6 +196,16 @@ def partition_shards_k(
   random others, so usually some classes (and their samples) are left out. Only with
   num_clients >= C is every class owned. `unassigned_count(parts, len(labels))` tells how
   many samples were dropped; the command-line driver notes it in partition.txt and prints it.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    k: Number of distinct classes each client holds, in [1, C].
+    seed: Seed of the generator every random draw comes from.
+    num_classes: C; None takes max(labels) + 1.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client.
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -202,6 +240,15 @@ def partition_disjoint(
   The classes are shuffled and `array_split` into num_clients groups (C/m each; when m
   does not divide C the first C mod m clients get one class more); a client receives every
   sample of its classes. This is the most extreme label skew: no class is shared.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n, at most C.
+    seed: Seed of the generator every random draw comes from.
+    num_classes: C; None takes max(labels) + 1.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client.
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -219,7 +266,10 @@ def partition_disjoint(
 def partition_feddf_dirichlet(
   labels, num_clients: int, alpha: float, seed: int, group_size: int = 10, max_tries: int = 1000
 ) -> list:
-  """FedDF / FedMHO `build_non_iid_by_dirichlet` + `DataPartitioner` (§10.3).
+  """FedDF / FedMHO `build_non_iid_by_dirichlet` + `DataPartitioner`.
+
+  As `github.com/epfml/federated-learning-public-code` and `github.com/YXShi2000/FedMHO` do it
+  (`codes/FedDF-code/pcode/datasets/partition_data.py` and `create_dataset.py` in the former).
 
   The samples are shuffled and cut into ceil(n / group_size) consecutive blocks, one per
   group of `group_size` (10) "auxiliary workers" (the last block takes the remainder); each
@@ -228,6 +278,17 @@ def partition_feddf_dirichlet(
   the concatenation is re-sliced into n equal chunks of N // n: final sizes are equal, the
   label skew comes from the ordering, and the N mod n trailing samples are dropped (as
   FedDF's `int(N / n)` slicing does). FedDF asserts n >= group_size.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n, at least `group_size`.
+    alpha: Dirichlet concentration; smaller is more skewed.
+    seed: Seed of the generator every random draw comes from.
+    group_size: Workers per block (FedDF's 10).
+    max_tries: Redraws of a block allowed before PartitionError.
+
+  Returns:
+    A list of n int64 arrays of N // n sample indices each, one per client.
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -272,7 +333,7 @@ def partition_fedcvae_dirichlet(
   sample_ratio: float = 1.0,
   num_classes: Optional[int] = None,
 ) -> list:
-  """FedCVAE `split_data_dirichlet` (reference-code.md §3.6).
+  """FedCVAE's Dirichlet split (`split_data_dirichlet`, `github.com/ceh-2000/fed_cvae`, `data.py`).
 
   Unlike DENSE, the Dirichlet is drawn per *client* over classes: props_u ~ Dir(alpha * 1_C),
   stacked [U, C] and normalised per class column; client u gets int(props[u, c] * n_c) of
@@ -282,6 +343,17 @@ def partition_fedcvae_dirichlet(
   minimum size: with tiny alpha some clients can be (nearly) empty, as in the original.
   A class column that is all zero (possible for tiny alpha) is handed out entirely as
   leftovers instead of the original's 0/0.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients U.
+    alpha: Dirichlet concentration; smaller is more skewed.
+    seed: Seed of the generator every random draw comes from.
+    sample_ratio: Fraction of the data, in (0, 1], drawn before partitioning.
+    num_classes: C; None takes max(labels) + 1.
+
+  Returns:
+    A list of U int64 arrays of sample indices, one per client (some may be empty).
   """
   labels = _as_labels(labels)
   _check_num_clients(num_clients, len(labels))
@@ -352,6 +424,16 @@ def make_partition(labels, num_clients: int, scheme: str, seed: int, **kw) -> li
 
   E.g. make_partition(y, 5, 'dirichlet', 0, alpha=0.5) or
   make_partition(y, 10, 'shards', 0, k=2).
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    scheme: Name of the scheme, a key of the registry (e.g. 'iid', 'dirichlet', 'shards').
+    seed: Seed of the generator every random draw comes from.
+    **kw: The scheme's own arguments (alpha, k, ...).
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client.
   """
   fn: Optional[Callable] = _SCHEMES.get(scheme)
   if fn is None:
@@ -381,7 +463,16 @@ def unassigned_count(parts: Sequence, num_samples: int) -> int:
 
 
 def class_count_table(labels, parts: Sequence, num_classes: int) -> np.ndarray:
-  """[clients, classes] int64 table: how many samples of each class each client holds."""
+  """[clients, classes] int64 table: how many samples of each class each client holds.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    parts: Per client, the indices into `labels` it holds.
+    num_classes: Number of columns C.
+
+  Returns:
+    The [len(parts), C] int64 count table.
+  """
   labels = _as_labels(labels)
   if labels.size and labels.max() >= num_classes:
     raise PartitionError(f'labels go up to {labels.max()}, num_classes={num_classes}.')

@@ -39,7 +39,14 @@ def holdout_size(config) -> int:
 
 def check_holdout_fits(config, source: str, size: int, where: str) -> None:
   """For a method's `validate`: raises ConfigError (before anything is written) when `source` is
-  'holdout' and `dataset.holdout_size` holds fewer than `size` samples out; checks the source."""
+  'holdout' and `dataset.holdout_size` holds fewer than `size` samples out; checks the source.
+
+  Args:
+    config: The run config (its `dataset.holdout_size` is read).
+    source: The method's public-data source, e.g. 'holdout'.
+    size: Number of samples the method will draw from the source.
+    where: The config key being checked, named in the error.
+  """
   check_source(source, where)
   held = holdout_size(config)
   if source == HOLDOUT and int(size) > held:
@@ -66,6 +73,14 @@ def hold_out_train(dataset: Dataset, size: int, seed: int) -> Dataset:
   The clients are then partitioned from the remaining training samples; the test split is
   untouched.
 
+  Args:
+    dataset: The loaded dataset.
+    size: Number of training samples to hold out.
+    seed: Seed of the draw.
+
+  Returns:
+    A copy of `dataset` with `size` fewer training samples and those in `holdout_x/holdout_y`.
+
   Raises:
     ConfigError: `size` is not between 1 and half of the training split.
   """
@@ -88,6 +103,15 @@ def hold_out_train(dataset: Dataset, size: int, seed: int) -> Dataset:
 def holdout_sample(dataset: Dataset, size: int, seed: int, where: str):
   """(x, y): `size` of the held-out training samples (all of them when `size` is their number;
   otherwise a seeded draw).
+
+  Args:
+    dataset: A dataset with held-out samples (from `hold_out_train`).
+    size: Number of held-out samples wanted.
+    seed: Seed of the draw when `size` is smaller than the held-out set.
+    where: The config key asking for them, named in the error.
+
+  Returns:
+    (x, y): `size` held-out images and their labels.
 
   Raises:
     ConfigError: fewer than `size` samples are held out (names `where` and the key to set).

@@ -42,7 +42,17 @@ def linear_schedule(timesteps: int) -> Schedule:
 
 
 def q_sample(schedule: Schedule, x0: jnp.ndarray, t: jnp.ndarray, noise: jnp.ndarray):
-  """x_t ~ q(x_t | x0) = N(sqrt(abar_t) x0, (1 - abar_t) I), with the given noise."""
+  """x_t ~ q(x_t | x0) = N(sqrt(abar_t) x0, (1 - abar_t) I), with the given noise.
+
+  Args:
+    schedule: The noise schedule.
+    x0: Clean images [B, H, W, C] in [-1, 1].
+    t: Integer timesteps [B].
+    noise: ε ~ N(0, I), shape of x0.
+
+  Returns:
+    x_t, shape of x0.
+  """
   abar = schedule.alpha_bars[t].reshape((-1,) + (1,) * (x0.ndim - 1))
   return jnp.sqrt(abar) * x0 + jnp.sqrt(1.0 - abar) * noise
 
@@ -57,7 +67,21 @@ def diffusion_loss(
   num_classes: int,
   p_uncond: float,
 ) -> jnp.ndarray:
-  """The simplified DDPM objective with label dropout for classifier-free guidance."""
+  """The simplified DDPM objective with label dropout for classifier-free guidance.
+
+  Args:
+    eps_fn: The noise-prediction network, (params, x_t, t, y) -> ε̂.
+    params: Its weights.
+    schedule: The noise schedule.
+    x0: Clean images [B, H, W, C] in [-1, 1].
+    labels: Their labels [B].
+    key: PRNG key of the timesteps, noise and label dropout.
+    num_classes: C; the label C stands for "no label".
+    p_uncond: Probability that a sample's label is dropped.
+
+  Returns:
+    The scalar mean squared error of the predicted noise.
+  """
   t_key, noise_key, drop_key = jax.random.split(key, 3)
   batch = x0.shape[0]
   t = jax.random.randint(t_key, (batch,), 0, schedule.betas.shape[0])
@@ -69,7 +93,20 @@ def diffusion_loss(
 
 
 def guided_eps(eps_fn: EpsFn, params, x, t, labels, num_classes: int, guidance: float):
-  """(1 + w) eps(x, t, y) - w eps(x, t, none), both halves in one network call."""
+  """(1 + w) eps(x, t, y) - w eps(x, t, none), both halves in one network call.
+
+  Args:
+    eps_fn: The noise-prediction network.
+    params: Its weights.
+    x: Noisy images [B, H, W, C].
+    t: Integer timesteps [B].
+    labels: Labels [B].
+    num_classes: C; the label C stands for "no label".
+    guidance: The guidance weight w; 0 is the conditional prediction alone.
+
+  Returns:
+    ε̂ [B, H, W, C].
+  """
   if guidance == 0:
     return eps_fn(params, x, t, labels)
   both = eps_fn(
@@ -83,6 +120,16 @@ def guided_eps(eps_fn: EpsFn, params, x, t, labels, num_classes: int, guidance: 
 
 
 def initial_noise(key: jax.Array, batch: int, image_shape) -> jnp.ndarray:
+  """x_T ~ N(0, I) of `batch` images.
+
+  Args:
+    key: The sampling key (its fold 0 is used).
+    batch: Number of images.
+    image_shape: (H, W, C).
+
+  Returns:
+    [batch, H, W, C].
+  """
   return jax.random.normal(jax.random.fold_in(key, 0), (batch, *image_shape))
 
 
@@ -97,7 +144,22 @@ def denoising_step(
   num_classes: int,
   guidance: float,
 ) -> jnp.ndarray:
-  """x_{t-1} ~ q(x_{t-1} | x_t, x0_hat) for a scalar timestep t; noise-free at t = 0."""
+  """x_{t-1} ~ q(x_{t-1} | x_t, x0_hat) for a scalar timestep t; noise-free at t = 0.
+
+  Args:
+    eps_fn: The noise-prediction network.
+    params: Its weights.
+    schedule: The noise schedule.
+    x: x_t [B, H, W, C].
+    t: The timestep (scalar int).
+    labels: Labels [B].
+    key: The sampling key (folded with t for the step's noise).
+    num_classes: C; the label C stands for "no label".
+    guidance: The guidance weight w.
+
+  Returns:
+    x_{t-1}, shape of x.
+  """
   beta, alpha = schedule.betas[t], schedule.alphas[t]
   abar = schedule.alpha_bars[t]
   abar_prev = jnp.where(t > 0, schedule.alpha_bars[jnp.maximum(t - 1, 0)], 1.0)
@@ -125,6 +187,19 @@ def sample(
   """Ancestral sampling of one image per label as one `lax.scan` over the timesteps (the fast
   form on accelerators; XLA:CPU runs convolutions in loops slowly, so CPU callers loop over
   jitted `denoising_step`s, which gives the same images); returns [B, *image_shape] in [-1, 1].
+
+  Args:
+    eps_fn: The noise-prediction network.
+    params: Its weights.
+    schedule: The noise schedule.
+    labels: One label per image [B].
+    image_shape: (H, W, C).
+    key: PRNG key of the initial noise and of every step.
+    num_classes: C; the label C stands for "no label".
+    guidance: The guidance weight w.
+
+  Returns:
+    Images [B, *image_shape] in [-1, 1].
   """
   x = initial_noise(key, labels.shape[0], image_shape)
 

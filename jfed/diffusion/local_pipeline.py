@@ -1,11 +1,12 @@
 """A Stable-Diffusion-style text-to-image pipeline loaded from a local directory.
 
-FedTSA's server (seed 001, §4.4) does not train a generator: it feeds the clients' prompt pool to
-a pre-trained Stable Diffusion v1-4 model and uses the images it returns for the Stage-2 deep
-mutual learning; §5.1 gives the prompts as "A photo of real {class}". `LocalDiffusionSource` is
-that generator as an `ImageSource`: it loads a diffusers pipeline from a directory named in the
-config (nothing is downloaded: the weights must already be on disk, e.g. a `save_pretrained` or
-Hub snapshot of `CompVis/stable-diffusion-v1-4`) and returns the images at the task's shape.
+FedTSA's server (Fan et al., ECCV 2024, §4.4) does not train a generator: it feeds the clients'
+prompt pool to a pre-trained Stable Diffusion v1-4 model and uses the images it returns for the
+Stage-2 deep mutual learning; §5.1 gives the prompts as "A photo of real {class}".
+`LocalDiffusionSource` is that generator as an `ImageSource`: it loads a diffusers pipeline from a
+directory named in the config (nothing is downloaded: the weights must already be on disk, e.g. a
+`save_pretrained` or Hub snapshot of `CompVis/stable-diffusion-v1-4`) and returns the images at the
+task's shape.
 
 PyTorch, diffusers and transformers are optional dependencies: they are imported only when a
 pipeline is loaded, so `jfed.diffusion` imports without them.
@@ -43,6 +44,14 @@ def image_seeds(key: jax.Array, num_prompts: int, per_prompt: int) -> np.ndarray
 
   Image i of prompt p is seeded from fold_in(fold_in(key, p), i), so it does not change with
   `per_prompt`, the number of prompts after p, or the batch size it is generated in.
+
+  Args:
+    key: The generation key.
+    num_prompts: Number of prompts P.
+    per_prompt: Images per prompt.
+
+  Returns:
+    The seeds, as above.
   """
   if num_prompts * per_prompt == 0:
     return np.zeros((0,), np.uint64)
@@ -111,7 +120,7 @@ def _absent(path: str, index: Dict[str, Any], name: str) -> bool:
 
 
 class LocalDiffusionSource:
-  """FedTSA's Stage-2 image generator (seed 001, §4.4): text-to-image diffusion from local disk.
+  """FedTSA's Stage-2 image generator (§4.4): text-to-image diffusion from local disk.
 
   Implements `jfed.diffusion.source.ImageSource`. The pipeline is loaded on the first `generate`
   and kept until `close()`; the directory is checked at construction so a bad config fails
@@ -300,6 +309,13 @@ def write_class_grid(
 ) -> str:
   """Writes a PNG with one row per class (ascending label) of its first `per_class` images,
   each pixel drawn `scale` x `scale` (default: 8x8 digits at 8, 28-32 px images at 2).
+
+  Args:
+    images: The generated images and their labels.
+    path: The PNG to write.
+    per_class: Images shown per class (columns).
+    max_classes: Classes shown at most (rows).
+    scale: Pixel magnification; None picks one from the image size.
 
   Returns:
     `path` (its directory is created).

@@ -1,6 +1,6 @@
-"""Where FedTSA's Stage-2 images come from: the prompt pool and the one interface every image
-source implements (seed 001 §4.4: clients upload prompts "a photo of real {class}" to the
-server's prompt pool; a text-to-image model turns each prompt into images).
+"""Where FedTSA's Stage-2 images come from: the prompt pool and the one interface every image source
+implements (FedTSA, Fan et al., ECCV 2024, §4.4: clients upload prompts "a photo of real {class}" to
+the server's prompt pool; a text-to-image model turns each prompt into images).
 
 Sources (chosen by config in `jfed.methods.fedtsa`):
 - `jfed.diffusion.train.DDPMImageSource`: a class-conditional DDPM trained here (the default,
@@ -71,7 +71,17 @@ class SyntheticImages(NamedTuple):
 
 
 class ImageSource(Protocol):
-  def generate(self, pool: PromptPool, per_prompt: int, key: jax.Array) -> SyntheticImages: ...
+  def generate(self, pool: PromptPool, per_prompt: int, key: jax.Array) -> SyntheticImages:
+    """Images for every prompt of the pool.
+
+    Args:
+      pool: The server's prompt pool.
+      per_prompt: Images generated per prompt.
+      key: PRNG key of the generation.
+
+    Returns:
+      The images in the task's shape, prompt-major, with their prompts' classes.
+    """
 
 
 class PublicImageSource:
@@ -83,6 +93,16 @@ class PublicImageSource:
     self.labels = np.asarray(labels, np.int32)
 
   def generate(self, pool: PromptPool, per_prompt: int, key: jax.Array) -> SyntheticImages:
+    """`per_prompt` public images of each prompt's class.
+
+    Args:
+      pool: The server's prompt pool.
+      per_prompt: Images drawn per prompt.
+      key: PRNG key of the draw.
+
+    Returns:
+      The images, prompt-major, with their classes.
+    """
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
     rng = np.random.default_rng(seed)
     xs, ys = [], []

@@ -19,7 +19,6 @@ import functools
 import hashlib
 import json
 import os
-import time
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
@@ -32,6 +31,7 @@ import optax
 from jfed.diffusion import ddpm
 from jfed.diffusion.source import PromptPool, SyntheticImages
 from jfed.diffusion.unet import UNet
+from jfed.engine.progress import PhaseProgress
 from jfed.engine.training import resolve_strategy
 from jfed.workdir import array_fingerprint, atomic_write_bytes
 
@@ -85,6 +85,17 @@ def _initializer(num_classes: int, cfg: DDPMConfig, image_shape: Tuple[int, ...]
 
 
 def init_params(num_classes: int, cfg: DDPMConfig, image_shape: Sequence[int], key: jax.Array):
+  """Fresh weights of the DDPM's noise-prediction network.
+
+  Args:
+    num_classes: C (the network embeds C + 1 labels, the last one "no label").
+    cfg: The DDPM settings (only those that decide the network matter).
+    image_shape: (H, W, C).
+    key: PRNG key of the init.
+
+  Returns:
+    The network's weights.
+  """
   return _initializer(num_classes, _architecture(cfg), tuple(image_shape))(key)
 
 
@@ -94,7 +105,16 @@ def _architecture(cfg: DDPMConfig) -> DDPMConfig:
 
 
 def params_template(num_classes: int, cfg: DDPMConfig, image_shape: Sequence[int]):
-  """The weights' shapes and dtypes, without computing them."""
+  """The weights' shapes and dtypes, without computing them.
+
+  Args:
+    num_classes: C.
+    cfg: The DDPM settings.
+    image_shape: (H, W, C).
+
+  Returns:
+    A pytree of jax.ShapeDtypeStruct, the structure of `init_params`'s result.
+  """
   return jax.eval_shape(lambda: init_params(num_classes, cfg, image_shape, jax.random.key(0)))
 
 
@@ -146,15 +166,20 @@ def _training_program(num_classes: int, cfg: DDPMConfig, strategy: str):
       carry, losses = jax.lax.scan(lambda c, i: one_step(c, i, key, data_x, data_y), carry, steps)
       return carry, jnp.mean(losses)
 
-    return optimizer, scanned
+    # `on_step` is for the loop form: a chunk of the scan form is one dispatch
+    return optimizer, lambda carry, first, n, key, x, y, on_step=None: scanned(
+      carry, first, n, key, x, y
+    )
 
   jitted_step = jax.jit(one_step)
 
-  def looped(carry, first, n, key, data_x, data_y):
+  def looped(carry, first, n, key, data_x, data_y, on_step=None):
     losses = []
     for i in range(first, first + n):
       carry, loss = jitted_step(carry, i, key, data_x, data_y)
       losses.append(loss)
+      if on_step is not None:  # a chunk takes a minute on XLA:CPU: progress within it
+        on_step(i + 1, loss)
     return carry, jnp.mean(jnp.stack(losses))
 
   return optimizer, looped
@@ -213,11 +238,25 @@ def train_ddpm(
   """Trains the DDPM on `images` ([N, H, W, C] in [0, 1]) and returns its EMA weights.
 
   `loss_log`, if given, receives the mean training loss of every chunk of CHUNK steps;
-  `strategy` is 'auto' (the backend's fast form), 'loop' or 'scan' (same weights)."""
+  `strategy` is 'auto' (the backend's fast form), 'loop' or 'scan' (same weights).
+
+  Args:
+    images: Training images [N, H, W, C] in [0, 1].
+    labels: Their labels [N].
+    num_classes: C.
+    cfg: The DDPM settings (steps, batch size, learning rate, ...).
+    key: PRNG key of the init and of training.
+    loss_log: A list the chunk losses are appended to; None records none.
+    strategy: 'auto', 'loop' or 'scan', as above.
+
+  Returns:
+    The EMA weights.
+  """
   validate_config(cfg)
   images = np.asarray(images, np.float32)
   labels = np.asarray(labels, np.int32)
   _check_data(images, labels, num_classes)
+  progress = PhaseProgress(f'DDPM training on {len(images)} images', cfg.steps)
   init_key, train_key = jax.random.split(key)
   params = init_params(num_classes, cfg, images.shape[1:], init_key)
   optimizer, run_steps = _training_program(
@@ -226,28 +265,41 @@ def train_ddpm(
   data_x = jnp.asarray(images * 2.0 - 1.0)
   data_y = jnp.asarray(labels)
   carry = (params, params, optimizer.init(params))
-  start, done = time.perf_counter(), 0
+
+  def on_step(step: int, loss: jax.Array) -> None:
+    if progress.due():  # the loss waits for the device: only for a line that is logged
+      progress.update(step, lambda: f'loss {float(loss):.4f}')
+
+  done = 0
   while done < cfg.steps:
     # A last, shorter chunk (steps not a multiple of CHUNK) compiles once more.
     n = min(CHUNK, cfg.steps - done)
-    carry, loss = run_steps(carry, done, n, train_key, data_x, data_y)
+    carry, loss = run_steps(carry, done, n, train_key, data_x, data_y, on_step=on_step)
     done += n
     loss = float(loss)
     if loss_log is not None:
       loss_log.append(loss)
     if not np.isfinite(loss):
       raise FloatingPointError(f'DDPM training loss became {loss} at step {done}; lower ddpm_lr')
-    if done % (10 * CHUNK) == 0 or done == cfg.steps:
-      logging.info(
-        'DDPM step %d/%d: loss %.4f (%.0f s)', done, cfg.steps, loss, time.perf_counter() - start
-      )
+    progress.update(done, lambda: f'loss {loss:.4f}')
   return carry[1]
 
 
 def training_fingerprint(
   images: np.ndarray, labels: np.ndarray, num_classes: int, cfg: DDPMConfig, key: jax.Array
 ) -> str:
-  """What decides the trained weights: data, classes, config and key."""
+  """What decides the trained weights: data, classes, config and key.
+
+  Args:
+    images: Training images [N, H, W, C].
+    labels: Their labels [N].
+    num_classes: C.
+    cfg: The DDPM settings.
+    key: The training key.
+
+  Returns:
+    The first 16 hex digits of the SHA-256 of their description.
+  """
   described = json.dumps(
     {
       'format': CACHE_FORMAT,
@@ -262,6 +314,13 @@ def training_fingerprint(
 
 
 def save_cache(path, params, fingerprint: str) -> None:
+  """Writes trained weights and their fingerprint to `path` (atomically, msgpack).
+
+  Args:
+    path: The cache file.
+    params: The trained weights.
+    fingerprint: `training_fingerprint` of the training that produced them.
+  """
   payload = {'fingerprint': fingerprint, 'params': flax.serialization.to_state_dict(params)}
   atomic_write_bytes(path, flax.serialization.msgpack_serialize(payload))
 
@@ -295,7 +354,19 @@ def load_or_train(
   key: jax.Array,
 ):
   """(params, loaded): the cached weights when the cache at `path` was trained on the same
-  data, config and key; otherwise trains, writes the cache and returns (params, False)."""
+  data, config and key; otherwise trains, writes the cache and returns (params, False).
+
+  Args:
+    path: The cache file.
+    images: Training images [N, H, W, C] in [0, 1].
+    labels: Their labels [N].
+    num_classes: C.
+    cfg: The DDPM settings.
+    key: PRNG key of the init and of training.
+
+  Returns:
+    (params, loaded): the weights and whether they came from the cache.
+  """
   validate_config(cfg)
   images = np.asarray(images, np.float32)
   labels = np.asarray(labels, np.int32)
@@ -346,5 +417,15 @@ class DDPMImageSource:
     return ((images + 1.0) / 2.0).astype(np.float32)
 
   def generate(self, pool: PromptPool, per_prompt: int, key: jax.Array) -> SyntheticImages:
+    """`per_prompt` sampled images of each prompt's class.
+
+    Args:
+      pool: The server's prompt pool.
+      per_prompt: Images per prompt.
+      key: PRNG key of the sampling.
+
+    Returns:
+      The images in [0, 1], prompt-major, with their classes.
+    """
     labels = np.repeat(np.asarray(pool.class_ids, np.int32), per_prompt)
     return SyntheticImages(self.sample_labels(labels, key), labels)

@@ -1,8 +1,8 @@
 """Differentiable Siamese Augmentation (DSA, Zhao & Bilen, ICML'21) in JAX, NHWC.
 
-The transforms and constants of the DSA code that MTT and DynaFed copy (pipilurj/DynaFed
-utils.py: `DiffAugment`, `ParamDiffAug`, reference-code.md §9.7), each differentiable in the
-images:
+The transforms and constants of the DSA code that MTT and DynaFed copy
+(`github.com/pipilurj/DynaFed`, `utils.py`: `DiffAugment`, `ParamDiffAug`), each differentiable in
+the images:
 
   color   brightness x + (r − 0.5)·1.0, then saturation (x − mean_channels)·2r + mean_channels,
           then contrast (x − mean_image)·(r + 0.5) + mean_image (a fresh r ~ U[0, 1) for each);
@@ -86,22 +86,59 @@ def _per_sample(v):
 
 
 def brightness(x, r, ratio: float = 1.0):
+  """Brightness: x + (r − 0.5) · ratio, per sample.
+
+  Args:
+    x: Images [B, H, W, C].
+    r: Uniform draws in [0, 1), shape [B].
+    ratio: Strength (the reference's 1.0).
+
+  Returns:
+    The transformed images, shape of x.
+  """
   return x + _per_sample((r - 0.5) * ratio)
 
 
 def saturation(x, r, ratio: float = 2.0):
+  """Saturation: (x − channel mean) · r · ratio + channel mean, per sample.
+
+  Args:
+    x: Images [B, H, W, C].
+    r: Uniform draws in [0, 1), shape [B].
+    ratio: Strength (the reference's 2.0).
+
+  Returns:
+    The transformed images, shape of x.
+  """
   mean = jnp.mean(x, axis=3, keepdims=True)
   return (x - mean) * _per_sample(r * ratio) + mean
 
 
 def contrast(x, r, ratio: float = 0.5):
+  """Contrast: (x − image mean) · (r + ratio) + image mean, per sample.
+
+  Args:
+    x: Images [B, H, W, C].
+    r: Uniform draws in [0, 1), shape [B].
+    ratio: Offset of the factor (the reference's 0.5).
+
+  Returns:
+    The transformed images, shape of x.
+  """
   mean = jnp.mean(x, axis=(1, 2, 3), keepdims=True)
   return (x - mean) * _per_sample(r + ratio) + mean
 
 
 def translate(x, dy, dx, max_shift: int):
   """out[b, i, j] = x[b, i + dy[b], j + dx[b]] where that lies inside the image, else 0
-  (the reference's `rand_crop`); |dy|, |dx| <= max_shift."""
+  (the reference's `rand_crop`); |dy|, |dx| <= max_shift.
+
+  Args:
+    x: Images [B, H, W, C].
+    dy: Integer row shifts [B].
+    dx: Integer column shifts [B].
+    max_shift: Bound on |dy| and |dx| in pixels; 0 returns x unchanged.
+  """
   if max_shift <= 0:
     return x
   _, h, w, c = x.shape
@@ -113,7 +150,15 @@ def translate(x, dy, dx, max_shift: int):
 
 def cutout(x, cy, cx, size_y: int, size_x: int):
   """Zero rows cy − size_y//2 .. + size_y − 1 and the same for columns (clipped to the image):
-  the reference's `rand_cutout` with centre offsets (cy, cx)."""
+  the reference's `rand_cutout` with centre offsets (cy, cx).
+
+  Args:
+    x: Images [B, H, W, C].
+    cy: Integer centre rows [B].
+    cx: Integer centre columns [B].
+    size_y: Height of the zeroed square in pixels.
+    size_x: Its width in pixels.
+  """
   _, h, w, _ = x.shape
   rows, cols = jnp.arange(h), jnp.arange(w)
   y0 = (cy - size_y // 2)[:, None]
@@ -155,6 +200,16 @@ def affine(x, theta):
 
 
 def scale(x, sx, sy):
+  """Affine zoom by (sx, sy) per sample, bilinear with zero padding.
+
+  Args:
+    x: Images [B, H, W, C].
+    sx: Width factors [B].
+    sy: Height factors [B].
+
+  Returns:
+    The transformed images, shape of x.
+  """
   zero = jnp.zeros_like(sx)
   theta = jnp.stack([jnp.stack([sx, zero, zero], -1), jnp.stack([zero, sy, zero], -1)], 1)
   return affine(x, theta)
@@ -188,6 +243,12 @@ def sample_params(key, shape, constants: DSAConstants = DSAConstants(), batchwis
 
   Returns a dict of [B] arrays (the same value for all samples when `batchwise`); 'choice' is
   the uniform that picks the word in single mode.
+
+  Args:
+    key: PRNG key of the draw.
+    shape: (B, H, W, C) of the batch.
+    constants: The transforms' ranges (the reference's by default).
+    batchwise: One draw for the whole batch instead of one per sample.
   """
   c = constants
   b = shape[0]
@@ -213,7 +274,14 @@ def sample_params(key, shape, constants: DSAConstants = DSAConstants(), batchwis
 
 
 def apply_word(word: str, x, p, constants: DSAConstants = DSAConstants()):
-  """One strategy word's transforms with parameters `p` (`sample_params`)."""
+  """One strategy word's transforms with parameters `p` (`sample_params`).
+
+  Args:
+    word: One of WORDS ('color', 'crop', ...).
+    x: Images [B, H, W, C].
+    p: The parameters from `sample_params`.
+    constants: The transforms' ranges.
+  """
   c = constants
   (shift_y, shift_x), (cut_y, cut_x) = _sizes(x.shape, c)
   if word == 'color':
@@ -240,7 +308,16 @@ def apply_params(
   constants: DSAConstants = DSAConstants(),
   single: bool = True,
 ):
-  """The augmentation with given parameters (Siamese: the same `p` on several batches)."""
+  """The augmentation with given parameters (Siamese: the same `p` on several batches).
+
+  Args:
+    x: Images [B, H, W, C].
+    p: The parameters from `sample_params`.
+    strategy: Words joined by '_', e.g. 'color_crop_cutout'; '' or 'none' returns x unchanged.
+    constants: The transforms' ranges.
+    single: Apply one word chosen by p['choice'] (the reference's single mode) instead of all
+      words in order.
+  """
   words = strategy_words(strategy)
   if not words:
     return x

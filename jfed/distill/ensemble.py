@@ -70,7 +70,18 @@ def group_outputs(
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Per-client logits [K_g, B, C] and per-client BN-statistics losses [K_g] (zeros unless
   `with_bn_loss`) of one group on the same input x [B, ...]. `batch_bn`: BatchNorm normalises
-  with the batch's statistics instead of the running ones (no BN loss then)."""
+  with the batch's statistics instead of the running ones (no BN loss then).
+
+  Args:
+    group: TeacherGroup(module, stacked ModelState) of K_g clients of one architecture.
+    x: The input batch [B, H, W, C].
+    with_bn_loss: Also compute each client's BN-statistics loss.
+    strategy: 'vmap', 'loop' or 'auto' (loop on CPU, vmap elsewhere).
+    batch_bn: Normalise with the batch's statistics.
+
+  Returns:
+    (logits [K_g, B, C], BN losses [K_g]).
+  """
   if batch_bn and with_bn_loss:
     raise ValueError('batch_bn teachers have no BN-statistics loss')
   module, states = group
@@ -100,7 +111,18 @@ def teacher_outputs(
   strategy: str = 'auto',
   batch_bn: bool = False,
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
-  """All clients' logits [K, B, C] and BN losses [K] (groups concatenated in order)."""
+  """All clients' logits [K, B, C] and BN losses [K] (groups concatenated in order).
+
+  Args:
+    groups: A TeacherGroup or a list of them.
+    x: The input batch [B, H, W, C].
+    with_bn_loss: Also compute each client's BN-statistics loss.
+    strategy: 'vmap', 'loop' or 'auto' (loop on CPU, vmap elsewhere).
+    batch_bn: Normalise with the batch's statistics.
+
+  Returns:
+    (logits [K, B, C], BN losses [K]).
+  """
   outs = [group_outputs(g, x, with_bn_loss, strategy, batch_bn) for g in _as_groups(groups)]
   if len(outs) == 1:
     return outs[0]
@@ -118,6 +140,14 @@ def combine_logits(
   weights [B, K]    → Σ_k w_bk f_k[b] (/ Σ_k w_bk)       (per-(sample, client), e.g. SA's V, Eq. 10)
   weights [B, K, C] → Σ_k w_bkc f_k[b,c] (/ Σ_k w_bkc)   (per-(sample, client, class): full SA,
                                                           see stratification.stratified_weights)
+
+  Args:
+    per_client: Logits [K, B, C].
+    weights: None, or weights of one of the shapes above.
+    normalize: Divide by the sum of the weights over k.
+
+  Returns:
+    The ensemble logits [B, C].
   """
   if weights is None:
     return jnp.mean(per_client, axis=0)
@@ -149,6 +179,14 @@ def ensemble_logits(
   `groups`: a TeacherGroup / (module, stacked ModelState) or a list of them (heterogeneous).
   `weights`: see `combine_logits` (None = unweighted mean, [K] per model, [B, K] or [B, K, C]).
   Returns [B, C], or ([B, C], per-client [K, B, C]) when `return_per_client`.
+
+  Args:
+    groups: As above.
+    x: The input batch [B, H, W, C].
+    weights: As above.
+    normalize: Divide by the sum of the weights (see `combine_logits`).
+    return_per_client: Also return the per-client logits.
+    strategy: 'vmap', 'loop' or 'auto' (loop on CPU, vmap elsewhere).
   """
   per_client, _ = teacher_outputs(groups, x, False, strategy)
   out = combine_logits(per_client, weights, normalize)
@@ -163,10 +201,21 @@ def coboosting_weight_update(
   wdc: float = 0.99,
   epoch: int = 0,
 ) -> jnp.ndarray:
-  """Co-Boosting ensemble-weight step (reference-code §2.1), with
+  """Co-Boosting ensemble-weight step (`github.com/rong-dai/Co-Boosting`, `datafree_kd.py`), with
   grad = ∇_w CE(Σ w_k f_k / Σ w_k, y):
 
       w ← w − mu · wdc^epoch · sign(grad);   w ← clip(w_orig + clip(w − w_orig, −1, 1), 0, 1)
+
+  Args:
+    w: Current ensemble weights [K].
+    w_orig: The initial weights [K] (the clients' data shares).
+    grad: ∇_w of the ensemble CE, shape [K].
+    mu: Step size.
+    wdc: Per-epoch decay of the step size.
+    epoch: Current epoch (exponent of wdc).
+
+  Returns:
+    The updated weights [K], in [0, 1].
   """
   w = w - mu * (wdc**epoch) * jnp.sign(grad)
   return jnp.clip(w_orig + jnp.clip(w - w_orig, -1.0, 1.0), 0.0, 1.0)

@@ -1,4 +1,7 @@
-"""DENSE / Co-Boosting image generator (reference-code.md §1.4) and FedHydra's (seed 000 §4.1.3).
+"""DENSE / Co-Boosting image generator and FedHydra's (Bai et al., KDD 2025, §4.1.3).
+
+DENSE's is `Generator` of `github.com/zj-jayzhang/DENSE` (`models/generator.py`), which
+Co-Boosting (`github.com/rong-dai/Co-Boosting`) reuses.
 
     z[nz] → Dense(nz, 2·ngf·s_h·s_w) → reshape (s_h, s_w, 2·ngf)          (s = img_size // 4)
     → BN(2ngf) → Upsample×2 (nearest)
@@ -95,9 +98,9 @@ class DenseGenerator(nn.Module):
 
 
 class FedHydraGenerator(nn.Module):
-  """Seed 000 §4.1.3: "a fully connected layer that transforms the input noise vector into a 2D
-  feature map", then "three upsampling convolutional layers, each consisting of batch
-  normalization, LeakyReLU activation, and 2D transposed convolutions", then a Sigmoid.
+  """FedHydra (Bai et al., KDD 2025) §4.1.3: "a fully connected layer that transforms the input
+  noise vector into a 2D feature map", then "three upsampling convolutional layers, each consisting
+  of batch normalization, LeakyReLU activation, and 2D transposed convolutions", then a Sigmoid.
 
       z → Dense(nz, 2·ngf·s·s) → reshape (s, s, 2ngf)
       → [BN → LeakyReLU(0.2) → ConvT 2ngf→2ngf]  → [BN → LeakyReLU(0.2) → ConvT 2ngf→ngf]
@@ -156,9 +159,20 @@ def make_generator(
   kind: str = 'dense',
   conv_impl: str = 'auto',
 ) -> nn.Module:
-  """Generator for a dataset's `input_shape` (H, W, C): DENSE's (DENSE, Co-Boosting) or
-  FedHydra's (seed 000 §4.1.3). `conv_impl` (jfed.models.layers.CONV_IMPLS) forces how its
-  convolutions compute ('auto': the matmul form on CPU where it is faster)."""
+  """Generator for a dataset's `input_shape` (H, W, C): DENSE's (DENSE, Co-Boosting) or FedHydra's
+  (Bai et al., KDD 2025, §4.1.3). `conv_impl` (jfed.models.layers.CONV_IMPLS) forces how its
+  convolutions compute ('auto': the matmul form on CPU where it is faster).
+
+  Args:
+    input_shape: (H, W, C) of the dataset's images.
+    nz: Length of the noise vector z.
+    ngf: Base channel width.
+    kind: 'dense' or 'fedhydra'.
+    conv_impl: One of jfed.models.layers.CONV_IMPLS.
+
+  Returns:
+    The (uninitialised) generator module.
+  """
   if kind not in GENERATORS:
     raise ValueError(f'generator {kind!r}; valid: {sorted(GENERATORS)}')
   if conv_impl not in CONV_IMPLS:
@@ -181,6 +195,14 @@ def dense_generator_init(key: jax.Array, generator: DenseGenerator, noise_batch:
   threefry call, so the per-leaf draws of `generator.init` cost seconds per compiled program);
   the distribution is DENSE's, the stream differs from `generator.init`. With `noise_batch` > 0 the
   same draw also yields z ~ N(0, I) of shape [noise_batch, nz], returned as (state, z).
+
+  Args:
+    key: PRNG key of the draw.
+    generator: The generator module.
+    noise_batch: Rows of z to draw too; 0 draws none.
+
+  Returns:
+    The generator's ModelState, or (ModelState, z [noise_batch, nz]) when noise_batch > 0.
   """
   shapes = _variable_shapes(generator)
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes['params']))
@@ -213,7 +235,14 @@ def dense_generator_init(key: jax.Array, generator: DenseGenerator, noise_batch:
 
 def generate(generator: DenseGenerator, state: ModelState, z: jnp.ndarray, train: bool = True):
   """G(z). In train mode returns (images, new ModelState) with updated running statistics;
-  in eval mode returns (images, state)."""
+  in eval mode returns (images, state).
+
+  Args:
+    generator: The generator module.
+    state: Its variables.
+    z: Noise [B, nz].
+    train: Train mode (BatchNorm on batch statistics, running statistics updated).
+  """
   variables = {'params': state.params, 'batch_stats': state.batch_stats}
   if train:
     x, upd = generator.apply(variables, z, train=True, mutable=['batch_stats'])

@@ -99,6 +99,20 @@ def student_state(spec: OptimizerSpec, model: ModelState) -> TrainState:
 
 
 def teacher_logits(kcfg: KDConfig, modules, states, x, y, agg):
+  """The aggregated teacher logits of the batch (x, y), as the KD step uses them.
+
+  Args:
+    kcfg: How teachers are run (strategy, teacher_bn) and aggregated (aggregation).
+    modules: Per teacher group, the flax module (static).
+    states: Per teacher group, its stacked ModelState.
+    x: Images [B, H, W, C].
+    y: Their target labels [B] (used by FedHydra's stratified aggregation).
+    agg: What the aggregation needs: None ('mean'), per-client weights ('weighted') or
+      (U_r, U_c) ('sa', 'sa_inter').
+
+  Returns:
+    Teacher logits [B, num_classes].
+  """
   per_client, _ = teacher_outputs(
     teacher_groups(modules, states), x, False, kcfg.strategy, kcfg.teacher_bn == 'batch'
   )
@@ -106,6 +120,16 @@ def teacher_logits(kcfg: KDConfig, modules, states, x, y, agg):
 
 
 def per_sample_loss(kcfg: KDConfig, s: jnp.ndarray, t: jnp.ndarray) -> jnp.ndarray:
+  """The KD loss of each sample (`kcfg.loss`; see KDConfig), teachers detached.
+
+  Args:
+    kcfg: The KD configuration (loss, T, t_squared, beta).
+    s: Student logits [B, C].
+    t: Teacher logits [B, C].
+
+  Returns:
+    The loss per sample, shape [B].
+  """
   t = jax.lax.stop_gradient(t)
   kl = jnp.sum(kl_divergence(s, t, kcfg.T, 'none', kcfg.t_squared), axis=-1)
   if kcfg.loss == 'kl':
@@ -145,6 +169,20 @@ def kd_step(
   """One student step on the batch (x, y) (`gather_batch`; mask: real samples) with learning
   rate `lr`.
 
+  Args:
+    kcfg: The KD configuration (static).
+    spec: The student's optimiser settings.
+    teacher_modules: Per teacher group, the flax module (static).
+    student_module: The student's flax module (static).
+    ts: The student's TrainState.
+    teacher_states: Per teacher group, its stacked ModelState.
+    agg: What the teacher aggregation needs (see `teacher_logits`).
+    x: Images [B, H, W, C].
+    y: Their target labels [B].
+    mask: [B], 1 for real samples and 0 for padding.
+    key: PRNG key of the step (augmentation, ODS noise).
+    lr: Learning rate of this step.
+
   Returns:
     (new TrainState, mean loss over the real samples).
   """
@@ -173,14 +211,35 @@ def targets_depend_only_on_the_image(kcfg: KDConfig) -> bool:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def pool_teacher_logits(kcfg: KDConfig, teacher_modules, teacher_states, agg, pool, idx):
   """The aggregated teacher logits of the stored images pool[idx], as `kd_step` computes them
-  (for `kd_step_on_targets`; valid when `targets_depend_only_on_the_image`)."""
+  (for `kd_step_on_targets`; valid when `targets_depend_only_on_the_image`).
+
+  Args:
+    kcfg: The KD configuration (static).
+    teacher_modules: Per teacher group, the flax module (static).
+    teacher_states: Per teacher group, its stacked ModelState.
+    agg: What the teacher aggregation needs (see `teacher_logits`).
+    pool: The image pool.
+    idx: Indices into the pool, shape [B].
+
+  Returns:
+    Teacher logits [B, num_classes].
+  """
   x, y = pool_gather(pool, idx)
   return teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg)
 
 
 @jax.jit
 def gather_batch_with_targets(pool: ImagePool, targets: jnp.ndarray, idx: jnp.ndarray):
-  """The KD batch pool[idx] with its stored teacher logits targets[idx]."""
+  """The KD batch pool[idx] with its stored teacher logits targets[idx].
+
+  Args:
+    pool: The image pool.
+    targets: The stored teacher logits of every pool slot, shape [capacity, C].
+    idx: Indices into the pool, shape [B].
+
+  Returns:
+    (images [B, H, W, C], teacher logits [B, C]).
+  """
   x, _ = pool_gather(pool, idx)
   return x, targets[idx]
 
@@ -189,7 +248,21 @@ def gather_batch_with_targets(pool: ImagePool, targets: jnp.ndarray, idx: jnp.nd
 def kd_step_on_targets(kcfg: KDConfig, spec: OptimizerSpec, student_module, ts, x, t, mask, lr):
   """`kd_step` with the teacher logits t given (`pool_teacher_logits`): the same student step
   without the teachers' forward pass, about 40 % of a FedHydra KD step with five CNNMnist
-  teachers on CPU (`experiments.bench.model_stratification --stages=hydra_kd`)."""
+  teachers on CPU (`experiments.bench.model_stratification --stages=hydra_kd`).
+
+  Args:
+    kcfg: The KD configuration (static).
+    spec: The student's optimiser settings.
+    student_module: The student's flax module (static).
+    ts: The student's TrainState.
+    x: Images [B, H, W, C].
+    t: Their teacher logits [B, C].
+    mask: [B], 1 for real samples and 0 for padding.
+    lr: Learning rate of this step.
+
+  Returns:
+    (new TrainState, mean loss over the real samples).
+  """
   return _student_step(kcfg, spec, student_module, ts, x, t, mask, lr)
 
 

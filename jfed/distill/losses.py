@@ -30,6 +30,16 @@ def kl_divergence(
   reduction: 'none' → KL_elem [B, C]; 'sum' → Σ_bc; 'batchmean' → Σ_bc / B (the true KL averaged
   over the batch; DENSE / FedDF); 'mean' → Σ_bc / (B·C) (PyTorch's element mean; FedMHO, FL-SA).
   DENSE/Co-Boosting KD use 'batchmean' with T² ; FedDF uses 'batchmean' without T².
+
+  Args:
+    student_logits: s, shape [..., C].
+    teacher_logits: t, the same shape (not detached here).
+    T: Softmax temperature.
+    reduction: 'none', 'sum', 'batchmean' or 'mean', as above.
+    t_squared: Multiply by T².
+
+  Returns:
+    KL_elem [..., C] for 'none', else a scalar.
   """
   if reduction not in _REDUCTIONS:
     raise ValueError(f'reduction must be one of {_REDUCTIONS}, got {reduction!r}')
@@ -49,7 +59,16 @@ def kl_divergence(
 
 
 def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'mean') -> jnp.ndarray:
-  """CE_b = −log softmax(logits)[b, y_b];  'mean' → mean_b CE_b, 'sum' → Σ_b, 'none' → [B]."""
+  """CE_b = −log softmax(logits)[b, y_b];  'mean' → mean_b CE_b, 'sum' → Σ_b, 'none' → [B].
+
+  Args:
+    logits: Shape [B, C].
+    labels: Integer class labels, shape [B].
+    reduction: 'mean', 'sum' or 'none'.
+
+  Returns:
+    A scalar, or the per-sample CE [B] for 'none'.
+  """
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   if reduction == 'none':
@@ -71,12 +90,23 @@ def knowledge_fusion_loss(
 ) -> jnp.ndarray:
   """FedMHO's global-model loss, Eq. 7: λ · CE(s, y) + (1 − λ) · KL(softmax(t) ‖ softmax(s)).
 
-  teacher_logits: FedMHO-MD's mean of the classifier clients' logits (Eq. 5), FedMHO-SD's
-  initial global model's logits (Eq. 6), or None for FedMHO (CE only). T = 1. `weights` [B]
-  (1 real, 0 padding) average over the real samples. kl_reduction 'batchmean' is the KL of the
-  paper (summed over classes); 'mean' is the reference's `nn.KLDivLoss()` default, 1/C of it
-  (reference-code.md §4.6, whose loss CE + KL_mean is this at λ = 0.5 up to a factor 2 that
-  Adam does not see).
+  teacher_logits: FedMHO-MD's mean of the classifier clients' logits (Eq. 5), FedMHO-SD's initial
+  global model's logits (Eq. 6), or None for FedMHO (CE only). T = 1. `weights` [B] (1 real, 0
+  padding) average over the real samples. kl_reduction 'batchmean' is the KL of the paper
+  (summed over classes); 'mean' is the reference's `nn.KLDivLoss()` default, 1/C of it
+  (`github.com/YXShi2000/FedMHO`, `pcode/aggregation/semi_supervised.py`, whose loss CE + KL_mean
+  is this at λ = 0.5 up to a factor 2 that Adam does not see).
+
+  Args:
+    student_logits: The global model's logits s, shape [B, C].
+    labels: The synthetic samples' (conditioning) labels y, shape [B].
+    teacher_logits: t, shape [B, C], or None (CE only), as above.
+    lam: λ, the weight of the CE term.
+    weights: [B] sample weights, 1 real and 0 padding; None weighs every sample 1.
+    kl_reduction: 'batchmean' or 'mean', as above.
+
+  Returns:
+    The scalar loss, averaged over the real samples.
   """
   if kl_reduction not in ('batchmean', 'mean'):
     raise ValueError(f"kl_reduction must be 'batchmean' or 'mean', got {kl_reduction!r}")
@@ -93,8 +123,8 @@ def knowledge_fusion_loss(
 
 
 def consensus_logits(cluster_logits) -> jnp.ndarray:
-  """FedTSA's global knowledge, seed 001 Eq. 7: z̄ = (1/M) Σ_r z_r over the M cluster models'
-  logits ([M, B, C] array or a sequence of [B, C])."""
+  """FedTSA's (Fan et al., ECCV 2024) global knowledge, Eq. 7: z̄ = (1/M) Σ_r z_r over the M cluster
+  models' logits ([M, B, C] array or a sequence of [B, C])."""
   return jnp.mean(jnp.stack([jnp.asarray(z) for z in cluster_logits]), axis=0)
 
 
@@ -107,13 +137,25 @@ def mutual_learning_loss(
   weights: Optional[jnp.ndarray] = None,
   t_squared: bool = False,
 ) -> jnp.ndarray:
-  """FedTSA's Stage-2 loss of one cluster model (seed 001 Eqs. 6–9), averaged over the real
-  samples (`weights` [B]: 1 real, 0 padding):
+  """FedTSA's (Fan et al., ECCV 2024) Stage-2 loss of one cluster model (Eqs. 6–9), averaged over
+  the real samples (`weights` [B]: 1 real, 0 padding):
 
   KL(softmax(z̄/T) ‖ softmax(z_r/T)) summed over classes (Eq. 8, the consensus z̄ of Eq. 7 held
   fixed), KL-only by default (kl_weight = 1, the paper's setting); with `labels` (the prompts'
   classes of the generated images) and kl_weight = α < 1, Eq. 9: α·KL + (1 − α)·CE. The paper
   writes no T² factor; `t_squared` multiplies the KL by T² as Hinton's distillation does.
+
+  Args:
+    logits: The cluster model's logits z_r, shape [B, C].
+    consensus: The consensus logits z̄ (Eq. 7), shape [B, C]; no gradient flows into it.
+    temperature: T of both softmaxes.
+    labels: Classes of the generated images, shape [B]; needed when kl_weight < 1.
+    kl_weight: α of Eq. 9; 1 gives the KL alone.
+    weights: [B], 1 real and 0 padding; None weighs every sample 1.
+    t_squared: Multiply the KL by T².
+
+  Returns:
+    The scalar loss.
   """
   kl = jnp.sum(
     kl_divergence(logits, jax.lax.stop_gradient(consensus), temperature, 'none', t_squared), -1
@@ -133,6 +175,14 @@ def hard_sample_cross_entropy(
   """Co-Boosting hard-sample synthesis loss (coboost.py):
 
   L = mean_b ( (1 − p_y[b])^hs · CE_b ),   p_y[b] = softmax(logits)[b, y_b]  (p_y detached).
+
+  Args:
+    logits: The teacher ensemble's logits on the synthetic batch, shape [B, C].
+    labels: The batch's target labels y, shape [B].
+    hs: Exponent of the hardness weight (1 − p_y); 0 gives plain CE.
+
+  Returns:
+    The scalar loss.
   """
   logp = jax.nn.log_softmax(logits, axis=-1)
   logp_y = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
@@ -160,6 +210,16 @@ def adversarial_loss(
 
   DENSE: T=1, mask = 1[argmax s ≠ argmax t], no T². Co-Boosting: T=3, no mask, × T².
   FedHydra Eq. 15 (−KL(P, F_g)): T=1, no mask (the paper states none).
+
+  Args:
+    student_logits: s, shape [B, C].
+    teacher_logits: t, shape [B, C].
+    T: Softmax temperature.
+    use_mask: Count only the samples on which student and teacher disagree (DENSE).
+    t_squared: Multiply by T².
+
+  Returns:
+    The scalar loss (≤ 0: the generator minimises it to maximise the discrepancy).
   """
   per_sample = jnp.sum(kl_divergence(student_logits, teacher_logits, T, 'none', t_squared), -1)
   if use_mask:
@@ -202,6 +262,14 @@ def bn_statistics_loss(
   case the loss of each model is computed and `model_reduction` ('sum' — DENSE's sum over hooks of
   all models — or 'mean' — FedHydra Eq. 14's 1/m Σ_k and Co-Boosting's DENSE / num_models — or
   'none' → per-model array) combines them.
+
+  Args:
+    bn_inputs: The 'bn_inputs' collection of a forward pass on the synthetic batch.
+    batch_stats: The model's 'batch_stats' (running statistics), the same structure.
+    model_reduction: 'sum', 'mean' or 'none', over leading model axes as above.
+
+  Returns:
+    A scalar, or an array with one loss per model for 'none'.
   """
   total = 0.0
   for mean_in, var_in, rmean, rvar in _bn_pairs(bn_inputs, batch_stats):
@@ -223,7 +291,18 @@ def apply_with_bn_loss(
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Eval-mode forward of one model that also returns its BN-statistics loss on `x`:
   `module.apply(..., train=False, mutable=['bn_inputs'])` → (logits, L_bn). A model without
-  BatchNorm returns L_bn = 0."""
+  BatchNorm returns L_bn = 0.
+
+  Args:
+    module: The flax model.
+    params: Its parameters.
+    batch_stats: Its BN running statistics.
+    x: Input images [B, H, W, C].
+    **apply_kwargs: Passed on to `module.apply`.
+
+  Returns:
+    (logits [B, num_classes], L_bn scalar).
+  """
   logits, col = module.apply(
     {'params': params, 'batch_stats': batch_stats},
     x,

@@ -1,5 +1,6 @@
-"""Deep mutual learning of heterogeneous models on a shared synthetic set: FedTSA's Stage 2
-(seed 001 §4.4, Eqs. 6–9; Zhang et al.'s DML with the mean of all models' logits as the target).
+"""Deep mutual learning of heterogeneous models on a shared synthetic set: FedTSA's Stage 2 (FedTSA,
+Fan et al., ECCV 2024, §4.4, Eqs. 6–9; the deep mutual learning of Zhang et al., CVPR 2018, with the
+mean of all models' logits as the target).
 
 Per batch, every model computes its logits in train mode from the same parameters (before any of
 them updates, as a PyTorch loop `outputs = [m(x) for m in models]` followed by one step per model
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jfed.cvae.server import epoch_order
+from jfed.data.batches import epoch_order
 from jfed.distill.losses import consensus_logits, mutual_learning_loss
 from jfed.engine.state import ModelState, TrainState
 
@@ -104,7 +105,18 @@ class MutualLearner:
     rng: np.random.Generator,
   ) -> Tuple[List[TrainState], np.ndarray]:
     """One shuffled epoch over (x, y) (the last batch padded and masked); returns the new states
-    and each model's mean batch loss [M]."""
+    and each model's mean batch loss [M].
+
+    Args:
+      states: The M models' TrainStates.
+      x: The shared synthetic images [N, H, W, C].
+      y: Their labels [N].
+      batch: Batch size.
+      rng: Host generator of the shuffle.
+
+    Returns:
+      (new TrainStates, mean batch loss of each model [M]).
+    """
     states = list(states)
     idx, mask = epoch_order(int(y.shape[0]), batch, rng)
     losses = []

@@ -1,6 +1,6 @@
 """Optimal-transport model fusion (Singh & Jaggi, NeurIPS'20), weight mode —
-`sidak/otfusion:wasserstein_ensemble.py:get_wassersteinized_layers_modularized`
-(reference-code §9.2), extended from 2 models to m (each aligned to an anchor, then averaged).
+`github.com/sidak/otfusion` (`wasserstein_ensemble.py:get_wassersteinized_layers_modularized`),
+extended from 2 models to m (each aligned to an anchor, then averaged).
 
 For every model i ≠ anchor r, layer by layer in forward order (rows = output neurons;
 Dense kernel [in, out] → rows [out, in]; Conv kernel [kh, kw, in, out] → rows [out, in, kh·kw]):
@@ -60,7 +60,16 @@ class FusionLayer(NamedTuple):
 
 
 def ground_metric(x: np.ndarray, y: np.ndarray, squared: bool = False) -> np.ndarray:
-  """M[a, b] = ||x_a − y_b||₂ (or its square)."""
+  """M[a, b] = ||x_a − y_b||₂ (or its square).
+
+  Args:
+    x: Points [n, d] (rows of one model's layer).
+    y: Points [m, d] (rows of the anchor's layer).
+    squared: Return squared distances.
+
+  Returns:
+    M [n, m], float64.
+  """
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
   d2 = np.sum(x * x, 1)[:, None] + np.sum(y * y, 1)[None, :] - 2.0 * x @ y.T
@@ -77,7 +86,20 @@ def transport_plan(
   threshold: float = 1e-6,
   max_iterations: int = 10000,
 ) -> np.ndarray:
-  """OT plan T [n, m] between marginals a (default 1/n) and b (default 1/m) for `cost`."""
+  """OT plan T [n, m] between marginals a (default 1/n) and b (default 1/m) for `cost`.
+
+  Args:
+    cost: Ground metric [n, m].
+    method: 'exact' or 'sinkhorn' (see the module docstring).
+    epsilon: Entropic regularisation of 'sinkhorn' (absolute).
+    a: Source marginal [n]; None is uniform.
+    b: Target marginal [m]; None is uniform.
+    threshold: Convergence tolerance of 'sinkhorn'.
+    max_iterations: Iteration cap of 'sinkhorn'.
+
+  Returns:
+    T [n, m], float64.
+  """
   cost = np.asarray(cost, np.float64)
   n, m = cost.shape
   uniform = a is None and b is None
@@ -190,7 +212,20 @@ def align_to_anchor(
   bias_in_cost: bool = True,
   return_plans: bool = False,
 ):
-  """Align one model to the anchor (steps 1–4). Returns (params, batch_stats[, plans])."""
+  """Align one model to the anchor (steps 1–4). Returns (params, batch_stats[, plans]).
+
+  Args:
+    params: The model's parameters.
+    anchor_params: The anchor model's parameters (same architecture, possibly other widths).
+    layers: The aligned layers in forward order: path strings or FusionLayer(name, bn).
+    batch_stats: The model's BN statistics, transported with their layers; None if none.
+    method: 'exact' or 'sinkhorn'.
+    epsilon: Entropic regularisation of 'sinkhorn'.
+    skip_last_layer: Leave the last layer's output side (the classes) unaligned.
+    squared: Squared Euclidean ground metric.
+    bias_in_cost: Append the bias to each row in the ground metric.
+    return_plans: Also return the corrected plan T_c of every layer.
+  """
   layers = _normalise_layers(layers)
   p_i, p_r = _flat(params), _flat(anchor_params)
   bs_i = _flat(batch_stats) if batch_stats is not None else {}
@@ -245,7 +280,23 @@ def ot_fuse(
   """Fuse m models of one architecture: align every model to `params_list[anchor]` and take the
   (weighted) average. `layers`: the fused layers in forward order, each a path string or a
   FusionLayer(name, bn). Returns (fused params, fused batch_stats or None); the fused model has the
-  anchor's widths."""
+  anchor's widths.
+
+  Args:
+    params_list: The m models' parameters.
+    layers: As above.
+    batch_stats_list: The m models' BN statistics; None when the models have none.
+    anchor: Index of the model the others are aligned to.
+    weights: Per-model averaging weights (normalised here); None is uniform.
+    method: 'exact' or 'sinkhorn'.
+    epsilon: Entropic regularisation of 'sinkhorn'.
+    skip_last_layer: Leave the last layer's output side (the classes) unaligned.
+    squared: Squared Euclidean ground metric.
+    bias_in_cost: Append the bias to each row in the ground metric.
+
+  Returns:
+    (fused params, fused batch_stats or None).
+  """
   m = len(params_list)
   w = np.full(m, 1.0 / m) if weights is None else np.asarray(weights, np.float64) / np.sum(weights)
   aligned_p, aligned_bs = [], []

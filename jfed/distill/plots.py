@@ -1,5 +1,6 @@
-"""Figures of the distillation methods: FedHydra's MS weight heatmap (seed 000 Fig. 5b), test
-accuracy against distillation epoch (Figs. 3, 4, 6) and a grid of synthetic images (Fig. 12).
+"""Figures of the distillation methods: FedHydra's (Bai et al., KDD 2025) MS weight heatmap (Fig.
+5b), test accuracy against distillation epoch (Figs. 3, 4, 6) and a grid of synthetic images (Fig.
+12).
 
 Matplotlib with the Agg canvas only (no pyplot state), so plotting is safe in tests and threads.
 """
@@ -33,6 +34,15 @@ def plot_ms_heatmap(
   returned by `model_stratification`), drawn transposed so that rows are clients, as in Fig. 5b.
   Clients are numbered 0..m−1 by default, like partition.txt and partition.png.
   Every cell is annotated with its value when `annotate` (and the matrix is small enough).
+
+  Args:
+    path: Where the figure is saved (PNG, PDF, ... by suffix).
+    weights: The c × m matrix, as above.
+    title: Axes title; None for none.
+    client_names: Row labels (m); None numbers them.
+    class_names: Column labels (c); None numbers them.
+    annotate: Write each value in its cell.
+    value_name: Label of the colour bar.
   """
   w = np.asarray(weights, np.float64).T  # [m, c]
   m, c = w.shape
@@ -76,7 +86,16 @@ def plot_accuracy_vs_epoch(
 ) -> None:
   """Figs. 3/4/6: one line per method (or round): series[name] = (epochs, accuracies).
   `hlines`: horizontal reference lines, e.g. {'FedAvg': 0.75, 'OT': 0.71} for one-shot methods
-  without distillation epochs."""
+  without distillation epochs.
+
+  Args:
+    path: Where the figure is saved.
+    series: name -> (epochs, accuracies), one line each.
+    title: Axes title; None for none.
+    hlines: name -> accuracy, as above; None for none.
+    xlabel: x-axis label.
+    ylabel: y-axis label.
+  """
   fig = _figure((6.5, 4.0))
   ax = fig.add_subplot(1, 1, 1)
   for name, (xs, ys) in series.items():
@@ -106,7 +125,16 @@ def plot_accuracy_vs_epoch(
 
 def image_mosaic(images, columns: int = 8, pad: int = 1) -> np.ndarray:
   """Images NHWC in [0, 1] tiled row-major into one [rows·(H+pad)−pad, cols·(W+pad)−pad, C]
-  array, white between tiles and after the last one."""
+  array, white between tiles and after the last one.
+
+  Args:
+    images: [N, H, W, C], values in [0, 1] (clipped).
+    columns: Tiles per row at most.
+    pad: Width in pixels of the white gaps.
+
+  Returns:
+    The mosaic, float32.
+  """
   x = np.clip(np.asarray(images, np.float32), 0.0, 1.0)
   n, h, w, ch = x.shape
   cols = min(columns, n)
@@ -124,7 +152,15 @@ def plot_image_grid(
   """Fig. 12: a grid of (synthetic) images in [0, 1], NHWC, each tagged with its target label.
 
   One image of the tiled grid rather than a subplot per image: 64 subplots took 1.8 s to lay out
-  and save, on every round of every synthesis run."""
+  and save, on every round of every synthesis run.
+
+  Args:
+    path: Where the figure is saved.
+    images: [N, H, W, C] in [0, 1]; nothing is written when N is 0.
+    labels: Each image's target label [N]; None for none.
+    title: Figure title; None for none.
+    columns: Tiles per row at most.
+  """
   x = np.asarray(images, np.float32)
   n = len(x)
   if n == 0:

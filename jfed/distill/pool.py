@@ -1,7 +1,8 @@
 """Synthetic-image pool and the image augmentations of DENSE / Co-Boosting (pure JAX).
 
 DENSE and Co-Boosting write every synthesised batch as PNG files and reload the whole growing pool
-each epoch (reference-code.md §1.6, §2.1). Here the pool is a preallocated fixed-capacity array
+each epoch (`helpers/utils.py:ImagePool` in `github.com/zj-jayzhang/DENSE`; Co-Boosting's
+`github.com/rong-dai/Co-Boosting` likewise). Here the pool is a preallocated fixed-capacity array
 plus a counter, so adding a batch is a jittable scatter and the pool can live on device:
 
     pool = pool_init(capacity, image_shape, quantize=True)   # uint8 storage like DENSE's PNGs
@@ -34,6 +35,16 @@ class ImagePool(NamedTuple):
 
 
 def pool_init(capacity: int, image_shape: Sequence[int], quantize: bool = False) -> ImagePool:
+  """An empty pool of `capacity` images.
+
+  Args:
+    capacity: Number of image slots.
+    image_shape: (H, W, C) of one image.
+    quantize: Store images as uint8 (a quarter of the memory) instead of float32.
+
+  Returns:
+    The empty ImagePool (count 0, labels -1).
+  """
   dtype = jnp.uint8 if quantize else jnp.float32
   return ImagePool(
     images=jnp.zeros((capacity, *image_shape), dtype),
@@ -49,7 +60,16 @@ def quantize_uint8(x: jnp.ndarray) -> jnp.ndarray:
 
 def pool_add(pool: ImagePool, images: jnp.ndarray, labels=None) -> ImagePool:
   """Append a batch (jittable). When the pool is full the oldest images are overwritten
-  (ring buffer); size the capacity as epochs × synthesis batch to keep DENSE's unbounded pool."""
+  (ring buffer); size the capacity as epochs × synthesis batch to keep DENSE's unbounded pool.
+
+  Args:
+    pool: The pool.
+    images: The batch [n, H, W, C], values in [0, 1]; n at most the capacity.
+    labels: Their generator target labels [n]; None stores -1.
+
+  Returns:
+    The pool with the batch written and `count` increased by n.
+  """
   n = images.shape[0]
   if n > pool.capacity:
     raise ValueError(f'batch of {n} exceeds pool capacity {pool.capacity}')
@@ -77,7 +97,16 @@ def pool_gather(pool: ImagePool, idx: jnp.ndarray) -> Tuple[jnp.ndarray, jnp.nda
 
 
 def pool_sample(pool: ImagePool, key: jax.Array, batch_size: int):
-  """A uniform random batch (with replacement) from the filled part (jittable)."""
+  """A uniform random batch (with replacement) from the filled part (jittable).
+
+  Args:
+    pool: The pool (at least one image added).
+    key: PRNG key of the draw.
+    batch_size: Number of images drawn.
+
+  Returns:
+    (images [batch_size, H, W, C] float32, labels [batch_size]).
+  """
   idx = jax.random.randint(key, (batch_size,), 0, jnp.maximum(pool_size(pool), 1))
   return pool_gather(pool, idx)
 
@@ -85,7 +114,17 @@ def pool_sample(pool: ImagePool, key: jax.Array, batch_size: int):
 def epoch_batches(pool: ImagePool, seed_or_rng, batch_size: int, drop_last: bool = False):
   """Host-side shuffled pass over the whole pool (DENSE's KD epoch): returns index array
   [num_batches, batch_size] and mask [num_batches, batch_size] (False = padding in the last batch),
-  so a jitted scan / loop over batches keeps one shape."""
+  so a jitted scan / loop over batches keeps one shape.
+
+  Args:
+    pool: The pool.
+    seed_or_rng: A seed, or a numpy Generator to draw the permutation from.
+    batch_size: Images per batch.
+    drop_last: Drop a last incomplete batch instead of padding it.
+
+  Returns:
+    (idx [num_batches, batch_size] int32, mask [num_batches, batch_size] bool).
+  """
   n = int(pool_size(pool))
   rng = (
     seed_or_rng
@@ -115,7 +154,16 @@ def _crop(x: jnp.ndarray, oy: jnp.ndarray, ox: jnp.ndarray, padding: int) -> jnp
 
 
 def random_crop(key: jax.Array, x: jnp.ndarray, padding: int = 4) -> jnp.ndarray:
-  """Per-sample RandomCrop(H×W, padding, zero fill) on NHWC; differentiable w.r.t. x."""
+  """Per-sample RandomCrop(H×W, padding, zero fill) on NHWC; differentiable w.r.t. x.
+
+  Args:
+    key: PRNG key of the offsets.
+    x: Images [B, H, W, C].
+    padding: Zero padding on each side; 0 returns x unchanged.
+
+  Returns:
+    The cropped images, shape of x.
+  """
   if padding <= 0:
     return x
   off = jax.random.randint(key, (2, x.shape[0]), 0, 2 * padding + 1)
@@ -123,6 +171,16 @@ def random_crop(key: jax.Array, x: jnp.ndarray, padding: int = 4) -> jnp.ndarray
 
 
 def random_hflip(key: jax.Array, x: jnp.ndarray, p: float = 0.5) -> jnp.ndarray:
+  """Per-sample random horizontal flip on NHWC.
+
+  Args:
+    key: PRNG key of the coin flips.
+    x: Images [B, H, W, C].
+    p: Probability that an image is flipped.
+
+  Returns:
+    The images, shape of x.
+  """
   flip = jax.random.bernoulli(key, p, (x.shape[0],))
   return jnp.where(flip[:, None, None, None], x[:, :, ::-1, :], x)
 
@@ -132,7 +190,17 @@ def augment(
 ) -> jnp.ndarray:
   """DENSE's synthesis view: RandomCrop(pad, zero fill) then RandomHorizontalFlip(0.5), per
   sample. One uniform draw supplies both crop offsets and the flip (each threefry call costs
-  ~0.4 s of XLA:CPU compile time)."""
+  ~0.4 s of XLA:CPU compile time).
+
+  Args:
+    key: PRNG key of the view.
+    x: Images [B, H, W, C].
+    crop_padding: Zero padding of the random crop; 0 skips the crop.
+    flip: Apply the random horizontal flip.
+
+  Returns:
+    The augmented images, shape of x.
+  """
   u = jax.random.uniform(key, (3, x.shape[0]))
   if crop_padding > 0:
     n = 2 * crop_padding + 1

@@ -1,7 +1,8 @@
 """FedHydra Model Stratification (MS, Algorithm 2) and Stratified Aggregation (SA, Algorithm 3).
 
-Seed 000 §3.2 / §3.3.1. Orientation: like the paper, U, U_r and U_c are c × m matrices
-(row j = class j, column k = client k); the raw capabilities u_{k,j} are also returned client-major
+FedHydra (Bai et al., KDD 2025) §3.2 / §3.3.1. Orientation: like the paper, U, U_r and U_c are c × m
+matrices (row j = class j, column k = client k); the raw capabilities u_{k,j} are also returned
+client-major
 as `u` [m, c] (so `U = u.T`, Eq. 3).
 
     (1)  ℓ^t_{k,j} = CE(F_k(G(z; θ_G^t)), y^j),  t = 1..T_G
@@ -39,6 +40,7 @@ from jfed.distill.ensemble import _as_groups
 from jfed.distill.generator import DenseGenerator, dense_generator_init
 from jfed.distill.losses import cross_entropy
 from jfed.distill.pool import augment as augment_images
+from jfed.engine.progress import PhaseProgress
 from jfed.engine.state import commit
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +100,17 @@ def stratified_weights(
 ) -> jnp.ndarray:
   """Per-(sample, client, class) weights W[i, k, j] = U_r[y_i, k] · U_c[j, k]  ([B, K, C]);
   `in_model=False` drops the U_c factor (W[i, k, j] = U_r[y_i, k], inter-model weighting only).
-  `ensemble.combine_logits(per_client, W, normalize=False)` then equals `stratified_aggregation`."""
+  `ensemble.combine_logits(per_client, W, normalize=False)` then equals `stratified_aggregation`.
+
+  Args:
+    U_r: Inter-model weights [c, K] (Eq. 5).
+    U_c: In-model weights [c, K] (Eq. 7).
+    labels: Each sample's (target) label y_i, shape [B].
+    in_model: Include the U_c factor.
+
+  Returns:
+    W [B, K, C].
+  """
   V = U_r[labels]  # [B, K]      Eq. 10
   if not in_model:
     return jnp.broadcast_to(V[:, :, None], V.shape + (U_c.shape[0],))
@@ -119,6 +131,16 @@ def stratified_aggregation(
   per_client_logits: [K, B, C] (P_k = F_k(x)); U_r, U_c: [c, K]; labels y [B]: the generator's
   target labels during synthesis, or stored / predicted labels (e.g. argmax of the average
   ensemble) when no target label exists. `in_model=False` skips Eq. 8 (U_c) for ablations.
+
+  Args:
+    per_client_logits: P_k = F_k(x), shape [K, B, C].
+    U_r: Inter-model weights [c, K] (Eq. 5).
+    U_c: In-model weights [c, K] (Eq. 7).
+    labels: y [B], as above.
+    in_model: Apply Eq. 8 (U_c).
+
+  Returns:
+    The aggregated logits P [B, C].
   """
   V = U_r[labels]  # [B, K]   Eq. 10
   if in_model:
@@ -256,7 +278,17 @@ def _ms_batched_by_client(
 def ms_step_flops(teacher_module, teacher_vars, generator: DenseGenerator, cfg: MSConfig) -> float:
   """Floating-point operations of one MS generator step of one (client, class) run, as XLA's
   cost analysis counts the compiled step (G and F_k forward, their backward to G's parameters,
-  Adam): benchmarks divide it by a step's time for the throughput a form achieves."""
+  Adam): benchmarks divide it by a step's time for the throughput a form achieves.
+
+  Args:
+    teacher_module: The client model's flax module.
+    teacher_vars: One client's variables ({'params': ..., 'batch_stats': ...}).
+    generator: The generator MS trains.
+    cfg: The MS settings (batch size, T_G, ...).
+
+  Returns:
+    The step's FLOPs.
+  """
   carry, z, step_keys = _ms_run_init(generator, None, cfg, jax.random.PRNGKey(0))
   step = jax.jit(
     lambda carry, k: _ms_step(teacher_module, generator, cfg, carry, z, teacher_vars, 0, k)
@@ -308,13 +340,36 @@ def model_stratification(
   give the same numbers; which is faster is what experiments/bench/model_stratification.py's
   `batched_clients` form measures.
   Returns StratificationResult(losses [m,c,T_G], u [m,c], U, U_r, U_c [c,m]).
+
+  Args:
+    teacher_groups: TeacherGroup(s), as above.
+    generator: The generator each run trains from a fresh init.
+    num_classes: c.
+    key: PRNG key of all m·c runs.
+    cfg: MS settings; None takes MSConfig's defaults.
+    generator_init_fn: key -> generator ModelState; None uses `dense_generator_init`.
+    chunk_size: Runs vmapped at once; None runs all at once.
+    devices: Devices to shard the run axis over; None takes the default backend's.
+    layout: 'runs' or 'clients', as above.
+    **cfg_overrides: MSConfig fields to replace (T_G=, lr=, batch_size=, ...).
+
+  Returns:
+    StratificationResult(losses [m, c, T_G], u [m, c], U, U_r, U_c [c, m]).
   """
   if layout not in MS_LAYOUTS:
     raise ValueError(f'layout {layout!r}; valid: {MS_LAYOUTS}')
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
   devices = list(devices) if devices is not None else jax.devices()
+  groups = list(_as_groups(teacher_groups))
+  # One program per group (accelerators): progress between groups.
+  phase = PhaseProgress(
+    f'model stratification: {len(groups)} batched program(s) of T_G={cfg.T_G}',
+    len(groups),
+    'program',
+    every_s=0.0,
+  )
   all_losses, offset = [], 0
-  for module, states in _as_groups(teacher_groups):
+  for module, states in groups:
     m = jax.tree.leaves(states.params)[0].shape[0]
     keys = _run_keys(key, offset, m, num_classes)
     layout_losses = _by_client_losses if layout == 'clients' else _flat_losses
@@ -322,6 +377,7 @@ def model_stratification(
       layout_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, num_classes)
     )
     offset += m
+    phase.update(len(all_losses))
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
@@ -365,10 +421,16 @@ def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, stat
 def _run_by_run(
   teacher_groups, num_classes: int, key: jax.Array, T_G: int, run: Callable
 ) -> StratificationResult:
-  """Algorithm 2 one (k, j) run at a time: `run(module, teacher_vars, run_key, j)` returns the
-  run's T_G losses; keys as in the batched form."""
-  all_losses, offset = [], 0
-  for module, states in _as_groups(teacher_groups):
+  """Algorithm 2 one (k, j) run at a time: `run(module, teacher_vars, run_key, j, tick)` returns
+  the run's T_G losses (`tick(t, loss)` after its step t, for progress); keys as in the batched
+  form."""
+  groups = list(_as_groups(teacher_groups))
+  runs = sum(jax.tree.leaves(states.params)[0].shape[0] for _, states in groups) * num_classes
+  phase = PhaseProgress(
+    f'model stratification: {runs} generator runs of T_G={T_G}', runs * T_G, 'generator step'
+  )
+  all_losses, offset, done = [], 0, 0
+  for module, states in groups:
     m = jax.tree.leaves(states.params)[0].shape[0]
     keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
     out = np.zeros((m, num_classes, T_G), np.float32)
@@ -378,7 +440,15 @@ def _run_by_run(
         'batch_stats': jax.tree.map(lambda a: a[k], states.batch_stats),
       }
       for j in range(num_classes):
-        out[k, j] = np.asarray(run(module, teacher_vars, keys[k, j], jnp.int32(j)))
+
+        def tick(t: int, loss: jax.Array, base: int = done) -> None:
+          if phase.due():  # the count of steps computed, not only dispatched
+            jax.block_until_ready(loss)
+            phase.update(base + t)
+
+        out[k, j] = np.asarray(run(module, teacher_vars, keys[k, j], jnp.int32(j), tick))
+        done += T_G
+        phase.update(done)
     all_losses.append(out)
     offset += m
   return stratification_from_losses(np.concatenate(all_losses, 0))
@@ -396,10 +466,24 @@ def model_stratification_loop(
 ) -> StratificationResult:
   """Same as `model_stratification`, one (k, j) run at a time: a Python loop over the same
   jitted single-run program (the reference code's structure; for equivalence tests and
-  benchmarks)."""
+  benchmarks).
+
+  Args:
+    teacher_groups: As `model_stratification`.
+    generator: As `model_stratification`.
+    num_classes: c.
+    key: PRNG key of all m·c runs.
+    cfg: MS settings; None takes MSConfig's defaults.
+    generator_init_fn: As `model_stratification`.
+    **cfg_overrides: MSConfig fields to replace.
+
+  Returns:
+    The same StratificationResult as `model_stratification`.
+  """
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
 
-  def run(module, teacher_vars, run_key, label):
+  def run(module, teacher_vars, run_key, label, tick):
+    del tick  # one program per run: progress between runs
     return _ms_single_run_jit(
       module,
       generator,
@@ -433,10 +517,23 @@ def model_stratification_python(
   **cfg_overrides,
 ) -> StratificationResult:
   """Same as `model_stratification`, run by run, each run a Python loop of T_G jitted steps
-  (the fastest form on CPU: experiments/bench/model_stratification.py)."""
+  (the fastest form on CPU: experiments/bench/model_stratification.py).
+
+  Args:
+    teacher_groups: As `model_stratification`.
+    generator: As `model_stratification`.
+    num_classes: c.
+    key: PRNG key of all m·c runs.
+    cfg: MS settings; None takes MSConfig's defaults.
+    generator_init_fn: As `model_stratification`.
+    **cfg_overrides: MSConfig fields to replace.
+
+  Returns:
+    The same StratificationResult as `model_stratification`.
+  """
   cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
 
-  def run(module, teacher_vars, run_key, label):
+  def run(module, teacher_vars, run_key, label, tick):
     carry, z, step_keys = commit(_ms_run_init_jit(generator, init_fn, cfg, run_key))
     losses = []
     for t in range(cfg.T_G):
@@ -444,6 +541,7 @@ def model_stratification_python(
         module, generator, cfg, carry, z, teacher_vars, label, step_keys[t]
       )
       losses.append(loss)
+      tick(t + 1, loss)
     return jnp.stack(losses)
 
   return _run_by_run(teacher_groups, num_classes, key, cfg.T_G, run)

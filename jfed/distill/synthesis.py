@@ -1,5 +1,7 @@
-"""One generator-synthesis epoch (DENSE `AdvSynthesizer.synthesize`, reference-code.md §1.5),
-parametrised so that DENSE, Co-Boosting (§2.1) and FedHydra HASA (seed 000 Eq. 16) share it.
+"""One generator-synthesis epoch (DENSE's `AdvSynthesizer.synthesize`,
+`github.com/zj-jayzhang/DENSE`, `helpers/synthesizers.py`), parametrised so that DENSE, Co-Boosting
+(`github.com/rong-dai/Co-Boosting`, `datafree/synthesis/coboost.py`) and FedHydra HASA (Bai et al.,
+KDD 2025, Eq. 16) share it.
 
 Per epoch: fresh generator (DENSE `reset_model`; or continue a given generator state) and fresh
 z ~ N(0, I); targets y ~ U{0..C−1} (sorted for DENSE); Adam([G, z] or [G]) with betas (0.5, 0.999);
@@ -15,7 +17,7 @@ z ~ N(0, I); targets y ~ U{0..C−1} (sorted for DENSE); Adam([G, z] or [G]) wit
           L_adv: −mean_b(mask_b · Σ_c KL_elem(t ‖ s)) at temperature T (× T² optional)
     keep the batch x with the lowest L, evaluated before the step (DENSE `best_inputs`),
     or every x of the epoch (`keep='all'`: FedHydra "leverages all generated intermediates",
-    seed 000 §2);
+    FedHydra, Bai et al., KDD 2025, §2);
     step (optionally clipping the generator's gradient norm, PyTorch `clip_grad_norm_`).
 
 Two drivers with identical numbers: `loop='scan'` (one jitted program, `lax.scan` over steps; the
@@ -78,7 +80,9 @@ def images_per_epoch(cfg: SynthesisConfig) -> int:
 def dense_config(**kw) -> SynthesisConfig:
   """DENSE README: g_steps 30, bn=oh=adv=1, adv T=1 with disagreement mask, sorted targets,
   Adam([G, z]), RandomCrop(4)+HFlip, unweighted teacher mean, BN loss summed over models
-  (set bn=0 to reproduce the official code, whose BN hooks never attach, §1.3)."""
+  (set bn=0 to reproduce the official code, whose BN hooks never attach: `helpers/synthesizers.py`
+  of `github.com/zj-jayzhang/DENSE` registers them on `Ensemble_A`, which keeps its models in a
+  plain list, so no BatchNorm layer is found)."""
   base = dict(g_steps=30)
   base.update(kw)
   return SynthesisConfig(**base)
@@ -157,6 +161,17 @@ class _Carry(NamedTuple):
 def aggregate_teachers(
   cfg: SynthesisConfig, per_client: jnp.ndarray, labels: jnp.ndarray, agg: Any
 ) -> jnp.ndarray:
+  """The ensemble's logits under `cfg.aggregation`.
+
+  Args:
+    cfg: Its `aggregation` picks 'mean', 'weighted', 'sa' or 'sa_inter'.
+    per_client: Per-client logits [K, B, C].
+    labels: The samples' target labels [B] (used by 'sa' and 'sa_inter').
+    agg: None for 'mean', weights [K] for 'weighted', (U_r, U_c) for 'sa' / 'sa_inter'.
+
+  Returns:
+    Teacher logits [B, C].
+  """
   if cfg.aggregation == 'mean':
     return combine_logits(per_client)
   if cfg.aggregation == 'weighted':
@@ -330,7 +345,22 @@ def synthesize(
   """One synthesis epoch. teacher_groups: TeacherGroup / (module, stacked ModelState) or a list;
   student_module/state: the model being distilled (None → no adversarial term). `agg`: per-model
   weights [K] for aggregation='weighted', SAWeights(U_r, U_c) for 'sa' / 'sa_inter'.
-  `generator_state`: continue this generator instead of a fresh DENSE re-init."""
+  `generator_state`: continue this generator instead of a fresh DENSE re-init.
+
+  Args:
+    generator: The generator module.
+    teacher_groups: As above.
+    student_module: As above; None drops the adversarial term.
+    student_state: The student's ModelState (None with no student).
+    num_classes: Number of classes the target labels are drawn from.
+    key: PRNG key of the epoch (generator init, labels, augmentation).
+    cfg: The synthesis settings.
+    agg: As above.
+    generator_state: As above; None re-initialises the generator.
+
+  Returns:
+    SynthesisResult (images, their target labels, losses and the trained generator).
+  """
   groups = _as_groups(teacher_groups)
   modules = tuple(g.module for g in groups)
   states = tuple(g.states for g in groups)

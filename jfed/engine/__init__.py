@@ -2,7 +2,7 @@
 
 from jfed.engine.aggregation import weighted_average
 from jfed.engine.evaluation import BatchNormStatistics, Evaluator
-from jfed.engine.optim import make_optimizer, optimizer_from_config
+from jfed.engine.optim import OptimizerSpec, build_optimizer, make_optimizer, optimizer_spec
 from jfed.engine.sharding import client_mesh
 from jfed.engine.state import (
   ModelState,

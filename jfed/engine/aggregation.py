@@ -18,11 +18,13 @@ one flat vector, so a rule sees the clients as the rows of a [K, D] matrix:
   at most `clip_norm` first (Sun et al. 2019, "Can you really backdoor FL?").
 
 `make_aggregator(config)` builds the one a run uses; its `aggregate` is jitted once per shape.
+`ignored_settings_problem(method, config)` refuses aggregation, attack and norm-bound settings
+for a method whose uploads never reach this server round (they would do nothing).
 """
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 from absl import logging
 import jax
@@ -95,7 +97,17 @@ def krum_scores(x: jax.Array, byzantine: int) -> jax.Array:
 
 
 def krum_rows(x: jax.Array, weights: jax.Array, byzantine: int, selected: int) -> jax.Array:
-  """The weighted mean of the `selected` rows of lowest Krum score (Krum when selected = 1)."""
+  """The weighted mean of the `selected` rows of lowest Krum score (Krum when selected = 1).
+
+  Args:
+    x: Flattened uploads [K, P], one row per client.
+    weights: Per-client weights [K] (e.g. sample counts).
+    byzantine: f, the number of attackers Krum tolerates.
+    selected: Rows averaged (1 is Krum, more is multi-Krum).
+
+  Returns:
+    The aggregate [P].
+  """
   if not 1 <= selected <= x.shape[0]:
     raise ValueError(f'multi-Krum keeps 1..{x.shape[0]} clients, got {selected}')
   keep = jnp.argsort(krum_scores(x, byzantine))[:selected]
@@ -106,7 +118,17 @@ def geometric_median_rows(
   x: jax.Array, weights: jax.Array, iterations: int, smoothing: float
 ) -> jax.Array:
   """argmin_v Σ_k w_k ||v − x_k|| by smoothed Weiszfeld: v ← Σ β_k x_k / Σ β_k with
-  β_k = w_k / max(smoothing, ||v − x_k||), from the weighted mean."""
+  β_k = w_k / max(smoothing, ||v − x_k||), from the weighted mean.
+
+  Args:
+    x: Flattened uploads [K, P], one row per client.
+    weights: Per-client weights [K].
+    iterations: Weiszfeld iterations.
+    smoothing: Lower bound on the distances, which keeps β finite.
+
+  Returns:
+    The aggregate [P].
+  """
   w = weights / jnp.sum(weights)
 
   def body(_, v):
@@ -117,7 +139,16 @@ def geometric_median_rows(
 
 
 def clip_rows(x: jax.Array, reference: jax.Array, max_norm: float) -> jax.Array:
-  """reference + the update x_k − reference scaled to norm at most max_norm."""
+  """reference + the update x_k − reference scaled to norm at most max_norm.
+
+  Args:
+    x: Flattened uploads [K, P].
+    reference: The global model the updates start from [P].
+    max_norm: Largest L2 norm of an update.
+
+  Returns:
+    The clipped uploads [K, P].
+  """
   delta = x - reference
   norms = jnp.linalg.norm(delta, axis=1, keepdims=True)
   return reference + delta * jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-12))
@@ -153,6 +184,14 @@ def size_problem(config: AggregationConfig, n: int, clients: str) -> Optional[st
   The trimmed mean must trim at least one upload at each end (otherwise it is the mean, under
   the trimmed mean's name); Krum's guarantee needs n >= 2f + 3 (Blanchard et al., NeurIPS'17),
   and multi-Krum cannot keep more than n.
+
+  Args:
+    config: The aggregation settings.
+    n: Uploads per aggregation.
+    clients: How the message names them.
+
+  Returns:
+    A one-line problem naming the key, or None.
   """
   c = config
   if c.rule == 'trimmed_mean':
@@ -229,3 +268,98 @@ def make_aggregator(config: AggregationConfig) -> Aggregator:
 
 def mean_aggregator() -> Aggregator:
   return Aggregator('mean', lambda stacked, weights, reference: weighted_average(stacked, weights))
+
+
+# ---- which methods honour these settings -----------------------------------------------------
+
+# The methods whose model uploads go through `jfed.methods.common.Server.receive`, the one place
+# where model-poisoning attacks rewrite uploads, `server.max_update_norm_ratio` rejects them and
+# the aggregation rule runs. The others aggregate in their own way (distillation, optimal
+# transport, HeteroFL's masked averaging, FedSeq's chains, generators, prototypes) or not at
+# all. tests/test_ignored_settings.py runs every registered method to keep this list true.
+SERVER_ROUND_METHODS = ('dynafed', 'fedavg', 'fedprox', 'fedtsa', 'hfldd', 'hfldd_nodd')
+# The methods whose clients train on `common.client_groups`' data, where label flipping
+# happens, and run to the end under it.
+LABEL_FLIP_METHODS = (
+  'coboosting',
+  'dense',
+  'dynafed',
+  'fedavg',
+  'fedavg_vote',
+  'fedcvae_ens',
+  'fedcvae_kd',
+  'feddf',
+  'feddf_vote',
+  'fedhydra',
+  'fedmd',
+  'fedmho',
+  'fedmho_md',
+  'fedmho_sd',
+  'fedprox',
+  'fedseq',
+  'heterofl',
+  'hfldd',
+  'hfldd_nodd',
+  'local',
+  'ot',
+)
+# Why the other methods cannot run a label-flipping attack.
+LABEL_FLIP_UNSUPPORTED = {
+  'centralized': 'it trains one model on the union of the data, no client on its own labels',
+  'fedtsa': "it builds its cluster groups from the clients' unflipped data",
+  'fedproto': (
+    "a flipped client's prototypes would fail the server's check against the label counts it "
+    'declares (those of its unflipped labels)'
+  ),
+}
+_MODEL_ATTACKS = ('sign_flip', 'scaling', 'noise', 'same_value')  # attacks.MODEL_ATTACKS
+
+
+def _section_value(config: Any, section: str, key: str, default: Any) -> Any:
+  node = config.get(section) if hasattr(config, 'get') else None
+  if node is None or not hasattr(node, 'get'):
+    return default
+  value = node.get(key, default)
+  return default if value is None else value
+
+
+def _positive(value: Any) -> bool:
+  try:
+    return float(value) > 0
+  except (TypeError, ValueError):
+    return False
+
+
+def ignored_settings_problem(method: str, config: Any) -> Optional[str]:
+  """Why `method` cannot run `config`: it sets an aggregation rule, update clipping, an attack
+  or an update-norm bound that `method` would silently ignore (one line naming the keys and the
+  methods that honour them); None when every such setting is at its default or honoured."""
+  ignored: List[str] = []
+  if method not in SERVER_ROUND_METHODS:
+    rule = _section_value(config, 'aggregation', 'rule', 'mean')
+    if rule != 'mean':
+      ignored.append(f'aggregation.rule={rule}')
+    clip = _section_value(config, 'aggregation', 'clip_norm', 0.0)
+    if _positive(clip):
+      ignored.append(f'aggregation.clip_norm={float(clip):g}')
+    ratio = _section_value(config, 'server', 'max_update_norm_ratio', 0.0)
+    if _positive(ratio):
+      ignored.append(f'server.max_update_norm_ratio={float(ratio):g}')
+  kind = _section_value(config, 'attack', 'kind', 'none')
+  model_attack = kind in _MODEL_ATTACKS and method not in SERVER_ROUND_METHODS
+  if model_attack:
+    ignored.append(f'attack.kind={kind}')
+  if ignored:
+    return (
+      f'{", ".join(ignored)}: {method} would ignore '
+      f'{"it" if len(ignored) == 1 else "them"} (its client models do not go through a server '
+      'aggregation round); aggregation rules, model attacks and update-norm bounds apply to '
+      f'{", ".join(SERVER_ROUND_METHODS)} only'
+    )
+  if kind == 'label_flip' and method not in LABEL_FLIP_METHODS:
+    why = LABEL_FLIP_UNSUPPORTED.get(method, 'its clients do not train on the flipped labels')
+    return (
+      f'attack.kind=label_flip is not supported by {method}: {why}; label flipping applies to '
+      f'{", ".join(LABEL_FLIP_METHODS)}'
+    )
+  return None

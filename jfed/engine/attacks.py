@@ -77,7 +77,16 @@ def parse_client_ids(text: str, num_clients: int) -> np.ndarray:
 
 
 def attacker_ids(config: AttackConfig, num_clients: int, key: jax.Array) -> np.ndarray:
-  """The attacking clients' ids (sorted), fixed for the run."""
+  """The attacking clients' ids (sorted), fixed for the run.
+
+  Args:
+    config: The attack settings (kind, an explicit client list or a fraction).
+    num_clients: Number of clients in the run.
+    key: PRNG key of the random choice (used when no list is given).
+
+  Returns:
+    The attackers' ids, sorted int64 (empty without an attack).
+  """
   if config.kind == 'none':
     return np.zeros((0,), np.int64)
   if config.clients.strip():
@@ -125,6 +134,17 @@ def poison_uploads(
   """The stacked uploads with every row where `attacking` ([K] bool) replaced by the attack's.
 
   `reference` is one model (the clients' common start) or stacked like `stacked`.
+
+  Args:
+    kind: One of MODEL_ATTACKS; any other kind returns `stacked` unchanged.
+    strength: The attack's scale (factor, noise std or value, by kind).
+    stacked: The round's uploads, stacked over a leading client axis [K].
+    reference: As above.
+    attacking: [K] bool, the rows to replace.
+    key: PRNG key of a noise attack.
+
+  Returns:
+    The uploads, stacked like `stacked`.
   """
   attacking = np.asarray(attacking, bool)
   if kind not in MODEL_ATTACKS or not attacking.any():

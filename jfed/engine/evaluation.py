@@ -75,9 +75,29 @@ class Evaluator:
     return logits, np.concatenate([o[1] for o in out], axis=1)[:, :n]
 
   def accuracy(self, model: ModelState, x, y) -> float:
+    """Top-1 accuracy of one model.
+
+    Args:
+      model: The model's state.
+      x: Images [N, H, W, C].
+      y: Labels [N].
+
+    Returns:
+      The fraction of correct predictions.
+    """
     return float(np.mean(np.argmax(self.logits(model, x), -1) == np.asarray(y)))
 
   def group_accuracy(self, models: ModelState, x, y) -> np.ndarray:
+    """Top-1 accuracy of each model of a stacked group.
+
+    Args:
+      models: The group's states, stacked over a leading model axis [M].
+      x: Images [N, H, W, C].
+      y: Labels [N].
+
+    Returns:
+      Accuracies [M].
+    """
     return np.mean(np.argmax(self.group_logits(models, x), -1) == np.asarray(y)[None], axis=1)
 
 

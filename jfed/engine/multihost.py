@@ -94,6 +94,13 @@ def initialize(
   `waiting ...` line goes to stderr every `progress_every_s` (default: a tenth of the timeout,
   1 to 30 s); if they have not all joined within `timeout_s` seconds, the process ends with one
   `error:` line and exit status 1 (JAX itself would abort it with a C++ stack, uncatchable).
+
+  Args:
+    coordinator: host:port of process 0; None reads the cluster environment.
+    num_processes: Number of processes.
+    process_id: This process's rank.
+    timeout_s: Seconds to wait for every process to join.
+    progress_every_s: Seconds between `waiting ...` lines; None picks one from the timeout.
   """
   given = [v is not None for v in (coordinator, num_processes, process_id)]
   if any(given) and not all(given):
@@ -229,7 +236,16 @@ def spans_processes(mesh: Optional[Mesh]) -> bool:
 
 
 def global_array(mesh: Mesh, value: Any, spec: P) -> jax.Array:
-  """A global array laid out by `spec` from this process's full copy of `value`."""
+  """A global array laid out by `spec` from this process's full copy of `value`.
+
+  Args:
+    mesh: The device mesh.
+    value: The whole array (every process holds the same).
+    spec: How it is sharded over the mesh's axes.
+
+  Returns:
+    The global jax.Array.
+  """
   value = np.asarray(value)
   return jax.make_array_from_callback(
     value.shape, NamedSharding(mesh, spec), lambda index: value[index]

@@ -1,8 +1,8 @@
 """The one optimiser builder (PyTorch semantics) and the learning-rate schedules it knows.
 
-Client training (`GroupTrainer`, via `optimizer_from_config`) and the servers' distillation
-students (`jfed.distill.kd`) build their optimisers here and name their schedules from the one
-set `SCHEDULES`:
+Client training (`GroupTrainer`: `build_optimizer(optimizer_spec(config.optimizer))`) and the
+servers' distillation students (`jfed.distill.kd`) build their optimisers here and name their
+schedules from the one set `SCHEDULES`:
 
   'constant'       the learning rate throughout;
   'cosine'         CosineAnnealingLR stepped every optimiser step: T_max = total_steps;
@@ -22,6 +22,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
+from jfed import typed_config as tc
+from jfed.errors import ConfigError
+
 OPTIMIZERS = ('sgd', 'adam')
 SCHEDULES = ('constant', 'cosine', 'cosine_epochs')
 
@@ -37,6 +40,22 @@ class OptimizerSpec(NamedTuple):
   b1: float = 0.9
   b2: float = 0.999
   schedule: str = 'constant'
+
+
+def optimizer_spec(section: Any, where: str = 'optimizer') -> OptimizerSpec:
+  """The `OptimizerSpec` of a config section (`config.optimizer`): `name` and `lr` required, the
+  other fields optional with the spec's defaults (torch's: no momentum, decay or clipping,
+  Adam's betas 0.9 / 0.999, a constant rate). Keys the spec does not know are ignored."""
+  if section is None or not hasattr(section, 'keys'):
+    raise ConfigError(f'config has no section {where!r}')
+  hints = {'name': str, 'schedule': str}
+  values = {}
+  for name in OptimizerSpec._fields:
+    if name in section:
+      values[name] = tc.convert(section[name], hints.get(name, float), f'{where}.{name}')
+    elif name not in OptimizerSpec._field_defaults:
+      raise ConfigError(f'{where}.{name} is missing from the config')
+  return OptimizerSpec(**values)
 
 
 def check_schedule(schedule: str) -> None:
@@ -117,6 +136,16 @@ def make_optimizer(
 def build_optimizer(
   spec: OptimizerSpec, total_steps: int = 0, epochs: int = 0
 ) -> optax.GradientTransformation:
+  """The optimiser of `spec`, every field of it (clipping, Adam's betas, the schedule) applied.
+
+  Args:
+    spec: the optimiser (`optimizer_spec` reads one from a config section).
+    total_steps: the optimiser steps a 'cosine' or 'cosine_epochs' schedule spans.
+    epochs: the epochs a 'cosine_epochs' schedule spans.
+
+  Returns:
+    The optax transformation, its learning rate an injected hyperparameter.
+  """
   return make_optimizer(
     spec.name,
     spec.lr,
@@ -140,18 +169,3 @@ def set_learning_rate(opt_state: Any, lr) -> Any:
 
 def learning_rate_of(opt_state: Any) -> Any:
   return opt_state.hyperparams['learning_rate']
-
-
-def optimizer_from_config(
-  cfg, total_steps: int = 0, epochs: int = 0
-) -> optax.GradientTransformation:
-  """The client optimiser of `config.optimizer` (name, lr, momentum, weight_decay, schedule)."""
-  return make_optimizer(
-    cfg.name,
-    cfg.lr,
-    momentum=cfg.get('momentum', 0.0),
-    weight_decay=cfg.get('weight_decay', 0.0),
-    schedule=cfg.get('schedule', 'constant'),
-    total_steps=total_steps,
-    epochs=epochs,
-  )

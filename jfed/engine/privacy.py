@@ -77,7 +77,17 @@ def dp_config(config: Any) -> DpConfig:
 
 def config_problem(dp: DpConfig, clients_per_round: int, aggregation: Any) -> Optional[str]:
   """Why `dp` cannot run with m = `clients_per_round` and the run's `aggregation` section (one
-  line naming the key), or None when it can (or DP is off)."""
+  line naming the key), or None when it can (or DP is off).
+
+  Args:
+    dp: The DP settings.
+    clients_per_round: m.
+    aggregation: The run's aggregation settings (server-side DP needs rule 'mean' and no
+      clip_norm).
+
+  Returns:
+    The problem, or None.
+  """
   if not dp.enabled:
     return None
   z = dp.noise_multiplier
@@ -149,7 +159,16 @@ def update_noise_multiplier(noise_multiplier: float, count_std: Optional[float])
 
 
 def clip_updates(x: jax.Array, reference: jax.Array, clip_norm: jax.Array) -> Tuple[jax.Array, ...]:
-  """The updates x_k − reference scaled to L2 norm at most `clip_norm`, and their norms before."""
+  """The updates x_k − reference scaled to L2 norm at most `clip_norm`, and their norms before.
+
+  Args:
+    x: Flattened uploads [K, P].
+    reference: The global model [P].
+    clip_norm: C.
+
+  Returns:
+    (clipped updates [K, P], norms before clipping [K]).
+  """
   delta = x - reference
   norms = jnp.linalg.norm(delta, axis=1)
   scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-12))
@@ -159,7 +178,17 @@ def clip_updates(x: jax.Array, reference: jax.Array, clip_norm: jax.Array) -> Tu
 def noised_mean_update(
   clipped: jax.Array, key: jax.Array, noise_std: jax.Array, denominator: jax.Array
 ) -> jax.Array:
-  """(Σ_k clipped_k + N(0, noise_std² I)) / denominator: DP-FedAvg's fixed-denominator mean."""
+  """(Σ_k clipped_k + N(0, noise_std² I)) / denominator: DP-FedAvg's fixed-denominator mean.
+
+  Args:
+    clipped: Clipped updates [K, P].
+    key: PRNG key of the noise.
+    noise_std: Standard deviation of the noise on the sum (z_Δ · C).
+    denominator: m, the expected number of clients per round.
+
+  Returns:
+    The noised mean update [P].
+  """
   noise = noise_std * jax.random.normal(key, clipped.shape[1:], jnp.float32)
   return (jnp.sum(clipped, axis=0) + noise) / denominator
 
@@ -168,7 +197,18 @@ def noised_unclipped_fraction(
   norms: jax.Array, clip_norm: jax.Array, key: jax.Array, count_std: jax.Array, denominator
 ) -> jax.Array:
   """b̃ = (Σ_k (1[‖Δ_k‖ ≤ C] − ½) + N(0, σ_b²)) / m + ½, Andrew et al.'s private estimate of the
-  fraction of updates that clipping leaves as they are."""
+  fraction of updates that clipping leaves as they are.
+
+  Args:
+    norms: The updates' norms before clipping [K].
+    clip_norm: C.
+    key: PRNG key of the noise.
+    count_std: σ_b.
+    denominator: m.
+
+  Returns:
+    b̃ (scalar).
+  """
   centred = jnp.sum((norms <= clip_norm).astype(jnp.float32) - 0.5)
   return (centred + count_std * jax.random.normal(key, (), jnp.float32)) / denominator + 0.5
 
@@ -176,7 +216,17 @@ def noised_unclipped_fraction(
 def next_clip_norm(
   clip_norm: jax.Array, unclipped_fraction: jax.Array, target_quantile: float, clip_lr: float
 ) -> jax.Array:
-  """C · exp(−η_C (b̃ − γ)): shrinks C while more than γ of the updates fit under it."""
+  """C · exp(−η_C (b̃ − γ)): shrinks C while more than γ of the updates fit under it.
+
+  Args:
+    clip_norm: C_t.
+    unclipped_fraction: b̃.
+    target_quantile: γ.
+    clip_lr: η_C.
+
+  Returns:
+    C_{t+1}.
+  """
   return clip_norm * jnp.exp(-clip_lr * (unclipped_fraction - target_quantile))
 
 
@@ -196,7 +246,16 @@ UPDATE_NOISE, COUNT_NOISE, LOCAL_NOISE = 0, 1, 2  # fold_in of the round's key
 @jax.jit
 def central_aggregate(stacked: Any, reference: Any, noise: RoundNoise) -> Tuple[Any, jax.Array]:
   """The server-side DP mean of the uploads `stacked` (leading client axis) around `reference`:
-  reference + (Σ clip(Δ_k, C) + N(0, (z_Δ C)² I)) / m, and the noised unclipped fraction b̃."""
+  reference + (Σ clip(Δ_k, C) + N(0, (z_Δ C)² I)) / m, and the noised unclipped fraction b̃.
+
+  Args:
+    stacked: The round's uploads (model pytrees with a leading client axis).
+    reference: The global model they start from.
+    noise: The round's key, C, noise stds and m.
+
+  Returns:
+    (the new global model, pytree of `reference`; b̃).
+  """
   flat_reference, unravel = ravel_pytree(reference)
   ref = flat_reference.astype(jnp.float32)
   x = jax.vmap(lambda m: ravel_pytree(m)[0])(stacked).astype(jnp.float32)
@@ -244,7 +303,19 @@ def privatize_locally(
   noise_multiplier: jax.Array,
 ) -> Any:
   """Local DP: each client's upload becomes reference + clip(Δ_k, C) + N(0, (z C)² I), its noise
-  drawn from fold_in(key, its global client id)."""
+  drawn from fold_in(key, its global client id).
+
+  Args:
+    stacked: The round's uploads (model pytrees with a leading client axis).
+    reference: The global model they start from.
+    key: The round's privacy key.
+    client_ids: Global id of each row [K].
+    clip_norm: C.
+    noise_multiplier: z.
+
+  Returns:
+    The privatised uploads, stacked like `stacked`.
+  """
   flat_reference, unravel = ravel_pytree(reference)
   ref = flat_reference.astype(jnp.float32)
   x = jax.vmap(lambda m: ravel_pytree(m)[0])(stacked).astype(jnp.float32)
@@ -271,7 +342,18 @@ def central_epsilon(
   """ε after `rounds` rounds of the server-side mechanism at δ: RDP of the Poisson-subsampled
   Gaussian (rate q = m/N) composed `rounds` times, by dp-accounting. With adaptive clipping
   (`count_std` = σ_b) each round is the composition of the update sum's Gaussian (z_Δ) and the
-  count's (noise multiplier 2σ_b), which dp-accounting composes into z itself."""
+  count's (noise multiplier 2σ_b), which dp-accounting composes into z itself.
+
+  Args:
+    sampling_rate: q = m / N.
+    noise_multiplier: z (z_Δ when `count_std` is given).
+    rounds: Number of rounds.
+    delta: δ.
+    count_std: σ_b of adaptive clipping; None without it.
+
+  Returns:
+    ε.
+  """
   gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
   if count_std is not None:
     gaussian = dp_accounting.ComposedDpEvent(
@@ -288,7 +370,16 @@ def central_epsilon(
 def local_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
   """One client's ε after uploading in `rounds` rounds with local DP at δ: the Gaussian
   mechanism of noise std z·C on an update that can move by 2C (noise multiplier z/2), composed
-  `rounds` times without amplification by sampling."""
+  `rounds` times without amplification by sampling.
+
+  Args:
+    noise_multiplier: z.
+    rounds: Rounds the client uploads in.
+    delta: δ.
+
+  Returns:
+    ε.
+  """
   event = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
   return _rdp_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta)
 

@@ -60,7 +60,17 @@ def pseudo_gradient(global_params: Any, aggregate_params: Any) -> Any:
 def server_update(
   tx: optax.GradientTransformation, opt_state: Any, global_model: ModelState, aggregate: ModelState
 ) -> Tuple[ModelState, Any]:
-  """(new global model, new optimiser state) after one step of `tx` on the pseudo-gradient."""
+  """(new global model, new optimiser state) after one step of `tx` on the pseudo-gradient.
+
+  Args:
+    tx: The server optimiser.
+    opt_state: Its state.
+    global_model: The current global model.
+    aggregate: The round's aggregate of the uploads (its BN statistics are taken as they are).
+
+  Returns:
+    (new global model, new optimiser state).
+  """
   grads = pseudo_gradient(global_model.params, aggregate.params)
   updates, opt_state = tx.update(grads, opt_state, global_model.params)
   params = optax.apply_updates(global_model.params, updates)

@@ -27,7 +27,16 @@ def padded_count(n: int, mesh: Mesh) -> int:
 def client_block(num_clients: int, index: int, count: int) -> range:
   """Block `index` of `count` contiguous blocks of the client ids: the clients the index-th of
   `count` shards holds when a client axis is padded to a multiple of `count` and split evenly
-  (a process's share under `loop`, a Flower SuperNode's clients)."""
+  (a process's share under `loop`, a Flower SuperNode's clients).
+
+  Args:
+    num_clients: Number of client ids.
+    index: Which block, in [0, count).
+    count: Number of blocks (shards).
+
+  Returns:
+    The block's client ids (empty past the last client).
+  """
   per_block = -(-num_clients // count)
   start = min(index * per_block, num_clients)
   return range(start, min(start + per_block, num_clients))
@@ -67,6 +76,16 @@ def replicate_on_mesh(mesh: Mesh, tree: Any) -> Any:
 
 
 def place(mesh: Mesh, tree: Any, spec: P) -> Any:
+  """`tree`'s arrays laid out on `mesh` by `spec` (global arrays when the mesh spans processes).
+
+  Args:
+    mesh: The device mesh.
+    tree: A pytree of arrays, each a full copy.
+    spec: How every leaf is sharded.
+
+  Returns:
+    The placed pytree.
+  """
   if multihost.spans_processes(mesh):
     return jax.tree.map(lambda a: multihost.global_array(mesh, a, spec), tree)
   return jax.device_put(tree, NamedSharding(mesh, spec))

@@ -40,11 +40,32 @@ _init_many = jax.jit(
 
 
 def init_model(module, input_shape: Sequence[int], key: jax.Array) -> ModelState:
+  """Fresh variables of one model.
+
+  Args:
+    module: The flax module.
+    input_shape: Shape of one input (H, W, C).
+    key: PRNG key of the init.
+
+  Returns:
+    The model's ModelState.
+  """
   return _init_one(module, tuple(input_shape), key)
 
 
 def init_models(module, input_shape, key, num_models: int, same_init: bool = True) -> ModelState:
-  """A stacked group of `num_models` models, all from one init (DENSE/FedAvg) or independent."""
+  """A stacked group of `num_models` models, all from one init (DENSE/FedAvg) or independent.
+
+  Args:
+    module: The flax module.
+    input_shape: Shape of one input (H, W, C).
+    key: PRNG key of the init(s).
+    num_models: Models in the group.
+    same_init: One init copied to every model; False draws one per model.
+
+  Returns:
+    A ModelState whose leaves have a leading model axis [num_models].
+  """
   if same_init:
     return replicate(init_model(module, input_shape, key), num_models)
   return _init_many(module, tuple(input_shape), jax.random.split(key, num_models))

@@ -1,5 +1,6 @@
-"""HeteroFL's sub-models as pure functions on parameter pytrees (Diao et al., ICLR'21;
-reference-code.md §9.3; diaoenmao/HeteroFL:src/fed.py `Federation.distribute` and `combine`).
+"""HeteroFL's sub-models as pure functions on parameter pytrees (Diao et al., ICLR 2021;
+`github.com/diaoenmao/HeteroFL-Computation-and-Communication-Efficient-Federated-Learning-for-Heterogeneous-Clients`,
+`src/fed.py` `Federation.distribute` and `combine`).
 
 A client of width rate r holds the sub-model made of the *first* ceil(r·n) channels of every
 hidden layer of the global model: each layer's inputs follow the previous layer's kept channels
@@ -28,7 +29,13 @@ def _shape(leaf) -> tuple:
 
 def check_sliceable(full: Any, template: Any, what: str = 'sub-model') -> None:
   """Raises ValueError unless `template` has `full`'s structure and every leaf fits in the
-  corresponding global leaf (same rank, no axis longer)."""
+  corresponding global leaf (same rank, no axis longer).
+
+  Args:
+    full: The global model's parameters.
+    template: The sub-model's parameters (or their shapes).
+    what: Names the sub-model in the error.
+  """
   if jax.tree.structure(full) != jax.tree.structure(template):
     raise ValueError(f'{what}: its structure differs from the global model')
   paths = jax.tree_util.tree_flatten_with_path(full)[0]

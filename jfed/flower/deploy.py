@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import List, Sequence
 
@@ -48,6 +49,37 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: f
   raise ConfigError(f'{what} did not listen on port {port} within {timeout_s:.0f} s')
 
 
+def stream_command(
+  command: List[str], env: dict, cwd: str, log_path: pathlib.Path, timeout_s: float, echo=None
+) -> int:
+  """Runs `command`, each output line to `log_path` and, as it arrives, to `echo` (default:
+  stderr); its exit status (ConfigError past `timeout_s`)."""
+  echo = echo or (lambda line: print(line, end='', file=sys.stderr, flush=True))
+  with open(log_path, 'w') as log:
+    process = subprocess.Popen(
+      command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      errors='replace',
+    )  # fmt: skip
+
+    def pump() -> None:
+      for line in process.stdout:
+        log.write(line)
+        log.flush()
+        echo(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+      process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+      raise ConfigError(f'{command[0]} ran past its {timeout_s:.0f} s limit') from None
+    finally:
+      reader.join(timeout=10)
+  return process.returncode
+
+
 def run_local_deployment(
   method: str,
   config_spec: str,
@@ -55,8 +87,12 @@ def run_local_deployment(
   workdir,
   num_supernodes: int,
   timeout_s: float = 3600.0,
+  keep_process: bool = True,
 ) -> dict:
-  """Runs `method` through a local Flower deployment; returns the run's summary.json."""
+  """Runs `method` through a local Flower deployment; returns the run's summary.json.
+
+  `keep_process=False` has every message trained in its own ClientApp process, as Flower
+  starts it (jfed/flower/worker.py says why the default keeps one)."""
   from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config, require_supported  # pylint: disable=g-import-not-at-top
 
@@ -80,6 +116,10 @@ def run_local_deployment(
   env = dict(
     os.environ,
     FLWR_HOME=str(home),
+    # The ServerApp's progress reaches `flwr run --stream` as it is printed, not at exit.
+    PYTHONUNBUFFERED='1',
+    # Flower's SuperExec looks for a message to start a ClientApp for once a second by default.
+    FLWR_SUPEREXEC_TASK_POLL_INTERVAL='0.1',
     PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH')) if p),
     # The SuperLink and SuperNodes start Flower's other programs by name.
     PATH=os.pathsep.join((str(pathlib.Path(sys.executable).parent), os.environ.get('PATH', ''))),
@@ -118,7 +158,8 @@ def run_local_deployment(
           '--port',
           str(_free_port()),
           '--node-config',
-          f'partition-id={i} num-partitions={num_supernodes}',
+          f'partition-id={i} num-partitions={num_supernodes} '
+          f'keep-process={str(keep_process).lower()}',
         ],
       )
     run_config = {
@@ -130,21 +171,15 @@ def run_local_deployment(
     }
     toml = home / 'run_config.toml'
     toml.write_text(''.join(f'{k} = {json.dumps(v)}\n' for k, v in run_config.items()))
-    with open(logs / 'flwr_run.log', 'w') as log:
-      run = subprocess.run(
-        [_tool('flwr'), 'run', str(APP_DIR), FEDERATION, '--run-config', str(toml), '--stream'],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=root,
-        timeout=timeout_s,
-        check=False,
-      )
+    command = [
+      _tool('flwr'), 'run', str(APP_DIR), FEDERATION, '--run-config', str(toml), '--stream'
+    ]  # fmt: skip
+    returncode = stream_command(command, env, root, logs / 'flwr_run.log', timeout_s)
     summary = workdir / 'summary.json'
-    if run.returncode != 0 or not summary.exists():
+    if returncode != 0 or not summary.exists():
       tail = (logs / 'flwr_run.log').read_text(errors='replace').strip().splitlines()[-3:]
       raise ConfigError(
-        f'the Flower run ended without a summary (flwr run status {run.returncode}; logs in '
+        f'the Flower run ended without a summary (flwr run status {returncode}; logs in '
         f'{logs}): {" | ".join(tail)}'
       )
     return json.loads(summary.read_text())

@@ -29,6 +29,7 @@ synthetic data, soft-label targets) cannot silently train the wrong data through
 
 import hashlib
 import json
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +47,7 @@ TRAIN_MESSAGE = 'train'
 # A node's distilled sets (KIPResult's x, y, y_matrix, loss), as the batched program makes them.
 DISTILLED_DTYPES = (np.float32, np.int32, np.float32, np.float32)
 OPERATIONS = ('train', 'soft_labels', 'distill')
+POLL_S = 0.1  # how often the server asks the SuperLink for replies
 
 
 def client_digests(fed, rows: Sequence[int], lengths: Optional[Sequence[int]] = None) -> List[str]:
@@ -140,7 +142,7 @@ def _records(op: str, task: Dict[str, Any], **arrays: Sequence[np.ndarray]):
   from flwr.app import ConfigRecord, RecordDict  # pylint: disable=g-import-not-at-top
 
   return RecordDict(
-    {'task': ConfigRecord({'op': op, **task}), **{k: _arrays(v) for k, v in arrays.items()}}
+    {'config': ConfigRecord({'op': op, **task}), **{k: _arrays(v) for k, v in arrays.items()}}
   )
 
 
@@ -161,6 +163,7 @@ class TrainRequest:
     anchor: Optional[List[np.ndarray]],
     extra_counts: Optional[Sequence[int]] = None,
     extra: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+    anchor_is_start: bool = False,
   ):
     # recipe: how the clients train, as JSON ({'kind': 'classifier' | 'cvae', ...}; see
     # common.make_trainers and generative.cvae_trainers), so a node builds the same trainer.
@@ -172,9 +175,13 @@ class TrainRequest:
     # clients' concatenated in client order; extra_counts[i] of them are client i's.
     self.extra_counts = [0] * len(client_ids) if extra_counts is None else list(extra_counts)
     self.extra = extra
+    # FedProx's anchor is the round's start model: said by a flag, not sent twice, so that a
+    # FedAvg or FedProx request is one ArrayRecord and one ConfigRecord, the layout Flower's
+    # mods (e.g. fixedclipping_mod) require.
+    self.anchor_is_start = anchor_is_start
 
   def to_records(self):
-    arrays = {'start': self.start}
+    arrays = {'arrays': self.start}
     if self.anchor is not None:
       arrays['anchor'] = self.anchor
     if self.extra is not None:
@@ -189,12 +196,13 @@ class TrainRequest:
       'key': [int(k) for k in np.asarray(self.key).reshape(-1)],
       'start_shared': bool(self.start_shared),
       'extra_counts': [int(c) for c in self.extra_counts],
+      'anchor_is_start': bool(self.anchor_is_start),
     }
     return _records('train', task, **arrays)
 
   @classmethod
   def from_records(cls, content) -> 'TrainRequest':
-    task = content['task']
+    task = content['config']
     extra = content['extra'].to_numpy_ndarrays() if 'extra' in content else None
     return cls(
       spec=str(task['spec']),
@@ -204,11 +212,12 @@ class TrainRequest:
       digests=list(task['digests']),
       epochs=int(task['epochs']),
       key=np.asarray(task['key'], np.uint32),
-      start=content['start'].to_numpy_ndarrays(),
+      start=content['arrays'].to_numpy_ndarrays(),
       start_shared=bool(task['start_shared']),
       anchor=content['anchor'].to_numpy_ndarrays() if 'anchor' in content else None,
       extra_counts=[int(c) for c in task['extra_counts']],
       extra=None if extra is None else (extra[0], extra[1]),
+      anchor_is_start=bool(task.get('anchor_is_start', False)),
     )
 
 
@@ -216,8 +225,17 @@ class FlowerTransport:
   """The server's side: sends each operation to every SuperNode and reassembles the clients'
   results by client id."""
 
-  def __init__(self, grid, num_nodes: int, timeout_s: float = 3600.0):
+  def __init__(
+    self,
+    grid,
+    num_nodes: int,
+    timeout_s: float = 3600.0,
+    run_record: Optional[Dict[str, str]] = None,
+  ):
     self.grid, self.timeout_s = grid, timeout_s
+    # What every message carries so that a node needs nothing from the run config but the
+    # method: the config file's source, its argument and the overrides (apps.config_record).
+    self.run_record = run_record
     self.nodes = wait_for_nodes(grid, num_nodes)
     self.bytes_sent = self.bytes_received = 0
     # Per exchange: its wall time and the slowest node's own time (its setup and work, inside
@@ -231,6 +249,9 @@ class FlowerTransport:
 
   def _ask(self, content, requested: Sequence[int]) -> Dict[int, Tuple[Any, int]]:
     """{client id: (its node's reply content, its row there)} for the `requested` clients."""
+    if self.run_record is not None:  # in the one ConfigRecord Flower's mods expect
+      for k, v in self.run_record.items():
+        content['config'][k] = v
     self.bytes_sent += _record_bytes(content) * len(self.nodes)
     start = time.perf_counter()
     replies = self._exchange(content)
@@ -246,12 +267,20 @@ class FlowerTransport:
       if reply.has_error():
         raise ConfigError(f'a SuperNode failed: {reply.error.reason}')
       self.bytes_received += _record_bytes(reply.content)
-      node_seconds.append(float(reply.content['result']['seconds']))
-      for row, cid in enumerate(int(c) for c in reply.content['result']['client_ids']):
+      node_seconds.append(float(reply.content['metrics']['seconds']))
+      for row, cid in enumerate(int(c) for c in reply.content['metrics']['client_ids']):
         if cid in found or cid not in wanted:
           raise ConfigError(f'client {cid} came back from a SuperNode not asked for it')
         found[cid] = (reply.content, row)
     self.node_seconds.append(max(node_seconds))
+    # The server's progress as it happens: `flwr run --stream` shows the ServerApp's output live.
+    print(
+      f'flower: exchange {len(self.exchange_seconds)}: {len(replies)}/{len(self.nodes)} '
+      f"SuperNodes replied in {self.exchange_seconds[-1]:.1f} s (slowest node's own work "
+      f'{self.node_seconds[-1]:.1f} s)',
+      file=sys.stderr,
+      flush=True,
+    )
     missing = sorted(wanted - set(found))
     if missing:
       raise ConfigError(
@@ -266,7 +295,7 @@ class FlowerTransport:
     leaves, metrics, unpacked = {}, {}, {}
     for cid, (content, row) in found.items():
       if id(content) not in unpacked:
-        result = content['result']
+        result = content['metrics']
         clients = [int(c) for c in result['client_ids']]
         k = len(clients)
         counts = None
@@ -278,7 +307,7 @@ class FlowerTransport:
               f'{counts.dtype}{list(counts.shape)}, expected int[{k}, classes]'
             )
         unpacked[id(content)] = (
-          _reply_rows(content, 'models', clients),
+          _reply_rows(content, 'arrays', clients),
           _reply_values(result, 'loss', k * request.epochs, clients).reshape(k, request.epochs),
           _reply_values(result, 'accuracy', k * request.epochs, clients).reshape(k, request.epochs),
           counts,
@@ -296,7 +325,7 @@ class FlowerTransport:
     probabilities = {}
     for reply, _ in found.values():
       if id(reply) not in probabilities:
-        clients = [int(c) for c in reply['result']['client_ids']]
+        clients = [int(c) for c in reply['metrics']['client_ids']]
         (p,) = _reply_rows(reply, 'probabilities', clients, [np.float32])
         if p.ndim != 3 or p.shape[1] != len(x):
           raise UploadError(
@@ -322,7 +351,7 @@ class FlowerTransport:
     sets = {}
     for reply, _ in per_member:
       if id(reply) not in sets:
-        clients = [int(c) for c in reply['result']['client_ids']]
+        clients = [int(c) for c in reply['metrics']['client_ids']]
         sets[id(reply)] = _reply_rows(reply, 'sets', clients, DISTILLED_DTYPES)
     _same_trailing_shapes('sets', list(sets.values()))
     return [
@@ -330,11 +359,21 @@ class FlowerTransport:
     ]
 
   def _exchange(self, content) -> list:
-    """Sends `content` to every node; their replies."""
+    """Sends `content` to every node; the replies that come within the timeout."""
     from flwr.app import Message  # pylint: disable=g-import-not-at-top
 
     messages = [Message(content, dst_node_id=n, message_type=TRAIN_MESSAGE) for n in self.nodes]
-    return list(self.grid.send_and_receive(messages, timeout=self.timeout_s))
+    # Grid.send_and_receive polls every 3 s, which would add up to 3 s to every round.
+    waiting = set(self.grid.push_messages(messages))
+    deadline = time.monotonic() + self.timeout_s
+    replies: list = []
+    while waiting and time.monotonic() < deadline:
+      got = list(self.grid.pull_messages(waiting))
+      replies.extend(got)
+      waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+      if waiting:
+        time.sleep(POLL_S)
+    return replies
 
 
 def _record_bytes(content) -> int:
@@ -392,6 +431,12 @@ class RemoteGroupTrainer:
     model = state.model
     shared = _all_equal(model)
     start = jax.tree.leaves(jax.tree.map(lambda a: np.asarray(a)[0], model) if shared else model)
+    anchor_leaves = None if anchor is None else [np.asarray(a) for a in jax.tree.leaves(anchor)]
+    anchor_is_start = (
+      anchor_leaves is not None
+      and shared
+      and _same_arrays(anchor_leaves, jax.tree.leaves(jax.tree.map(lambda a: a[0], model.params)))
+    )
     request = TrainRequest(
       self.spec,
       self.recipe,
@@ -402,9 +447,10 @@ class RemoteGroupTrainer:
       np.asarray(jax.random.key_data(key) if _is_typed_key(key) else key),
       [np.asarray(a) for a in start],
       shared,
-      None if anchor is None else [np.asarray(a) for a in jax.tree.leaves(anchor)],
+      None if anchor_is_start else anchor_leaves,
       counts,
       extra,
+      anchor_is_start,
     )
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
@@ -445,6 +491,12 @@ class RemoteGroupTrainer:
     return TrainState(trained, state.opt_state), TrainMetrics(loss, accuracy)
 
 
+def _same_arrays(a: Sequence[Any], b: Sequence[Any]) -> bool:
+  return len(a) == len(b) and all(
+    np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y) for x, y in zip(a, b)
+  )
+
+
 def _is_typed_key(key) -> bool:
   return jnp.issubdtype(getattr(key, 'dtype', np.float32), jax.dtypes.prng_key)
 
@@ -467,7 +519,7 @@ class NodeTrainer:
     """The reply's records to a request of any operation; `result` carries the ids of the
     clients it concerns and the node's time (`setup_seconds`, the caller's, plus this call's)."""
     start = time.perf_counter()
-    op = str(content['task']['op'])
+    op = str(content['config']['op'])
     if op not in OPERATIONS:
       raise ConfigError(f'unknown operation {op!r}; known: {", ".join(OPERATIONS)}')
     if op == 'train':
@@ -484,7 +536,7 @@ class NodeTrainer:
       'seconds': setup_seconds + time.perf_counter() - start,
     }
     return RecordDict(
-      {'result': MetricRecord(result), **{k: _arrays(v) for k, v in arrays.items()}}
+      {'metrics': MetricRecord(result), **{k: _arrays(v) for k, v in arrays.items()}}
     )
 
   def train(self, request: TrainRequest, setup_seconds: float = 0.0):
@@ -498,7 +550,7 @@ class NodeTrainer:
 
     rows = [i for i, c in enumerate(request.client_ids) if int(c) in self.owned]
     if not rows:
-      return [], {'models': []}, {'loss': [], 'accuracy': []}
+      return [], {'arrays': []}, {'loss': [], 'accuracy': [], 'num-examples': 0}
     ids = request.client_ids[rows]
     recipe = json.loads(request.recipe)
     kind = recipe.get('kind')
@@ -550,7 +602,11 @@ class NodeTrainer:
         treedef, [jnp.asarray(np.asarray(a)[rows]) for a in request.start]
       )
     anchor = None
-    if request.anchor is not None:
+    if request.anchor_is_start:
+      if not request.start_shared:
+        raise ConfigError('the server says the anchor is the start model, but sends one per client')
+      anchor = jax.tree.map(lambda a: a[0], models.params)
+    elif request.anchor is not None:
       params_def = jax.tree.structure(self._templates[request.spec].params)
       anchor = jax.tree.unflatten(params_def, [jnp.asarray(a) for a in request.anchor])
     state, metrics = trainer.train(
@@ -563,7 +619,7 @@ class NodeTrainer:
     )
     sent = uploaded_leaves(state.model, recipe)
     arrays = {
-      'models': [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
+      'arrays': [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
     }
     if kind == 'cvae':  # FedMHO's label histogram of the client's own samples
       classes = self.ctx.dataset.num_classes
@@ -581,6 +637,8 @@ class NodeTrainer:
       {
         'loss': [float(v) for v in np.asarray(metrics.loss).reshape(-1)],
         'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
+        # Flower's name for the weight of a reply (its strategies and mods read it)
+        'num-examples': int(np.sum(sizes)),
       },
     )
 
@@ -593,7 +651,7 @@ class NodeTrainer:
     if not ids:
       return [], {'probabilities': []}, {}
     x = content['public'].to_numpy_ndarrays()[0]
-    local = common.local_models(self.ctx, int(content['task']['epochs']), ids)
+    local = common.local_models(self.ctx, int(content['config']['epochs']), ids)
     probabilities = common.client_probabilities(self.ctx, local, x)[ids]
     return ids, {'probabilities': [probabilities]}, {}
 
@@ -603,7 +661,7 @@ class NodeTrainer:
     from jfed.data.federated import federate  # pylint: disable=g-import-not-at-top
     from jfed.kip import KIPConfig, kip_distill_batched  # pylint: disable=g-import-not-at-top
 
-    task = content['task']
+    task = content['config']
     members = [int(c) for c in task['members']]
     positions = [j for j, c in enumerate(members) if c in self.owned]
     if not positions:

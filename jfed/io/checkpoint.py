@@ -11,7 +11,8 @@ other numbers. A checkpoint that fails verification or to restore (a flipped byt
 truncated file) is skipped for the older one that `max_to_keep` keeps, with a warning naming the
 step and the file, and removed so the resumed run can write that step again. A step without
 checksums (written by an earlier jfed, or by a run killed between orbax's commit and the
-checksums) restores with a warning that it is unverified.
+checksums) restores with a warning that it is unverified. A damaged stage cache
+(`restore_stage`, a driver stage's one result) is removed with a warning and computed again.
 
 A write that fails (a full disk, a read-only directory) is one WorkdirError naming the step,
 the directory and the system's reason. Orbax logs the failure with a traceback from each of
@@ -61,7 +62,13 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, history: Optional[List[Any]] = None) -> None:
     """Writes `step` and, once orbax has committed it, its checksums. Raises WorkdirError when
-    the checkpoint cannot be written."""
+    the checkpoint cannot be written.
+
+    Args:
+      step: The step (round or epoch) the checkpoint is named by.
+      state: Pytree of arrays to save; device arrays are copied to the host first.
+      history: Per-step metric records to save with it (JSON); None saves none.
+    """
     items = {'state': ocp.args.StandardSave(_host_arrays(state))}
     if history is not None:
       items['history'] = ocp.args.JsonSave({'records': history})
@@ -75,6 +82,7 @@ class Checkpointer:
       if reason is None:
         raise
       self._write_failed = True
+      _hold_orbax_task_errors()
       raise WorkdirError(f'cannot write checkpoint {step} in {self.directory}: {reason}') from e
     if jax.process_index() == 0:  # the directory is shared; orbax's commit waits for all
       self._write_checksums(step)
@@ -87,8 +95,20 @@ class Checkpointer:
 
   def restore(self, step: int, template: Any, with_history: bool = False):
     """The state (and history) of `step`. Raises WorkdirError, naming the file, when a file of
-    the step does not match the checksum written with it."""
+    the step does not match the checksum written with it.
+
+    Args:
+      step: Which saved step to restore.
+      template: A pytree of the saved state's structure (shapes and dtypes), e.g. a fresh state.
+      with_history: Also return the history saved with the step.
+
+    Returns:
+      The state, or (state, history) when `with_history` is True.
+    """
     self._verify(step)
+    return self._restore_unverified(step, template, with_history)
+
+  def _restore_unverified(self, step: int, template: Any, with_history: bool = False):
     items = {'state': ocp.args.StandardRestore(_host_arrays(template))}
     if with_history:
       items['history'] = ocp.args.JsonRestore()
@@ -97,6 +117,35 @@ class Checkpointer:
     if with_history:
       return state, list(restored['history']['records'])
     return state
+
+  def restore_stage(self, step: int, template: Any) -> Optional[Any]:
+    """The cached result of `step`, or None when it is damaged, so the caller computes it again.
+
+    A step that fails verification (a flipped byte, a missing or truncated file), or that has no
+    checksums and does not restore, is removed with a one-line warning naming the file. A step
+    that verifies but does not restore holds something else than `template` (another run's
+    cache): that is raised as before, and the cache is left alone.
+    """
+    try:
+      self._verify(step)
+      verified = (self._step_dir(step) / CHECKSUMS).exists()
+    except WorkdirError as e:
+      reason, verified = str(e), None
+    if verified is not None:
+      try:
+        return self._restore_unverified(step, template)
+      except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
+        if verified:
+          raise
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    print(
+      f'warning: the cached stage {step} in {self.directory} is damaged ({reason}); computing '
+      'it again',
+      file=sys.stderr,
+      flush=True,
+    )
+    self._manager.delete(step)
+    return None
 
   def restore_latest(
     self, template: Any, with_history: bool = False
@@ -279,12 +328,65 @@ def _orbax_error_logs_held() -> Iterator[None]:
   logger = logging.getLogger('absl')  # orbax logs through absl.logging
   held = _HeldOrbaxErrors()
   logger.addFilter(held)
+  previous_hook, unraisable = sys.unraisablehook, []
+
+  def hold(u: Any) -> None:
+    if _closed_loop(u):
+      unraisable.append(u)
+    else:
+      previous_hook(u)
+
+  sys.unraisablehook = hold
   try:
     yield
   finally:
     logger.removeFilter(held)
+    sys.unraisablehook = previous_hook
   for record in held.held:
     logger.handle(record)
+  for u in unraisable:
+    previous_hook(u)
+
+
+class _OrbaxTaskErrors(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' records of orbax's writer tasks: a
+  failed write's other tasks are logged so when they are collected, after the failure was
+  reported (a traceback each, after the `error:` line)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ('Task exception was never retrieved' in message and 'orbax' in message)
+
+
+_ORBAX_TASK_ERRORS = _OrbaxTaskErrors()
+_DROPPING_CLOSED_LOOP = []  # [True] once the hook below is installed
+
+
+def _closed_loop(unraisable: Any) -> bool:
+  """Whether an unraisable exception is a writer's late completion reaching orbax's closed event
+  loop (tensorstore calls `loop.call_soon_threadsafe` after a failed write ended the save)."""
+  if unraisable.exc_type is not RuntimeError or 'Event loop is closed' not in str(
+    unraisable.exc_value
+  ):
+    return False
+  tb = unraisable.exc_traceback
+  while tb is not None:
+    if tb.tb_frame.f_code.co_name == 'call_soon_threadsafe':
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def _hold_orbax_task_errors() -> None:
+  """After a failed write, unless --traceback: the failure is reported once, by WorkdirError,
+  not again by each of orbax's writer tasks as they are collected or complete."""
+  if _tracebacks_requested():
+    return
+  logging.getLogger('asyncio').addFilter(_ORBAX_TASK_ERRORS)  # once: addFilter dedupes
+  if not _DROPPING_CLOSED_LOOP:
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if _closed_loop(u) else previous(u)
+    _DROPPING_CLOSED_LOOP.append(True)
 
 
 def _host_arrays(tree: Any) -> Any:

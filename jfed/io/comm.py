@@ -7,11 +7,12 @@ Two accounts, kept side by side:
    msgpack_serialize(to_state_dict(payload)))` (never pickle). A float32 array of n entries
    serialises to `4·n + ~16–26` bytes (msgpack ext header, shape, dtype name), plus the keys of
    the dict structure.
-2. Analytic (`*_cost_bits`): seed 003's formulas (HFLDD, Shi et al.) in the form that reproduces
-   its Tables III–V from the paper's own settings (tests/test_comm.py checks every cell).
+2. Analytic (`*_cost_bits`): the formulas of HFLDD (Shi et al., arXiv 2409.17517) in the form
+   that reproduces its Tables III–V from the paper's own settings (tests/test_comm.py checks
+   every cell).
    The tables' "MB" is MiB (2^20 bytes): `bits_to_mib`.
 
-Run-level builders produce the transfer lists of the protocols compared in seed 003:
+Run-level builders produce the transfer lists of the protocols compared in HFLDD:
 
 * FedAvg / FedProx / DynaFed (Eq. 3): per round every participating client downloads the global
   model and uploads its local model, `2 · T · N` messages (`fedavg_transfers`). The tables count
@@ -23,7 +24,7 @@ Run-level builders produce the transfer lists of the protocols compared in seed 
   grey or per RGB channel value: `to_uint8_images`; jfed also sends the labels, which Eq. 18
   does not count); (iii) per round the server <-> head model exchange, `2 · T · |H|` messages
   (`hfldd_transfers`). The tables count `(2T + 1) · |H|` model copies (`hfldd_cost_bits`).
-* FedSeq (Eq. 19, lost in the seed's extraction): per round and superclient the server sends the
+* FedSeq (Eq. 19, not legible in the paper's text): per round and superclient the server sends the
   model to the first client, it is handed client -> client n_c − 1 times, and the last client
   uploads it, `T · Σ_c (n_c + 1)` messages (`fedseq_transfers`), plus the one-off upload of
   every client's confidence vector (recorded by `jfed.methods.fedseq`). The tables count
@@ -220,7 +221,16 @@ def fedseq_transfers(
 def total_bytes(
   transfers: Iterable[Transfer], upto_round: Optional[int] = None, stage: Optional[str] = None
 ) -> int:
-  """Sum of `nbytes`, optionally only of rounds <= `upto_round` and of one `stage`."""
+  """Sum of `nbytes`, optionally only of rounds <= `upto_round` and of one `stage`.
+
+  Args:
+    transfers: The transfer list of a run (from `*_transfers`).
+    upto_round: Last round counted (inclusive); None counts every round.
+    stage: Only transfers of this stage (e.g. 'model_up'); None counts every stage.
+
+  Returns:
+    The total in bytes.
+  """
   return int(
     sum(
       t.nbytes
@@ -270,7 +280,7 @@ def record_bytes(transfers: Iterable[Transfer]) -> Dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 003's analytic traffic (bits), in the form that reproduces its Tables III–V
+# HFLDD's analytic traffic (bits), in the form that reproduces its Tables III–V
 # ------------------------------------------------------------------------------------------------
 MIB = 2**20  # Tables III–V label their unit "MB", but only 2^20-byte units reproduce them
 PARAM_BITS = 32  # b: Sec. V-B, "usually 32 bits"
@@ -283,9 +293,9 @@ def bits_to_mib(bits: Union[int, float]) -> float:
 
 
 def fedavg_cost_bits(rounds: int, num_clients: int, num_params: int, bits: int = PARAM_BITS) -> int:
-  """FedAvg / FedProx / DynaFed as seed 003 Tables III–V count them: `(2T + 1) · N · |w| · b`.
+  """FedAvg / FedProx / DynaFed as HFLDD Tables III–V count them: `(2T + 1) · N · |w| · b`.
 
-  Eq. 3 itself is lost in the seed's extraction; Sec. III-B says its cost "comes from the local
+  Eq. 3 itself is not legible in the paper's text; Sec. III-B says its cost "comes from the local
   model upload and the global model download" (2T copies per client) and Sec. VI-C applies it
   to FedProx and DynaFed too. The tables count one copy more per client: (2T + 1) · N with
   N = 100 reproduces the nine FedAvg / FedProx / DynaFed cells (eight rounded to the printed
@@ -316,7 +326,7 @@ def hfldd_cost_bits(
   num_params: int,
   bits: int = PARAM_BITS,
 ) -> int:
-  """HFLDD, seed 003 Eq. 18 as Tables III–V count it.
+  """HFLDD (Shi et al., arXiv 2409.17517) Eq. 18 as Tables III–V count it.
 
   `N · n_pub · C · b + Σ_{members} |D̃_i| · b_d + (2T + 1) · |H| · |w| · b`: soft labels
   uploaded once, distilled sets sent member -> head once (heads send none), and the model
@@ -351,9 +361,9 @@ def hfldd_cost_bits(
 def fedseq_cost_bits(
   rounds: int, cluster_sizes: Sequence[int], num_params: int, bits: int = PARAM_BITS
 ) -> int:
-  """FedSeq as seed 003 Tables III–V count it: `(Σ_c (n_c + 1) + T · Σ_c (n_c + 2)) · |w| · b`.
+  """FedSeq as HFLDD Tables III–V count it: `(Σ_c (n_c + 1) + T · Σ_c (n_c + 2)) · |w| · b`.
 
-  Eq. 19 is lost in the seed's extraction ("parameter sharing between clients within cluster
+  Eq. 19 is not legible in the paper's text ("parameter sharing between clients within cluster
   and across clusters", N_c clusters of n_c clients). At the paper's N_c = n_c = 10 the three
   FedSeq cells are reproduced by (110 + 120 · T) model copies, and by no other a + b · T with
   integers a, b < 400. How 110 and 120 split over N_c and n_c is a guess, exact only at
@@ -377,7 +387,7 @@ def fedseq_cost_bits(
 
 
 # ------------------------------------------------------------------------------------------------
-# rounds and traffic to reach a target accuracy (seed 003, Tables III–V)
+# rounds and traffic to reach a target accuracy (HFLDD, Shi et al., arXiv 2409.17517, Tables III–V)
 # ------------------------------------------------------------------------------------------------
 def rounds_to_target(acc_per_round, target: float) -> Optional[int]:
   """The first round whose accuracy reaches `target`.
@@ -427,7 +437,7 @@ def target_table_rows(
   reference: Optional[str] = None,
   paper_bits: Optional[Mapping[str, Callable[[int], Optional[int]]]] = None,
 ) -> List[TargetRow]:
-  """Rows of the seed's Tables III–V.
+  """Rows of HFLDD's (Shi et al., arXiv 2409.17517) Tables III–V.
 
   Args:
     results: (method, accuracy per round, transfers) per method.

@@ -317,6 +317,15 @@ def validate_tree(
   structure is read and compared before any of its leaves is converted. Messages name the key
   path: "upload of client 3: params['Dense_0']['kernel'] is float64[64, 10], expected
   float32[64, 10]".
+
+  Args:
+    tree: The received pytree (untrusted).
+    template: A pytree of the expected structure, shapes and dtypes (e.g. the global model).
+    what: Names the upload in error messages, e.g. 'upload of client 3'.
+    require_finite: Refuse NaN and infinite values in floating leaves.
+
+  Raises:
+    UploadError: on the first mismatch, naming its key path.
   """
   want = _leaves_with_paths(template, 'template')
   # One level deeper than the template names what is too deep; twice its nodes (and some) name
@@ -361,7 +370,16 @@ def validate_tree(
 # ------------------------------------------------------------------------------------------------
 def check_num_samples(what: str, num_samples: Any, max_samples: Optional[int] = None) -> int:
   """`num_samples` as an int; UploadError unless it is a positive integer (Python or NumPy, not
-  bool, float or str) and, when `max_samples` is given, at most `max_samples`."""
+  bool, float or str) and, when `max_samples` is given, at most `max_samples`.
+
+  Args:
+    what: Names the upload in error messages.
+    num_samples: The claimed number of training samples (untrusted).
+    max_samples: The number of samples the client holds; None sets no upper bound.
+
+  Returns:
+    `num_samples` as a Python int.
+  """
   t = type(num_samples)  # not num_samples.__class__, which an object may fake
   n = None
   if issubclass(t, (numbers.Integral, np.integer)) and not issubclass(t, (bool, np.bool_)):
@@ -465,7 +483,15 @@ def validate_decoder_upload(
 ) -> None:
   """Raises UploadError unless the decoder (and its BatchNorm statistics) match the templates
   and the label counts are num_classes non-negative integers summing to num_samples (a positive
-  integer, at most `max_samples` when given)."""
+  integer, at most `max_samples` when given).
+
+  Args:
+    upload: The CVAE client's upload.
+    template: Decoder parameters of the expected structure, shapes and dtypes.
+    num_classes: Length the label counts must have.
+    template_stats: The decoder's BatchNorm statistics template; None for a decoder without any.
+    max_samples: The number of samples the client holds; None sets no upper bound.
+  """
   what = f'decoder upload of client {upload.client_id}'
   n = check_num_samples(what, upload.num_samples, max_samples)
   _check_counts(what, upload.label_counts, n, num_classes)
@@ -487,8 +513,9 @@ def _is_empty(tree: Any) -> bool:
 
 
 class PrototypeUpload(NamedTuple):
-  """A FedProto client's upload (Tan et al., AAAI'22, reference-code.md §9.4): the mean
-  embedding of each class it holds and its class counts (rows of absent classes are zero)."""
+  """A FedProto client's upload (FedProto, Tan et al., AAAI 2022;
+  `github.com/yuetan031/FedProto`, `lib/update.py`): the mean embedding of each class it
+  holds and its class counts (rows of absent classes are zero)."""
 
   client_id: int
   num_samples: int
@@ -497,8 +524,9 @@ class PrototypeUpload(NamedTuple):
 
 
 class LogitsUpload(NamedTuple):
-  """A FedMD client's upload (Li & Wang 2019, reference-code.md §9.5): its logits on the
-  round's public alignment set."""
+  """A FedMD client's upload (FedMD, Li & Wang, NeurIPS 2019 workshop;
+  `github.com/diogenes0319/FedMD_clean`, `FedMD.py`): its logits on the round's public
+  alignment set."""
 
   client_id: int
   logits: Any  # [N_alignment, num_classes] float32
@@ -524,7 +552,14 @@ def validate_prototype_upload(
 ) -> None:
   """Raises UploadError unless the prototypes are finite float32[num_classes, dim], zero for the
   classes the client does not hold, and the counts are valid class counts of num_samples (a
-  positive integer, at most `max_samples` when given)."""
+  positive integer, at most `max_samples` when given).
+
+  Args:
+    upload: The FedProto client's upload.
+    num_classes: Rows of the prototype matrix (and length of the label counts).
+    dim: Embedding width, the prototype matrix's columns.
+    max_samples: The number of samples the client holds; None sets no upper bound.
+  """
   what = f'prototype upload of client {upload.client_id}'
   n = check_num_samples(what, upload.num_samples, max_samples)
   counts = _check_counts(what, upload.label_counts, n, num_classes)
@@ -535,6 +570,12 @@ def validate_prototype_upload(
 
 
 def validate_logits_upload(upload: LogitsUpload, num_samples: int, num_classes: int) -> None:
-  """Raises UploadError unless the logits are finite float32[num_samples, num_classes]."""
+  """Raises UploadError unless the logits are finite float32[num_samples, num_classes].
+
+  Args:
+    upload: The FedMD client's upload.
+    num_samples: Size of the round's public alignment set, the logits' rows.
+    num_classes: The logits' columns.
+  """
   what = f'logits upload of client {upload.client_id}'
   validate_tree(upload.logits, np.zeros((num_samples, num_classes), np.float32), what)

@@ -1,6 +1,7 @@
 """Closed-form infinite-width kernels in pure JAX (no neural-tangents).
 
-neural-tangents 0.6.5 cannot be imported with JAX 0.10 (reference-code.md §6.1), so the kernel
+neural-tangents 0.6.5 (`github.com/google/neural-tangents`) cannot be imported with JAX 0.10, so
+the kernel
 KIP needs is written out here.
 
 Fully-connected ReLU network (what `neural_tangents.stax` computes with `get='ntk'` /
@@ -141,14 +142,36 @@ def fc_kernels(
 def fc_ntk_kernel(
   x1: Array, x2: Optional[Array] = None, depth: int = 1, W_std: float = 2**0.5, b_std: float = 0.1
 ) -> Array:
-  """The infinite-width NTK Θ(x1, x2) [n1, n2] of the FC ReLU network (`fc_kernels`)."""
+  """The infinite-width NTK Θ(x1, x2) [n1, n2] of the FC ReLU network (`fc_kernels`).
+
+  Args:
+    x1: [n1, ...] inputs (flattened).
+    x2: [n2, ...] inputs; None means `x1`.
+    depth: Hidden Dense + ReLU blocks.
+    W_std: Weight standard deviation of every Dense layer.
+    b_std: Bias standard deviation of every Dense layer.
+
+  Returns:
+    Θ [n1, n2].
+  """
   return fc_kernels(x1, x2, depth=depth, W_std=W_std, b_std=b_std)[1]
 
 
 def fc_nngp_kernel(
   x1: Array, x2: Optional[Array] = None, depth: int = 1, W_std: float = 2**0.5, b_std: float = 0.1
 ) -> Array:
-  """The infinite-width NNGP kernel Σ(x1, x2) [n1, n2] of the FC ReLU network (`fc_kernels`)."""
+  """The infinite-width NNGP kernel Σ(x1, x2) [n1, n2] of the FC ReLU network (`fc_kernels`).
+
+  Args:
+    x1: [n1, ...] inputs (flattened).
+    x2: [n2, ...] inputs; None means `x1`.
+    depth: Hidden Dense + ReLU blocks.
+    W_std: Weight standard deviation of every Dense layer.
+    b_std: Bias standard deviation of every Dense layer.
+
+  Returns:
+    Σ [n1, n2].
+  """
   return fc_kernels(x1, x2, depth=depth, W_std=W_std, b_std=b_std)[0]
 
 
@@ -159,6 +182,9 @@ def rbf_kernel(x1: Array, x2: Optional[Array] = None, gamma: Optional[float] = N
     x1: [n1, ...] inputs.
     x2: [n2, ...] inputs; None means `x1`.
     gamma: the width; None means 1 / d (d = flattened features).
+
+  Returns:
+    K [n1, n2].
   """
   x1 = _flatten(x1)
   x2 = x1 if x2 is None else _flatten(x2)

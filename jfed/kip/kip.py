@@ -1,6 +1,6 @@
 """Kernel Inducing Points (KIP; Nguyen, Chen, Lee, ICLR'21) as pure, jitted JAX programs.
 
-Follows `google-research/google-research:kip/KIP.ipynb` (reference-code.md §6):
+Follows the authors' notebook, `github.com/google-research/google-research` (`kip/KIP.ipynb`):
 
 * labels are centred one-hot, `onehot - 1/C`;
 * `K_ss_reg = K_ss + reg · tr(K_ss)/n_s · I` (reg = 1e-6), `pred = K_ts · solve(K_ss_reg,
@@ -11,8 +11,9 @@ Follows `google-research/google-research:kip/KIP.ipynb` (reference-code.md §6):
   minibatch from the client's real data every step, the support set initialised class-balanced from
   real images.
 
-HFLDD settings (seed 003 §VI-A4) are the defaults of `KIPConfig`: 400 distilled images per
-client, 3000 iterations, lr 0.004 (the notebook uses 0.04), target minibatch 10, reg 1e-6.
+HFLDD settings (Shi et al., arXiv 2409.17517, §VI-A4) are the defaults of `KIPConfig`: 400 distilled
+images per client, 3000 iterations, lr 0.004 (the notebook uses 0.04), target minibatch 10, reg
+1e-6.
 
 Three entry points with the same numbers (per-client randomness is `fold_in(key, client_index)`):
 
@@ -56,6 +57,7 @@ import numpy as np
 import optax
 
 from jfed.engine import multihost, sharding
+from jfed.engine.progress import PhaseProgress, info_enabled, reporting_to, tick_in_program
 from jfed.kip.kernels import KernelFn, make_kernel_fn
 
 Array = jax.Array
@@ -116,7 +118,16 @@ class KIPResult(NamedTuple):
 
 
 def centered_one_hot(labels: Array, num_classes: int, dtype=jnp.float32) -> Array:
-  """KIP's label encoding `onehot - 1/C`."""
+  """KIP's label encoding `onehot - 1/C`.
+
+  Args:
+    labels: Integer labels [n].
+    num_classes: C.
+    dtype: dtype of the result.
+
+  Returns:
+    [n, C] targets: 1 − 1/C at the label, −1/C elsewhere.
+  """
   return jax.nn.one_hot(labels, num_classes, dtype=dtype) - 1.0 / num_classes
 
 
@@ -274,9 +285,17 @@ def _channel_stats(x: Array, size: Array) -> Tuple[Array, Array]:
 
 
 def _distill_one(
-  x: Array, y: Array, size: Array, key: Array, *, config: KIPConfig, num_classes: int
+  x: Array,
+  y: Array,
+  size: Array,
+  key: Array,
+  *,
+  config: KIPConfig,
+  num_classes: int,
+  progress: bool = False,
 ) -> KIPResult:
-  """Traceable single-client KIP (x: [n_max, ...] padded, y: [n_max] int, size: scalar)."""
+  """Traceable single-client KIP (x: [n_max, ...] padded, y: [n_max] int, size: scalar).
+  `progress`: each iteration reports to the active `jfed.engine.progress` phase."""
   dtype = jnp.float64 if config.x64 else jnp.float32
   x = x.astype(dtype)
   size = jnp.asarray(size, jnp.int32)
@@ -310,16 +329,21 @@ def _distill_one(
 
   def step(carry, k):
     p, s = carry
+    if progress:
+      k, iteration = k
     t_idx = sample_target_indices(k, size, n_max, config.target_batch)
     (loss, acc), g = grad_fn(p, xs[t_idx], y_all[t_idx])
     if not config.learn_labels:
       g = (g[0], jnp.zeros_like(g[1]))
     upd, s = tx.update(g, s, p)
     p = optax.apply_updates(p, upd)
+    if progress:
+      tick_in_program(iteration + 1)
     return (p, s), (loss, acc)
 
   keys = jax.random.split(k_steps, config.iterations)
-  (params, _), (losses, accs) = jax.lax.scan(step, (params, opt_state), keys)
+  xs_steps = (keys, jnp.arange(config.iterations)) if progress else keys
+  (params, _), (losses, accs) = jax.lax.scan(step, (params, opt_state), xs_steps)
   x_out = params[0] * std + mean
   y_mat = params[1]
   return KIPResult(
@@ -396,6 +420,17 @@ def kip_distill_loop(
   """The single-client program in a Python loop over clients (reference, benchmark).
 
   Same arguments as `kip_distill_batched` (without `mesh`); returns one result per client.
+
+  Args:
+    fed_x: [m, n_max, *image_shape] images, zero padded.
+    fed_y: [m, n_max] int labels.
+    sizes: [m] numbers of real samples.
+    config: The hyper-parameters.
+    key: The randomness of all clients (client i uses `fold_in(key, i)`).
+    num_classes: C.
+
+  Returns:
+    One KIPResult per client.
   """
   return [
     kip_distill(fed_x[i], fed_y[i], int(sizes[i]), config, key, num_classes, client_index=i)
@@ -403,20 +438,23 @@ def kip_distill_loop(
   ]
 
 
-def _batched_body(fx, fy, sizes, idx, key, config, num_classes):
+def _batched_body(fx, fy, sizes, idx, key, config, num_classes, progress=False):
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
-  fn = functools.partial(_distill_one, config=config, num_classes=num_classes)
+  fn = functools.partial(_distill_one, config=config, num_classes=num_classes, progress=progress)
   return jax.vmap(fn)(fx, fy, sizes, keys)
 
 
 @functools.lru_cache(maxsize=None)
-def _batched_program(config: KIPConfig, num_classes: int, mesh: Optional[Mesh]):
+def _batched_program(
+  config: KIPConfig, num_classes: int, mesh: Optional[Mesh], progress: bool = False
+):
+  body = functools.partial(_batched_body, config=config, num_classes=num_classes, progress=progress)
   if mesh is None:
-    return jax.jit(functools.partial(_batched_body, config=config, num_classes=num_classes))
+    return jax.jit(body)
   shard = NamedSharding(mesh, P('clients'))
   rep = NamedSharding(mesh, P())
   return jax.jit(
-    functools.partial(_batched_body, config=config, num_classes=num_classes),
+    body,
     in_shardings=(shard, shard, shard, shard, rep),
     out_shardings=shard,
   )
@@ -477,13 +515,23 @@ def kip_distill_batched(
       fed_y = np.concatenate([fed_y, np.zeros((pad,) + fed_y.shape[1:], fed_y.dtype)])
       sizes = np.concatenate([sizes, np.zeros(pad, np.int32)])
       idx = np.concatenate([idx, np.zeros(pad, np.int32)])  # padded clients are dropped
-  prog = _batched_program(config, int(num_classes), mesh)
-  with _x64_scope(config):
+  # Iteration progress only where INFO lines show (a program with a host callback is not
+  # written to JAX's persistent compilation cache).
+  report = info_enabled()
+  prog = _batched_program(config, int(num_classes), mesh, report)
+  phase = (
+    PhaseProgress(f'KIP solve of {m} clients', config.iterations, unit='iteration')
+    if report
+    else None
+  )
+  with _x64_scope(config), reporting_to(phase):
     args = (jnp.asarray(fed_x), jnp.asarray(fed_y, jnp.int32), jnp.asarray(sizes), jnp.asarray(idx))
     if mesh is not None:
       args = sharding.place(mesh, args, P('clients'))
       key = sharding.place(mesh, key, P())
     res = prog(*args, key)
+    if phase is not None:
+      jax.block_until_ready(res)  # the phase's callbacks arrive while it runs
   if multihost.spans_processes(mesh):  # every process continues with all clients' sets
     res = jax.tree_util.tree_map(jnp.asarray, multihost.to_host(res))
   if res.x.shape[0] != m:

@@ -6,12 +6,11 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import federate
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, TrainState
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
@@ -45,11 +44,11 @@ class Centralized(Algorithm):
     ds = ctx.dataset
     fed = federate(ds.train_x, ds.train_y, [np.arange(len(ds.train_y))])
     group = common.ClientGroup(spec, module, np.array([0]), fed)
-    steps_per_epoch = -(-len(ds.train_y) // ctx.config.batch_size)
+    steps_per_epoch = -(-len(ds.train_y) // ctx.run.batch_size)
     trainer = common.make_trainers(ctx, [group], total_steps=self.config.epochs * steps_per_epoch)[
       0
     ]
-    evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+    evaluator = engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
     return CentralizedAux(group, trainer, evaluator)
 
   def init(self, ctx: RunContext, aux: CentralizedAux) -> TrainState:

@@ -1,4 +1,4 @@
-"""Co-Boosting (Dai et al., ICLR'24; rong-dai/Co-Boosting, reference-code.md §2) on the shared
+"""Co-Boosting (Dai et al., ICLR 2024; `github.com/rong-dai/Co-Boosting`) on the shared
 one-shot distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a step).
 
 Per distillation epoch e:
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import typed_config as tc
+from jfed.api import RunContext
 from jfed.distill import (
   coboosting_config,
   coboosting_weight_update,
@@ -42,7 +43,6 @@ from jfed.distill import (
   teacher_outputs,
 )
 from jfed.methods import oneshot
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 NORMALISED_STD = 0.5  # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
@@ -88,7 +88,8 @@ class CoBoostingConfig(NamedTuple):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask, mu, wdc, epoch):
   """One Co-Boosting ensemble-weight step on a pool batch (x, y) (`gather_batch`, like the KD
-  step: the pool's capacity stays out of the program) (reference-code §2.1)."""
+  step: the pool's capacity stays out of the program) (as `github.com/rong-dai/Co-Boosting`
+  does)."""
   per_client, _ = teacher_outputs(
     teacher_groups(teacher_modules, teacher_states), x, False, strategy
   )
@@ -165,7 +166,7 @@ class CoBoosting(oneshot.DistillationAlgorithm):
     modules = tuple(t.module for t in rd.teachers)
     t_states = tuple(t.states for t in rd.teachers)
     w = w_orig = state.extra
-    rng = np.random.default_rng((int(ctx.config.seed), r, e, 7))
+    rng = np.random.default_rng((int(ctx.run.seed), r, e, 7))
     for _ in range(c.wa_steps):
       idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
       for b in range(idx.shape[0]):

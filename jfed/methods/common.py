@@ -11,16 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
-from jfed import typed_config as tc
+from jfed.api import RunContext
 from jfed.data import FederatedArrays, federate
-from jfed.engine import GroupTrainer, ModelState, aggregation, attacks
-from jfed.engine.aggregation import RULES, AggregationConfig, Aggregator, make_aggregator
+from jfed.engine import GroupTrainer, ModelState, attacks
+from jfed.engine.aggregation import Aggregator, make_aggregator
 from jfed.errors import ConfigError, JfedError, NonFiniteError
 from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
-from jfed.methods.context import RunContext
 from jfed.models import get_model
 from jfed.reporting import Progress
+from jfed.run_config import (  # the shared sections' readers, where methods have found them
+  clients_per_round,
+)
 
 
 class ClientGroup(NamedTuple):
@@ -57,9 +59,9 @@ def build_module(spec: str, dataset) -> nn.Module:
 
 def client_model_specs(ctx: RunContext) -> List[str]:
   """Per-client model specs: `client_models` ('a;b;c', cycled over clients) or `model`."""
-  specs = [s for s in ctx.config.get('client_models', '').split(';') if s.strip()]
+  specs = [s for s in ctx.run.client_models.split(';') if s.strip()]
   if not specs:
-    specs = [ctx.config.model]
+    specs = [ctx.run.model]
   return [specs[k % len(specs)].strip() for k in range(ctx.num_clients)]
 
 
@@ -69,11 +71,6 @@ def single_architecture(ctx: RunContext) -> str:
   if len(specs) != 1:
     raise ConfigError(f'Parameter averaging needs one architecture; clients use {sorted(specs)}')
   return specs.pop()
-
-
-def clients_per_round(num_clients: int, participation: float) -> int:
-  """How many clients `select_clients` draws: round(participation * n), at least one."""
-  return max(1, int(round(participation * num_clients)))
 
 
 def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
@@ -95,7 +92,7 @@ def client_groups(
   build = build or build_module
   specs = client_model_specs(ctx)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
-  flipping = attackers(ctx) if attack_config(ctx.config).kind == 'label_flip' else []
+  flipping = attackers(ctx) if ctx.run.attack.kind == 'label_flip' else []
   groups = []
   for spec in dict.fromkeys(specs[k] for k in ids):
     members = np.array([k for k in ids if specs[k] == spec])
@@ -108,16 +105,9 @@ def client_groups(
   return groups
 
 
-def attack_config(config) -> attacks.AttackConfig:
-  """The run's `attack` section."""
-  return tc.parse(attacks.AttackConfig, config.get('attack'), 'attack')
-
-
 def attackers(ctx: RunContext) -> np.ndarray:
   """The global ids of the run's attacking clients (none without an attack)."""
-  return attacks.attacker_ids(
-    attack_config(ctx.config), ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0)
-  )
+  return attacks.attacker_ids(ctx.run.attack, ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0))
 
 
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
@@ -144,13 +134,29 @@ def make_trainers(
   optimizer=None,
   total_steps: int = 0,
 ) -> List[GroupTrainer]:
-  cfg = ctx.config
-  tx = engine.optimizer_from_config(optimizer or cfg.optimizer, total_steps)
+  """One local trainer per group, every one with the same optimiser.
+
+  Args:
+    ctx: the run.
+    groups: the client groups.
+    prox_mu: FedProx's proximal weight (0: plain local training).
+    optimizer: the clients' optimiser: an `OptimizerSpec`, a config section of one (the Flower
+      bridge's recipe), or None for the run's `optimizer`.
+    total_steps: the optimiser steps a schedule spans (centralized training).
+
+  Returns:
+    The trainers, in the order of `groups` (the Flower bridge's when the clients train there).
+  """
+  cfg = ctx.run
+  spec = cfg.optimizer if optimizer is None else optimizer
+  if not isinstance(spec, engine.OptimizerSpec):
+    spec = engine.optimizer_spec(spec)
+  tx = engine.build_optimizer(spec, total_steps)
   if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
     recipe = {
       'kind': 'classifier',
       'prox_mu': float(prox_mu),
-      'optimizer': (optimizer or cfg.optimizer).to_dict(),
+      'optimizer': spec._asdict(),
       'optimizer_steps': int(total_steps),
     }
     return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
@@ -341,34 +347,16 @@ class Server(NamedTuple):
     return self.aggregator.aggregate(stacked, w[rows], reference), record
 
 
-class ServerConfig(NamedTuple):
-  """The `server` config section: what happens to an upload that fails validation."""
-
-  on_invalid_upload: str  # 'drop': log it and exclude the client; 'fail': stop the run
-  max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
-  allow_empty_rounds: bool  # a round whose uploads were all rejected keeps the global model
-
-
-ON_INVALID = ('drop', 'fail')
-
 _RUN_SERVERS: 'weakref.WeakKeyDictionary[RunContext, Server]' = weakref.WeakKeyDictionary()
-
-
-def aggregation_config(config) -> AggregationConfig:
-  return tc.parse(AggregationConfig, config.get('aggregation'), 'aggregation')
-
-
-def server_config(config) -> ServerConfig:
-  return tc.parse(ServerConfig, config.get('server'), 'server')
 
 
 def run_server(ctx: RunContext) -> Server:
   """The run's server, built once (its aggregator compiles once per shape)."""
   if ctx not in _RUN_SERVERS:
-    s = server_config(ctx.config)
+    s = ctx.run.server
     _RUN_SERVERS[ctx] = Server(
-      make_aggregator(aggregation_config(ctx.config)),
-      attack_config(ctx.config),
+      make_aggregator(ctx.run.aggregation),
+      ctx.run.attack,
       attackers(ctx),
       ctx.derive_key(Purpose.ATTACK, 1),
       s.on_invalid_upload,
@@ -377,52 +365,6 @@ def run_server(ctx: RunContext) -> Server:
       s.allow_empty_rounds,
     )
   return _RUN_SERVERS[ctx]
-
-
-def uploads_per_aggregation(config, method_section: Optional[str] = None) -> Tuple[int, str]:
-  """The most uploads one aggregation of the method of `method_section` receives, and how that
-  number comes about (for messages): its clients per round when the section has a
-  `participation` below 1, else every client. Methods that aggregate parts of a round
-  (FedTSA's clusters, HFLDD's heads) receive at most this many."""
-  n = int(config.partition.num_clients)
-  section = config.get(method_section) if method_section else None
-  p = section.get('participation') if hasattr(section, 'get') else None
-  if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p < 1.0:
-    per_round = clients_per_round(n, p)
-    if per_round < n:
-      return (
-        per_round,
-        f'{per_round} clients per round ({method_section}.participation={p:g} of {n})',
-      )
-  return n, f'{n} clients'
-
-
-def validate_server_config(config, method_section: Optional[str] = None) -> None:
-  """Checks the `aggregation`, `attack` and `server` sections (before anything is written):
-  settings that would make the rule or the attack another than the one recorded are refused,
-  with the number of uploads per aggregation of the method of `method_section`."""
-  a = aggregation_config(config)
-  tc.require_choice(a.rule, RULES, 'aggregation.rule')
-  tc.require(
-    0.0 <= a.trim_fraction < 0.5,
-    f'aggregation.trim_fraction must be in [0, 0.5), got {a.trim_fraction}',
-  )
-  tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
-  tc.require_positive(a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing'))
-  problem = aggregation.size_problem(a, *uploads_per_aggregation(config, method_section))
-  tc.require(problem is None, problem)
-  t = attack_config(config)
-  tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
-  problem = attacks.strength_problem(t.kind, t.strength)
-  tc.require(problem is None, problem)
-  tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
-  try:
-    attacks.parse_client_ids(t.clients, config.partition.num_clients)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  s = server_config(config)
-  tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
-  tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))
 
 
 def receive_uploads(
@@ -477,7 +419,7 @@ def local_models(
     return list(models)
 
   models = ctx.stage(
-    'local_models', epochs, list(init), train, directory=ctx.config.get('local_models_dir') or None
+    'local_models', epochs, list(init), train, directory=ctx.run.local_models_dir or None
   )
   upload_bytes = receive_uploads(groups, models, [engine.take(m, 0) for m in init])
   return LocalModels(groups, list(models), upload_bytes)
@@ -504,7 +446,7 @@ def participating_group(
   if len(selected) == len(full_group.client_ids):
     return full_group
   rows = np.flatnonzero(np.isin(full_group.client_ids, selected))
-  fed, b = full_group.fed, int(ctx.config.batch_size)
+  fed, b = full_group.fed, int(ctx.run.batch_size)
   n_max = fed.y.shape[1]
   pad = [(0, 0), (0, -(-n_max // b) * b - n_max)]
   return full_group._replace(
@@ -570,7 +512,7 @@ def client_test_logits(ctx: RunContext, local: LocalModels) -> np.ndarray:
   """Test-set logits of every client's own model, [clients, N, C] by global client id."""
   logits = None
   for g, m in zip(local.groups, local.models):
-    ev = engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    ev = engine.Evaluator(g.module, ctx.run.eval_batch_size, ctx.run.strategy)
     group = ev.group_logits(m, ctx.dataset.test_x)
     if logits is None:
       logits = np.zeros((ctx.num_clients,) + group.shape[1:], group.dtype)
@@ -589,7 +531,7 @@ def client_accuracies(ctx: RunContext, local: LocalModels) -> np.ndarray:
 
 
 def test_accuracy(ctx: RunContext, module, model: ModelState, evaluator=None) -> float:
-  ev = evaluator or engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+  ev = evaluator or engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
   return ev.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
 
 
@@ -597,6 +539,6 @@ def client_probabilities(ctx: RunContext, local: LocalModels, x: np.ndarray) -> 
   """Softmax outputs [m, n, C] of every client's own model on x, indexed by global client id."""
   out = np.zeros((ctx.num_clients, len(x), ctx.dataset.num_classes), np.float32)
   for g, models in zip(local.groups, local.models):
-    ev = engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    ev = engine.Evaluator(g.module, ctx.run.eval_batch_size, ctx.run.strategy)
     out[g.client_ids] = np.asarray(jax.nn.softmax(jnp.asarray(ev.group_logits(models, x)), -1))
   return out

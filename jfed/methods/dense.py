@@ -1,4 +1,4 @@
-"""DENSE (Zhang et al., NeurIPS'22; zj-jayzhang/DENSE, reference-code.md §1) on the shared
+"""DENSE (Zhang et al., NeurIPS 2022; `github.com/zj-jayzhang/DENSE`) on the shared
 one-shot distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a step).
 
 Per distillation epoch: a FRESH generator and z (DENSE `reset_model`) are trained for `g_steps`
@@ -10,7 +10,7 @@ the unweighted teacher mean (T = 20 in DENSE's README), SGD(momentum 0.9).
 
 `dense.bn_loss_mode`: 'paper' (default) keeps the DeepInversion BN loss summed over all client
 models, as the DENSE paper describes it; 'code' sets it to 0, as the official code effectively
-runs (its BN hooks never attach, reference-code.md §1.3/§11.1).
+runs (its BN hooks never attach, as in `github.com/zj-jayzhang/DENSE`).
 
 Config (`config.dense`): the fields of `DenseConfig`.
 """
@@ -18,9 +18,9 @@ Config (`config.dense`): the fields of `DenseConfig`.
 from typing import NamedTuple
 
 from jfed import typed_config as tc
+from jfed.api import RunContext
 from jfed.distill import dense_config, pool_size
 from jfed.methods import oneshot
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 BN_LOSS_MODES = ('paper', 'code')

@@ -1,4 +1,4 @@
-"""DynaFed (Pi et al., CVPR'23; pipilurj/DynaFed, reference-code.md §9.7).
+"""DynaFed (Pi et al., CVPR 2023; `github.com/pipilurj/DynaFed`).
 
 FedAvg rounds (clients start from the global model, train `local_epochs`, the server averages:
 `weighting='uniform'` as the reference's `reduce_average`, or 'size'). The server records the
@@ -67,15 +67,14 @@ import optax
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import FederatedArrays
 from jfed.distill.diffaugment import DiffAugment, strategy_words
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError
 from jfed.io import comm
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 from jfed.reporting import Progress
 
@@ -436,14 +435,14 @@ class DynaFed(Algorithm):
       module,
       optax.adam(cfg.finetune_lr),
       cfg.finetune_batch,
-      strategy=ctx.config.strategy,
+      strategy=ctx.run.strategy,
       objective=FinetuneObjective(augment),
     )
     return DynaFedAux(
       full_group,
       common.make_trainers(ctx, [full_group], optimizer=client_optimizer(cfg))[0],
       tuner,
-      engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
+      engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy),
       init,
     )
 

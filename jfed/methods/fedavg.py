@@ -20,7 +20,8 @@ adds Gaussian noise of std z·C to their sum and divides by the clients per roun
 the ε spent so far at `dp.delta` (`dp_epsilon`, from dp-accounting's RDP accountant) and the
 clip norm it used; the summary's `dp` gives the final ε with δ, z, C and the sampling rate q.
 
-`fedavg_vote` is one-shot FedAvg for heterogeneous clients as FedMHO (seed 004 §5.1.2) runs it:
+`fedavg_vote` is one-shot FedAvg for heterogeneous clients as FedMHO (Yao et al., WWW 2026, §5.1.2)
+runs it:
 the shared one-shot local models (`common.local_models`) are averaged *uniformly* within each
 architecture ("model prototype"; the reference's `_avg_over_archs`), and the result is "the
 voting outcome of model prototypes": the argmax of the mean of the prototype models' logits
@@ -35,14 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfed import engine
+from jfed import engine, run_config
 from jfed import typed_config as tc
-from jfed.driver import Algorithm
+from jfed.api import Algorithm, RunContext
 from jfed.engine import GroupTrainer, ModelState, privacy, server_optim
 from jfed.engine.aggregation import Aggregator
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
@@ -171,7 +171,7 @@ class FedAvg(Algorithm):
     problem = privacy.config_problem(
       privacy.dp_config(config),
       common.clients_per_round(int(config.partition.num_clients), c.participation),
-      common.aggregation_config(config),
+      run_config.aggregation_config(config),
     )
     tc.require(problem is None, problem)
     so = server_optimizer_config(config)
@@ -197,9 +197,9 @@ class FedAvg(Algorithm):
     init = engine.init_model(
       full_group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
     )
-    evaluator = engine.Evaluator(full_group.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    evaluator = engine.Evaluator(full_group.module, ctx.run.eval_batch_size, ctx.run.strategy)
     server = common.run_server(ctx)
-    tx = server_optim.make_server_optimizer(server_optimizer_config(ctx.config))
+    tx = server_optim.make_server_optimizer(ctx.run.server_optimizer)
     update = jax.jit(functools.partial(server_optim.server_update, tx))
     dp = self._dp_setup(ctx)
     if self.reuse_local_models:
@@ -210,7 +210,7 @@ class FedAvg(Algorithm):
     return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update, dp)
 
   def _dp_setup(self, ctx: RunContext) -> Optional[DpSetup]:
-    dp = privacy.dp_config(ctx.config)
+    dp = ctx.run.dp
     self._dp = None
     if not dp.enabled:
       return None
@@ -307,7 +307,7 @@ class FedAvg(Algorithm):
       'rounds': self.config.rounds,
       'reused_local_models': self.reuse_local_models,
       'aggregation': aux.server.aggregator.name,
-      'server_optimizer': server_optimizer_config(ctx.config).name,
+      'server_optimizer': ctx.run.server_optimizer.name,
       'attack': aux.server.attack.kind,
       'attackers': aux.server.attackers.tolist(),
       **({} if aux.dp is None else {'dp': self._dp_summary(aux.dp, state, history)}),
@@ -379,7 +379,7 @@ class FedAvgVote(Algorithm):
       for g, m in zip(local.groups, local.models)
     ]
     logits = [
-      engine.Evaluator(g.module, ctx.config.eval_batch_size, ctx.config.strategy).logits(
+      engine.Evaluator(g.module, ctx.run.eval_batch_size, ctx.run.strategy).logits(
         p, ctx.dataset.test_x
       )
       for g, p in zip(local.groups, prototypes)

@@ -35,17 +35,17 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.cvae import clients as cvae_clients
 from jfed.cvae import decoder_kd
 from jfed.cvae.losses import RECON_LOSSES
 from jfed.cvae.server import FusionTrainer, SyntheticSet
-from jfed.driver import Algorithm
+from jfed.distill import plots as distill_plots
 from jfed.engine import ModelState, TrainState
 from jfed.engine.optim import OPTIMIZERS
 from jfed.errors import ConfigError
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common, generative
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
@@ -159,7 +159,7 @@ def train_local_cvaes(ctx: RunContext, c: FedCVAEConfig) -> generative.LocalCVAE
 
 def server_classifier(ctx: RunContext, c: FedCVAEConfig):
   """(module, its random init, its trainer (Adam `lr`, CE), its evaluator)."""
-  module = common.build_module(c.server_model or ctx.config.model, ctx.dataset)
+  module = common.build_module(c.server_model or ctx.run.model, ctx.dataset)
   init = engine.commit(
     engine.init_model(
       module,
@@ -168,16 +168,14 @@ def server_classifier(ctx: RunContext, c: FedCVAEConfig):
     )
   )
   trainer = FusionTrainer(module, engine.make_optimizer('adam', c.lr), lam=1.0)
-  evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+  evaluator = engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
   return module, init, trainer, evaluator
 
 
 def plot_samples(ctx: RunContext, images: np.ndarray, labels: np.ndarray, title: str) -> None:
   path = ctx.output_path('synthetic_samples.png')
   if path is not None and len(labels):
-    from jfed.distill import plots  # pylint: disable=g-import-not-at-top
-
-    plots.plot_image_grid(path, images[:64], labels[:64], title=title)
+    distill_plots.plot_image_grid(path, images[:64], labels[:64], title=title)
 
 
 def validate_common(c: FedCVAEConfig, where: str) -> None:
@@ -248,7 +246,7 @@ class FedCVAEEns(Algorithm):
   def summarize(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, history):
     plot_samples(ctx, aux.images, aux.labels, 'decoded samples')
     return {
-      'server_model': self.config.server_model or ctx.config.model,
+      'server_model': self.config.server_model or ctx.run.model,
       'client_models': common.client_model_specs(ctx),
       'protocol': self.config.protocol,
       'synthetic_generated': aux.generated,
@@ -301,8 +299,8 @@ class FedCVAEKDState(NamedTuple):
 
 @register_method('fedcvae_kd')
 class FedCVAEKD(Algorithm):
-  """FedCVAE-KD (reference-code.md §3.5) in one round: the server decoder is distilled from the
-  users' decoders, then decodes the server classifier's training set.
+  """FedCVAE-KD (`github.com/ceh-2000/fed_cvae`) in one round: the server decoder is distilled
+  from the users' decoders, then decodes the server classifier's training set.
 
   Steps 1..`decoder_epochs`: epochs of the server decoder (`server_decoder`, a CVAE spec whose
   decoder part is used; the reference's is FedCVAE's own v0) on `decoder_samples` targets drawn
@@ -400,7 +398,7 @@ class FedCVAEKD(Algorithm):
         engine.commit(state.decoder),
         aux.targets,
         c.decoder_batch,
-        np.random.default_rng((int(ctx.config.seed), 2, i)),
+        np.random.default_rng((int(ctx.run.seed), 2, i)),
       )
       return state._replace(decoder=decoder), [{'epoch': i + 1, 'decoder_loss': loss}]
     images, labels = self._classifier_data(ctx, aux, state.decoder.model)
@@ -415,7 +413,7 @@ class FedCVAEKD(Algorithm):
     images, labels = self._classifier_data(ctx, aux, state.decoder.model)
     plot_samples(ctx, images, labels, 'server decoder samples')
     return {
-      'server_model': self.config.server_model or ctx.config.model,
+      'server_model': self.config.server_model or ctx.run.model,
       'server_decoder': self.config.server_decoder,
       'client_models': common.client_model_specs(ctx),
       'decoder_targets': int(aux.targets.y.shape[0]),

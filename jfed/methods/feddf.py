@@ -54,13 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data.public import HOLDOUT, check_holdout_fits, check_source, public_data
 from jfed.distill import ImagePool, committed
-from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
 from jfed.methods import common, oneshot
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 TEACHER_BN = ('batch', 'running')
@@ -111,7 +110,7 @@ def held_out_count(cfg: FedDFConfig) -> int:
 
 def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
   """The unlabelled distillation set and the validation set (seeded; no test sample)."""
-  ds, seed = ctx.dataset, int(ctx.config.seed)
+  ds, seed = ctx.dataset, int(ctx.run.seed)
   val_held = cfg.val_split == HOLDOUT
   held = held_out_count(cfg)
   available = 0 if ds.holdout_y is None else len(ds.holdout_y)
@@ -262,7 +261,7 @@ class FedDF(Algorithm):
 
   def architectures(self, ctx: RunContext) -> Tuple[str, ...]:
     """The distilled architectures, `server_model`'s first."""
-    server = self.config.server_model or ctx.config.model
+    server = self.config.server_model or ctx.run.model
     if self.config.architectures == 'server':
       return (server,)
     return tuple(dict.fromkeys([server, *common.client_model_specs(ctx)]))

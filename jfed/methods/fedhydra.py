@@ -1,4 +1,4 @@
-"""FedHydra (Bai et al., KDD'25; seed 000 §3, Algorithms 1–3) on the shared one-shot
+"""FedHydra (Bai et al., KDD 2025, §3, Algorithms 1–3) on the shared one-shot
 distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a step).
 
 1. Clients upload their local models once (Algorithm 1, lines 4–7).
@@ -21,17 +21,17 @@ distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a
    SA = `stratified_aggregation` with the generator's target labels (pool labels during KD).
    `synthesis_keep='all'` (default): every one of the T_G batches G(z; θ_G^t) of the epoch
    enters the pool, as FedHydra "leverages all generated intermediates" where other methods
-   select the optimal images (seed 000 §2); 'best' keeps only the lowest-loss batch (DENSE's
+   select the optimal images (§2); 'best' keeps only the lowest-loss batch (DENSE's
    `best_inputs`), as jfed did before issue 12.
    `kd_data='pool'` (default) distils on every image synthesised so far, one shuffled pass per
    epoch, as the DENSE-derived FL-SA code does; 'batch' takes the steps on this epoch's images
    only (Algorithm 1, lines 22–24, read literally).
-   `generator='paper'` (default): seed 000 §4.1.3's generator (`jfed.distill.FedHydraGenerator`,
+   `generator='paper'` (default): §4.1.3's generator (`jfed.distill.FedHydraGenerator`,
    FC then 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid), for MS and HASA; 'dense': DENSE's.
    `aggregation`: 'sa' (Eqs. 8–11), 'sa_inter' (without Eq. 8) or 'ae' (DENSE's average
    ensemble, the Fig. 7 ablation; MS is skipped).
 
-Defaults are seed 000 §4.1.5: T_G = 30, Adam 1e-3 for G, T_g = 200, SGD 0.01 for F_g,
+Defaults are the paper's §4.1.5: T_G = 30, Adam 1e-3 for G, T_g = 200, SGD 0.01 for F_g,
 λ1 = λ2 = 1. Not stated by the paper, chosen here: β = 1, KL with T = 1 'batchmean', SGD
 momentum 0.9 (DENSE / FL-SA), synthesis and MS batch 256 (DENSE), generator Adam betas
 (0.5, 0.999) (DENSE / FL-SA), server model = client model (ResNet18 in the heterogeneous
@@ -47,6 +47,7 @@ from absl import logging
 import numpy as np
 
 from jfed import typed_config as tc
+from jfed.api import RunContext
 from jfed.distill import (
   KEEP,
   MS_FUNCTIONS,
@@ -60,7 +61,6 @@ from jfed.distill import (
 )
 from jfed.keys import ServerRoundPurpose
 from jfed.methods import common, oneshot
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 AGGREGATIONS = {'sa': 'sa', 'sa_inter': 'sa_inter', 'ae': 'mean'}
@@ -91,9 +91,9 @@ class FedHydraConfig(NamedTuple):
   generator_reset: bool
   nz: int
   ngf: int
-  # 'paper': seed 000 §4.1.3 (FC, 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid); 'dense': DENSE's
+  # 'paper': FedHydra §4.1.3 (FC, 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid); 'dense': DENSE's
   generator: str
-  # 'all': every generator step's batch enters the pool (seed 000 §2, "leverages all generated
+  # 'all': every generator step's batch enters the pool (FedHydra §2, "leverages all generated
   # intermediates"); 'best': only the lowest-loss batch of each epoch (DENSE's best_inputs)
   synthesis_keep: str
   ms_T_G: int
@@ -252,8 +252,7 @@ class FedHydra(oneshot.DistillationAlgorithm):
     plots.plot_ms_heatmap(
       ctx.output_path(_file_name('ms_heatmap', r, 'png')),
       by_client['U_r_by_client'],
-      title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, '
-      f'{ctx.config.partition.scheme})',
+      title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, {ctx.run.partition.scheme})',
       client_names=[f'client {k} ({s})' for k, s in enumerate(specs)],
     )
 

@@ -1,6 +1,7 @@
 """FedMD (Li & Wang, NeurIPS'19 workshop; diogenes0319/FedMD_clean FedMD.py and
-conf/CIFAR_balance_conf.json, reference-code.md §9.5): heterogeneous clients distil from the
-consensus of their logits on a public dataset. A baseline of FedTSA (seed 001 §5.1, Tables 3–4).
+conf/CIFAR_balance_conf.json; `github.com/diogenes0319/FedMD_clean`, unofficial): heterogeneous
+clients distil from the consensus of their logits on a public dataset. A baseline of FedTSA (Fan
+et al., ECCV 2024, §5.1, Tables 3–4).
 
 Setup (a stage of the driver, checkpointed under workdir/fedmd_transfer): transfer learning.
 Every architecture's model is trained on the labelled public data (`public_epochs`, batch
@@ -43,15 +44,14 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import FederatedArrays, federate
 from jfed.data.public import PublicData, check_holdout_fits, public_data
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError
 from jfed.io import LogitsUpload, serialized_nbytes, validate_logits_upload
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 OPTIMIZERS = ('client', 'adam')
@@ -151,10 +151,10 @@ class FedMD(Algorithm):
   def _tx(self, ctx: RunContext):
     if self.config.optimizer == 'adam':
       return engine.make_optimizer('adam', self.config.lr)
-    return engine.optimizer_from_config(ctx.config.optimizer)
+    return engine.build_optimizer(ctx.run.optimizer)
 
   def setup(self, ctx: RunContext) -> FedMDAux:
-    c, cfg, ds = self.config, ctx.config, ctx.dataset
+    c, cfg, ds = self.config, ctx.run, ctx.dataset
     public = public_data(ds, c.public, c.public_size, cfg.seed)
     if np.max(public.y) >= ds.num_classes:
       raise ConfigError(

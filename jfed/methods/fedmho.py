@@ -37,14 +37,14 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
+from jfed.cvae import plots as cvae_plots
 from jfed.cvae.losses import RECON_LOSSES
 from jfed.cvae.server import FusionTrainer, SyntheticSet
-from jfed.driver import Algorithm
 from jfed.engine import ModelState, TrainState
 from jfed.engine.optim import OPTIMIZERS
 from jfed.errors import ConfigError
 from jfed.methods import common, generative
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 KL_REDUCTIONS = ('batchmean', 'mean')
@@ -133,7 +133,7 @@ class _FedMHOBase(Algorithm):
     synthetic = generative.fedmho_synthetic(ctx, cvaes, c.num_synthetic, c.clean_rate)
     generative.save_synthetic(ctx, synthetic.images, synthetic.labels, synthetic.kept)
     x = synthetic.images[synthetic.kept]
-    evaluator = engine.Evaluator(group.module, ctx.config.eval_batch_size, ctx.config.strategy)
+    evaluator = engine.Evaluator(group.module, ctx.run.eval_batch_size, ctx.run.strategy)
     teacher = None
     if self.teacher == 'clients':
       teacher = np.mean(evaluator.group_logits(models, x), axis=0)
@@ -224,9 +224,7 @@ class _FedMHOBase(Algorithm):
     path = ctx.output_path('synthetic_samples.png')
     if path is None or not len(s.labels):
       return
-    from jfed.cvae import plots  # pylint: disable=g-import-not-at-top
-
-    plots.plot_filter_grid(path, s.images, s.labels, s.kept, ctx.dataset.num_classes)
+    cvae_plots.plot_filter_grid(path, s.images, s.labels, s.kept, ctx.dataset.num_classes)
 
 
 @register_method('fedmho')

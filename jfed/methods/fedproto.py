@@ -1,6 +1,6 @@
 """FedProto (Tan et al., AAAI'22; yuetan031/FedProto lib/update.py, lib/utils.py,
-reference-code.md §9.4): clients of any architectures exchange class prototypes instead of
-models. A baseline of FedTSA (seed 001 §5.1, Tables 3–4).
+`github.com/yuetan031/FedProto`): clients of any architectures exchange class prototypes instead of
+models. A baseline of FedTSA (Fan et al., ECCV 2024, §5.1, Tables 3–4).
 
 A prototype is a client model's penultimate embedding, the input of its classifier layer
 (`jfed.models.layers.apply_with_features`; the reference's CNNMnist: the 50-d ReLU output of
@@ -57,15 +57,14 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import class_count_table
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.engine.training import supervised_loss
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import PrototypeUpload, serialized_nbytes, validate_prototype_upload
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 from jfed.models import get_model
 from jfed.models.layers import apply_with_features
@@ -302,7 +301,7 @@ class FedProto(Algorithm):
     return build
 
   def setup(self, ctx: RunContext) -> FedProtoAux:
-    cfg, ds = ctx.config, ctx.dataset
+    cfg, ds = ctx.run, ctx.dataset
     widen = self.config.widest_features and not self.config.embed_dim
     build = self._widest_features_build(ctx) if widen else self._build
     groups = common.client_groups(ctx, build=build)
@@ -330,7 +329,7 @@ class FedProto(Algorithm):
       jnp.zeros((ds.num_classes, dim), jnp.float32), jnp.zeros((ds.num_classes,), jnp.int32)
     )
     objective = fedproto_objective(self.config.ld)
-    tx = engine.optimizer_from_config(cfg.optimizer)
+    tx = engine.build_optimizer(cfg.optimizer)
     return FedProtoAux(
       groups=groups,
       trainers=[

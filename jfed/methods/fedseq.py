@@ -1,4 +1,4 @@
-"""FedSeq (Zaccone et al.; RickZack/FedSeq, reference-code.md §9.6): superclients trained
+"""FedSeq (Zaccone et al., ICPR 2022; `github.com/RickZack/FedSeq`): superclients trained
 sequentially, then FedAvg over superclients.
 
 Setup:
@@ -35,15 +35,14 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.clustering import MEASURES, fedseq_clusters, fedseq_confidence
 from jfed.data import federate
 from jfed.data.public import PublicData, check_holdout_fits, public_data
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.io import ModelUpload, comm, validate_model_upload, validate_tree
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 
@@ -120,7 +119,7 @@ class FedSeq(Algorithm):
     cfg, ds = self.config, ctx.dataset
     common.single_architecture(ctx)
     local = common.local_models(ctx, cfg.pretrain_epochs)
-    public = public_data(ds, cfg.public, cfg.public_size, ctx.config.seed)
+    public = public_data(ds, cfg.public, cfg.public_size, ctx.run.seed)
     probs = common.client_probabilities(ctx, local, public.x)
     conf = fedseq_confidence(probs, public.y, ds.num_classes).astype(np.float32)
     for k in range(ctx.num_clients):
@@ -143,7 +142,7 @@ class FedSeq(Algorithm):
       np.array([ctx.client_sizes[c].sum() for c in clusters]),
       full_group,
       common.make_trainers(ctx, [full_group])[0],
-      engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
+      engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy),
       init,
       comm.serialized_nbytes(init),
       setup,

@@ -1,7 +1,7 @@
-"""FedTSA (Fan, Wu, Su, Hui, ECCV'24; seed 001): clients clustered by how fast their devices are,
-a width-pruned model per cluster, FedAvg inside each cluster (Stage 1) and deep mutual learning
-of the cluster models on diffusion-generated images at the server (Stage 2). No public code
-exists (reference-code.md §8): the paper is the specification.
+"""FedTSA (Fan, Wu, Su, Hui, ECCV 2024, arXiv 2407.05098): clients clustered by how fast their
+devices are, a width-pruned model per cluster, FedAvg inside each cluster (Stage 1) and deep
+mutual learning of the cluster models on diffusion-generated images at the server (Stage 2). No
+public code exists: the paper is the specification.
 
 Setup (once per run; every part cached in the workdir, so a resumed run sees the same clusters
 and images):
@@ -82,6 +82,7 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import class_names, federate
 from jfed.data.public import PublicData, check_holdout_fits, public_data
 from jfed.diffusion import (
@@ -91,14 +92,14 @@ from jfed.diffusion import (
   build_prompt_pool,
   class_prompts,
 )
+from jfed.diffusion import train as ddpm_train
+from jfed.diffusion.local_pipeline import LocalDiffusionSource, write_class_grid
 from jfed.distill.mutual import MutualLearner, MutualLearningConfig
-from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
 from jfed.io import serialized_nbytes
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 from jfed.profiling import (
   KDE_SPACES,
@@ -111,6 +112,7 @@ from jfed.profiling import (
   read_durations,
   simulated_durations,
 )
+from jfed.profiling.plots import plot_kde
 
 PROFILES = ('simulated', 'measured', 'file')
 SOURCES = ('ddpm', 'pipeline', 'public')
@@ -276,7 +278,7 @@ class FedTSA(Algorithm):
     profile = profile_from_rates(
       parse_floats(c.device_rates, 'device_rates'), parse_floats(c.device_shares, 'device_shares')
     )
-    seed = int(ctx.config.seed)
+    seed = int(ctx.run.seed)
 
     def measure() -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
       k = min(int(c.proxy_samples), len(ds.train_y))
@@ -301,7 +303,7 @@ class FedTSA(Algorithm):
     c = self.config
     if c.source == 'pipeline' or not c.stage2:
       return None
-    return public_data(ctx.dataset, c.holdout, c.holdout_size, int(ctx.config.seed))
+    return public_data(ctx.dataset, c.holdout, c.holdout_size, int(ctx.run.seed))
 
   def _prompt_pool(self, ctx: RunContext) -> Tuple[PromptPool, int]:
     """Every client uploads one prompt per class of its task; returns the pool and the bytes."""
@@ -316,18 +318,12 @@ class FedTSA(Algorithm):
     if c.source == 'public':
       return PublicImageSource(holdout.x, holdout.y)
     if c.source == 'pipeline':
-      # pylint: disable=g-import-not-at-top
-      from jfed.diffusion.local_pipeline import LocalDiffusionSource
-
       return LocalDiffusionSource(
         c.pipeline_dir,
         ds.input_shape,
         num_inference_steps=c.pipeline_steps,
         guidance_scale=c.pipeline_guidance,
       )
-    # pylint: disable=g-import-not-at-top
-    from jfed.diffusion import train as ddpm_train
-
     if np.max(holdout.y) >= ds.num_classes:
       raise ConfigError(
         f'fedtsa.holdout={c.holdout!r} has labels beyond the {ds.num_classes} classes of {ds.name}'
@@ -382,7 +378,7 @@ class FedTSA(Algorithm):
     return images
 
   def setup(self, ctx: RunContext) -> FedTSAAux:
-    c, cfg, ds = self.config, ctx.config, ctx.dataset
+    c, cfg, ds = self.config, ctx.run, ctx.dataset
     durations = self._durations(ctx)
     clusters = kde_clusters(
       durations.durations,
@@ -421,9 +417,6 @@ class FedTSA(Algorithm):
     )
     kde_path = ctx.output_path('kde_clusters.png')
     if kde_path is not None:
-      # pylint: disable=g-import-not-at-top
-      from jfed.profiling.plots import plot_kde
-
       plot_kde(clusters, durations.durations, str(kde_path))
     holdout = self._holdout(ctx)
     pool, images, learner = None, None, None
@@ -435,17 +428,9 @@ class FedTSA(Algorithm):
       record['stage2_images'] = int(len(images.labels))
       grid_path = ctx.output_path('stage2_images.png')
       if grid_path is not None:
-        # pylint: disable=g-import-not-at-top
-        from jfed.diffusion.local_pipeline import write_class_grid
-
         write_class_grid(images, str(grid_path))
       o = cfg.optimizer
-      tx = engine.make_optimizer(
-        o.name,
-        c.stage2_lr or o.lr,
-        momentum=o.get('momentum', 0.0),
-        weight_decay=o.get('weight_decay', 0.0),
-      )
+      tx = engine.build_optimizer(o._replace(lr=c.stage2_lr or o.lr, schedule='constant'))
       learner = MutualLearner(
         [g.module for g in groups],
         tx,

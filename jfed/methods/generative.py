@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed import engine
+from jfed.api import RunContext
 from jfed.cvae import clients as cvae_clients
 from jfed.cvae import generation_counts, kmeans_filter
 from jfed.cvae.server import FusionTrainer, SyntheticSet
@@ -24,12 +25,11 @@ from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.workdir import atomic_write_bytes
 
 
 class CVAESettings(NamedTuple):
-  """How CVAE clients train (FedMHO Table 7; FedCVAE reference-code.md §3.2)."""
+  """How CVAE clients train (FedMHO Table 7; FedCVAE `github.com/ceh-2000/fed_cvae`)."""
 
   epochs: int
   optimizer: str
@@ -96,7 +96,7 @@ def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAE
   objective = cvae_clients.cvae_objective(s.recon, s.beta)
   return [
     GroupTrainer(
-      g.module, tx, s.batch, strategy=ctx.config.strategy, mesh=ctx.mesh, objective=objective
+      g.module, tx, s.batch, strategy=ctx.run.strategy, mesh=ctx.mesh, objective=objective
     )
     for g, tx in zip(groups, txs)
   ]
@@ -151,7 +151,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
     s.epochs,
     list(init),
     train,
-    directory=ctx.config.get('local_cvaes_dir') or None,
+    directory=ctx.run.local_cvaes_dir or None,
   )
   uploads, excluded = [], []
   for g, m, i in zip(groups, models, init):
@@ -245,7 +245,7 @@ def fusion_epoch(
     engine.commit(state),
     data,
     batch,
-    np.random.default_rng((int(ctx.config.seed), 1, i)),
+    np.random.default_rng((int(ctx.run.seed), 1, i)),
     ctx.derive_key(Purpose.SERVER, 1, i),
   )
   return state, loss, evaluator.accuracy(state.model, ctx.dataset.test_x, ctx.dataset.test_y)

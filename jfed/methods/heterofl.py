@@ -1,6 +1,7 @@
-"""HeteroFL (Diao, Ding, Tarokh, ICLR'21; diaoenmao/HeteroFL, reference-code.md §9.3): clients
-train width-reduced sub-models of one global model, the server averages every parameter entry
-over the clients that hold it. A baseline of FedTSA (seed 001 §5.1, Tables 3–4).
+"""HeteroFL (Diao, Ding, Tarokh, ICLR 2021; its authors' repository at `github.com/diaoenmao`):
+clients train width-reduced sub-models of one global model, the server averages every parameter
+entry over the clients that hold it. A baseline of FedTSA (Fan et al., ECCV 2024, §5.1, Tables
+3–4).
 
 Clients and rates: the global model is `config.model` (a ResNet-18, whose `width_mult` scales
 every hidden layer, the reference's ceil(rate · [64, 128, 256, 512]), or the MLP, whose
@@ -62,15 +63,14 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.data import class_count_table
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState, submodels
 from jfed.engine.training import supervised_loss
 from jfed.errors import ConfigError
 from jfed.io import ModelUpload, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 # Models whose sub-models are leading corners of every parameter: every hidden width scales
@@ -212,7 +212,7 @@ class HeteroFL(Algorithm):
     return self.config.rounds
 
   def setup(self, ctx: RunContext) -> HeteroFLAux:
-    c, cfg, ds = self.config, ctx.config, ctx.dataset
+    c, cfg, ds = self.config, ctx.run, ctx.dataset
     rates = client_rates(cfg.model, common.client_model_specs(ctx))
     groups = common.client_groups(ctx)
     module = common.build_module(cfg.model, ds)
@@ -220,14 +220,7 @@ class HeteroFL(Algorithm):
       engine.init_model(module, ds.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
     )
     output_layer = submodels.output_layer_name(init.params, ds.num_classes)
-    o = cfg.optimizer
-    tx = engine.make_optimizer(
-      o.name,
-      o.lr,
-      momentum=o.get('momentum', 0.0),
-      weight_decay=o.get('weight_decay', 0.0),
-      grad_clip=c.grad_clip,
-    )
+    tx = engine.build_optimizer(cfg.optimizer._replace(schedule='constant', grad_clip=c.grad_clip))
     held = class_count_table(ds.train_y, ctx.parts, ds.num_classes) > 0
     ce_masks = held if c.masked_ce else np.ones_like(held)
     slicers, templates = [], []
@@ -354,7 +347,7 @@ class HeteroFL(Algorithm):
     return out
 
   def summarize(self, ctx, aux: HeteroFLAux, state, history) -> Dict[str, Any]:
-    rates = client_rates(ctx.config.model, common.client_model_specs(ctx))
+    rates = client_rates(ctx.run.model, common.client_model_specs(ctx))
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -1,4 +1,4 @@
-"""HFLDD (Shi et al., seed 003, Algorithm 2): dataset-distillation-based hybrid FL.
+"""HFLDD (Shi et al., arXiv 2409.17517, Algorithm 2): dataset-distillation-based hybrid FL.
 
 Setup (`HFLDD.setup`), each stage a shared block:
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.clustering import (
   LEFTOVER_RULES,
   HFLDDTopology,
@@ -53,13 +54,11 @@ from jfed.clustering import (
 )
 from jfed.data import FederatedArrays, class_count_table, federate
 from jfed.data.public import PublicData, check_holdout_fits, public_data
-from jfed.driver import Algorithm
 from jfed.engine import GroupTrainer, ModelState
 from jfed.io import comm, validate_tree
 from jfed.keys import Purpose
 from jfed.kip import KERNELS, KIPConfig, kip_distill_batched
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 IMAGE_DTYPES = ('uint8', 'float32')
@@ -300,7 +299,7 @@ class HFLDD(Algorithm):
     spec = common.single_architecture(ctx)
 
     # 1. label knowledge collection
-    public = public_data(ds, cfg.public, cfg.public_size, ctx.config.seed)
+    public = public_data(ds, cfg.public, cfg.public_size, ctx.run.seed)
     if ctx.client_transport is not None:  # on the clients' nodes: only the soft labels come back
       soft_labels = ctx.client_transport.soft_labels(ctx.num_clients, cfg.pretrain_epochs, public.x)
     else:
@@ -312,7 +311,7 @@ class HFLDD(Algorithm):
 
     # 2. heterogeneous client clustering
     topo = build_topology(
-      soft_labels, cfg.K, ctx.config.seed, symmetric=cfg.symmetric, leftover=cfg.leftover
+      soft_labels, cfg.K, ctx.run.seed, symmetric=cfg.symmetric, leftover=cfg.leftover
     )
     table = class_count_table(ds.train_y, ctx.parts, ds.num_classes)
     path = ctx.output_path('topology.png')
@@ -354,7 +353,7 @@ class HFLDD(Algorithm):
       cluster_label_coverage(topo.clusters, table),
       group,
       common.make_trainers(ctx, [group])[0],
-      engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy),
+      engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy),
       init,
       model_bytes,
       transfers,

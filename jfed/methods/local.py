@@ -9,9 +9,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jfed import typed_config as tc
-from jfed.driver import Algorithm
+from jfed.api import Algorithm, RunContext
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 

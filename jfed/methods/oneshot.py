@@ -60,6 +60,7 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.distill import (
   KDConfig,
   TeacherGroup,
@@ -79,6 +80,7 @@ from jfed.distill import (
   student_state,
   synthesize,
 )
+from jfed.distill import plots as distill_plots
 from jfed.distill.kd import (
   KD_AUGMENT,
   gather_batch_with_targets,
@@ -87,13 +89,11 @@ from jfed.distill.kd import (
   targets_depend_only_on_the_image,
 )
 from jfed.distill.synthesis import SynthesisConfig
-from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.engine.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec, scheduled_lr
 from jfed.io import serialized_nbytes
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.models import available_models
 
 KD_DATA = ('pool', 'batch', 'fixed')
@@ -107,7 +107,7 @@ def round_key(ctx: RunContext, r: int, purpose: ServerRoundPurpose) -> jax.Array
 
 def teacher_strategy(ctx: RunContext) -> str:
   """How the teachers map over their clients: config.strategy, with 'scan' read as 'vmap'."""
-  s = ctx.config.get('strategy', 'auto')
+  s = ctx.run.strategy
   return {'scan': 'vmap'}.get(s, s)
 
 
@@ -344,7 +344,7 @@ class DistillationAlgorithm(Algorithm):
       rounds=c.rounds,
       local_epochs=c.local_epochs,
       epochs=get('epochs', 1),
-      server_model=c.server_model or ctx.config.model,
+      server_model=c.server_model or ctx.run.model,
       init=c.init,
       kd=kd,
       opt=opt,
@@ -467,7 +467,7 @@ class DistillationAlgorithm(Algorithm):
     )
     data = self.method_data(ctx, s)
     eval_x, eval_y = self.eval_data(ctx, data)
-    evaluator = engine.Evaluator(student_module, ctx.config.eval_batch_size, ctx.config.strategy)
+    evaluator = engine.Evaluator(student_module, ctx.run.eval_batch_size, ctx.run.strategy)
     aux = DistillAux(s, student_module, generator, random_student, evaluator, eval_x, eval_y, data)
     self.round(ctx, aux, 1)  # the one-shot uploads: every client trains once
     return aux
@@ -647,9 +647,7 @@ class DistillationAlgorithm(Algorithm):
       images = np.asarray(res.images[last]), np.asarray(res.labels[last])
     state, extra_record = self.before_kd(ctx, aux, rd, state, r, e)
     record.update(extra_record)
-    pool, idx, mask = self._kd_batches(
-      aux, state, np.random.default_rng((int(ctx.config.seed), r, e))
-    )
+    pool, idx, mask = self._kd_batches(aux, state, np.random.default_rng((int(ctx.run.seed), r, e)))
     modules = tuple(t.module for t in rd.teachers)
     t_states = tuple(t.states for t in rd.teachers)
     agg = self.kd_agg(state, rd)
@@ -725,18 +723,14 @@ class DistillationAlgorithm(Algorithm):
     path = ctx.output_path('synthetic_samples.png' if r == 1 else f'synthetic_samples_round{r}.png')
     if path is None:
       return
-    from jfed.distill import plots  # pylint: disable=g-import-not-at-top
-
     x, y = images
-    plots.plot_image_grid(path, x[:64], y[:64], title=f'last synthetic batch (round {r})')
+    distill_plots.plot_image_grid(path, x[:64], y[:64], title=f'last synthetic batch (round {r})')
 
   def _plot_accuracy(self, ctx: RunContext, epochs: Sequence[Dict[str, Any]]) -> None:
     path = ctx.output_path('distillation_accuracy.png')
     if path is None:
       return
-    from jfed.distill import plots  # pylint: disable=g-import-not-at-top
-
-    plots.plot_accuracy_vs_epoch(
+    distill_plots.plot_accuracy_vs_epoch(
       path,
       {
         f'{self.name} round {r}': (

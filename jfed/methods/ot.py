@@ -1,4 +1,4 @@
-"""OT model fusion (Singh & Jaggi, NeurIPS'20; sidak/otfusion weight mode, reference-code.md §9.2)
+"""OT model fusion (Singh & Jaggi, NeurIPS'20; `github.com/sidak/otfusion` weight mode)
 as a one-shot FL baseline (FedHydra's "OT"); a step is a round.
 
 Each round: the clients' uploaded models (`oneshot.round_uploads`: round 1 trains every client
@@ -29,13 +29,12 @@ import numpy as np
 
 from jfed import engine
 from jfed import typed_config as tc
+from jfed.api import Algorithm, RunContext
 from jfed.distill import FusionLayer, ot_fuse_states
-from jfed.driver import Algorithm
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common, oneshot
-from jfed.methods.context import RunContext
 from jfed.methods.registry import register_method
 
 OT_METHODS = ('exact', 'sinkhorn')
@@ -115,7 +114,7 @@ class OT(Algorithm):
     module = common.build_module(spec, ctx.dataset)
     init = engine.init_model(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
     layers = fusion_layers(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
-    evaluator = engine.Evaluator(module, ctx.config.eval_batch_size, ctx.config.strategy)
+    evaluator = engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
     oneshot.round_uploads(ctx, 1, self.config.local_epochs, spec)  # every client trains once
     return OTAux(spec, layers, evaluator, init)
 

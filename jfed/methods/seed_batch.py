@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jfed import driver, engine
-from jfed.data import Dataset, FederatedArrays
+from jfed import api, engine
+from jfed.api import RunContext
+from jfed.data import Dataset, FederatedArrays, load_dataset
 from jfed.engine import ModelState
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import saved_steps
 from jfed.keys import Purpose
 from jfed.methods import common
-from jfed.methods.context import RunContext
 from jfed.methods.registry import get_method
 from jfed.reporting import Progress
 
@@ -176,7 +176,7 @@ def train_seeds(
   specs = [g.spec for g in groups[0]]
   if any([g.spec for g in gs] != specs for gs in groups):
     raise ConfigError('the seeds of a cell must have the same client architectures')
-  seeds = [int(ctx.config.seed) for ctx in contexts]
+  seeds = [int(ctx.run.seed) for ctx in contexts]
   out: List[List[ModelState]] = [[] for _ in contexts]
   for j, spec in enumerate(specs):
     members = [gs[j] for gs in groups]
@@ -253,15 +253,13 @@ def pretrain_local_models(
   pending = [i for i, c in enumerate(configs) if not cached(c.local_models_dir, epochs)]
   if pending:
     if dataset is None:
-      from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
-
       c = configs[0]
       dataset = load_dataset(c.dataset.name, c.dataset.get('data_dir') or None)
-    contexts = [driver.context_of_config(configs[i], dataset) for i in pending]
+    contexts = [api.context_of_config(configs[i], dataset) for i in pending]
     for ctx, models in zip(contexts, train_seeds(contexts, epochs, client_ids)):
       template = common.init_group_models(ctx, common.client_groups(ctx, client_ids))
       ctx.stage(
-        STAGE, epochs, list(template), lambda m=models: m, directory=ctx.config.local_models_dir
+        STAGE, epochs, list(template), lambda m=models: m, directory=ctx.run.local_models_dir
       )
   return [
     SeedLocalModels(int(c.seed), str(c.local_models_dir), i in pending)

@@ -18,7 +18,15 @@ from typing import Sequence, Tuple
 import flax.linen as nn
 import jax
 
-from jfed.models.layers import BatchNorm, conv, dense, flatten, pool2_or_skip, sow_features
+from jfed.models.layers import (
+  CONV_IMPLS,
+  BatchNorm,
+  conv,
+  dense,
+  flatten,
+  pool2_or_skip,
+  sow_features,
+)
 from jfed.models.registry import register_model
 
 
@@ -43,11 +51,12 @@ class CNNMnist(nn.Module):
   num_classes: int
   channels: Tuple[int, int] = (16, 32)
   embed_dim: int = 0
+  conv_impl: str = 'lax'  # form of the convolutions (`jfed.models.layers.conv`)
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     for ch in self.channels:
-      x = conv(x, ch, 5, padding=2)
+      x = conv(x, ch, 5, padding=2, impl=self.conv_impl)
       x = BatchNorm()(x, train, mask)
       x = nn.relu(x)
       x = pool2_or_skip(x, 'max')
@@ -215,12 +224,30 @@ class MLP(nn.Module):
 # Registration
 # --------------------------------------------------------------------------------------------
 @register_model('cnn_mnist')
-def cnn_mnist(num_classes, input_shape, channels: Sequence[int] = (16, 32), embed_dim: int = 0):
-  """DENSE CNNMnist (see `CNNMnist`; `embed_dim` > 0 adds a ReLU embedding layer)."""
+def cnn_mnist(
+  num_classes,
+  input_shape,
+  channels: Sequence[int] = (16, 32),
+  embed_dim: int = 0,
+  conv_impl: str = 'lax',
+):
+  """DENSE CNNMnist (see `CNNMnist`; `embed_dim` > 0 adds a ReLU embedding layer; `conv_impl`
+  the convolutions' form, `jfed.models.layers.conv`)."""
   del input_shape
   if embed_dim < 0:
     raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
-  return CNNMnist(num_classes=num_classes, channels=tuple(channels), embed_dim=int(embed_dim))
+  return CNNMnist(
+    num_classes=num_classes,
+    channels=tuple(channels),
+    embed_dim=int(embed_dim),
+    conv_impl=_conv_impl(conv_impl),
+  )
+
+
+def _conv_impl(impl: str) -> str:
+  if impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {impl!r}')
+  return impl
 
 
 @register_model('fedmho_cnn')

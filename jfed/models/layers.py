@@ -117,9 +117,29 @@ def conv(
   padding: Padding = 0,
   use_bias: bool = True,
   name: Optional[str] = None,
+  impl: str = 'lax',
 ):
-  """PyTorch-style Conv2d on NHWC input: integer `padding` pads p on every side like PyTorch."""
+  """PyTorch-style Conv2d on NHWC input: integer `padding` pads p on every side like PyTorch.
+
+  `impl` ('lax', default: XLA's convolution, today's path; 'matmul' or 'auto': see
+  `use_matmul_conv`) picks the form of a stride-1 convolution with integer padding; the
+  parameters ('kernel', 'bias') and their names are the same in every form, so a model trained
+  in one form loads in another. Strided convolutions always take XLA's form.
+  """
   fan_in = x.shape[-1] * kernel_size * kernel_size
+  if impl not in CONV_IMPLS:
+    raise ValueError(f'conv impl {impl!r}; valid: {CONV_IMPLS}')
+  if impl != 'lax' and stride == 1 and isinstance(padding, int):
+    return Conv(
+      features,
+      (kernel_size, kernel_size),
+      padding=padding,
+      use_bias=use_bias,
+      kernel_init=torch_kernel_init,
+      bias_init=torch_bias_init(fan_in),
+      impl=impl,
+      name=name,
+    )(x)
   return nn.Conv(
     features,
     (kernel_size, kernel_size),

@@ -20,7 +20,7 @@ from typing import Sequence, Tuple
 
 import flax.linen as nn
 
-from jfed.models.layers import BatchNorm, conv, dense, global_avg_pool, sow_features
+from jfed.models.layers import CONV_IMPLS, BatchNorm, conv, dense, global_avg_pool, sow_features
 from jfed.models.registry import register_model
 
 
@@ -32,12 +32,14 @@ def scaled_widths(widths: Sequence[int], width_mult: float) -> Tuple[int, ...]:
 class BasicBlock(nn.Module):
   features: int
   stride: int = 1
+  conv_impl: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool, mask=None):
-    out = conv(x, self.features, 3, stride=self.stride, padding=1, use_bias=False)
+    impl = self.conv_impl
+    out = conv(x, self.features, 3, stride=self.stride, padding=1, use_bias=False, impl=impl)
     out = nn.relu(BatchNorm()(out, train, mask))
-    out = conv(out, self.features, 3, stride=1, padding=1, use_bias=False)
+    out = conv(out, self.features, 3, stride=1, padding=1, use_bias=False, impl=impl)
     out = BatchNorm()(out, train, mask)
     shortcut = x
     if self.stride != 1 or x.shape[-1] != self.features:
@@ -53,15 +55,16 @@ class ResNet(nn.Module):
   stage_sizes: Tuple[int, ...] = (2, 2, 2, 2)
   widths: Tuple[int, ...] = (64, 128, 256, 512)
   embed_dim: int = 0
+  conv_impl: str = 'lax'  # form of the stride-1 convolutions (`jfed.models.layers.conv`)
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
-    x = conv(x, self.widths[0], 3, stride=1, padding=1, use_bias=False)
+    x = conv(x, self.widths[0], 3, stride=1, padding=1, use_bias=False, impl=self.conv_impl)
     x = nn.relu(BatchNorm()(x, train, mask))
     for i, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
       for j in range(blocks):
         stride = 2 if (i > 0 and j == 0) else 1
-        x = BasicBlock(width, stride)(x, train, mask)
+        x = BasicBlock(width, stride, self.conv_impl)(x, train, mask)
     h = global_avg_pool(x)
     if self.embed_dim:
       h = nn.relu(dense(h, self.embed_dim))
@@ -69,11 +72,16 @@ class ResNet(nn.Module):
 
 
 @register_model('resnet18')
-def resnet18(num_classes, input_shape, width_mult: float = 1.0, embed_dim: int = 0):
-  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512]); `embed_dim` see above."""
+def resnet18(
+  num_classes, input_shape, width_mult: float = 1.0, embed_dim: int = 0, conv_impl: str = 'lax'
+):
+  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512]); `embed_dim` see above;
+  `conv_impl`: `jfed.models.layers.conv`."""
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
+  if conv_impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}')
   if embed_dim < 0:
     raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
   return ResNet(
@@ -81,4 +89,5 @@ def resnet18(num_classes, input_shape, width_mult: float = 1.0, embed_dim: int =
     stage_sizes=(2, 2, 2, 2),
     widths=scaled_widths((64, 128, 256, 512), width_mult),
     embed_dim=int(embed_dim),
+    conv_impl=conv_impl,
   )

@@ -21,6 +21,7 @@ from typing import Sequence
 import flax.linen as nn
 
 from jfed.models.layers import (
+  CONV_IMPLS,
   adaptive_avg_pool2d,
   conv,
   dense,
@@ -36,15 +37,17 @@ class VGG9(nn.Module):
   channels: Sequence[int] = (64, 128, 256, 256)
   fc_width: int = 4096
   dropout_rate: float = 0.5
+  conv_impl: str = 'lax'  # form of the convolutions (`jfed.models.layers.conv`)
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     del mask  # no BatchNorm
     c1, c2, c3, c4 = self.channels
-    x = pool2_or_skip(nn.relu(conv(x, c1, 3, padding=1)))
-    x = pool2_or_skip(nn.relu(conv(x, c2, 3, padding=1)))
-    x = nn.relu(conv(x, c3, 3, padding=1))
-    x = pool2_or_skip(nn.relu(conv(x, c4, 3, padding=1)))
+    impl = self.conv_impl
+    x = pool2_or_skip(nn.relu(conv(x, c1, 3, padding=1, impl=impl)))
+    x = pool2_or_skip(nn.relu(conv(x, c2, 3, padding=1, impl=impl)))
+    x = nn.relu(conv(x, c3, 3, padding=1, impl=impl))
+    x = pool2_or_skip(nn.relu(conv(x, c4, 3, padding=1, impl=impl)))
     x = flatten(adaptive_avg_pool2d(x, (7, 7)))
     deterministic = not train or not self.has_rng('dropout')
     for _ in range(2):
@@ -55,16 +58,24 @@ class VGG9(nn.Module):
 
 @register_model('vgg9')
 def vgg9(
-  num_classes, input_shape, width_mult: float = 1.0, fc_width: int = 4096, dropout_rate: float = 0.5
+  num_classes,
+  input_shape,
+  width_mult: float = 1.0,
+  fc_width: int = 4096,
+  dropout_rate: float = 0.5,
+  conv_impl: str = 'lax',
 ):
-  """FedMHO/FedDF VGG-9 (see module docstring)."""
+  """FedMHO/FedDF VGG-9 (see module docstring); `conv_impl`: `jfed.models.layers.conv`."""
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
+  if conv_impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}')
   channels = tuple(max(1, int(math.ceil(width_mult * c))) for c in (64, 128, 256, 256))
   return VGG9(
     num_classes=num_classes,
     channels=channels,
     fc_width=int(fc_width),
     dropout_rate=float(dropout_rate),
+    conv_impl=conv_impl,
   )

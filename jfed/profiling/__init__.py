@@ -1,4 +1,5 @@
-"""FedTSA's client resource profiling (the proxy task) and KDE clustering (seed 001 §4.3)."""
+"""FedTSA's client resource profiling (the proxy task) and KDE clustering
+(FedTSA, Fan et al., ECCV 2024, §4.3)."""
 
 from jfed.profiling.kde import SPACES as KDE_SPACES
 from jfed.profiling.kde import KDEClusters, kde_clusters, pruning_rates

@@ -1,6 +1,6 @@
-"""FedTSA's resource-oriented clustering (seed 001 §4.3, Eqs. 2–4): a Gaussian kernel density
-estimate of the clients' proxy-task durations; its local minima are the cluster boundaries, and
-each cluster's pruning rate is the fastest cluster's mean duration over its own.
+"""FedTSA's (Fan et al., ECCV 2024) resource-oriented clustering (§4.3, Eqs. 2–4): a Gaussian kernel
+density estimate of the clients' proxy-task durations; its local minima are the cluster boundaries,
+and each cluster's pruning rate is the fastest cluster's mean duration over its own.
 
 The paper (§4.3) names neither the bandwidth nor the axis. `space` is the axis the KDE runs
 on: 'duration' (seconds) or 'log' (log seconds, the default in FedTSA's config): a device k
@@ -67,7 +67,20 @@ def kde_clusters(
   space: str = 'duration',
   min_bandwidth: float = 0.0,
 ) -> KDEClusters:
-  """Clusters 1-D durations at the local minima of their Gaussian KDE (see module doc)."""
+  """Clusters 1-D durations at the local minima of their Gaussian KDE (see module doc).
+
+  Args:
+    durations: Each client's proxy-task duration [n] (seconds, > 0).
+    bandwidth: 'scott', 'silverman' or a positive factor of the sample standard deviation.
+    grid_size: Points the density is evaluated at.
+    quantum: Rounds each pruning rate to the nearest multiple of it; 0 does not round.
+    space: 'duration' or 'log' (the KDE runs on log durations).
+    min_bandwidth: Lower bound on the bandwidth, in units of `space`.
+
+  Returns:
+    KDEClusters: each client's cluster (0 = fastest), boundaries, means, pruning rates and the
+    density on its grid.
+  """
   d = _validate(durations)
   if isinstance(bandwidth, str) and bandwidth not in ('scott', 'silverman'):
     raise ValueError(f"bandwidth must be 'scott', 'silverman' or a float, got {bandwidth!r}")

@@ -1,6 +1,7 @@
-"""The KDE clustering figure (seed 001 §4.3): the density of the clients' proxy-task durations,
-the cluster boundaries at its local minima, and every client on the duration axis coloured by
-cluster, with each cluster's pruning rate in the legend. Agg canvas, no global pyplot state."""
+"""The KDE clustering figure (FedTSA, Fan et al., ECCV 2024, §4.3): the density of the clients'
+proxy-task durations, the cluster boundaries at its local minima, and every client on the duration
+axis coloured by cluster, with each cluster's pruning rate in the legend. Agg canvas, no global
+pyplot state."""
 
 import os
 
@@ -11,6 +12,14 @@ from jfed.profiling.kde import KDEClusters
 
 def plot_kde(clusters: KDEClusters, durations, path: str, dpi: int = 120) -> None:
   # pylint: disable=g-import-not-at-top
+  """Draws `clusters`' density, boundaries and clients, and saves the figure to `path`.
+
+  Args:
+    clusters: The result of `kde_clusters` on `durations`.
+    durations: The clients' proxy-task durations [n].
+    path: Where the PNG is written.
+    dpi: Resolution.
+  """
   import matplotlib
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure

@@ -1,5 +1,5 @@
-"""FedTSA's proxy task (seed 001 §4.3): every client trains a one-hidden-layer MLP on a
-scaled-down dataset and reports how long it took; the durations are what the server clusters.
+"""FedTSA's (Fan et al., ECCV 2024) proxy task (§4.3): every client trains a one-hidden-layer MLP on
+a scaled-down dataset and reports how long it took; the durations are what the server clusters.
 
 Simulated clients share one machine, so each client runs the task here (the median of `repeats`
 timed runs of a training loop compiled once, before any timing) and its duration is that
@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jfed.engine.progress import PhaseProgress
 
 
 class DeviceProfile(NamedTuple):
@@ -46,7 +48,16 @@ def profile_from_rates(rates: Sequence[float], shares: Sequence[float]) -> Devic
 
 def assign_devices(num_clients: int, profile: DeviceProfile, seed: int) -> np.ndarray:
   """[n] device class per client: round(share · n) clients per class (largest remainders
-  first), in a seeded random order over the clients."""
+  first), in a seeded random order over the clients.
+
+  Args:
+    num_clients: n.
+    profile: The device classes' shares (and slow-downs).
+    seed: Seed of the order.
+
+  Returns:
+    Device class index per client [n].
+  """
   exact = np.asarray(profile.shares) * num_clients
   counts = np.floor(exact).astype(int)
   for k in np.argsort(-(exact - counts), kind='stable')[: num_clients - counts.sum()]:
@@ -126,9 +137,27 @@ def measured_durations(
 ) -> ClientDurations:
   """Each simulated client runs the proxy task here (the median of `repeats` runs: its real
   measured time on this machine), times its device class's slow-down, times optional lognormal
-  jitter (σ = `jitter`)."""
-  base = np.array([task.seconds(repeats) for _ in range(num_clients)])
-  return simulated_durations(base, num_clients, profile, jitter, seed)
+  jitter (σ = `jitter`).
+
+  Args:
+    task: The proxy task.
+    num_clients: n.
+    profile: The device classes' shares and slow-downs.
+    seed: Seed of the device assignment and the jitter.
+    repeats: Runs of the task per client; the median counts.
+    jitter: σ of the lognormal noise; 0 adds none.
+
+  Returns:
+    ClientDurations (seconds per client, the median base time, device classes).
+  """
+  phase = PhaseProgress(
+    f'profiling: the proxy task {max(1, repeats)}x per client', num_clients, 'client'
+  )
+  base = []
+  for k in range(num_clients):
+    base.append(task.seconds(repeats))
+    phase.update(k + 1)
+  return simulated_durations(np.array(base), num_clients, profile, jitter, seed)
 
 
 def simulated_durations(
@@ -138,7 +167,18 @@ def simulated_durations(
   jitter: float,
   seed: int,
 ) -> ClientDurations:
-  """base_seconds (a scalar or one time per client) × each client's slow-down × jitter."""
+  """base_seconds (a scalar or one time per client) × each client's slow-down × jitter.
+
+  Args:
+    base_seconds: The proxy task's time on the reference device, a scalar or one per client.
+    num_clients: n.
+    profile: The device classes' shares and slow-downs.
+    jitter: σ of the lognormal noise; 0 adds none.
+    seed: Seed of the device assignment and the jitter.
+
+  Returns:
+    ClientDurations (seconds per client, the median base time, device classes).
+  """
   classes = assign_devices(num_clients, profile, seed)
   noise = np.random.default_rng((seed, 1)).lognormal(0.0, jitter, num_clients) if jitter else 1.0
   durations = np.asarray(base_seconds, np.float64) * np.asarray(profile.slowdowns)[classes] * noise

@@ -1,0 +1,438 @@
+"""What a method stands on: `Algorithm`, `RunContext`, `RunSummary` and the records of a step.
+
+A method is an `Algorithm` (in the spirit of fedjax's `FederatedAlgorithm` and optax's pairs of
+pure functions): a typed config parsed once from the config file, and
+
+  setup(ctx) -> aux                    one-off stages (local models, clustering, KIP, ...),
+                                       cached by the driver's stage checkpoints (`ctx.stage`);
+  init(ctx, aux) -> state              the state before step 0 (also the restore template);
+  step(ctx, aux, state, i) -> (state, records)
+                                       step i of `num_steps(ctx)` (a round, an epoch, ...).
+
+`jfed.driver.run` runs it. This module sits below every method family and the driver: it imports
+only the data, engine, io and key modules, so a method never imports the loop that runs it. The
+run's context is built here too (`make_context`, `context_of_config`): from a config, a dataset
+and the seeded client partition.
+"""
+
+import dataclasses
+import pathlib
+from typing import (
+  Any,
+  Callable,
+  ClassVar,
+  Dict,
+  Generic,
+  Iterator,
+  List,
+  Mapping,
+  NamedTuple,
+  Optional,
+  Sequence,
+  Tuple,
+  TypeVar,
+)
+
+import jax
+import ml_collections
+import numpy as np
+
+from jfed import typed_config
+from jfed.data import Dataset, load_dataset, make_partition
+from jfed.data.partitions import partition_arguments
+from jfed.data.public import hold_out_train, holdout_size
+from jfed.engine import multihost
+from jfed.engine.aggregation import AggregationConfig
+from jfed.engine.attacks import AttackConfig
+from jfed.engine.optim import OptimizerSpec, optimizer_spec
+from jfed.engine.privacy import DpConfig
+from jfed.engine.server_optim import ServerOptimizerConfig
+from jfed.engine.sharding import client_mesh
+from jfed.errors import ConfigError
+from jfed.io import Checkpointer
+from jfed.io.scalars import LoggingConfig
+from jfed.keys import Purpose
+from jfed.workdir import jsonable
+
+Record = Dict[str, Any]
+ConfigT = TypeVar('ConfigT')
+AuxT = TypeVar('AuxT')
+StateT = TypeVar('StateT')
+
+# Record fields that count as communication; their running sum is `cumulative_bytes`.
+BYTE_FIELDS = ('upload_bytes', 'download_bytes', 'peer_bytes')
+
+
+# ------------------------------------------------------------------------------------------------
+# what a method sees
+# ------------------------------------------------------------------------------------------------
+class RunContext:
+  """Everything a method needs, built once by the driver.
+
+  Attributes:
+    config: the whole resolved config (for the driver and the loggers; methods read `run`).
+    run: the typed keys every method shares (`RunConfig`), parsed once from `config`.
+    dataset: the loaded dataset.
+    parts: one index array into `dataset.train_x` per client.
+    key: the root key; methods derive theirs with `derive_key(Purpose.X, ...)`.
+    mesh: a `jax.sharding.Mesh` with a 'clients' axis, or None.
+    workdir: where the run writes, or None for a run in memory.
+    client_transport: where client training runs when not in this process (the Flower
+      bridge's `jfed.flower.transport.FlowerTransport`), or None.
+    is_primary: whether this process writes the run's files (only process 0 of a run that
+      spans several processes; see jfed.engine.multihost).
+  """
+
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    dataset: Dataset,
+    parts: Sequence[np.ndarray],
+    key: jax.Array,
+    mesh: Any = None,
+    workdir: Optional[pathlib.Path] = None,
+    client_transport: Any = None,
+  ):
+    self.config, self.dataset, self.parts = config, dataset, list(parts)
+    self.run = parse_run_config(config)
+    self.client_transport = client_transport
+    self.key, self.mesh = key, mesh
+    self.workdir = None if workdir is None else pathlib.Path(workdir)
+    self.is_primary = multihost.is_primary()
+    self._memo: Dict[Tuple[str, int], Any] = {}
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.parts)
+
+  @property
+  def client_sizes(self) -> np.ndarray:
+    return np.array([len(p) for p in self.parts])
+
+  def derive_key(self, purpose: Purpose, *path: int) -> jax.Array:
+    key = jax.random.fold_in(self.key, int(purpose))
+    for p in path:
+      key = jax.random.fold_in(key, int(p))
+    return key
+
+  def output_path(self, name: str) -> Optional[pathlib.Path]:
+    """Where a method writes a figure or file of its own; None for a run in memory and in the
+    processes other than the primary."""
+    return None if self.workdir is None or not self.is_primary else self.workdir / name
+
+  def stage(
+    self,
+    name: str,
+    tag: int,
+    template: Any,
+    compute: Callable[[], Any],
+    directory: Optional[str] = None,
+    max_to_keep: int = 2,
+  ) -> Any:
+    """The result of a one-off stage, computed once per run and cached.
+
+    Args:
+      name: the stage (its checkpoints live in `<workdir>/<name>`).
+      tag: what distinguishes versions of the stage (epochs trained, a round number); a cached
+        result with another tag is not reused.
+      template: a pytree with the result's structure, shapes and dtypes (restore target).
+      compute: produces the result when no cached one exists.
+      directory: read (and write) the cache there instead, e.g. `local_models_dir`.
+      max_to_keep: tags kept.
+
+    Returns:
+      The result, from the cache when the workdir (or `directory`) holds it.
+    """
+    memo_key = (directory or name, int(tag))
+    if memo_key in self._memo:
+      return self._memo[memo_key]
+    if self.workdir is None and directory is None:
+      result = compute()
+    else:
+      ckpt = Checkpointer(
+        pathlib.Path(directory) if directory else self.workdir / name, max_to_keep=max_to_keep
+      )
+      try:
+        result = None
+        if int(tag) in ckpt.steps():
+          result = ckpt.restore_stage(int(tag), template)
+        if result is None:
+          result = compute()
+          ckpt.save(int(tag), result)
+      finally:
+        ckpt.close()
+    self._memo[memo_key] = result
+    return result
+
+
+class Algorithm(Generic[ConfigT, AuxT, StateT]):
+  """A method: a typed config and setup / init / step. Subclass, then `@register_method`.
+
+  Class attributes:
+    name: the `--method` name.
+    section: the config section it reads (`config.<section>`).
+    Config: a NamedTuple type of the section's keys (no defaults: see typed_config).
+    step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
+  """
+
+  name: ClassVar[str] = ''
+  section: ClassVar[str] = ''
+  Config: ClassVar[type] = type(None)
+  step_name: ClassVar[str] = 'round'
+
+  def __init__(self, config: ConfigT):
+    self.config = config
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> 'Algorithm':
+    algorithm = cls(typed_config.parse(cls.Config, config.get(cls.section), cls.section))
+    algorithm.validate(config)
+    return algorithm
+
+  def validate(self, config: ml_collections.ConfigDict) -> None:
+    """Checks the typed config (and shared keys it depends on); raises ConfigError."""
+
+  def num_steps(self, ctx: RunContext) -> int:
+    raise NotImplementedError
+
+  def setup(self, ctx: RunContext) -> AuxT:
+    return None
+
+  def setup_records(self, ctx: RunContext, aux: AuxT) -> List[Record]:
+    """Records of the setup stages (bytes of one-off uploads, ...), written as step 0."""
+    return []
+
+  def init(self, ctx: RunContext, aux: AuxT) -> StateT:
+    raise NotImplementedError
+
+  def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int) -> Tuple[StateT, List[Record]]:
+    raise NotImplementedError
+
+  def step_label(self, i: int, n: int) -> str:
+    return f'{self.step_name} {i + 1}/{n}'
+
+  def final_accuracy(self, history: Sequence[Record]) -> Optional[float]:
+    """The run's result: by default the last recorded test accuracy."""
+    accs = [r['test_accuracy'] for r in history if r.get('test_accuracy') is not None]
+    return accs[-1] if accs else None
+
+  def summarize(
+    self, ctx: RunContext, aux: AuxT, state: StateT, history: Sequence[Record]
+  ) -> Dict[str, Any]:
+    """The method's extras for the summary (cluster assignments, client accuracies, ...)."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary(Mapping):
+  """The typed result of a run. Also a read-only mapping of its flat JSON form, so
+  `summary['final_test_accuracy']` and `summary['<extra>']` both work."""
+
+  method: str
+  dataset: str
+  step_name: str
+  steps: int
+  final_test_accuracy: Optional[float]
+  best_test_accuracy: Optional[float]
+  best_step: Optional[int]
+  total_bytes: Optional[int]
+  seconds: float  # compute time of every step and stage, all invocations
+  seconds_this_invocation: float
+  num_clients: int
+  partition: str
+  backend: str
+  extras: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  environment: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def as_dict(self) -> Dict[str, Any]:
+    out = dict(self.extras)
+    out.update(self.environment)
+    for f in dataclasses.fields(self):
+      if f.name not in ('extras', 'environment'):
+        out[f.name] = getattr(self, f.name)
+    out['extras'] = sorted(self.extras)
+    return jsonable(out)
+
+  @classmethod
+  def from_dict(cls, d: Dict[str, Any]) -> 'RunSummary':
+    names = {f.name for f in dataclasses.fields(cls)} - {'extras', 'environment'}
+    extra_names = set(d.get('extras', []))
+    return cls(
+      **{n: d.get(n) for n in names},
+      extras={k: d[k] for k in extra_names if k in d},
+      environment={
+        k: v for k, v in d.items() if k not in names and k not in extra_names and k != 'extras'
+      },
+    )
+
+  def __getitem__(self, key: str) -> Any:
+    return self.as_dict()[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.as_dict())
+
+  def __len__(self) -> int:
+    return len(self.as_dict())
+
+
+# ------------------------------------------------------------------------------------------------
+# the run's shared settings, typed
+# ------------------------------------------------------------------------------------------------
+class ServerConfig(NamedTuple):
+  """The `server` config section: what happens to an upload that fails validation."""
+
+  on_invalid_upload: str  # 'drop': log it and exclude the client; 'fail': stop the run
+  max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
+  allow_empty_rounds: bool  # a round whose uploads were all rejected keeps the global model
+
+
+class DatasetSpec(NamedTuple):
+  """The `dataset` section."""
+
+  name: str
+  data_dir: str  # '' : the loader's default
+  holdout_size: int  # training samples held out of every client
+
+
+class PartitionSpec(NamedTuple):
+  """The `partition` section's keys every scheme has (the scheme's own are read by
+  `partition_clients`)."""
+
+  scheme: str
+  num_clients: int
+
+
+class RunConfig(NamedTuple):
+  """The keys every method shares, typed: parsed once when the context is built (`ctx.run`).
+
+  A method reads its own section from its `Algorithm.config` and these from `ctx.run`; the
+  ml_collections config stays on the context (`ctx.config`) for the driver and the loggers.
+  """
+
+  seed: int
+  dataset: DatasetSpec
+  partition: PartitionSpec
+  model: str  # the server's (and by default every client's) model spec
+  client_models: str  # 'spec;spec;...' cycled over the clients, or '' for `model`
+  local_models_dir: str  # '' : train the one-shot methods' local models in the workdir
+  local_cvaes_dir: str  # '' : train the local CVAEs (FedMHO, FedCVAE) in the workdir
+  optimizer: OptimizerSpec  # the clients' optimiser
+  batch_size: int
+  eval_batch_size: int
+  strategy: str  # the client map: one of jfed.engine.STRATEGIES
+  shard: bool
+  aggregation: AggregationConfig
+  attack: AttackConfig
+  server: ServerConfig
+  server_optimizer: ServerOptimizerConfig
+  dp: DpConfig
+  logging: LoggingConfig
+
+
+def _optional(config: Any, key: str, default: Any, kind: type) -> Any:
+  return typed_config.convert(config.get(key, default), kind, key)
+
+
+def parse_run_config(config: ml_collections.ConfigDict) -> RunConfig:
+  """The typed shared keys of `config`; ConfigError naming the first key missing or mistyped.
+
+  Args:
+    config: the whole resolved config.
+
+  Returns:
+    Its `RunConfig`.
+  """
+  dataset = config.get('dataset')
+  if dataset is None:
+    raise ConfigError("config has no section 'dataset'")
+  partition = typed_config.parse(PartitionSpec, config.get('partition'), 'partition')
+  log = config.get('logging', None) or {}
+  return RunConfig(
+    seed=typed_config.convert(config.get('seed'), int, 'seed'),
+    dataset=DatasetSpec(
+      typed_config.convert(dataset.get('name'), str, 'dataset.name'),
+      str(dataset.get('data_dir') or ''),
+      typed_config.convert(dataset.get('holdout_size', 0), int, 'dataset.holdout_size'),
+    ),
+    partition=partition,
+    model=typed_config.convert(config.get('model'), str, 'model'),
+    client_models=_optional(config, 'client_models', '', str),
+    local_models_dir=str(config.get('local_models_dir') or ''),
+    local_cvaes_dir=str(config.get('local_cvaes_dir') or ''),
+    optimizer=optimizer_spec(config.get('optimizer')),
+    batch_size=typed_config.convert(config.get('batch_size'), int, 'batch_size'),
+    eval_batch_size=typed_config.convert(config.get('eval_batch_size'), int, 'eval_batch_size'),
+    strategy=_optional(config, 'strategy', 'auto', str),
+    shard=_optional(config, 'shard', False, bool),
+    aggregation=typed_config.parse(AggregationConfig, config.get('aggregation'), 'aggregation'),
+    attack=typed_config.parse(AttackConfig, config.get('attack'), 'attack'),
+    server=typed_config.parse(ServerConfig, config.get('server'), 'server'),
+    server_optimizer=typed_config.parse(
+      ServerOptimizerConfig, config.get('server_optimizer'), 'server_optimizer'
+    ),
+    dp=typed_config.parse(DpConfig, config.get('dp'), 'dp'),
+    # the keys only; jfed.io.scalars.logging_config checks them (and W&B) for a run that writes
+    logging=LoggingConfig(
+      log.get('tensorboard', True), log.get('wandb', False), log.get('wandb_project', 'jfed')
+    ),
+  )
+
+
+# ------------------------------------------------------------------------------------------------
+# the run's context from its config
+# ------------------------------------------------------------------------------------------------
+def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> List[np.ndarray]:
+  """The seeded client partition of `config.partition`."""
+  p = config.partition
+  kwargs = {name: p[name] for name in partition_arguments(p.scheme) if name in p}
+  return make_partition(labels, p.num_clients, p.scheme, config.seed, **kwargs)
+
+
+def hold_out(config: ml_collections.ConfigDict, dataset: Dataset) -> Dataset:
+  """`dataset` less the `dataset.holdout_size` training samples no client may hold (they go to
+  `holdout_x/holdout_y`, for the server's public or distillation data); unchanged when 0."""
+  size = holdout_size(config)
+  if not size or dataset.holdout_x is not None:
+    return dataset
+  return hold_out_train(dataset, size, config.seed)
+
+
+def make_context(
+  config: ml_collections.ConfigDict,
+  dataset: Dataset,
+  parts: Sequence[np.ndarray],
+  workdir=None,
+  client_transport=None,
+) -> RunContext:
+  """The run's context over `dataset` (after `hold_out`) and `parts`; the shared keys of
+  `config` are parsed here, once (`ctx.run`).
+
+  Args:
+    config: the whole resolved config.
+    dataset: the dataset, its held-out samples already split off (`hold_out`).
+    parts: one index array into `dataset.train_x` per client.
+    workdir: where the run writes, or None for a run in memory.
+    client_transport: where client training runs when not in this process, or None.
+
+  Returns:
+    The context.
+  """
+  if holdout_size(config) and dataset.holdout_x is None:
+    raise ConfigError(
+      f'dataset.holdout_size={holdout_size(config)} but the dataset given holds nothing out: '
+      'build the context with jfed.driver.context_of_config, or pass jfed.driver.hold_out(config, '
+      'dataset) and a partition of its training split'
+    )
+  mesh = client_mesh() if config.get('shard', False) and jax.device_count() > 1 else None
+  key = jax.random.PRNGKey(config.seed)
+  return RunContext(config, dataset, parts, key, mesh, workdir, client_transport)
+
+
+def context_of_config(
+  config: ml_collections.ConfigDict, dataset: Optional[Dataset] = None, **context
+) -> RunContext:
+  """The run's context from its config alone: the dataset (loaded unless given), the seeded
+  partition, and `make_context`'s keywords (workdir, client_transport)."""
+  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  dataset = hold_out(config, dataset)
+  return make_context(config, dataset, partition_clients(config, dataset.train_y), **context)

@@ -1,0 +1,217 @@
+"""The multi-machine Flower recipe of docs/deployment.md, run as written on separate "machines":
+the SuperLink, each SuperNode and `flwr run` each in their own network namespace with their own
+address, joined by veth pairs on a bridge (no route out of the machine).
+
+Also, in this process: a SuperNode loads the config the server sends, not a file at the same
+path (the rule the recipe no longer needs)."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+
+pytest.importorskip('flwr')
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
+RECIPE_START = '<!-- flower-recipe'
+RECIPE_END = '<!-- end flower-recipe -->'
+ROLES = {'server': 'on the server machine', 'node': 'on each client machine', 'user': 'anywhere'}
+
+
+def recipe_block(text: str) -> str:
+  """The fenced bash block between the recipe markers of a Markdown file."""
+  start = text.index(RECIPE_START)
+  body = text[start : text.index(RECIPE_END, start)]
+  return re.search(r'```bash\n(.*?)```', body, re.S).group(1)
+
+
+def recipe_commands(block: str) -> Dict[str, List[str]]:
+  """{role: its command lines}: the comment above a line names its machine."""
+  commands: Dict[str, List[str]] = {role: [] for role in ROLES}
+  role = None
+  for line in block.splitlines():
+    if line.startswith('#'):
+      role = next((r for r, words in ROLES.items() if words in line), None)
+      assert role, f'recipe comment names no machine: {line}'
+    elif line.strip():
+      commands[role].append(line)
+  return commands
+
+
+def test_the_recipe_has_a_command_for_every_machine():
+  commands = recipe_commands(recipe_block((ROOT / 'docs' / 'deployment.md').read_text()))
+  assert len(commands['server']) == 1 and '--host 0.0.0.0' in commands['server'][0]
+  assert len(commands['node']) == 1 and '$SERVER' in commands['node'][0]
+  assert any('insecure = true' in line for line in commands['user'])
+  assert commands['user'][-1].startswith('flwr run ')
+
+
+def test_the_readme_gives_the_tested_recipe():
+  readme = (ROOT / 'README.md').read_text()
+  assert RECIPE_START in readme, 'README.md has no flower-recipe block'
+  assert recipe_block(readme) == recipe_block((ROOT / 'docs' / 'deployment.md').read_text())
+
+
+def test_a_supernode_loads_the_config_the_server_sends_not_its_own_path(tmp_path):
+  from jfed.flower.apps import config_record, load_config, spec_of_record  # pylint: disable=g-import-not-at-top
+
+  source = pathlib.Path(SMOKE.partition(':')[0])
+  server_copy = tmp_path / 'server' / 'my_digits.py'
+  server_copy.parent.mkdir()
+  shutil.copy(source, server_copy)
+  record = config_record(f'{server_copy}:smoke', ['--config.seed=7'])
+  server_copy.unlink()  # the node never reads the server's path
+  spec, overrides = spec_of_record(record)
+  assert not spec.startswith(str(tmp_path)) and spec.endswith('my_digits.py:smoke')
+  node = load_config(spec, overrides)
+  assert node.seed == 7
+  assert node.to_json() == load_config(SMOKE, ['--config.seed=7']).to_json()
+
+
+def _ip(*args: str) -> None:
+  subprocess.run(['ip', *args], check=True, capture_output=True, timeout=30)
+
+
+class Namespaces:
+  """Network namespaces `machines` on a bridge in the first one's namespace, 10.R.0.(k+1)/24."""
+
+  def __init__(self, machines: List[str]):
+    tag = f'{os.getpid() % 10000}'
+    self.names = {m: f'jfed{tag}{m}' for m in machines}
+    subnet = 200 + os.getpid() % 50
+    self.address = {m: f'10.{subnet}.0.{k + 1}' for k, m in enumerate(machines)}
+    hub = self.names[machines[0]]
+    for m in machines:
+      _ip('netns', 'add', self.names[m])
+      _ip('-n', self.names[m], 'link', 'set', 'lo', 'up')
+    _ip('-n', hub, 'link', 'add', 'br0', 'type', 'bridge')
+    _ip('-n', hub, 'addr', 'add', f'{self.address[machines[0]]}/24', 'dev', 'br0')
+    _ip('-n', hub, 'link', 'set', 'br0', 'up')
+    for k, m in enumerate(machines[1:]):
+      ours, theirs = f'jv{tag}h{k}', f'jv{tag}n{k}'
+      _ip('link', 'add', ours, 'type', 'veth', 'peer', 'name', theirs)
+      _ip('link', 'set', ours, 'netns', hub)
+      _ip('link', 'set', theirs, 'netns', self.names[m])
+      _ip('-n', hub, 'link', 'set', ours, 'master', 'br0')
+      _ip('-n', hub, 'link', 'set', ours, 'up')
+      _ip('-n', self.names[m], 'addr', 'add', f'{self.address[m]}/24', 'dev', theirs)
+      _ip('-n', self.names[m], 'link', 'set', theirs, 'up')
+
+  def command(self, machine: str, line: str) -> List[str]:
+    return ['ip', 'netns', 'exec', self.names[machine], 'bash', '-c', line]
+
+  def delete(self) -> None:
+    for name in self.names.values():  # a namespace's veth ends go with it
+      subprocess.run(['ip', 'netns', 'del', name], capture_output=True, timeout=30, check=False)
+
+
+def _namespaces_or_skip(machines: List[str]) -> Namespaces:
+  if not shutil.which('ip'):
+    pytest.skip('network namespaces: no `ip` command (iproute2)')
+  if os.geteuid() != 0:
+    pytest.skip('network namespaces need root')
+  try:
+    return Namespaces(machines)
+  except subprocess.CalledProcessError as e:
+    subprocess.run(['ip', 'netns', 'del', f'jfed{os.getpid() % 10000}link'], capture_output=True)
+    pytest.skip(f'network namespaces cannot be created here: {e.stderr.decode().strip()}')
+
+
+def _wait_for_line(path: pathlib.Path, pattern: str, process, timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if path.exists() and re.search(pattern, path.read_text(errors='replace')):
+      return
+    assert process.poll() is None, f'{path.name} exited: {path.read_text(errors="replace")[-2000:]}'
+    time.sleep(0.5)
+  raise AssertionError(f'no {pattern!r} in {path} within {timeout_s} s')
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
+  commands = recipe_commands(recipe_block((ROOT / 'docs' / 'deployment.md').read_text()))
+  nodes = 2
+  machines = ['link'] + [f'node{i}' for i in range(nodes)] + ['user']
+  spaces = _namespaces_or_skip(machines)
+  processes: List[subprocess.Popen] = []
+  logs = tmp_path / 'logs'
+  logs.mkdir()
+  workdir = tmp_path / 'run'
+
+  def env(machine: str, **extra: str) -> Dict[str, str]:
+    home = tmp_path / 'flwr_home' / machine  # each machine's own Flower state
+    return dict(
+      os.environ,
+      FLWR_HOME=str(home),
+      SERVER=spaces.address['link'],
+      N=str(nodes),
+      CONFIG=SMOKE,
+      WORKDIR=str(workdir),
+      # jfed "installed" on each machine: importable from the checkout
+      PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get('PYTHONPATH')) if p),
+      PATH=os.pathsep.join((str(pathlib.Path(sys.executable).parent), os.environ['PATH'])),
+      **extra,
+    )
+
+  def start(machine: str, line: str, **extra: str) -> pathlib.Path:
+    log = logs / f'{machine}.log'
+    with open(log, 'w') as out:
+      processes.append(
+        subprocess.Popen(
+          spaces.command(machine, line),
+          env=env(machine, **extra),
+          cwd=ROOT,
+          stdout=out,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,  # one group per machine, stopped together
+        )
+      )
+    return log
+
+  try:
+    (server,) = commands['server']
+    log = start('link', server)
+    _wait_for_line(log, r'Starting Flower SuperLink|Flower ECE|listen', processes[0], 120)
+    time.sleep(2)
+    (node_line,) = commands['node']
+    for i in range(nodes):
+      start(f'node{i}', node_line, I=str(i))
+    run = None
+    for line in commands['user']:
+      run = subprocess.run(
+        spaces.command('user', line),
+        env=env('user'),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+      )
+      assert run.returncode == 0, f'{line}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}'
+    assert (workdir / 'summary.json').exists(), f'no summary: {run.stdout[-4000:]}{run.stderr}'
+    summary = json.loads((workdir / 'summary.json').read_text())
+    assert summary['final_test_accuracy'] > 0.3  # it learns (chance is 0.1)
+    bridge = json.loads((workdir / 'flower.json').read_text())
+    assert bridge['supernodes'] == nodes
+    # the server's per-exchange progress reached the console of `flwr run --stream`
+    assert re.search(r'flower: exchange 1: 2/2 SuperNodes replied', run.stdout + run.stderr)
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    for p in processes:
+      try:
+        p.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    spaces.delete()

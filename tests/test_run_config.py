@@ -1,0 +1,59 @@
+"""The typed run config: parsed once into `ctx.run`, read by the methods instead of `ctx.config`,
+and the client optimiser built from every field of its `OptimizerSpec`."""
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from experiments.configs import common as configs
+from jfed import engine
+from jfed.api import RunConfig, parse_run_config
+from jfed.errors import ConfigError
+
+METHODS = pathlib.Path(__file__).resolve().parent.parent / 'jfed' / 'methods'
+
+
+def test_no_method_reads_the_raw_config():
+  reads = [
+    f'{path.name}:{n}'
+    for path in sorted(METHODS.glob('*.py'))
+    for n, line in enumerate(path.read_text().splitlines(), 1)
+    if re.search(r'\bctx\.config\b', line)
+  ]
+  assert reads == []
+
+
+def test_the_base_config_parses_into_typed_sections():
+  run = parse_run_config(configs.base_config())
+  assert isinstance(run, RunConfig)
+  assert run.optimizer == engine.OptimizerSpec('sgd', 0.01, momentum=0.9)
+  assert (run.batch_size, run.strategy, run.attack.kind) == (64, 'auto', 'none')
+
+
+def test_a_mistyped_shared_key_is_one_error_naming_it():
+  config = ml_collections.ConfigDict({**configs.base_config().to_dict(), 'batch_size': 'many'})
+  with pytest.raises(ConfigError, match='batch_size must be an integer'):
+    parse_run_config(config)
+
+
+def test_betas_and_grad_clip_of_the_config_reach_the_optimizer():
+  """The old `optimizer_from_config` dropped b1, b2 and grad_clip: its first moment would hold
+  the unclipped gradient and its moments Adam's default betas."""
+  base = {'name': 'adam', 'lr': 1.0}
+  clipped = engine.build_optimizer(
+    engine.optimizer_spec(ml_collections.ConfigDict({**base, 'grad_clip': 1e-3}))
+  )
+  params = {'w': jnp.ones(3)}
+  _, state = clipped.update({'w': jnp.full(3, 100.0)}, clipped.init(params), params)
+  # the clipped gradient is in Adam's first moment: (1 - b1) * g with ||g|| = 1e-3
+  mu = state.inner_state[1][0].mu['w']
+  assert float(jnp.linalg.norm(mu)) == pytest.approx(0.1 * 1e-3, rel=1e-4)
+  spec = engine.optimizer_spec(ml_collections.ConfigDict({**base, 'b1': 0.5, 'b2': 0.75}))
+  assert (spec.b1, spec.b2) == (0.5, 0.75)
+  tx = engine.build_optimizer(spec)
+  _, state = tx.update({'w': jnp.full(3, 2.0)}, tx.init(params), params)
+  assert float(state.inner_state[0].mu['w'][0]) == pytest.approx(0.5 * 2.0)
+  assert float(state.inner_state[0].nu['w'][0]) == pytest.approx(0.25 * 4.0)
