@@ -171,7 +171,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
   Class attributes:
     name: the `--method` name.
     section: the config section it reads (`config.<section>`).
-    Config: a NamedTuple type of the section's keys (no defaults: see typed_config).
+    Config: a NamedTuple type of the section's keys (its defaults generate the base config).
     step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
   """
 
@@ -206,6 +206,18 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     raise NotImplementedError
 
   def step(self, ctx: RunContext, aux: AuxT, state: StateT, i: int) -> Tuple[StateT, List[Record]]:
+    """Step i of the method (a round, an epoch, ...): the driver checkpoints and logs what it
+    returns.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup` (trainers, evaluators, data).
+      state: The state after step i - 1 (from `init` for i = 0).
+      i: The step, from 0 to num_steps - 1.
+
+    Returns:
+      The new state (checkpointed after the step) and the step's records.
+    """
     raise NotImplementedError
 
   def step_label(self, i: int, n: int) -> str:
@@ -219,7 +231,17 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
   def summarize(
     self, ctx: RunContext, aux: AuxT, state: StateT, history: Sequence[Record]
   ) -> Dict[str, Any]:
-    """The method's extras for the summary (cluster assignments, client accuracies, ...)."""
+    """The method's extras for the summary (cluster assignments, client accuracies, ...).
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final state.
+      history: The records of every step of the run.
+
+    Returns:
+      Extra fields of summary.json.
+    """
     return {}
 
 
@@ -281,25 +303,30 @@ class RunSummary(Mapping):
 class ServerConfig(NamedTuple):
   """The `server` config section: what happens to an upload that fails validation."""
 
-  on_invalid_upload: str  # 'drop': log it and exclude the client; 'fail': stop the run
-  max_update_norm_ratio: float  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
-  allow_empty_rounds: bool  # a round whose uploads were all rejected keeps the global model
+  on_invalid_upload: str = 'drop'  # 'drop': log it and exclude the client; 'fail': stop the run
+  max_update_norm_ratio: float = 0.0  # > 0: reject ||θ_k − θ_global|| > ratio · ||θ_global||
+  # a round whose uploads were all rejected keeps the global model (False: it fails the run)
+  allow_empty_rounds: bool = False
 
 
 class DatasetSpec(NamedTuple):
   """The `dataset` section."""
 
-  name: str
-  data_dir: str  # '' : the loader's default
-  holdout_size: int  # training samples held out of every client
+  name: str = 'digits'
+  data_dir: str = ''  # '' : the loader's default
+  # training samples held out of every client (seeded), the source 'holdout' of the servers'
+  # public, distillation and generator data; every method of a comparison sets the same size
+  holdout_size: int = 0
 
 
 class PartitionSpec(NamedTuple):
   """The `partition` section's keys every scheme has (the scheme's own are read by
   `partition_clients`)."""
 
-  scheme: str
-  num_clients: int
+  # iid | dirichlet (alpha, min_size) | shards (#C=k: k) | disjoint (2c/c)
+  # | feddf_dirichlet (alpha) | fedcvae_dirichlet (alpha)
+  scheme: str = 'dirichlet'
+  num_clients: int = 5
 
 
 class RunConfig(NamedTuple):
@@ -309,24 +336,52 @@ class RunConfig(NamedTuple):
   ml_collections config stays on the context (`ctx.config`) for the driver and the loggers.
   """
 
-  seed: int
-  dataset: DatasetSpec
-  partition: PartitionSpec
-  model: str  # the server's (and by default every client's) model spec
-  client_models: str  # 'spec;spec;...' cycled over the clients, or '' for `model`
-  local_models_dir: str  # '' : train the one-shot methods' local models in the workdir
-  local_cvaes_dir: str  # '' : train the local CVAEs (FedMHO, FedCVAE) in the workdir
-  optimizer: OptimizerSpec  # the clients' optimiser
-  batch_size: int
-  eval_batch_size: int
-  strategy: str  # the client map: one of jfed.engine.STRATEGIES
-  shard: bool
-  aggregation: AggregationConfig
-  attack: AttackConfig
-  server: ServerConfig
-  server_optimizer: ServerOptimizerConfig
-  dp: DpConfig
-  logging: LoggingConfig
+  # The defaults are the base config's (experiments/configs/common.py generates it from them).
+  seed: int = 0
+  dataset: DatasetSpec = DatasetSpec()
+  partition: PartitionSpec = PartitionSpec()
+  model: str = 'cnn_mnist'  # the server's (and by default every client's) model spec
+  client_models: str = ''  # 'spec;spec;...' cycled over the clients, or '' for `model`
+  local_models_dir: str = ''  # '' : train the one-shot methods' local models in the workdir
+  local_cvaes_dir: str = ''  # '' : train the local CVAEs (FedMHO, FedCVAE) in the workdir
+  # the clients' optimiser; schedule: constant | cosine (centralized only)
+  optimizer: OptimizerSpec = OptimizerSpec('sgd', 0.01, momentum=0.9)
+  batch_size: int = 64
+  eval_batch_size: int = 1000
+  strategy: str = 'auto'  # the client map: one of jfed.engine.STRATEGIES
+  shard: bool = False  # shard client groups over all devices ('clients' mesh axis)
+  # The server side of model uploads, for every method that aggregates client models
+  # (jfed/engine/aggregation.py, attacks.py and common.Server); clip_norm > 0 clips updates.
+  aggregation: AggregationConfig = AggregationConfig(
+    rule='mean',
+    trim_fraction=0.1,
+    krum_byzantine=1,
+    krum_selected=1,
+    geomed_iterations=100,
+    geomed_smoothing=1e-6,
+    clip_norm=0.0,
+  )
+  # the attackers are `clients` ('0,3') or a seeded `fraction` of them
+  attack: AttackConfig = AttackConfig(kind='none', fraction=0.0, clients='', strength=10.0)
+  server: ServerConfig = ServerConfig()
+  # FedAvg/FedProx's step on the pseudo-gradient (Reddi et al. 2021; engine/server_optim.py)
+  server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig(
+    name='fedavg', lr=1.0, momentum=0.9, b1=0.9, b2=0.99, eps=1e-3
+  )
+  # DP-FedAvg / FedProx (jfed/engine/privacy.py; adaptive clipping: Andrew et al. 2021)
+  dp: DpConfig = DpConfig(
+    enabled=False,
+    noise_multiplier=1.0,
+    clip_norm=1.0,
+    adaptive=False,
+    target_quantile=0.5,
+    clip_lr=0.2,
+    count_noise_fraction=0.05,
+    delta=1e-5,
+    local=False,
+  )
+  # not part of the workdir's identity: a resumed run may change them
+  logging: LoggingConfig = LoggingConfig(tensorboard=True, wandb=False, wandb_project='jfed')
 
 
 def _optional(config: Any, key: str, default: Any, kind: type) -> Any:

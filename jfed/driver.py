@@ -160,7 +160,16 @@ class _Metrics:
 
 
 def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSummary:
-  """Runs `algorithm` to completion, resuming from `ctx.workdir`'s checkpoints if any."""
+  """Runs `algorithm` to completion, resuming from `ctx.workdir`'s checkpoints if any.
+
+  Args:
+    algorithm: The method, its config already validated.
+    ctx: The run context (data, partition, typed run config, workdir or None).
+    progress: Whether to print a line per step.
+
+  Returns:
+    The run's typed summary (also written to workdir/summary.json).
+  """
   invocation_start = time.perf_counter()
   talk = progress and ctx.is_primary
   say = (lambda msg: print(msg, flush=True)) if talk else (lambda msg: None)
@@ -327,6 +336,16 @@ def run_experiment(
   Outputs in `workdir`: identity.json and config.json (what the workdir holds), partition.txt
   and partition.png, metrics.jsonl, summary.json, accuracy.png, checkpoints/ and the method's
   own stages and figures. Running the same command again resumes.
+
+  Args:
+    method: The registered method name.
+    config: The whole run config (the method's section and the shared ones).
+    workdir: The directory of the run's outputs and checkpoints.
+    progress: Whether to print a line per step.
+    client_transport: Runs local training elsewhere (a Flower transport); None for in process.
+
+  Returns:
+    The run's typed summary.
   """
   algorithm = build_algorithm(method, config)
   logging_config(config)  # e.g. W&B on but not installed: refused before anything is written
@@ -414,6 +433,16 @@ def run_in_memory(
   dataset: Optional[Dataset] = None,
   progress: bool = False,
 ) -> RunSummary:
-  """Runs `method` without a workdir (nothing written): for notebooks and quick studies."""
+  """Runs `method` without a workdir (nothing written): for notebooks and quick studies.
+
+  Args:
+    method: The registered method name.
+    config: The whole run config.
+    dataset: A loaded dataset to use instead of the config's; None loads it.
+    progress: Whether to print a line per step.
+
+  Returns:
+    The run's typed summary.
+  """
   algorithm = build_algorithm(method, config)
   return run(algorithm, context_of_config(config, dataset), progress)

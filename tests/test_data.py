@@ -1,8 +1,10 @@
 """Tests for jfed.data: loaders, partitions, padded federated arrays and the bubble plot."""
 
+import errno
 import gzip
 import os
 import pathlib
+import re
 import struct
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 from jfed import data
 from jfed.data import datasets, partitions
-from jfed.errors import DataError
+from jfed.errors import DataError, WorkdirError
 
 FMNIST_DIR = pathlib.Path('/usr/share/datasets/fashion-mnist')
 
@@ -518,3 +520,22 @@ def test_match_input_shape_resizes_and_matches_channels():
   np.testing.assert_allclose(rgb, 0.25, atol=1e-6)  # a constant image stays constant
   color = np.stack([np.zeros((1, 4, 4)), np.ones((1, 4, 4)), np.ones((1, 4, 4))], -1)
   np.testing.assert_allclose(match_input_shape(color, (4, 4, 1)), 2 / 3, atol=1e-6)
+
+
+def test_a_partition_figure_that_cannot_be_written_is_one_error_naming_it(tmp_path, monkeypatch):
+  """A failed write (a full disk, `ulimit -f`) names the figure and leaves no temporary file."""
+  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
+
+  from jfed.data import plots  # pylint: disable=g-import-not-at-top
+
+  def savefig(self, fname, **kwargs):
+    pathlib.Path(fname).write_bytes(b'\x89PNG partial')
+    raise OSError(errno.EFBIG, 'File too large')
+
+  monkeypatch.setattr(mpl_figure.Figure, 'savefig', savefig)
+  target = tmp_path / 'partition.png'
+  with pytest.raises(
+    WorkdirError, match=f'^cannot write {re.escape(str(target))}: File too large$'
+  ):
+    plots.plot_partition_bubbles(np.eye(3, dtype=int), target)
+  assert sorted(p.name for p in tmp_path.iterdir()) == []

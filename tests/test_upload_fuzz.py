@@ -488,9 +488,16 @@ class _Grid:
   def send_and_receive(self, messages, timeout=None):
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-    result = {'client_ids': [0, 1], 'loss': self.loss, 'accuracy': [0.5, 0.5], 'seconds': 0.0}
+    result = {
+      'client_ids': [0, 1],
+      'loss': self.loss,
+      'accuracy': [0.5, 0.5],
+      'seconds': 0.0,
+      'num-examples': 10,
+    }
+    # Flower's record layout (jfed.flower.transport): 'metrics' and 'arrays'
     content = RecordDict(
-      {'result': MetricRecord(result), 'models': ArrayRecord(numpy_ndarrays=self.models)}
+      {'metrics': MetricRecord(result), 'arrays': ArrayRecord(numpy_ndarrays=self.models)}
     )
     return [_Reply(content)]
 

@@ -3,8 +3,8 @@
     python -m experiments.bench.conv_forms [--batch=64] [--ngf=64] [--repeats=3] [--out=FILE]
 
 Times one jitted forward + backward (gradients of the input and the kernel) of every
-convolution of DENSE's generator and of FedHydra's (seed 000 §4.1.3) at 28×28 output, nz-free
-(the layer alone, on random input), in both forms of `layers.Conv` / `layers.ConvTranspose`
+convolution of DENSE's generator and of FedHydra's (Bai et al., KDD 2025, §4.1.3) at 28×28 output,
+nz-free (the layer alone, on random input), in both forms of `layers.Conv` / `layers.ConvTranspose`
 (`impl='lax'`: XLA's convolution; `impl='matmul'`), and says which form `impl='auto'` takes on
 this backend. The thresholds of `layers.use_matmul_conv` come from this table on the 2-core CPU.
 """

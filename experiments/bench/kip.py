@@ -8,20 +8,20 @@ KIP notebook's reference setting for one client.
 From Python: `run(Sizes(...))` returns the table and raw numbers as a dict
 (`experiments.bench.all` calls it).
 
-1. HFLDD setting (seed 003 Sec. VI-A4: 400 distilled images per client, target minibatch 10,
-   lr 0.004, FC1 NTK, float32) for m clients of `samples` random 28x28x1 images each, the same
-   `iterations` for both forms:
+1. HFLDD setting (Shi et al., arXiv 2409.17517, Sec. VI-A4: 400 distilled images per client,
+   target minibatch 10, lr 0.004, FC1 NTK, float32) for m clients of `samples` random 28x28x1
+   images each, the same `iterations` for both forms:
    - batched: `jfed.kip.kip_distill_batched` (vmap over the client axis, one program, no mesh);
    - loop: `jfed.kip.kip_distill_loop` (the single-client jitted program in a Python loop).
    Compilation is excluded: the batched program is compiled ahead of time
    (`.lower(...).compile()`, its time reported) and the compiled executable is timed; the loop
    runs one warm-up client first (every client shares the program). Both end with
    `jax.block_until_ready`.
-2. Reference (KIP notebook, reference-code.md §6): FC1 NTK, support 100, target batch 5000,
-   300 Adam steps at lr 0.04, float64 (`jax_enable_x64` in the notebook), one client with
-   10,000 random images of `--reference_shape` (default 32x32x3, CIFAR-10's), compiled ahead
-   of time and timed; to set beside the public notebook's ~63 s for the same loop (on its own,
-   unspecified hardware: not a like-for-like comparison).
+2. Reference (KIP notebook, `github.com/google-research/google-research` `kip/KIP.ipynb`): FC1 NTK,
+   support 100, target batch 5000, 300 Adam steps at lr 0.04, float64 (`jax_enable_x64` in the
+   notebook), one client with 10,000 random images of `--reference_shape` (default 32x32x3,
+   CIFAR-10's), compiled ahead of time and timed; to set beside the public notebook's ~63 s for the
+   same loop (on its own, unspecified hardware: not a like-for-like comparison).
 
 KIP's cost does not depend on pixel values, so random data is used (no dataset needed).
 Prints a Markdown table with the backend, jax version, CPU count and load average; `--out`

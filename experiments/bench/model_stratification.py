@@ -8,10 +8,10 @@
 From Python: `run(Sizes(...))` returns the table and raw numbers as a dict
 (`experiments.bench.all` calls it).
 
-Stage 1, MS (seed 000 Algorithm 2): m clients × c classes independent generator trainings, each
-a fresh DENSE generator (nz, ngf; 28×28×1 output) and fixed z ~ N(0, I) of `ms_batch` images,
-`T_G` Adam(lr 1e-3, betas (0.5, 0.999)) steps on CE(F_k(G(z)), j) with F_k a fixed CNNMnist
-(the clients' models; random weights, the work does not depend on them). Forms:
+Stage 1, MS (FedHydra, Bai et al., KDD 2025, Algorithm 2): m clients × c classes independent
+generator trainings, each a fresh DENSE generator (nz, ngf; 28×28×1 output) and fixed z ~ N(0, I) of
+`ms_batch` images, `T_G` Adam(lr 1e-3, betas (0.5, 0.999)) steps on CE(F_k(G(z)), j) with F_k a
+fixed CNNMnist (the clients' models; random weights, the work does not depend on them). Forms:
   - jfed batched: `jfed.distill.model_stratification` — ONE jitted program (vmap over the m·c
     runs of a lax.scan over the T_G steps). Its variants run only when named in --forms:
     `batched_clients` (layout='clients': vmap over clients, then over classes sharing the
@@ -30,11 +30,11 @@ inside scan very slowly), so by default they are timed on `--scan_runs` (1) run 
 the full stage is extrapolated per step; `--scan_runs=0` times all m·c runs (~25 min each).
 `--seq_runs=N` times the one-run-at-a-time forms (python, loop, torch) on their first N runs and
 extrapolates per run (every run does the same work): for m·c = 1000 on an accelerator.
-Stage 2, one DENSE distillation epoch (reference-code §1.5–1.6): synthesis (fresh generator and
-z, `g_steps` Adam steps on BN (hooks, 'paper' mode) + CE(mean of m teachers) + masked adversarial
-KL against the student, RandomCrop(4) + HFlip view, best batch kept) then one KD pass over a pool
-of `pool` images (KL T = 20 × T², SGD 0.005 m0.9, HFlip) — jfed (`synthesize` + `distill.kd_step`)
-vs the same in PyTorch.
+Stage 2, one DENSE distillation epoch (as `github.com/zj-jayzhang/DENSE` `helpers/synthesizers.py`
+and `loop_df_fl.py:kd_train`): synthesis (fresh generator and z, `g_steps` Adam steps on BN (hooks,
+'paper' mode) + CE(mean of m teachers) + masked adversarial KL against the student, RandomCrop(4) +
+HFlip view, best batch kept) then one KD pass over a pool of `pool` images (KL T = 20 × T², SGD
+0.005 m0.9, HFlip) — jfed (`synthesize` + `distill.kd_step`) vs the same in PyTorch.
 Stage 3, FedHydra's KD pass (`hydra_kd`): one shuffled pass over a pool of `pool` images with
 m CNNMnist teachers, SA targets (random MS weights) and Eq. 19, timed as the teachers run at
 every step (`kd_step`), as the steps take targets computed beforehand (`kd_step_on_targets`,

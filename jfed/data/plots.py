@@ -8,6 +8,8 @@ from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 import numpy as np
 
+from jfed.errors import WorkdirError
+
 
 def plot_partition_bubbles(
   table, path, title: Optional[str] = None, annotate: bool = True, max_bubble_area: float = 900.0
@@ -83,6 +85,10 @@ def plot_partition_bubbles(
   # A temporary file and a rename: a run killed while drawing leaves no torn PNG behind, and a
   # resumed run may keep the file it finds.
   tmp = path.with_name(f'.{path.name}.tmp')
-  fig.savefig(tmp, format='png')
-  os.replace(tmp, path)
+  try:
+    fig.savefig(tmp, format='png')
+    os.replace(tmp, path)
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise WorkdirError(f'cannot write {path}: {e.strerror or e}') from None
   return str(path)

@@ -67,7 +67,19 @@ def scheduled_lr(
   schedule: str, lr: float, step: int = 0, total_steps: int = 0, epoch: int = 0, epochs: int = 0
 ) -> float:
   """The learning rate after `step` of `total_steps` steps, in epoch `epoch` (0-based) of
-  `epochs`: 'constant', 'cosine' (per step) or 'cosine_epochs' (per epoch)."""
+  `epochs`: 'constant', 'cosine' (per step) or 'cosine_epochs' (per epoch).
+
+  Args:
+    schedule: 'constant', 'cosine' (per step) or 'cosine_epochs' (per epoch).
+    lr: The base learning rate.
+    step: Optimizer steps taken so far.
+    total_steps: The steps of the whole schedule ('cosine').
+    epoch: The current epoch, from 0 ('cosine_epochs').
+    epochs: The epochs of the whole schedule ('cosine_epochs').
+
+  Returns:
+    The learning rate.
+  """
   check_schedule(schedule)
   if schedule == 'constant':
     return float(lr)
@@ -112,7 +124,23 @@ def make_optimizer(
   epochs: int = 0,
 ) -> optax.GradientTransformation:
   """torch.optim.SGD / Adam: the gradient norm clipped (clip_grad_norm_, when grad_clip > 0),
-  weight decay added to the gradient, then momentum / Adam; lr per `schedule` (module doc)."""
+  weight decay added to the gradient, then momentum / Adam; lr per `schedule` (module doc).
+
+  Args:
+    name: 'sgd' or 'adam'.
+    lr: The base learning rate.
+    momentum: SGD momentum.
+    weight_decay: L2 weight decay, added to the gradient.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    schedule: The learning-rate schedule (see `scheduled_lr`).
+    total_steps: The steps of the whole schedule ('cosine').
+    grad_clip: The maximal global gradient norm; 0 for no clipping.
+    epochs: The epochs of the whole schedule ('cosine_epochs').
+
+  Returns:
+    The optax transformation.
+  """
   if name not in OPTIMIZERS:
     raise ValueError(f'Unknown optimizer {name!r}; valid: {", ".join(OPTIMIZERS)}')
 

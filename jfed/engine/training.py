@@ -72,6 +72,16 @@ def client_orders(
   Sample i of client c gets the sort key uniform(fold_in(fold_in(key, c), i)), so a client's
   order depends only on (key, its id, its size): not on the group's padding or its position in
   the group. That is what makes a padded client train exactly as it would alone.
+
+  Args:
+    key: The data-order key of the epoch.
+    client_ids: Global ids of the clients, [clients].
+    sizes: Their sample counts, [clients].
+    n_max: The padded number of samples per client in the arrays.
+    padded_len: The length of each order (>= n_max: whole batches).
+
+  Returns:
+    Int [clients, padded_len] sample indices; positions past a client's size are padding.
   """
   return jax.vmap(_client_order, in_axes=(None, 0, 0, None, None))(
     key, client_ids, sizes, n_max, padded_len
@@ -82,7 +92,18 @@ def client_orders_each(
   keys: jax.Array, client_ids: jax.Array, sizes: jax.Array, n_max: int, padded_len: int
 ) -> jax.Array:
   """`client_orders` with a key per client ([clients] keys): clients of several runs (seeds) in
-  one group each get the orders of their own run."""
+  one group each get the orders of their own run.
+
+  Args:
+    keys: One data-order key per client, [clients].
+    client_ids: Global ids of the clients, [clients].
+    sizes: Their sample counts, [clients].
+    n_max: The padded number of samples per client in the arrays.
+    padded_len: The length of each order (>= n_max: whole batches).
+
+  Returns:
+    Int [clients, padded_len] sample indices.
+  """
   return jax.vmap(_client_order, in_axes=(0, 0, 0, None, None))(
     keys, client_ids, sizes, n_max, padded_len
   )
@@ -97,7 +118,16 @@ def _client_order(key, client_id, size, n_max: int, padded_len: int) -> jax.Arra
 
 
 def supervised_loss(logits, labels, weights):
-  """Mean cross entropy over real samples; integer labels or soft-label distributions."""
+  """Mean cross entropy over real samples; integer labels or soft-label distributions.
+
+  Args:
+    logits: Model outputs, [B, C].
+    labels: Integer labels [B] or label distributions [B, C].
+    weights: [B] sample weights (0 for padded rows).
+
+  Returns:
+    The mean loss over the real samples (a scalar).
+  """
   if jnp.issubdtype(labels.dtype, jnp.integer):
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     hard = labels
@@ -126,7 +156,21 @@ class LocalObjective(Protocol):
 
 
 def classification_objective(module, params, batch_stats, x, y, weights, key):
-  """Cross entropy of a classifier (`supervised_loss`); dropout, if any, draws from `key`."""
+  """Cross entropy of a classifier (`supervised_loss`); dropout, if any, draws from `key`.
+
+  Args:
+    module: The client's flax module.
+    params: Its parameters.
+    batch_stats: Its BatchNorm statistics.
+    x: A batch of inputs, [B, H, W, C].
+    y: Integer labels [B] or label distributions [B, C].
+    weights: [B] sample weights (0 for padded rows).
+    key: The PRNG key of the step (dropout).
+
+  Returns:
+    (loss to differentiate, (reported loss, correct predictions, real-sample count, new
+      batch_stats)), as `LocalObjective`.
+  """
   logits, updates = module.apply(
     {'params': params, 'batch_stats': batch_stats},
     x,

@@ -53,7 +53,19 @@ def stream_command(
   command: List[str], env: dict, cwd: str, log_path: pathlib.Path, timeout_s: float, echo=None
 ) -> int:
   """Runs `command`, each output line to `log_path` and, as it arrives, to `echo` (default:
-  stderr); its exit status (ConfigError past `timeout_s`)."""
+  stderr); its exit status (ConfigError past `timeout_s`).
+
+  Args:
+    command: The command line.
+    env: Its environment.
+    cwd: Its working directory.
+    log_path: The file every output line is appended to.
+    timeout_s: How long it may run, in seconds.
+    echo: Called with each output line as it arrives; None prints to stderr.
+
+  Returns:
+    The command's exit status.
+  """
   echo = echo or (lambda line: print(line, end='', file=sys.stderr, flush=True))
   with open(log_path, 'w') as log:
     process = subprocess.Popen(
@@ -92,7 +104,21 @@ def run_local_deployment(
   """Runs `method` through a local Flower deployment; returns the run's summary.json.
 
   `keep_process=False` has every message trained in its own ClientApp process, as Flower
-  starts it (jfed/flower/worker.py says why the default keeps one)."""
+  starts it (jfed/flower/worker.py says why the default keeps one).
+
+  Args:
+    method: The registered method name.
+    config_spec: The run config file.
+    overrides: Config overrides, as `key=value` strings.
+    workdir: The directory of the run's outputs.
+    num_supernodes: How many local SuperNodes share the clients.
+    timeout_s: How long the run may take, in seconds.
+    keep_process: Whether each SuperNode keeps one long-lived jfed worker (see
+      jfed/flower/worker.py).
+
+  Returns:
+    The run's summary.json, as a dict.
+  """
   from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config, require_supported  # pylint: disable=g-import-not-at-top
 

@@ -55,6 +55,14 @@ def client_digests(fed, rows: Sequence[int], lengths: Optional[Sequence[int]] = 
 
   Images are digested as float32 and integer labels as int64, so that the same samples held in
   other dtypes (a hybrid set's int32 labels) digest the same.
+
+  Args:
+    fed: The FederatedArrays holding the clients (x [m, n_max, ...], y, sizes [m]).
+    rows: The rows (clients) of `fed` to digest.
+    lengths: Per listed client, how many of its first samples to digest; None for its size.
+
+  Returns:
+    One hex digest per listed client.
   """
   out = []
   for j, i in enumerate(rows):
@@ -244,7 +252,18 @@ class FlowerTransport:
     self.node_seconds: List[float] = []
 
   def trainer(self, spec: str, tx, recipe: Dict[str, Any], partition_sizes) -> 'RemoteGroupTrainer':
-    """The trainer of a group of `spec` clients that train as `recipe` says, on the nodes."""
+    """The trainer of a group of `spec` clients that train as `recipe` says, on the nodes.
+
+    Args:
+      spec: The model spec of the group's clients.
+      tx: The clients' optimizer (exposed as `.tx`, to build the group's TrainState).
+      recipe: How the nodes build the trainer (objective, optimizer, batch size), as JSON-able
+        values.
+      partition_sizes: Each client's partition size, by client id.
+
+    Returns:
+      A RemoteGroupTrainer with `GroupTrainer.train`'s interface.
+    """
     return RemoteGroupTrainer(self, spec, tx, recipe, partition_sizes)
 
   def _ask(self, content, requested: Sequence[int]) -> Dict[int, Tuple[Any, int]]:
@@ -319,7 +338,16 @@ class FlowerTransport:
 
   def soft_labels(self, num_clients: int, epochs: int, x: np.ndarray) -> np.ndarray:
     """HFLDD's label knowledge: every client pre-trains `epochs` epochs on its node and uploads
-    its softmax outputs on `x`; [clients, len(x), C] by client id."""
+    its softmax outputs on `x`; [clients, len(x), C] by client id.
+
+    Args:
+      num_clients: The number of clients.
+      epochs: Pre-training epochs on each node.
+      x: The inputs to label, [N, H, W, C].
+
+    Returns:
+      Softmax outputs, [clients, N, C] by client id.
+    """
     content = _records('soft_labels', {'epochs': int(epochs)}, public=[x])
     found = self._ask(content, range(num_clients))
     probabilities = {}
@@ -340,7 +368,16 @@ class FlowerTransport:
 
   def distill(self, members: np.ndarray, config, key: jax.Array) -> List[np.ndarray]:
     """KIP on the members' nodes (member j with fold_in(key, j), as in one batched program);
-    the stacked (x, y, y_matrix, loss) of every member, in `members` order."""
+    the stacked (x, y, y_matrix, loss) of every member, in `members` order.
+
+    Args:
+      members: The ids of the clients that distil.
+      config: The KIP settings.
+      key: The PRNG key (member j uses fold_in(key, j)).
+
+    Returns:
+      The stacked (x, y, y_matrix, loss) of every member, in `members` order.
+    """
     task = {
       'members': [int(c) for c in members],
       'kip': json.dumps(config._asdict()),
@@ -381,6 +418,16 @@ def _record_bytes(content) -> int:
 
 
 def wait_for_nodes(grid, num_nodes: int, timeout_s: float = 300.0) -> List[int]:
+  """Waits until `num_nodes` SuperNodes are connected; ConfigError after `timeout_s`.
+
+  Args:
+    grid: The Flower Grid of the ServerApp.
+    num_nodes: How many SuperNodes must be connected.
+    timeout_s: How long to wait, in seconds.
+
+  Returns:
+    The ids of the connected nodes, sorted.
+  """
   deadline = time.monotonic() + timeout_s
   while True:
     nodes = sorted(grid.get_node_ids())
@@ -412,6 +459,22 @@ class RemoteGroupTrainer:
     client_ids=None,
     context: Any = None,
   ) -> Tuple[TrainState, TrainMetrics]:
+    """`GroupTrainer.train` on the SuperNodes: each node trains its clients and sends them back.
+
+    Args:
+      state: Stacked TrainState of the group (leading axis = clients of `fed`).
+      fed: FederatedArrays (x [m, n_max, ...], y, sizes [m]); samples beyond a client's partition (a
+        hybrid set's) are sent along.
+      epochs: Local epochs.
+      key: The data-order key, as in `GroupTrainer.train`.
+      anchor: FedProx reference parameters, or None.
+      progress: Called as progress(epochs_done, epochs); the nodes report once, at the end.
+      client_ids: Global ids of the group's clients (default 0..m-1).
+      context: Must be None: per-client context is not carried to the nodes.
+
+    Returns:
+      (new stacked TrainState, TrainMetrics).
+    """
     if context is not None:
       raise ConfigError(
         'this method gives its clients per-client training context, which the Flower bridge '

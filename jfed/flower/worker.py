@@ -67,7 +67,18 @@ def _from_bytes(payload: bytes):
 
 
 def socket_path(spec: str, overrides, partition_id: int, num_partitions: int, owner: int) -> str:
-  """One worker per SuperNode process (`owner`), config and share of the clients."""
+  """One worker per SuperNode process (`owner`), config and share of the clients.
+
+  Args:
+    spec: The node's run config file.
+    overrides: The config overrides (`key=value` strings) of the run.
+    partition_id: This SuperNode's partition, from 0.
+    num_partitions: The number of SuperNodes sharing the clients.
+    owner: The process id of the SuperNode process that owns the worker.
+
+  Returns:
+    The Unix socket path of that worker (in the temporary directory).
+  """
   key = json.dumps([spec, list(overrides), partition_id, num_partitions, owner])
   digest = hashlib.sha256(key.encode()).hexdigest()[:20]
   # Unix socket paths are limited to ~100 bytes: a short name in the temporary directory.
@@ -85,7 +96,19 @@ def _connect(path: str) -> Optional[socket.socket]:
 
 
 def forward(content, spec: str, overrides, partition_id: int, num_partitions: int, owner: int):
-  """The reply records of the node's worker to `content`, starting the worker if none runs."""
+  """The reply records of the node's worker to `content`, starting the worker if none runs.
+
+  Args:
+    content: The message's RecordDict.
+    spec: The node's run config file.
+    overrides: The config overrides (`key=value` strings) of the run.
+    partition_id: This SuperNode's partition, from 0.
+    num_partitions: The number of SuperNodes sharing the clients.
+    owner: The process id of the SuperNode process that owns the worker.
+
+  Returns:
+    The worker's reply RecordDict.
+  """
   path = socket_path(spec, overrides, partition_id, num_partitions, owner)
   conn = _connect(path)
   if conn is None:
@@ -144,7 +167,16 @@ def serve(
   path: str, spec: str, overrides, partition_id: int, num_partitions: int, owner: int
 ) -> None:
   """Builds the node's trainer once, then answers each connection's request until the owner
-  process ends or nothing comes for IDLE_S."""
+  process ends or nothing comes for IDLE_S.
+
+  Args:
+    path: The Unix socket path to listen on.
+    spec: The node's run config file.
+    overrides: The config overrides (`key=value` strings) of the run.
+    partition_id: This SuperNode's partition, from 0.
+    num_partitions: The number of SuperNodes sharing the clients.
+    owner: The process id of the SuperNode process that owns the worker.
+  """
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
   from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
   from jfed.flower.transport import NodeTrainer  # pylint: disable=g-import-not-at-top

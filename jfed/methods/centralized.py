@@ -15,7 +15,7 @@ from jfed.methods.registry import register_method
 
 
 class CentralizedConfig(NamedTuple):
-  epochs: int
+  epochs: int = 1
 
 
 class CentralizedAux(NamedTuple):
@@ -59,6 +59,17 @@ class Centralized(Algorithm):
     return engine.init_train_state(aux.trainer.tx, init)
 
   def step(self, ctx: RunContext, aux: CentralizedAux, state: TrainState, i: int):
+    """One epoch of training on the pooled data of all clients.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The model's training state.
+      i: The epoch, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     ds = ctx.dataset
     state, metrics = aux.trainer.train(
       state, aux.group.fed, 1, ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None
@@ -75,4 +86,15 @@ class Centralized(Algorithm):
     ]
 
   def summarize(self, ctx, aux, state, history):
+    """The run summary.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final training state.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     return {'epochs': self.config.epochs}

@@ -48,48 +48,65 @@ from jfed.methods.registry import register_method
 NORMALISED_STD = 0.5  # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
 
 
-class CoBoostingConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  epochs: int
-  server_model: str
-  init: str
-  g_steps: int
-  synthesis_batch: int
-  lr_g: float
-  bn: float
-  oh: float
-  adv: float
-  hs: float
-  adv_T: float
-  g_grad_clip: float
-  nz: int
-  ngf: int
-  mu: float
-  wdc: float
-  wa_steps: int
-  odseta: float
-  ods_T: float
-  kd_T: float
-  kd_optimizer: str
-  kd_lr: float
-  kd_momentum: float
-  kd_weight_decay: float
-  kd_schedule: str
-  kd_grad_clip: float
-  kd_batch: int
-  kd_augment: str
-  pool_quantize: bool
+class CoBoostingOwnConfig(NamedTuple):
+  g_steps: int = 30
+  synthesis_batch: int = 128
+  bn: float = 0.0
+  oh: float = 1.0
+  adv: float = 1.0
+  hs: float = 1.0
+  adv_T: float = 3.0
+  g_grad_clip: float = 10.0
+  mu: float = 0.01
+  wdc: float = 0.99
+  wa_steps: int = 1
+  odseta: float = 8 / 255
+  ods_T: float = 4.0
+  kd_T: float = 4.0
+  kd_optimizer: str = 'sgd'
+  kd_lr: float = 0.01
+  kd_weight_decay: float = 1e-4
+  kd_schedule: str = 'cosine_epochs'
+  kd_grad_clip: float = 10.0
+  kd_batch: int = 128
+  kd_augment: str = 'auto'
   # Crop/flip G(z) before the teachers in synthesis. The reference (`coboost.py:synthesize`)
   # feeds normalizer(G(z)) unaugmented: False, the default, is the reference.
-  synthesis_augment: bool
+  synthesis_augment: bool = False
+
+
+# `config.coboosting`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
+CoBoostingConfig = tc.concat(
+  'CoBoostingConfig',
+  __name__,
+  oneshot.OneShotRound,
+  oneshot.GeneratorDistillation,
+  CoBoostingOwnConfig,
+)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask, mu, wdc, epoch):
   """One Co-Boosting ensemble-weight step on a pool batch (x, y) (`gather_batch`, like the KD
   step: the pool's capacity stays out of the program) (as `github.com/rong-dai/Co-Boosting`
-  does)."""
+  does).
+
+  Args:
+    strategy: How the teachers map over their clients (a `jfed.engine.training.STRATEGIES` value).
+    teacher_modules: Per architecture, the teachers' flax module.
+    teacher_states: Per architecture, the teachers' stacked models.
+    w: The current ensemble weights, [clients].
+    w_orig: The weights at the start of the epoch, [clients].
+    x: A pool batch of images.
+    y: Their labels (the generator's classes).
+    mask: [B] bool, the real rows of the batch.
+    mu: The weight step size (decayed as mu · wdc^epoch).
+    wdc: The per-epoch decay factor of the step size.
+    epoch: The epoch (a float scalar).
+
+  Returns:
+    The updated ensemble weights, [clients].
+  """
   per_client, _ = teacher_outputs(
     teacher_groups(teacher_modules, teacher_states), x, False, strategy
   )
@@ -149,6 +166,16 @@ class CoBoosting(oneshot.DistillationAlgorithm):
     return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
 
   def init_extra(self, ctx, aux, student):
+    """The initial ensemble weights: uniform over the clients.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      student: The round's starting student (unused).
+
+    Returns:
+      Uniform ensemble weights, [clients].
+    """
     return jnp.full((ctx.num_clients,), 1.0 / ctx.num_clients, jnp.float32)
 
   def synthesis_agg(self, state, rd):
@@ -157,9 +184,34 @@ class CoBoosting(oneshot.DistillationAlgorithm):
   kd_agg = synthesis_agg
 
   def round_data(self, ctx, aux, r, local, teachers):
+    """The client ids of the teachers, to report the weights by client.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      r: The round, from 1.
+      local: The round's uploaded client models.
+      teachers: The uploads grouped by architecture.
+
+    Returns:
+      The teachers' client ids, in teacher order.
+    """
     return oneshot.teacher_client_ids(local)
 
   def before_kd(self, ctx, aux, rd, state, r, e):
+    """From the second epoch on, `wa_steps` passes of ensemble-weight updates over the pool.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      rd: The round's uploads, teachers and client ids.
+      state: The server state after synthesis.
+      r: The round, from 1.
+      e: The epoch within the round, from 0.
+
+    Returns:
+      The state with the updated ensemble weights and the weights for the record.
+    """
     if e == 0:
       return state, {}
     c = self.config
@@ -185,4 +237,16 @@ class CoBoosting(oneshot.DistillationAlgorithm):
     return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
 
   def method_summary(self, ctx, aux, rd, state, history):
+    """The final ensemble weights.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      rd: The last round's data.
+      state: The final server state.
+      history: The records of every step of the run.
+
+    Returns:
+      The final ensemble weights, by client id.
+    """
     return {'ensemble_weights': _by_client(state.extra, rd.data)}

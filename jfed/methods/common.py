@@ -74,7 +74,16 @@ def single_architecture(ctx: RunContext) -> str:
 
 
 def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
-  """Seeded client sampling: round(participation * n) clients (at least one), sorted."""
+  """Seeded client sampling: round(participation * n) clients (at least one), sorted.
+
+  Args:
+    key: The PRNG key of the draw (one per round).
+    num_clients: n, the number of clients to sample from.
+    participation: The fraction of clients taking part, in (0, 1].
+
+  Returns:
+    The sampled client ids, sorted.
+  """
   if not 0.0 < participation <= 1.0:
     raise ConfigError(f'participation must be in (0, 1], got {participation}')
   count = clients_per_round(num_clients, participation)
@@ -88,7 +97,15 @@ def client_groups(
 ) -> List[ClientGroup]:
   """Groups the (selected) clients by architecture, in order of first appearance.
 
-  `build(spec, dataset)` makes a group's module (default: the classifier of `build_module`)."""
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    client_ids: The clients to group (global ids); None for all.
+    build: `build(spec, dataset)` makes a group's module; None for the classifier of
+      `build_module`.
+
+  Returns:
+    One ClientGroup per architecture: its spec, module, client ids and their data.
+  """
   build = build or build_module
   specs = client_model_specs(ctx)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
@@ -200,8 +217,20 @@ def train_groups(
 
   A client whose training loss becomes non-finite raises NonFiniteError (`diverged='raise'`),
   or is logged and left to the server to exclude (`'warn'`: its upload fails validation).
-  `contexts`: per group, the per-client values its trainer's objective takes
-  (`GroupTrainer.train`'s `context`), or None.
+  Args:
+    trainers: One trainer per group (its loss, optimizer and batch size).
+    groups: The client groups to train.
+    models: Per group, the clients' starting models (stacked along a leading client axis).
+    epochs: Local epochs.
+    key: The PRNG key of this training (shuffling, dropout).
+    anchors: Per group, the parameters of FedProx's proximal term; None for none.
+    label: What the training is called in logs and errors.
+    diverged: 'raise' (NonFiniteError) or 'warn' for a client whose loss becomes non-finite.
+    contexts: Per group, the per-client values its trainer's objective takes
+      (`GroupTrainer.train`'s `context`), or None.
+
+  Returns:
+    Per group, the trained models and the training metrics.
   """
   out_models, out_metrics = [], []
   for i, (trainer, group, model) in enumerate(zip(trainers, groups, models)):
@@ -374,6 +403,14 @@ def receive_uploads(
 
   Bytes are measured by serialising one upload per group: msgpack's size depends only on the
   shapes and dtypes, which validation has just checked are the template's.
+
+  Args:
+    groups: The client groups that upload.
+    models: Per group, the uploaded models (stacked along a leading client axis).
+    templates: Per group, a model of the expected structure, shapes and dtypes.
+
+  Returns:
+    The bytes received from all clients.
   """
   total = 0
   for group, stacked, template in zip(groups, models, templates):
@@ -401,6 +438,14 @@ def local_models(
   A stage of the driver (`ctx.stage('local_models', epochs, ...)`): checkpointed under
   workdir/local_models, or read from `local_models_dir` when set, so an interrupted one-shot run
   and a sweep of server-side methods train the clients only once.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    epochs: Local epochs.
+    client_ids: The clients to train (global ids); None for all.
+
+  Returns:
+    The client groups, their trained models and the upload size in bytes.
   """
   groups = client_groups(ctx, client_ids)
   init = init_group_models(ctx, groups)
@@ -442,6 +487,14 @@ def participating_group(
   once: the data is padded to whole batches of the full group's largest client (the length to
   which local training pads the clients' visiting orders otherwise depends on the largest
   selected client). Padded samples never change what a client computes.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    full_group: The group of all the clients of one architecture.
+    selected: The selected client ids of this round (global ids).
+
+  Returns:
+    The group restricted to the selected clients, padded as the full group.
   """
   if len(selected) == len(full_group.client_ids):
     return full_group
@@ -482,6 +535,21 @@ def fedavg_round(
   """One FedAvg round: replicate the global model, train the group, and let the server receive
   the uploads (attack, validation) and aggregate them (weighted by client size unless
   `weights` are given) by the run's rule.
+
+  Args:
+    trainer: The group's local trainer.
+    group: The clients taking part in the round.
+    global_model: The global model sent to them.
+    epochs: Local epochs.
+    key: The PRNG key of the round's local training.
+    template: A model of the expected upload structure (for validation).
+    server: The server that receives and aggregates the uploads.
+    step: The round, as the server's step (attack schedule, server optimizer).
+    weights: Per-client aggregation weights; None for client sizes.
+    prox_mu: FedProx's proximal coefficient; 0 for plain FedAvg.
+    label: What the training is called in logs and errors.
+    declared_sizes: The client sizes the clients report (an attack may lie); None for the
+      true sizes.
 
   Returns:
     The round's aggregate and its record fields (train_loss, clients, upload_bytes,
@@ -531,12 +599,32 @@ def client_accuracies(ctx: RunContext, local: LocalModels) -> np.ndarray:
 
 
 def test_accuracy(ctx: RunContext, module, model: ModelState, evaluator=None) -> float:
+  """A model's accuracy on the run's test set.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    module: The model's flax module.
+    model: Its parameters and batch statistics.
+    evaluator: An Evaluator to reuse (its compiled programs); None builds one.
+
+  Returns:
+    The accuracy, in [0, 1].
+  """
   ev = evaluator or engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
   return ev.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
 
 
 def client_probabilities(ctx: RunContext, local: LocalModels, x: np.ndarray) -> np.ndarray:
-  """Softmax outputs [m, n, C] of every client's own model on x, indexed by global client id."""
+  """Softmax outputs of every client's own model on x, indexed by global client id.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    local: The clients' models.
+    x: Inputs, [n, H, W, C].
+
+  Returns:
+    Probabilities, [m clients, n, C classes].
+  """
   out = np.zeros((ctx.num_clients, len(x), ctx.dataset.num_classes), np.float32)
   for g, models in zip(local.groups, local.models):
     ev = engine.Evaluator(g.module, ctx.run.eval_batch_size, ctx.run.strategy)

@@ -26,29 +26,29 @@ from jfed.methods.registry import register_method
 BN_LOSS_MODES = ('paper', 'code')
 
 
-class DenseConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  epochs: int
-  server_model: str
-  init: str
-  g_steps: int
-  synthesis_batch: int
-  lr_g: float
-  bn: float
-  oh: float
-  adv: float
-  bn_loss_mode: str
-  nz: int
-  ngf: int
-  kd_T: float
-  kd_optimizer: str
-  kd_lr: float
-  kd_momentum: float
-  kd_weight_decay: float
-  kd_batch: int
-  kd_augment: str
-  pool_quantize: bool
+class DenseOwnConfig(NamedTuple):
+  g_steps: int = 30
+  synthesis_batch: int = 256
+  bn: float = 1.0
+  oh: float = 1.0
+  adv: float = 1.0
+  bn_loss_mode: str = 'paper'
+  kd_T: float = 20.0
+  kd_optimizer: str = 'sgd'
+  kd_lr: float = 0.005
+  kd_weight_decay: float = 0.0
+  kd_batch: int = 256
+  kd_augment: str = 'auto'
+
+
+# `config.dense`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
+DenseConfig = tc.concat(
+  'DenseConfig',
+  __name__,
+  oneshot.OneShotRound,
+  oneshot.GeneratorDistillation,
+  DenseOwnConfig,
+)
 
 
 @register_method('dense')
@@ -73,4 +73,16 @@ class Dense(oneshot.DistillationAlgorithm):
     return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
 
   def method_summary(self, ctx, aux, rd, state, history):
+    """DENSE's summary fields.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      rd: The last round's data.
+      state: The final server state.
+      history: The records of every step of the run.
+
+    Returns:
+      The BN-loss mode and the final image-pool size.
+    """
     return {'bn_loss_mode': self.config.bn_loss_mode, 'pool_size': int(pool_size(state.pool))}

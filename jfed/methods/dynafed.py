@@ -83,34 +83,36 @@ CLIENT_OPTIMIZERS = ('', 'sgd', 'adam')  # '': the run's `optimizer` section
 
 
 class DynaFedConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
-  weighting: str
-  trajectory_rounds: int
-  ipc: int
-  syn_steps: int
-  expert_epochs: int
-  min_start_epoch: int
-  max_start_epoch: int
-  weight_averaging: bool
-  least_ave_num: int
-  max_ave_num: int
-  iterations: int
-  batch_syn: int
-  lr_img: float
-  lr_label: float
-  lr_lr: float
-  lr_teacher: float
-  label_init: float
-  noise_mean: float
-  noise_std: float
-  finetune_epochs: int
-  finetune_lr: float
-  finetune_batch: int
-  dsa: str
-  client_optimizer: str
-  client_lr: float
+  rounds: int = 1
+  local_epochs: int = 1
+  participation: float = 1.0  # the reference scripts: 0.4 (hfldd_*.py set it)
+  weighting: str = 'uniform'
+  trajectory_rounds: int = 24
+  ipc: int = 15
+  syn_steps: int = 20
+  expert_epochs: int = 3
+  min_start_epoch: int = 0
+  max_start_epoch: int = 50
+  weight_averaging: bool = True
+  least_ave_num: int = 2
+  max_ave_num: int = 10
+  iterations: int = 3000
+  batch_syn: int = 0
+  lr_img: float = 0.05
+  lr_label: float = 0.01
+  lr_lr: float = 1e-5
+  lr_teacher: float = 0.04
+  label_init: float = 0.0
+  noise_mean: float = 0.5
+  noise_std: float = 0.25
+  finetune_epochs: int = 20
+  finetune_lr: float = 1e-4
+  finetune_batch: int = 256
+  # DSA during matching and fine-tuning (jfed/distill/diffaugment.py; '' or 'none': off)
+  dsa: str = 'color_crop_cutout_flip_scale_rotate'
+  # the clients' optimiser: '' = the run's `optimizer`; else sgd | adam at client_lr
+  client_optimizer: str = 'adam'
+  client_lr: float = 1e-3
 
 
 class DynaFedState(NamedTuple):
@@ -155,6 +157,20 @@ def trajectory_matching_loss(
   hashable (key, x) -> x, e.g. `DiffAugment`) is given: fresh parameters every step, as the
   reference's `DiffAugment` call in each student step. Differentiable in syn_x, syn_labels and
   syn_lr.
+
+  Args:
+    apply_fn: `apply_fn(params, x) -> logits` of the student.
+    syn_x: The synthetic images, [n, H, W, C].
+    syn_labels: Their (learned, soft) labels, [n, C].
+    syn_lr: The learned student learning rate (a scalar).
+    start_params: θ_start, the trajectory point the student starts from.
+    target_params: θ*, the trajectory point it should reach.
+    batches: Int [syn_steps, batch] indices of the synthetic minibatch of each student step.
+    aug_key: The PRNG key of the augmentations (folded with the step).
+    augment: A hashable `(key, x) -> x` augmentation; None for none.
+
+  Returns:
+    The normalised matching loss (a scalar).
   """
 
   def step(params, inputs):
@@ -185,7 +201,17 @@ def student_apply_fn(module, batch_stats) -> Callable:
 
 
 def student_batches(key, num_syn: int, syn_steps: int, batch: int) -> jax.Array:
-  """[syn_steps, batch] indices: consecutive chunks of fresh random permutations."""
+  """[syn_steps, batch] indices: consecutive chunks of fresh random permutations.
+
+  Args:
+    key: The PRNG key of the permutations.
+    num_syn: The number of synthetic samples.
+    syn_steps: Student steps per matching iteration.
+    batch: Samples per student step.
+
+  Returns:
+    Int [syn_steps, batch] indices.
+  """
   perms = math.ceil(syn_steps * batch / num_syn)
   idx = jnp.concatenate(
     [jax.random.permutation(jax.random.fold_in(key, i), num_syn) for i in range(perms)]
@@ -219,7 +245,17 @@ def matching_schedule(cfg, trajectory_len: int) -> MatchingSchedule:
 
 
 def sample_target(key, trajectory, schedule: MatchingSchedule):
-  """(start params, target params) of one matching iteration (traceable)."""
+  """(start params, target params) of one matching iteration (traceable).
+
+  Args:
+    key: The PRNG key of the draw.
+    trajectory: The global models θ_0..θ_T, stacked along a leading axis.
+    schedule: The static ranges of start epochs, expert epochs and averaged targets.
+
+  Returns:
+    (start params, target params): θ_s and θ_{s + expert_epochs}, or an average of random later
+      points when the schedule averages weights.
+  """
   k_start, k_num, k_pick = jax.random.split(key, 3)
   s = jax.random.randint(k_start, (), schedule.min_start, schedule.max_start + 1)
   start = jax.tree.map(lambda t: t[s], trajectory)
@@ -243,7 +279,20 @@ def pixel_dsa(cfg) -> Optional[DiffAugment]:
 def distill_synthetic_set(
   module, model: ModelState, trajectory, cfg, num_classes: int, input_shape, key
 ):
-  """Trajectory matching: returns (images in [0,1]-space, label logits, lr_syn, losses)."""
+  """Trajectory matching: returns (images in [0,1]-space, label logits, lr_syn, losses).
+
+  Args:
+    module: The global model's flax module.
+    model: The global model (its batch statistics are used).
+    trajectory: The global models θ_0..θ_T, stacked along a leading axis.
+    cfg: The method's config (synthetic-set size, iterations, learning rates, DSA).
+    num_classes: Number of classes.
+    input_shape: The (H, W, C) shape of one image.
+    key: The PRNG key of the distillation.
+
+  Returns:
+    (images in [0, 1]-space, label logits, learned lr, matching losses per iteration).
+  """
   ipc, C = int(cfg.ipc), num_classes
   n = ipc * C
   schedule = matching_schedule(cfg, jax.tree.leaves(trajectory)[0].shape[0])
@@ -335,7 +384,20 @@ def finetune(
   trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels, epochs: int, key
 ) -> ModelState:
   """BN re-estimation on the synthetic set (un-augmented, as the reference), then `epochs`
-  epochs of soft-label training (augmented when the trainer's objective augments)."""
+  epochs of soft-label training (augmented when the trainer's objective augments).
+
+  Args:
+    trainer: The server's trainer (its objective and optimizer).
+    module: The global model's flax module.
+    model: The global model to fine-tune.
+    syn_x: The synthetic images.
+    syn_labels: Their soft labels (logits).
+    epochs: Epochs of fine-tuning.
+    key: The PRNG key of shuffling and augmentation.
+
+  Returns:
+    The fine-tuned model.
+  """
   x = np.asarray(syn_x)
   model = _bn_passes(module, model, x, trainer.batch_size, 3, jax.random.fold_in(key, 1))
   y = np.asarray(jax.nn.softmax(syn_labels, -1), np.float32)
@@ -467,6 +529,18 @@ class DynaFed(Algorithm):
     )
 
   def step(self, ctx: RunContext, aux: DynaFedAux, state: DynaFedState, i: int):
+    """One FedAvg round; after the trajectory's last round, distils the synthetic set once, and
+    fine-tunes the global model on it every round.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global model, its trajectory and the synthetic set.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     cfg, ds = self.config, ctx.dataset
     T = cfg.trajectory_rounds
     record = {}
@@ -522,6 +596,17 @@ class DynaFed(Algorithm):
     return state, [{'round': i + 1, 'test_accuracy': accuracy, **round_record, **record}]
 
   def summarize(self, ctx, aux: DynaFedAux, state, history) -> Dict[str, Any]:
+    """The run summary: accuracies, communication and the synthetic set.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final server state.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     cfg = self.config
     transfers = comm.fedavg_transfers(
       comm.serialized_nbytes(aux.init),

@@ -47,21 +47,21 @@ from jfed.methods.registry import register_method
 
 
 class FedAvgConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
-  reuse_local_models: bool
+  rounds: int = 1
+  local_epochs: int = 1
+  participation: float = 1.0
+  reuse_local_models: bool = False
 
 
 class FedProxConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
-  mu: float
+  rounds: int = 1
+  local_epochs: int = 1
+  participation: float = 1.0
+  mu: float = 0.01
 
 
 class FedAvgVoteConfig(NamedTuple):
-  local_epochs: int
+  local_epochs: int = 1
 
 
 class FedAvgAux(NamedTuple):
@@ -267,6 +267,17 @@ class FedAvg(Algorithm):
   def step(
     self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int
   ) -> Tuple[FedAvgState, List[Dict[str, Any]]]:
+    """One FedAvg round: the selected clients train from the global model, the server aggregates.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global model and the server optimizer's state.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     server = self._round_server(ctx, aux, state, i)
     if aux.local is not None:  # one-shot aggregate of the shared local models
@@ -303,6 +314,17 @@ class FedAvg(Algorithm):
     return FedAvgState(model, opt_state, clip), [record]
 
   def summarize(self, ctx, aux, state, history) -> Dict[str, Any]:
+    """The run summary: communication and final accuracy.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final server state.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     return {
       'rounds': self.config.rounds,
       'reused_local_models': self.reuse_local_models,
@@ -374,6 +396,17 @@ class FedAvgVote(Algorithm):
     return [engine.take(m, 0) for m in local.models]
 
   def step(self, ctx: RunContext, local: common.LocalModels, state, i: int):
+    """The one step: FedAvg of each architecture's clients, then the vote of those prototypes.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      local: The clients' one-shot uploads (this method's `aux`).
+      state: Unused (the prototypes are built from `local`).
+      i: The step, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     prototypes = [
       engine.weighted_average(m, np.ones(len(g.client_ids)))
       for g, m in zip(local.groups, local.models)
@@ -397,6 +430,17 @@ class FedAvgVote(Algorithm):
     return prototypes, [record]
 
   def summarize(self, ctx, local, state, history) -> Dict[str, Any]:
+    """The run summary: each prototype's accuracy and the client architectures.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      local: The clients' one-shot uploads (this method's `aux`).
+      state: Unused.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     last = history[-1]
     return {
       'prototype_test_accuracy': last['prototype_test_accuracy'],

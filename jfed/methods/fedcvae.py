@@ -50,21 +50,23 @@ from jfed.methods.registry import register_method
 
 
 class FedCVAEConfig(NamedTuple):
-  cvae_epochs: int
-  cvae_optimizer: str
-  cvae_lr: float
-  cvae_batch: int
-  cvae_recon: str
-  num_synthetic: int
-  z_bound: float
-  weight_by_share: bool
-  server_model: str
-  epochs: int
-  lr: float
-  batch: int
-  protocol: str
-  clean_rate: float
-  cvae_small_lr: float
+  cvae_epochs: int = 40
+  cvae_optimizer: str = 'adam'
+  cvae_lr: float = 1e-3
+  cvae_batch: int = 64
+  cvae_recon: str = 'bce'
+  num_synthetic: int = 6000
+  z_bound: float = 3.0
+  weight_by_share: bool = True
+  server_model: str = ''
+  epochs: int = 20
+  lr: float = 1e-3
+  batch: int = 32
+  # 'fed_cvae': ceh-2000/fed_cvae's server; 'fedmho': the FEDCVAE row as FedMHO's reference
+  # runs it (FedMHO's per-class generation and filter at clean_rate; Ens only)
+  protocol: str = 'fed_cvae'
+  clean_rate: float = 0.8
+  cvae_small_lr: float = 0.0  # > 0: CVAE-small clients' own Adam lr (FedMHO's reference: 5e-2)
 
 
 PROTOCOLS = ('fed_cvae', 'fedmho')
@@ -84,7 +86,16 @@ class FedCVAEAux(NamedTuple):
 
 def decoder_sample_counts(sizes: np.ndarray, total: int, weight_by_share: bool) -> np.ndarray:
   """Samples per decoder: int(n_k / N · total), or total // K; the last takes the remainder
-  (`generate_dataset_from_user_decoders`)."""
+  (`generate_dataset_from_user_decoders`).
+
+  Args:
+    sizes: n_k, the clients' training-set sizes, [K].
+    total: The number of samples to draw in all.
+    weight_by_share: Whether decoder k draws in proportion to n_k / N (else equally).
+
+  Returns:
+    Samples per decoder, [K] ints summing to `total`.
+  """
   sizes = np.asarray(sizes, np.float64)
   if weight_by_share:
     counts = np.floor(sizes / sizes.sum() * total).astype(np.int64)
@@ -105,7 +116,20 @@ def synthesize(
   """`total` samples from the users' decoders as `generate_dataset_from_user_decoders` draws
   them: (images [N, H, W, C] in [0, 1] at `out_hw` (default: the dataset's size), labels [N],
   latents [N, latent]); `tag` separates the draws of different uses (0: the Ens classifier set,
-  1: FedCVAE-KD's decoder targets)."""
+  1: FedCVAE-KD's decoder targets).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    cvaes: The clients' trained CVAEs (their decoders draw the samples).
+    cfg: The method's config (latent size, sampling weights).
+    total: The number of samples to draw in all.
+    tag: Separates the draws of different uses (0: the Ens classifier set, 1: FedCVAE-KD's decoder
+      targets).
+    out_hw: The (H, W) of the returned images; None for the dataset's.
+
+  Returns:
+    (images [N, H, W, C] in [0, 1], labels [N], latents [N, latent]).
+  """
   sizes = np.concatenate([u.label_counts.sum(1) for u in cvaes.uploads])
   # The reference's "last user" (the remainder) is the last in client order, not group order.
   by_id = np.argsort(np.concatenate([u.client_ids for u in cvaes.uploads]), kind='stable')
@@ -173,6 +197,14 @@ def server_classifier(ctx: RunContext, c: FedCVAEConfig):
 
 
 def plot_samples(ctx: RunContext, images: np.ndarray, labels: np.ndarray, title: str) -> None:
+  """Saves a grid of synthetic samples as synthetic_samples.png in the workdir (if any).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    images: Images [N, H, W, C] in [0, 1]; the first 64 are drawn.
+    labels: Their labels, [N].
+    title: The figure's title.
+  """
   path = ctx.output_path('synthetic_samples.png')
   if path is not None and len(labels):
     distill_plots.plot_image_grid(path, images[:64], labels[:64], title=title)
@@ -238,12 +270,34 @@ class FedCVAEEns(Algorithm):
     return engine.commit(aux.trainer.init(aux.init))
 
   def step(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, i: int):
+    """One epoch of training the server classifier on the decoded samples.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The server classifier's training state.
+      i: The classifier epoch, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     state, loss, accuracy = generative.fusion_epoch(
       ctx, aux.trainer, aux.evaluator, state, aux.data, self.config.batch, i
     )
     return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss}]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, history):
+    """The run summary; also plots the decoded samples.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final classifier state.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     plot_samples(ctx, aux.images, aux.labels, 'decoded samples')
     return {
       'server_model': self.config.server_model or ctx.run.model,
@@ -257,27 +311,20 @@ class FedCVAEEns(Algorithm):
     }
 
 
-class FedCVAEKDConfig(NamedTuple):
-  cvae_epochs: int
-  cvae_optimizer: str
-  cvae_lr: float
-  cvae_batch: int
-  cvae_recon: str
-  num_synthetic: int
-  z_bound: float
-  weight_by_share: bool
-  server_model: str
-  epochs: int
-  lr: float
-  batch: int
-  protocol: str
-  clean_rate: float
-  cvae_small_lr: float
-  server_decoder: str
-  decoder_samples: int
-  decoder_epochs: int
-  decoder_lr: float
-  decoder_batch: int
+class DecoderDistillation(NamedTuple):
+  """FedCVAE-KD's own keys: the server decoder distilled from the users' decoders (defaults: the
+  reference's tuned Fashion-MNIST values, `github.com/ceh-2000/fed_cvae`,
+  experiments/best_hyperparameters/fashion/fedvae.txt)."""
+
+  server_decoder: str = 'cvae:size=v0'
+  decoder_samples: int = 5000
+  decoder_epochs: int = 7
+  decoder_lr: float = 1e-2
+  decoder_batch: int = 32
+
+
+# `config.fedcvae` for FedCVAE-KD: FedCVAE-Ens's settings, then the decoder's (one flat section).
+FedCVAEKDConfig = tc.concat('FedCVAEKDConfig', __name__, FedCVAEConfig, DecoderDistillation)
 
 
 class FedCVAEKDAux:
@@ -392,6 +439,18 @@ class FedCVAEKD(Algorithm):
     return aux.classifier_data
 
   def step(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, i: int):
+    """One epoch of distilling the clients' decoders into the server decoder, or (after
+    `decoder_epochs`) of training the classifier on its samples.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The server decoder's and classifier's training states.
+      i: The step: decoder-distillation epochs first, then classifier epochs, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     if i < c.decoder_epochs:
       decoder, loss = aux.distiller.epoch(
@@ -410,6 +469,17 @@ class FedCVAEKD(Algorithm):
     return state._replace(classifier=classifier), [record]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, history):
+    """The run summary; also plots the server decoder's samples.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final decoder and classifier states.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     images, labels = self._classifier_data(ctx, aux, state.decoder.model)
     plot_samples(ctx, images, labels, 'server decoder samples')
     return {

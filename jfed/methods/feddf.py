@@ -67,27 +67,29 @@ VAL_SPLITS = (HOLDOUT, 'train')
 ARCHITECTURES = ('all', 'server')
 
 
-class FedDFConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  server_model: str
-  init: str
-  source: str
-  source_size: int
-  val_size: int
-  val_split: str  # VAL_SPLITS: where the validation images come from
-  kd_T: float
-  kd_optimizer: str
-  kd_lr: float
-  kd_batch: int
-  total_steps: int
-  eval_every: int
-  patience: int
-  kd_grad_clip: float
-  kd_schedule: str
-  kd_augment: str
-  teacher_bn: str
-  architectures: str  # ARCHITECTURES: which architectures get a student
+class FedDFOwnConfig(NamedTuple):
+  server_model: str = ''
+  init: str = 'fedavg'
+  source: str = 'holdout'
+  source_size: int = 4000
+  val_size: int = 1000
+  val_split: str = 'holdout'  # VAL_SPLITS: where the validation images come from
+  kd_T: float = 1.0
+  kd_optimizer: str = 'adam'
+  kd_lr: float = 1e-3
+  kd_batch: int = 128
+  total_steps: int = 10000
+  eval_every: int = 100
+  patience: int = 1000
+  kd_grad_clip: float = 5.0
+  kd_schedule: str = 'cosine'
+  kd_augment: str = 'none'
+  teacher_bn: str = 'batch'
+  architectures: str = 'all'  # ARCHITECTURES: which architectures get a student
+
+
+# `config.feddf`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
+FedDFConfig = tc.concat('FedDFConfig', __name__, oneshot.OneShotRound, FedDFOwnConfig)
 
 
 class DistillationData(NamedTuple):
@@ -199,9 +201,33 @@ class FedDFStudent(oneshot.DistillationAlgorithm):
     return aux.evaluator.accuracy(model, aux.data.val_x, aux.data.val_y)
 
   def init_extra(self, ctx, aux, student) -> FedDFExtra:
+    """Early-stopping state: the best model by validation accuracy, from the start.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      student: The model the round's student starts from.
+
+    Returns:
+      The best model so far (the start), its validation accuracy and a zero count of bad epochs.
+    """
     return FedDFExtra(student, jnp.float32(self._val(aux, student)), jnp.int32(0))
 
   def after_epoch(self, ctx, aux, state, test_accuracy, r, e):
+    """Keeps the best student by validation accuracy; stops after `patience` epochs without gain.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The server state after the epoch.
+      test_accuracy: The student's test accuracy after the epoch (unused: selection is on
+        validation).
+      r: The round, from 1.
+      e: The epoch within the round, from 0.
+
+    Returns:
+      The state with the updated best model and stop flag, and validation fields for the record.
+    """
     if len(aux.data.val_y) == 0:
       return state._replace(extra=state.extra._replace(best=state.student.model)), {}
     val = self._val(aux, state.student.model)
@@ -220,11 +246,27 @@ class FedDFStudent(oneshot.DistillationAlgorithm):
     return state.extra.best
 
   def round_accuracy(self, aux, state, last_test_accuracy):
+    """The round's accuracy: that of the model it hands on.
+
+    Args:
+      aux: The run-level state built in `setup`.
+      state: The server state at the end of the round.
+      last_test_accuracy: The student's test accuracy after the last epoch, in [0, 1].
+    """
     if len(aux.data.val_y) == 0:
       return last_test_accuracy
     return aux.evaluator.accuracy(state.extra.best, aux.eval_x, aux.eval_y)
 
   def method_summary(self, ctx, aux, rd, state, history):
+    """Summary fields of FedDF's distillation data.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      rd: The last round's uploads, teachers and data.
+      state: The final server state.
+      history: The records of every step of the run.
+    """
     d = aux.data
     return {
       'source': d.source,
@@ -287,6 +329,14 @@ class FedDF(Algorithm):
     return tuple(s.init(ctx, a) for s, a in zip(aux.students, aux.auxes))
 
   def step(self, ctx: RunContext, aux: FedDFAux, state, i: int):
+    """One distillation epoch of every student; a new round first trains the round's uploads.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: One server state per student architecture.
+      i: The step (round * epochs + epoch), from 0.
+    """
     r, e = divmod(i, self.epochs_per_round())
     r += 1
     if e == 0 and r > 1:
@@ -324,6 +374,17 @@ class FedDF(Algorithm):
     return self._student('').final_accuracy(history)
 
   def summarize(self, ctx: RunContext, aux: FedDFAux, state, history) -> Dict[str, Any]:
+    """The run summary of the first student, with every student's accuracy.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final server states, one per student.
+      history: The records of every step of the run.
+
+    Returns:
+      The first student's summary plus every student's test accuracy.
+    """
     out = aux.students[0].summarize(ctx, aux.auxes[0], state[0], history)
     out['architectures'] = self.config.architectures
     out['students'] = list(aux.architectures)
@@ -389,6 +450,14 @@ class FedDFVote(Algorithm):
     return tuple(a.init(ctx, x) for a, x in zip(aux.algorithms, aux.auxes))
 
   def step(self, ctx: RunContext, aux: FedDFVoteAux, state, i: int):
+    """One epoch of the current prototype's FedDF run, its records renamed per prototype.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: One server state per prototype run.
+      i: The step (prototype * epochs + epoch), from 0.
+    """
     p, e = divmod(i, self._epochs())
     new, records = aux.algorithms[p].step(ctx, aux.auxes[p], state[p], e)
     state = state[:p] + (new,) + state[p + 1 :]
@@ -415,6 +484,17 @@ class FedDFVote(Algorithm):
     }
 
   def summarize(self, ctx: RunContext, aux: FedDFVoteAux, state, history) -> Dict[str, Any]:
+    """The run summary: the accuracy of the prototypes' vote and of each prototype.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final server states, one per prototype.
+      history: The records of every step of the run.
+
+    Returns:
+      The vote's and each prototype's accuracies.
+    """
     vote = self._vote(aux, state)
     local = aux.algorithms[0].round(ctx, aux.auxes[0], 1).local
     client_logits = common.client_test_logits(ctx, local)

@@ -70,51 +70,60 @@ SA_SCALES = ('paper', 'classes')
 
 def sa_weights(U_r: Any, U_c: Any, scale: str) -> SAWeights:
   """SA's weights from MS: Ū_c as Eq. 6 ('paper'; a client's class weights sum to 1, so they
-  average 1/c) or × c ('classes'; they average 1, keeping SA logits at the clients' scale)."""
+  average 1/c) or × c ('classes'; they average 1, keeping SA logits at the clients' scale).
+
+  Args:
+    U_r: MS's reliability weights, [C classes, m clients].
+    U_c: MS's class weights, [C classes, m clients].
+    scale: 'paper' (Eq. 6: a client's class weights sum to 1) or 'classes' (× C: they average 1).
+
+  Returns:
+    The SA weights.
+  """
   if scale not in SA_SCALES:
     raise ValueError(f'sa_in_model_scale {scale!r}; valid: {SA_SCALES}')
   return SAWeights(U_r, U_c * (np.shape(U_c)[0] if scale == 'classes' else 1))
 
 
-class FedHydraConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  epochs: int
-  server_model: str
-  init: str
-  T_G: int
-  lr_g: float
-  synthesis_batch: int
-  lambda1: float
-  lambda2: float
-  adv_T: float
-  generator_reset: bool
-  nz: int
-  ngf: int
+class FedHydraOwnConfig(NamedTuple):
+  T_G: int = 30
+  synthesis_batch: int = 256
+  lambda1: float = 1.0
+  lambda2: float = 1.0
+  adv_T: float = 1.0
+  generator_reset: bool = False
   # 'paper': FedHydra §4.1.3 (FC, 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid); 'dense': DENSE's
-  generator: str
+  generator: str = 'paper'
   # 'all': every generator step's batch enters the pool (FedHydra §2, "leverages all generated
   # intermediates"); 'best': only the lowest-loss batch of each epoch (DENSE's best_inputs)
-  synthesis_keep: str
-  ms_T_G: int
-  ms_lr: float
-  ms_batch: int
-  ms_impl: str
-  ms_chunk: int
-  aggregation: str
+  synthesis_keep: str = 'all'
+  ms_T_G: int = 30
+  ms_lr: float = 1e-3
+  ms_batch: int = 256
+  ms_impl: str = 'auto'
+  ms_chunk: int = 0
+  aggregation: str = 'sa'
   # 'paper': Ū_c as Eq. 6 (each client's class weights sum to 1, so SA logits are about 1/c of
   # a client's); 'classes': Ū_c × c (mean weight 1: the same relative weighting at the
   # clients' logit scale). docs/fedhydra.md, "SA logit scale".
-  sa_in_model_scale: str
-  beta: float
-  kd_T: float
-  kd_lr: float
-  kd_momentum: float
-  kd_weight_decay: float
-  kd_batch: int
-  kd_data: str
-  kd_augment: str
-  pool_quantize: bool
+  sa_in_model_scale: str = 'paper'
+  beta: float = 1.0
+  kd_T: float = 1.0
+  kd_lr: float = 0.01
+  kd_weight_decay: float = 0.0
+  kd_batch: int = 256
+  kd_data: str = 'pool'
+  kd_augment: str = 'none'
+
+
+# `config.fedhydra`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
+FedHydraConfig = tc.concat(
+  'FedHydraConfig',
+  __name__,
+  oneshot.OneShotRound,
+  oneshot.GeneratorDistillation,
+  FedHydraOwnConfig,
+)
 
 
 class Stratification(NamedTuple):
@@ -192,7 +201,18 @@ class FedHydra(oneshot.DistillationAlgorithm):
     )
 
   def round_data(self, ctx, aux, r, local, teachers):
-    """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it."""
+    """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      r: The round, from 1.
+      local: The round's uploaded client models.
+      teachers: The uploads grouped by architecture.
+
+    Returns:
+      MS and the SA weights with the teachers' client ids; None for plain averaging ('ae').
+    """
     if self.config.aggregation == 'ae':
       return None
     c = self.config
@@ -263,6 +283,18 @@ class FedHydra(oneshot.DistillationAlgorithm):
     return None if rd.data is None else (rd.data.sa.U_r, rd.data.sa.U_c)
 
   def method_summary(self, ctx, aux, rd, state, history):
+    """FedHydra's summary fields: the aggregation and MS.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      rd: The last round's data (MS).
+      state: The final server state.
+      history: The records of every step of the run.
+
+    Returns:
+      The aggregation, MS timing and per-client reliability.
+    """
     out = {'aggregation': self.config.aggregation, 'generator_reset': self.config.generator_reset}
     if rd.data is not None:
       ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)

@@ -58,20 +58,22 @@ OPTIMIZERS = ('client', 'adam')
 
 
 class FedMDConfig(NamedTuple):
-  rounds: int
-  public: str
-  public_size: int
-  public_epochs: int
-  public_batch: int
-  private_epochs: int
-  private_batch: int
-  alignment_size: int
-  digest_epochs: int
-  digest_batch: int
-  revisit_epochs: int
-  revisit_batch: int
-  optimizer: str
-  lr: float
+  rounds: int = 20
+  public: str = 'holdout'
+  public_size: int = 5000
+  public_epochs: int = 20
+  public_batch: int = 128
+  private_epochs: int = 25
+  private_batch: int = 32
+  alignment_size: int = 5000
+  digest_epochs: int = 1
+  digest_batch: int = 256
+  revisit_epochs: int = 4
+  revisit_batch: int = 5
+  # 'client': config.optimizer in every stage (the client optimiser of every other method
+  # of a comparison); 'adam': the reference's Adam at `lr`
+  optimizer: str = 'client'
+  lr: float = 1e-3
 
 
 def consensus_logits(logits: Any) -> Any:
@@ -80,14 +82,37 @@ def consensus_logits(logits: Any) -> Any:
 
 
 def l1_loss(logits, targets, weights):
-  """Keras 'mean_absolute_error' over the real samples: mean over classes, then samples."""
+  """Keras 'mean_absolute_error' over the real samples: mean over classes, then samples.
+
+  Args:
+    logits: The client's logits, [B, C].
+    targets: The consensus logits, [B, C].
+    weights: [B] sample weights (0 for padded rows).
+
+  Returns:
+    The loss (a scalar).
+  """
   per_example = jnp.mean(jnp.abs(logits - targets), axis=-1)
   return jnp.sum(per_example * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def digest_objective(module, params, batch_stats, x, y, weights, key):
   """The engine's `LocalObjective` of FedMD's digest: L1 between the client's logits and the
-  consensus logits `y` [B, C]; 'correct' counts agreements of their argmax."""
+  consensus logits `y` [B, C]; 'correct' counts agreements of their argmax.
+
+  Args:
+    module: The client's flax module.
+    params: Its parameters.
+    batch_stats: Its BatchNorm statistics.
+    x: A batch of inputs, [B, H, W, C].
+    y: The consensus logits, [B, C].
+    weights: [B] sample weights (0 for padded rows).
+    key: The PRNG key of the step (dropout).
+
+  Returns:
+    (loss to differentiate, (reported loss, correct predictions, real-sample count, new
+      batch_stats)), as `jfed.engine.training.LocalObjective`.
+  """
   logits, updates = module.apply(
     {'params': params, 'batch_stats': batch_stats},
     x,
@@ -246,6 +271,18 @@ class FedMD(Algorithm):
   def step(
     self, ctx: RunContext, aux: FedMDAux, state: Tuple[ModelState, ...], i: int
   ) -> Tuple[Tuple[ModelState, ...], List[Dict[str, Any]]]:
+    """One FedMD round: consensus logits on an alignment subset, digest, then revisit of the private
+    data.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The clients' models, one stacked ModelState per architecture.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     idx = self.alignment_indices(ctx, i)
     align_x = aux.public.x[idx]
@@ -310,6 +347,17 @@ class FedMD(Algorithm):
     return acc
 
   def summarize(self, ctx, aux: FedMDAux, state, history) -> Dict[str, Any]:
+    """The run summary: client models and final accuracies.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final clients' models.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -51,19 +51,19 @@ KL_REDUCTIONS = ('batchmean', 'mean')
 
 
 class FedMHOConfig(NamedTuple):
-  local_epochs: int
-  cvae_epochs: int
-  cvae_optimizer: str
-  cvae_lr: float
-  cvae_batch: int
-  cvae_recon: str
-  num_synthetic: int
-  clean_rate: float
-  epochs: int
-  lr: float
-  batch: int
-  lam: float
-  kl_reduction: str
+  local_epochs: int = 200
+  cvae_epochs: int = 40
+  cvae_optimizer: str = 'adam'
+  cvae_lr: float = 5e-2
+  cvae_batch: int = 64
+  cvae_recon: str = 'bce'
+  num_synthetic: int = 6000
+  clean_rate: float = 0.8
+  epochs: int = 20
+  lr: float = 5e-4
+  batch: int = 64
+  lam: float = 0.5
+  kl_reduction: str = 'mean'  # the reference's nn.KLDivLoss() ('batchmean': the paper's sum)
 
 
 class FedMHOAux(NamedTuple):

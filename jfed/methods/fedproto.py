@@ -76,13 +76,13 @@ CLASS_SUMS = 'fedproto_class_sums'
 
 
 class FedProtoConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
-  ld: float
-  prototypes: str
-  widest_features: bool
-  embed_dim: int
+  rounds: int = 100
+  local_epochs: int = 1
+  participation: float = 1.0
+  ld: float = 1.0
+  prototypes: str = 'last_epoch'
+  widest_features: bool = True
+  embed_dim: int = 0
 
 
 class GlobalPrototypes(NamedTuple):
@@ -97,7 +97,17 @@ class FedProtoState(NamedTuple):
 
 def prototype_mse(features, labels, weights, protos: GlobalPrototypes):
   """Σ over the real samples whose class has a global prototype of ||f_i − p_{y_i}||², over
-  (real samples · D): the reference's MSE with every other row counting as zero."""
+  (real samples · D): the reference's MSE with every other row counting as zero.
+
+  Args:
+    features: The embeddings, [B, D].
+    labels: Their classes, [B].
+    weights: [B] sample weights (0 for padded rows).
+    protos: The global prototypes and which classes have one.
+
+  Returns:
+    The loss (a scalar).
+  """
   has = (protos.support[labels] > 0) & (weights > 0)
   sq = jnp.sum(jnp.square(features - protos.prototypes[labels]), axis=-1)
   count = jnp.maximum(jnp.sum(weights), 1.0)
@@ -139,7 +149,16 @@ def fedproto_objective(ld: float):
 
 
 def with_class_sums(models: ModelState, num_classes: int, dim: int) -> ModelState:
-  """A stacked group's models with zeroed `CLASS_SUMS` in their batch_stats."""
+  """A stacked group's models with zeroed `CLASS_SUMS` in their batch_stats.
+
+  Args:
+    models: A group's models, stacked along a leading client axis.
+    num_classes: C, the number of classes.
+    dim: D, the embedding width.
+
+  Returns:
+    The models with zeroed [C, D] class sums (and counts) to accumulate local prototypes in.
+  """
   m = jax.tree.leaves(models.params)[0].shape[0]
   stats = {k: v for k, v in models.batch_stats.items() if k != CLASS_SUMS}
   stats[CLASS_SUMS] = {
@@ -171,7 +190,16 @@ def aggregate_prototypes(prototypes: np.ndarray, counts: np.ndarray) -> GlobalPr
 
 def nearest_prototype(features: np.ndarray, protos: GlobalPrototypes, allowed=None) -> np.ndarray:
   """[..., N] the class whose global prototype is nearest (smallest MSE) to each embedding
-  [..., N, D], among the classes with a prototype (and in `allowed` [C] when given)."""
+  [..., N, D], among the classes with a prototype (and in `allowed` [C] when given).
+
+  Args:
+    features: Embeddings, [..., N, D].
+    protos: The global prototypes and which classes have one.
+    allowed: A [C] bool mask of the classes that may be predicted; None for all.
+
+  Returns:
+    The predicted classes, [..., N].
+  """
   p = np.asarray(protos.prototypes, np.float32)
   f = np.asarray(features, np.float32)
   # |f - p|² expanded: the broadcast difference [..., N, C, D] took 1.6 GB and most of a round
@@ -353,6 +381,18 @@ class FedProto(Algorithm):
   def step(
     self, ctx: RunContext, aux: FedProtoAux, state: FedProtoState, i: int
   ) -> Tuple[FedProtoState, List[Dict[str, Any]]]:
+    """One FedProto round: local training with the prototype regulariser, then new global
+    prototypes.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The clients' models and the global prototypes.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     selected = common.select_clients(
       ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
@@ -466,6 +506,17 @@ class FedProto(Algorithm):
     }
 
   def summarize(self, ctx, aux: FedProtoAux, state: FedProtoState, history) -> Dict[str, Any]:
+    """The run summary: client models and final accuracies.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final clients' models and global prototypes.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

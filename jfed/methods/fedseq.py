@@ -47,16 +47,16 @@ from jfed.methods.registry import register_method
 
 
 class FedSeqConfig(NamedTuple):
-  pretrain_epochs: int
-  public: str
-  public_size: int
-  min_examples: int
-  max_clients: int
-  measure: str
-  code_compat: bool
-  rounds: int
-  local_epochs: int
-  participation: float
+  pretrain_epochs: int = 10
+  public: str = 'holdout'
+  public_size: int = 1000
+  min_examples: int = 800
+  max_clients: int = 11
+  measure: str = 'kullback'
+  code_compat: bool = False
+  rounds: int = 1
+  local_epochs: int = 1
+  participation: float = 1.0
 
 
 class FedSeqAux(NamedTuple):
@@ -72,7 +72,16 @@ class FedSeqAux(NamedTuple):
 
 
 def superclient_orders(key: jax.Array, clusters, selected) -> List[np.ndarray]:
-  """Seeded random client order of every selected superclient for one round."""
+  """Seeded random client order of every selected superclient for one round.
+
+  Args:
+    key: The round's PRNG key (folded with each superclient id).
+    clusters: Per superclient, its client ids.
+    selected: The ids of the superclients selected this round.
+
+  Returns:
+    Per selected superclient, its client ids in this round's training order.
+  """
   return [
     np.asarray(clusters[c])[
       np.asarray(jax.random.permutation(jax.random.fold_in(key, int(c)), len(clusters[c])))
@@ -171,6 +180,18 @@ class FedSeq(Algorithm):
     return selected, orders
 
   def step(self, ctx: RunContext, aux: FedSeqAux, state: ModelState, i: int):
+    """One FedSeq round: each selected superclient trains its clients in sequence, then the server
+    averages the superclients.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global model.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     cfg = self.config
     selected, orders = self._round_plan(ctx, aux, i)
     models = engine.replicate(state, len(selected))
@@ -208,6 +229,17 @@ class FedSeq(Algorithm):
     ]
 
   def summarize(self, ctx, aux: FedSeqAux, state, history) -> Dict[str, Any]:
+    """The run summary: the superclients and the communication of every round.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final global model.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     transfers = list(aux.setup_transfers)
     for i in range(self.config.rounds):
       transfers += comm.fedseq_transfers(

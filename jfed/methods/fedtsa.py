@@ -123,46 +123,46 @@ PRUNABLE_MODELS = ('resnet18', 'mlp')
 
 
 class FedTSAConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
+  rounds: int = 100
+  local_epochs: int = 100
+  participation: float = 1.0
   # Resource profiling and clustering.
-  profile: str
-  durations_file: str
-  device_rates: str
-  device_shares: str
-  jitter: float
-  proxy_samples: int
-  proxy_repeats: int
-  bandwidth: str
-  kde_space: str
-  kde_min_bandwidth: float
-  rate_quantum: float
+  profile: str = 'simulated'
+  durations_file: str = ''
+  device_rates: str = '1.0,0.8,0.6'
+  device_shares: str = '0.2,0.4,0.4'
+  jitter: float = 0.02
+  proxy_samples: int = 1000
+  proxy_repeats: int = 3
+  bandwidth: str = '0.1'
+  kde_space: str = 'log'
+  kde_min_bandwidth: float = 0.05
+  rate_quantum: float = 0.1
   # Stage 2.
-  stage2: bool
-  global_epochs: int
-  temperature: float
-  kl_weight: float
-  stage2_lr: float
-  stage2_batch: int
-  stage2_bn_stats: str
-  reported_model: str
+  stage2: bool = True
+  global_epochs: int = 1
+  temperature: float = 5.0
+  kl_weight: float = 1.0
+  stage2_lr: float = 0.0
+  stage2_batch: int = 100
+  stage2_bn_stats: str = 'keep'  # 'recalibrate': keep Stage 2's running-statistics updates
+  reported_model: str = 'widest'  # or 'client_weighted' (mean over clients of their cluster's)
   # Stage-2 images.
-  source: str
-  images_per_prompt: int
-  prompt_template: str
-  holdout: str
-  holdout_size: int
-  ddpm_steps: int
-  ddpm_timesteps: int
-  ddpm_channels: int
-  ddpm_batch: int
-  ddpm_lr: float
-  ddpm_guidance: float
-  ddpm_cache: str
-  pipeline_dir: str
-  pipeline_steps: int
-  pipeline_guidance: float
+  source: str = 'ddpm'
+  images_per_prompt: int = 200
+  prompt_template: str = 'a photo of real {}'
+  holdout: str = 'holdout'
+  holdout_size: int = 2000
+  ddpm_steps: int = 1000
+  ddpm_timesteps: int = 100
+  ddpm_channels: int = 16
+  ddpm_batch: int = 64
+  ddpm_lr: float = 2e-3
+  ddpm_guidance: float = 1.0
+  ddpm_cache: str = ''
+  pipeline_dir: str = ''
+  pipeline_steps: int = 50
+  pipeline_guidance: float = 7.5
 
 
 def parse_floats(text: str, where: str) -> Tuple[float, ...]:
@@ -487,6 +487,18 @@ class FedTSA(Algorithm):
   def step(
     self, ctx: RunContext, aux: FedTSAAux, state: Tuple[ModelState, ...], i: int
   ) -> Tuple[Tuple[ModelState, ...], List[Dict[str, Any]]]:
+    """One FedTSA round: each cluster's selected clients train and are aggregated (stage 1), then
+    the cluster models learn from each other by distillation (stage 2).
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: One model per cluster (width).
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     selected = common.select_clients(
       ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
@@ -538,6 +550,17 @@ class FedTSA(Algorithm):
     return tuple(models), [record]
 
   def summarize(self, ctx, aux: FedTSAAux, state, history) -> Dict[str, Any]:
+    """The run summary: clusters, communication and final accuracies.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final models (one per client group).
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -85,7 +85,16 @@ def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[Mo
 
 def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAESettings):
   """The CVAE groups' trainers: the engine with the CVAE objective, or on Flower SuperNodes
-  (which build these same trainers from the recipe) when the run has a client transport."""
+  (which build these same trainers from the recipe) when the run has a client transport.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    groups: The CVAE client groups.
+    s: How the CVAEs train (epochs, optimizer, learning rates, batch size, loss).
+
+  Returns:
+    One trainer per group.
+  """
   txs = [engine.make_optimizer(s.optimizer, group_lr(g.module, s)) for g in groups]
   if ctx.client_transport is not None:
     recipe = {'kind': 'cvae', 'upload': 'decoder', **s._asdict()}
@@ -189,7 +198,17 @@ def fedmho_synthetic(
 ) -> Synthetic:
   """FedMHO's data generation (§4.2.2: int(N_syn / C) per class, split over the decoders by
   n_kc² / Σ n_k'c², z ~ N(0, I)) and Algorithm 2's filter, over every decoder group (FedMHO;
-  FedCVAE-Ens under FedMHO's protocol)."""
+  FedCVAE-Ens under FedMHO's protocol).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    cvaes: The clients' trained CVAEs.
+    total: N_syn, the number of samples to generate before filtering.
+    clean_rate: R_th in (0, 1], the fraction of each class's samples the filter keeps.
+
+  Returns:
+    The generated images and labels and the indices the filter kept.
+  """
   counts = generation_counts(np.concatenate([u.label_counts for u in cvaes.uploads]), total)
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATION)
   parts, row = [], 0
@@ -215,7 +234,14 @@ def save_synthetic(
 ) -> None:
   """workdir/synthetic.npz: the generated set (images as uint8, 1/255 steps), its labels and the
   indices the filter kept (all when there is no filter), so that `experiments.generator_check`
-  can score the samples with a classifier trained on real data (nothing written in memory)."""
+  can score the samples with a classifier trained on real data (nothing written in memory).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    images: The generated images, [N, H, W, C] in [0, 1].
+    labels: Their labels, [N].
+    kept: The indices the filter kept; None for all.
+  """
   path = ctx.output_path(SYNTHETIC_FILE)
   if path is None:
     return
@@ -240,7 +266,20 @@ def fusion_epoch(
 ):
   """Step i of a server classifier trained on a fixed synthetic set (FedMHO, FedCVAE): one
   epoch in the order np.random.default_rng((seed, 1, i)) with dropout keys of
-  derive_key(SERVER, 1, i); returns (state, mean batch loss, test accuracy)."""
+  derive_key(SERVER, 1, i); returns (state, mean batch loss, test accuracy).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    trainer: The server classifier's trainer.
+    evaluator: Evaluates the classifier on the test set.
+    state: The classifier's training state.
+    data: The synthetic training set.
+    batch: Samples per step.
+    i: The epoch, from 0 (it seeds the order and dropout).
+
+  Returns:
+    (state, mean batch loss, test accuracy).
+  """
   state, loss = trainer.epoch(
     engine.commit(state),
     data,

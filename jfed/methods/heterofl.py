@@ -80,14 +80,14 @@ SLICEABLE_MODELS = ('resnet18', 'mlp')
 
 
 class HeteroFLConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  participation: float
-  masked_ce: bool
-  static_bn: bool
-  grad_clip: float
-  eval_submodels: bool
-  scaler: bool
+  rounds: int = 300
+  local_epochs: int = 5
+  participation: float = 0.1
+  masked_ce: bool = True
+  static_bn: bool = True
+  grad_clip: float = 1.0
+  eval_submodels: bool = True
+  scaler: bool = True  # the reference's Scaler: hidden pre-activations / rate in training
 
 
 def client_rates(model: str, client_specs) -> Dict[str, float]:
@@ -124,7 +124,22 @@ def mask_logits(logits: jax.Array, label_mask: jax.Array) -> jax.Array:
 
 def masked_classification_objective(module, params, batch_stats, x, y, weights, key, context):
   """The engine's `LocalObjective` of a HeteroFL client: cross entropy of the masked logits;
-  `context` is the client's [C] label mask."""
+  `context` is the client's [C] label mask.
+
+  Args:
+    module: The client's flax module.
+    params: Its parameters.
+    batch_stats: Its BatchNorm statistics.
+    x: A batch of inputs, [B, H, W, C].
+    y: Their labels, [B].
+    weights: [B] sample weights (0 for padded rows).
+    key: The PRNG key of the step (dropout).
+    context: The client's [C] label mask.
+
+  Returns:
+    (loss to differentiate, (reported loss, correct predictions, real-sample count, new
+      batch_stats)), as `jfed.engine.training.LocalObjective`.
+  """
   logits, updates = module.apply(
     {'params': params, 'batch_stats': batch_stats},
     x,
@@ -140,7 +155,16 @@ def masked_classification_objective(module, params, batch_stats, x, y, weights, 
 def scale_hidden_layers(params: Any, factor: float, output_layer: str) -> Any:
   """`params` with every kernel and bias of a Dense or Conv layer other than the top-level
   `output_layer` multiplied by `factor`: the reference's Scaler (1 / rate) after each hidden
-  linear map, folded into its weights."""
+  linear map, folded into its weights.
+
+  Args:
+    params: A model's parameters.
+    factor: The multiplier (1 / model rate).
+    output_layer: The name of the top-level output layer, left unscaled.
+
+  Returns:
+    The scaled parameters.
+  """
 
   def scale(path, leaf):
     names = [str(getattr(k, 'key', k)) for k in path]
@@ -283,6 +307,18 @@ class HeteroFL(Algorithm):
   def step(
     self, ctx: RunContext, aux: HeteroFLAux, state: ModelState, i: int
   ) -> Tuple[ModelState, List[Dict[str, Any]]]:
+    """One HeteroFL round: each selected client trains its width's slice of the global model, then
+    the slices are averaged where they overlap.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global (full-width) model.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c = self.config
     selected = common.select_clients(
       ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
@@ -347,6 +383,17 @@ class HeteroFL(Algorithm):
     return out
 
   def summarize(self, ctx, aux: HeteroFLAux, state, history) -> Dict[str, Any]:
+    """The run summary: client model rates and accuracies.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final global model.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     rates = client_rates(ctx.run.model, common.client_model_specs(ctx))
     last = history[-1] if history else {}
     return {

@@ -67,29 +67,29 @@ IMAGE_DTYPES = ('uint8', 'float32')
 class KIPSection(NamedTuple):
   """`hfldd.kip`: the members' KIP settings (see `jfed.kip.KIPConfig`)."""
 
-  support_size: int
-  iterations: int
-  lr: float
-  target_batch: int
-  learn_labels: bool
-  kernel: str
-  depth: int
-  reg: float
-  x64: bool
+  support_size: int = 400
+  iterations: int = 3000
+  lr: float = 0.004
+  target_batch: int = 10
+  learn_labels: bool = False
+  kernel: str = 'fc_ntk'
+  depth: int = 1
+  reg: float = 1e-6
+  x64: bool = False
 
 
 class HFLDDConfig(NamedTuple):
-  pretrain_epochs: int
-  public: str
-  public_size: int
-  K: int
-  symmetric: bool
-  leftover: str
-  distill: bool
-  image_dtype: str
-  rounds: int
-  local_epochs: int
-  kip: KIPSection
+  pretrain_epochs: int = 1
+  public: str = 'holdout'
+  public_size: int = 1000
+  K: int = 10
+  symmetric: bool = False
+  leftover: str = 'singleton'
+  distill: bool = True
+  image_dtype: str = 'uint8'
+  rounds: int = 1
+  local_epochs: int = 1
+  kip: KIPSection = KIPSection()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +162,16 @@ def kip_config(k: KIPSection) -> KIPConfig:
 
 
 def distill_members(ctx: RunContext, kcfg: KIPConfig, members: np.ndarray) -> DistilledSets:
-  """KIP for every member in ONE jitted program; a stage of the driver (computed once)."""
+  """KIP for every member in ONE jitted program; a stage of the driver (computed once).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    kcfg: The KIP settings (support size, iterations, learning rate, kernel).
+    members: The ids of the clients that distil (non-heads).
+
+  Returns:
+    The distilled sets (images, labels, label matrices, losses), stacked in `members` order.
+  """
   ds = ctx.dataset
   S, C = kcfg.support_size, ds.num_classes
   template = DistilledSets(
@@ -199,7 +208,17 @@ def distill_members(ctx: RunContext, kcfg: KIPConfig, members: np.ndarray) -> Di
 def member_uploads(
   ctx: RunContext, cfg: HFLDDConfig, members: np.ndarray, distill: bool
 ) -> Dict[int, DataUpload]:
-  """Every member's upload to its head, validated on arrival (as the head would)."""
+  """Every member's upload to its head, validated on arrival (as the head would).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    cfg: The method's config.
+    members: The ids of the clients that upload to a head.
+    distill: Whether members send distilled sets (HFLDD) or their raw data (the ablation).
+
+  Returns:
+    Each member's validated upload, by client id.
+  """
   ds = ctx.dataset
   uploads = {}
   if distill:
@@ -225,7 +244,16 @@ def member_uploads(
 def hybrid_datasets(
   ctx: RunContext, topology: HFLDDTopology, uploads: Dict[int, DataUpload]
 ) -> FederatedArrays:
-  """Per head: its own data + the sets its members sent (heads in topology order)."""
+  """Per head: its own data + the sets its members sent (heads in topology order).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    topology: The clusters: each head and its members.
+    uploads: Each member's upload, by client id.
+
+  Returns:
+    The heads' training sets, in topology order.
+  """
   ds = ctx.dataset
   soft = any(np.ndim(u.y) == 2 for u in uploads.values())
   C = ds.num_classes
@@ -374,6 +402,17 @@ class HFLDD(Algorithm):
     return aux.init
 
   def step(self, ctx: RunContext, aux: HFLDDAux, state: ModelState, i: int):
+    """One FedAvg round over the cluster heads' hybrid datasets.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global model.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     cfg = self.config
     model, record = common.fedavg_round(
       aux.trainer,
@@ -391,6 +430,17 @@ class HFLDD(Algorithm):
     return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
 
   def summarize(self, ctx, aux: HFLDDAux, state, history) -> Dict[str, Any]:
+    """The run summary: the topology, upload sizes and accuracies.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final global model.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     topo = aux.topology
     return {
       'rounds': self.config.rounds,

@@ -15,7 +15,7 @@ from jfed.methods.registry import register_method
 
 
 class LocalConfig(NamedTuple):
-  epochs: int
+  epochs: int = 1
 
 
 class LocalAux(NamedTuple):
@@ -48,6 +48,17 @@ class Local(Algorithm):
     return np.zeros((), np.int32)
 
   def step(self, ctx: RunContext, aux: LocalAux, state, k: int):
+    """Client k's record: its own model's test accuracy.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: Unused (the clients were trained in `setup`).
+      k: The client, from 0.
+
+    Returns:
+      The unchanged state and client k's record.
+    """
     return state, [
       {
         'client': k,
@@ -61,6 +72,17 @@ class Local(Algorithm):
     return float(np.mean([r['test_accuracy'] for r in history]))
 
   def summarize(self, ctx, aux: LocalAux, state, history):
+    """The run summary: every client's test accuracy and their mean.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: Unused.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     return {
       'client_test_accuracy': aux.accuracies.tolist(),
       'mean_test_accuracy': float(np.mean(aux.accuracies)),

@@ -101,7 +101,16 @@ INITS = ('random', 'fedavg')
 
 
 def round_key(ctx: RunContext, r: int, purpose: ServerRoundPurpose) -> jax.Array:
-  """A round-level draw: derive_key(SERVER, 0, r, purpose); epochs use (SERVER, r, e)."""
+  """A round-level draw: derive_key(SERVER, 0, r, purpose); epochs use (SERVER, r, e).
+
+  Args:
+    ctx: The run context whose key derivation is used.
+    r: The round, from 1.
+    purpose: What the key is drawn for (generator init, student init, ...).
+
+  Returns:
+    A PRNG key, the same for the same (run seed, r, purpose).
+  """
   return ctx.derive_key(Purpose.SERVER, 0, r, purpose)
 
 
@@ -127,6 +136,17 @@ def round_uploads(
   model of round r − 1, for the clients of `server_spec`; or {spec: global model} when several
   architectures have one, as FedDF's students) and the other clients' round r − 1 models;
   `global_model` may be None when the stage is already cached (a resumed run, the summary).
+
+  Args:
+    ctx: The run context (dataset, clients, key derivation, stage cache).
+    r: The round, from 1.
+    local_epochs: Epochs of local training per round.
+    server_spec: The model spec of the server's (global) architecture.
+    global_model: The global model of round r - 1, or {spec: global model}; None for r = 1 or
+      when the round's models are cached.
+
+  Returns:
+    The round's client groups, their trained models and the upload size in bytes.
   """
   first = common.local_models(ctx, local_epochs)
   if r == 1:
@@ -158,7 +178,16 @@ def round_uploads(
 
 
 def download_bytes(local: common.LocalModels, server_spec: str, global_model: ModelState) -> int:
-  """Bytes of sending the global model to every client of the server's architecture."""
+  """Bytes of sending the global model to every client of the server's architecture.
+
+  Args:
+    local: The round's uploads (their groups say which clients share which architecture).
+    server_spec: The model spec of the global model.
+    global_model: The global model sent to those clients.
+
+  Returns:
+    The serialized size of `global_model` times the number of receiving clients.
+  """
   receivers = sum(len(g.client_ids) for g in local.groups if g.spec == server_spec)
   return serialized_nbytes(global_model) * receivers
 
@@ -178,6 +207,31 @@ def fedavg_of_matching(local: common.LocalModels, spec: str) -> Optional[ModelSt
     if g.spec == spec:
       return engine.weighted_average(m, g.fed.sizes)
   return None
+
+
+# ---------------------------------------------------------------------------------------------
+# config blocks the methods share: each method's config (`config.<section>`, flat in the config
+# file) is `typed_config.concat` of these and its own keys. Defaults: the reference code and
+# FedHydra (Bai et al., KDD 2025) §4.1.5 (E = T_g = 200); experiment configs shrink them for CPU.
+# ---------------------------------------------------------------------------------------------
+class OneShotRound(NamedTuple):
+  """DENSE, Co-Boosting, FedDF, OT fusion and FedHydra: the clients' one-shot local training."""
+
+  rounds: int = 1
+  local_epochs: int = 200
+
+
+class GeneratorDistillation(NamedTuple):
+  """DENSE, Co-Boosting and FedHydra: the data-free server's generator and student."""
+
+  epochs: int = 200  # server epochs per round (the driver's steps)
+  server_model: str = ''  # the student's model spec ('': `model`)
+  init: str = 'random'  # the student's start: 'random' | 'fedavg' (of the matching clients)
+  lr_g: float = 1e-3  # the generator's Adam lr
+  nz: int = 256  # the generator's noise dimension
+  ngf: int = 64  # the generator's feature width
+  kd_momentum: float = 0.9
+  pool_quantize: bool = True  # store the synthetic pool as uint8 images
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,10 +341,31 @@ class DistillationAlgorithm(Algorithm):
     local: common.LocalModels,
     teachers: List[TeacherGroup],
   ) -> Any:
-    """Per-round constants (FedHydra: MS; Co-Boosting: the teachers' client ids)."""
+    """Per-round constants (FedHydra: MS; Co-Boosting: the teachers' client ids).
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      r: The round, from 1.
+      local: The round's uploaded client models.
+      teachers: The uploads grouped by architecture, as the ensemble teachers.
+
+    Returns:
+      Whatever the method's hooks read as `rd.data`; None by default.
+    """
     return None
 
   def init_extra(self, ctx: RunContext, aux: DistillAux, student: ModelState) -> Any:
+    """The method's own part of a fresh server state (`ServerState.extra`).
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      student: The model the round's student starts from.
+
+    Returns:
+      A pytree of the method's per-round state; a scalar zero by default.
+    """
     return jnp.zeros((), jnp.float32)
 
   def synthesis_agg(self, state: ServerState, rd: RoundData) -> Any:
@@ -305,17 +380,53 @@ class DistillationAlgorithm(Algorithm):
   def before_kd(
     self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
   ) -> Tuple[ServerState, Dict[str, Any]]:
+    """A hook between synthesis and distillation in an epoch (nothing by default).
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      rd: The round's uploads, teachers and method data.
+      state: The server state after this epoch's synthesis.
+      r: The round, from 1.
+      e: The epoch within the round, from 0.
+
+    Returns:
+      The (possibly updated) state and extra fields for the epoch's record.
+    """
     return state, {}
 
   def after_epoch(
     self, ctx: RunContext, aux: DistillAux, state: ServerState, test_accuracy: float, r: int, e: int
   ) -> Tuple[ServerState, Dict[str, Any]]:
+    """A hook after an epoch's distillation and evaluation (early stopping, model selection).
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      state: The server state after the epoch.
+      test_accuracy: The student's accuracy on the evaluation set after the epoch, in [0, 1].
+      r: The round, from 1.
+      e: The epoch within the round, from 0.
+
+    Returns:
+      The (possibly updated) state and extra fields for the epoch's record.
+    """
     return state, {}
 
   def round_model(self, state: ServerState) -> ModelState:
     return state.student.model
 
   def round_accuracy(self, aux: DistillAux, state: ServerState, last_test_accuracy: float) -> float:
+    """The accuracy a round reports (a method keeping a best model overrides this).
+
+    Args:
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      state: The server state at the end of the round.
+      last_test_accuracy: The student's accuracy after the round's last epoch, in [0, 1].
+
+    Returns:
+      The round's accuracy, in [0, 1]; `last_test_accuracy` by default.
+    """
     return last_test_accuracy
 
   def method_summary(
@@ -326,6 +437,18 @@ class DistillationAlgorithm(Algorithm):
     state: ServerState,
     history: Sequence[Dict[str, Any]],
   ) -> Dict[str, Any]:
+    """Method-specific fields of the run summary.
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      rd: The last round's uploads, teachers and method data.
+      state: The final server state.
+      history: The per-epoch records of the whole run.
+
+    Returns:
+      Extra summary fields; none by default.
+    """
     return {}
 
   # -- helpers for the subclasses ------------------------------------------------------------
@@ -337,7 +460,19 @@ class DistillationAlgorithm(Algorithm):
     opt: OptimizerSpec,
     **overrides,
   ) -> Settings:
-    """The Settings fields every method reads the same way from its typed config."""
+    """The Settings fields every method reads the same way from its typed config.
+
+    Args:
+      ctx: The run context (dataset, models, run config).
+      synthesis: The data-synthesis settings, or None for a method that distils on real data.
+      kd: How a KD step turns a batch into a student loss (loss, temperature, teacher
+        aggregation, augmentation).
+      opt: The student's optimizer.
+      **overrides: Settings fields that the method sets itself.
+
+    Returns:
+      The method's complete Settings.
+    """
     c = self.config
     get = lambda name, default: getattr(c, name, default)
     values = dict(
@@ -479,7 +614,18 @@ class DistillationAlgorithm(Algorithm):
   def round(
     self, ctx: RunContext, aux: DistillAux, r: int, global_model: Optional[ModelState] = None
   ) -> RoundData:
-    """Round r's uploads, teachers and method data, from the cache or built (and cached)."""
+    """Round r's uploads, teachers and method data, from the cache or built (and cached).
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      r: The round, from 1.
+      global_model: The global model of round r - 1 (clients of its architecture start from
+        it); None for round 1 or when the round is cached.
+
+    Returns:
+      The round's RoundData.
+    """
     if r not in aux.round_cache:
       s = aux.settings
       local = round_uploads(ctx, r, s.local_epochs, s.server_model, global_model)
@@ -492,6 +638,17 @@ class DistillationAlgorithm(Algorithm):
   def fresh_state(
     self, ctx: RunContext, aux: DistillAux, student: ModelState, r: int
   ) -> ServerState:
+    """A round's initial server state: the student, an empty image pool, a new generator.
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      student: The model the round's student starts from.
+      r: The round, from 1 (it keys the generator's initialization).
+
+    Returns:
+      The committed initial ServerState of round r.
+    """
     s = aux.settings
     shape = ctx.dataset.input_shape
     if s.synthesis is not None:
@@ -521,6 +678,17 @@ class DistillationAlgorithm(Algorithm):
   def step(
     self, ctx: RunContext, aux: DistillAux, state: ServerState, i: int
   ) -> Tuple[ServerState, List[Dict[str, Any]]]:
+    """One distillation epoch; the first epoch of a round also builds the round's uploads.
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      state: The server state after step i - 1.
+      i: The step, from 0; round i // epochs + 1, epoch i % epochs.
+
+    Returns:
+      The new state and the epoch's record (empty after an early stop).
+    """
     s = aux.settings
     r, e = i // s.epochs + 1, i % s.epochs
     record: Dict[str, Any] = {'round': r, 'epoch': e + 1}
@@ -566,6 +734,17 @@ class DistillationAlgorithm(Algorithm):
   def summarize(
     self, ctx: RunContext, aux: DistillAux, state: ServerState, history
   ) -> Dict[str, Any]:
+    """The run summary: accuracies of the student and of the ensemble, plots, sample images.
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
+      state: The final server state.
+      history: The per-epoch records of the whole run.
+
+    Returns:
+      The summary fields.
+    """
     s = aux.settings
     rd = self.round(ctx, aux, s.rounds)
     epochs = [h for h in history if h.get('test_accuracy') is not None]

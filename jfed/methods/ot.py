@@ -41,16 +41,18 @@ OT_METHODS = ('exact', 'sinkhorn')
 WEIGHTS = ('uniform', 'size')
 
 
-class OTConfig(NamedTuple):
-  rounds: int
-  local_epochs: int
-  method: str
-  epsilon: float
-  anchor: int
-  skip_last_layer: bool
-  weights: str
-  squared: bool
-  bias_in_cost: bool
+class OTOwnConfig(NamedTuple):
+  method: str = 'exact'
+  epsilon: float = 0.01
+  anchor: int = 0
+  skip_last_layer: bool = True
+  weights: str = 'uniform'
+  squared: bool = False
+  bias_in_cost: bool = True
+
+
+# `config.ot`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
+OTConfig = tc.concat('OTConfig', __name__, oneshot.OneShotRound, OTOwnConfig)
 
 
 class OTAux(NamedTuple):
@@ -62,7 +64,16 @@ class OTAux(NamedTuple):
 
 def fusion_layers(module, input_shape, key) -> list:
   """The Conv/Dense layers of a sequential model in forward (creation) order, each with the
-  BatchNorm that follows it."""
+  BatchNorm that follows it.
+
+  Args:
+    module: A sequential flax classifier.
+    input_shape: The (H, W, C) shape of one input.
+    key: A PRNG key for the (shape-only) initialization.
+
+  Returns:
+    The FusionLayers, in forward order.
+  """
   # Creation order is the order of Flax's own init dict; a jitted init returns its keys sorted,
   # so read the order while tracing (eval_shape: nothing compiled or computed).
   submodules = []
@@ -122,6 +133,18 @@ class OT(Algorithm):
     return aux.init
 
   def step(self, ctx: RunContext, aux: OTAux, state: ModelState, i: int):
+    """One round: the clients train from the previous fused model (round 1: the shared initial
+    model), then their models are aligned by optimal transport and averaged.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The global model.
+      i: The round, from 0.
+
+    Returns:
+      The new state and the step's records.
+    """
     c, r = self.config, i + 1
     local = oneshot.round_uploads(ctx, r, c.local_epochs, aux.spec, state if r > 1 else None)
     models, sizes = local.models[0], local.groups[0].fed.sizes
@@ -150,6 +173,17 @@ class OT(Algorithm):
     return fused, [record]
 
   def summarize(self, ctx: RunContext, aux: OTAux, state: ModelState, history):
+    """The run summary.
+
+    Args:
+      ctx: The run context (dataset, clients, run config, stage cache).
+      aux: The run-level state built in `setup`.
+      state: The final fused model.
+      history: The records of every step of the run.
+
+    Returns:
+      The summary fields.
+    """
     c = self.config
     local = oneshot.round_uploads(ctx, c.rounds, c.local_epochs, aux.spec)
     rounds = [h for h in history if h.get('test_accuracy') is not None]

@@ -45,7 +45,7 @@ class CNNMnist(nn.Module):
   28x28x1: FC input 7*7*32 = 1568, 29,034 parameters for 10 classes (as PyTorch).
   32x32x3 -> FC input 8*8*32; 8x8x1 -> 2*2*32 (no deviation needed: convs are padded).
   `embed_dim` > 0 (default 0: none) inserts Linear(embed_dim) + ReLU before the classifier
-  (FedProto's fc1 embedding, reference-code.md §9.4).
+  (FedProto's fc1 embedding, `github.com/yuetan031/FedProto`).
   """
 
   num_classes: int
@@ -130,7 +130,7 @@ class LeNet(nn.Module):
 
 
 class HFLDDCifarCNN(nn.Module):
-  """HFLDD (seed 003, Sec. VI-A2) CIFAR-10 CNN: four blocks of
+  """HFLDD (Shi et al., arXiv 2409.17517, Sec. VI-A2) CIFAR-10 CNN: four blocks of
   [Conv3x3(pad 1) BN ReLU] x2 + MaxPool2, then one Linear.
 
   The paper gives only the structure and a total of 1,020,160 parameters; channel counts are
@@ -231,8 +231,15 @@ def cnn_mnist(
   embed_dim: int = 0,
   conv_impl: str = 'lax',
 ):
-  """DENSE CNNMnist (see `CNNMnist`; `embed_dim` > 0 adds a ReLU embedding layer; `conv_impl`
-  the convolutions' form, `jfed.models.layers.conv`)."""
+  """DENSE CNNMnist (see `CNNMnist`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    channels: Output channels of the two convolution blocks.
+    embed_dim: Width of a ReLU embedding layer before the classifier; 0 for none.
+    conv_impl: The convolutions' form ('lax', 'matmul', 'auto'; see `jfed.models.layers.conv`).
+  """
   del input_shape
   if embed_dim < 0:
     raise ValueError(f'embed_dim must be >= 0, got {embed_dim}')
@@ -252,15 +259,27 @@ def _conv_impl(impl: str) -> str:
 
 @register_model('fedmho_cnn')
 def fedmho_cnn(num_classes, input_shape, softmax_output: int = 1):
-  """FedMHO's small CNN (see `FedMHOCNN`): softmax probabilities as the reference's (default),
-  logits with softmax_output=0."""
+  """FedMHO's small CNN (see `FedMHOCNN`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    softmax_output: 1 (default) outputs softmax probabilities, as the reference code
+      `github.com/YXShi2000/FedMHO` does; 0 outputs logits.
+  """
   del input_shape
   return FedMHOCNN(num_classes=num_classes, softmax_output=bool(softmax_output))
 
 
 @register_model('cnn_cifar')
 def cnn_cifar(num_classes, input_shape, channels: Sequence[int] = (128, 128, 128)):
-  """DENSE CNNCifar (see `CNNCifar`)."""
+  """DENSE CNNCifar (see `CNNCifar`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    channels: Output channels of the three convolution blocks.
+  """
   del input_shape
   return CNNCifar(num_classes=num_classes, channels=tuple(channels))
 
@@ -269,9 +288,10 @@ def cnn_cifar(num_classes, input_shape, channels: Sequence[int] = (128, 128, 128
 def fedhydra_cnn2(num_classes, input_shape):
   """FedHydra's two-layer CNN (MNIST/FMNIST client model).
 
-  The paper (seed 000 Sec. 4.1.3, App. G) gives no layer sizes; its released precursor code
-  (Jun-B0518/ICDE2025-FL-SA:models/nets.py) defines exactly DENSE's CNNMnist (two Conv5x5 blocks,
-  16 and 32 channels, BN, max pooling, one Linear), which we use. Same architecture as 'cnn_mnist'.
+  FedHydra (Bai et al., KDD 2025, Sec. 4.1.3, App. G) gives no layer sizes; its released
+  precursor code (`github.com/Jun-B0518/ICDE2025-FL-SA` `models/nets.py`) defines exactly
+  DENSE's CNNMnist (two Conv5x5 blocks, 16 and 32 channels, BN, max pooling, one Linear), which
+  we use. Same architecture as 'cnn_mnist'.
   """
   del input_shape
   return CNNMnist(num_classes=num_classes)
@@ -295,31 +315,50 @@ def fedhydra_cnn3(num_classes, input_shape):
 
 @register_model('lenet')
 def lenet(num_classes, input_shape, pool: str = 'avg'):
-  """LeNet-5 with ReLU (see `LeNet`); average pooling by default as in FedHydra App. G."""
+  """LeNet-5 with ReLU (see `LeNet`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    pool: 'avg' (default, as in FedHydra App. G) or 'max' pooling.
+  """
   del input_shape
   return LeNet(num_classes=num_classes, pool=pool)
 
 
 @register_model('hfldd_cnn_mnist')
 def hfldd_cnn_mnist(num_classes, input_shape):
-  """HFLDD (seed 003, Sec. VI-A2) MNIST CNN: "two convolutional layers with ReLU activations and
-  max pooling, followed by flattening and three fully connected layers", 44,426 parameters.
-  That count is reproduced exactly by LeNet-5 with max pooling on 28x28x1 (conv 6/16 5x5
-  unpadded, FC 256-120-84-10), which is what this is."""
+  """HFLDD (Shi et al., arXiv 2409.17517, Sec. VI-A2) MNIST CNN: "two convolutional layers with
+  ReLU activations and max pooling, followed by flattening and three fully connected layers",
+  44,426 parameters. That count is reproduced exactly by LeNet-5 with max pooling on 28x28x1
+  (conv 6/16 5x5 unpadded, FC 256-120-84-10), which is what this is."""
   del input_shape
   return LeNet(num_classes=num_classes, pool='max')
 
 
 @register_model('hfldd_cnn_cifar')
 def hfldd_cnn_cifar(num_classes, input_shape, channels: Sequence[int] = (32, 64, 128, 256)):
-  """HFLDD CIFAR-10 CNN (see `HFLDDCifarCNN`; channel counts are our choice)."""
+  """HFLDD CIFAR-10 CNN (see `HFLDDCifarCNN`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    channels: Output channels of the four blocks (our choice; the paper gives none).
+  """
   del input_shape
   return HFLDDCifarCNN(num_classes=num_classes, channels=tuple(channels))
 
 
 @register_model('hfldd_cnn_cinic')
 def hfldd_cnn_cinic(num_classes, input_shape, width: int = 128, depth: int = 3):
-  """HFLDD CINIC-10 ConvNet (see `ConvNetIN`)."""
+  """HFLDD CINIC-10 ConvNet (see `ConvNetIN`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    width: Channels of every convolution block.
+    depth: Number of convolution blocks.
+  """
   del input_shape
   return ConvNetIN(num_classes=num_classes, width=width, depth=depth)
 
@@ -332,8 +371,16 @@ def mlp(
   width_mult: float = 1.0,
   embed_dim: int = 0,
 ):
-  """Two-hidden-layer MLP, 200 units each (see `MLP`); `width_mult` scales the hidden widths to
-  ceil(width_mult * h) (HeteroFL's model rate, as its reference MLP); `embed_dim` see `MLP`."""
+  """Two-hidden-layer MLP, 200 units each (see `MLP`).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    hidden: Widths of the hidden layers.
+    width_mult: Scales each hidden width h to ceil(width_mult * h) (HeteroFL's model rate, as
+      its reference MLP).
+    embed_dim: Width of a ReLU embedding layer before the classifier; 0 for none (see `MLP`).
+  """
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')

@@ -89,7 +89,13 @@ class GoogLeNet(nn.Module):
 
 @register_model('googlenet')
 def googlenet(num_classes, input_shape, width_mult: float = 1.0):
-  """kuangliu CIFAR GoogLeNet (see module docstring)."""
+  """kuangliu CIFAR GoogLeNet (see the module docstring).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    width_mult: Scales every channel count c to ceil(width_mult * c).
+  """
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# PyTorch's BatchNorm2d(momentum=0.1, eps=1e-5) in flax terms (reference-code.md §12).
+# PyTorch's BatchNorm2d(momentum=0.1, eps=1e-5) in flax terms (flax's momentum is 1 - PyTorch's).
 TORCH_BN_MOMENTUM = 0.9
 TORCH_BN_EPSILON = 1e-5
 
@@ -65,8 +65,21 @@ def apply_with_features(module, variables, x, train: bool = False, mask=None, rn
   """(logits, features [B, D], new batch_stats) of a zoo classifier in one forward pass.
 
   In train mode the BatchNorm statistics are updated (`mask` keeps padded rows out of them);
-  in eval mode the returned batch_stats are the given ones. Raises ValueError for a model that
-  does not sow its features.
+  in eval mode the returned batch_stats are the given ones.
+
+  Args:
+    module: A zoo classifier (a flax module that sows its penultimate features).
+    variables: Its variables ({'params': ..., 'batch_stats': ...}).
+    x: A batch of inputs, [B, H, W, C].
+    train: Whether BatchNorm uses (and updates) the batch statistics.
+    mask: [B] bool, the real (unpadded) rows of `x`; None for all.
+    rngs: PRNG keys for stochastic layers (dropout), by collection name.
+
+  Returns:
+    (logits [B, num_classes], features [B, D], batch_stats).
+
+  Raises:
+    ValueError: The model does not sow its features.
   """
   mutable = [INTERMEDIATES, 'batch_stats'] if train else [INTERMEDIATES]
   logits, updates = module.apply(
@@ -125,6 +138,16 @@ def conv(
   `use_matmul_conv`) picks the form of a stride-1 convolution with integer padding; the
   parameters ('kernel', 'bias') and their names are the same in every form, so a model trained
   in one form loads in another. Strided convolutions always take XLA's form.
+
+  Args:
+    x: Input, [B, H, W, C_in].
+    features: Output channels.
+    kernel_size: Side of the square kernel.
+    stride: Stride in both spatial dimensions.
+    padding: Pixels of zero padding on every side (an int, as PyTorch), or a flax padding.
+    use_bias: Whether to add a bias.
+    name: The submodule's name (its parameters' scope).
+    impl: The form of a stride-1 convolution: 'lax', 'matmul' or 'auto'.
   """
   fan_in = x.shape[-1] * kernel_size * kernel_size
   if impl not in CONV_IMPLS:
@@ -153,7 +176,14 @@ def conv(
 
 
 def dense(x, features: int, use_bias: bool = True, name: Optional[str] = None):
-  """PyTorch-style Linear."""
+  """PyTorch-style Linear.
+
+  Args:
+    x: Input, [..., D_in].
+    features: Output width.
+    use_bias: Whether to add a bias.
+    name: The submodule's name (its parameters' scope).
+  """
   return nn.Dense(
     features,
     use_bias=use_bias,
@@ -164,13 +194,26 @@ def dense(x, features: int, use_bias: bool = True, name: Optional[str] = None):
 
 
 def max_pool(x, window: int = 2, stride: Optional[int] = None, padding: int = 0):
-  """PyTorch MaxPool2d (floor mode; padding pads with -inf)."""
+  """PyTorch MaxPool2d (floor mode; padding pads with -inf).
+
+  Args:
+    x: Input, [B, H, W, C].
+    window: Side of the square pooling window.
+    stride: Stride in both spatial dimensions; None for `window`.
+    padding: Pixels of -inf padding on every side.
+  """
   stride = window if stride is None else stride
   return nn.max_pool(x, (window, window), strides=(stride, stride), padding=_pairs(padding))
 
 
 def avg_pool(x, window: int = 2, stride: Optional[int] = None):
-  """PyTorch AvgPool2d without padding (floor mode)."""
+  """PyTorch AvgPool2d without padding (floor mode).
+
+  Args:
+    x: Input, [B, H, W, C].
+    window: Side of the square pooling window.
+    stride: Stride in both spatial dimensions; None for `window`.
+  """
   stride = window if stride is None else stride
   return nn.avg_pool(x, (window, window), strides=(stride, stride), padding='VALID')
 
@@ -229,8 +272,18 @@ MATMUL_MIN_CONV_PIXELS = 28 * 28
 
 
 def use_matmul_conv(impl: str, in_features: int, features: int, out_pixels: int = 0) -> bool:
-  """Whether a convolution (out_pixels: its output map's H·W) or a transposed convolution
-  (out_pixels 0) runs as shifted-slice matmuls."""
+  """Whether a convolution or a transposed convolution runs as shifted-slice matmuls.
+
+  Args:
+    impl: The requested form: 'lax' (never), 'matmul' (always) or 'auto' (on CPU only, for
+      wide enough channels and large enough maps).
+    in_features: Input channels.
+    features: Output channels.
+    out_pixels: The output map's H·W for a convolution; 0 for a transposed convolution.
+
+  Returns:
+    True to use the matmul form.
+  """
   if impl not in CONV_IMPLS:
     raise ValueError(f'conv impl {impl!r}; valid: {CONV_IMPLS}')
   if impl != 'auto':
@@ -257,7 +310,13 @@ def conv_transpose_padding(k: int, s: int) -> Tuple[int, int]:
 def conv_transpose_matmul(x, kernel, strides: Tuple[int, int]):
   """flax ConvTranspose(padding='SAME', transpose_kernel=False) as one shifted-slice matmul per
   output phase (sub-pixel form): output row s·q + r sums x[q + d_t]·w[t] over the taps t whose
-  stride-dilated position lands on it, so no multiply touches a dilation zero."""
+  stride-dilated position lands on it, so no multiply touches a dilation zero.
+
+  Args:
+    x: Input, [B, H, W, C_in].
+    kernel: The flax ConvTranspose kernel, [kh, kw, C_in, C_out].
+    strides: (sh, sw), the upsampling factors.
+  """
   (kh, kw), (sh, sw) = kernel.shape[:2], strides
   h, w = x.shape[1], x.shape[2]
 

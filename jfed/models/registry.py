@@ -40,7 +40,17 @@ def _validate_input_shape(input_shape: Sequence[int]) -> Tuple[int, int, int]:
 
 
 def get_model(name: str, num_classes: int, input_shape: Sequence[int], **kw: Any) -> nn.Module:
-  """Build the model registered as `name` for `num_classes` classes and (H, W, C) inputs."""
+  """Build the model registered as `name` for `num_classes` classes and (H, W, C) inputs.
+
+  Args:
+    name: The registered model name ('mlp', 'resnet18', ...).
+    num_classes: Number of output classes.
+    input_shape: The (H, W, C) shape of one input image.
+    **kw: The model's own options (width_mult, embed_dim, ...).
+
+  Returns:
+    The (unbound) flax module.
+  """
   _ensure_zoo_loaded()
   key = str(name).lower()
   if key not in _REGISTRY:

@@ -9,7 +9,7 @@ Width 1, 32x32x3, 10 classes: 11,173,962 parameters, as PyTorch (BN running stat
 stem and every block to ceil(width_mult * [64, 128, 256, 512]); the classifier keeps all classes.
 `embed_dim` > 0 (default 0: none) inserts Linear(embed_dim) + ReLU between the pooling and the
 classifier, so that ResNets of different widths share one embedding width (FedProto's
-prototypes, reference-code.md §9.4). The classifier's input is sown as the model's features
+prototypes, `github.com/yuetan031/FedProto`). The classifier's input is sown as the model's features
 (`jfed.models.layers.apply_with_features`).
 Inputs: 32px -> final map 4x4, 28px -> 4x4, 8px -> 1x1 (strided convs pad 1 like PyTorch);
 global average pooling equals kuangliu's avg_pool2d(4) on 32px inputs.
@@ -75,8 +75,15 @@ class ResNet(nn.Module):
 def resnet18(
   num_classes, input_shape, width_mult: float = 1.0, embed_dim: int = 0, conv_impl: str = 'lax'
 ):
-  """CIFAR ResNet-18, widths ceil(width_mult * [64, 128, 256, 512]); `embed_dim` see above;
-  `conv_impl`: `jfed.models.layers.conv`."""
+  """CIFAR ResNet-18 (see the module docstring).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    width_mult: Scales the stage widths to ceil(width_mult * [64, 128, 256, 512]).
+    embed_dim: Width of a ReLU embedding layer before the classifier; 0 for none.
+    conv_impl: The convolutions' form ('lax', 'matmul', 'auto'; see `jfed.models.layers.conv`).
+  """
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')

@@ -65,7 +65,17 @@ def vgg9(
   dropout_rate: float = 0.5,
   conv_impl: str = 'lax',
 ):
-  """FedMHO/FedDF VGG-9 (see module docstring); `conv_impl`: `jfed.models.layers.conv`."""
+  """FedMHO/FedDF VGG-9 (see the module docstring).
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+    width_mult: Scales every channel count c to ceil(width_mult * c).
+    fc_width: Width of the two hidden fully connected layers.
+    dropout_rate: Dropout after each hidden fully connected layer (in training, given a
+      'dropout' key).
+    conv_impl: The convolutions' form ('lax', 'matmul', 'auto'; see `jfed.models.layers.conv`).
+  """
   del input_shape
   if width_mult <= 0:
     raise ValueError(f'width_mult must be > 0, got {width_mult}')
