@@ -4,9 +4,10 @@ A method's config is a NamedTuple whose defaults are the base config's: `experim
 common.py`'s `base_config()` is generated from them (and from `jfed.api.RunConfig`'s). At run
 time every value still comes from the config: `parse(Type, section, 'name')` requires each
 field, converts it to the annotated type and names the key when it cannot; nested NamedTuples
-are parsed recursively. `concat` joins blocks of settings several methods share. The parsing primitives and `require*` checks live here, on
-the ground floor, so the engine's own sections (attack, aggregation, dp) can use them;
-`jfed.run_config.validate_run_config` checks the keys every method shares.
+are parsed recursively. `concat` joins blocks of settings several methods share. The parsing
+primitives and `require*` checks live here, on the ground floor, so the engine's own sections
+(attack, aggregation, dp) can use them; `jfed.run_config.validate_run_config` checks the keys
+every method shares.
 """
 
 import collections
