@@ -86,10 +86,15 @@ def seed_values(results: Mapping, cell: str, run: str, key: str) -> List[float]:
   ]
 
 
-def seed_errors(results: Mapping, cell: str, run: str) -> int:
-  return sum(
-    1 for r in results.get(cell, {}).values() if (r.get(run) or {}).get('status') == 'error'
+def is_error(record: Optional[Mapping]) -> bool:
+  """Whether `record` is a failed run's (this shape, or hfldd_compare's older {'error': ...})."""
+  return isinstance(record, Mapping) and (
+    record.get('status') == 'error' or ('error' in record and len(record) == 1)
   )
+
+
+def seed_errors(results: Mapping, cell: str, run: str) -> int:
+  return sum(1 for r in results.get(cell, {}).values() if is_error(r.get(run)))
 
 
 def seed_cell(results: Mapping, cell: str, run: str, key: str) -> str:

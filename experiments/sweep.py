@@ -35,9 +35,11 @@ from typing import (
 )
 
 from experiments.seed_tables import (
+  is_error,
   machine_meta,
   read_seed_results,
   report_date,
+  seed_errors,
   seed_values,
   value_stats,
   write_seed_results,
@@ -53,13 +55,6 @@ ACCURACY_KEYS = ('final_test_accuracy', 'best_test_accuracy')
 def error_record(e: BaseException) -> Record:
   """The one shape of a failed run's record."""
   return {'status': 'error', 'error': f'{type(e).__name__}: {e}'}
-
-
-def is_error(record: Optional[Mapping]) -> bool:
-  """Whether `record` is a failed run's (this shape, or hfldd_compare's older {'error': ...})."""
-  return isinstance(record, Mapping) and (
-    record.get('status') == 'error' or ('error' in record and len(record) == 1)
-  )
 
 
 def is_finished(record: Optional[Mapping]) -> bool:
@@ -83,8 +78,7 @@ class Stats(NamedTuple):
 
 def cell_stats(results: Mapping, cell: str, run: str, key: str, scale: float = 100.0) -> Stats:
   values = seed_values(results, cell, run, key)
-  errors = sum(1 for r in results.get(cell, {}).values() if is_error(r.get(run)))
-  return Stats(*value_stats(values, scale), len(values), errors)
+  return Stats(*value_stats(values, scale), len(values), seed_errors(results, cell, run))
 
 
 def table_lines(head: Sequence[str], rows: Iterable[Sequence[str]]) -> List[str]:
