@@ -1,0 +1,22 @@
+#!/bin/bash
+# One lent-GPU call: the next three GPU-queue chunks on the GPU, mutation testing of four
+# modules on ten of the CPU cores beside them (JAX on CPU there), everything packed into $OUT.
+set -u
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD JFED_DATA_DIR=$PWD/.data PYTHONUNBUFFERED=1
+nvidia-smi -L; nproc; python3 -c "import jax, flax, optax, ml_collections, ott, dp_accounting, experiments.fedhydra_tables; print('jax', jax.__version__, jax.devices())" || exit 1
+git init -q . && printf '/.data/\n/.whl/\n/.device/\n' >> .git/info/exclude
+mut=
+[ "${MUT_S:-500}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-500} nice -n 10 python3 -m experiments.mutation \
+   --modules=${MUT_MODULES:-fedavg,feddf,distill_losses,fedhydra} --max_children=${MUT_CHILDREN:-10} \
+   --out=/tmp/mutation_out > /tmp/mutation.log 2>&1) &
+[ "${MUT_S:-500}" -gt 0 ] && mut=$!
+python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-470} --out=$OUT
+if [ -n "$mut" ]; then
+  wait $mut; tail -5 /tmp/mutation.log
+  mkdir -p /tmp/mutation_out; cp /tmp/mutation.log /tmp/mutation_out/
+  tar czf $OUT/mutation.tar.gz -C /tmp mutation_out
+fi
+ls -la $OUT; echo "total $(( $(date +%s) - t0 )) s"
