@@ -5,12 +5,12 @@ table and the seed's Tables III-V (rounds and traffic to reach a target accuracy
       --out=runs/hfldd_compare_c1 [--methods=hfldd,fedavg,fedprox,fedseq,dynafed,centralized] \
       [--targets=0.6,0.7,0.8] [--seeds=0,1,2] [--merge=OTHER_OUT,...]
 
-Each (seed, method) runs through `jfed.driver.run_experiment` with `config.seed` = the seed
-(which draws the partition, the public set and every initialisation) into OUT/seed<s>/<method>/,
-so each one resumes from its checkpoints, or is skipped when finished, when the command is
-repeated, and can be inspected on its own; the seeds run one after the other. OUTs written
-before the seeds (OUT/<method>/) are not read: their runs are not reused. Then OUT gets, over
-the seeds whose run finished (n in each cell):
+A comparison is one cell of a sweep (experiments/sweep.py): each (seed, method) runs through
+`jfed.driver.run_experiment` with `config.seed` = the seed (which draws the partition, the public
+set and every initialisation) into OUT/seed<s>/<method>/, where it can be inspected on its own;
+when the command is repeated a finished run is skipped, a failed one runs again and an
+interrupted one resumes from its checkpoints. After each run OUT gets, over the seeds whose run
+finished (n in each cell):
 - accuracy.png: test accuracy per round, every method (centralized: per epoch), the mean over
   the seeds with a ± std band;
 - traffic.png: the mean test accuracy per round against the mean cumulative measured traffic
@@ -20,9 +20,16 @@ the seeds whose run finished (n in each cell):
   ratio vs HFLDD): each seed's table built with `jfed.io.comm.target_table_rows` from its
   methods' measured cumulative bytes, then every cell as the mean ± std over the seeds that
   reached the target, with how many did;
-- results.json: every seed's numbers and per-seed target tables.
-`--merge` adds the seeds of other OUTs of the same config (their results.json, e.g. seeds run in
-another session; `--seeds=` with nothing runs none and only re-renders the merged ones).
+- results.json: the sweep's layout, {meta: the config, the seeds, the machine; results:
+  {'compare': {seed: {method: record}}}} (each record stamped with the backend it ran on), and
+  target_tables: the per-seed target tables.
+`--merge` adds the runs of other OUTs of the same config (their results.json, e.g. seeds or
+methods run in another session or on another machine). `--seeds=` with nothing runs none and only
+re-renders; without --config it renders with the config the results were run with (the config
+files may have changed since), so `--out=NEW --seeds= --merge=docs/results/hfldd_compare_...`
+re-renders a committed comparison. An OUT written before the sweep layout (results.json of
+{config, seeds, runs, target_tables}) is read as before, its runs stamped with the backend its
+results.md names, and rewritten in the sweep layout at its next save.
 Which accuracy the paper shows: HFLDD (Shi et al., arXiv 2409.17517) Fig. 3 plots the test
 accuracy per round, and §VI-B quotes the last round's ("74.0% after 300 communication
 rounds", "final test accuracies"):
@@ -39,6 +46,7 @@ Centralized training has no communication and is left out of the target tables.
 
 import json
 import pathlib
+import re
 import traceback
 from typing import Any, Callable, Dict, List, Sequence
 
@@ -48,18 +56,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import sweep
-from experiments.seed_tables import curve_stats, mean_std, plot_bands
-from experiments.sweep import error_record, is_error
+from experiments.seed_tables import backend_line, curve_stats, mean_std, plot_bands
+from experiments.sweep import is_error
 
 FLAGS = flags.FLAGS
+
+CELL = 'compare'  # the sweep's one cell: every seed x method runs on the same config
+# The machine sentence the layout before the sweep's wrote in results.md (it kept none in JSON).
+OLD_BACKEND = re.compile(r'^Backend (\S+) \(([^)]*)\), jax ([^;\s]+);', re.MULTILINE)
 
 
 def define_flags() -> None:
   """Defined only when run as a command, so that importing the module (tests) does not clash
   with the flags of the other comparison commands."""
   # --out (each run in OUT/seed<s>/<method>), --seeds, --merge (OUTs of the same config with
-  # other seeds), --config
-  sweep.define_flags(None, config='Experiment config file (get_config(arg)).')
+  # other runs), --config
+  sweep.define_flags(
+    None,
+    config='Experiment config file (FILE or FILE:arg for get_config(arg)); not needed with '
+    '--seeds= (render only), which uses the config the results were run with.',
+    config_required=False,
+  )
   flags.DEFINE_list(
     'methods',
     ['hfldd', 'fedavg', 'fedprox', 'fedseq', 'dynafed', 'centralized'],
@@ -268,6 +285,238 @@ def write_figures(out: pathlib.Path, results, methods: List[str], title: str) ->
     )
 
 
+def title_of(config) -> str:
+  p = config.partition
+  return f'{config.dataset.name}, {p.num_clients} clients, {p.scheme}' + (
+    f' #C={p.k}' if p.scheme == 'shards' else ''
+  )
+
+
+def config_json(config) -> Dict[str, Any]:
+  return json.loads(config.to_json_best_effort())
+
+
+def upgrade_layout(saved: Dict[str, Any], path: pathlib.Path) -> Dict[str, Any]:
+  """`saved` (a results.json at `path`) in the sweep layout. The layout before the sweep's,
+  {config, seeds, runs, target_tables}, kept no machine in JSON: its runs are stamped with the
+  one its results.md's backend sentence names ('?' without one)."""
+  if 'results' in saved or 'runs' not in saved:
+    return saved
+  meta = {'config': saved.get('config'), 'seeds': saved.get('seeds', [])}
+  md = path.parent / 'results.md'
+  found = OLD_BACKEND.search(md.read_text()) if md.exists() else None
+  if found:
+    meta.update(backend=found[1], device_kind=found[2], jax_version=found[3])
+  return {'meta': meta, 'results': {CELL: saved['runs']}}
+
+
+def without_seed(config: Dict[str, Any]) -> Dict[str, Any]:
+  return {k: v for k, v in (config or {}).items() if k != 'seed'}
+
+
+def results_reader(
+  config, out: pathlib.Path, read_configs: List[Dict[str, Any]]
+) -> Callable[[pathlib.Path], Dict[str, Any]]:
+  """`sweep.Sweep.open`'s `read`: a results.json in the sweep layout (`upgrade_layout`).
+
+  Args:
+    config: the comparison's config; a file run with another (its seed aside) is refused. None:
+      the first file read sets it.
+    out: the comparison's OUT (its own results.json is refused with another message).
+    read_configs: each file's config is appended to it.
+
+  Returns:
+    read(path) -> the file's {meta, results}.
+  """
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  def read(path: pathlib.Path) -> Dict[str, Any]:
+    saved = upgrade_layout(json.loads(path.read_text()), path)
+    theirs = saved['meta'].get('config') or {}
+    mine = config_json(config) if config is not None else (read_configs or [theirs])[0]
+    if without_seed(theirs) != without_seed(mine):
+      if path == out / 'results.json':
+        raise ConfigError(f'{path} was run with another config; use a new --out')
+      raise ConfigError(f'--merge: {path} was run with another config; merge only the same one')
+    read_configs.append(theirs)
+    return saved
+
+  return read
+
+
+def run_record(method: str, summary, workdir: pathlib.Path) -> sweep.Record:
+  """A finished run's record.
+
+  Args:
+    method: the run's method.
+    summary: its `jfed.api.RunSummary`.
+    workdir: its workdir (metrics.jsonl).
+
+  Returns:
+    Its test accuracy per step, the cumulative bytes and the summary numbers the tables read.
+  """
+  records = [
+    json.loads(line)
+    for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+    if line.strip()
+  ]
+  steps, accs, cum = method_curve(records)
+  return {
+    'steps': steps,
+    'accuracy': accs,
+    'cumulative_bytes': cum,
+    'final_test_accuracy': summary.final_test_accuracy,
+    'best_test_accuracy': summary.best_test_accuracy,
+    'best_step': summary.best_step,
+    'step_name': summary.step_name,
+    'total_bytes': summary.total_bytes,
+    'eval_samples': summary.extras.get('eval_samples'),
+    'paper_setting': paper_setting(method, summary.extras),
+    'seconds': summary.seconds,
+  }
+
+
+Formulas = Callable[[Dict[str, Any]], Dict[str, Callable[[int], int]]]
+
+
+def formulas_of(config) -> Formulas:
+  """A seed's runs -> `paper_formulas` of its finished ones, the model and data sizes computed
+  once; a failure is printed once and leaves the paper-formula cells empty (it must not lose
+  the measured results)."""
+  sizes: List[Any] = []
+
+  def formulas(runs: Dict[str, Any]) -> Dict[str, Callable[[int], int]]:
+    ok = {m: r for m, r in runs.items() if not is_error(r)}
+    if not ok or sizes == [None]:
+      return {}
+    try:
+      if not sizes:
+        sizes.append(model_and_data_sizes(config))
+      return paper_formulas(config, ok, *sizes[0])
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+      sizes[:] = [None]
+      return {}
+
+  return formulas
+
+
+def target_rows(
+  results, targets: Sequence[float], reference: str, formulas: Formulas
+) -> Dict[float, Dict[str, list]]:
+  """The per-seed Tables III-V rows.
+
+  Args:
+    results: {seed: {method: record}}.
+    targets: the target accuracies.
+    reference: the method whose traffic is 1X (where the seed has it).
+    formulas: the paper formula of each seed's runs.
+
+  Returns:
+    {target: {seed: `jfed.io.comm.target_table_rows` of the seed's finished runs with bytes}}.
+  """
+  from jfed.io.comm import target_table_rows  # pylint: disable=g-import-not-at-top
+
+  per_target = {}
+  for target in targets:
+    per_seed = {}
+    for seed, mine in results.items():
+      table_methods = [
+        (m, r['accuracy'], round_transfers(r['cumulative_bytes']))
+        for m, r in mine.items()
+        if not is_error(r) and r['cumulative_bytes']
+      ]
+      ref = reference if any(m == reference for m, _, _ in table_methods) else None
+      per_seed[seed] = target_table_rows(
+        table_methods, target, reference=ref, paper_bits=formulas(mine)
+      )
+    per_target[target] = per_seed
+  return per_target
+
+
+def render(
+  config,
+  results,
+  methods: Sequence[str],
+  targets: Sequence[float],
+  reference: str,
+  formulas: Formulas,
+  meta: Dict[str, Any],
+) -> str:
+  """results.md: the budget, the summary table and the Tables III-V layout per target.
+
+  Args:
+    config: the comparison's config.
+    results: {seed: {method: record}}, the sweep's one cell.
+    methods: the table's methods, in its order.
+    targets: the target accuracies.
+    reference: the method whose traffic is 1X.
+    formulas: the paper formula of each seed's runs.
+    meta: the sweep's meta (the backend of runs that carry none).
+
+  Returns:
+    The Markdown text.
+  """
+  from jfed.io.comm import MIB  # pylint: disable=g-import-not-at-top
+
+  n = len(results)
+  lines = [
+    f'# HFLDD comparison: {title_of(config)}',
+    '',
+    f'{backend_line({CELL: results}, meta)}; seeds {sorted(int(s) for s in results)} (each '
+    'draws the partition, the public set and every initialisation). Budget:',
+    *budget_lines(config),
+    '',
+    'Accuracy: mean ± sample std over the seeds where the run finished (n). Which one the '
+    'paper shows: HFLDD (Shi et al., arXiv 2409.17517) Fig. 3 plots the test accuracy per '
+    'round and §VI-B quotes the '
+    'last round\'s ("74.0% after 300 communication rounds", "final test accuracies"), i.e. '
+    '**the final column** and the curves of accuracy.png; the paper reports no best-round '
+    'accuracy (ours: the best round on the test images). Its Tables III-V give the first '
+    'round whose accuracy reaches a target (the tables below).',
+    '',
+    "| method | final accuracy (%, the paper's) | best accuracy (%) | steps | traffic, "
+    'measured (MiB) | traffic, paper formula (MiB) | eval samples | seconds |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for m in methods:
+    runs = finished(results, m)
+    errors = [r[m]['error'] for r in results.values() if is_error(r.get(m))]
+    failed = f'failed in {len(errors)} of {n} seeds: {errors[0]}' if errors else ''
+    if not runs:
+      lines.append(f'| {m} | {failed or "—"} | | | | | | |')
+      continue
+    measured = [r['total_bytes'] for r in runs if r['total_bytes'] is not None]
+    paper = [r['paper_formula_bits'] / 8 for r in runs if r.get('paper_formula_bits')]
+    seconds = [r['seconds'] for r in runs if r['seconds'] is not None]
+    lines.append(
+      f'| {m} | {cell([r["final_test_accuracy"] for r in runs])}'
+      + (f'; {failed}' if failed else '')
+      + f' | {cell([r["best_test_accuracy"] for r in runs])} | {len(runs[0]["steps"])} '
+      f'{runs[0]["step_name"]}s | {mean_std(measured, 1 / MIB, 1) or "—"} | '
+      f'{mean_std(paper, 1 / MIB, 1) or "—"} | {runs[0]["eval_samples"] or "?"} | '
+      f'{np.mean(seconds):.0f} |'
+    )
+  table_methods = [m for m in methods if any(r['cumulative_bytes'] for r in finished(results, m))]
+  if table_methods:
+    lines += [
+      '',
+      '## Rounds and traffic to reach a target accuracy '
+      '(HFLDD, Shi et al., arXiv 2409.17517, Tables III-V layout)',
+      '',
+      'Per seed, the first round whose test accuracy reaches the target and the traffic up to '
+      'it; each cell the mean ± std over the seeds that reached it ("seeds reaching it"); the '
+      'ratio over the seeds where the method and the reference '
+      f'({reference if reference in table_methods else table_methods[0]}) both reached it. '
+      'Traffic in MiB: measured = serialised bytes, setup stages included; paper formula = '
+      "jfed.io.comm.*_cost_bits with each seed's settings. Per-seed tables: results.json.",
+      '',
+    ]
+    for target, per_seed in target_rows(results, targets, reference, formulas).items():
+      lines += [seed_target_table(per_seed, table_methods, target), '']
+  return '\n'.join(lines) + '\n'
+
+
 def run_compare(
   config,
   out: pathlib.Path,
@@ -277,188 +526,79 @@ def run_compare(
   seeds: Sequence[int] = (0, 1, 2),
   merge: Sequence[str] = (),
 ) -> str:
-  """Runs every (seed, method) not finished yet and writes the figures, results.md and
-  results.json over the seeds (after each seed, so that a long sweep shows its progress);
-  returns results.md's text. `merge`: OUTs of the same config holding other seeds (their
-  results.json; e.g. seeds run in another session or on another machine), whose seeds join the
-  tables; a seed run here replaces a merged one."""
+  """Runs every (seed, method) not finished yet as a sweep (experiments/sweep.py) and, after
+  each run, writes results.json, results.md and the figures.
+
+  Args:
+    config: the comparison's config. None: nothing runs, and the results of OUT and `merge`
+      render with the config they were run with (the config files may have changed since).
+    out: OUT.
+    methods: the methods, in the tables' order.
+    targets: the target accuracies of the Tables III-V layout.
+    reference: the method whose traffic is 1X.
+    seeds: the seeds to run.
+    merge: OUTs of the same config holding other runs (their results.json; e.g. seeds run in
+      another session or on another machine), which join the tables; a run finished there is
+      not run again here.
+
+  Returns:
+    results.md's text ('' when there is nothing to show).
+  """
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
-  from jfed.io.comm import MIB, target_table_rows  # pylint: disable=g-import-not-at-top
-  from jfed.workdir import atomic_write_text, write_json  # pylint: disable=g-import-not-at-top
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   methods, seeds = list(methods), [int(s) for s in seeds]
-  out.mkdir(parents=True, exist_ok=True)
-  results: Dict[str, Dict[str, Dict[str, Any]]] = {}
-  formulas: Dict[str, Dict[str, Callable[[int], int]]] = {}
-  sizes = []
-  title = (
-    f'{config.dataset.name}, {config.partition.num_clients} clients, '
-    f'{config.partition.scheme}'
-    + (f' #C={config.partition.k}' if config.partition.scheme == 'shards' else '')
-  )
+  if config is None and seeds:
+    raise ConfigError(
+      '--config: required to run seeds; --seeds= (none) renders the results of --out and '
+      '--merge with the config they were run with'
+    )
+  stored: List[Dict[str, Any]] = []
+  s = sweep.Sweep.open(out, seeds, merge, results_reader(config, out, stored))
+  if config is None:
+    if not stored:
+      raise ConfigError(f'--config: not given, and neither {out} nor --merge holds results')
+    config = ml_collections.ConfigDict(stored[0])
+  s.meta['config'] = config_json(config)
+  formulas = formulas_of(config)
+  s.render = lambda s: {
+    'results.md': render(config, s.results[CELL], methods, targets, reference, formulas, s.meta)
+  }
+  s.derived = lambda s: {
+    'target_tables': {
+      str(t): {seed: [row._asdict() for row in rows] for seed, rows in per_seed.items()}
+      for t, per_seed in target_rows(s.results[CELL], targets, reference, formulas).items()
+    }
+  }
+  s.after_save = lambda s: write_figures(out, s.results[CELL], methods, title_of(config))
 
-  def merge_seeds() -> None:
-    from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  def execute(method: str, c, workdir: pathlib.Path) -> sweep.Record:
+    record = run_record(method, run_experiment(method, c, workdir), workdir)
+    formula = formulas({method: record}).get(method)
+    if formula is not None and record['step_name'] == 'round':
+      record['paper_formula_bits'] = formula(len(record['steps']))
+    return record
 
-    mine = json.loads(config.to_json_best_effort())
-    mine.pop('seed', None)
-    for d in merge:
-      path = pathlib.Path(d) / 'results.json'
-      if not path.exists():
-        raise ConfigError(f'--merge: {path} does not exist')
-      other = json.loads(path.read_text())
-      theirs = dict(other.get('config') or {})
-      theirs.pop('seed', None)
-      if theirs != mine:
-        raise ConfigError(f'--merge: {path} was run with another config; merge only the same one')
-      for seed, runs in other['runs'].items():
-        if int(seed) in seeds:
-          continue
-        if seed in results:
-          raise ConfigError(f'--merge: seed {seed} is in two of the merged OUTs')
-        results[seed] = runs
-        ok = {m: r for m, r in runs.items() if not is_error(r)}
-        if ok and not sizes:
-          sizes.extend(model_and_data_sizes(config))
-        formulas[seed] = paper_formulas(config, ok, *sizes) if ok else {}
-
-  def run_seed(seed: int) -> None:
+  last = None
+  for seed in seeds:
     c = config.copy_and_resolve_references()
     c.seed = seed
-    mine = results[str(seed)] = {}
     for method in methods:
       workdir = out / f'seed{seed}' / method
-      print(f'=== seed {seed} / {method} -> {workdir}', flush=True)
-      try:
-        summary = run_experiment(method, c, workdir)
-      except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the rest
-        traceback.print_exc()
-        mine[method] = error_record(e)
-        continue
-      records = [
-        json.loads(line)
-        for line in (workdir / 'metrics.jsonl').read_text().splitlines()
-        if line.strip()
-      ]
-      steps, accs, cum = method_curve(records)
-      mine[method] = {
-        'steps': steps,
-        'accuracy': accs,
-        'cumulative_bytes': cum,
-        'final_test_accuracy': summary.final_test_accuracy,
-        'best_test_accuracy': summary.best_test_accuracy,
-        'best_step': summary.best_step,
-        'step_name': summary.step_name,
-        'total_bytes': summary.total_bytes,
-        'eval_samples': summary.extras.get('eval_samples'),
-        'paper_setting': paper_setting(method, summary.extras),
-        'seconds': summary.seconds,
-      }
-    ok = {m: r for m, r in mine.items() if not is_error(r)}
-    formulas[str(seed)] = {}
-    try:  # the paper-formula column must not lose the hours of measured results above
-      if ok and not sizes:
-        sizes.extend(model_and_data_sizes(c))
-      formulas[str(seed)] = paper_formulas(c, ok, *sizes) if ok else {}
-    except Exception:  # pylint: disable=broad-except
-      traceback.print_exc()
-    for m, fn in formulas[str(seed)].items():
-      if ok[m]['step_name'] == 'round':
-        ok[m]['paper_formula_bits'] = fn(len(ok[m]['steps']))
-
-  def write() -> str:
-    write_figures(out, results, methods, title)
-    n = len(results)
-    lines = [
-      f'# HFLDD comparison: {title}',
-      '',
-      f'Backend {jax.default_backend()} ({jax.devices()[0].device_kind}), '
-      f'jax {jax.__version__}; seeds {sorted(int(s) for s in results)} (each draws the '
-      'partition, the public set and every initialisation). Budget:',
-      *budget_lines(config),
-      '',
-      'Accuracy: mean ± sample std over the seeds where the run finished (n). Which one the '
-      'paper shows: HFLDD (Shi et al., arXiv 2409.17517) Fig. 3 plots the test accuracy per '
-      'round and §VI-B quotes the '
-      'last round\'s ("74.0% after 300 communication rounds", "final test accuracies"), i.e. '
-      '**the final column** and the curves of accuracy.png; the paper reports no best-round '
-      'accuracy (ours: the best round on the test images). Its Tables III-V give the first '
-      'round whose accuracy reaches a target (the tables below).',
-      '',
-      "| method | final accuracy (%, the paper's) | best accuracy (%) | steps | traffic, "
-      'measured (MiB) | traffic, paper formula (MiB) | eval samples | seconds |',
-      '|---|---|---|---|---|---|---|---|',
-    ]
-    for m in methods:
-      runs = finished(results, m)
-      errors = [r[m]['error'] for r in results.values() if is_error(r.get(m))]
-      failed = f'failed in {len(errors)} of {n} seeds: {errors[0]}' if errors else ''
-      if not runs:
-        lines.append(f'| {m} | {failed or "—"} | | | | | | |')
-        continue
-      measured = [r['total_bytes'] for r in runs if r['total_bytes'] is not None]
-      paper = [r['paper_formula_bits'] / 8 for r in runs if r.get('paper_formula_bits')]
-      seconds = [r['seconds'] for r in runs if r['seconds'] is not None]
-      lines.append(
-        f'| {m} | {cell([r["final_test_accuracy"] for r in runs])}'
-        + (f'; {failed}' if failed else '')
-        + f' | {cell([r["best_test_accuracy"] for r in runs])} | {len(runs[0]["steps"])} '
-        f'{runs[0]["step_name"]}s | {mean_std(measured, 1 / MIB, 1) or "—"} | '
-        f'{mean_std(paper, 1 / MIB, 1) or "—"} | {runs[0]["eval_samples"] or "?"} | '
-        f'{np.mean(seconds):.0f} |'
+      last = s.run_one(
+        CELL,
+        seed,
+        method,
+        lambda: execute(method, c, workdir),  # pylint: disable=cell-var-from-loop
+        f'seed {seed} / {method} -> {workdir}',
       )
-    tables = {}
-    per_target = {}
-    for target in targets:
-      per_seed = {}
-      for seed, mine in results.items():
-        table_methods = [
-          (m, r['accuracy'], round_transfers(r['cumulative_bytes']))
-          for m, r in mine.items()
-          if not is_error(r) and r['cumulative_bytes']
-        ]
-        ref = reference if any(m == reference for m, _, _ in table_methods) else None
-        per_seed[seed] = target_table_rows(
-          table_methods, target, reference=ref, paper_bits=formulas.get(seed, {})
-        )
-      tables[str(target)] = {s: [row._asdict() for row in rs] for s, rs in per_seed.items()}
-      per_target[target] = per_seed
-    table_methods = [m for m in methods if any(r['cumulative_bytes'] for r in finished(results, m))]
-    if table_methods:
-      lines += [
-        '',
-        '## Rounds and traffic to reach a target accuracy '
-        '(HFLDD, Shi et al., arXiv 2409.17517, Tables III-V layout)',
-        '',
-        'Per seed, the first round whose test accuracy reaches the target and the traffic up to '
-        'it; each cell the mean ± std over the seeds that reached it ("seeds reaching it"); the '
-        'ratio over the seeds where the method and the reference '
-        f'({reference if reference in table_methods else table_methods[0]}) both reached it. '
-        'Traffic in MiB: measured = serialised bytes, setup stages included; paper formula = '
-        "jfed.io.comm.*_cost_bits with each seed's settings. Per-seed tables: results.json.",
-        '',
-      ]
-      for target, per_seed in per_target.items():
-        lines += [seed_target_table(per_seed, table_methods, target), '']
-    text = '\n'.join(lines) + '\n'
-    atomic_write_text(out / 'results.md', text)
-    write_json(
-      out / 'results.json',
-      {
-        'config': json.loads(config.to_json_best_effort()),
-        'seeds': sorted(int(s) for s in results),
-        'runs': results,
-        'target_tables': tables,
-      },
-    )
-    return text
-
-  merge_seeds()
-  text = write() if results else ''
-  for seed in seeds:
-    run_seed(seed)
-    text = write()
-  return text
+  if not s.results.get(CELL):
+    return ''
+  if last is None:  # nothing ran last: the merged or read-back results are not written yet
+    s.save()
+  return s.text('results.md')
 
 
 def main(argv):

@@ -221,16 +221,18 @@ def pretrain_seeds(plan: Callable[[], Sequence[Sequence]], label: str) -> None:
 
 def merge_seed_results(results: Dict, other: Mapping) -> None:
   """Adds `other`'s (cell, seed, run) records to `results`; a finished record wins over an
-  error, and two finished records of one run must agree (the same run twice)."""
+  error, and two finished records of one run must agree (the same run twice): ConfigError."""
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
   for cell, seeds in other.items():
     for seed, runs in seeds.items():
       mine = results.setdefault(cell, {}).setdefault(seed, {})
       for run, record in runs.items():
         old = mine.get(run)
-        if old is None or old.get('status') == 'error':
+        if old is None or is_error(old):
           mine[run] = record
-        elif record.get('status') != 'error' and old != record:
-          raise ValueError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
+        elif not is_error(record) and old != record:
+          raise ConfigError(f'--merge: {cell} seed {seed} {run} differs between the sweeps')
 
 
 def machine_meta() -> Dict[str, str]:
@@ -258,16 +260,21 @@ def stamp_backend(results: Dict, meta: Mapping) -> None:
   for seeds in results.values():
     for runs in seeds.values():
       for record in runs.values():
-        if isinstance(record, dict) and record.get('status') != 'error':
+        if isinstance(record, dict) and not is_error(record):
           record.setdefault('backend', here)
 
 
-def write_seed_results(path: pathlib.Path, meta: Mapping, results: Dict) -> None:
-  """Writes a sweep's results.json atomically, its unmarked records marked as run here."""
+def write_seed_results(
+  path: pathlib.Path, meta: Mapping, results: Dict, extra: Optional[Mapping] = None
+) -> None:
+  """Writes a sweep's results.json atomically, its unmarked records marked as run here;
+  `extra`'s keys (derived data, never read back) follow meta and results."""
   from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
   stamp_backend(results, meta)
-  atomic_write_text(path, json.dumps({'meta': meta, 'results': results}, indent=2))
+  saved = {'meta': meta, 'results': results}
+  saved.update((k, v) for k, v in (extra or {}).items() if k not in saved)
+  atomic_write_text(path, json.dumps(saved, indent=2))
 
 
 def backend_line(results: Mapping, fallback: Mapping) -> str:

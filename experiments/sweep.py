@@ -91,13 +91,16 @@ def table_lines(head: Sequence[str], rows: Iterable[Sequence[str]]) -> List[str]
 class Sweep:
   """One sweep's OUT: its results (read back, merged) and their meta; `run_one` runs a run not
   finished yet and saves. `render(sweep)` returns the files to write beside results.json after
-  each save ({name: text}); `after_save(sweep)` draws what is not text (plots)."""
+  each save ({name: text}); `after_save(sweep)` draws what is not text (plots); `derived(sweep)`
+  returns what results.json carries beside meta and results, recomputed from them at each save
+  and never read back (e.g. per-seed tables for other tools)."""
 
   out: pathlib.Path
   meta: Dict[str, Any]
   results: Results
   render: Optional[Callable[['Sweep'], Mapping[str, str]]] = None
   after_save: Optional[Callable[['Sweep'], None]] = None
+  derived: Optional[Callable[['Sweep'], Mapping[str, Any]]] = None
 
   @classmethod
   def open(
@@ -126,7 +129,8 @@ class Sweep:
     from jfed.workdir import atomic_write_text  # pylint: disable=g-import-not-at-top
 
     self.out.mkdir(parents=True, exist_ok=True)
-    write_seed_results(self.out / 'results.json', self.meta, self.results)
+    extra = self.derived(self) if self.derived else {}
+    write_seed_results(self.out / 'results.json', self.meta, self.results, extra)
     for name, text in (self.render(self) if self.render else {}).items():
       atomic_write_text(self.out / name, text)
     if self.after_save:
@@ -177,6 +181,7 @@ def define_flags(
   merge: bool = True,
   config: Optional[str] = None,
   smoke: Optional[str] = None,
+  config_required: bool = True,
 ) -> None:
   """The flags every sweep command shares: --out, --seeds, --merge, with `config` (its help)
   --config as a config file (`ml_collections.config_flags`: FILE or FILE:words) and with `smoke`
@@ -188,6 +193,8 @@ def define_flags(
     merge: whether the command merges other OUTs' results (--merge).
     config: --config's help; None: the command takes no config file.
     smoke: --smoke's help; None: no --smoke.
+    config_required: whether --config must be given (False: a command that can render stored
+      results with the config they were run with).
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
 
@@ -206,7 +213,8 @@ def define_flags(
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
     config_flags.DEFINE_config_file('config', None, config, lock_config=False)
-    flags.mark_flags_as_required(['config'])
+    if config_required:
+      flags.mark_flags_as_required(['config'])
 
 
 def config_flag(name: str = 'config') -> Tuple[str, str]:

@@ -81,6 +81,27 @@ def test_merge_keeps_each_runs_backend_and_joins_the_seeds(tmp_path):
     sweep.Sweep.open(tmp_path / 'out', [0], [str(tmp_path / 'nope')])
 
 
+def test_derived_data_is_written_beside_the_results_and_not_read_back(tmp_path):
+  s = _open(tmp_path)
+  s.derived = lambda s: {'tables': {'n': len(s.results)}, 'results': 'ignored'}
+  s.run_one('c', 0, 'a', lambda: {'final_test_accuracy': 0.5})
+  saved = json.loads((tmp_path / 'out' / 'results.json').read_text())
+  assert list(saved) == ['meta', 'results', 'tables'] and saved['tables'] == {'n': 1}
+  assert _open(tmp_path).results == {'c': {'0': {'a': saved['results']['c']['0']['a']}}}
+
+
+def test_old_shape_errors_stay_errors_when_stamped_and_conflicting_merges_are_config_errors():
+  from experiments import seed_tables  # pylint: disable=g-import-not-at-top
+
+  results = {'c': {'0': {'a': {'error': 'x'}, 'b': {'final_test_accuracy': 0.5}}}}
+  seed_tables.stamp_backend(results, META)
+  assert results['c']['0']['a'] == {'error': 'x'}  # a stamp would have made it a finished run
+  assert results['c']['0']['b']['backend'] == 'cpu, jax 0.0.0'
+  theirs = {'c': {'0': {'a': {'final_test_accuracy': 0.6}, 'b': {'final_test_accuracy': 0.7}}}}
+  with pytest.raises(ConfigError, match='^--merge: c seed 0 b differs between the sweeps$'):
+    seed_tables.merge_seed_results(results, theirs)
+
+
 def test_cell_stats_give_mean_and_sample_std_of_final_and_best_with_failures_counted():
   results = {
     'c': {
@@ -130,13 +151,14 @@ def test_a_commands_user_error_is_one_error_line(monkeypatch, capsys):
 
 
 def test_hfldd_compare_records_a_failed_run_in_the_one_error_shape(tmp_path):
-  """hfldd_compare wrote {'error': message}; it now writes `sweep.error_record`'s shape, and
-  still reads the old one (docs/results/hfldd_compare_*/results.json)."""
+  """hfldd_compare wrote {'error': message}; it now writes `sweep.error_record`'s shape in the
+  sweep layout, and still reads the old one (docs/results/hfldd_compare_*/results.json)."""
   from experiments import hfldd_compare  # pylint: disable=g-import-not-at-top
   from tests.support import hfldd_tiny_config  # pylint: disable=g-import-not-at-top
 
   hfldd_compare.run_compare(hfldd_tiny_config(), tmp_path, ['no_such_method'], [0.5], seeds=[0])
-  record = json.loads((tmp_path / 'results.json').read_text())['runs']['0']['no_such_method']
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  record = saved['results'][hfldd_compare.CELL]['0']['no_such_method']
   assert record['status'] == 'error' and record['error'].startswith('ConfigError: ')
   old = {'0': {'a': {'error': 'x'}}, '1': {'a': {'final_test_accuracy': 1.0}}}
   assert hfldd_compare.finished(old, 'a') == [{'final_test_accuracy': 1.0}]

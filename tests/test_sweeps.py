@@ -359,7 +359,8 @@ def test_hfldd_compare_over_seeds_tables_figures_and_resume(tmp_path, capsys):
   args = (hfldd_tiny_config(), tmp_path, methods, targets)
   text = hfldd_compare.run_compare(*args, seeds=SEEDS)
   saved = json.loads((tmp_path / 'results.json').read_text())
-  assert saved['seeds'] == SEEDS and sorted(saved['runs']) == ['0', '1']
+  runs = saved['results'][hfldd_compare.CELL]
+  assert saved['meta']['seeds'] == SEEDS and sorted(runs) == ['0', '1']
 
   def summary(seed, method):
     return json.loads((tmp_path / f'seed{seed}' / method / 'summary.json').read_text())
@@ -367,7 +368,7 @@ def test_hfldd_compare_over_seeds_tables_figures_and_resume(tmp_path, capsys):
   for seed in SEEDS:
     for m in methods:
       config = json.loads((tmp_path / f'seed{seed}' / m / 'config.json').read_text())
-      assert config['seed'] == seed and 'error' not in saved['runs'][str(seed)][m]
+      assert config['seed'] == seed and 'error' not in runs[str(seed)][m]
     # at #C=1 HFLDD learns and beats FedAvg on every seed
     hfldd, fedavg = (summary(seed, m)['final_test_accuracy'] for m in methods)
     assert hfldd > CHANCE + 0.3 and hfldd > fedavg + 0.2, (seed, hfldd, fedavg)
@@ -393,13 +394,14 @@ def test_hfldd_compare_over_seeds_tables_figures_and_resume(tmp_path, capsys):
   assert '| seeds reaching it | 0/2 | 0/2 |' in text[text.index('Accuracy=99%') :]
   assert (tmp_path / 'accuracy.png').exists() and (tmp_path / 'traffic.png').exists()
 
-  # rerunning skips the finished runs (the driver keeps their files) and writes the same tables
+  # rerunning skips the finished runs (the sweep does not call the driver) and writes the same
+  # tables
   stamps = file_stamps(tmp_path, 'seed*/*/summary.json', 'seed*/*/metrics.jsonl')
   assert len(stamps) == 2 * len(SEEDS) * len(methods)
   capsys.readouterr()
   assert hfldd_compare.run_compare(*args, seeds=SEEDS) == text
   assert file_stamps(tmp_path, 'seed*/*/summary.json', 'seed*/*/metrics.jsonl') == stamps
-  assert capsys.readouterr().out.count('already complete') == len(stamps) // 2
+  assert '=== seed' not in capsys.readouterr().out
 
 
 def _compare_out(out, config, finals):
@@ -437,12 +439,18 @@ def test_hfldd_compare_merges_the_seeds_of_other_sessions_and_refuses_other_conf
   text = hfldd_compare.run_compare(config, out, ['fedavg'], [0.5], seeds=[], merge=[first, second])
   cell = seed_stats(list(finals.values()))
   assert f'| fedavg | {cell} | {cell} | 2 rounds |' in text
-  assert json.loads((out / 'results.json').read_text())['seeds'] == [0, 1, 2]
+  assert json.loads((out / 'results.json').read_text())['meta']['seeds'] == [0, 1, 2]
   assert '| seeds reaching it | 3/3 |' in text
 
-  with pytest.raises(ConfigError, match='seed 1 is in two'):
+  # the same OUT twice adds nothing; a run finished differently in two OUTs is refused
+  twice = hfldd_compare.run_compare(
+    config, tmp_path / 'c', ['fedavg'], [0.5], seeds=[], merge=[second] * 2
+  )
+  assert '| seeds reaching it | 2/2 |' in twice
+  third = _compare_out(tmp_path / 'c1', config, {1: 0.5})
+  with pytest.raises(ConfigError, match='seed 1 fedavg differs'):
     hfldd_compare.run_compare(
-      config, tmp_path / 'c', ['fedavg'], [0.5], seeds=[], merge=[second] * 2
+      config, tmp_path / 'c2', ['fedavg'], [0.5], seeds=[], merge=[second, third]
     )
   other = hfldd_tiny_config(**{'hfldd.rounds': 9})
   with pytest.raises(ConfigError, match='another config'):
