@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -224,6 +225,29 @@ def run_progress(folder: pathlib.Path) -> str:
   return '; '.join(parts)
 
 
+# A phase's progress line (jfed.engine.progress), e.g.
+# 'local training [vgg9 x5] 55/200 epochs    0.47 epoch/s    118s eta   311s'.
+PHASE_LINE = re.compile(
+  r'^(?P<phase>\S.*?) (?P<done>\d+)/(?P<total>\d+) (?P<unit>[a-z]+)\b.*?'
+  r'(?P<elapsed>\d+)s eta\s+(?P<eta>\d+)s\s*$'
+)
+
+
+def log_progress(log: pathlib.Path) -> str:
+  """The last phase progress line of a chunk's log, for a chunk stopped before any run recorded
+  a step: '<phase> <done>/<total> <unit> after <elapsed> s (eta <eta> s)'; '' when none."""
+  if not log.exists():
+    return ''
+  for line in reversed(log.read_text(errors='replace').splitlines()):
+    m = PHASE_LINE.match(line.strip())
+    if m:
+      return (
+        f'{m["phase"]} {m["done"]}/{m["total"]} {m["unit"]} after {m["elapsed"]} s '
+        f'(eta {m["eta"]} s)'
+      )
+  return ''
+
+
 def machine() -> Dict[str, str]:
   """The backend, device kind and JAX version the chunks ran on, as the sweeps record them.
   Called once the chunks have ended, and without preallocation, so that this process takes no
@@ -331,7 +355,7 @@ def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.
       'seconds': seconds[name] if seconds[name] is not None else f'>{limit_s:.0f}',
       'parallel': len(batch),
       'returncode': process.returncode,
-      'progress': run_progress(folder / 'run'),
+      'progress': run_progress(folder / 'run') or log_progress(folder / 'chunk.log'),
       'command': f'python -m {chunk.module} {" ".join(chunk.args)}',
       'backend': meta['backend'],
       'device': meta['device_kind'],
@@ -392,8 +416,9 @@ def ingest(folder: pathlib.Path, results: pathlib.Path = RESULTS) -> List[str]:
   names = []
   for archive in archives:
     name = archive.name[: -len('.tar.gz')]
-    if name not in known:
-      raise app.UsageError(f'{archive}: {name!r} is not a chunk of this queue')
+    if name not in known:  # e.g. the device script's mutation.tar.gz beside the chunks
+      print(f'{archive}: {name!r} is not a chunk of this queue, left alone')
+      continue
     dest = results / name
     if ledger.get(name, {}).get('status') == 'done':
       print(f'{name}: already done here, kept as it is')
@@ -403,6 +428,7 @@ def ingest(folder: pathlib.Path, results: pathlib.Path = RESULTS) -> List[str]:
     dest.mkdir(parents=True)
     _extract(archive, dest)
     entry = json.loads((dest / 'entry.json').read_text())
+    entry['progress'] = entry.get('progress') or log_progress(dest / 'chunk.log')
     ledger[name] = entry
     names.append(name)
   results.mkdir(parents=True, exist_ok=True)

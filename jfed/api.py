@@ -173,12 +173,23 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     section: the config section it reads (`config.<section>`).
     Config: a NamedTuple type of the section's keys (its defaults generate the base config).
     step_name: what a step is, for messages, metrics and plots ('round', 'epoch', 'client').
+    server_round: its client models go through `jfed.methods.common.Server` (the one place
+      where model-poisoning attacks rewrite uploads, `server.max_update_norm_ratio` rejects them
+      and `aggregation.rule` runs); a method that aggregates in its own way (distillation,
+      optimal transport, masked averaging, chains, generators, prototypes) or not at all refuses
+      those settings instead of ignoring them.
+    label_flip_unsupported: why a label-flipping attacker cannot run under it ('' : its clients
+      train on `common.client_groups`' data, where labels are flipped, and it runs to the end).
+    differential_privacy: it reads the `dp` section (DP-FedAvg's clipping and noise).
   """
 
   name: ClassVar[str] = ''
   section: ClassVar[str] = ''
   Config: ClassVar[type] = type(None)
   step_name: ClassVar[str] = 'round'
+  server_round: ClassVar[bool] = False
+  label_flip_unsupported: ClassVar[str] = ''
+  differential_privacy: ClassVar[bool] = False
 
   def __init__(self, config: ConfigT):
     self.config = config

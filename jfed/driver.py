@@ -51,13 +51,13 @@ from jfed.data import (
 )
 from jfed.data.plots import plot_partition_bubbles
 from jfed.data.public import holdout_size
-from jfed.engine import aggregation, multihost, privacy
+from jfed.engine import multihost
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
 from jfed.io.scalars import ScalarLoggers, logging_config
-from jfed.methods.registry import get_method
+from jfed.methods.registry import get_method, registered_methods
 from jfed.reporting import plot_curves
-from jfed.run_config import validate_run_config
+from jfed.run_config import check_capabilities, validate_run_config
 from jfed.workdir import Workdir, array_fingerprint, atomic_write_text, dumps, jsonable, write_json
 
 __all__ = [
@@ -314,13 +314,8 @@ def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Re
 def build_algorithm(method: str, config: ml_collections.ConfigDict) -> Algorithm:
   """The registered algorithm `method` with its typed config; validates the whole config."""
   cls = get_method(method)
-  validate_run_config(config, cls.section)
-  dp_problem = privacy.method_problem(method, config)
-  if dp_problem:
-    raise ConfigError(dp_problem)
-  ignored = aggregation.ignored_settings_problem(method, config)
-  if ignored:
-    raise ConfigError(ignored)
+  run = validate_run_config(config, cls.section)
+  check_capabilities(method, cls, run, registered_methods())
   return cls.from_config(config)
 
 

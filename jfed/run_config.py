@@ -1,20 +1,21 @@
 """The checks of the keys every method shares, run once before anything is written or loaded.
 
-`validate_run_config` checks data, partition, model(s), optimizer, batching and the server side
-of uploads (aggregation, attack, server); `validate_server_config` the last three. A run's
-methods read these keys typed, from `ctx.run` (`jfed.api.RunConfig`); the checks here run on the
-raw config, before a context exists. This module sits below the methods and above the families,
-whose model names (the CVAE of FedMHO and FedCVAE) a client may train.
+`validate_run_config` parses the shared keys once (`jfed.api.parse_run_config`, the one reader of
+them) and checks the typed values: data, partition, model(s), optimizer, batching and the server
+side of uploads (aggregation, attack, server). `check_capabilities` refuses the settings a method
+would silently ignore, from the capabilities its `Algorithm` class declares. This module sits
+below the methods and above the families, whose model names (the CVAE of FedMHO and FedCVAE) a
+client may train.
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 from jfed import typed_config as tc
-from jfed.api import ServerConfig
+from jfed.api import Algorithm, RunConfig, parse_run_config
 from jfed.cvae.clients import GENERATIVE_MODEL
 from jfed.data.partitions import available_schemes
 from jfed.engine import aggregation, attacks
-from jfed.engine.aggregation import RULES, AggregationConfig
+from jfed.engine.aggregation import RULES
 from jfed.engine.optim import OPTIMIZERS
 from jfed.engine.training import STRATEGIES
 from jfed.errors import ConfigError
@@ -23,25 +24,12 @@ from jfed.models import available_models
 ON_INVALID = ('drop', 'fail')
 
 
-def aggregation_config(config) -> AggregationConfig:
-  return tc.parse(AggregationConfig, config.get('aggregation'), 'aggregation')
-
-
-def server_config(config) -> ServerConfig:
-  return tc.parse(ServerConfig, config.get('server'), 'server')
-
-
-def attack_config(config) -> attacks.AttackConfig:
-  """The run's `attack` section."""
-  return tc.parse(attacks.AttackConfig, config.get('attack'), 'attack')
-
-
 def clients_per_round(num_clients: int, participation: float) -> int:
   """How many clients `select_clients` draws: round(participation * n), at least one."""
   return max(1, int(round(participation * num_clients)))
 
 
-def uploads_per_aggregation(config, method_section: Optional[str] = None) -> Tuple[int, str]:
+def uploads_per_aggregation(config: Any, method_section: Optional[str] = None) -> Tuple[int, str]:
   """The most uploads one aggregation of the method of `method_section` receives, and how that
   number comes about (for messages): its clients per round when the section has a
   `participation` below 1, else every client. Methods that aggregate parts of a round
@@ -59,11 +47,11 @@ def uploads_per_aggregation(config, method_section: Optional[str] = None) -> Tup
   return n, f'{n} clients'
 
 
-def validate_server_config(config, method_section: Optional[str] = None) -> None:
-  """Checks the `aggregation`, `attack` and `server` sections (before anything is written):
-  settings that would make the rule or the attack another than the one recorded are refused,
-  with the number of uploads per aggregation of the method of `method_section`."""
-  a = aggregation_config(config)
+def _check_server(run: RunConfig, config: Any, method_section: Optional[str]) -> None:
+  """The `aggregation`, `attack` and `server` sections: settings that would make the rule or the
+  attack another than the one recorded are refused, with the number of uploads per aggregation
+  of the method of `method_section`."""
+  a = run.aggregation
   tc.require_choice(a.rule, RULES, 'aggregation.rule')
   tc.require(
     0.0 <= a.trim_fraction < 0.5,
@@ -73,16 +61,16 @@ def validate_server_config(config, method_section: Optional[str] = None) -> None
   tc.require_positive(a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing'))
   problem = aggregation.size_problem(a, *uploads_per_aggregation(config, method_section))
   tc.require(problem is None, problem)
-  t = attack_config(config)
+  t = run.attack
   tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
   problem = attacks.strength_problem(t.kind, t.strength)
   tc.require(problem is None, problem)
   tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
   try:
-    attacks.parse_client_ids(t.clients, config.partition.num_clients)
+    attacks.parse_client_ids(t.clients, run.partition.num_clients)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  s = server_config(config)
+  s = run.server
   tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
   tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))
 
@@ -91,60 +79,115 @@ def validate_server_config(config, method_section: Optional[str] = None) -> None
 SEED_LIMIT = 2**32
 
 
-def validate_run_config(config: Any, method_section: Optional[str] = None) -> None:
-  """Checks the keys every method shares (data, partition, model, optimiser, batching, the
-  server side of uploads); `method_section` names the method's section (its `participation`
-  sizes the aggregations the server checks)."""
-  seed = tc.convert(config.seed, int, 'seed')
+def validate_run_config(config: Any, method_section: Optional[str] = None) -> RunConfig:
+  """The typed shared keys of `config` (data, partition, model, optimiser, batching, the server
+  side of uploads), checked; ConfigError naming the first key that is missing, mistyped or out
+  of range.
+
+  Args:
+    config: the whole resolved config.
+    method_section: the method's section, whose `participation` sizes the aggregations the
+      server checks; None for none.
+
+  Returns:
+    The `RunConfig` the run's context will carry (`ctx.run`).
+  """
   tc.require(
-    0 <= seed < SEED_LIMIT,
-    f'seed={seed} is not in [0, 2**32): use an integer seed from 0 to {SEED_LIMIT - 1}',
-  )
-  tc.convert(config.dataset.name, str, 'dataset.name')
-  tc.require(
-    'test_holdout' not in config.dataset,
+    'test_holdout' not in (config.get('dataset') or {}),
     'dataset.test_holdout is gone: the test split is for scoring only; hold training samples '
     'out of the clients with dataset.holdout_size instead',
   )
-  holdout = tc.convert(config.dataset.get('holdout_size', 0), int, 'dataset.holdout_size')
-  tc.require(holdout >= 0, f'dataset.holdout_size must be >= 0, got {holdout}')
-  p = config.partition
-  tc.require_choice(p.scheme, available_schemes(), 'partition.scheme')
+  run = parse_run_config(config)
   tc.require(
-    tc.convert(p.num_clients, int, 'partition.num_clients') >= 1,
-    f'partition.num_clients must be positive, got {p.num_clients}',
+    0 <= run.seed < SEED_LIMIT,
+    f'seed={run.seed} is not in [0, 2**32): use an integer seed from 0 to {SEED_LIMIT - 1}',
   )
+  holdout = run.dataset.holdout_size
+  tc.require(holdout >= 0, f'dataset.holdout_size must be >= 0, got {holdout}')
+  p = run.partition
+  tc.require_choice(p.scheme, available_schemes(), 'partition.scheme')
+  tc.require(p.num_clients >= 1, f'partition.num_clients must be positive, got {p.num_clients}')
+  # A scheme's own keys are read by `partition_clients`; these two are checked here.
   if 'dirichlet' in p.scheme:
-    tc.require(
-      tc.convert(p.alpha, float, 'partition.alpha') > 0,
-      f'partition.alpha must be positive, got {p.alpha}',
-    )
+    alpha = tc.convert(config.partition.get('alpha'), float, 'partition.alpha')
+    tc.require(alpha > 0, f'partition.alpha must be positive, got {alpha}')
   if p.scheme == 'shards':
-    tc.require(tc.convert(p.k, int, 'partition.k') >= 1, f'partition.k must be positive, got {p.k}')
+    k = tc.convert(config.partition.get('k'), int, 'partition.k')
+    tc.require(k >= 1, f'partition.k must be positive, got {k}')
   for name in ('batch_size', 'eval_batch_size'):
-    value = tc.convert(config[name], int, name)
+    value = getattr(run, name)
     tc.require(value > 0, f'{name} must be positive, got {value}')
-  tc.require_choice(config.strategy, STRATEGIES, 'strategy')
-  o = config.optimizer
+  tc.require_choice(run.strategy, STRATEGIES, 'strategy')
+  o = run.optimizer
   tc.require_choice(o.name, OPTIMIZERS, 'optimizer.name')
   # Client optimisers restart every round; only centralized training keeps a schedule going.
-  tc.require_choice(o.get('schedule', 'constant'), ('constant', 'cosine'), 'optimizer.schedule')
-  tc.require(
-    tc.convert(o.lr, float, 'optimizer.lr') > 0, f'optimizer.lr must be positive, got {o.lr}'
-  )
-  momentum = tc.convert(o.get('momentum', 0.0), float, 'optimizer.momentum')
-  tc.require(0.0 <= momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {momentum}')
-  wd = tc.convert(o.get('weight_decay', 0.0), float, 'optimizer.weight_decay')
-  tc.require(wd >= 0.0, f'optimizer.weight_decay must be >= 0, got {wd}')
-  validate_server_config(config, method_section)
+  tc.require_choice(o.schedule, ('constant', 'cosine'), 'optimizer.schedule')
+  tc.require(o.lr > 0, f'optimizer.lr must be positive, got {o.lr}')
+  tc.require(0.0 <= o.momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {o.momentum}')
+  tc.require(o.weight_decay >= 0.0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}')
+  _check_server(run, config, method_section)
   classifiers = set(available_models())
-  client_specs = [s for s in config.get('client_models', '').split(';') if s.strip()]
+  client_specs = [s for s in run.client_models.split(';') if s.strip()]
   # A client may train a CVAE (FedMHO, FedCVAE); the server model is always a classifier.
-  for spec, known in [(config.model, classifiers)] + [
+  for spec, known in [(run.model, classifiers)] + [
     (s, classifiers | {GENERATIVE_MODEL}) for s in client_specs
   ]:
     name = spec.strip().partition(':')[0]
     tc.require(
       name.lower() in known,
       f'Unknown model {name!r} in {spec!r}; valid: {", ".join(sorted(known))}',
+    )
+  return run
+
+
+def _names(methods: Mapping[str, type], has) -> str:
+  return ', '.join(sorted(name for name, cls in methods.items() if has(cls)))
+
+
+def check_capabilities(
+  method: str, algorithm: type, run: RunConfig, methods: Mapping[str, type]
+) -> None:
+  """Refuses the settings `algorithm` would silently ignore (one line naming the keys and the
+  methods that honour them): an aggregation rule, update clipping, a model-poisoning attack or an
+  update-norm bound without a server round, a label-flipping attack its clients would not train
+  under, `dp.enabled` for a method without differential privacy.
+
+  Args:
+    method: its `--method` name (for messages).
+    algorithm: its `Algorithm` class, whose class attributes declare what it honours.
+    run: the run's typed shared keys (`validate_run_config`).
+    methods: every registered method by name (the messages name those that honour a setting).
+
+  Raises:
+    ConfigError: a setting the method would ignore is set.
+  """
+  assert issubclass(algorithm, Algorithm), algorithm
+  ignored = []
+  if not algorithm.server_round:
+    if run.aggregation.rule != 'mean':
+      ignored.append(f'aggregation.rule={run.aggregation.rule}')
+    if run.aggregation.clip_norm > 0:
+      ignored.append(f'aggregation.clip_norm={run.aggregation.clip_norm:g}')
+    if run.server.max_update_norm_ratio > 0:
+      ignored.append(f'server.max_update_norm_ratio={run.server.max_update_norm_ratio:g}')
+    if run.attack.kind in attacks.MODEL_ATTACKS:
+      ignored.append(f'attack.kind={run.attack.kind}')
+  if ignored:
+    raise ConfigError(
+      f'{", ".join(ignored)}: {method} would ignore '
+      f'{"it" if len(ignored) == 1 else "them"} (its client models do not go through a server '
+      'aggregation round); aggregation rules, model attacks and update-norm bounds apply to '
+      f'{_names(methods, lambda cls: cls.server_round)} only'
+    )
+  if run.attack.kind == 'label_flip' and algorithm.label_flip_unsupported:
+    raise ConfigError(
+      f'attack.kind=label_flip is not supported by {method}: '
+      f'{algorithm.label_flip_unsupported}; label flipping applies to '
+      f'{_names(methods, lambda cls: not cls.label_flip_unsupported)}'
+    )
+  if run.dp.enabled and not algorithm.differential_privacy:
+    raise ConfigError(
+      'dp.enabled: differential privacy is implemented for '
+      f'{_names(methods, lambda cls: cls.differential_privacy).replace(", ", " and ")} only, '
+      f'not {method}'
     )

@@ -61,8 +61,8 @@ PROGRAMS_PER_LOOP_STEP = {'feddf_vote': 2}
 LOOP_STEPS = (
   'jit(_synthesis_step)',
   'jit(_ms_step)',
-  'jit(kd_step)',
-  'jit(kd_step_on_targets)',
+  'jit(_kd_block)',
+  'jit(_kd_block_on_targets)',
   'jit(pool_teacher_logits)',
 )
 
@@ -132,13 +132,14 @@ class _FedAvgM(driver.Algorithm):
       engine.init_model(
         group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
       ),
+      common.make_server(ctx),
     )
 
   def init(self, ctx, aux):
     return aux[2], jax.tree.map(jnp.zeros_like, aux[2])  # (global model, velocity)
 
   def step(self, ctx, aux, state, i):
-    group, trainer, template = aux
+    group, trainer, template, server = aux
     (model, velocity) = state
     avg, record = common.fedavg_round(
       trainer,
@@ -147,7 +148,7 @@ class _FedAvgM(driver.Algorithm):
       self.config.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
       template,
-      common.run_server(ctx),
+      server,
       i,
     )
     velocity = jax.tree.map(

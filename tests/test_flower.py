@@ -69,7 +69,7 @@ def test_the_digest_of_a_client_sees_its_samples_and_labels():
 def test_a_node_refuses_to_train_a_client_on_data_it_does_not_hold():
   from jfed.data import load_dataset  # pylint: disable=g-import-not-at-top
   from jfed.driver import hold_out, make_context, partition_clients  # pylint: disable=g-import-not-at-top
-  from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
+  from jfed.flower.settings import load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config(SMOKE, ['--config.model=mlp'])
   dataset = hold_out(config, load_dataset('digits'))
@@ -189,7 +189,7 @@ class _InProcessTransport(transport.FlowerTransport):
 
 def _smoke_context(**kwargs):
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
-  from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
+  from jfed.flower.settings import load_config  # pylint: disable=g-import-not-at-top
 
   # Four local epochs: at the smoke budget's one, two rounds of the MLP stay near chance.
   config = load_config(SMOKE, ['--config.model=mlp', '--config.fedprox.local_epochs=4'])
@@ -219,6 +219,57 @@ def test_a_client_no_supernode_holds_stops_the_run():
   _, ctx = _smoke_context(client_transport=missing_one)
   with pytest.raises(ConfigError, match='no SuperNode holds client'):
     run(build_algorithm('fedavg', config), ctx, progress=False)
+
+
+class _DroppingTransport(_InProcessTransport):
+  """The last SuperNode's reply to the second exchange is lost (a node that went away)."""
+
+  def _exchange(self, content):
+    replies = super()._exchange(content)
+    return replies[:-1] if len(self.exchange_seconds) == 1 else replies
+
+
+def test_fedavg_goes_on_without_a_supernode_that_did_not_reply_when_allowed():
+  """min-supernodes (Flower's min_fit_clients): round 2 aggregates the clients that came back,
+  records the dropped ones, and counts only the uploads that arrived; without it the run stops
+  naming the missing nodes."""
+  from jfed.driver import build_algorithm, run  # pylint: disable=g-import-not-at-top
+
+  config, node_ctx = _smoke_context()
+  nodes = [transport.NodeTrainer(node_ctx, p, 2) for p in range(2)]
+  held_by_last = sorted(int(c) for c in nodes[-1].owned)
+  strict = _DroppingTransport(nodes)
+  _, ctx = _smoke_context(client_transport=strict)
+  with pytest.raises(ConfigError, match=r'^1 of 2 SuperNodes did not reply .*at least 2 must'):
+    run(build_algorithm('fedavg', config), ctx, progress=False)
+  tolerant = _DroppingTransport(nodes)
+  tolerant.min_nodes = 1
+  _, ctx = _smoke_context(client_transport=tolerant)
+  algorithm, rounds = build_algorithm('fedavg', config), []
+  step = algorithm.step
+
+  def recording_step(ctx, aux, state, i):
+    state, records = step(ctx, aux, state, i)
+    rounds.extend(records)
+    return state, records
+
+  algorithm.step = recording_step
+  run(algorithm, ctx, progress=False)
+  assert tolerant.dropped == [[], held_by_last]
+  assert [r.get('dropped_clients', []) for r in rounds] == [[], held_by_last]
+  n = len(node_ctx.parts)
+  assert [r['clients'] for r in rounds] == [n, n - len(held_by_last)]
+  assert rounds[1]['upload_bytes'] * n == rounds[0]['upload_bytes'] * (n - len(held_by_last))
+
+
+def test_going_on_without_supernodes_is_refused_for_a_method_that_needs_every_client():
+  from jfed.flower.settings import RunSettings, check_settings  # pylint: disable=g-import-not-at-top
+
+  check_settings(RunSettings('fedprox', SMOKE, [], '/tmp/w', 3, 2))
+  with pytest.raises(ConfigError, match='^min-supernodes=2 < supernodes=3: dense needs every'):
+    check_settings(RunSettings('dense', SMOKE, [], '/tmp/w', 3, 2))
+  with pytest.raises(ConfigError, match=r'^min-supernodes must be in \[0, supernodes = 3\]'):
+    check_settings(RunSettings('fedavg', SMOKE, [], '/tmp/w', 3, 4))
 
 
 @pytest.mark.parametrize('method', ['hfldd', pytest.param('hfldd_nodd', marks=pytest.mark.slow)])

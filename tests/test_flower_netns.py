@@ -62,7 +62,7 @@ def test_the_readme_gives_the_tested_recipe():
 
 
 def test_a_supernode_loads_the_config_the_server_sends_not_its_own_path(tmp_path):
-  from jfed.flower.apps import config_record, load_config, spec_of_record  # pylint: disable=g-import-not-at-top
+  from jfed.flower.settings import config_record, load_config, spec_of_record  # pylint: disable=g-import-not-at-top
 
   source = pathlib.Path(SMOKE.partition(':')[0])
   server_copy = tmp_path / 'server' / 'my_digits.py'

@@ -1,6 +1,6 @@
-"""A SuperNode's long-lived jfed worker (jfed/flower/worker.py): the ClientApp process Flower
-starts per message imports no JAX and forwards to one worker, which builds the node's data and
-trainer once and answers as the node itself would."""
+"""A SuperNode's long-lived jfed worker (jfed/flower/worker.py, relay.py): the ClientApp process
+Flower starts per message imports no JAX and forwards to one worker, which builds the node's
+data and trainer once and answers as the node itself would."""
 
 import json
 import os
@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip('flwr')
 
 from jfed.errors import ConfigError  # noqa: E402
-from jfed.flower import transport, worker  # noqa: E402
+from jfed.flower import relay, transport  # noqa: E402
+from jfed.flower.settings import keeps_process, load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
@@ -22,16 +23,23 @@ OVERRIDES = ['--config.model=mlp']
 
 
 def test_the_client_app_module_imports_no_jax():
-  code = 'import sys, jfed.flower.apps, jfed.flower.worker; print("jax" in sys.modules)'
+  code = (
+    'import sys, jfed_client_app, jfed.flower.client_app, jfed.flower.relay; '
+    'print("jax" in sys.modules)'
+  )
   run = subprocess.run(
-    [sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    [sys.executable, '-c', code],
+    cwd=ROOT / 'experiments' / 'flower_app',  # where Flower imports the App's components
+    env={**os.environ, 'PYTHONPATH': str(ROOT)},
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
   )
   assert run.stdout.strip() == 'False'
 
 
 def test_a_bad_keep_process_node_config_is_one_clear_error():
-  from jfed.flower.apps import keeps_process  # pylint: disable=g-import-not-at-top
-
   assert keeps_process({}) and not keeps_process({'keep-process': False})
   assert not keeps_process({'keep-process': 'false'})
   with pytest.raises(ConfigError, match='keep-process'):
@@ -69,15 +77,14 @@ def _request(ctx, config):
 @pytest.mark.slow
 def test_a_worker_serves_every_message_in_one_process_as_the_node_would():
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
-  from jfed.flower.apps import load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config(SMOKE, OVERRIDES)
   ctx = context_of_config(config)
   request = _request(ctx, config)
   owner = os.getpid()  # the worker ends with this test process
-  path = worker.socket_path(SMOKE, OVERRIDES, 0, 2, owner)
-  first = worker.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
-  second = worker.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
+  path = relay.socket_path(SMOKE, OVERRIDES, 0, 2, owner)
+  first = relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
+  second = relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
   assert pathlib.Path(path).exists()  # still listening: one process for both messages
   # the node's setup (config, data, partition) counted in the first reply only
   assert first['metrics']['seconds'] > second['metrics']['seconds']
@@ -89,7 +96,7 @@ def test_a_worker_serves_every_message_in_one_process_as_the_node_would():
   # a request the node refuses comes back as the node's error, and the worker keeps serving
   request.digests = ['not-it']
   with pytest.raises(ConfigError, match='data other than their partition'):
-    worker.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
+    relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
   assert pathlib.Path(path).exists()
 
 
@@ -99,8 +106,8 @@ def test_a_worker_sees_an_unreaped_owner_as_ended():
 
   owner = subprocess.Popen([sys.executable, '-c', 'pass'])
   deadline = time.monotonic() + 30
-  while worker._alive(owner.pid) and time.monotonic() < deadline:  # pylint: disable=protected-access
+  while relay.alive(owner.pid) and time.monotonic() < deadline:
     time.sleep(0.1)
-  assert not worker._alive(owner.pid)  # pylint: disable=protected-access
+  assert not relay.alive(owner.pid)
   assert owner.poll() == 0  # reaped only now: it was a zombie above
-  assert worker._alive(os.getpid())  # pylint: disable=protected-access
+  assert relay.alive(os.getpid())

@@ -75,7 +75,7 @@ def test_ingest_records_the_ledger_and_the_next_chunk(tmp_path, monkeypatch):
   assert q.ingest(back, results) == []  # a done chunk is not overwritten
 
 
-def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch):
+def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
   back = tmp_path / 'back'
   back.mkdir()
@@ -87,10 +87,34 @@ def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch):
   with pytest.raises(app.UsageError, match='not a file inside the chunk'):
     q.ingest(back, tmp_path / 'res')
   assert not (tmp_path / 'escaped.json').exists()
-  (back / 'unknown_chunk.tar.gz').write_bytes(b'')
+  # another archive beside the chunks (the device script's mutation.tar.gz) is left alone
+  (back / 'mutation.tar.gz').write_bytes(b'')
   (back / f'{FAKE.name}.tar.gz').unlink()
-  with pytest.raises(app.UsageError, match='not a chunk of this queue'):
-    q.ingest(back, tmp_path / 'res')
+  assert q.ingest(back, tmp_path / 'res') == []
+  assert "'mutation' is not a chunk of this queue, left alone" in capsys.readouterr().out
+  assert not (tmp_path / 'res' / 'mutation').exists()
+
+
+def test_a_chunk_stopped_before_its_first_step_shows_its_phase_progress(tmp_path, monkeypatch):
+  """A FedMHO chunk stopped in its local training has no metrics yet: `--list` shows the last
+  progress line of its log, so the chunk's cost can be sized from it."""
+  monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
+  folder, back, results = tmp_path / 'scratch' / FAKE.name, tmp_path / 'back', tmp_path / 'res'
+  folder.mkdir(parents=True)
+  (folder / 'chunk.log').write_text(
+    'dense on fashion_mnist (gpu): 10 clients\n'
+    'local training [vgg9 x5] 1/200 epochs    0.05 epoch/s     19s eta  3742s \n'
+    'local training [vgg9 x5] 54/200 epochs    0.45 epoch/s    119s eta   323s \n'
+    'I1127 01:29:01 some library line\n'
+  )
+  assert q.run_progress(folder / 'run') == ''
+  progress = 'local training [vgg9 x5] 54/200 epochs after 119 s (eta 323 s)'
+  assert q.log_progress(folder / 'chunk.log') == progress
+  back.mkdir()
+  q.pack(FAKE, folder, {'status': 'partial', 'seconds': '>135', 'progress': ''}, back)
+  q.ingest(back, results)
+  assert q.read_ledger(results)[FAKE.name]['progress'] == progress
+  assert progress in q.listing(q.chunks(), q.read_ledger(results))
 
 
 def test_skip_needs_a_reason_and_takes_the_chunk_out_of_the_queue(tmp_path, monkeypatch):

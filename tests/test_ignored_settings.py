@@ -1,21 +1,35 @@
 """Aggregation, attack and norm-bound settings are refused for a method that would ignore them
-(issue 38): only the methods of `aggregation.SERVER_ROUND_METHODS` send their uploads through
-`common.Server.receive`, where attacks rewrite uploads, the norm bound rejects them and the rule
-aggregates them; label flipping happens in `common.client_groups`, which every method of
-`aggregation.LABEL_FLIP_METHODS` trains its clients on."""
+(issue 38): only the methods whose Algorithm class declares `server_round` send their uploads
+through `common.Server.receive`, where attacks rewrite uploads, the norm bound rejects them and
+the rule aggregates them; label flipping happens in `common.client_groups`, which every method
+without a `label_flip_unsupported` reason trains its clients on."""
 
 import pytest
 
 from jfed import driver
-from jfed.engine import aggregation, attacks
+from jfed.engine import attacks
 from jfed.errors import ConfigError
 from jfed.io import UploadError
 from jfed.methods import common
-from jfed.methods.registry import available_methods, get_method
-from jfed.run_config import validate_run_config
+from jfed.methods.registry import available_methods, get_method, registered_methods
+from jfed.run_config import check_capabilities, validate_run_config
 from tests.support import override, smoke_config
 
 METHODS = available_methods()
+SERVER_ROUND_METHODS = [m for m, cls in registered_methods().items() if cls.server_round]
+LABEL_FLIP_METHODS = [
+  m for m, cls in registered_methods().items() if not cls.label_flip_unsupported
+]
+
+
+def _problem(method, config):
+  """`check_capabilities`' message for `method` under `config`, or None."""
+  cls = get_method(method)
+  try:
+    check_capabilities(method, cls, validate_run_config(config, cls.section), registered_methods())
+  except ConfigError as e:
+    return str(e)
+  return None
 
 
 @pytest.mark.parametrize(
@@ -60,7 +74,7 @@ def test_a_setting_the_method_would_ignore_is_refused_when_the_algorithm_is_buil
   method, overrides, message
 ):
   config = override(smoke_config(method), **overrides)
-  assert aggregation.ignored_settings_problem(method, config) is not None
+  assert _problem(method, config) is not None
   with pytest.raises(ConfigError, match=message):
     driver.build_algorithm(method, config)
 
@@ -77,17 +91,18 @@ def test_a_setting_the_method_would_ignore_is_refused_when_the_algorithm_is_buil
 )
 def test_settings_the_method_honours_are_accepted(method, overrides):
   config = override(smoke_config(method), **overrides)
-  assert aggregation.ignored_settings_problem(method, config) is None
+  assert _problem(method, config) is None
   driver.build_algorithm(method, config)
 
 
-def test_the_lists_name_registered_methods():
-  assert set(aggregation.SERVER_ROUND_METHODS) <= set(METHODS)
-  assert set(aggregation.LABEL_FLIP_METHODS) <= set(METHODS)
-  assert set(aggregation.LABEL_FLIP_UNSUPPORTED) == set(METHODS) - set(
-    aggregation.LABEL_FLIP_METHODS
-  )
-  assert aggregation._MODEL_ATTACKS == attacks.MODEL_ATTACKS  # pylint: disable=protected-access
+def test_the_declared_capabilities_are_those_of_the_papers_methods():
+  """What each Algorithm class declares (the slow test below checks them against what the
+  methods do): a server round for FedAvg/FedProx, DynaFed, FedTSA and HFLDD; no label flipping
+  for centralized, FedTSA and FedProto; differential privacy for FedAvg and FedProx."""
+  classes = registered_methods()
+  assert SERVER_ROUND_METHODS == ['dynafed', 'fedavg', 'fedprox', 'fedtsa', 'hfldd', 'hfldd_nodd']
+  assert sorted(set(METHODS) - set(LABEL_FLIP_METHODS)) == ['centralized', 'fedproto', 'fedtsa']
+  assert [m for m, cls in classes.items() if cls.differential_privacy] == ['fedavg', 'fedprox']
 
 
 @pytest.mark.slow
@@ -118,8 +133,8 @@ def test_the_methods_listed_as_honouring_the_settings_are_those_that_do(method, 
     failed = None
   except UploadError as e:
     failed = e
-  assert bool(received) == (method in aggregation.SERVER_ROUND_METHODS), received
-  assert (bool(flipped) and failed is None) == (method in aggregation.LABEL_FLIP_METHODS), (
+  assert bool(received) == (method in SERVER_ROUND_METHODS), received
+  assert (bool(flipped) and failed is None) == (method in LABEL_FLIP_METHODS), (
     flipped,
     failed,
   )

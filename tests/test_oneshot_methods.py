@@ -385,7 +385,7 @@ def test_coboosting_synthesises_from_unaugmented_generator_output_as_its_referen
   if augment:
     config.coboosting.synthesis_augment = True
   ctx = driver.context_of_config(config)
-  settings = driver.build_algorithm('coboosting', config).settings(ctx)
+  settings = driver.build_algorithm('coboosting', config).recipe.settings(ctx)
   assert settings.synthesis.augment is augment
   assert settings.synthesis.input_mean is None  # the digits pipeline does not normalise
 
@@ -434,30 +434,34 @@ def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
   weights in round 2) the records and the result are those of the per-step teachers
   (`kd_step`), every stored image's target is computed once (plus the padding of a partly
   filled block), and no step runs the teachers."""
-  from jfed.methods import oneshot  # pylint: disable=g-import-not-at-top
-  from jfed.methods.fedhydra import FedHydra  # pylint: disable=g-import-not-at-top
+  from jfed.methods import fedhydra, oneshot  # pylint: disable=g-import-not-at-top
 
   config = _config('smoke,rounds=2', model='mlp')
   calls = {'rows': 0, 'kd_step': 0}
-  teacher_rows, per_step = oneshot.pool_teacher_logits, oneshot.kd_step
+  teacher_rows, per_step = oneshot.pool_teacher_logits, oneshot.kd_block
 
   def counted_rows(kcfg, modules, states, agg, pool, idx):
     calls['rows'] += int(idx.shape[0])
     return teacher_rows(kcfg, modules, states, agg, pool, idx)
 
-  def counted_step(*args):
-    calls['kd_step'] += 1
-    return per_step(*args)
+  def counted_steps(*args):  # a block of steps with the teachers: the steps it ran
+    ts, losses, steps = per_step(*args)
+    calls['kd_step'] += steps
+    return ts, losses, steps
 
   monkeypatch.setattr(oneshot, 'pool_teacher_logits', counted_rows)
-  monkeypatch.setattr(oneshot, 'kd_step', counted_step)
+  monkeypatch.setattr(oneshot, 'kd_block', counted_steps)
   stored = _run('fedhydra', config, tmp_path / 'stored')
   records = _epochs(tmp_path / 'stored')
   assert calls['kd_step'] == 0
   pool_per_round = max(r['pool_size'] for r in records)
   block = config.fedhydra.kd_batch
   assert pool_per_round <= calls['rows'] / 2 <= pool_per_round + len(records) * block
-  monkeypatch.setattr(FedHydra, 'kd_agg_fixed_in_round', False)
+  monkeypatch.setattr(
+    fedhydra.FedHydra,
+    'make_recipe',
+    lambda self: fedhydra.recipe(self.config)._replace(kd_agg_fixed_in_round=False),
+  )
   per_step_run = _run('fedhydra', config, tmp_path / 'per_step')
   assert calls['kd_step'] == sum(r['kd_steps'] for r in records)
   reference = _epochs(tmp_path / 'per_step')

@@ -86,7 +86,7 @@ def oracle_net(monkeypatch):
 def given_client_models(monkeypatch) -> None:
   """Local training (`common.local_models`) replaced by fixed client models."""
 
-  def local_models(ctx, epochs, client_ids=None):
+  def local_models(ctx, epochs, client_ids=None, trainers=None):
     groups = common.client_groups(ctx, client_ids)
     models = []
     for gi, g in enumerate(groups):
@@ -332,7 +332,6 @@ def record_round_starts(monkeypatch) -> List[List[ModelState]]:
     starts.append(list(models))
     return list(models), None
 
-  monkeypatch.setattr(common, 'run_trainers', lambda ctx, groups: None)
   monkeypatch.setattr(common, 'train_groups', train_groups)
   return starts
 

@@ -57,3 +57,26 @@ def test_betas_and_grad_clip_of_the_config_reach_the_optimizer():
   _, state = tx.update({'w': jnp.full(3, 2.0)}, tx.init(params), params)
   assert float(state.inner_state[0].mu['w'][0]) == pytest.approx(0.5 * 2.0)
   assert float(state.inner_state[0].nu['w'][0]) == pytest.approx(0.25 * 4.0)
+
+
+def test_validation_checks_the_parsed_run_config():
+  """One reader of the shared keys: `validate_run_config` returns `parse_run_config`'s result,
+  so a key the context reads can never be checked under another default or type."""
+  from jfed.run_config import validate_run_config  # pylint: disable=g-import-not-at-top
+
+  config = configs.base_config()
+  assert validate_run_config(config, 'fedavg') == parse_run_config(config)
+  # a mistyped momentum is refused by the one parser, with the key's name
+  raw = config.to_dict()
+  raw['optimizer']['momentum'] = 'fast'
+  with pytest.raises(ConfigError, match='^optimizer.momentum '):
+    validate_run_config(ml_collections.ConfigDict(raw))
+
+
+def test_the_shared_keys_are_read_by_the_parser_only():
+  """run_config.py checks the typed RunConfig; it reads raw only the keys no RunConfig field
+  holds (a scheme's own partition keys, the method's participation, a removed key)."""
+  source = (METHODS.parent / 'run_config.py').read_text()
+  raw_reads = sorted(set(re.findall(r'\bconfig\.(?:get\(\')?(\w+)', source)))
+  # dataset: the removed test_holdout key; get: the method's section; partition: alpha and k
+  assert raw_reads == ['dataset', 'get', 'partition'], raw_reads

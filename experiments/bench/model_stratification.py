@@ -228,8 +228,11 @@ def jfed_hydra_kd(sz, teachers, c: int):
   'targets' (`pool_teacher_logits` over the whole pool, what stored targets cost per image)."""
   from jfed.distill import committed, epoch_batches, gather_batch, kd_step, pool_add, pool_init
   from jfed.distill.kd import (
+    KD_BLOCK,
     KDConfig,
     gather_batch_with_targets,
+    kd_block,
+    kd_block_on_targets,
     kd_step_on_targets,
     pool_teacher_logits,
     student_state,
@@ -277,7 +280,33 @@ def jfed_hydra_kd(sz, teachers, c: int):
       t, _ = kd_step_on_targets(kcfg, ocfg, student_module, t, x, tb, jnp.asarray(mask[b]), 0.01)
     return t.model.params
 
-  return {'per-step teachers': per_step, 'stored targets': on_targets, 'targets': targets}
+  lrs = np.full(idx.shape[0], 0.01, np.float32)
+  key = jax.random.PRNGKey(0)
+
+  def per_step_blocks():
+    t = ts
+    for first in range(0, idx.shape[0], KD_BLOCK):
+      t, _, _ = kd_block(
+        kcfg, ocfg, modules, student_module, t, states, agg, pool, idx, mask, key, lrs, first
+      )
+    return t.model.params
+
+  def on_targets_blocks():
+    t = ts
+    for first in range(0, idx.shape[0], KD_BLOCK):
+      t, _, _ = kd_block_on_targets(
+        kcfg, ocfg, student_module, t, pool, stored, idx, mask, lrs, first
+      )
+    return t.model.params
+
+  return {
+    'per-step teachers': per_step,
+    'stored targets': on_targets,
+    # the same steps, KD_BLOCK of them per compiled call (what the methods run)
+    'per-step teachers, blocks': per_step_blocks,
+    'stored targets, blocks': on_targets_blocks,
+    'targets': targets,
+  }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,6 +627,12 @@ def run(sz: Sizes = Sizes()) -> dict:
       for a, b in zip(
         jax.tree.leaves(trained['per-step teachers']), jax.tree.leaves(trained['stored targets'])
       )
+    )
+    # and the steps in compiled blocks the same student as one call per step
+    meta['hydra_kd_blocks_max_param_difference'] = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for form in ('per-step teachers', 'stored targets')
+      for a, b in zip(jax.tree.leaves(trained[form]), jax.tree.leaves(trained[f'{form}, blocks']))
     )
   meta['total_seconds'] = time.perf_counter() - t_start
   meta['load_average_end'] = load_average()

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from jfed.distill.plots import plot_image_grid
+
 
 def plot_filter_grid(path, images, labels, kept, num_classes: int, per_class: int = 5) -> None:
   """One row per class: `per_class` kept samples (nearest the class mean first), then up to
@@ -15,8 +17,6 @@ def plot_filter_grid(path, images, labels, kept, num_classes: int, per_class: in
     num_classes: Number of rows.
     per_class: Kept (and removed) images shown per class.
   """
-  from jfed.distill.plots import plot_image_grid  # pylint: disable=g-import-not-at-top
-
   images, labels = np.asarray(images, np.float32), np.asarray(labels)
   is_kept = np.zeros(len(labels), bool)
   is_kept[np.asarray(kept, int)] = True

@@ -15,10 +15,11 @@ update without the teachers.
 """
 
 import functools
-from typing import Any, List, NamedTuple, Sequence
+from typing import Any, List, NamedTuple, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jfed.distill.ensemble import TeacherGroup, teacher_outputs
@@ -151,8 +152,7 @@ def gather_batch(pool: ImagePool, idx: jnp.ndarray):
   return pool_gather(pool, idx)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def kd_step(
+def _kd_update(
   kcfg: KDConfig,
   spec: OptimizerSpec,
   teacher_modules,
@@ -199,6 +199,149 @@ def kd_step(
     x = jax.lax.stop_gradient(x + kcfg.ods_eta * jnp.sign(jax.grad(score)(x)))
   t = teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg)
   return _student_step(kcfg, spec, student_module, ts, x, t, mask, lr)
+
+
+kd_step = functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))(_kd_update)
+
+# The steps of one compiled KD block (`kd_block`, `kd_block_on_targets`): an epoch's steps run
+# as ceil(steps / KD_BLOCK) calls of one program, the last block's unused steps skipped.
+KD_BLOCK = 16
+
+
+def _block_rows(idx, mask, first: int, lrs):
+  """Block `first // KD_BLOCK`'s rows of an epoch's batches, padded to KD_BLOCK steps: (idx,
+  mask, step numbers, learning rates, active)."""
+  n = idx.shape[0]
+  rows = min(KD_BLOCK, n - first)
+  pad = KD_BLOCK - rows
+
+  def take(a, fill):
+    a = np.asarray(a[first : first + rows])
+    return np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]) if pad else a
+
+  steps = np.arange(first, first + KD_BLOCK, dtype=np.int32)
+  active = np.arange(KD_BLOCK) < rows
+  return take(idx, 0), take(mask, False), steps, take(np.asarray(lrs, np.float32), 0.0), active
+
+
+def _scan_steps(update, ts, xs, active):
+  """`update(ts, x) -> (ts, loss)` over the block's rows, inactive rows leaving ts as it is."""
+
+  def body(ts, row):
+    x, on = row
+    return jax.lax.cond(on, update, lambda t, _: (t, jnp.float32(0.0)), ts, x)
+
+  return jax.lax.scan(body, ts, (xs, active))
+
+
+# The block's batches are gathered before the block (one cheap gather program per pool
+# capacity), so the block itself compiles once per (settings, architectures, batch shape), as
+# `kd_step` does, whatever the budget.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _kd_block(
+  kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, xs, ys, mask, key,
+  steps, lrs, active,
+):  # fmt: skip
+  def update(ts, row):
+    x, y, m, step, lr = row
+    return _kd_update(
+      kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, x, y, m,
+      jax.random.fold_in(key, step), lr,
+    )  # fmt: skip
+
+  return _scan_steps(update, ts, (xs, ys, mask, steps, lrs), active)
+
+
+def kd_block(
+  kcfg: KDConfig,
+  spec: OptimizerSpec,
+  teacher_modules,
+  student_module,
+  ts: TrainState,
+  teacher_states,
+  agg,
+  pool: ImagePool,
+  idx,
+  mask,
+  key,
+  lrs,
+  first: int,
+) -> Tuple[TrainState, jnp.ndarray, int]:
+  """Steps `first` .. `first + KD_BLOCK - 1` of an epoch's KD (`kd_step` on pool[idx[j]] with
+  key fold_in(key, j) and learning rate lrs[j]) as one compiled program: an epoch of many small
+  steps pays one dispatch per block instead of one per step.
+
+  Args:
+    kcfg: The KD configuration (static).
+    spec: The student's optimiser settings.
+    teacher_modules: Per teacher group, the flax module (static).
+    student_module: The student's flax module (static).
+    ts: The student's TrainState.
+    teacher_states: Per teacher group, its stacked ModelState.
+    agg: What the teacher aggregation needs (see `teacher_logits`).
+    pool: The image pool the batches are gathered from.
+    idx: The epoch's batches, pool indices [steps, B].
+    mask: [steps, B], 1 for real samples and 0 for padding.
+    key: The epoch's KD key (step j's key is fold_in(key, j)).
+    lrs: The learning rate of each step of the epoch, [steps].
+    first: The block's first step.
+
+  Returns:
+    (new TrainState, the loss of each of the block's KD_BLOCK slots, the number of steps run:
+    min(KD_BLOCK, steps - first), the first slots; the losses stay on the device, so that
+    blocks are dispatched without waiting).
+  """
+  idx, mask, steps, lr, active = _block_rows(idx, mask, first, lrs)
+  xs, ys = gather_batch(pool, idx)
+  ts, losses = _kd_block(
+    kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, xs, ys, mask, key,
+    steps, lr, active,
+  )  # fmt: skip
+  return ts, losses, int(active.sum())
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _kd_block_on_targets(kcfg, spec, student_module, ts, xs, t, mask, lrs, active):
+  def update(ts, row):
+    x, t, m, lr = row
+    return _student_step(kcfg, spec, student_module, ts, x, t, m, lr)
+
+  return _scan_steps(update, ts, (xs, t, mask, lrs), active)
+
+
+def kd_block_on_targets(
+  kcfg: KDConfig,
+  spec: OptimizerSpec,
+  student_module,
+  ts: TrainState,
+  pool: ImagePool,
+  targets,
+  idx,
+  mask,
+  lrs,
+  first: int,
+) -> Tuple[TrainState, jnp.ndarray, int]:
+  """`kd_block` with the stored teacher logits (`kd_step_on_targets` per step).
+
+  Args:
+    kcfg: The KD configuration (static).
+    spec: The student's optimiser settings.
+    student_module: The student's flax module (static).
+    ts: The student's TrainState.
+    pool: The image pool the batches are gathered from.
+    targets: The stored teacher logits of every pool slot, [capacity, C].
+    idx: The epoch's batches, pool indices [steps, B].
+    mask: [steps, B], 1 for real samples and 0 for padding.
+    lrs: The learning rate of each step of the epoch, [steps].
+    first: The block's first step.
+
+  Returns:
+    As `kd_block`'s.
+  """
+  idx, mask, _, lr, active = _block_rows(idx, mask, first, lrs)
+  xs, t = gather_batch_with_targets(pool, targets, idx)
+  ts, losses = _kd_block_on_targets(kcfg, spec, student_module, ts, xs, t, mask, lr, active)
+  return ts, losses, int(active.sum())
 
 
 def targets_depend_only_on_the_image(kcfg: KDConfig) -> bool:

@@ -18,13 +18,13 @@ one flat vector, so a rule sees the clients as the rows of a [K, D] matrix:
   at most `clip_norm` first (Sun et al. 2019, "Can you really backdoor FL?").
 
 `make_aggregator(config)` builds the one a run uses; its `aggregate` is jitted once per shape.
-`ignored_settings_problem(method, config)` refuses aggregation, attack and norm-bound settings
-for a method whose uploads never reach this server round (they would do nothing).
+A method whose uploads never reach this server round refuses these settings
+(`jfed.run_config.check_capabilities`, from its Algorithm class's `server_round`).
 """
 
 import functools
 import math
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from absl import logging
 import jax
@@ -268,98 +268,3 @@ def make_aggregator(config: AggregationConfig) -> Aggregator:
 
 def mean_aggregator() -> Aggregator:
   return Aggregator('mean', lambda stacked, weights, reference: weighted_average(stacked, weights))
-
-
-# ---- which methods honour these settings -----------------------------------------------------
-
-# The methods whose model uploads go through `jfed.methods.common.Server.receive`, the one place
-# where model-poisoning attacks rewrite uploads, `server.max_update_norm_ratio` rejects them and
-# the aggregation rule runs. The others aggregate in their own way (distillation, optimal
-# transport, HeteroFL's masked averaging, FedSeq's chains, generators, prototypes) or not at
-# all. tests/test_ignored_settings.py runs every registered method to keep this list true.
-SERVER_ROUND_METHODS = ('dynafed', 'fedavg', 'fedprox', 'fedtsa', 'hfldd', 'hfldd_nodd')
-# The methods whose clients train on `common.client_groups`' data, where label flipping
-# happens, and run to the end under it.
-LABEL_FLIP_METHODS = (
-  'coboosting',
-  'dense',
-  'dynafed',
-  'fedavg',
-  'fedavg_vote',
-  'fedcvae_ens',
-  'fedcvae_kd',
-  'feddf',
-  'feddf_vote',
-  'fedhydra',
-  'fedmd',
-  'fedmho',
-  'fedmho_md',
-  'fedmho_sd',
-  'fedprox',
-  'fedseq',
-  'heterofl',
-  'hfldd',
-  'hfldd_nodd',
-  'local',
-  'ot',
-)
-# Why the other methods cannot run a label-flipping attack.
-LABEL_FLIP_UNSUPPORTED = {
-  'centralized': 'it trains one model on the union of the data, no client on its own labels',
-  'fedtsa': "it builds its cluster groups from the clients' unflipped data",
-  'fedproto': (
-    "a flipped client's prototypes would fail the server's check against the label counts it "
-    'declares (those of its unflipped labels)'
-  ),
-}
-_MODEL_ATTACKS = ('sign_flip', 'scaling', 'noise', 'same_value')  # attacks.MODEL_ATTACKS
-
-
-def _section_value(config: Any, section: str, key: str, default: Any) -> Any:
-  node = config.get(section) if hasattr(config, 'get') else None
-  if node is None or not hasattr(node, 'get'):
-    return default
-  value = node.get(key, default)
-  return default if value is None else value
-
-
-def _positive(value: Any) -> bool:
-  try:
-    return float(value) > 0
-  except (TypeError, ValueError):
-    return False
-
-
-def ignored_settings_problem(method: str, config: Any) -> Optional[str]:
-  """Why `method` cannot run `config`: it sets an aggregation rule, update clipping, an attack
-  or an update-norm bound that `method` would silently ignore (one line naming the keys and the
-  methods that honour them); None when every such setting is at its default or honoured."""
-  ignored: List[str] = []
-  if method not in SERVER_ROUND_METHODS:
-    rule = _section_value(config, 'aggregation', 'rule', 'mean')
-    if rule != 'mean':
-      ignored.append(f'aggregation.rule={rule}')
-    clip = _section_value(config, 'aggregation', 'clip_norm', 0.0)
-    if _positive(clip):
-      ignored.append(f'aggregation.clip_norm={float(clip):g}')
-    ratio = _section_value(config, 'server', 'max_update_norm_ratio', 0.0)
-    if _positive(ratio):
-      ignored.append(f'server.max_update_norm_ratio={float(ratio):g}')
-  kind = _section_value(config, 'attack', 'kind', 'none')
-  model_attack = kind in _MODEL_ATTACKS and method not in SERVER_ROUND_METHODS
-  if model_attack:
-    ignored.append(f'attack.kind={kind}')
-  if ignored:
-    return (
-      f'{", ".join(ignored)}: {method} would ignore '
-      f'{"it" if len(ignored) == 1 else "them"} (its client models do not go through a server '
-      'aggregation round); aggregation rules, model attacks and update-norm bounds apply to '
-      f'{", ".join(SERVER_ROUND_METHODS)} only'
-    )
-  if kind == 'label_flip' and method not in LABEL_FLIP_METHODS:
-    why = LABEL_FLIP_UNSUPPORTED.get(method, 'its clients do not train on the flipped labels')
-    return (
-      f'attack.kind=label_flip is not supported by {method}: {why}; label flipping applies to '
-      f'{", ".join(LABEL_FLIP_METHODS)}'
-    )
-  return None

@@ -7,6 +7,7 @@ import numpy as np
 
 from jfed.engine.state import ModelState
 from jfed.engine.training import resolve_strategy
+from jfed.models.layers import TORCH_BN_MOMENTUM, apply_with_features
 
 
 def _pad_batches(x: np.ndarray, batch_size: int):
@@ -44,8 +45,6 @@ class Evaluator:
     return self.module.apply(model.variables(), x, train=False)
 
   def _apply_features(self, model: ModelState, x):
-    from jfed.models.layers import apply_with_features  # pylint: disable=g-import-not-at-top
-
     logits, features, _ = apply_with_features(self.module, model.variables(), x)
     return logits, features
 
@@ -115,8 +114,6 @@ class BatchNormStatistics:
   """
 
   def __init__(self, module, batch_size: int):
-    from jfed.models.layers import TORCH_BN_MOMENTUM  # pylint: disable=g-import-not-at-top
-
     self.module = module
     self.batch_size = int(batch_size)
     self._scale = 1.0 / (1.0 - TORCH_BN_MOMENTUM)

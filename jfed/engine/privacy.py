@@ -51,11 +51,6 @@ import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 
-from jfed import typed_config as tc
-
-# The methods that read the `dp` section; any other method would run without privacy.
-DP_METHODS = ('fedavg', 'fedprox')
-
 
 class DpConfig(NamedTuple):
   """The `dp` config section."""
@@ -69,10 +64,6 @@ class DpConfig(NamedTuple):
   count_noise_fraction: float  # σ_b / m: the unclipped count's noise std per expected client
   delta: float  # the δ at which ε is reported
   local: bool  # each client clips and noises its own update before uploading
-
-
-def dp_config(config: Any) -> DpConfig:
-  return tc.parse(DpConfig, config.get('dp'), 'dp')
 
 
 def config_problem(dp: DpConfig, clients_per_round: int, aggregation: Any) -> Optional[str]:
@@ -128,17 +119,6 @@ def config_problem(dp: DpConfig, clients_per_round: int, aggregation: Any) -> Op
         f'got {aggregation.clip_norm}'
       )
   return None
-
-
-def method_problem(method: str, config: Any) -> Optional[str]:
-  """Why `method` cannot run `config` (dp.enabled but the method would ignore it), or None."""
-  section = config.get('dp')
-  if section is None or section.get('enabled', False) is not True or method in DP_METHODS:
-    return None
-  return (
-    f'dp.enabled: differential privacy is implemented for {" and ".join(DP_METHODS)} only, '
-    f'not {method}'
-  )
 
 
 def count_noise_std(dp: DpConfig, clients_per_round: int) -> float:

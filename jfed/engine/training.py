@@ -62,6 +62,9 @@ def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
 class TrainMetrics(NamedTuple):
   loss: np.ndarray  # [clients, epochs] mean training loss over the client's samples
   accuracy: np.ndarray  # [clients, epochs] training accuracy
+  # [clients] whether each client's training came back (False: its Flower SuperNode did not
+  # reply in time, and its model is the one it started from); None: every client's did
+  replied: Optional[np.ndarray] = None
 
 
 def client_orders(

@@ -17,7 +17,9 @@ import threading
 import time
 from typing import List, Sequence
 
+from jfed.driver import build_algorithm
 from jfed.errors import ConfigError
+from jfed.flower.settings import load_config, require_supported
 
 APP_DIR = pathlib.Path(__file__).resolve().parents[2] / 'experiments' / 'flower_app'
 FEDERATION = 'jfed-local'
@@ -119,9 +121,6 @@ def run_local_deployment(
   Returns:
     The run's summary.json, as a dict.
   """
-  from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
-  from jfed.flower.apps import load_config, require_supported  # pylint: disable=g-import-not-at-top
-
   if num_supernodes < 1:
     raise ConfigError(f'--flower_supernodes must be at least 1, got {num_supernodes}')
   workdir = pathlib.Path(workdir).absolute()

@@ -35,13 +35,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
+from jfed import engine
+from jfed.cvae import clients as cvae_clients
+from jfed.data.federated import federate
 from jfed.engine import sharding
 from jfed.engine.state import TrainState
 from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
 from jfed.io.uploads import UploadError, validate_tree
+from jfed.kip import KIPConfig, kip_distill_batched
+from jfed.methods import common, generative
 
 TRAIN_MESSAGE = 'train'
 # A node's distilled sets (KIPResult's x, y, y_matrix, loss), as the batched program makes them.
@@ -239,8 +245,15 @@ class FlowerTransport:
     num_nodes: int,
     timeout_s: float = 3600.0,
     run_record: Optional[Dict[str, str]] = None,
+    min_nodes: Optional[int] = None,
   ):
     self.grid, self.timeout_s = grid, timeout_s
+    # An exchange goes on when at least `min_nodes` SuperNodes replied within `timeout_s` (the
+    # clients of the others are recorded as dropped: `dropped`); by default every node must.
+    self.min_nodes = num_nodes if min_nodes is None else min_nodes
+    if not 1 <= self.min_nodes <= num_nodes:
+      raise ConfigError(f'min-supernodes must be in [1, {num_nodes}], got {self.min_nodes}')
+    self.dropped: List[List[int]] = []  # per exchange: the requested clients that did not reply
     # What every message carries so that a node needs nothing from the run config but the
     # method: the config file's source, its argument and the overrides (apps.config_record).
     self.run_record = run_record
@@ -266,8 +279,11 @@ class FlowerTransport:
     """
     return RemoteGroupTrainer(self, spec, tx, recipe, partition_sizes)
 
-  def _ask(self, content, requested: Sequence[int]) -> Dict[int, Tuple[Any, int]]:
-    """{client id: (its node's reply content, its row there)} for the `requested` clients."""
+  def _ask(
+    self, content, requested: Sequence[int], require_all: bool = True
+  ) -> Dict[int, Tuple[Any, int]]:
+    """{client id: (its node's reply content, its row there)} for the `requested` clients;
+    with `require_all=False`, those whose node replied in time (see `min_nodes`)."""
     if self.run_record is not None:  # in the one ConfigRecord Flower's mods expect
       for k, v in self.run_record.items():
         content['config'][k] = v
@@ -275,10 +291,10 @@ class FlowerTransport:
     start = time.perf_counter()
     replies = self._exchange(content)
     self.exchange_seconds.append(time.perf_counter() - start)
-    if len(replies) < len(self.nodes):
+    if len(replies) < self.min_nodes:
       raise ConfigError(
         f'{len(self.nodes) - len(replies)} of {len(self.nodes)} SuperNodes did not reply '
-        f'within {self.timeout_s:.0f} s'
+        f'within {self.timeout_s:.0f} s (at least {self.min_nodes} must)'
       )
     wanted = {int(c) for c in requested}
     found, node_seconds = {}, [0.0]
@@ -301,16 +317,31 @@ class FlowerTransport:
       flush=True,
     )
     missing = sorted(wanted - set(found))
-    if missing:
+    if missing and len(replies) == len(self.nodes):
       raise ConfigError(
         f'no SuperNode holds client(s) {missing}: start as many SuperNodes as their '
         'num-partitions says'
       )
+    if missing and require_all:
+      raise ConfigError(
+        f'client(s) {missing} did not reply within {self.timeout_s:.0f} s: this exchange needs '
+        'every client'
+      )
+    self.dropped.append(missing)  # the clients of the nodes that did not reply in time
+    if missing:
+      print(
+        f'flower: exchange {len(self.exchange_seconds)}: client(s) {missing} dropped (their '
+        f'SuperNodes did not reply within {self.timeout_s:.0f} s)',
+        file=sys.stderr,
+        flush=True,
+      )
     return found
 
   def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
-    """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}."""
-    found = self._ask(request.to_records(), request.client_ids)
+    """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}, for the
+    clients whose node replied (all of them unless `min_nodes` lets the exchange go on
+    without some)."""
+    found = self._ask(request.to_records(), request.client_ids, require_all=False)
     leaves, metrics, unpacked = {}, {}, {}
     for cid, (content, row) in found.items():
       if id(content) not in unpacked:
@@ -518,6 +549,15 @@ class RemoteGroupTrainer:
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
     sent = uploaded_leaves(model, json.loads(self.recipe))
+    replied = np.array([int(c) in leaves for c in ids])
+    if not replied.all():  # a dropped client keeps the model it started from, flagged
+      if json.loads(self.recipe).get('kind') == 'cvae':
+        raise ConfigError('a CVAE client did not come back: FedMHO and FedCVAE need every client')
+      starts = jax.tree.leaves(model)
+      nan = np.full(epochs, np.nan, np.float32)
+      for i in np.flatnonzero(~replied):
+        leaves[int(ids[i])] = [np.asarray(a)[i] for a, keep in zip(starts, sent) if keep]
+        metrics[int(ids[i])] = (nan, nan, None)
     for c in ids:
       if len(leaves[int(c)]) != sum(sent):
         raise UploadError(
@@ -551,7 +591,9 @@ class RemoteGroupTrainer:
     if progress is not None:
       progress(epochs, epochs)
     # A fresh optimiser per call (train_groups): the caller keeps only the model.
-    return TrainState(trained, state.opt_state), TrainMetrics(loss, accuracy)
+    return TrainState(trained, state.opt_state), TrainMetrics(
+      loss, accuracy, None if replied.all() else replied
+    )
 
 
 def _same_arrays(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -606,11 +648,6 @@ class NodeTrainer:
     return self.handle(request.to_records(), setup_seconds)
 
   def _train(self, request: TrainRequest):
-    from jfed import engine  # pylint: disable=g-import-not-at-top
-    from jfed.cvae import clients as cvae_clients  # pylint: disable=g-import-not-at-top
-    from jfed.data.federated import federate  # pylint: disable=g-import-not-at-top
-    from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
-
     rows = [i for i, c in enumerate(request.client_ids) if int(c) in self.owned]
     if not rows:
       return [], {'arrays': []}, {'loss': [], 'accuracy': [], 'num-examples': 0}
@@ -708,8 +745,6 @@ class NodeTrainer:
   def _soft_labels(self, content):
     """HFLDD step 1 for this node's clients: pre-train as `common.local_models` does (the same
     init and keys), then the softmax outputs on the public images the server sent."""
-    from jfed.methods import common  # pylint: disable=g-import-not-at-top
-
     ids = list(self.owned)
     if not ids:
       return [], {'probabilities': []}, {}
@@ -721,9 +756,6 @@ class NodeTrainer:
   def _distill(self, content):
     """HFLDD step 3 for this node's members: KIP on their own data, member j of the server's
     list with fold_in(key, j), as in the one batched program of a single process."""
-    from jfed.data.federated import federate  # pylint: disable=g-import-not-at-top
-    from jfed.kip import KIPConfig, kip_distill_batched  # pylint: disable=g-import-not-at-top
-
     task = content['config']
     members = [int(c) for c in task['members']]
     positions = [j for j, c in enumerate(members) if c in self.owned]
@@ -748,10 +780,6 @@ class NodeTrainer:
 
 def _local_trainer(ctx, group, recipe: Dict[str, Any]):
   """The engine's trainer that `recipe` describes, built as the server's method would."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  from jfed.methods import common, generative  # pylint: disable=g-import-not-at-top
-
   if recipe['kind'] == 'cvae':
     fields = generative.CVAESettings._fields
     settings = generative.CVAESettings(**{k: v for k, v in recipe.items() if k in fields})

@@ -29,6 +29,9 @@ class Centralized(Algorithm):
   """One model on the union of the clients' data; a step is an epoch."""
 
   section = 'centralized'
+  label_flip_unsupported = (
+    'it trains one model on the union of the data, no client on its own labels'
+  )
   Config = CentralizedConfig
   step_name = 'epoch'
 

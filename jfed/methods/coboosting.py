@@ -24,7 +24,7 @@ Config (`config.coboosting`): the fields of `CoBoostingConfig`.
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +126,135 @@ def _by_client(w, client_ids) -> list:
   return out.tolist()
 
 
+def settings(c: CoBoostingConfig, ctx: RunContext) -> oneshot.Settings:
+  """Hard-sample synthesis and ODS KD against the weighted ensemble (the module docstring)."""
+  synthesis = coboosting_config(
+    **oneshot.synthesis_common(c, ctx),
+    bn=c.bn,
+    oh=c.oh,
+    adv=c.adv,
+    hs=c.hs,
+    adv_T=c.adv_T,
+    grad_clip=c.g_grad_clip or None,
+    augment=c.synthesis_augment,
+    input_mean=None,
+    input_std=None,
+  )
+  kd = oneshot.kd_config(
+    c,
+    ctx,
+    loss='kl',
+    t_squared=True,
+    aggregation='weighted',
+    ods_eta=c.odseta * NORMALISED_STD,
+    ods_T=c.ods_T,
+  )
+  return oneshot.base_settings(c, ctx, synthesis, kd, oneshot.student_optimizer(c))
+
+
+def uniform_weights(ctx: RunContext, aux: oneshot.DistillAux, student) -> jax.Array:
+  """The initial ensemble weights: uniform over the clients.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    student: The round's starting student (unused).
+
+  Returns:
+    Uniform ensemble weights, [clients].
+  """
+  return jnp.full((ctx.num_clients,), 1.0 / ctx.num_clients, jnp.float32)
+
+
+def ensemble_weights(state: oneshot.ServerState, rd: oneshot.RoundData) -> jax.Array:
+  """The teachers' weights of synthesis and of KD: the ensemble weights of the epoch."""
+  return state.extra
+
+
+def teacher_ids(ctx: RunContext, aux, r: int, local, teachers) -> np.ndarray:
+  """The client ids of the teachers, to report the weights by client.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    r: The round, from 1.
+    local: The round's uploaded client models.
+    teachers: The uploads grouped by architecture.
+
+  Returns:
+    The teachers' client ids, in teacher order.
+  """
+  return oneshot.teacher_client_ids(local)
+
+
+def update_weights(c: CoBoostingConfig, ctx: RunContext, aux, rd, state, r: int, e: int):
+  """From the second epoch on, `wa_steps` passes of ensemble-weight updates over the pool.
+
+  Args:
+    c: Co-Boosting's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The round's uploads, teachers and client ids.
+    state: The server state after synthesis.
+    r: The round, from 1.
+    e: The epoch within the round, from 0.
+
+  Returns:
+    The state with the updated ensemble weights and the weights for the record.
+  """
+  if e == 0:
+    return state, {}
+  modules = tuple(t.module for t in rd.teachers)
+  t_states = tuple(t.states for t in rd.teachers)
+  w = w_orig = state.extra
+  rng = np.random.default_rng((int(ctx.run.seed), r, e, 7))
+  for _ in range(c.wa_steps):
+    idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
+    for b in range(idx.shape[0]):
+      w = weight_step(
+        aux.settings.kd.strategy,
+        modules,
+        t_states,
+        w,
+        w_orig,
+        *gather_batch(state.pool, jnp.asarray(idx[b])),
+        jnp.asarray(mask[b]),
+        c.mu,
+        c.wdc,
+        jnp.float32(e),
+      )
+  return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
+
+
+def summary(ctx: RunContext, aux, rd, state, history) -> Dict[str, Any]:
+  """The final ensemble weights.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The last round's data.
+    state: The final server state.
+    history: The records of every step of the run.
+
+  Returns:
+    The final ensemble weights, by client id.
+  """
+  return {'ensemble_weights': _by_client(state.extra, rd.data)}
+
+
+def recipe(c: CoBoostingConfig) -> oneshot.Recipe:
+  """Co-Boosting on the shared loop: weighted teachers whose weights change every epoch."""
+  return oneshot.Recipe(
+    settings=functools.partial(settings, c),
+    round_data=teacher_ids,
+    init_extra=uniform_weights,
+    synthesis_agg=ensemble_weights,
+    kd_agg=ensemble_weights,
+    before_kd=functools.partial(update_weights, c),
+    summary=summary,
+  )
+
+
 @register_method('coboosting')
 class CoBoosting(oneshot.DistillationAlgorithm):
   """Hard-sample synthesis against a per-model weighted ensemble, ODS, weight updates."""
@@ -141,112 +270,5 @@ class CoBoosting(oneshot.DistillationAlgorithm):
     )
     tc.require_positive(c, self.section, ('adv_T', 'ods_T', 'wdc'))
 
-  def settings(self, ctx: RunContext) -> oneshot.Settings:
-    c = self.config
-    synthesis = coboosting_config(
-      **self.synthesis_common(ctx),
-      bn=c.bn,
-      oh=c.oh,
-      adv=c.adv,
-      hs=c.hs,
-      adv_T=c.adv_T,
-      grad_clip=c.g_grad_clip or None,
-      augment=c.synthesis_augment,
-      input_mean=None,
-      input_std=None,
-    )
-    kd = self.kd_config(
-      ctx,
-      loss='kl',
-      t_squared=True,
-      aggregation='weighted',
-      ods_eta=c.odseta * NORMALISED_STD,
-      ods_T=c.ods_T,
-    )
-    return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
-
-  def init_extra(self, ctx, aux, student):
-    """The initial ensemble weights: uniform over the clients.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      student: The round's starting student (unused).
-
-    Returns:
-      Uniform ensemble weights, [clients].
-    """
-    return jnp.full((ctx.num_clients,), 1.0 / ctx.num_clients, jnp.float32)
-
-  def synthesis_agg(self, state, rd):
-    return state.extra
-
-  kd_agg = synthesis_agg
-
-  def round_data(self, ctx, aux, r, local, teachers):
-    """The client ids of the teachers, to report the weights by client.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      r: The round, from 1.
-      local: The round's uploaded client models.
-      teachers: The uploads grouped by architecture.
-
-    Returns:
-      The teachers' client ids, in teacher order.
-    """
-    return oneshot.teacher_client_ids(local)
-
-  def before_kd(self, ctx, aux, rd, state, r, e):
-    """From the second epoch on, `wa_steps` passes of ensemble-weight updates over the pool.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      rd: The round's uploads, teachers and client ids.
-      state: The server state after synthesis.
-      r: The round, from 1.
-      e: The epoch within the round, from 0.
-
-    Returns:
-      The state with the updated ensemble weights and the weights for the record.
-    """
-    if e == 0:
-      return state, {}
-    c = self.config
-    modules = tuple(t.module for t in rd.teachers)
-    t_states = tuple(t.states for t in rd.teachers)
-    w = w_orig = state.extra
-    rng = np.random.default_rng((int(ctx.run.seed), r, e, 7))
-    for _ in range(c.wa_steps):
-      idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
-      for b in range(idx.shape[0]):
-        w = weight_step(
-          aux.settings.kd.strategy,
-          modules,
-          t_states,
-          w,
-          w_orig,
-          *gather_batch(state.pool, jnp.asarray(idx[b])),
-          jnp.asarray(mask[b]),
-          c.mu,
-          c.wdc,
-          jnp.float32(e),
-        )
-    return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
-
-  def method_summary(self, ctx, aux, rd, state, history):
-    """The final ensemble weights.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      rd: The last round's data.
-      state: The final server state.
-      history: The records of every step of the run.
-
-    Returns:
-      The final ensemble weights, by client id.
-    """
-    return {'ensemble_weights': _by_client(state.extra, rd.data)}
+  def make_recipe(self) -> oneshot.Recipe:
+    return recipe(self.config)

@@ -1,8 +1,7 @@
 """Blocks shared by methods: client groups, local training, the FedAvg round, the server side of
 model uploads (attack simulation, validation, aggregation), evaluation."""
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
-import weakref
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
 import flax.linen as nn
@@ -151,7 +150,11 @@ def make_trainers(
   optimizer=None,
   total_steps: int = 0,
 ) -> List[GroupTrainer]:
-  """One local trainer per group, every one with the same optimiser.
+  """One local trainer per architecture of `groups`, every one with the same optimiser.
+
+  A method builds its trainers once, in `setup`, and keeps them in its aux: a GroupTrainer's
+  jitted programs belong to the instance, so a trainer built anew every round would compile
+  them again every round. Groups of one architecture share one trainer.
 
   Args:
     ctx: the run.
@@ -169,37 +172,35 @@ def make_trainers(
   if not isinstance(spec, engine.OptimizerSpec):
     spec = engine.optimizer_spec(spec)
   tx = engine.build_optimizer(spec, total_steps)
-  if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
-    recipe = {
-      'kind': 'classifier',
-      'prox_mu': float(prox_mu),
-      'optimizer': spec._asdict(),
-      'optimizer_steps': int(total_steps),
-    }
-    return [ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes) for g in groups]
-  return [
-    GroupTrainer(
-      g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh
-    )
-    for g in groups
-  ]
+  by_spec: Dict[str, GroupTrainer] = {}
+  for g in groups:
+    if g.spec in by_spec:
+      continue
+    if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
+      recipe = {
+        'kind': 'classifier',
+        'prox_mu': float(prox_mu),
+        'optimizer': spec._asdict(),
+        'optimizer_steps': int(total_steps),
+      }
+      by_spec[g.spec] = ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
+    else:
+      by_spec[g.spec] = GroupTrainer(
+        g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh
+      )
+  return [by_spec[g.spec] for g in groups]
 
 
-# Per run (keyed weakly by its context): the trainer of each architecture with the run's own
-# optimiser. A GroupTrainer's jitted step belongs to the instance, so a trainer built anew for
-# every round compiles its programs again every round.
-_RUN_TRAINERS: 'weakref.WeakKeyDictionary[RunContext, Dict[str, GroupTrainer]]' = (
-  weakref.WeakKeyDictionary()
-)
+def client_trainers(ctx: RunContext) -> Dict[str, GroupTrainer]:
+  """The run's local trainers (its optimiser), one per client architecture, by model spec.
 
-
-def run_trainers(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[GroupTrainer]:
-  """`make_trainers(ctx, groups)`, built once per run and architecture and then reused."""
-  cache = _RUN_TRAINERS.setdefault(ctx, {})
-  missing = [g for g in dict((g.spec, g) for g in groups).values() if g.spec not in cache]
-  if missing:
-    cache.update(zip([g.spec for g in missing], make_trainers(ctx, missing)))
-  return [cache[g.spec] for g in groups]
+  What `local_models` and `jfed.methods.oneshot.round_uploads` train with: a method that trains
+  its clients in several rounds builds these in `setup`, keeps them in its aux and passes them
+  to every round, so each architecture's programs compile once per run.
+  """
+  specs = dict.fromkeys(client_model_specs(ctx))
+  stubs = [ClientGroup(s, build_module(s, ctx.dataset), np.zeros(0, np.int64), None) for s in specs]
+  return dict(zip(specs, make_trainers(ctx, stubs)))
 
 
 def train_groups(
@@ -247,10 +248,12 @@ def train_groups(
       context=None if contexts is None else contexts[i],
     )
     final_loss = np.asarray(metrics.loss)[:, -1]
+    # a client whose training did not come back (its Flower SuperNode did not reply) has no loss
+    replied = np.ones(len(final_loss), bool) if metrics.replied is None else metrics.replied
     bad = [
       int(c)
-      for c, l, n in zip(group.client_ids, final_loss, group.fed.sizes)
-      if n > 0 and not np.isfinite(l)
+      for c, l, n, r in zip(group.client_ids, final_loss, group.fed.sizes, replied)
+      if r and n > 0 and not np.isfinite(l)
     ]
     if bad and diverged == 'warn':
       logging.warning('%s: client(s) %s (%s) diverged (non-finite loss)', label, bad, group.spec)
@@ -376,24 +379,20 @@ class Server(NamedTuple):
     return self.aggregator.aggregate(stacked, w[rows], reference), record
 
 
-_RUN_SERVERS: 'weakref.WeakKeyDictionary[RunContext, Server]' = weakref.WeakKeyDictionary()
-
-
-def run_server(ctx: RunContext) -> Server:
-  """The run's server, built once (its aggregator compiles once per shape)."""
-  if ctx not in _RUN_SERVERS:
-    s = ctx.run.server
-    _RUN_SERVERS[ctx] = Server(
-      make_aggregator(ctx.run.aggregation),
-      ctx.run.attack,
-      attackers(ctx),
-      ctx.derive_key(Purpose.ATTACK, 1),
-      s.on_invalid_upload,
-      s.max_update_norm_ratio,
-      ctx.client_sizes,
-      s.allow_empty_rounds,
-    )
-  return _RUN_SERVERS[ctx]
+def make_server(ctx: RunContext) -> Server:
+  """The run's server, as its config says. Built once, in a method's `setup`, and kept in its
+  aux: the aggregator's programs belong to the instance and compile once per shape."""
+  s = ctx.run.server
+  return Server(
+    make_aggregator(ctx.run.aggregation),
+    ctx.run.attack,
+    attackers(ctx),
+    ctx.derive_key(Purpose.ATTACK, 1),
+    s.on_invalid_upload,
+    s.max_update_norm_ratio,
+    ctx.client_sizes,
+    s.allow_empty_rounds,
+  )
 
 
 def receive_uploads(
@@ -430,7 +429,10 @@ class LocalModels(NamedTuple):
 
 
 def local_models(
-  ctx: RunContext, epochs: int, client_ids: Optional[Sequence[int]] = None
+  ctx: RunContext,
+  epochs: int,
+  client_ids: Optional[Sequence[int]] = None,
+  trainers: Optional[Mapping[str, GroupTrainer]] = None,
 ) -> LocalModels:
   """Every client (or those of `client_ids`) trained for `epochs` local epochs from a shared
   init, once per run.
@@ -443,6 +445,8 @@ def local_models(
     ctx: The run context (dataset, clients, run config, stage cache).
     epochs: Local epochs.
     client_ids: The clients to train (global ids); None for all.
+    trainers: The run's trainers by model spec (`client_trainers`), for a method that trains its
+      clients again in later rounds; None builds them for this training.
 
   Returns:
     The client groups, their trained models and the upload size in bytes.
@@ -451,9 +455,16 @@ def local_models(
   init = init_group_models(ctx, groups)
 
   def train():
-    trainers = run_trainers(ctx, groups)
+    if trainers is None:
+      group_trainers = make_trainers(ctx, groups)
+    else:
+      group_trainers = [trainers[g.spec] for g in groups]
     models, metrics = train_groups(
-      trainers, groups, init, epochs, ctx.derive_key(Purpose.LOCAL_TRAINING)
+      group_trainers,
+      groups,
+      init,
+      epochs,
+      ctx.derive_key(Purpose.LOCAL_TRAINING),
     )
     for g, m in zip(groups, metrics):
       logging.info(
@@ -565,14 +576,26 @@ def fedavg_round(
   (models,), (metrics,) = train_groups(
     [trainer], [group], [starts], epochs, key, anchors, label=label, diverged=diverged
   )
+  # Clients whose training did not come back (Flower's min-supernodes) take no part, as in a
+  # Flower strategy's round: the others' uploads are aggregated.
+  replied = np.ones(n, bool) if metrics.replied is None else np.asarray(metrics.replied)
   new_model, received = server.receive(
-    group, models, global_model, template, step, weights, declared_sizes=declared_sizes
+    group,
+    models,
+    global_model,
+    template,
+    step,
+    weights,
+    taking_part=replied,
+    declared_sizes=declared_sizes,
   )
+  dropped = [int(c) for c in np.asarray(group.client_ids)[~replied]]
   return new_model, {
-    'train_loss': _finite_mean(np.asarray(metrics.loss)[:, -1]),
-    'clients': n,
-    'download_bytes': received['upload_bytes'],
+    'train_loss': _finite_mean(np.asarray(metrics.loss)[replied, -1]),
+    'clients': int(replied.sum()),
+    'download_bytes': serialized_nbytes(template) * n,
     **received,
+    **({'dropped_clients': dropped} if dropped else {}),
   }
 
 

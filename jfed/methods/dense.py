@@ -15,7 +15,8 @@ runs (its BN hooks never attach, as in `github.com/zj-jayzhang/DENSE`).
 Config (`config.dense`): the fields of `DenseConfig`.
 """
 
-from typing import NamedTuple
+import functools
+from typing import Any, Dict, NamedTuple
 
 from jfed import typed_config as tc
 from jfed.api import RunContext
@@ -51,11 +52,48 @@ DenseConfig = tc.concat(
 )
 
 
+def settings(c: DenseConfig, ctx: RunContext) -> oneshot.Settings:
+  """A fresh generator per epoch, the mean-logit teacher, KD over the whole synthetic pool."""
+  synthesis = dense_config(
+    **oneshot.synthesis_common(c, ctx),
+    bn=0.0 if c.bn_loss_mode == 'code' else c.bn,
+    oh=c.oh,
+    adv=c.adv,
+  )
+  kd = oneshot.kd_config(c, ctx, loss='kl', t_squared=True, aggregation='mean')
+  return oneshot.base_settings(c, ctx, synthesis, kd, oneshot.student_optimizer(c))
+
+
+def summary(c: DenseConfig, ctx: RunContext, aux, rd, state, history) -> Dict[str, Any]:
+  """DENSE's summary fields.
+
+  Args:
+    c: DENSE's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The last round's data.
+    state: The final server state.
+    history: The records of every step of the run.
+
+  Returns:
+    The BN-loss mode and the final image-pool size.
+  """
+  return {'bn_loss_mode': c.bn_loss_mode, 'pool_size': int(pool_size(state.pool))}
+
+
+def recipe(c: DenseConfig) -> oneshot.Recipe:
+  """DENSE on the shared loop: its teacher (the mean) is fixed through a round."""
+  return oneshot.Recipe(
+    settings=functools.partial(settings, c),
+    kd_agg_fixed_in_round=True,
+    summary=functools.partial(summary, c),
+  )
+
+
 @register_method('dense')
 class Dense(oneshot.DistillationAlgorithm):
   """Fresh generator per epoch, mean-logit teacher, KD over the whole synthetic pool."""
 
-  kd_agg_fixed_in_round = True
   section = 'dense'
   Config = DenseConfig
 
@@ -64,25 +102,5 @@ class Dense(oneshot.DistillationAlgorithm):
     tc.require_non_negative(self.config, self.section, ('bn', 'oh', 'adv'))
     tc.require_choice(self.config.bn_loss_mode, BN_LOSS_MODES, f'{self.section}.bn_loss_mode')
 
-  def settings(self, ctx: RunContext) -> oneshot.Settings:
-    c = self.config
-    synthesis = dense_config(
-      **self.synthesis_common(ctx), bn=0.0 if c.bn_loss_mode == 'code' else c.bn, oh=c.oh, adv=c.adv
-    )
-    kd = self.kd_config(ctx, loss='kl', t_squared=True, aggregation='mean')
-    return self.base_settings(ctx, synthesis, kd, self.student_optimizer())
-
-  def method_summary(self, ctx, aux, rd, state, history):
-    """DENSE's summary fields.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      rd: The last round's data.
-      state: The final server state.
-      history: The records of every step of the run.
-
-    Returns:
-      The BN-loss mode and the final image-pool size.
-    """
-    return {'bn_loss_mode': self.config.bn_loss_mode, 'pool_size': int(pool_size(state.pool))}
+  def make_recipe(self) -> oneshot.Recipe:
+    return recipe(self.config)

@@ -425,6 +425,7 @@ class DynaFedAux(NamedTuple):
   tuner: GroupTrainer  # the server's fine-tuning on the synthetic set
   evaluator: engine.Evaluator
   init: ModelState
+  server: common.Server  # receives and aggregates the clients' uploads
 
 
 @register_method('dynafed')
@@ -432,6 +433,7 @@ class DynaFed(Algorithm):
   """FedAvg whose global model is fine-tuned on a synthetic set distilled from its trajectory."""
 
   section = 'dynafed'
+  server_round = True
   Config = DynaFedConfig
   step_name = 'round'
 
@@ -506,6 +508,7 @@ class DynaFed(Algorithm):
       tuner,
       engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy),
       init,
+      common.make_server(ctx),
     )
 
   def init(self, ctx: RunContext, aux: DynaFedAux) -> DynaFedState:
@@ -571,7 +574,7 @@ class DynaFed(Algorithm):
       cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
       aux.init,
-      common.run_server(ctx),
+      aux.server,
       i,
       weights=weights,
       label=f'round {i + 1}/{cfg.rounds}',

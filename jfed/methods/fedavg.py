@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfed import engine, run_config
+from jfed import engine
 from jfed import typed_config as tc
-from jfed.api import Algorithm, RunContext
+from jfed.api import Algorithm, RunContext, parse_run_config
 from jfed.engine import GroupTrainer, ModelState, privacy, server_optim
 from jfed.engine.aggregation import Aggregator
 from jfed.keys import Purpose
@@ -142,17 +142,13 @@ class _DpServer(NamedTuple):
     return model, record
 
 
-def server_optimizer_config(config) -> server_optim.ServerOptimizerConfig:
-  return tc.parse(
-    server_optim.ServerOptimizerConfig, config.get('server_optimizer'), 'server_optimizer'
-  )
-
-
 @register_method('fedavg')
 class FedAvg(Algorithm):
   """Size-weighted parameter averaging of the clients' models, every round."""
 
   section = 'fedavg'
+  server_round = True
+  differential_privacy = True
   Config = FedAvgConfig
   step_name = 'round'
 
@@ -168,13 +164,12 @@ class FedAvg(Algorithm):
     c = self.config
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
+    run = parse_run_config(config)
     problem = privacy.config_problem(
-      privacy.dp_config(config),
-      common.clients_per_round(int(config.partition.num_clients), c.participation),
-      run_config.aggregation_config(config),
+      run.dp, common.clients_per_round(run.partition.num_clients, c.participation), run.aggregation
     )
     tc.require(problem is None, problem)
-    so = server_optimizer_config(config)
+    so = run.server_optimizer
     tc.require_choice(so.name, server_optim.SERVER_OPTIMIZERS, 'server_optimizer.name')
     tc.require_positive(so, 'server_optimizer', ('lr', 'eps'))
     for name in ('momentum', 'b1', 'b2'):
@@ -198,7 +193,7 @@ class FedAvg(Algorithm):
       full_group.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0)
     )
     evaluator = engine.Evaluator(full_group.module, ctx.run.eval_batch_size, ctx.run.strategy)
-    server = common.run_server(ctx)
+    server = common.make_server(ctx)
     tx = server_optim.make_server_optimizer(ctx.run.server_optimizer)
     update = jax.jit(functools.partial(server_optim.server_update, tx))
     dp = self._dp_setup(ctx)

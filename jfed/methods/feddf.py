@@ -47,6 +47,7 @@ Dropout stays off in the teachers either way (the reference's VGG teachers would
 Config (`config.feddf`): the fields of `FedDFConfig`.
 """
 
+import functools
 import math
 from typing import Any, Dict, List, NamedTuple, Tuple
 
@@ -148,13 +149,147 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
   return DistillationData(pool, val_x, val_y, cfg.source)
 
 
+def epochs_per_round(c: FedDFConfig) -> int:
+  """Distillation epochs (driver steps) per round: one per `eval_every` KD steps."""
+  return math.ceil(c.total_steps / c.eval_every)
+
+
+def settings(c: FedDFConfig, ctx: RunContext) -> oneshot.Settings:
+  """No synthesis: `eval_every` KD steps per epoch on the fixed unlabelled set, Adam."""
+  kd = oneshot.kd_config(
+    c, ctx, loss='kl', t_squared=False, aggregation='mean', teacher_bn=c.teacher_bn
+  )
+  return oneshot.base_settings(
+    c,
+    ctx,
+    None,
+    kd,
+    oneshot.student_optimizer(c, 'adam'),
+    epochs=epochs_per_round(c),
+    steps_per_epoch=c.eval_every,
+    kd_data='fixed',
+  )
+
+
+def _val(aux: oneshot.DistillAux, model: ModelState) -> float:
+  if len(aux.data.val_y) == 0:
+    return -1.0
+  return aux.evaluator.accuracy(model, aux.data.val_x, aux.data.val_y)
+
+
+def start_as_best(ctx: RunContext, aux: oneshot.DistillAux, student: ModelState) -> FedDFExtra:
+  """Early-stopping state: the best model by validation accuracy, from the start.
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    student: The model the round's student starts from.
+
+  Returns:
+    The best model so far (the start), its validation accuracy and a zero count of bad epochs.
+  """
+  return FedDFExtra(student, jnp.float32(_val(aux, student)), jnp.int32(0))
+
+
+def keep_best_on_validation(c: FedDFConfig, ctx: RunContext, aux, rd, state, r: int, e: int):
+  """Keeps the best student by validation accuracy; stops after `patience` epochs without gain.
+
+  Args:
+    c: FedDF's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The round's uploads and teachers (unused).
+    state: The server state after the epoch.
+    r: The round, from 1.
+    e: The epoch within the round, from 0.
+
+  Returns:
+    The state with the updated best model and stop flag, and validation fields for the record.
+  """
+  if len(aux.data.val_y) == 0:
+    return state._replace(extra=state.extra._replace(best=state.student.model)), {}
+  val = _val(aux, state.student.model)
+  ex = state.extra
+  if val > float(ex.best_val):
+    ex = FedDFExtra(state.student.model, jnp.float32(val), jnp.int32(0))
+  else:
+    ex = ex._replace(bad_epochs=jnp.int32(int(ex.bad_epochs) + 1))  # host-side: no program
+  stop = int(ex.bad_epochs) * c.eval_every >= c.patience
+  return (
+    state._replace(extra=ex, stopped=jnp.asarray(stop)),
+    {'val_accuracy': val, 'best_val_accuracy': float(ex.best_val), 'early_stop': bool(stop)},
+  )
+
+
+def best_model(state: oneshot.ServerState) -> ModelState:
+  """The round's global model: the best-on-validation student."""
+  return state.extra.best
+
+
+def best_accuracy(aux: oneshot.DistillAux, state, last_test_accuracy: float) -> float:
+  """The round's accuracy: that of the model it hands on.
+
+  Args:
+    aux: The run-level state built in `setup`.
+    state: The server state at the end of the round.
+    last_test_accuracy: The student's test accuracy after the last epoch, in [0, 1].
+
+  Returns:
+    The accuracy of the best-on-validation student (the last one's without validation).
+  """
+  if len(aux.data.val_y) == 0:
+    return last_test_accuracy
+  return aux.evaluator.accuracy(state.extra.best, aux.eval_x, aux.eval_y)
+
+
+def summary(c: FedDFConfig, ctx: RunContext, aux, rd, state, history) -> Dict[str, Any]:
+  """Summary fields of FedDF's distillation data.
+
+  Args:
+    c: FedDF's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The last round's uploads, teachers and data.
+    state: The final server state.
+    history: The records of every step of the run.
+
+  Returns:
+    The source and validation sizes, the best validation accuracy and whether it stopped early.
+  """
+  d = aux.data
+  return {
+    'source': d.source,
+    'source_size': int(d.pool.count),
+    'val_size': int(len(d.val_y)),
+    'val_split': c.val_split,
+    'eval_samples': int(len(aux.eval_y)),
+    'best_val_accuracy': float(state.extra.best_val),
+    'early_stopped': bool(state.stopped),
+  }
+
+
+def recipe(c: FedDFConfig) -> oneshot.Recipe:
+  """FedDF's student on the shared loop: no synthesis, a fixed unlabelled set, the mean-logit
+  teacher (fixed through a round), best-on-validation selection and early stopping."""
+  return oneshot.Recipe(
+    settings=functools.partial(settings, c),
+    method_data=lambda ctx, unused_settings: distillation_data(ctx, c),
+    init_extra=start_as_best,
+    kd_agg_fixed_in_round=True,
+    fixed_pool=lambda aux: aux.data.pool,
+    after_epoch=functools.partial(keep_best_on_validation, c),
+    round_model=best_model,
+    round_accuracy=best_accuracy,
+    summary=functools.partial(summary, c),
+  )
+
+
 class FedDFStudent(oneshot.DistillationAlgorithm):
   """The FedDF student of one architecture (`server_model`): FedAvg start, mean-logit teacher
   of all clients on unlabelled data, best-on-validation student. Not a method by itself: `FedDF`
   runs one per distilled architecture, `FedDFVote` one per prototype."""
 
   name = 'feddf'
-  kd_agg_fixed_in_round = True
   section = 'feddf'
   Config = FedDFConfig
 
@@ -173,110 +308,10 @@ class FedDFStudent(oneshot.DistillationAlgorithm):
       )
 
   def epochs_per_round(self) -> int:
-    return math.ceil(self.config.total_steps / self.config.eval_every)
+    return epochs_per_round(self.config)
 
-  def settings(self, ctx: RunContext) -> oneshot.Settings:
-    kd = self.kd_config(
-      ctx, loss='kl', t_squared=False, aggregation='mean', teacher_bn=self.config.teacher_bn
-    )
-    return self.base_settings(
-      ctx,
-      None,
-      kd,
-      self.student_optimizer('adam'),
-      epochs=self.epochs_per_round(),
-      steps_per_epoch=self.config.eval_every,
-      kd_data='fixed',
-    )
-
-  def method_data(self, ctx, settings) -> DistillationData:
-    return distillation_data(ctx, self.config)
-
-  def fixed_pool(self, aux):
-    return aux.data.pool
-
-  def _val(self, aux, model) -> float:
-    if len(aux.data.val_y) == 0:
-      return -1.0
-    return aux.evaluator.accuracy(model, aux.data.val_x, aux.data.val_y)
-
-  def init_extra(self, ctx, aux, student) -> FedDFExtra:
-    """Early-stopping state: the best model by validation accuracy, from the start.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      student: The model the round's student starts from.
-
-    Returns:
-      The best model so far (the start), its validation accuracy and a zero count of bad epochs.
-    """
-    return FedDFExtra(student, jnp.float32(self._val(aux, student)), jnp.int32(0))
-
-  def after_epoch(self, ctx, aux, state, test_accuracy, r, e):
-    """Keeps the best student by validation accuracy; stops after `patience` epochs without gain.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The server state after the epoch.
-      test_accuracy: The student's test accuracy after the epoch (unused: selection is on
-        validation).
-      r: The round, from 1.
-      e: The epoch within the round, from 0.
-
-    Returns:
-      The state with the updated best model and stop flag, and validation fields for the record.
-    """
-    if len(aux.data.val_y) == 0:
-      return state._replace(extra=state.extra._replace(best=state.student.model)), {}
-    val = self._val(aux, state.student.model)
-    ex = state.extra
-    if val > float(ex.best_val):
-      ex = FedDFExtra(state.student.model, jnp.float32(val), jnp.int32(0))
-    else:
-      ex = ex._replace(bad_epochs=jnp.int32(int(ex.bad_epochs) + 1))  # host-side: no program
-    stop = int(ex.bad_epochs) * self.config.eval_every >= self.config.patience
-    return (
-      state._replace(extra=ex, stopped=jnp.asarray(stop)),
-      {'val_accuracy': val, 'best_val_accuracy': float(ex.best_val), 'early_stop': bool(stop)},
-    )
-
-  def round_model(self, state):
-    return state.extra.best
-
-  def round_accuracy(self, aux, state, last_test_accuracy):
-    """The round's accuracy: that of the model it hands on.
-
-    Args:
-      aux: The run-level state built in `setup`.
-      state: The server state at the end of the round.
-      last_test_accuracy: The student's test accuracy after the last epoch, in [0, 1].
-    """
-    if len(aux.data.val_y) == 0:
-      return last_test_accuracy
-    return aux.evaluator.accuracy(state.extra.best, aux.eval_x, aux.eval_y)
-
-  def method_summary(self, ctx, aux, rd, state, history):
-    """Summary fields of FedDF's distillation data.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      rd: The last round's uploads, teachers and data.
-      state: The final server state.
-      history: The records of every step of the run.
-    """
-    d = aux.data
-    return {
-      'source': d.source,
-      'source_size': int(d.pool.count),
-      'val_size': int(len(d.val_y)),
-      'val_split': self.config.val_split,
-      'eval_samples': int(len(aux.eval_y)),
-      'best_val_accuracy': float(state.extra.best_val),
-      'early_stopped': bool(state.stopped),
-    }
+  def make_recipe(self) -> oneshot.Recipe:
+    return recipe(self.config)
 
 
 class FedDFAux(NamedTuple):
@@ -320,7 +355,8 @@ class FedDF(Algorithm):
   def setup(self, ctx: RunContext) -> FedDFAux:
     specs = self.architectures(ctx)
     students = tuple(self._student(s) for s in specs)
-    return FedDFAux(specs, students, tuple(s.setup(ctx) for s in students))
+    trainers = common.client_trainers(ctx)  # every student's rounds train the same clients
+    return FedDFAux(specs, students, tuple(s.setup(ctx, trainers) for s in students))
 
   def setup_records(self, ctx: RunContext, aux: FedDFAux):
     return aux.students[0].setup_records(ctx, aux.auxes[0])
@@ -343,10 +379,17 @@ class FedDF(Algorithm):
       # The round's uploads, trained once (a stage) with every architecture's clients starting
       # from their architecture's student; each student's step then reads them.
       global_models = {
-        spec: student.round_model(s)
+        spec: student.recipe.round_model(s)
         for spec, student, s in zip(aux.architectures, aux.students, state)
       }
-      oneshot.round_uploads(ctx, r, self.config.local_epochs, aux.architectures[0], global_models)
+      oneshot.round_uploads(
+        ctx,
+        r,
+        self.config.local_epochs,
+        aux.architectures[0],
+        global_models,
+        aux.auxes[0].trainers,
+      )
     new, records = [], []
     for student, student_aux, s in zip(aux.students, aux.auxes, state):
       s, recs = student.step(ctx, student_aux, s, i)
@@ -389,7 +432,7 @@ class FedDF(Algorithm):
     out['architectures'] = self.config.architectures
     out['students'] = list(aux.architectures)
     out['student_test_accuracy'] = {
-      spec: a.evaluator.accuracy(student.round_model(s), a.eval_x, a.eval_y)
+      spec: a.evaluator.accuracy(student.recipe.round_model(s), a.eval_x, a.eval_y)
       for spec, student, a, s in zip(aux.architectures, aux.students, aux.auxes, state)
     }
     return out
@@ -441,7 +484,8 @@ class FedDFVote(Algorithm):
   def setup(self, ctx: RunContext) -> FedDFVoteAux:
     specs = tuple(dict.fromkeys(common.client_model_specs(ctx)))
     algorithms = tuple(self._prototype(s) for s in specs)
-    return FedDFVoteAux(specs, algorithms, tuple(a.setup(ctx) for a in algorithms))
+    trainers = common.client_trainers(ctx)  # every prototype's run reads the same uploads
+    return FedDFVoteAux(specs, algorithms, tuple(a.setup(ctx, trainers) for a in algorithms))
 
   def setup_records(self, ctx: RunContext, aux: FedDFVoteAux):
     return aux.algorithms[0].setup_records(ctx, aux.auxes[0])
@@ -473,7 +517,7 @@ class FedDFVote(Algorithm):
   def _vote(self, aux: FedDFVoteAux, state) -> Dict[str, Any]:
     eval_x, eval_y = aux.auxes[0].eval_x, aux.auxes[0].eval_y
     logits = [
-      x.evaluator.logits(a.round_model(s), eval_x)
+      x.evaluator.logits(a.recipe.round_model(s), eval_x)
       for a, x, s in zip(aux.algorithms, aux.auxes, state)
     ]
     per_prototype = [float(common.accuracy_of_logits(lg, eval_y)) for lg in logits]

@@ -40,8 +40,9 @@ setting, Table 3: set `fedhydra.server_model`).
 Config (`config.fedhydra`): the fields of `FedHydraConfig`.
 """
 
+import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any, Dict, NamedTuple
 
 from absl import logging
 import numpy as np
@@ -157,11 +158,161 @@ def _file_name(stem: str, r: int, ext: str) -> str:
   return f'{stem}.{ext}' if r == 1 else f'{stem}_round{r}.{ext}'
 
 
+def settings(c: FedHydraConfig, ctx: RunContext) -> oneshot.Settings:
+  """HASA: SA-guided synthesis with a kept generator, Eq. 19 distillation (module docstring)."""
+  agg = AGGREGATIONS[c.aggregation]
+  synthesis = fedhydra_config(
+    c.lambda1,
+    c.lambda2,
+    g_steps=c.T_G,
+    lr_g=c.lr_g,
+    batch_size=c.synthesis_batch,
+    adv_T=c.adv_T,
+    aggregation=agg,
+    strategy=oneshot.teacher_strategy(ctx),
+    keep=c.synthesis_keep,
+  )
+  kd = oneshot.kd_config(c, ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
+  return oneshot.base_settings(
+    c,
+    ctx,
+    synthesis,
+    kd,
+    oneshot.student_optimizer(c),
+    keep_generator=not c.generator_reset,
+    generator=GENERATOR_KINDS[c.generator],
+  )
+
+
+def stratify(c: FedHydraConfig, ctx: RunContext, aux, r: int, local, teachers) -> Any:
+  """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it.
+
+  Args:
+    c: FedHydra's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    r: The round, from 1.
+    local: The round's uploaded client models.
+    teachers: The uploads grouped by architecture.
+
+  Returns:
+    MS and the SA weights with the teachers' client ids; None for plain averaging ('ae').
+  """
+  if c.aggregation == 'ae':
+    return None
+  ids = oneshot.teacher_client_ids(local)
+  m, k, t_g = len(ids), ctx.dataset.num_classes, c.ms_T_G
+  zeros = lambda *shape: np.zeros(shape, np.float32)
+  template = Stratification(
+    zeros(m, k, t_g), zeros(m, k), zeros(k, m), zeros(k, m), zeros(k, m), zeros()
+  )
+
+  def compute() -> Stratification:
+    impl = resolve_ms_impl(c.ms_impl)
+    gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf, GENERATOR_KINDS[c.generator])
+    ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
+    kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
+    t0 = time.perf_counter()
+    res = MS_FUNCTIONS[impl](
+      teachers,
+      gen,
+      k,
+      oneshot.round_key(ctx, r, ServerRoundPurpose.MODEL_STRATIFICATION),
+      ms_cfg,
+      **kw,
+    )
+    seconds = time.perf_counter() - t0
+    logging.info(
+      'fedhydra round %d: model stratification (%s, %d clients x %d classes x T_G=%d) in %.1fs',
+      r,
+      impl,
+      m,
+      k,
+      t_g,
+      seconds,
+    )
+    out = Stratification(*(np.asarray(a, np.float32) for a in res), np.asarray(seconds, np.float32))
+    _write_ms(ctx, r, out, ids, impl)
+    return out
+
+  ms = ctx.stage('model_stratification', r, template, compute)
+  return HydraRound(sa_weights(ms.U_r, ms.U_c, c.sa_in_model_scale), ms, ids)
+
+
+def _write_ms(ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray, impl: str) -> None:
+  """workdir/model_stratification.npz and the Fig. 5b heatmap (runs with a workdir only)."""
+  path = ctx.output_path(_file_name('model_stratification', r, 'npz'))
+  if path is None:
+    return
+  arrays = {name: getattr(ms, name) for name in ('losses', 'u', 'U', 'U_r', 'U_c')}
+  by_client = {
+    f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u')) for name, a in arrays.items()
+  }
+  np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays, **by_client)
+  specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
+  plots.plot_ms_heatmap(
+    ctx.output_path(_file_name('ms_heatmap', r, 'png')),
+    by_client['U_r_by_client'],
+    title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, {ctx.run.partition.scheme})',
+    client_names=[f'client {k} ({s})' for k, s in enumerate(specs)],
+  )
+
+
+def synthesis_weights(state: oneshot.ServerState, rd: oneshot.RoundData) -> Any:
+  """SA's weights for synthesis (None: 'ae', the plain mean)."""
+  return None if rd.data is None else rd.data.sa
+
+
+def kd_weights(state: oneshot.ServerState, rd: oneshot.RoundData) -> Any:
+  """SA's (U_r, U_c) for the KD targets (None: 'ae', the plain mean)."""
+  return None if rd.data is None else (rd.data.sa.U_r, rd.data.sa.U_c)
+
+
+def summary(c: FedHydraConfig, ctx: RunContext, aux, rd, state, history) -> Dict[str, Any]:
+  """FedHydra's summary fields: the aggregation and MS.
+
+  Args:
+    c: FedHydra's config.
+    ctx: The run context (dataset, clients, run config, stage cache).
+    aux: The run-level state built in `setup`.
+    rd: The last round's data (MS).
+    state: The final server state.
+    history: The records of every step of the run.
+
+  Returns:
+    The aggregation, MS timing and per-client reliability.
+  """
+  out = {'aggregation': c.aggregation, 'generator_reset': c.generator_reset}
+  if rd.data is not None:
+    ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)
+    out.update(
+      {
+        'ms_impl': resolve_ms_impl(c.ms_impl),
+        'ms_seconds': float(ms.seconds),
+        'U_r_by_client': _by_client(np.asarray(ms.U_r), ids, False).tolist(),
+      }
+    )
+    if ctx.output_path('') is not None:
+      out['ms_file'] = _file_name('model_stratification', aux.settings.rounds, 'npz')
+  return out
+
+
+def recipe(c: FedHydraConfig) -> oneshot.Recipe:
+  """FedHydra on the shared loop: MS every round, SA teachers fixed through the round."""
+  return oneshot.Recipe(
+    settings=functools.partial(settings, c),
+    round_data=functools.partial(stratify, c),
+    synthesis_agg=synthesis_weights,
+    kd_agg=kd_weights,
+    kd_agg_fixed_in_round=True,
+    summary=functools.partial(summary, c),
+  )
+
+
 @register_method('fedhydra')
 class FedHydra(oneshot.DistillationAlgorithm):
   """Model stratification, then HASA: SA-guided synthesis and Eq. 19 distillation."""
 
-  kd_agg_fixed_in_round = True
   section = 'fedhydra'
   Config = FedHydraConfig
 
@@ -176,135 +327,5 @@ class FedHydra(oneshot.DistillationAlgorithm):
     tc.require_choice(c.ms_impl, MS_IMPLS, f'{where}.ms_impl')
     tc.require_choice(c.sa_in_model_scale, SA_SCALES, f'{where}.sa_in_model_scale')
 
-  def settings(self, ctx: RunContext) -> oneshot.Settings:
-    c = self.config
-    agg = AGGREGATIONS[c.aggregation]
-    synthesis = fedhydra_config(
-      c.lambda1,
-      c.lambda2,
-      g_steps=c.T_G,
-      lr_g=c.lr_g,
-      batch_size=c.synthesis_batch,
-      adv_T=c.adv_T,
-      aggregation=agg,
-      strategy=oneshot.teacher_strategy(ctx),
-      keep=c.synthesis_keep,
-    )
-    kd = self.kd_config(ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
-    return self.base_settings(
-      ctx,
-      synthesis,
-      kd,
-      self.student_optimizer(),
-      keep_generator=not c.generator_reset,
-      generator=GENERATOR_KINDS[c.generator],
-    )
-
-  def round_data(self, ctx, aux, r, local, teachers):
-    """MS for round r's uploads (Algorithm 2): a stage, so a resumed run does not redo it.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      r: The round, from 1.
-      local: The round's uploaded client models.
-      teachers: The uploads grouped by architecture.
-
-    Returns:
-      MS and the SA weights with the teachers' client ids; None for plain averaging ('ae').
-    """
-    if self.config.aggregation == 'ae':
-      return None
-    c = self.config
-    ids = oneshot.teacher_client_ids(local)
-    m, k, t_g = len(ids), ctx.dataset.num_classes, c.ms_T_G
-    zeros = lambda *shape: np.zeros(shape, np.float32)
-    template = Stratification(
-      zeros(m, k, t_g), zeros(m, k), zeros(k, m), zeros(k, m), zeros(k, m), zeros()
-    )
-
-    def compute() -> Stratification:
-      impl = resolve_ms_impl(c.ms_impl)
-      gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf, GENERATOR_KINDS[c.generator])
-      ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
-      kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
-      t0 = time.perf_counter()
-      res = MS_FUNCTIONS[impl](
-        teachers,
-        gen,
-        k,
-        oneshot.round_key(ctx, r, ServerRoundPurpose.MODEL_STRATIFICATION),
-        ms_cfg,
-        **kw,
-      )
-      seconds = time.perf_counter() - t0
-      logging.info(
-        'fedhydra round %d: model stratification (%s, %d clients x %d classes x T_G=%d) in %.1fs',
-        r,
-        impl,
-        m,
-        k,
-        t_g,
-        seconds,
-      )
-      out = Stratification(
-        *(np.asarray(a, np.float32) for a in res), np.asarray(seconds, np.float32)
-      )
-      self._write_ms(ctx, r, out, ids, impl)
-      return out
-
-    ms = ctx.stage('model_stratification', r, template, compute)
-    return HydraRound(sa_weights(ms.U_r, ms.U_c, c.sa_in_model_scale), ms, ids)
-
-  def _write_ms(
-    self, ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray, impl: str
-  ) -> None:
-    """workdir/model_stratification.npz and the Fig. 5b heatmap (runs with a workdir only)."""
-    path = ctx.output_path(_file_name('model_stratification', r, 'npz'))
-    if path is None:
-      return
-    arrays = {name: getattr(ms, name) for name in ('losses', 'u', 'U', 'U_r', 'U_c')}
-    by_client = {
-      f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u')) for name, a in arrays.items()
-    }
-    np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays, **by_client)
-    specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
-    plots.plot_ms_heatmap(
-      ctx.output_path(_file_name('ms_heatmap', r, 'png')),
-      by_client['U_r_by_client'],
-      title=f'FedHydra MS weights U_r (round {r}, {ctx.dataset.name}, {ctx.run.partition.scheme})',
-      client_names=[f'client {k} ({s})' for k, s in enumerate(specs)],
-    )
-
-  def synthesis_agg(self, state, rd):
-    return None if rd.data is None else rd.data.sa
-
-  def kd_agg(self, state, rd):
-    return None if rd.data is None else (rd.data.sa.U_r, rd.data.sa.U_c)
-
-  def method_summary(self, ctx, aux, rd, state, history):
-    """FedHydra's summary fields: the aggregation and MS.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      rd: The last round's data (MS).
-      state: The final server state.
-      history: The records of every step of the run.
-
-    Returns:
-      The aggregation, MS timing and per-client reliability.
-    """
-    out = {'aggregation': self.config.aggregation, 'generator_reset': self.config.generator_reset}
-    if rd.data is not None:
-      ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)
-      out.update(
-        {
-          'ms_impl': resolve_ms_impl(self.config.ms_impl),
-          'ms_seconds': float(ms.seconds),
-          'U_r_by_client': _by_client(np.asarray(ms.U_r), ids, False).tolist(),
-        }
-      )
-      if ctx.output_path('') is not None:
-        out['ms_file'] = _file_name('model_stratification', aux.settings.rounds, 'npz')
-    return out
+  def make_recipe(self) -> oneshot.Recipe:
+    return recipe(self.config)

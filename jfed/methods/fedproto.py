@@ -280,6 +280,10 @@ class FedProto(Algorithm):
   """Personalised models of any architectures regularised towards global class prototypes."""
 
   section = 'fedproto'
+  label_flip_unsupported = (
+    "a flipped client's prototypes would fail the server's check against the label counts it "
+    'declares (those of its unflipped labels)'
+  )
   Config = FedProtoConfig
   step_name = 'round'
 

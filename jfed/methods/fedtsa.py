@@ -225,6 +225,8 @@ class FedTSA(Algorithm):
   """KDE clusters of device speed, pruned model per cluster, in-cluster FedAvg, server DML."""
 
   section = 'fedtsa'
+  server_round = True
+  label_flip_unsupported = "it builds its cluster groups from the clients' unflipped data"
   Config = FedTSAConfig
   step_name = 'round'
 
@@ -444,7 +446,7 @@ class FedTSA(Algorithm):
       durations=durations,
       clusters=clusters,
       groups=groups,
-      trainers=common.run_trainers(ctx, groups),
+      trainers=common.make_trainers(ctx, groups),
       templates=list(init),
       init=init,
       evaluators=[engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups],
@@ -454,7 +456,7 @@ class FedTSA(Algorithm):
       images=images,
       learner=learner,
       setup_record=record,
-      server=common.run_server(ctx),
+      server=common.make_server(ctx),
     )
 
   def setup_records(self, ctx: RunContext, aux: FedTSAAux) -> List[Dict[str, Any]]:

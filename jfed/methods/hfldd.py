@@ -293,6 +293,7 @@ class HFLDDAux(NamedTuple):
   init: ModelState
   model_bytes: int
   transfers: List[comm.Transfer]  # the whole run's protocol account (Eq. 18)
+  server: common.Server  # receives and aggregates the heads' uploads
 
 
 @register_method('hfldd')
@@ -300,6 +301,7 @@ class HFLDD(Algorithm):
   """Complementary clusters; members send distilled data to their head; FedAvg over heads."""
 
   section = 'hfldd'
+  server_round = True
   Config = HFLDDConfig
   step_name = 'round'
 
@@ -385,6 +387,7 @@ class HFLDD(Algorithm):
       init,
       model_bytes,
       transfers,
+      common.make_server(ctx),
     )
 
   def setup_records(self, ctx: RunContext, aux: HFLDDAux) -> List[Dict[str, Any]]:
@@ -421,7 +424,7 @@ class HFLDD(Algorithm):
       cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
       aux.init,
-      common.run_server(ctx),
+      aux.server,
       i,
       label=f'round {i + 1}/{cfg.rounds}',
       declared_sizes=aux.group.fed.sizes,

@@ -1,9 +1,10 @@
 """The server side of the one-shot methods that distil client models into a server model.
 
 DENSE, Co-Boosting, FedHydra and FedDF's students (one per distilled architecture,
-`jfed.methods.feddf`) are `DistillationAlgorithm`s (this module; not a method itself): each
-says how it synthesises data, how the teachers are combined, which student loss it uses and
-what (if anything) it does between synthesis and distillation (the hooks below). OT shares
+`jfed.methods.feddf`) are `DistillationAlgorithm`s (this module; not a method itself) that
+run their family's `Recipe`: plain functions, declared by each family module, that say how it
+synthesises data, how the teachers are combined, which student loss it uses and what (if
+anything) it does between synthesis and distillation; one shared step composes them. OT shares
 only the uploads of every round (`round_uploads`).
 
 Protocol of one global round r (r = 1..rounds), `epochs` driver steps per round: step i is
@@ -16,7 +17,7 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
    round's global model (`round_model` of the state the step receives), every other client from
    its own round r − 1 model; all train `local_epochs` epochs (the stage 'round_models', tag r).
 2. Teachers: one `TeacherGroup` per architecture group of the uploaded models (eval mode), and
-   the method's per-round data (`round_data`: FedHydra's model stratification, ...). Both are
+   the recipe's per-round data (`round_data`: FedHydra's model stratification, ...). Both are
    kept in a cache in the run's aux; a resumed run rebuilds them from the stages.
 3. Server model (`<method>.server_model`, default `config.model`): with `init='fedavg'`
    (FedDF) every round starts from the FedAvg of that round's uploads that share its
@@ -27,8 +28,9 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
 4. Epoch e (one driver step):
      a. synthesis (not FedDF): one `jfed.distill.synthesize` call (g_steps generator steps on
         `synthesis_batch` images), its best batch and target labels are appended to the pool;
-     b. the method's `before_kd` hook (Co-Boosting: ensemble-weight update);
-     c. distillation (`jfed.distill.kd_step`): the student takes optimiser steps on KD batches
+     b. the recipe's `before_kd` hook (Co-Boosting: ensemble-weight update);
+     c. distillation (`jfed.distill.kd_step`, run `KD_BLOCK` steps per compiled call by
+        `kd_block`): the student takes optimiser steps on KD batches
         — the whole pool in shuffled batches (`kd_data='pool'`, DENSE), only the batch
         synthesised this epoch (`'batch'`, FedHydra Algorithm 1 read literally) or
         `steps_per_epoch` batches of a fixed unlabelled set (`'fixed'`, FedDF). Where a stored
@@ -36,9 +38,10 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
         are fixed for the round, no random KD view or ODS, eval-mode teachers: FedHydra's and
         DENSE-without-augmentation's case) the targets are computed once per image when it
         enters the pool (`KDTargets`, not checkpointed: rebuilt on resume) and the steps run
-        `kd_step_on_targets`: the same numbers without a teacher forward pass per step, which
-        with FedHydra's every-intermediate pool is most of its KD time;
-     d. test accuracy of the student; the method's `after_epoch` hook (FedDF: validation,
+        `kd_step_on_targets` (in `kd_block_on_targets`): the same numbers without a teacher
+        forward pass per step, which with FedHydra's every-intermediate pool is most of its KD
+        time;
+     d. test accuracy of the student; the recipe's `after_epoch` hook (FedDF: validation,
         best-on-val model, early stop: the remaining steps of a stopped round change nothing
         and record nothing);
      e. one record {'round', 'epoch', 'test_accuracy', losses, ...}; the last epoch of a round
@@ -51,7 +54,7 @@ after every step. Every key is `ctx.derive_key(Purpose.SERVER, r, e, ...)` or a 
 uninterrupted one.
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from absl import logging
 import jax
@@ -69,9 +72,7 @@ from jfed.distill import (
   crop_padding,
   dense_generator_init,
   epoch_batches,
-  gather_batch,
   images_per_epoch,
-  kd_step,
   make_generator,
   pool_add,
   pool_init,
@@ -83,13 +84,14 @@ from jfed.distill import (
 from jfed.distill import plots as distill_plots
 from jfed.distill.kd import (
   KD_AUGMENT,
-  gather_batch_with_targets,
-  kd_step_on_targets,
+  KD_BLOCK,
+  kd_block,
+  kd_block_on_targets,
   pool_teacher_logits,
   targets_depend_only_on_the_image,
 )
 from jfed.distill.synthesis import SynthesisConfig
-from jfed.engine import ModelState
+from jfed.engine import GroupTrainer, ModelState
 from jfed.engine.optim import OPTIMIZERS, SCHEDULES, OptimizerSpec, scheduled_lr
 from jfed.io import serialized_nbytes
 from jfed.keys import Purpose, ServerRoundPurpose
@@ -129,6 +131,7 @@ def round_uploads(
   local_epochs: int,
   server_spec: str,
   global_model: Union[None, ModelState, Dict[str, ModelState]] = None,
+  trainers: Optional[Mapping[str, GroupTrainer]] = None,
 ) -> common.LocalModels:
   """The client models uploaded in round r (see the module docstring).
 
@@ -144,26 +147,32 @@ def round_uploads(
     server_spec: The model spec of the server's (global) architecture.
     global_model: The global model of round r - 1, or {spec: global model}; None for r = 1 or
       when the round's models are cached.
+    trainers: The run's local trainers by model spec (`common.client_trainers`, built in the
+      method's `setup`: every round trains with the same compiled programs); None builds them
+      for this round's training, if it has any.
 
   Returns:
     The round's client groups, their trained models and the upload size in bytes.
   """
-  first = common.local_models(ctx, local_epochs)
+  first = common.local_models(ctx, local_epochs, trainers=trainers)
   if r == 1:
     return first
 
   def train():
     if global_model is None:
       raise ValueError(f'round {r} of local training needs the global model of round {r - 1}')
-    prev = round_uploads(ctx, r - 1, local_epochs, server_spec).models
+    prev = round_uploads(ctx, r - 1, local_epochs, server_spec, trainers=trainers).models
     global_models = global_model if isinstance(global_model, dict) else {server_spec: global_model}
     starts = [
       engine.replicate(global_models[g.spec], len(g.client_ids)) if g.spec in global_models else p
       for g, p in zip(first.groups, prev)
     ]
-    trainers = common.run_trainers(ctx, first.groups)
+    if trainers is None:
+      group_trainers = common.make_trainers(ctx, first.groups)
+    else:
+      group_trainers = [trainers[g.spec] for g in first.groups]
     models, _ = common.train_groups(
-      trainers,
+      group_trainers,
       first.groups,
       starts,
       local_epochs,
@@ -299,12 +308,223 @@ class DistillAux:
     eval_x: np.ndarray,
     eval_y: np.ndarray,
     data: Any = None,
+    trainers: Optional[Mapping[str, GroupTrainer]] = None,
   ):
     self.settings, self.student_module, self.generator = settings, student_module, generator
     self.random_student, self.evaluator = random_student, evaluator
     self.eval_x, self.eval_y, self.data = eval_x, eval_y, data
+    # the clients' local trainers by model spec, for every round's uploads
+    self.trainers = trainers
     self.round_cache: Dict[int, RoundData] = {}
     self.kd_targets: Optional[KDTargets] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# a method's recipe: the plain functions the shared step composes
+# ---------------------------------------------------------------------------------------------
+# An epoch hook: (ctx, aux, rd, state, r, e) -> (state, record fields). Hooks run between
+# synthesis and distillation (`Recipe.before_kd`) and after the epoch's evaluation
+# (`Recipe.after_epoch`); `chain` composes several into one.
+EpochHook = Callable[
+  [RunContext, DistillAux, RoundData, ServerState, int, int], Tuple[ServerState, Dict[str, Any]]
+]
+
+
+def chain(*hooks: EpochHook) -> EpochHook:
+  """One epoch hook that runs `hooks` in order (in the spirit of `optax.chain`): each receives
+  the state the previous one returned, and their record fields are merged. `chain()` changes
+  nothing.
+
+  Args:
+    *hooks: The epoch hooks, in the order they run.
+
+  Returns:
+    The composed hook.
+  """
+
+  def chained(
+    ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
+  ) -> Tuple[ServerState, Dict[str, Any]]:
+    record: Dict[str, Any] = {}
+    for hook in hooks:
+      state, fields = hook(ctx, aux, rd, state, r, e)
+      record.update(fields)
+    return state, record
+
+  return chained
+
+
+def _no_method_data(ctx: RunContext, settings: Settings) -> Any:
+  return None
+
+
+def _test_split(ctx: RunContext, data: Any) -> Tuple[np.ndarray, np.ndarray]:
+  return ctx.dataset.test_x, ctx.dataset.test_y
+
+
+def _no_round_data(
+  ctx: RunContext,
+  aux: DistillAux,
+  r: int,
+  local: common.LocalModels,
+  teachers: List[TeacherGroup],
+) -> Any:
+  return None
+
+
+def _zero_extra(ctx: RunContext, aux: DistillAux, student: ModelState) -> Any:
+  return jnp.zeros((), jnp.float32)
+
+
+def _no_weights(state: ServerState, rd: RoundData) -> Any:
+  return None
+
+
+def _no_fixed_pool(aux: DistillAux) -> Any:
+  raise ValueError("kd_data='fixed' needs a recipe with a fixed_pool")
+
+
+def _student_model(state: ServerState) -> ModelState:
+  return state.student.model
+
+
+def _last_accuracy(aux: DistillAux, state: ServerState, last_test_accuracy: float) -> float:
+  return last_test_accuracy
+
+
+def _no_summary(
+  ctx: RunContext,
+  aux: DistillAux,
+  rd: RoundData,
+  state: ServerState,
+  history: Sequence[Dict[str, Any]],
+) -> Dict[str, Any]:
+  return {}
+
+
+class Recipe(NamedTuple):
+  """What one distillation method is, as plain functions of the shared step
+  (`DistillationAlgorithm`); each family module declares its recipe (`recipe(config)`), and
+  every field but `settings` defaults to DENSE's behaviour (synthesis and KD, nothing between).
+
+  Attributes:
+    settings: ctx -> Settings, the method in the shared loop's terms (built once per run).
+    method_data: (ctx, settings) -> run-level constants (FedDF: its unlabelled and validation
+      sets), as `aux.data`.
+    eval_data: (ctx, data) -> (x, y), what the student is scored on (the test split).
+    round_data: (ctx, aux, r, local, teachers) -> per-round constants (FedHydra: MS;
+      Co-Boosting: the teachers' client ids), as `rd.data`.
+    init_extra: (ctx, aux, student) -> the method's part of a fresh round state
+      (`ServerState.extra`).
+    synthesis_agg: (state, rd) -> the teacher weights of synthesis (None: the mean).
+    kd_agg: (state, rd) -> the teacher weights of distillation (None: the mean).
+    kd_agg_fixed_in_round: whether `kd_agg` stays the same through a round (not Co-Boosting's
+      per-epoch weights), so that a stored image's teacher target can be computed once.
+    fixed_pool: aux -> the pool of `kd_data='fixed'` (FedDF's unlabelled set).
+    before_kd: the epoch hook between synthesis and distillation (Co-Boosting: the
+      ensemble-weight update).
+    after_epoch: the epoch hook after the epoch's evaluation (FedDF: validation, best model,
+      early stop).
+    round_model: state -> the round's global model (FedDF: the best-on-validation student).
+    round_accuracy: (aux, state, last test accuracy) -> the accuracy the round reports.
+    summary: (ctx, aux, rd, state, history) -> the method's fields of the run summary.
+  """
+
+  settings: Callable[[RunContext], Settings]
+  method_data: Callable[[RunContext, Settings], Any] = _no_method_data
+  eval_data: Callable[[RunContext, Any], Tuple[np.ndarray, np.ndarray]] = _test_split
+  round_data: Callable[..., Any] = _no_round_data
+  init_extra: Callable[[RunContext, DistillAux, ModelState], Any] = _zero_extra
+  synthesis_agg: Callable[[ServerState, RoundData], Any] = _no_weights
+  kd_agg: Callable[[ServerState, RoundData], Any] = _no_weights
+  kd_agg_fixed_in_round: bool = False
+  fixed_pool: Callable[[DistillAux], Any] = _no_fixed_pool
+  before_kd: EpochHook = chain()
+  after_epoch: EpochHook = chain()
+  round_model: Callable[[ServerState], ModelState] = _student_model
+  round_accuracy: Callable[[DistillAux, ServerState, float], float] = _last_accuracy
+  summary: Callable[..., Dict[str, Any]] = _no_summary
+
+
+# -- what the recipes share: the Settings fields every method reads the same way -------------
+def base_settings(
+  config: Any,
+  ctx: RunContext,
+  synthesis: Optional[SynthesisConfig],
+  kd: KDConfig,
+  opt: OptimizerSpec,
+  **overrides,
+) -> Settings:
+  """The Settings fields every method reads the same way from its typed config.
+
+  Args:
+    config: The method's typed config (the shared blocks of this module and its own keys).
+    ctx: The run context (dataset, models, run config).
+    synthesis: The data-synthesis settings, or None for a method that distils on real data.
+    kd: How a KD step turns a batch into a student loss (loss, temperature, teacher
+      aggregation, augmentation).
+    opt: The student's optimizer.
+    **overrides: Settings fields that the method sets itself.
+
+  Returns:
+    The method's complete Settings.
+  """
+  get = lambda name, default: getattr(config, name, default)
+  values = dict(
+    rounds=config.rounds,
+    local_epochs=config.local_epochs,
+    epochs=get('epochs', 1),
+    server_model=config.server_model or ctx.run.model,
+    init=config.init,
+    kd=kd,
+    opt=opt,
+    kd_batch=config.kd_batch,
+    kd_data=get('kd_data', 'pool'),
+    synthesis=synthesis,
+    keep_generator=False,
+    nz=get('nz', 0),
+    ngf=get('ngf', 0),
+    generator='dense',
+    pool_quantize=get('pool_quantize', False),
+    steps_per_epoch=0,
+  )
+  values.update(overrides)
+  return Settings(**values)
+
+
+def kd_config(config: Any, ctx: RunContext, **kw) -> KDConfig:
+  """The KD step's config from the method's kd_T and kd_augment and the dataset; `kw` the rest."""
+  return KDConfig(
+    T=config.kd_T,
+    augment=resolve_augment(config.kd_augment, ctx.dataset.name),
+    crop_padding=crop_padding(ctx.dataset.input_shape),
+    strategy=teacher_strategy(ctx),
+    **kw,
+  )
+
+
+def student_optimizer(config: Any, default_name: str = 'sgd') -> OptimizerSpec:
+  """The student's optimiser from the kd_* keys the method's config has."""
+  get = lambda name, default: getattr(config, 'kd_' + name, default)
+  return OptimizerSpec(
+    name=get('optimizer', default_name),
+    lr=config.kd_lr,
+    momentum=get('momentum', 0.0),
+    weight_decay=get('weight_decay', 0.0),
+    grad_clip=get('grad_clip', 0.0),
+    schedule=get('schedule', 'constant'),
+  )
+
+
+def synthesis_common(config: Any, ctx: RunContext) -> dict:
+  """The synthesis keys DENSE's and Co-Boosting's configs share, as `dense_config` takes them."""
+  return dict(
+    g_steps=config.g_steps,
+    batch_size=config.synthesis_batch,
+    lr_g=config.lr_g,
+    crop_padding=crop_padding(ctx.dataset.input_shape),
+    strategy=teacher_strategy(ctx),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,220 +533,19 @@ class DistillAux:
 class DistillationAlgorithm(Algorithm):
   """One-shot data-free (or unlabelled-data) distillation; a step is a distillation epoch.
 
-  Subclasses set `section`, `Config`, and implement `settings`; the other hooks default to
-  DENSE's behaviour (synthesis + KD, nothing in between).
+  A subclass sets `section` and `Config` and returns its family's `Recipe` from `make_recipe`;
+  this class runs it (setup, rounds, the epoch's synthesis, hooks and KD, summary).
   """
 
   step_name = 'epoch'
-  # Whether `kd_agg` stays the same through a round (not Co-Boosting's per-epoch weights), so
-  # that a stored image's teacher target can be computed once (`_pool_targets`).
-  kd_agg_fixed_in_round = False
 
-  # -- what a method says --------------------------------------------------------------------
-  def settings(self, ctx: RunContext) -> Settings:
+  def __init__(self, config: Any):
+    super().__init__(config)
+    self.recipe = self.make_recipe()
+
+  def make_recipe(self) -> Recipe:
+    """The method's recipe, from its typed config (`self.config`)."""
     raise NotImplementedError
-
-  def method_data(self, ctx: RunContext, settings: Settings) -> Any:
-    """Run-level constants of the method (FedDF: its unlabelled and validation sets)."""
-    return None
-
-  def eval_data(self, ctx: RunContext, data: Any) -> Tuple[np.ndarray, np.ndarray]:
-    return ctx.dataset.test_x, ctx.dataset.test_y
-
-  def round_data(
-    self,
-    ctx: RunContext,
-    aux: DistillAux,
-    r: int,
-    local: common.LocalModels,
-    teachers: List[TeacherGroup],
-  ) -> Any:
-    """Per-round constants (FedHydra: MS; Co-Boosting: the teachers' client ids).
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      r: The round, from 1.
-      local: The round's uploaded client models.
-      teachers: The uploads grouped by architecture, as the ensemble teachers.
-
-    Returns:
-      Whatever the method's hooks read as `rd.data`; None by default.
-    """
-    return None
-
-  def init_extra(self, ctx: RunContext, aux: DistillAux, student: ModelState) -> Any:
-    """The method's own part of a fresh server state (`ServerState.extra`).
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      student: The model the round's student starts from.
-
-    Returns:
-      A pytree of the method's per-round state; a scalar zero by default.
-    """
-    return jnp.zeros((), jnp.float32)
-
-  def synthesis_agg(self, state: ServerState, rd: RoundData) -> Any:
-    return None
-
-  def kd_agg(self, state: ServerState, rd: RoundData) -> Any:
-    return None
-
-  def fixed_pool(self, aux: DistillAux):
-    raise NotImplementedError
-
-  def before_kd(
-    self, ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
-  ) -> Tuple[ServerState, Dict[str, Any]]:
-    """A hook between synthesis and distillation in an epoch (nothing by default).
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      rd: The round's uploads, teachers and method data.
-      state: The server state after this epoch's synthesis.
-      r: The round, from 1.
-      e: The epoch within the round, from 0.
-
-    Returns:
-      The (possibly updated) state and extra fields for the epoch's record.
-    """
-    return state, {}
-
-  def after_epoch(
-    self, ctx: RunContext, aux: DistillAux, state: ServerState, test_accuracy: float, r: int, e: int
-  ) -> Tuple[ServerState, Dict[str, Any]]:
-    """A hook after an epoch's distillation and evaluation (early stopping, model selection).
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      state: The server state after the epoch.
-      test_accuracy: The student's accuracy on the evaluation set after the epoch, in [0, 1].
-      r: The round, from 1.
-      e: The epoch within the round, from 0.
-
-    Returns:
-      The (possibly updated) state and extra fields for the epoch's record.
-    """
-    return state, {}
-
-  def round_model(self, state: ServerState) -> ModelState:
-    return state.student.model
-
-  def round_accuracy(self, aux: DistillAux, state: ServerState, last_test_accuracy: float) -> float:
-    """The accuracy a round reports (a method keeping a best model overrides this).
-
-    Args:
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      state: The server state at the end of the round.
-      last_test_accuracy: The student's accuracy after the round's last epoch, in [0, 1].
-
-    Returns:
-      The round's accuracy, in [0, 1]; `last_test_accuracy` by default.
-    """
-    return last_test_accuracy
-
-  def method_summary(
-    self,
-    ctx: RunContext,
-    aux: DistillAux,
-    rd: RoundData,
-    state: ServerState,
-    history: Sequence[Dict[str, Any]],
-  ) -> Dict[str, Any]:
-    """Method-specific fields of the run summary.
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      rd: The last round's uploads, teachers and method data.
-      state: The final server state.
-      history: The per-epoch records of the whole run.
-
-    Returns:
-      Extra summary fields; none by default.
-    """
-    return {}
-
-  # -- helpers for the subclasses ------------------------------------------------------------
-  def base_settings(
-    self,
-    ctx: RunContext,
-    synthesis: Optional[SynthesisConfig],
-    kd: KDConfig,
-    opt: OptimizerSpec,
-    **overrides,
-  ) -> Settings:
-    """The Settings fields every method reads the same way from its typed config.
-
-    Args:
-      ctx: The run context (dataset, models, run config).
-      synthesis: The data-synthesis settings, or None for a method that distils on real data.
-      kd: How a KD step turns a batch into a student loss (loss, temperature, teacher
-        aggregation, augmentation).
-      opt: The student's optimizer.
-      **overrides: Settings fields that the method sets itself.
-
-    Returns:
-      The method's complete Settings.
-    """
-    c = self.config
-    get = lambda name, default: getattr(c, name, default)
-    values = dict(
-      rounds=c.rounds,
-      local_epochs=c.local_epochs,
-      epochs=get('epochs', 1),
-      server_model=c.server_model or ctx.run.model,
-      init=c.init,
-      kd=kd,
-      opt=opt,
-      kd_batch=c.kd_batch,
-      kd_data=get('kd_data', 'pool'),
-      synthesis=synthesis,
-      keep_generator=False,
-      nz=get('nz', 0),
-      ngf=get('ngf', 0),
-      generator='dense',
-      pool_quantize=get('pool_quantize', False),
-      steps_per_epoch=0,
-    )
-    values.update(overrides)
-    return Settings(**values)
-
-  def kd_config(self, ctx: RunContext, **kw) -> KDConfig:
-    return KDConfig(
-      T=self.config.kd_T,
-      augment=resolve_augment(self.config.kd_augment, ctx.dataset.name),
-      crop_padding=crop_padding(ctx.dataset.input_shape),
-      strategy=teacher_strategy(ctx),
-      **kw,
-    )
-
-  def student_optimizer(self, default_name: str = 'sgd') -> OptimizerSpec:
-    """The student's optimiser from the kd_* keys the method's config has."""
-    c = self.config
-    get = lambda name, default: getattr(c, 'kd_' + name, default)
-    return OptimizerSpec(
-      name=get('optimizer', default_name),
-      lr=c.kd_lr,
-      momentum=get('momentum', 0.0),
-      weight_decay=get('weight_decay', 0.0),
-      grad_clip=get('grad_clip', 0.0),
-      schedule=get('schedule', 'constant'),
-    )
-
-  def synthesis_common(self, ctx: RunContext) -> dict:
-    c = self.config
-    return dict(
-      g_steps=c.g_steps,
-      batch_size=c.synthesis_batch,
-      lr_g=c.lr_g,
-      crop_padding=crop_padding(ctx.dataset.input_shape),
-      strategy=teacher_strategy(ctx),
-    )
 
   # -- Algorithm -----------------------------------------------------------------------------
   def validate(self, config) -> None:
@@ -592,18 +611,34 @@ class DistillationAlgorithm(Algorithm):
       else f'epoch {i + 1}/{n}'
     )
 
-  def setup(self, ctx: RunContext) -> DistillAux:
-    s = self.settings(ctx)
+  def setup(
+    self, ctx: RunContext, trainers: Optional[Mapping[str, GroupTrainer]] = None
+  ) -> DistillAux:
+    """The run's constants and round 1's uploads.
+
+    Args:
+      ctx: The run context (dataset, clients, key derivation, stage cache).
+      trainers: The clients' local trainers by model spec, when several students share them
+        (FedDF); None builds them (`common.client_trainers`).
+
+    Returns:
+      The DistillAux of the run.
+    """
+    s = self.recipe.settings(ctx)
     shape = ctx.dataset.input_shape
     student_module = common.build_module(s.server_model, ctx.dataset)
     generator = make_generator(shape, s.nz, s.ngf, s.generator) if s.synthesis is not None else None
     random_student = engine.init_model(
       student_module, shape, round_key(ctx, 0, ServerRoundPurpose.STUDENT)
     )
-    data = self.method_data(ctx, s)
-    eval_x, eval_y = self.eval_data(ctx, data)
+    data = self.recipe.method_data(ctx, s)
+    eval_x, eval_y = self.recipe.eval_data(ctx, data)
     evaluator = engine.Evaluator(student_module, ctx.run.eval_batch_size, ctx.run.strategy)
-    aux = DistillAux(s, student_module, generator, random_student, evaluator, eval_x, eval_y, data)
+    if trainers is None:
+      trainers = common.client_trainers(ctx)
+    aux = DistillAux(
+      s, student_module, generator, random_student, evaluator, eval_x, eval_y, data, trainers
+    )
     self.round(ctx, aux, 1)  # the one-shot uploads: every client trains once
     return aux
 
@@ -628,10 +663,10 @@ class DistillationAlgorithm(Algorithm):
     """
     if r not in aux.round_cache:
       s = aux.settings
-      local = round_uploads(ctx, r, s.local_epochs, s.server_model, global_model)
+      local = round_uploads(ctx, r, s.local_epochs, s.server_model, global_model, aux.trainers)
       teachers = teacher_groups(local)
       rd = RoundData(r, local, teachers, None)
-      rd = rd._replace(data=committed(self.round_data(ctx, aux, r, local, teachers)))
+      rd = rd._replace(data=committed(self.recipe.round_data(ctx, aux, r, local, teachers)))
       aux.round_cache = {r: rd}  # only the current round is kept
     return aux.round_cache[r]
 
@@ -667,7 +702,7 @@ class DistillationAlgorithm(Algorithm):
         student_state(s.opt, student),
         pool,
         gen,
-        self.init_extra(ctx, aux, student),
+        self.recipe.init_extra(ctx, aux, student),
         jnp.zeros((), jnp.bool_),
       )
     )
@@ -693,7 +728,7 @@ class DistillationAlgorithm(Algorithm):
     r, e = i // s.epochs + 1, i % s.epochs
     record: Dict[str, Any] = {'round': r, 'epoch': e + 1}
     if e == 0:  # a new round: uploads, then a fresh server state
-      global_model = self.round_model(state) if r > 1 else None
+      global_model = self.recipe.round_model(state) if r > 1 else None
       rd = self.round(ctx, aux, r, global_model)
       if global_model is not None:
         record.update(
@@ -719,10 +754,10 @@ class DistillationAlgorithm(Algorithm):
       state = committed(state)
     state, epoch_record, images = self._distill_epoch(ctx, aux, rd, state, r, e)
     accuracy = aux.evaluator.accuracy(state.student.model, aux.eval_x, aux.eval_y)
-    state, extra = self.after_epoch(ctx, aux, state, accuracy, r, e)
+    state, extra = self.recipe.after_epoch(ctx, aux, rd, state, r, e)
     record.update({'test_accuracy': accuracy, **epoch_record, **extra})
     if e + 1 == s.epochs or bool(state.stopped):
-      record['round_accuracy'] = self.round_accuracy(aux, state, accuracy)
+      record['round_accuracy'] = self.recipe.round_accuracy(aux, state, accuracy)
       if images is not None:
         self._save_samples(ctx, images, r)
     return state, [record]
@@ -765,7 +800,7 @@ class DistillationAlgorithm(Algorithm):
       ),
       'upload_bytes_last_round': rd.local.upload_bytes,
     }
-    out.update(self.method_summary(ctx, aux, rd, state, history))
+    out.update(self.recipe.summary(ctx, aux, rd, state, history))
     return out
 
   # -- one epoch -----------------------------------------------------------------------------
@@ -782,7 +817,7 @@ class DistillationAlgorithm(Algorithm):
       mask = np.zeros(nb * s.kd_batch, bool)
       idx[:n], mask[:n] = latest[rng.permutation(n)], True
       return state.pool, idx.reshape(nb, -1), mask.reshape(nb, -1)
-    pool = self.fixed_pool(aux)  # 'fixed'
+    pool = self.recipe.fixed_pool(aux)  # 'fixed'
     n = int(pool_size(pool))
     idx = np.stack(
       [rng.choice(n, s.kd_batch, replace=n < s.kd_batch) for _ in range(s.steps_per_epoch)]
@@ -805,7 +840,7 @@ class DistillationAlgorithm(Algorithm):
         ctx.dataset.num_classes,
         jax.random.fold_in(key, 0),
         s.synthesis,
-        agg=self.synthesis_agg(state, rd),
+        agg=self.recipe.synthesis_agg(state, rd),
         generator_state=state.generator if s.keep_generator else None,
       )
       state = state._replace(
@@ -824,44 +859,47 @@ class DistillationAlgorithm(Algorithm):
       )
       last = slice(-s.synthesis.batch_size, None)  # keep='all': the epoch's last G(z)
       images = np.asarray(res.images[last]), np.asarray(res.labels[last])
-    state, extra_record = self.before_kd(ctx, aux, rd, state, r, e)
+    state, extra_record = self.recipe.before_kd(ctx, aux, rd, state, r, e)
     record.update(extra_record)
     pool, idx, mask = self._kd_batches(aux, state, np.random.default_rng((int(ctx.run.seed), r, e)))
     modules = tuple(t.module for t in rd.teachers)
     t_states = tuple(t.states for t in rd.teachers)
-    agg = self.kd_agg(state, rd)
+    agg = self.recipe.kd_agg(state, rd)
     targets = None
-    if self.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
+    if self.recipe.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
       targets = self._pool_targets(aux, r, pool, modules, t_states, agg)
     ts, losses = state.student, []
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
-    lr = scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)
-    for b in range(idx.shape[0]):
-      if s.opt.schedule == 'cosine':
-        lr = scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe)
-      batch_idx, batch_mask = jnp.asarray(idx[b]), jnp.asarray(mask[b])
+    steps = idx.shape[0]
+    if s.opt.schedule == 'cosine':  # per step
+      lrs = [scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe) for b in range(steps)]
+    else:
+      lrs = [scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)] * steps
+    lr = (
+      lrs[-1]
+      if steps
+      else scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)
+    )
+    lrs = np.asarray(lrs, np.float32)
+    # KD_BLOCK steps per compiled call: an epoch of many small steps (FedHydra's pool of every
+    # intermediate image) pays one dispatch per block, not one per step
+    for first in range(0, steps, KD_BLOCK):
       if targets is not None:
-        x, t = gather_batch_with_targets(pool, targets, batch_idx)
-        ts, loss = kd_step_on_targets(s.kd, s.opt, aux.student_module, ts, x, t, batch_mask, lr)
-      else:
-        ts, loss = kd_step(
-          s.kd,
-          s.opt,
-          modules,
-          aux.student_module,
-          ts,
-          t_states,
-          agg,
-          *gather_batch(pool, batch_idx),
-          batch_mask,
-          jax.random.fold_in(kd_key, b),
-          lr,
+        ts, *loss = kd_block_on_targets(
+          s.kd, s.opt, aux.student_module, ts, pool, targets, idx, mask, lrs, first
         )
+      else:
+        ts, *loss = kd_block(
+          s.kd, s.opt, modules, aux.student_module, ts, t_states, agg, pool, idx, mask, kd_key,
+          lrs, first,
+        )  # fmt: skip
       losses.append(loss)
     record.update(
       {
-        'kd_loss': float(np.mean(np.asarray(losses))) if losses else float('nan'),
+        'kd_loss': float(np.mean(np.concatenate([np.asarray(x)[:n] for x, n in losses])))
+        if losses
+        else float('nan'),
         'kd_steps': int(idx.shape[0]),
         'lr': float(lr),
         'pool_size': int(pool_size(state.pool)),

@@ -21,7 +21,7 @@ followed BatchNorm transported with it; residual / inception models are refused 
 Config (`config.ot`): the fields of `OTConfig`.
 """
 
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from jfed import engine
 from jfed import typed_config as tc
 from jfed.api import Algorithm, RunContext
 from jfed.distill import FusionLayer, ot_fuse_states
-from jfed.engine import ModelState
+from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common, oneshot
@@ -60,6 +60,7 @@ class OTAux(NamedTuple):
   layers: List[FusionLayer]
   evaluator: engine.Evaluator
   init: ModelState
+  trainers: Dict[str, GroupTrainer]  # the clients' local trainer (one architecture)
 
 
 def fusion_layers(module, input_shape, key) -> list:
@@ -126,8 +127,9 @@ class OT(Algorithm):
     init = engine.init_model(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
     layers = fusion_layers(module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
     evaluator = engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
-    oneshot.round_uploads(ctx, 1, self.config.local_epochs, spec)  # every client trains once
-    return OTAux(spec, layers, evaluator, init)
+    trainers = common.client_trainers(ctx)
+    oneshot.round_uploads(ctx, 1, self.config.local_epochs, spec, trainers=trainers)
+    return OTAux(spec, layers, evaluator, init, trainers)
 
   def init(self, ctx: RunContext, aux: OTAux) -> ModelState:
     return aux.init
@@ -146,7 +148,9 @@ class OT(Algorithm):
       The new state and the step's records.
     """
     c, r = self.config, i + 1
-    local = oneshot.round_uploads(ctx, r, c.local_epochs, aux.spec, state if r > 1 else None)
+    local = oneshot.round_uploads(
+      ctx, r, c.local_epochs, aux.spec, state if r > 1 else None, aux.trainers
+    )
     models, sizes = local.models[0], local.groups[0].fed.sizes
     weights = None if c.weights == 'uniform' else np.asarray(sizes, np.float64)
     fused = ot_fuse_states(

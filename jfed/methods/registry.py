@@ -56,6 +56,12 @@ def available_methods() -> List[str]:
   return sorted(_METHODS)
 
 
+def registered_methods() -> Dict[str, Type]:
+  """Every registered Algorithm class by its `--method` name."""
+  _load_all()
+  return dict(sorted(_METHODS.items()))
+
+
 def get_method(name: str) -> Type:
   """The Algorithm class registered as `name`."""
   _load_all()

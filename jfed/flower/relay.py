@@ -1,0 +1,160 @@
+"""The ClientApp's side of a SuperNode's long-lived jfed process (jfed/flower/worker.py).
+
+flwr 1.42 starts a fresh `flwr-clientapp` process for every message (its Runtime API token is
+single-use), which would import JAX, rebuild the node's data and trainer and compile again each
+round. So the ClientApp imports no JAX: it forwards the message's records over a Unix socket to
+one worker process per SuperNode and run config (started by the first message, detached from
+the ClientApp process), which holds the `NodeTrainer` for the node's lifetime. The worker ends
+when the SuperNode's process does, or after `IDLE_S` without a message.
+
+Wire format: a 4-byte big-endian length, then the bytes of Flower's own RecordDict protobuf;
+the reply is one status byte (0 records, 1 an error line) and the same.
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from jfed.errors import ConfigError
+
+START_TIMEOUT_S = 600.0
+
+
+def send(conn: socket.socket, payload: bytes) -> None:
+  conn.sendall(struct.pack('>I', len(payload)) + payload)
+
+
+def receive(conn: socket.socket) -> bytes:
+  def exactly(n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+      chunk = conn.recv(min(left, 1 << 20))
+      if not chunk:
+        raise ConnectionError('the other side closed the connection')
+      chunks.append(chunk)
+      left -= len(chunk)
+    return b''.join(chunks)
+
+  (n,) = struct.unpack('>I', exactly(4))
+  return exactly(n)
+
+
+def to_bytes(records) -> bytes:
+  from flwr.common.serde import recorddict_to_proto  # pylint: disable=g-import-not-at-top
+
+  return recorddict_to_proto(records).SerializeToString()
+
+
+def from_bytes(payload: bytes):
+  from flwr.common.serde import recorddict_from_proto  # pylint: disable=g-import-not-at-top
+  from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=g-import-not-at-top
+
+  proto = ProtoRecordDict()
+  proto.ParseFromString(payload)
+  return recorddict_from_proto(proto)
+
+
+def socket_path(spec: str, overrides, partition_id: int, num_partitions: int, owner: int) -> str:
+  """One worker per SuperNode process (`owner`), config and share of the clients.
+
+  Args:
+    spec: The node's run config file.
+    overrides: The config overrides (`key=value` strings) of the run.
+    partition_id: This SuperNode's partition, from 0.
+    num_partitions: The number of SuperNodes sharing the clients.
+    owner: The process id of the SuperNode process that owns the worker.
+
+  Returns:
+    The Unix socket path of that worker (in the temporary directory).
+  """
+  key = json.dumps([spec, list(overrides), partition_id, num_partitions, owner])
+  digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+  # Unix socket paths are limited to ~100 bytes: a short name in the temporary directory.
+  return str(pathlib.Path(tempfile.gettempdir()) / f'jfed-node-{digest}.sock')
+
+
+def _connect(path: str) -> Optional[socket.socket]:
+  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  try:
+    conn.connect(path)
+    return conn
+  except OSError:
+    conn.close()
+    return None
+
+
+def forward(content, spec: str, overrides, partition_id: int, num_partitions: int, owner: int):
+  """The reply records of the node's worker to `content`, starting the worker if none runs.
+
+  Args:
+    content: The message's RecordDict.
+    spec: The node's run config file.
+    overrides: The config overrides (`key=value` strings) of the run.
+    partition_id: This SuperNode's partition, from 0.
+    num_partitions: The number of SuperNodes sharing the clients.
+    owner: The process id of the SuperNode process that owns the worker.
+
+  Returns:
+    The worker's reply RecordDict.
+  """
+  path = socket_path(spec, overrides, partition_id, num_partitions, owner)
+  conn = _connect(path)
+  if conn is None:
+    with open(path + '.lock', 'w') as lock:  # one start however many messages arrive at once
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      conn = _connect(path) or _start(path, spec, overrides, partition_id, num_partitions, owner)
+  with conn:
+    send(conn, to_bytes(content))
+    reply = receive(conn)
+  if reply[:1] != b'\x00':
+    raise ConfigError(reply[1:].decode(errors='replace'))
+  return from_bytes(reply[1:])
+
+
+def _start(
+  path: str, spec: str, overrides, partition_id: int, num_partitions: int, owner: int
+) -> socket.socket:
+  log = open(path + '.log', 'ab')  # pylint: disable=consider-using-with
+  command = [
+    sys.executable, '-m', 'jfed.flower.worker', '--socket', path, '--spec', spec,
+    '--overrides', json.dumps(list(overrides)), '--partition-id', str(partition_id),
+    '--num-partitions', str(num_partitions), '--owner', str(owner),
+  ]  # fmt: skip
+  process = subprocess.Popen(
+    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+  )
+  deadline = time.monotonic() + START_TIMEOUT_S
+  while time.monotonic() < deadline:
+    conn = _connect(path)
+    if conn is not None:
+      return conn
+    if process.poll() is not None:
+      tail = pathlib.Path(path + '.log').read_text(errors='replace').strip().splitlines()[-1:]
+      raise ConfigError(f'the jfed node worker exited with status {process.returncode}: {tail}')
+    time.sleep(0.1)
+  raise ConfigError(f'the jfed node worker did not listen on {path} in {START_TIMEOUT_S:.0f} s')
+
+
+def alive(pid: int) -> bool:
+  """Whether process `pid` runs: an exited one that nobody reaped (a zombie, as a container
+  without an init leaves them) counts as ended."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  try:
+    stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  except OSError:
+    return True  # no /proc (not Linux): signal 0 is all there is
+  return stat.rsplit(')', 1)[-1].split()[0] not in ('Z', 'X')

@@ -1,0 +1,159 @@
+"""What the Flower ServerApp and ClientApp read from Flower's run config and messages: the
+method, the jfed config (its file's source travels in every message) and the node's options.
+
+No JAX and no Flower here: a SuperNode imports this in a fresh ClientApp process for every
+message, and `jfed.flower.deploy` checks a run with it before any Flower process starts.
+"""
+
+import hashlib
+import json
+import pathlib
+import tempfile
+import time
+from typing import Any, Dict, NamedTuple, Tuple
+
+from absl import flags
+from ml_collections import config_flags
+
+from jfed.errors import ConfigError
+
+# The methods whose client work all goes through common.make_trainers (classifiers),
+# generative.cvae_trainers (CVAEs) or the transport's HFLDD operations: the bridge carries all
+# of it.
+SUPPORTED_METHODS = (
+  'fedavg',
+  'fedprox',
+  'dense',
+  'feddf',
+  'coboosting',
+  'fedhydra',
+  'ot',
+  'fedavg_vote',
+  'fedmho',
+  'fedmho_md',
+  'fedmho_sd',
+  'fedcvae_ens',
+  'fedcvae_kd',
+  'hfldd',
+  'hfldd_nodd',
+)
+
+
+def load_config(spec: str, overrides: Any) -> Any:
+  """The config of `--config=spec` with `--config.KEY=VALUE` overrides, parsed as
+  experiments.main parses them."""
+  argv = ['jfed', f'--config={spec}', *overrides]
+  values = flags.FlagValues()
+  # The override flags are defined from `sys_argv` (default: this process's own sys.argv).
+  config_flags.DEFINE_config_file(
+    'config', None, '', flag_values=values, lock_config=True, sys_argv=argv
+  )
+  values(argv)
+  return values.config
+
+
+def require_supported(method: str) -> None:
+  if method not in SUPPORTED_METHODS:
+    raise ConfigError(
+      f'{method} does not run through Flower yet; supported: {", ".join(SUPPORTED_METHODS)}'
+    )
+
+
+# The methods that go on when some SuperNodes do not reply (`min-supernodes`): their server
+# aggregates the clients whose training came back, as Flower's FedAvg strategy does
+# (`min_fit_clients`); every other method needs every client's upload.
+DROPOUT_TOLERANT_METHODS = ('fedavg', 'fedprox')
+
+
+class RunSettings(NamedTuple):
+  """What the ServerApp and ClientApp read from Flower's run config (`flwr run --run-config`)."""
+
+  method: str
+  config: str  # PATH[:ARG]
+  overrides: list
+  workdir: str
+  supernodes: int
+  # an exchange goes on with at least this many SuperNodes' replies (0: every SuperNode must)
+  min_supernodes: int = 0
+  round_timeout_s: float = 3600.0  # how long the server waits for an exchange's replies
+
+
+def run_settings(context: Any) -> RunSettings:
+  """The run config of the Flower App (experiments/flower_app/pyproject.toml), checked.
+
+  Args:
+    context: The Flower Context of the ServerApp or ClientApp.
+
+  Returns:
+    Its settings; ConfigError for a method the bridge does not carry or a bad value.
+  """
+  rc = context.run_config
+  settings = RunSettings(
+    str(rc['method']),
+    str(rc['config']),
+    json.loads(str(rc['overrides'])),
+    str(rc['workdir']),
+    int(rc['supernodes']),
+    int(rc.get('min-supernodes', 0)),
+    float(rc.get('round-timeout', 3600.0)),
+  )
+  check_settings(settings)
+  return settings
+
+
+def check_settings(settings: RunSettings) -> None:
+  """ConfigError (one line) for settings the bridge cannot run."""
+  require_supported(settings.method)
+  n, at_least = settings.supernodes, settings.min_supernodes
+  if not 0 <= at_least <= n:
+    raise ConfigError(f'min-supernodes must be in [0, supernodes = {n}], got {at_least}')
+  if 0 < at_least < n and settings.method not in DROPOUT_TOLERANT_METHODS:
+    raise ConfigError(
+      f'min-supernodes={at_least} < supernodes={n}: {settings.method} needs every client; '
+      f'going on without some SuperNodes is for {", ".join(DROPOUT_TOLERANT_METHODS)} only'
+    )
+  if not settings.round_timeout_s > 0:
+    raise ConfigError(f'round-timeout must be positive, got {settings.round_timeout_s}')
+
+
+def config_record(spec: str, overrides) -> Dict[str, str]:
+  """The config as every message carries it: the file's source (so that a SuperNode on another
+  machine needs no copy at the same path), its name, its argument and the overrides."""
+  path, _, arg = spec.partition(':')
+  try:
+    source = pathlib.Path(path).read_text()
+  except OSError as e:
+    raise ConfigError(f'config {path}: cannot be read on the server ({e.strerror})') from None
+  return {
+    'config_source': source,
+    'config_name': pathlib.Path(path).name,
+    'config_arg': arg,
+    'overrides': json.dumps(list(overrides)),
+  }
+
+
+def spec_of_record(record) -> Tuple[str, list]:
+  """The `PATH[:ARG]` and overrides of a message's config record, its source written once per
+  content to this machine's temporary directory. The node runs that source, as it runs the
+  app's own code, which also comes from whoever submits the run."""
+  source = str(record['config_source'])
+  digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+  folder = pathlib.Path(tempfile.gettempdir()) / 'jfed-flower-configs' / digest
+  path = folder / pathlib.Path(str(record['config_name'])).name
+  if not path.exists():
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f'.{path.name}.{time.time_ns()}'
+    partial.write_text(source)
+    partial.replace(path)  # atomic: two ClientApp processes may write it at once
+  arg = str(record['config_arg'])
+  return str(path) + (f':{arg}' if arg else ''), json.loads(str(record['overrides']))
+
+
+def keeps_process(node_config) -> bool:
+  """Node config `keep-process` (default true): a long-lived worker serves every message."""
+  value = node_config.get('keep-process', True)
+  if isinstance(value, str):
+    if value.lower() not in ('true', 'false'):
+      raise ConfigError(f'node config keep-process={value!r}: expected true or false')
+    return value.lower() == 'true'
+  return bool(value)

@@ -1,0 +1,89 @@
+"""An epoch's KD steps in compiled blocks (`kd_block`, `kd_block_on_targets`) give the student
+that the one-step-per-call loop gives (`kd_step`, `kd_step_on_targets`): the same batches, keys
+and learning rates, the last block's unused steps skipped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfed.distill import kd
+from jfed.distill.pool import epoch_batches, pool_add, pool_init
+from jfed.engine import init_model
+from jfed.engine.optim import OptimizerSpec
+from jfed.models import get_model
+
+SHAPE = (8, 8, 1)
+CLASSES = 4
+SPEC = OptimizerSpec('sgd', lr=0.05, momentum=0.9)
+
+
+def _setup(pool_images: int):
+  module = get_model('mlp', CLASSES, SHAPE)
+  teachers = [init_model(module, SHAPE, jax.random.PRNGKey(k)) for k in (1, 2, 3)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *teachers)
+  student = kd.student_state(SPEC, init_model(module, SHAPE, jax.random.PRNGKey(7)))
+  rng = np.random.default_rng(0)
+  pool = pool_init(pool_images + 8, SHAPE)
+  images = jnp.asarray(rng.random((pool_images, *SHAPE), np.float32))
+  pool = pool_add(pool, images, jnp.asarray(rng.integers(0, CLASSES, pool_images), jnp.int32))
+  idx, mask = epoch_batches(pool, np.random.default_rng(1), 6)
+  return module, (module,), (stacked,), student, pool, idx, mask
+
+
+def _close(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  'kcfg',
+  [
+    kd.KDConfig(loss='kl', T=4.0, t_squared=True),
+    kd.KDConfig(loss='fedhydra', augment='crop_flip', crop_padding=2, ods_eta=0.05),
+  ],
+  ids=['kl', 'augmented_ods'],
+)
+def test_kd_blocks_train_the_student_the_loop_trains(kcfg):
+  module, modules, states, student, pool, idx, mask = _setup(111)  # 19 steps: 16 + 3
+  assert idx.shape[0] > kd.KD_BLOCK
+  key = jax.random.PRNGKey(5)
+  lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
+  looped, loop_losses = student, []
+  for b in range(idx.shape[0]):
+    looped, loss = kd.kd_step(
+      kcfg, SPEC, modules, module, looped, states, None,
+      *kd.gather_batch(pool, jnp.asarray(idx[b])), jnp.asarray(mask[b]),
+      jax.random.fold_in(key, b), lrs[b],
+    )  # fmt: skip
+    loop_losses.append(float(loss))
+  blocked, block_losses = student, []
+  for first in range(0, idx.shape[0], kd.KD_BLOCK):
+    blocked, losses, steps = kd.kd_block(
+      kcfg, SPEC, modules, module, blocked, states, None, pool, idx, mask, key, lrs, first
+    )
+    block_losses.extend(np.asarray(losses)[:steps].tolist())
+  np.testing.assert_allclose(block_losses, loop_losses, rtol=2e-5)
+  _close(blocked, looped)
+  assert not np.allclose(np.asarray(jax.tree.leaves(blocked.model.params)[0]),
+                         np.asarray(jax.tree.leaves(student.model.params)[0]))  # fmt: skip
+
+
+def test_kd_blocks_on_stored_targets_train_the_student_the_loop_trains():
+  module, modules, states, student, pool, idx, mask = _setup(40)  # 7 steps: one partial block
+  kcfg = kd.KDConfig(loss='fedhydra', T=2.0)
+  targets = kd.pool_teacher_logits(kcfg, modules, states, None, pool, jnp.arange(pool.capacity))
+  lrs = np.full(idx.shape[0], 0.05, np.float32)
+  looped, loop_losses = student, []
+  for b in range(idx.shape[0]):
+    x, t = kd.gather_batch_with_targets(pool, targets, jnp.asarray(idx[b]))
+    looped, loss = kd.kd_step_on_targets(
+      kcfg, SPEC, module, looped, x, t, jnp.asarray(mask[b]), lrs[b]
+    )
+    loop_losses.append(float(loss))
+  blocked, losses, steps = kd.kd_block_on_targets(
+    kcfg, SPEC, module, student, pool, targets, idx, mask, lrs, 0
+  )
+  assert steps == idx.shape[0] < kd.KD_BLOCK == len(losses)
+  np.testing.assert_allclose(np.asarray(losses)[:steps], loop_losses, rtol=2e-5)
+  _close(blocked, looped)
