@@ -13,6 +13,9 @@ mut=
    --modules=${MUT_MODULES:-fedavg,feddf,distill_losses,fedhydra} --max_children=${MUT_CHILDREN:-10} \
    --out=/tmp/mutation_out > /tmp/mutation.log 2>&1) &
 [ "${MUT_S:-500}" -gt 0 ] && mut=$!
+# KD steps one call each vs KD_BLOCK per call (jfed.distill.kd.kd_block_size picks blocks off CPU)
+timeout ${KD_S:-150} python3 -m experiments.bench.model_stratification --stages=hydra_kd --pool=65536 \
+   --out=$OUT/hydra_kd_blocks_gpu.json > $OUT/hydra_kd_blocks_gpu.log 2>&1
 python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-470} --out=$OUT
 if [ -n "$mut" ]; then
   wait $mut; tail -5 /tmp/mutation.log

@@ -61,6 +61,8 @@ PROGRAMS_PER_LOOP_STEP = {'feddf_vote': 2}
 LOOP_STEPS = (
   'jit(_synthesis_step)',
   'jit(_ms_step)',
+  'jit(kd_step)',
+  'jit(kd_step_on_targets)',
   'jit(_kd_block)',
   'jit(_kd_block_on_targets)',
   'jit(pool_teacher_logits)',

@@ -87,3 +87,23 @@ def test_kd_blocks_on_stored_targets_train_the_student_the_loop_trains():
   assert steps == idx.shape[0] < kd.KD_BLOCK == len(losses)
   np.testing.assert_allclose(np.asarray(losses)[:steps], loop_losses, rtol=2e-5)
   _close(blocked, looped)
+
+
+@pytest.mark.parametrize('stored', [False, True], ids=['teachers', 'stored_targets'])
+def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored):
+  """`run_kd_steps`, what the one-shot methods call per epoch: one call a step on the CPU, blocks
+  on an accelerator (`kd_block_size`), the same student and losses either way."""
+  module, modules, states, student, pool, idx, mask = _setup(111)
+  kcfg = kd.KDConfig(loss='fedhydra', T=2.0, augment='none' if stored else 'flip')
+  targets = None
+  if stored:
+    targets = kd.pool_teacher_logits(kcfg, modules, states, None, pool, jnp.arange(pool.capacity))
+  lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
+  key = jax.random.PRNGKey(3)
+  args = (kcfg, SPEC, modules, module, student, states, None, pool, idx, mask, key, lrs, targets)
+  per_call, per_call_losses = kd.run_kd_steps(*args, block=1)
+  blocked, blocked_losses = kd.run_kd_steps(*args, block=kd.KD_BLOCK)
+  assert per_call_losses.shape == blocked_losses.shape == (idx.shape[0],)
+  np.testing.assert_allclose(blocked_losses, per_call_losses, rtol=2e-5)
+  _close(blocked, per_call)
+  assert (kd.kd_block_size('cpu'), kd.kd_block_size('gpu')) == (1, kd.KD_BLOCK)

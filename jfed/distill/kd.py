@@ -15,7 +15,7 @@ update without the teachers.
 """
 
 import functools
-from typing import Any, List, NamedTuple, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +152,7 @@ def gather_batch(pool: ImagePool, idx: jnp.ndarray):
   return pool_gather(pool, idx)
 
 
-def _kd_update(
+def kd_step(
   kcfg: KDConfig,
   spec: OptimizerSpec,
   teacher_modules,
@@ -201,11 +201,93 @@ def _kd_update(
   return _student_step(kcfg, spec, student_module, ts, x, t, mask, lr)
 
 
-kd_step = functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))(_kd_update)
+# The step's body is also the body of `kd_block`'s loop; jitted, it keeps its name (the compile
+# counts of tests/test_driver.py name programs by it).
+_kd_update = kd_step
+kd_step = jax.jit(kd_step, static_argnums=(0, 1, 2, 3))
 
 # The steps of one compiled KD block (`kd_block`, `kd_block_on_targets`): an epoch's steps run
 # as ceil(steps / KD_BLOCK) calls of one program, the last block's unused steps skipped.
 KD_BLOCK = 16
+
+
+def kd_block_size(backend: Optional[str] = None) -> int:
+  """Steps per compiled KD call on `backend` (default: JAX's): KD_BLOCK on an accelerator,
+  where a small step costs little more than its dispatch; 1 on the CPU, where XLA runs the
+  same step about 10x slower inside a loop than called from Python (FedHydra's KD pass over
+  8,192 images, 5 CNNMnist teachers, 2 cores: 20.2 s a call per step, 203 s in blocks;
+  `experiments.bench.model_stratification --stages=hydra_kd --pool=8192`, 2026-11-27)."""
+  return 1 if (backend or jax.default_backend()) == 'cpu' else KD_BLOCK
+
+
+def run_kd_steps(
+  kcfg: KDConfig,
+  spec: OptimizerSpec,
+  teacher_modules,
+  student_module,
+  ts: TrainState,
+  teacher_states,
+  agg,
+  pool: ImagePool,
+  idx,
+  mask,
+  key,
+  lrs,
+  targets=None,
+  block: Optional[int] = None,
+) -> Tuple[TrainState, np.ndarray]:
+  """An epoch's KD steps: step j on pool[idx[j]] with key fold_in(key, j) and learning rate
+  lrs[j]; with `targets` (`pool_teacher_logits` of every slot) the stored teacher logits
+  instead of the teachers. One call per step (`kd_step`), or `block` steps per call
+  (`kd_block`); by default `kd_block_size()`.
+
+  Args:
+    kcfg: The KD configuration (static).
+    spec: The student's optimiser settings.
+    teacher_modules: Per teacher group, the flax module (static).
+    student_module: The student's flax module (static).
+    ts: The student's TrainState.
+    teacher_states: Per teacher group, its stacked ModelState.
+    agg: What the teacher aggregation needs (see `teacher_logits`).
+    pool: The image pool the batches are gathered from.
+    idx: The epoch's batches, pool indices [steps, B].
+    mask: [steps, B], 1 for real samples and 0 for padding.
+    key: The epoch's KD key.
+    lrs: The learning rate of each step, [steps].
+    targets: The stored teacher logits of every pool slot [capacity, C], or None.
+    block: Steps per compiled call; None for `kd_block_size()`.
+
+  Returns:
+    (the trained TrainState, the loss of each step [steps], on the host).
+  """
+  block = kd_block_size() if block is None else block
+  steps, losses = idx.shape[0], []
+  if block > 1:
+    for first in range(0, steps, block):
+      if targets is not None:
+        ts, loss, n = kd_block_on_targets(
+          kcfg, spec, student_module, ts, pool, targets, idx, mask, lrs, first
+        )
+      else:
+        ts, loss, n = kd_block(
+          kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, pool, idx,
+          mask, key, lrs, first,
+        )  # fmt: skip
+      losses.append((loss, n))
+  else:
+    for b in range(steps):
+      batch_idx, batch_mask = jnp.asarray(idx[b]), jnp.asarray(mask[b])
+      if targets is not None:
+        x, t = gather_batch_with_targets(pool, targets, batch_idx)
+        ts, loss = kd_step_on_targets(kcfg, spec, student_module, ts, x, t, batch_mask, lrs[b])
+      else:
+        ts, loss = kd_step(
+          kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg,
+          *gather_batch(pool, batch_idx), batch_mask, jax.random.fold_in(key, b), lrs[b],
+        )  # fmt: skip
+      losses.append((loss, 1))
+  out = [np.asarray(loss).reshape(-1)[:n] for loss, n in losses]  # one wait, at the end
+  return ts, np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
 def _block_rows(idx, mask, first: int, lrs):

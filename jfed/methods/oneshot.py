@@ -29,8 +29,8 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
      a. synthesis (not FedDF): one `jfed.distill.synthesize` call (g_steps generator steps on
         `synthesis_batch` images), its best batch and target labels are appended to the pool;
      b. the recipe's `before_kd` hook (Co-Boosting: ensemble-weight update);
-     c. distillation (`jfed.distill.kd_step`, run `KD_BLOCK` steps per compiled call by
-        `kd_block`): the student takes optimiser steps on KD batches
+     c. distillation (`jfed.distill.kd_step`; on an accelerator `KD_BLOCK` steps per compiled
+        call, `kd.run_kd_steps`): the student takes optimiser steps on KD batches
         — the whole pool in shuffled batches (`kd_data='pool'`, DENSE), only the batch
         synthesised this epoch (`'batch'`, FedHydra Algorithm 1 read literally) or
         `steps_per_epoch` batches of a fixed unlabelled set (`'fixed'`, FedDF). Where a stored
@@ -38,7 +38,7 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
         are fixed for the round, no random KD view or ODS, eval-mode teachers: FedHydra's and
         DENSE-without-augmentation's case) the targets are computed once per image when it
         enters the pool (`KDTargets`, not checkpointed: rebuilt on resume) and the steps run
-        `kd_step_on_targets` (in `kd_block_on_targets`): the same numbers without a teacher
+        `kd_step_on_targets`: the same numbers without a teacher
         forward pass per step, which with FedHydra's every-intermediate pool is most of its KD
         time;
      d. test accuracy of the student; the recipe's `after_epoch` hook (FedDF: validation,
@@ -84,10 +84,8 @@ from jfed.distill import (
 from jfed.distill import plots as distill_plots
 from jfed.distill.kd import (
   KD_AUGMENT,
-  KD_BLOCK,
-  kd_block,
-  kd_block_on_targets,
   pool_teacher_logits,
+  run_kd_steps,
   targets_depend_only_on_the_image,
 )
 from jfed.distill.synthesis import SynthesisConfig
@@ -868,7 +866,6 @@ class DistillationAlgorithm(Algorithm):
     targets = None
     if self.recipe.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
       targets = self._pool_targets(aux, r, pool, modules, t_states, agg)
-    ts, losses = state.student, []
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
     steps = idx.shape[0]
@@ -881,25 +878,13 @@ class DistillationAlgorithm(Algorithm):
       if steps
       else scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)
     )
-    lrs = np.asarray(lrs, np.float32)
-    # KD_BLOCK steps per compiled call: an epoch of many small steps (FedHydra's pool of every
-    # intermediate image) pays one dispatch per block, not one per step
-    for first in range(0, steps, KD_BLOCK):
-      if targets is not None:
-        ts, *loss = kd_block_on_targets(
-          s.kd, s.opt, aux.student_module, ts, pool, targets, idx, mask, lrs, first
-        )
-      else:
-        ts, *loss = kd_block(
-          s.kd, s.opt, modules, aux.student_module, ts, t_states, agg, pool, idx, mask, kd_key,
-          lrs, first,
-        )  # fmt: skip
-      losses.append(loss)
+    ts, losses = run_kd_steps(
+      s.kd, s.opt, modules, aux.student_module, state.student, t_states, agg, pool, idx, mask,
+      kd_key, np.asarray(lrs, np.float32), targets,
+    )  # fmt: skip
     record.update(
       {
-        'kd_loss': float(np.mean(np.concatenate([np.asarray(x)[:n] for x, n in losses])))
-        if losses
-        else float('nan'),
+        'kd_loss': float(np.mean(losses)) if len(losses) else float('nan'),
         'kd_steps': int(idx.shape[0]),
         'lr': float(lr),
         'pool_size': int(pool_size(state.pool)),
