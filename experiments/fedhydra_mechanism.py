@@ -19,8 +19,14 @@ measures what each stage hands to the next:
   images, are what fails), how many classes it predicts, and how well it fits the pool.
 * the baselines of the same local models: one-shot FedAvg, the mean-logit ensemble, the clients.
 
-    python -m experiments.fedhydra_mechanism --dataset=fashion_mnist \
+    python -m experiments.fedhydra_mechanism \
+        --config=experiments/configs/fedhydra_fashion_mnist.py:mechanism \
         --partitions=dir0.5,dir0.1,2cc --train_size=12000 --out=docs/results/fedhydra_mechanism
+
+(`--config=experiments/configs/fedhydra_digits.py:quick,mechanism` on digits; the config's
+`partition` is replaced by each of `--partitions`; `--config.fedhydra.epochs=30` and the like
+override it, as for every experiment. The results of docs/results/ ran with the same settings
+given as separate flags: `--dataset`, `--local_epochs=5 --epochs=15 --T_G=10 ...`.)
 
 Writes OUT.json (every number) and OUT.md (the tables). `--variants` runs FedHydra variants on
 the same local models and MS (each a comma-free list of `field=value` overrides of
@@ -28,6 +34,7 @@ the same local models and MS (each a comma-free list of `field=value` overrides 
 """
 
 import functools
+import hashlib
 import json
 import pathlib
 import time
@@ -36,54 +43,49 @@ from typing import Any, Dict, List
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_flags
 import numpy as np
 import optax
 
-from experiments.configs import fedhydra_digits, fedhydra_fashion_mnist
 from jfed import driver, engine
 from jfed.data import class_count_table, load_dataset
 from jfed.data.datasets import Dataset
 from jfed.distill import TeacherGroup, stratified_aggregation
 from jfed.distill.ensemble import teacher_outputs
 from jfed.distill.pool import pool_gather, pool_size
+from jfed.errors import ConfigError
 from jfed.methods import common
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('dataset', 'fashion_mnist', 'fashion_mnist | digits')
+config_flags.DEFINE_config_file(
+  'config',
+  'experiments/configs/fedhydra_fashion_mnist.py:mechanism',
+  'A FedHydra config file (FILE[:words]); its partition is replaced by each of --partitions',
+)
 flags.DEFINE_list('partitions', ['dir0.5', 'dir0.1', '2cc'], 'dir<alpha> | 2cc')
-flags.DEFINE_integer('seed', 0, 'config.seed: the partition and every initialisation')
 flags.DEFINE_integer('train_size', 0, 'use the first N training images (0: all)')
-flags.DEFINE_integer('local_epochs', 5, 'local epochs of every client')
-flags.DEFINE_integer('epochs', 15, 'FedHydra distillation epochs (T_g)')
-flags.DEFINE_integer('T_G', 10, 'generator steps per epoch')
-flags.DEFINE_integer('synthesis_batch', 32, 'generator batch')
-flags.DEFINE_integer('ms_T_G', 20, 'MS generator steps per (client, class) run')
-flags.DEFINE_integer('ms_batch', 16, 'MS batch per run')
-flags.DEFINE_integer('kd_batch', 128, 'student batch')
 flags.DEFINE_list('variants', ['default:'], 'name:field=value+field=value (config.fedhydra)')
 flags.DEFINE_integer('judge_epochs', 2, 'epochs of the reference classifier on pooled real data')
 flags.DEFINE_string('out', 'docs/results/fedhydra_mechanism', 'output path stem (.json, .md)')
 flags.DEFINE_string('local_models_root', '/tmp/fedhydra_mechanism_local', 'local models cache')
 flags.DEFINE_list('merge', [], 'OUT.json files of runs to merge into --out (runs nothing else)')
 
-PARTITION_ARGS = {'2cc': '2cc'}
 
-
-def partition_config(dataset: str, partition: str, seed: int):
-  if dataset == 'fashion_mnist':
-    arg = '2cc' if partition == '2cc' else f'dir={partition[3:]}'
-    c = fedhydra_fashion_mnist.get_config(arg)
-  else:
-    c = fedhydra_digits.get_config('quick,disjoint' if partition == '2cc' else 'quick')
-    if partition != '2cc':
+def partition_config(base: ml_collections.ConfigDict, partition: str) -> ml_collections.ConfigDict:
+  """`base` with the partition of a --partitions cell: 'dir<alpha>' (Dirichlet) or '2cc' (each
+  client owns two whole classes: FedHydra's 2c/c)."""
+  c = ml_collections.ConfigDict(base.to_dict())
+  if partition == '2cc':
+    c.partition.scheme = 'disjoint'
+  elif partition.startswith('dir'):
+    c.partition.scheme = 'dirichlet'
+    try:
       c.partition.alpha = float(partition[3:])
-  c.seed = seed
-  c.local.epochs = c.fedavg.local_epochs = FLAGS.local_epochs
-  h = c.fedhydra
-  h.local_epochs, h.epochs, h.T_G = FLAGS.local_epochs, FLAGS.epochs, FLAGS.T_G
-  h.synthesis_batch, h.ms_T_G, h.ms_batch = FLAGS.synthesis_batch, FLAGS.ms_T_G, FLAGS.ms_batch
-  h.kd_batch = FLAGS.kd_batch
-  c.logging.tensorboard = False
+    except ValueError:
+      raise ConfigError(f'--partitions: {partition!r} is not dir<alpha> or 2cc') from None
+  else:
+    raise ConfigError(f'--partitions: {partition!r} is not dir<alpha> or 2cc')
   return c
 
 
@@ -254,19 +256,28 @@ def epoch_diagnostics(aux, rd, state, record, judge, dataset, prev_count) -> Dic
   }
 
 
-def run_partition(dataset, partition, variants) -> Dict[str, Any]:
-  config = partition_config(FLAGS.dataset, partition, FLAGS.seed)
+def local_models_key(config: ml_collections.ConfigDict) -> str:
+  """What the cached local models depend on beyond dataset, partition and seed: the clients'
+  models, optimiser, batch and local epochs (a short digest)."""
+  keys = ('model', 'client_models', 'optimizer', 'batch_size')
+  what = {k: config.get(k) for k in keys} | {'epochs': config.fedhydra.local_epochs}
+  text = json.dumps(ml_collections.ConfigDict(what).to_dict(), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def run_partition(base, dataset, partition, variants) -> Dict[str, Any]:
+  config = partition_config(base, partition)
   cache = (
     pathlib.Path(FLAGS.local_models_root)
-    / f'{FLAGS.dataset}_{FLAGS.train_size}'
-    / (f'{partition}_seed{FLAGS.seed}_E{FLAGS.local_epochs}')
+    / f'{config.dataset.name}_{FLAGS.train_size}'
+    / f'{partition}_seed{config.seed}_E{config.fedhydra.local_epochs}_{local_models_key(config)}'
   )
   config.local_models_dir = str(cache / 'local_models')
   ctx = driver.context_of_config(config, dataset)
   C = dataset.num_classes
   counts = class_count_table(ctx.dataset.train_y, ctx.parts, C)
   t0 = time.time()
-  judge = train_judge(ctx.dataset, ctx.parts, FLAGS.judge_epochs, FLAGS.seed)
+  judge = train_judge(ctx.dataset, ctx.parts, FLAGS.judge_epochs, config.seed)
   out: Dict[str, Any] = {
     'partition': partition,
     'class_counts': counts.tolist(),
@@ -407,7 +418,13 @@ def main(argv):
 
   logging.set_verbosity(logging.WARNING)
 
-  dataset = load_dataset(FLAGS.dataset)
+  base = FLAGS.config
+  for partition in FLAGS.partitions:  # a bad cell is refused before anything runs
+    try:
+      partition_config(base, partition)
+    except ConfigError as e:
+      raise app.UsageError(str(e)) from None
+  dataset = load_dataset(base.dataset.name, base.dataset.get('data_dir') or None)
   if FLAGS.train_size:
     dataset = dataset._replace(
       train_x=dataset.train_x[: FLAGS.train_size], train_y=dataset.train_y[: FLAGS.train_size]
@@ -428,7 +445,7 @@ def main(argv):
     return
   results = []
   for p in FLAGS.partitions:
-    results.append(run_partition(dataset, p, FLAGS.variants))
+    results.append(run_partition(base, dataset, p, FLAGS.variants))
     out.with_suffix('.json').write_text(json.dumps({'meta': meta, 'results': results}, indent=1))
     out.with_suffix('.md').write_text(markdown(results, meta))
 

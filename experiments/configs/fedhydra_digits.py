@@ -36,12 +36,14 @@ Variants (comma-separated, e.g. `fedhydra_digits.py:disjoint,smoke`):
             widths, ResNet18 server for dense/coboosting/feddf/fedhydra
   ae        FedHydra with the average ensemble instead of SA (Fig. 7 ablation)
   rounds=N  N global rounds for every one-shot method (FedHydra Tables 5, 8, 11–18)
+  mechanism quick's generator and data sizes at the budget of FedHydra's stage-by-stage study
+            (experiments/fedhydra_mechanism.py; `fedhydra_fashion_mnist.set_mechanism_budget`)
 """
 
 from experiments.configs.common import base_config, variant_value, variant_words
-from experiments.configs.fedhydra_fashion_mnist import METHODS, _set
+from experiments.configs.fedhydra_fashion_mnist import METHODS, _set, set_mechanism_budget
 
-VARIANTS = ('smoke', 'quick', 'disjoint', 'hetero', 'ae', 'rounds=')
+VARIANTS = ('smoke', 'quick', 'disjoint', 'hetero', 'ae', 'rounds=', 'mechanism')
 HETERO_CLIENTS = (
   'googlenet:width_mult=0.0625;resnet18:width_mult=0.125;fedhydra_cnn3;cnn_mnist;lenet'
 )
@@ -156,4 +158,6 @@ def get_config(arg: str = ''):
     )
     if not any(a.startswith('rounds=') for a in args):
       c.ot.rounds = 2  # two steps for every method (OT's step is a round)
+  if 'mechanism' in args:
+    set_mechanism_budget(c)
   return c

@@ -64,7 +64,8 @@ Partitions: `dir=<alpha>` (Dirichlet, default 0.5), `2cc` (FedHydra 2c/c, Table 
 Settings: `hetero` = Table 3's five client architectures (GoogLeNet, ResNet18, two custom CNNs,
 LeNet, full widths) with a ResNet18 server for FedDF / DENSE / Co-Boosting / FedHydra
 (FedAvg and OT need one architecture); `ae` = FedHydra with the average ensemble (Fig. 7);
-`rounds=N` = N global rounds for every method (Tables 5, 8, 11–18). `hetero,narrow`: the same
+`rounds=N` = N global rounds for every method (Tables 5, 8, 11–18); `mechanism` = the budget
+of FedHydra's stage-by-stage study (experiments/fedhydra_mechanism.py). `hetero,narrow`: the same
 architectures at a quarter of the width (GoogLeNet / ResNet18 width_mult 0.25) for CPU runs;
 full-width `hetero` was not run here (GoogLeNet / ResNet18 local training on 60k images is hours
 on 2 CPU cores); the pipeline is tested on digits (tests/test_oneshot_methods.py). Measured:
@@ -80,7 +81,7 @@ distillation epochs into the ResNet18 server); clients 27-50% after one epoch, s
 from experiments.configs.common import base_config, variant_value, variant_words
 
 METHODS = ('dense', 'feddf', 'coboosting', 'ot', 'fedhydra')
-VARIANTS = ('paper', 'smoke', 'dir=', '2cc', 'hetero', 'narrow', 'ae', 'rounds=')
+VARIANTS = ('paper', 'smoke', 'dir=', '2cc', 'hetero', 'narrow', 'ae', 'rounds=', 'mechanism')
 HETERO_CLIENTS = 'googlenet;resnet18;fedhydra_cnn3;cnn_cifar;lenet'
 HETERO_SERVER = 'resnet18'
 HETERO_CLIENTS_NARROW = (
@@ -159,4 +160,16 @@ def get_config(arg: str = ''):
       c[m].server_model = HETERO_SERVER_NARROW if narrow else HETERO_SERVER
   if 'ae' in args:
     c.fedhydra.aggregation = 'ae'
+  if 'mechanism' in args:
+    set_mechanism_budget(c)
   return c
+
+
+def set_mechanism_budget(c) -> None:
+  """The budget of FedHydra's stage-by-stage study (experiments/fedhydra_mechanism.py), on any
+  of the FedHydra configs: small enough to run every partition on the CPU."""
+  c.local.epochs = c.fedavg.local_epochs = 5
+  h = c.fedhydra
+  h.local_epochs, h.epochs, h.T_G = 5, 15, 10
+  h.synthesis_batch, h.ms_T_G, h.ms_batch, h.kd_batch = 32, 20, 16, 128
+  c.logging.tensorboard = False
