@@ -7,6 +7,12 @@ from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_d
 from jfed.driver import RunCheckpointer
 
 HFLDD_CLIENTS = 20
+# The DDPM of the tests (jfed.diffusion.train.DDPMConfig's fields), trained on 40 images of 8x8x1
+# in two classes: the tests that train one share its compiled training step (through the
+# persistent compilation cache across modules and processes) instead of compiling their own
+# (10-25 s each).
+DDPM_TINY = dict(timesteps=20, base_channels=8, steps=30, batch=16, lr=2e-3)
+DDPM_IMAGES = 40
 
 
 def override(config, **overrides):

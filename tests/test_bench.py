@@ -179,11 +179,18 @@ def test_fedhydra_kd_stage_trains_the_same_student_in_both_forms(tmp_path):
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(out.read_text())
   forms = {r['form']: r for r in result['results']}
-  assert set(forms) == {'per-step teachers', 'stored targets', 'targets'}
+  assert set(forms) == {
+    'per-step teachers',
+    'stored targets',
+    'per-step teachers, blocks',
+    'stored targets, blocks',
+    'targets',
+  }
   assert all(r['seconds'] > 0 and r['steps'] == 3 for r in forms.values())
   minutes = result['meta']['hydra_kd_fashion_minutes']
   assert set(minutes) == {'per-step teachers', 'stored targets'}
   assert result['meta']['hydra_kd_max_param_difference'] < 1e-4
+  assert result['meta']['hydra_kd_blocks_max_param_difference'] < 1e-4
   assert 'FedHydra KD pass over 24 images' in proc.stdout
 
 
@@ -198,6 +205,54 @@ def test_conv_forms_times_every_generator_layer_in_both_forms():
   assert '| DENSE conv2 (28x28) | 64 -> 32 |' in result['table_markdown']
 
 
+def test_the_ms_forms_are_timed_and_the_headline_takes_the_fastest_batched_row():
+  """The fast set's twin of the next (slow) test: one form compiled instead of three (the
+  matmul-generator variant alone compiled for 13 s of the slow test's 30, the python form for 5);
+  the headline's choice among the forms is checked on rows derived from the measured one."""
+  sz = model_stratification.Sizes(
+    clients=1, classes=2, T_G=2, ms_batch=2, nz=8, ngf=4, stages=('ms',), torch=False,
+    forms=('batched',),
+  )  # fmt: skip
+  out = model_stratification.run(sz)
+  (row,) = out['results']
+  assert row['form'] == 'batched' and row['steps'] == row['runs'] * 2 and row['seconds'] > 0
+  (head,) = out['headline']
+  assert head['figure'].startswith('jfed batched MS')
+  assert head['value'] == row['full_ms_s'] and head['reference'] == 'n/a'
+  # throughput = XLA's FLOP count of a step x the steps timed / the seconds
+  gflop = out['meta']['ms_step_gflop']
+  assert row['tflop_per_s'] == pytest.approx(gflop * row['steps'] / row['seconds'] / 1e3)
+  assert f'one generator step is {gflop:.2f} GFLOP' in out['table_markdown']
+
+  def like(form, speedup):
+    return {
+      **row,
+      'form': form,
+      'ms_per_step': row['ms_per_step'] / speedup,
+      'full_ms_s': row['full_ms_s'] / speedup,
+    }
+
+  # The one-run-at-a-time python form, fastest of all at these sizes, is the reference and never
+  # the headline, which takes the fastest batched variant.
+  rows = [
+    like('python', 10.0),
+    row,
+    like('batched_clients_matmul', 2.0),
+    like('batched_clients', 0.5),
+  ]
+  (head,) = model_stratification.headline(out['meta'], rows)
+  assert head['figure'].startswith('jfed batched_clients_matmul MS')
+  assert head['value'] == rows[2]['full_ms_s']
+  assert head['reference'] == 'one-run-at-a-time loop (jfed python form)'
+  assert head['ratio'] == pytest.approx(0.2)
+  assert 'by client, generator convolutions as matmuls' in model_stratification.report(
+    out['meta'], rows
+  )
+  with pytest.raises(ValueError, match='unknown MS forms'):
+    model_stratification.run(sz._replace(forms=('batched_torch',)))
+
+
+@pytest.mark.slow  # 30 s on 2 cores, 25 of it compiling; the fast set has the test above
 def test_the_batched_ms_variants_are_timed_and_the_headline_takes_the_fastest():
   """The by-client and matmul-generator variants of batched MS (for the accelerator lead in
   docs/performance.md) run as their own rows; the goal's headline takes the fastest batched row."""

@@ -178,6 +178,10 @@ def test_dynafed_distils_fine_tunes_and_learns(tmp_path):
   assert len({r['upload_bytes'] for r in records}) == 1  # 8 model copies every round
 
 
+# Slow: a second whole DynaFed run that compiles its own programs (16 s). The fast set still
+# checks the DSA words (tests/test_diffaugment.py), the client-optimizer setting (the next test)
+# and a whole DynaFed run (the test above).
+@pytest.mark.slow
 def test_dynafed_runs_and_learns_with_the_other_options(tmp_path):
   """Another DSA strategy, the clients on plain SGD, every client in every round."""
   config = _iid(

@@ -44,11 +44,18 @@ def _raw_subset(config, dataset, parts):
   third selects `init_support`'s indices into the client's own images."""
   root = jax.random.fold_in(jax.random.PRNGKey(config.seed), int(Purpose.KIP))
   kip = config.hfldd.kip
+  # One compiled selection for every client: labels zero padded to the largest client (the
+  # padded tail is never selected, and the selection's random keys are per element), not 10
+  # op-by-op runs at 10 lengths (17 s of compiling).
+  select = jax.jit(init_support, static_argnums=(3, 4))
+  n_max = max(len(p) for p in parts)
   xs, ys = [], []
   for i, p in enumerate(parts):
     k_init = jax.random.split(jax.random.fold_in(root, i), 3)[0]
     y = dataset.train_y[p]
-    idx = np.asarray(init_support(k_init, y, len(y), kip.support_size, dataset.num_classes))
+    padded = np.zeros(n_max, y.dtype)
+    padded[: len(y)] = y
+    idx = np.asarray(select(k_init, padded, len(y), kip.support_size, dataset.num_classes))
     assert len(np.unique(idx)) == kip.support_size  # fewer than the client's images: no repeats
     xs.append(dataset.train_x[p][idx])
     ys.append(y[idx])

@@ -15,6 +15,7 @@ from jfed.diffusion import train as ddpm_train
 from jfed.distill import stratification as S
 from jfed.engine import progress
 from jfed.kip import KIPConfig, kip
+from tests.support import DDPM_IMAGES, DDPM_TINY
 from tests.test_stratification import CFG, GEN, KEY, MLP, stacked
 
 
@@ -46,13 +47,14 @@ def _counts(lines, total, unit):
 
 
 def test_ddpm_training_logs_its_start_and_then_steps(info, fast_clock):
-  images = np.random.default_rng(0).random((12, 8, 8, 1)).astype(np.float32)
-  labels = np.arange(12, dtype=np.int32) % 2
-  cfg = ddpm_train.DDPMConfig(timesteps=4, base_channels=4, steps=5, batch=4)
+  # tests/test_ddpm.py's network and data shapes: its compiled training step, not another one
+  images = np.random.default_rng(0).random((DDPM_IMAGES, 8, 8, 1)).astype(np.float32)
+  labels = np.arange(DDPM_IMAGES, dtype=np.int32) % 2
+  cfg = ddpm_train.DDPMConfig(**{**DDPM_TINY, 'steps': 5})
   t0 = time.time()
-  ddpm_train.train_ddpm(images, labels, 2, cfg, jax.random.PRNGKey(0), strategy='loop')
-  lines = _lines(info, 'DDPM training on 12 images')
-  assert lines[0][1] == 'DDPM training on 12 images: 5 steps'
+  ddpm_train.train_ddpm(images, labels, 2, cfg, jax.random.key(0), strategy='loop')
+  lines = _lines(info, f'DDPM training on {DDPM_IMAGES} images')
+  assert lines[0][1] == f'DDPM training on {DDPM_IMAGES} images: 5 steps'
   assert lines[0][0] - t0 < 1.0  # before anything compiles
   counts = _counts(lines[1:], 5, 'step')
   assert counts == [1, 2, 3, 4, 5], lines  # every step of the one chunk, not once per chunk

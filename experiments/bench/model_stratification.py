@@ -736,6 +736,8 @@ def report(meta, rows) -> str:
     'jfed': 'jfed (synthesize + distill.kd_step)',
     'per-step teachers': 'jfed kd_step (teachers at every step)',
     'stored targets': 'jfed kd_step_on_targets (targets given)',
+    'per-step teachers, blocks': 'jfed kd_block (teachers at every step, KD_BLOCK steps a call)',
+    'stored targets, blocks': 'jfed kd_block_on_targets (targets given, KD_BLOCK steps a call)',
     'targets': 'jfed pool_teacher_logits (every pool image once)',
   }
   for r in rows:
