@@ -58,18 +58,22 @@ from jfed.errors import ConfigError
 from jfed.methods import common
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-  'config',
-  'experiments/configs/fedhydra_fashion_mnist.py:mechanism',
-  'A FedHydra config file (FILE[:words]); its partition is replaced by each of --partitions',
-)
-flags.DEFINE_list('partitions', ['dir0.5', 'dir0.1', '2cc'], 'dir<alpha> | 2cc')
-flags.DEFINE_integer('train_size', 0, 'use the first N training images (0: all)')
-flags.DEFINE_list('variants', ['default:'], 'name:field=value+field=value (config.fedhydra)')
-flags.DEFINE_integer('judge_epochs', 2, 'epochs of the reference classifier on pooled real data')
-flags.DEFINE_string('out', 'docs/results/fedhydra_mechanism', 'output path stem (.json, .md)')
-flags.DEFINE_string('local_models_root', '/tmp/fedhydra_mechanism_local', 'local models cache')
-flags.DEFINE_list('merge', [], 'OUT.json files of runs to merge into --out (runs nothing else)')
+
+
+def define_flags() -> None:
+  """The command's flags (defined when it runs, so that importing the module defines none)."""
+  config_flags.DEFINE_config_file(
+    'config',
+    'experiments/configs/fedhydra_fashion_mnist.py:mechanism',
+    'A FedHydra config file (FILE[:words]); its partition is replaced by each of --partitions',
+  )
+  flags.DEFINE_list('partitions', ['dir0.5', 'dir0.1', '2cc'], 'dir<alpha> | 2cc')
+  flags.DEFINE_integer('train_size', 0, 'use the first N training images (0: all)')
+  flags.DEFINE_list('variants', ['default:'], 'name:field=value+field=value (config.fedhydra)')
+  flags.DEFINE_integer('judge_epochs', 2, 'epochs of the reference classifier on real data')
+  flags.DEFINE_string('out', 'docs/results/fedhydra_mechanism', 'output path stem (.json, .md)')
+  flags.DEFINE_string('local_models_root', '/tmp/fedhydra_mechanism_local', 'local models cache')
+  flags.DEFINE_list('merge', [], 'OUT.json files of runs to merge into --out (runs nothing else)')
 
 
 def partition_config(base: ml_collections.ConfigDict, partition: str) -> ml_collections.ConfigDict:
@@ -451,4 +455,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
