@@ -102,8 +102,9 @@ def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored):
   key = jax.random.PRNGKey(3)
   args = (kcfg, SPEC, modules, module, student, states, None, pool, idx, mask, key, lrs, targets)
   per_call, per_call_losses = kd.run_kd_steps(*args, block=1)
-  blocked, blocked_losses = kd.run_kd_steps(*args, block=kd.KD_BLOCK)
-  assert per_call_losses.shape == blocked_losses.shape == (idx.shape[0],)
-  np.testing.assert_allclose(blocked_losses, per_call_losses, rtol=2e-5)
-  _close(blocked, per_call)
+  for block in (kd.KD_BLOCK, 5):  # 19 steps: 16 + 3, and 5 + 5 + 5 + 4
+    blocked, blocked_losses = kd.run_kd_steps(*args, block=block)
+    assert per_call_losses.shape == blocked_losses.shape == (idx.shape[0],)
+    np.testing.assert_allclose(blocked_losses, per_call_losses, rtol=2e-5)
+    _close(blocked, per_call)
   assert (kd.kd_block_size('cpu'), kd.kd_block_size('gpu')) == (1, kd.KD_BLOCK)

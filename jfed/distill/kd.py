@@ -266,12 +266,12 @@ def run_kd_steps(
     for first in range(0, steps, block):
       if targets is not None:
         ts, loss, n = kd_block_on_targets(
-          kcfg, spec, student_module, ts, pool, targets, idx, mask, lrs, first
+          kcfg, spec, student_module, ts, pool, targets, idx, mask, lrs, first, block
         )
       else:
         ts, loss, n = kd_block(
           kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, pool, idx,
-          mask, key, lrs, first,
+          mask, key, lrs, first, block,
         )  # fmt: skip
       losses.append((loss, n))
   else:
@@ -290,19 +290,19 @@ def run_kd_steps(
   return ts, np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def _block_rows(idx, mask, first: int, lrs):
-  """Block `first // KD_BLOCK`'s rows of an epoch's batches, padded to KD_BLOCK steps: (idx,
+def _block_rows(idx, mask, first: int, lrs, size: int):
+  """Rows `first` .. `first + size - 1` of an epoch's batches, padded to `size` steps: (idx,
   mask, step numbers, learning rates, active)."""
   n = idx.shape[0]
-  rows = min(KD_BLOCK, n - first)
-  pad = KD_BLOCK - rows
+  rows = min(size, n - first)
+  pad = size - rows
 
   def take(a, fill):
     a = np.asarray(a[first : first + rows])
     return np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]) if pad else a
 
-  steps = np.arange(first, first + KD_BLOCK, dtype=np.int32)
-  active = np.arange(KD_BLOCK) < rows
+  steps = np.arange(first, first + size, dtype=np.int32)
+  active = np.arange(size) < rows
   return take(idx, 0), take(mask, False), steps, take(np.asarray(lrs, np.float32), 0.0), active
 
 
@@ -348,8 +348,9 @@ def kd_block(
   key,
   lrs,
   first: int,
+  size: int = KD_BLOCK,
 ) -> Tuple[TrainState, jnp.ndarray, int]:
-  """Steps `first` .. `first + KD_BLOCK - 1` of an epoch's KD (`kd_step` on pool[idx[j]] with
+  """Steps `first` .. `first + size - 1` of an epoch's KD (`kd_step` on pool[idx[j]] with
   key fold_in(key, j) and learning rate lrs[j]) as one compiled program: an epoch of many small
   steps pays one dispatch per block instead of one per step.
 
@@ -367,13 +368,14 @@ def kd_block(
     key: The epoch's KD key (step j's key is fold_in(key, j)).
     lrs: The learning rate of each step of the epoch, [steps].
     first: The block's first step.
+    size: The block's steps (one compiled program per size).
 
   Returns:
-    (new TrainState, the loss of each of the block's KD_BLOCK slots, the number of steps run:
-    min(KD_BLOCK, steps - first), the first slots; the losses stay on the device, so that
-    blocks are dispatched without waiting).
+    (new TrainState, the loss of each of the block's `size` slots, the number of steps run:
+    min(size, steps - first), the first slots; the losses stay on the device, so that blocks
+    are dispatched without waiting).
   """
-  idx, mask, steps, lr, active = _block_rows(idx, mask, first, lrs)
+  idx, mask, steps, lr, active = _block_rows(idx, mask, first, lrs, size)
   xs, ys = gather_batch(pool, idx)
   ts, losses = _kd_block(
     kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, xs, ys, mask, key,
@@ -402,6 +404,7 @@ def kd_block_on_targets(
   mask,
   lrs,
   first: int,
+  size: int = KD_BLOCK,
 ) -> Tuple[TrainState, jnp.ndarray, int]:
   """`kd_block` with the stored teacher logits (`kd_step_on_targets` per step).
 
@@ -416,11 +419,12 @@ def kd_block_on_targets(
     mask: [steps, B], 1 for real samples and 0 for padding.
     lrs: The learning rate of each step of the epoch, [steps].
     first: The block's first step.
+    size: The block's steps.
 
   Returns:
     As `kd_block`'s.
   """
-  idx, mask, _, lr, active = _block_rows(idx, mask, first, lrs)
+  idx, mask, _, lr, active = _block_rows(idx, mask, first, lrs, size)
   xs, t = gather_batch_with_targets(pool, targets, idx)
   ts, losses = _kd_block_on_targets(kcfg, spec, student_module, ts, xs, t, mask, lr, active)
   return ts, losses, int(active.sum())

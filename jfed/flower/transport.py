@@ -548,10 +548,11 @@ class RemoteGroupTrainer:
     )
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
-    sent = uploaded_leaves(model, json.loads(self.recipe))
+    recipe = json.loads(self.recipe)
+    sent = uploaded_leaves(model, recipe)
     replied = np.array([int(c) in leaves for c in ids])
     if not replied.all():  # a dropped client keeps the model it started from, flagged
-      if json.loads(self.recipe).get('kind') == 'cvae':
+      if recipe.get('kind') == 'cvae':
         raise ConfigError('a CVAE client did not come back: FedMHO and FedCVAE need every client')
       starts = jax.tree.leaves(model)
       nan = np.full(epochs, np.nan, np.float32)
@@ -579,7 +580,7 @@ class RemoteGroupTrainer:
     for c, tree in zip(ids, per_client):
       validate_tree(tree, one_client, f'SuperNode reply for client {int(c)}', require_finite=False)
     trained = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_client)
-    if json.loads(self.recipe).get('kind') == 'cvae':  # the label histograms, checked
+    if recipe.get('kind') == 'cvae':  # the label histograms, checked
       for i, c in enumerate(ids):
         counts = metrics[int(c)][2]
         labels = np.asarray(fed.y[i, : own[i]])

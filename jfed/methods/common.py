@@ -172,17 +172,17 @@ def make_trainers(
   if not isinstance(spec, engine.OptimizerSpec):
     spec = engine.optimizer_spec(spec)
   tx = engine.build_optimizer(spec, total_steps)
+  recipe = {  # how a Flower SuperNode builds the same trainer
+    'kind': 'classifier',
+    'prox_mu': float(prox_mu),
+    'optimizer': spec._asdict(),
+    'optimizer_steps': int(total_steps),
+  }
   by_spec: Dict[str, GroupTrainer] = {}
   for g in groups:
     if g.spec in by_spec:
       continue
     if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
-      recipe = {
-        'kind': 'classifier',
-        'prox_mu': float(prox_mu),
-        'optimizer': spec._asdict(),
-        'optimizer_steps': int(total_steps),
-      }
       by_spec[g.spec] = ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
     else:
       by_spec[g.spec] = GroupTrainer(

@@ -869,15 +869,11 @@ class DistillationAlgorithm(Algorithm):
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
     steps = idx.shape[0]
+    lr = scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)
+    lrs = [lr] * steps
     if s.opt.schedule == 'cosine':  # per step
       lrs = [scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe) for b in range(steps)]
-    else:
-      lrs = [scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)] * steps
-    lr = (
-      lrs[-1]
-      if steps
-      else scheduled_lr(s.opt.schedule, s.opt.lr, e * spe, s.epochs * spe, e, s.epochs)
-    )
+      lr = lrs[-1] if steps else lr
     ts, losses = run_kd_steps(
       s.kd, s.opt, modules, aux.student_module, state.student, t_states, agg, pool, idx, mask,
       kd_key, np.asarray(lrs, np.float32), targets,
