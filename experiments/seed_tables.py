@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import warnings
 
 from absl import app
 import numpy as np
@@ -133,7 +134,9 @@ def ordering_verdict(better: Sequence[float], worse: Sequence[float], level: flo
   if np.all(d == d[0]):  # no spread: the t statistic is undefined
     p = 1.0 if d[0] == 0 else 0.0
   else:
-    p = float(stats.ttest_rel(a, b).pvalue)
+    with warnings.catch_warnings():  # nearly equal differences: scipy warns, the p is still right
+      warnings.simplefilter('ignore', RuntimeWarning)
+      p = float(stats.ttest_rel(a, b).pvalue)
   if p >= level:
     return 'within noise', p
   return ('holds' if d.mean() > 0 else 'fails'), p

@@ -241,6 +241,58 @@ def test_merge_joins_the_methods_of_one_seed_run_apart_and_refuses_conflicts(tmp
     hfldd_compare.run_compare(other, tmp_path / 'all', METHODS, [0.5], seeds=())
 
 
+def _record(final: float, accuracy: List[float], mib_per_round: float) -> Dict[str, Any]:
+  return {
+    'final_test_accuracy': final,
+    'accuracy': accuracy,
+    'cumulative_bytes': [int((i + 1) * mib_per_round * 2**20) for i in range(len(accuracy))],
+  }
+
+
+def test_each_kind_of_paper_claim_gets_the_verdict_its_seeds_give():
+  """Accuracy claims follow the paired t-test's sign; 'similar' holds only when the seeds
+  cannot tell the two apart; traffic counts a target never reached as more than any."""
+  results = {
+    str(seed): {
+      'hfldd': _record(0.90 + 0.01 * seed, [0.5, 0.8, 0.9], 2.0),
+      'fedavg': _record(0.50 + 0.02 * seed, [0.2, 0.4, 0.5], 1.0),
+      'fedseq': _record(0.895 + 0.012 * seed, [0.85, 0.88, 0.9], 1.0 + 2 * seed),
+    }
+    for seed in range(3)
+  }
+  claim = hfldd_compare.Claim
+  verdict = hfldd_compare.claim_verdict
+  assert verdict(claim('hfldd', 'fedavg', 'accuracy', ''), results)[1] == 'holds'
+  assert verdict(claim('fedavg', 'hfldd', 'accuracy', ''), results)[1] == 'fails'
+  assert verdict(claim('hfldd', 'fedavg', 'similar', ''), results)[1] == 'fails (hfldd higher)'
+  assert verdict(claim('hfldd', 'fedseq', 'similar', ''), results)[1] == 'holds (within noise)'
+  # fedavg never reaches 0.8: hfldd's 4 MiB is less in every seed
+  shown, v, n = verdict(claim('hfldd', 'fedavg', 'traffic', ''), results, 0.8)
+  assert (v, n) == (
+    'holds',
+    3,
+  ) and shown == 'MiB per seed: 4.0 vs never; 4.0 vs never; 4.0 vs never'
+  assert verdict(claim('fedavg', 'hfldd', 'traffic', ''), results, 0.8)[1] == 'fails'
+  assert verdict(claim('hfldd', 'fedavg', 'traffic', ''), results, 0.95)[1] == 'neither reaches it'
+  # fedseq reaches 0.85 at round 1 with 1, 3 and 5 MiB against hfldd's 6 (round 3): it wins all
+  # three; at 0.9 (round 3: 3, 9, 15 MiB against 6) it wins one seed of three
+  assert verdict(claim('fedseq', 'hfldd', 'traffic', ''), results, 0.85)[1] == 'holds'
+  assert verdict(claim('fedseq', 'hfldd', 'traffic', ''), results, 0.9)[1] == 'mixed (1 of 3 seeds)'
+  results['1']['fedavg'] = {'error': 'diverged'}
+  assert verdict(claim('hfldd', 'fedavg', 'accuracy', ''), results)[2] == 2
+
+
+def test_the_claims_checked_are_those_the_paper_makes_at_the_partitions_classes_per_client():
+  config = ml_collections.ConfigDict({'partition': {'scheme': 'shards', 'k': 10}})
+  results = {'0': {'hfldd': _record(0.9, [0.5, 0.9], 1.0)}}
+  text = '\n'.join(hfldd_compare.claim_lines(config, results, [0.8]))
+  assert (
+    'MNIST statements at #C=10' in text and '| fedseq less traffic than hfldd to 80 % |' in text
+  )
+  config.partition.scheme = 'dirichlet'
+  assert hfldd_compare.claim_lines(config, results, [0.8]) == []
+
+
 if __name__ == '__main__':
   import tempfile  # pylint: disable=g-import-not-at-top
 
