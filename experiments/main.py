@@ -61,6 +61,12 @@ flags.DEFINE_integer(
   'Run through a local Flower deployment with this many SuperNodes (one SuperLink, N '
   "SuperNodes and `flwr run` as separate processes; pip install -e '.[flower]').",
 )
+flags.DEFINE_list(
+  'flower_data_dirs',
+  None,
+  'With --flower_supernodes: one own-data directory per SuperNode (node config data-dir; '
+  'client_<id>.npz files, docs/deployment.md); FedAvg and FedProx only.',
+)
 config_flags.DEFINE_config_file(
   'config', None, 'Experiment config file (get_config(arg)).', lock_config=True
 )
@@ -147,6 +153,8 @@ def main(argv):
       )
     if FLAGS.flower_supernodes and FLAGS.coordinator:
       _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one', 2)
+    if FLAGS.flower_data_dirs and not FLAGS.flower_supernodes:
+      _fail('--flower_data_dirs needs --flower_supernodes (one directory per SuperNode)', 2)
     if multi_process:
       multihost.initialize(
         FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout_s
@@ -163,7 +171,14 @@ def main(argv):
 
       spec = next(a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config='))
       overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
-      summary = run_local_deployment(method, spec, overrides, workdir, FLAGS.flower_supernodes)
+      summary = run_local_deployment(
+        method,
+        spec,
+        overrides,
+        workdir,
+        FLAGS.flower_supernodes,
+        data_dirs=FLAGS.flower_data_dirs,
+      )
     else:
       summary = run_experiment(method, config, workdir)
   except KeyboardInterrupt:

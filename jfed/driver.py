@@ -325,6 +325,7 @@ def run_experiment(
   workdir,
   progress: bool = True,
   client_transport=None,
+  client_label_counts: Optional[np.ndarray] = None,
 ) -> RunSummary:
   """Validates, claims the workdir, loads and partitions the data, and runs `method`.
 
@@ -338,6 +339,9 @@ def run_experiment(
     workdir: The directory of the run's outputs and checkpoints.
     progress: Whether to print a line per step.
     client_transport: Runs local training elsewhere (a Flower transport); None for in process.
+    client_label_counts: [clients, classes] label counts of clients whose data the server does
+      not hold (Flower SuperNodes serving their own data declared them): the clients are then
+      placeholders of those sizes (`declared_parts`) instead of the seeded partition.
 
   Returns:
     The run's typed summary.
@@ -351,7 +355,7 @@ def run_experiment(
     try:
       wd.prepare()
       stack.enter_context(wd.lock())
-      dataset, parts = _claim_workdir(wd, method, config, progress)
+      dataset, parts = _claim_workdir(wd, method, config, progress, client_label_counts)
     except BaseException:
       multihost.agree(False, _SETUP)
       raise
@@ -360,7 +364,15 @@ def run_experiment(
     return run(algorithm, ctx, progress)
 
 
-def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
+def declared_parts(sizes: Sequence[int]) -> List[np.ndarray]:
+  """Placeholder clients of the given sizes, for a server that does not hold their data (Flower
+  SuperNodes serving their own): every index is training sample 0. Only a method whose server
+  reads nothing of its clients' data but their sizes may run on them (the Flower bridge's
+  `settings.require_own_data`)."""
+  return [np.zeros(int(n), np.int64) for n in sizes]
+
+
+def _claim_workdir(wd: Workdir, method: str, config, progress: bool, client_label_counts=None):
   """Checks and writes what the workdir holds (identity, config, partition); (dataset, parts)."""
   config_json = config.to_json_best_effort(sort_keys=True, indent=2)
   identity = {
@@ -371,6 +383,8 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
     },
     'jfed_version': __version__,
   }
+  if client_label_counts is not None:  # the clients' data is elsewhere: a resume needs the same
+    identity['client_label_counts'] = np.asarray(client_label_counts).tolist()
   identity = jsonable(identity)
   wd.check_identity(identity)
   dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
@@ -382,10 +396,16 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool):
   }
   wd.check_identity(identity)
   dataset = hold_out(config, dataset)
-  parts = partition_clients(config, dataset.train_y)
+  if client_label_counts is None:
+    parts = partition_clients(config, dataset.train_y)
+  else:
+    parts = declared_parts(np.asarray(client_label_counts).sum(1))
   wd.write_identity(identity, config_json)
-  table = class_count_table(dataset.train_y, parts, dataset.num_classes)
-  unassigned = unassigned_count(parts, len(dataset.train_y))
+  if client_label_counts is None:
+    table = class_count_table(dataset.train_y, parts, dataset.num_classes)
+    unassigned = unassigned_count(parts, len(dataset.train_y))
+  else:
+    table, unassigned = np.asarray(client_label_counts, np.int64), 0
   note = (
     f'\n{unassigned} of {len(dataset.train_y)} training samples are assigned to no client.'
     if unassigned

@@ -156,6 +156,12 @@ def test_flower_and_a_coordinator_are_refused_before_waiting_for_any_peer(tmp_pa
   assert 'waiting' not in proc.stderr
 
 
+def test_own_data_directories_without_flower_supernodes_are_refused(tmp_path):
+  proc = _main(tmp_path, '--flower_data_dirs=a,b')
+  assert '--flower_data_dirs needs --flower_supernodes' in _error_line(proc, status=2)
+  assert not (tmp_path / 'run').exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # a start-up that cannot form ends, within --init_timeout_s, with progress and one error line
 # ------------------------------------------------------------------------------------------------

@@ -15,11 +15,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from jfed.driver import build_algorithm
 from jfed.errors import ConfigError
-from jfed.flower.settings import load_config, require_supported
+from jfed.flower import own_data
+from jfed.flower.settings import load_config, require_own_data, require_supported
 
 APP_DIR = pathlib.Path(__file__).resolve().parents[2] / 'experiments' / 'flower_app'
 FEDERATION = 'jfed-local'
@@ -94,6 +95,34 @@ def stream_command(
   return process.returncode
 
 
+def _checked_data_dirs(
+  method: str, config, data_dirs: Sequence[str], num_supernodes: int
+) -> List[str]:
+  """The SuperNodes' data directories, absolute, after the checks the server and nodes make
+  (method, file format, each client in exactly one directory), so that a bad one fails in one
+  line before any Flower process starts."""
+  if len(data_dirs) != num_supernodes:
+    raise ConfigError(
+      f'{len(data_dirs)} data directories for {num_supernodes} SuperNodes: give one per SuperNode'
+    )
+  require_own_data(method, config)
+  num_clients = int(config.partition.num_clients)
+  declared = [list(own_data.load_clients(d, num_clients)) for d in data_dirs]
+  twice = own_data.duplicate_clients(declared)
+  if twice:
+    cid, nodes = next(iter(twice.items()))
+    raise ConfigError(
+      f'client {cid} has a file in {len(nodes)} data directories '
+      f'({", ".join(str(data_dirs[k]) for k in nodes)}): give each client to one SuperNode'
+    )
+  missing = sorted(set(range(num_clients)) - {c for ids in declared for c in ids})
+  if missing:
+    raise ConfigError(
+      f'no data directory holds client(s) {missing} (partition.num_clients = {num_clients})'
+    )
+  return [str(pathlib.Path(d).absolute()) for d in data_dirs]
+
+
 def run_local_deployment(
   method: str,
   config_spec: str,
@@ -102,6 +131,7 @@ def run_local_deployment(
   num_supernodes: int,
   timeout_s: float = 3600.0,
   keep_process: bool = True,
+  data_dirs: Optional[Sequence[str]] = None,
 ) -> dict:
   """Runs `method` through a local Flower deployment; returns the run's summary.json.
 
@@ -117,6 +147,9 @@ def run_local_deployment(
     timeout_s: How long the run may take, in seconds.
     keep_process: Whether each SuperNode keeps one long-lived jfed worker (see
       jfed/flower/worker.py).
+    data_dirs: One directory of `client_<id>.npz` files per SuperNode (node config `data-dir`,
+      jfed/flower/own_data.py): the SuperNodes serve their own data (FedAvg and FedProx only);
+      None: each rebuilds its block of the seeded partition.
 
   Returns:
     The run's summary.json, as a dict.
@@ -128,7 +161,10 @@ def run_local_deployment(
   spec = str(pathlib.Path(path).absolute()) + (f':{arg}' if arg else '')
   # A bad method or config fails here, in one line, before any Flower process starts.
   require_supported(method)
-  build_algorithm(method, load_config(spec, overrides))
+  config = load_config(spec, overrides)
+  build_algorithm(method, config)
+  if data_dirs is not None:
+    data_dirs = _checked_data_dirs(method, config, data_dirs, num_supernodes)
   logs = workdir / 'flower_logs'
   logs.mkdir(parents=True, exist_ok=True)
   home = pathlib.Path(tempfile.mkdtemp(prefix='jfed-flwr-'))
@@ -183,8 +219,12 @@ def run_local_deployment(
           '--port',
           str(_free_port()),
           '--node-config',
-          f'partition-id={i} num-partitions={num_supernodes} '
-          f'keep-process={str(keep_process).lower()}',
+          (
+            f'partition-id={i} num-partitions={num_supernodes}'
+            if data_dirs is None
+            else f'data-dir={json.dumps(data_dirs[i])}'  # a TOML string
+          )
+          + f' keep-process={str(keep_process).lower()}',
         ],
       )
     run_config = {
@@ -193,6 +233,7 @@ def run_local_deployment(
       'overrides': json.dumps(list(overrides)),
       'workdir': str(workdir),
       'supernodes': num_supernodes,
+      'own-data': data_dirs is not None,
     }
     toml = home / 'run_config.toml'
     toml.write_text(''.join(f'{k} = {json.dumps(v)}\n' for k, v in run_config.items()))

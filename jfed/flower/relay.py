@@ -63,7 +63,14 @@ def from_bytes(payload: bytes):
   return recorddict_from_proto(proto)
 
 
-def socket_path(spec: str, overrides, partition_id: int, num_partitions: int, owner: int) -> str:
+def socket_path(
+  spec: str,
+  overrides,
+  partition_id: int,
+  num_partitions: int,
+  owner: int,
+  data_dir: Optional[str] = None,
+) -> str:
   """One worker per SuperNode process (`owner`), config and share of the clients.
 
   Args:
@@ -72,11 +79,13 @@ def socket_path(spec: str, overrides, partition_id: int, num_partitions: int, ow
     partition_id: This SuperNode's partition, from 0.
     num_partitions: The number of SuperNodes sharing the clients.
     owner: The process id of the SuperNode process that owns the worker.
+    data_dir: The node's own data directory (node config `data-dir`), or None.
 
   Returns:
     The Unix socket path of that worker (in the temporary directory).
   """
-  key = json.dumps([spec, list(overrides), partition_id, num_partitions, owner])
+  key = [spec, list(overrides), partition_id, num_partitions, owner]
+  key = json.dumps(key if data_dir is None else key + [data_dir])
   digest = hashlib.sha256(key.encode()).hexdigest()[:20]
   # Unix socket paths are limited to ~100 bytes: a short name in the temporary directory.
   return str(pathlib.Path(tempfile.gettempdir()) / f'jfed-node-{digest}.sock')
@@ -92,7 +101,15 @@ def _connect(path: str) -> Optional[socket.socket]:
     return None
 
 
-def forward(content, spec: str, overrides, partition_id: int, num_partitions: int, owner: int):
+def forward(
+  content,
+  spec: str,
+  overrides,
+  partition_id: int,
+  num_partitions: int,
+  owner: int,
+  data_dir: Optional[str] = None,
+):
   """The reply records of the node's worker to `content`, starting the worker if none runs.
 
   Args:
@@ -102,16 +119,19 @@ def forward(content, spec: str, overrides, partition_id: int, num_partitions: in
     partition_id: This SuperNode's partition, from 0.
     num_partitions: The number of SuperNodes sharing the clients.
     owner: The process id of the SuperNode process that owns the worker.
+    data_dir: The node's own data directory (node config `data-dir`), or None.
 
   Returns:
     The worker's reply RecordDict.
   """
-  path = socket_path(spec, overrides, partition_id, num_partitions, owner)
+  path = socket_path(spec, overrides, partition_id, num_partitions, owner, data_dir)
   conn = _connect(path)
   if conn is None:
     with open(path + '.lock', 'w') as lock:  # one start however many messages arrive at once
       fcntl.flock(lock, fcntl.LOCK_EX)
-      conn = _connect(path) or _start(path, spec, overrides, partition_id, num_partitions, owner)
+      conn = _connect(path) or _start(
+        path, spec, overrides, partition_id, num_partitions, owner, data_dir
+      )
   with conn:
     send(conn, to_bytes(content))
     reply = receive(conn)
@@ -121,7 +141,13 @@ def forward(content, spec: str, overrides, partition_id: int, num_partitions: in
 
 
 def _start(
-  path: str, spec: str, overrides, partition_id: int, num_partitions: int, owner: int
+  path: str,
+  spec: str,
+  overrides,
+  partition_id: int,
+  num_partitions: int,
+  owner: int,
+  data_dir: Optional[str] = None,
 ) -> socket.socket:
   log = open(path + '.log', 'ab')  # pylint: disable=consider-using-with
   command = [
@@ -129,6 +155,8 @@ def _start(
     '--overrides', json.dumps(list(overrides)), '--partition-id', str(partition_id),
     '--num-partitions', str(num_partitions), '--owner', str(owner),
   ]  # fmt: skip
+  if data_dir is not None:
+    command += ['--data-dir', data_dir]
   process = subprocess.Popen(
     command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
   )

@@ -11,8 +11,11 @@ It reads the run config that `jfed.flower.deploy` (or `flwr run --run-config`) g
              others dropped from that round (0, the default: every SuperNode must reply;
              FedAvg and FedProx only)
   round-timeout   how long the server waits for an exchange's replies, in seconds
-Each SuperNode rebuilds the data and partition from the config the server sends and trains the
-clients it holds (jfed/flower/client_app.py).
+  own-data   true: every SuperNode serves its own clients' files (node config data-dir); the
+             server learns their sizes from the nodes (`FlowerTransport.describe`) and still
+             scores on the config's test split (FedAvg and FedProx only). false (default):
+             each SuperNode rebuilds the data and partition from the config the server sends
+             and trains the clients it holds (jfed/flower/client_app.py).
 """
 
 import pathlib
@@ -20,8 +23,9 @@ import pathlib
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from jfed.data import load_dataset
 from jfed.driver import run_experiment
-from jfed.flower.settings import config_record, load_config, run_settings
+from jfed.flower.settings import config_record, load_config, require_own_data, run_settings
 from jfed.flower.transport import FlowerTransport
 from jfed.workdir import write_json
 
@@ -33,6 +37,8 @@ def server_main(grid: Grid, context: Context) -> None:
   settings = run_settings(context)
   method, spec, overrides, workdir = settings[:4]
   config = load_config(spec, overrides)
+  if settings.own_data:  # refused before the server waits for any SuperNode
+    require_own_data(method, config)
   transport = FlowerTransport(
     grid,
     settings.supernodes,
@@ -40,7 +46,17 @@ def server_main(grid: Grid, context: Context) -> None:
     run_record=config_record(spec, overrides),
     min_nodes=settings.min_supernodes or None,
   )
-  summary = run_experiment(method, config, workdir, client_transport=transport)
+  counts = None
+  if settings.own_data:
+    # The nodes' files must have the dataset's image shape and classes: the server's dataset,
+    # whose test split it scores on, says which.
+    dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+    counts = transport.describe(
+      config.partition.num_clients, dataset.input_shape, dataset.num_classes
+    )
+  summary = run_experiment(
+    method, config, workdir, client_transport=transport, client_label_counts=counts
+  )
   write_json(
     pathlib.Path(workdir) / 'flower.json',
     {
@@ -57,6 +73,7 @@ def server_main(grid: Grid, context: Context) -> None:
       ],
       # per exchange, the clients whose SuperNodes did not reply in time (min-supernodes)
       'dropped_clients': transport.dropped,
+      **({} if counts is None else {'own_data_client_sizes': counts.sum(1).tolist()}),
       'final_test_accuracy': summary['final_test_accuracy'],
     },
   )

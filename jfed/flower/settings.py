@@ -10,7 +10,7 @@ import json
 import pathlib
 import tempfile
 import time
-from typing import Any, Dict, NamedTuple, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from absl import flags
 from ml_collections import config_flags
@@ -76,6 +76,8 @@ class RunSettings(NamedTuple):
   # an exchange goes on with at least this many SuperNodes' replies (0: every SuperNode must)
   min_supernodes: int = 0
   round_timeout_s: float = 3600.0  # how long the server waits for an exchange's replies
+  # the SuperNodes serve their own data (node config data-dir; run config own-data=true)
+  own_data: bool = False
 
 
 def run_settings(context: Any) -> RunSettings:
@@ -96,6 +98,7 @@ def run_settings(context: Any) -> RunSettings:
     int(rc['supernodes']),
     int(rc.get('min-supernodes', 0)),
     float(rc.get('round-timeout', 3600.0)),
+    _flag(rc.get('own-data', False), 'run config own-data'),
   )
   check_settings(settings)
   return settings
@@ -114,6 +117,58 @@ def check_settings(settings: RunSettings) -> None:
     )
   if not settings.round_timeout_s > 0:
     raise ConfigError(f'round-timeout must be positive, got {settings.round_timeout_s}')
+  if settings.own_data:
+    require_own_data(settings.method)
+
+
+# The methods that run when the SuperNodes serve their own data: their server needs nothing of
+# the clients' data but each client's size, which the nodes declare.
+OWN_DATA_METHODS = ('fedavg', 'fedprox')
+
+
+def require_own_data(method: str, config: Any = None) -> None:
+  """ConfigError (one line) for a run that cannot train on the SuperNodes' own data.
+
+  Args:
+    method: The jfed method.
+    config: The run config, or None to check the method only.
+  """
+  if method not in OWN_DATA_METHODS:
+    raise ConfigError(
+      f'own-data=true: {method} cannot run on SuperNodes that serve their own data: its server '
+      "builds or reads its clients' data (only each client's size and label counts come from "
+      f'the nodes); own data is for {", ".join(OWN_DATA_METHODS)} only'
+    )
+  attack = config.get('attack') if config is not None else None
+  if attack is not None and attack.get('kind') == 'label_flip':
+    raise ConfigError(
+      'own-data=true with attack.kind=label_flip: the server cannot flip the labels of data '
+      'it does not hold; simulate it with the whole dataset (own-data=false)'
+    )
+
+
+def node_data_dir(node_config) -> Optional[str]:
+  """Node config `data-dir` (the SuperNode serves its own clients' files), or None: the node
+  serves its block (`partition-id` of `num-partitions`) of the seeded partition."""
+  value = node_config.get('data-dir')
+  if value is None:
+    return None
+  if not isinstance(value, str) or not value:
+    raise ConfigError(f'node config data-dir={value!r}: expected a directory path (quoted)')
+  if 'partition-id' in node_config or 'num-partitions' in node_config:
+    raise ConfigError(
+      'node config gives data-dir and partition-id/num-partitions: a SuperNode serves either '
+      'its own data (data-dir) or its block of the seeded partition, not both'
+    )
+  return value
+
+
+def _flag(value: Any, what: str) -> bool:
+  if isinstance(value, str):
+    if value.lower() not in ('true', 'false'):
+      raise ConfigError(f'{what}={value!r}: expected true or false')
+    return value.lower() == 'true'
+  return bool(value)
 
 
 def config_record(spec: str, overrides) -> Dict[str, str]:
@@ -151,9 +206,4 @@ def spec_of_record(record) -> Tuple[str, list]:
 
 def keeps_process(node_config) -> bool:
   """Node config `keep-process` (default true): a long-lived worker serves every message."""
-  value = node_config.get('keep-process', True)
-  if isinstance(value, str):
-    if value.lower() not in ('true', 'false'):
-      raise ConfigError(f'node config keep-process={value!r}: expected true or false')
-    return value.lower() == 'true'
-  return bool(value)
+  return _flag(node_config.get('keep-process', True), 'node config keep-process')

@@ -25,6 +25,16 @@ The node rebuilds its clients' data from the seed, like every process of a multi
 Each side digests every client's partition samples, and a node refuses a request whose digests
 differ from its own: a method that trains clients on data other than their partition (DynaFed's
 synthetic data, soft-label targets) cannot silently train the wrong data through Flower.
+
+Or a node serves its own data (node config `data-dir`, jfed/flower/own_data.py; run config
+`own-data=true`): the server first asks every node to `describe` its clients (ids and label
+counts, from which their sizes), refuses a client that no node or two nodes declare, and runs
+on placeholder clients of the declared sizes (`jfed.driver.declared_parts`). Its train requests
+then carry the dataset's image shape and classes (checked against every file on the node) and
+no digests, and a reply says how many samples each client trained on, which must be the size the
+server asked for (its declared size, 0 for a client sitting out). Only FedAvg and FedProx, whose
+server needs nothing of the clients' data but their sizes, run that way
+(`settings.require_own_data`).
 """
 
 import hashlib
@@ -39,12 +49,15 @@ import ml_collections
 import numpy as np
 
 from jfed import engine
+from jfed.api import make_context
 from jfed.cvae import clients as cvae_clients
+from jfed.data import Dataset
 from jfed.data.federated import federate
 from jfed.engine import sharding
 from jfed.engine.state import TrainState
 from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
+from jfed.flower import own_data
 from jfed.io.uploads import UploadError, validate_tree
 from jfed.kip import KIPConfig, kip_distill_batched
 from jfed.methods import common, generative
@@ -52,7 +65,7 @@ from jfed.methods import common, generative
 TRAIN_MESSAGE = 'train'
 # A node's distilled sets (KIPResult's x, y, y_matrix, loss), as the batched program makes them.
 DISTILLED_DTYPES = (np.float32, np.int32, np.float32, np.float32)
-OPERATIONS = ('train', 'soft_labels', 'distill')
+OPERATIONS = ('train', 'soft_labels', 'distill', 'describe')
 POLL_S = 0.1  # how often the server asks the SuperLink for replies
 
 
@@ -178,6 +191,7 @@ class TrainRequest:
     extra_counts: Optional[Sequence[int]] = None,
     extra: Optional[Tuple[np.ndarray, np.ndarray]] = None,
     anchor_is_start: bool = False,
+    data_spec: Optional[Tuple[Sequence[int], int]] = None,
   ):
     # recipe: how the clients train, as JSON ({'kind': 'classifier' | 'cvae', ...}; see
     # common.make_trainers and generative.cvae_trainers), so a node builds the same trainer.
@@ -193,6 +207,9 @@ class TrainRequest:
     # FedAvg or FedProx request is one ArrayRecord and one ConfigRecord, the layout Flower's
     # mods (e.g. fixedclipping_mod) require.
     self.anchor_is_start = anchor_is_start
+    # The SuperNodes serve their own data: the dataset's (image shape, classes) their files must
+    # match; None for the seeded partition (the digests say which samples).
+    self.data_spec = data_spec
 
   def to_records(self):
     arrays = {'arrays': self.start}
@@ -212,6 +229,9 @@ class TrainRequest:
       'extra_counts': [int(c) for c in self.extra_counts],
       'anchor_is_start': bool(self.anchor_is_start),
     }
+    if self.data_spec is not None:  # no digests (and Flower cannot count an empty list's bytes)
+      del task['digests']
+      task.update(_spec_fields(*self.data_spec))
     return _records('train', task, **arrays)
 
   @classmethod
@@ -223,7 +243,7 @@ class TrainRequest:
       recipe=str(task['recipe']),
       client_ids=np.asarray(task['client_ids'], np.int64),
       sizes=np.asarray(task['sizes'], np.int32),
-      digests=list(task['digests']),
+      digests=list(task['digests']) if 'digests' in task else [],
       epochs=int(task['epochs']),
       key=np.asarray(task['key'], np.uint32),
       start=content['arrays'].to_numpy_ndarrays(),
@@ -232,7 +252,20 @@ class TrainRequest:
       extra_counts=[int(c) for c in task['extra_counts']],
       extra=None if extra is None else (extra[0], extra[1]),
       anchor_is_start=bool(task.get('anchor_is_start', False)),
+      data_spec=_spec_of(task) if task.get('data') == 'node' else None,
     )
+
+
+def _spec_fields(input_shape: Sequence[int], num_classes: int) -> Dict[str, Any]:
+  return {
+    'data': 'node',
+    'input_shape': [int(d) for d in input_shape],
+    'num_classes': int(num_classes),
+  }
+
+
+def _spec_of(task) -> Tuple[Tuple[int, ...], int]:
+  return tuple(int(d) for d in task['input_shape']), int(task['num_classes'])
 
 
 class FlowerTransport:
@@ -254,6 +287,8 @@ class FlowerTransport:
     if not 1 <= self.min_nodes <= num_nodes:
       raise ConfigError(f'min-supernodes must be in [1, {num_nodes}], got {self.min_nodes}')
     self.dropped: List[List[int]] = []  # per exchange: the requested clients that did not reply
+    # The SuperNodes serve their own data (`describe`): the dataset's (image shape, classes).
+    self.own_data: Optional[Tuple[Tuple[int, ...], int]] = None
     # What every message carries so that a node needs nothing from the run config but the
     # method: the config file's source, its argument and the overrides (apps.config_record).
     self.run_record = run_record
@@ -279,11 +314,9 @@ class FlowerTransport:
     """
     return RemoteGroupTrainer(self, spec, tx, recipe, partition_sizes)
 
-  def _ask(
-    self, content, requested: Sequence[int], require_all: bool = True
-  ) -> Dict[int, Tuple[Any, int]]:
-    """{client id: (its node's reply content, its row there)} for the `requested` clients;
-    with `require_all=False`, those whose node replied in time (see `min_nodes`)."""
+  def _replies(self, content, at_least: int) -> list:
+    """The replies to `content` that came within `timeout_s`: ConfigError for fewer than
+    `at_least` or a node's error; counts the bytes each way and times the exchange."""
     if self.run_record is not None:  # in the one ConfigRecord Flower's mods expect
       for k, v in self.run_record.items():
         content['config'][k] = v
@@ -291,22 +324,17 @@ class FlowerTransport:
     start = time.perf_counter()
     replies = self._exchange(content)
     self.exchange_seconds.append(time.perf_counter() - start)
-    if len(replies) < self.min_nodes:
+    if len(replies) < at_least:
       raise ConfigError(
         f'{len(self.nodes) - len(replies)} of {len(self.nodes)} SuperNodes did not reply '
-        f'within {self.timeout_s:.0f} s (at least {self.min_nodes} must)'
+        f'within {self.timeout_s:.0f} s (at least {at_least} must)'
       )
-    wanted = {int(c) for c in requested}
-    found, node_seconds = {}, [0.0]
+    node_seconds = [0.0]
     for reply in replies:
       if reply.has_error():
         raise ConfigError(f'a SuperNode failed: {reply.error.reason}')
       self.bytes_received += _record_bytes(reply.content)
       node_seconds.append(float(reply.content['metrics']['seconds']))
-      for row, cid in enumerate(int(c) for c in reply.content['metrics']['client_ids']):
-        if cid in found or cid not in wanted:
-          raise ConfigError(f'client {cid} came back from a SuperNode not asked for it')
-        found[cid] = (reply.content, row)
     self.node_seconds.append(max(node_seconds))
     # The server's progress as it happens: `flwr run --stream` shows the ServerApp's output live.
     print(
@@ -316,6 +344,21 @@ class FlowerTransport:
       file=sys.stderr,
       flush=True,
     )
+    return replies
+
+  def _ask(
+    self, content, requested: Sequence[int], require_all: bool = True
+  ) -> Dict[int, Tuple[Any, int]]:
+    """{client id: (its node's reply content, its row there)} for the `requested` clients;
+    with `require_all=False`, those whose node replied in time (see `min_nodes`)."""
+    replies = self._replies(content, self.min_nodes)
+    wanted = {int(c) for c in requested}
+    found = {}
+    for reply in replies:
+      for row, cid in enumerate(int(c) for c in reply.content['metrics']['client_ids']):
+        if cid in found or cid not in wanted:
+          raise ConfigError(f'client {cid} came back from a SuperNode not asked for it')
+        found[cid] = (reply.content, row)
     missing = sorted(wanted - set(found))
     if missing and len(replies) == len(self.nodes):
       raise ConfigError(
@@ -337,11 +380,66 @@ class FlowerTransport:
       )
     return found
 
+  def describe(self, num_clients: int, input_shape: Sequence[int], num_classes: int) -> np.ndarray:
+    """Asks every SuperNode which clients its own data holds (node config `data-dir`), and
+    from then on trains them as their nodes declared (`own_data`).
+
+    Args:
+      num_clients: The run's number of clients (`partition.num_clients`).
+      input_shape: The dataset's image shape, which every node's files must have.
+      num_classes: The dataset's number of classes, which every label must be below.
+
+    Returns:
+      [num_clients, num_classes] int64: each client's label counts, by client id (a row's sum
+      is the client's size). ConfigError for a client no node or two nodes declare, or an id out
+      of range; UploadError for a malformed reply.
+    """
+    content = _records('describe', _spec_fields(input_shape, num_classes))
+    replies = self._replies(content, len(self.nodes))  # every client must be there
+    per_node, tables = [], {}
+    for reply in replies:
+      clients = [int(c) for c in reply.content['metrics']['client_ids']]
+      (table,) = _reply_rows(reply.content, 'label_counts', clients, [np.int64])
+      if table.ndim != 2 or table.shape[1] != num_classes:
+        raise UploadError(
+          f'SuperNode reply for client(s) {clients}: label_counts is {list(table.shape)}, '
+          f'expected [{len(clients)}, {num_classes}]'
+        )
+      if np.any(table < 0) or np.any(table.sum(1) < 1):
+        raise UploadError(
+          f'SuperNode reply for client(s) {clients}: label counts must be non-negative, with '
+          'at least one sample per client'
+        )
+      for cid in clients:
+        if not 0 <= cid < num_clients:
+          raise ConfigError(
+            f'a SuperNode declares client {cid}, not in [0, {num_clients}) (partition.num_clients)'
+          )
+      per_node.append(clients)
+      tables.update(zip(clients, table))
+    twice = own_data.duplicate_clients(per_node)
+    if twice:
+      cid, nodes = next(iter(twice.items()))
+      names = [_source(replies[k]) for k in nodes]
+      raise ConfigError(
+        f'client {cid} is declared by {len(nodes)} SuperNodes ({", ".join(names)}): each '
+        "client's file must be in one SuperNode's data-dir only"
+      )
+    missing = sorted(set(range(num_clients)) - set(tables))
+    if missing:
+      raise ConfigError(
+        f'no SuperNode declares client(s) {missing}: the run config has partition.num_clients '
+        f"= {num_clients}, each client's file in one SuperNode's data-dir"
+      )
+    self.own_data = (tuple(int(d) for d in input_shape), int(num_classes))
+    return np.stack([tables[c] for c in range(num_clients)]).astype(np.int64)
+
   def train(self, request: TrainRequest) -> Tuple[Dict[int, List[np.ndarray]], Dict[int, Any]]:
     """{client id: trained leaves}, {client id: (losses, accuracies) per epoch}, for the
     clients whose node replied (all of them unless `min_nodes` lets the exchange go on
     without some)."""
     found = self._ask(request.to_records(), request.client_ids, require_all=False)
+    asked = dict(zip((int(c) for c in request.client_ids), (int(n) for n in request.sizes)))
     leaves, metrics, unpacked = {}, {}, {}
     for cid, (content, row) in found.items():
       if id(content) not in unpacked:
@@ -356,6 +454,14 @@ class FlowerTransport:
               f'SuperNode reply for client(s) {clients}: label_counts is '
               f'{counts.dtype}{list(counts.shape)}, expected int[{k}, classes]'
             )
+        if request.data_spec is not None:  # the node's data: its sizes are checked here
+          trained = _reply_values(result, 'sizes', k, clients)
+          for client, n in zip(clients, trained):
+            if n != asked.get(client):
+              raise UploadError(
+                f'SuperNode reply for client {client}: trained on {n:g} samples, but the server '
+                f'asked for {asked.get(client)} (the size its SuperNode declared, 0 sitting out)'
+              )
         unpacked[id(content)] = (
           _reply_rows(content, 'arrays', clients),
           _reply_values(result, 'loss', k * request.epochs, clients).reshape(k, request.epochs),
@@ -444,6 +550,12 @@ class FlowerTransport:
     return replies
 
 
+def _source(reply) -> str:
+  """A reply's SuperNode, as Flower names it (its node id)."""
+  node = getattr(getattr(reply, 'metadata', None), 'src_node_id', None)
+  return 'an unnamed node' if node is None else f'node {node}'
+
+
 def _record_bytes(content) -> int:
   return int(sum(r.count_bytes() for r in content.values() if hasattr(r, 'count_bytes')))
 
@@ -517,6 +629,14 @@ class RemoteGroupTrainer:
     own = np.minimum(sizes, self.partition_sizes[ids])  # samples from the client's partition
     counts = sizes - own
     extra = None
+    own_data_spec = self.transport.own_data
+    if own_data_spec is not None and (
+      counts.any() or json.loads(self.recipe)['kind'] != 'classifier'
+    ):
+      raise ConfigError(
+        'this method trains clients on samples beyond their own data or checks their labels on '
+        'the server, which SuperNodes serving their own data do not allow'
+      )
     if counts.any():
       extra = tuple(
         np.concatenate([np.asarray(a[i, own[i] : sizes[i]]) for i in range(m)])
@@ -536,7 +656,8 @@ class RemoteGroupTrainer:
       self.recipe,
       ids,
       sizes,
-      client_digests(fed, range(m), own),
+      # own data: the nodes' samples, which the server never sees, are not checked here
+      [] if own_data_spec is not None else client_digests(fed, range(m), own),
       epochs,
       np.asarray(jax.random.key_data(key) if _is_typed_key(key) else key),
       [np.asarray(a) for a in start],
@@ -545,6 +666,7 @@ class RemoteGroupTrainer:
       counts,
       extra,
       anchor_is_start,
+      own_data_spec,
     )
     leaves, metrics = self.transport.train(request)
     treedef = jax.tree.structure(model)
@@ -618,8 +740,76 @@ class NodeTrainer:
       raise ConfigError(f'partition-id {partition_id} is not in [0, {num_partitions})')
     self.ctx = ctx
     self.owned = sharding.client_block(ctx.num_clients, partition_id, num_partitions)
+    # Own data (`serving`): {client id: its samples} and the run config; None: the seeded
+    # partition of `ctx`.
+    self.clients: Optional[Dict[int, own_data.ClientData]] = None
+    self._config = None
+    self._data_spec: Optional[Tuple[Tuple[int, ...], int]] = None
     self._trainers: Dict[Tuple, Any] = {}
     self._templates: Dict[str, Any] = {}
+
+  @classmethod
+  def serving(cls, config: ml_collections.ConfigDict, data_dir: str) -> 'NodeTrainer':
+    """A node whose clients are the files of its own `data_dir` (jfed/flower/own_data.py).
+
+    Their format is checked now; their image shape and labels against the run's dataset at the
+    first message, which carries them (the node loads no dataset of its own).
+
+    Args:
+      config: The run config (the clients' model, optimiser and batch size, their number).
+      data_dir: The node's directory of `client_<id>.npz` files.
+
+    Returns:
+      The node, its context built at its first message.
+    """
+    clients = own_data.load_clients(data_dir, int(config.partition.num_clients))
+    node = cls.__new__(cls)
+    node.ctx, node.owned, node.clients, node._config = None, list(clients), clients, config
+    node._data_spec, node._trainers, node._templates = None, {}, {}
+    return node
+
+  def _serve_own_data(self, data_spec: Optional[Tuple[Sequence[int], int]]) -> None:
+    """Checks that the server and this node agree on whose data the clients train (`data_spec`
+    None: the seeded partition), and at the first own-data message builds the node's context over
+    its files, checked against the dataset's (image shape, classes) that the server sent."""
+    if data_spec is None and self.clients is not None:
+      raise ConfigError(
+        'this SuperNode serves its own data (node config data-dir), but the run trains the '
+        'seeded partition: start the run with run config own-data=true'
+      )
+    if data_spec is not None and self.clients is None:
+      raise ConfigError(
+        "the run trains the SuperNodes' own data (run config own-data=true), but this "
+        'SuperNode has no node config data-dir'
+      )
+    if data_spec is None:
+      return
+    shape, classes = tuple(int(d) for d in data_spec[0]), int(data_spec[1])
+    if self._data_spec is not None:
+      if (shape, classes) != self._data_spec:
+        raise ConfigError(
+          f'the server changed the dataset from {self._data_spec} to {(shape, classes)}'
+        )
+      return
+    own_data.check_spec(self.clients, shape, classes)
+    ids = list(self.clients)
+    bounds = np.cumsum([0] + [len(self.clients[c].y) for c in ids])
+    rows = {c: np.arange(bounds[j], bounds[j + 1]) for j, c in enumerate(ids)}
+    config = self._config
+    parts = [rows.get(c, np.zeros(0, np.int64)) for c in range(int(config.partition.num_clients))]
+    empty_x, empty_y = np.zeros((0, *shape), np.float32), np.zeros(0, np.int32)
+    dataset = Dataset(
+      str(config.dataset.name),
+      np.concatenate([self.clients[c].x for c in ids]),
+      np.concatenate([self.clients[c].y for c in ids]),
+      empty_x,  # the test split is the server's
+      empty_y,
+      classes,
+      empty_x,  # nothing to hold out: the server holds any public data
+      empty_y,
+    )
+    self.ctx = make_context(config, dataset, parts)
+    self._data_spec = (shape, classes)
 
   def handle(self, content, setup_seconds: float = 0.0):
     """The reply's records to a request of any operation; `result` carries the ids of the
@@ -628,8 +818,15 @@ class NodeTrainer:
     op = str(content['config']['op'])
     if op not in OPERATIONS:
       raise ConfigError(f'unknown operation {op!r}; known: {", ".join(OPERATIONS)}')
+    if op in ('soft_labels', 'distill') and self.clients is not None:
+      raise ConfigError(
+        f'this SuperNode serves its own data (node config data-dir): {op!r} (HFLDD) runs on the '
+        'seeded partition only'
+      )
     if op == 'train':
       ids, arrays, metrics = self._train(TrainRequest.from_records(content))
+    elif op == 'describe':
+      ids, arrays, metrics = self._describe(content)
     elif op == 'soft_labels':
       ids, arrays, metrics = self._soft_labels(content)
     else:
@@ -648,10 +845,23 @@ class NodeTrainer:
   def train(self, request: TrainRequest, setup_seconds: float = 0.0):
     return self.handle(request.to_records(), setup_seconds)
 
+  def _describe(self, content):
+    """The clients of this node's own data: their ids and label counts (hence sizes)."""
+    task = content['config']
+    self._serve_own_data(_spec_of(task) if task.get('data') == 'node' else None)
+    if self.clients is None:  # a describe request always carries the spec
+      raise ConfigError('a describe request without the dataset spec')
+    classes = self._data_spec[1]
+    ids = list(self.clients)
+    table = np.stack([np.bincount(self.clients[c].y, minlength=classes) for c in ids])
+    return ids, {'label_counts': [table.astype(np.int64)]}, {}
+
   def _train(self, request: TrainRequest):
+    self._serve_own_data(request.data_spec)
     rows = [i for i, c in enumerate(request.client_ids) if int(c) in self.owned]
     if not rows:
-      return [], {'arrays': []}, {'loss': [], 'accuracy': [], 'num-examples': 0}
+      empty = {'loss': [], 'accuracy': [], 'num-examples': 0}
+      return [], {'arrays': []}, empty if self.clients is None else {**empty, 'sizes': []}
     ids = request.client_ids[rows]
     recipe = json.loads(request.recipe)
     kind = recipe.get('kind')
@@ -666,7 +876,11 @@ class NodeTrainer:
     own = sizes - counts
     if np.any(own < 0) or np.any(own > group.fed.sizes):
       raise ConfigError(f'the server asks clients {ids.tolist()} for more samples than they hold')
-    if client_digests(group.fed, range(len(ids)), own) != [request.digests[i] for i in rows]:
+    if self.clients is not None and counts.any():
+      raise ConfigError(f'the server sends clients {ids.tolist()} samples beyond their own data')
+    if self.clients is None and client_digests(group.fed, range(len(ids)), own) != [
+      request.digests[i] for i in rows
+    ]:
       raise ConfigError(
         f'the server trains clients {ids.tolist()} on data other than their partition here '
         '(this method trains clients on data the SuperNodes do not hold)'
@@ -740,6 +954,8 @@ class NodeTrainer:
         'accuracy': [float(v) for v in np.asarray(metrics.accuracy).reshape(-1)],
         # Flower's name for the weight of a reply (its strategies and mods read it)
         'num-examples': int(np.sum(sizes)),
+        # own data: what each client trained on, which the server checks against its request
+        **({} if self.clients is None else {'sizes': [int(n) for n in sizes]}),
       },
     )
 
