@@ -159,3 +159,127 @@ def test_log_space_kde_is_the_kde_of_log_durations_with_a_bandwidth_floor():
   assert len(floored.means) == 1  # a 0.3 kernel (35 % in duration) merges the three classes
   with pytest.raises(ValueError, match='space'):
     kde_clusters(durations, space='seconds')
+
+
+def _kde_clusters_by_hand(durations, bandwidth, grid_size, quantum, space, min_bandwidth):
+  """FedTSA §4.3 written out in NumPy, without scipy or jfed: a Gaussian KDE whose kernel sd is
+  scipy's rule (Scott n^(-1/5), Silverman (3n/4)^(-1/5), or a factor) times the sample sd
+  (ddof 1), floored at `min_bandwidth`; the density on `grid_size` points over the sample ± 3
+  sd; grid points strictly below the left neighbour and not above the right one, strictly
+  inside the sample's range, as boundaries (kept only with a client on each side, counted from
+  the previous kept one); clients numbered by the boundaries below them; r_k = the fastest
+  cluster's mean over cluster k's, rounded to `quantum` (at least one) with the fastest 1."""
+  d = np.asarray(durations, np.float64)
+  x = np.log(d) if space == 'log' else d
+  n = len(x)
+  factor = {'scott': n ** (-1 / 5), 'silverman': (n * 3 / 4) ** (-1 / 5)}.get(bandwidth, bandwidth)
+  sd = max(float(factor) * float(np.std(x, ddof=1)), min_bandwidth)
+  grid = np.linspace(x.min() - 3 * sd, x.max() + 3 * sd, grid_size)
+  density = np.exp(-0.5 * ((grid[:, None] - x[None, :]) / sd) ** 2).sum(1)
+  density /= n * sd * np.sqrt(2 * np.pi)
+  edges = []
+  for j in range(1, grid_size - 1):
+    if density[j] < density[j - 1] and density[j] <= density[j + 1] and x.min() < grid[j] < x.max():
+      b = float(np.exp(grid[j])) if space == 'log' else float(grid[j])
+      lower = edges[-1] if edges else -np.inf
+      if ((d > lower) & (d < b)).any() and (d > b).any():
+        edges.append(b)
+  assignments = np.array([sum(e < v for e in edges) for v in d])
+  means = np.array([d[assignments == k].mean() for k in range(len(edges) + 1)])
+  rates = means.min() / means
+  if quantum:
+    rates = np.round(np.maximum(np.round(rates / quantum) * quantum, quantum), 10)
+    rates[np.argmin(means)] = 1.0
+  shown_grid = np.exp(grid) if space == 'log' else grid
+  return assignments, np.array(edges), means, rates, shown_grid, density, sd
+
+
+@pytest.mark.parametrize(
+  'seed,bandwidth,grid_size,quantum,space,min_bandwidth',
+  [
+    (0, 0.2, 2048, 0.0, 'duration', 0.0),
+    (1, 'scott', 512, 0.1, 'duration', 0.0),
+    (2, 'silverman', 301, 0.0, 'log', 0.0),
+    (3, 0.05, 1000, 0.25, 'log', 0.08),  # the floor binds: 0.05 x sd is below 0.08
+    (4, 0.3, 777, 0.0, 'duration', 0.01),  # a floor that does not bind
+    (5, 0.02, 4000, 0.05, 'duration', 0.0),  # a narrow kernel
+    # classes so far apart that the density underflows to zero, then to steps of subnormal
+    # numbers, between them: each step down passes the minimum test, and only the first of a
+    # gap has a client on each side of it
+    (6, 0.01, 3000, 0.0, 'duration', 0.0),
+  ],
+)
+def test_kde_clusters_is_the_papers_procedure_computed_independently(
+  seed, bandwidth, grid_size, quantum, space, min_bandwidth
+):
+  """Every field of the result, for three device classes of unequal sizes, shuffled."""
+  rng = np.random.default_rng(seed)
+  modes = (1.0, 5.0, 30.0) if seed == 6 else (1.0, 1.4, 2.3)
+  durations = np.concatenate([rng.normal(m, 0.03 * m, k) for m, k in zip(modes, (5, 9, 6))])
+  durations = rng.permutation(durations)
+  got = kde_clusters(durations, bandwidth, grid_size, quantum, space, min_bandwidth)
+  assignments, edges, means, rates, grid, density, sd = _kde_clusters_by_hand(
+    durations, bandwidth, grid_size, quantum, space, min_bandwidth
+  )
+  np.testing.assert_array_equal(got.assignments, assignments)
+  np.testing.assert_allclose(got.boundaries, edges, rtol=1e-12)
+  np.testing.assert_allclose(got.means, means, rtol=1e-12)
+  np.testing.assert_allclose(got.rates, rates, rtol=1e-12)
+  np.testing.assert_allclose(got.grid, grid, rtol=1e-12)
+  np.testing.assert_allclose(got.density, density, rtol=1e-9, atol=1e-300)  # subnormal tails
+  assert got.bandwidth == pytest.approx(sd, rel=1e-12) and got.space == space
+  assert len(got.grid) == grid_size and got.assignments.dtype.kind == 'i'
+
+
+def test_one_device_class_is_one_cluster_with_the_mean_and_rate_one():
+  # equal up to 1e-12 of the slowest: 1e-10 s apart at 1000 s is one class
+  for durations in ([2.5], [3.0, 3.0, 3.0], [1000.0, 1000.0 + 1e-10, 1000.0]):
+    c = kde_clusters(durations, space='log')
+    assert c.assignments.dtype == np.int64
+    np.testing.assert_array_equal(c.assignments, np.zeros(len(durations)))
+    assert c.boundaries.shape == (0,) and c.bandwidth == 0.0 and c.space == 'log'
+    np.testing.assert_array_equal(c.means, [np.mean(durations)])
+    np.testing.assert_array_equal(c.rates, [1.0])
+    np.testing.assert_array_equal(c.grid, [min(durations)])
+    np.testing.assert_array_equal(c.density, [1.0])
+
+
+@pytest.mark.parametrize(
+  'kwargs,message',
+  [
+    ({'durations': []}, 'no client durations to cluster'),
+    ({'durations': [1.0, np.inf]}, r'client durations must be finite and > 0, got \[1.0, inf\]'),
+    ({'durations': [1.0, 0.0]}, r'client durations must be finite and > 0, got \[1.0, 0.0\]'),
+    ({'bandwidth': 'normal'}, "bandwidth must be 'scott', 'silverman' or a float, got 'normal'"),
+    ({'bandwidth': 0.0}, 'bandwidth factor must be > 0, got 0.0'),
+    ({'bandwidth': -1}, 'bandwidth factor must be > 0, got -1'),
+    ({'space': 'seconds'}, "space must be 'duration' or 'log', got 'seconds'"),
+    ({'min_bandwidth': -0.1}, 'min_bandwidth must be >= 0, got -0.1'),
+  ],
+)
+def test_each_bad_setting_is_refused_with_its_message(kwargs, message):
+  args = {'durations': [1.0, 2.0, 2.1], **kwargs}
+  with pytest.raises(ValueError, match=f'^{message}$'):
+    kde_clusters(**args)
+
+
+def test_pruning_rates_round_to_the_quantum_but_never_below_one_quantum():
+  np.testing.assert_allclose(pruning_rates([1.0, 1.27, 40.0]), [1.0, 1 / 1.27, 0.025])
+  np.testing.assert_array_equal(pruning_rates([1.0, 1.27, 40.0], 0.1), [1.0, 0.8, 0.1])
+  # the fastest is 1.0 exactly wherever it sits, even where rounding would give it another value
+  np.testing.assert_array_equal(pruning_rates([3.0, 2.0, 6.0], 0.3), [0.6, 1.0, 0.3])
+
+
+def test_two_clients_can_be_two_clusters_and_durations_are_read_flat_as_floats():
+  two = kde_clusters([1.0, 2.0], 0.1)
+  np.testing.assert_array_equal(two.assignments, [0, 1])
+  np.testing.assert_allclose(two.rates, [1.0, 0.5])
+  durations, truth = _three_modes()
+  flat = kde_clusters(durations, 0.2)
+  assert len(flat.grid) == 2048  # the default grid
+  nested = kde_clusters(durations.reshape(4, 5), 0.2)  # a table of durations, read row by row
+  np.testing.assert_array_equal(nested.assignments, truth)
+  np.testing.assert_array_equal(nested.density, flat.density)
+  whole = kde_clusters([1, 1, 1, 4, 4, 4], 0.3)  # integer seconds
+  np.testing.assert_allclose(whole.means, [1.0, 4.0])
+  assert whole.grid.dtype == np.float64
