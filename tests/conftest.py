@@ -8,9 +8,11 @@ disk reads. Rendered reports carry a fixed date. The environment variables reach
 """
 
 import gc
+import json
 import os
 import pathlib
 import tempfile
+import time
 
 # XLA's backend optimisation level 1 (default 2): measured on the suite's compile-heavy modules
 # (KIP, engine, distillation losses, stratification) 9% less CPU time, and on the one-shot
@@ -50,3 +52,47 @@ def pytest_collection_modifyitems(config, items):
   """Runs the tests marked `slow` first, so that with `-n auto` the longest ones start at once
   instead of ending the session alone on one core."""
   items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    '--compile-profile',
+    default=None,
+    help='Append one JSON line per test to this file: wall and process CPU seconds, and the '
+    "seconds and number of XLA compilations (JAX's backend_compile_duration events) it caused. "
+    'Where the cold suite spends its time: run it with an empty JAX_COMPILATION_CACHE_DIR.',
+  )
+
+
+_COMPILES = {'seconds': 0.0, 'count': 0}
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+  if event == '/jax/core/compile/backend_compile_duration':
+    _COMPILES['seconds'] += duration
+    _COMPILES['count'] += 1
+
+
+def pytest_configure(config):
+  if config.getoption('--compile-profile'):
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  path = item.config.getoption('--compile-profile')
+  if not path:
+    yield
+    return
+  seconds, count = _COMPILES['seconds'], _COMPILES['count']
+  wall, cpu = time.perf_counter(), time.process_time()
+  yield
+  record = {
+    'test': item.nodeid,
+    'wall': time.perf_counter() - wall,
+    'cpu': time.process_time() - cpu,
+    'compile': _COMPILES['seconds'] - seconds,
+    'compiles': _COMPILES['count'] - count,
+  }
+  with open(path, 'a') as f:  # one short line per write: xdist workers may share the file
+    f.write(json.dumps(record) + '\n')
