@@ -12,7 +12,7 @@ $JFED_DATA_DIR/fashion-mnist):
     python -m experiments.gpu_queue --next --out=$OUT [--parallel=3] [--limit_s=480]
 
 runs the first `--parallel` chunks the ledger does not hold as done, each in its own process
-(the GPU's memory split between them), stops any still running after `--limit_s` seconds, and
+(the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself), stops any still running after `--limit_s` seconds, and
 writes OUT/<chunk>.tar.gz: the chunk's results (tables, results.json, metrics.jsonl and
 summary.json of every run, figures; no checkpoints), its log and its ledger entry. Back here:
 
@@ -64,6 +64,7 @@ class Chunk:
     args: its flags, `--out` excepted.
     merge_args: the flags with which `module --merge=...` renders the group's table; empty when
       the command cannot merge (the group's chunks then keep their own tables).
+    alone: runs with no other chunk beside it (the whole GPU and the machine's CPU threads).
   """
 
   name: str
@@ -71,6 +72,7 @@ class Chunk:
   module: str
   args: Tuple[str, ...]
   merge_args: Tuple[str, ...] = ()
+  alone: bool = False
 
 
 FEDHYDRA_CONFIG = 'experiments/configs/fedhydra_fashion_mnist.py:paper'
@@ -104,8 +106,11 @@ def _fedhydra(partition: str, seed: int, methods: str) -> Chunk:
 
 
 def _fedmho(alpha: float, seed: int, runs: str) -> Chunk:
+  # Alone: each chunk trains its clients at the paper's 200 local epochs, which beside two other
+  # chunks ran at 0.45 epoch/s on an H100 (about 450 s before the server stage; 2026-11-27).
   group = f'fedmho_t3_fmnist_dir{alpha}_paper'
   return Chunk(
+    alone=True,
     name=f'{group}_s{seed}_{runs.replace(",", "_")}',
     group=group,
     module='experiments.fedmho_tables',
@@ -315,10 +320,21 @@ def pack(chunk: Chunk, folder: pathlib.Path, entry: dict, out: pathlib.Path) -> 
   return archive
 
 
+def next_batch(queue: Sequence[Chunk], parallel: int) -> List[Chunk]:
+  """The chunks the next call runs side by side: the first pending chunk alone if it must run
+  alone, else up to `parallel` pending chunks in queue order, stopping before one that must."""
+  batch: List[Chunk] = []
+  for chunk in queue[:parallel]:
+    if chunk.alone:
+      return batch or [chunk]
+    batch.append(chunk)
+  return batch
+
+
 def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.Path) -> List[str]:
   """Runs the next `parallel` pending chunks side by side for at most `limit_s` seconds and packs
   each into `out`; returns their names."""
-  batch = pending(chunks(), read_ledger(RESULTS))[:parallel]
+  batch = next_batch(pending(chunks(), read_ledger(RESULTS)), parallel)
   if not batch:
     print('The queue is empty: every chunk is done.')
     return []

@@ -151,3 +151,14 @@ def test_run_next_packs_each_chunk_with_its_status(tmp_path, monkeypatch, comman
     entry = json.load(tar.extractfile('entry.json'))
   assert entry['status'] == status and entry['device'] == 'Test GPU'
   assert (entry['seconds'] == f'>{limit_s}') == (status == 'partial')
+
+
+def test_a_chunk_that_must_run_alone_gets_the_machine_to_itself():
+  a, b = (q.Chunk(f'{n}_s0', n, 'experiments.fedhydra_tables', ()) for n in 'ab')
+  solo = q.Chunk('solo_s0', 'solo', 'experiments.fedmho_tables', (), alone=True)
+  assert q.next_batch([a, b, solo], 3) == [a, b]
+  assert q.next_batch([a, solo, b], 3) == [a]
+  assert q.next_batch([solo, a, b], 3) == [solo]
+  assert q.next_batch([a, b], 1) == [a] and q.next_batch([], 3) == []
+  fedmho = [c for c in q.chunks() if c.module == 'experiments.fedmho_tables']
+  assert fedmho and all(c.alone for c in fedmho)
