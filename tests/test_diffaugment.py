@@ -22,16 +22,17 @@ def _params(x, seed=0, **fixed):
 def test_flip_matches_numpy_and_twice_is_identity():
   x = _images()
   which = np.array([True, False, True, False])
-  got = np.asarray(da.flip(x, which))
+  flip = jax.jit(da.flip)
+  got = np.asarray(flip(x, which))
   np.testing.assert_array_equal(got[which], x[which][:, :, ::-1])
   np.testing.assert_array_equal(got[~which], x[~which])
-  np.testing.assert_array_equal(np.asarray(da.flip(got, which)), x)
+  np.testing.assert_array_equal(np.asarray(flip(got, which)), x)
 
 
 def test_translate_matches_numpy_roll_with_zero_fill():
   x = _images(b=5, h=8, w=7, c=2)
   dy, dx = np.array([-2, -1, 0, 1, 2]), np.array([1, 2, 0, -2, -1])
-  got = np.asarray(da.translate(x, dy, dx, max_shift=2))
+  got = np.asarray(jax.jit(da.translate, static_argnames='max_shift')(x, dy, dx, max_shift=2))
   for b in range(len(x)):
     expected = np.roll(x[b], (-dy[b], -dx[b]), axis=(0, 1))
     rows, cols = np.arange(8) + dy[b], np.arange(7) + dx[b]
@@ -44,7 +45,7 @@ def test_cutout_matches_the_reference_index_formula():
   x = _images(b=6, h=8, w=8, c=3)
   size = 4  # int(8 · 0.5 + 0.5)
   cy, cx = np.array([0, 8, 3, 5, 1, 7]), np.array([8, 0, 4, 2, 6, 7])
-  got = np.asarray(da.cutout(x, cy, cx, size, size))
+  got = np.asarray(jax.jit(da.cutout, static_argnums=(3, 4))(x, cy, cx, size, size))
   for b in range(len(x)):
     # the reference: mask[clamp(arange(size) + offset - size // 2, 0, H - 1)] = 0
     rows = np.clip(np.arange(size) + cy[b] - size // 2, 0, 7)
@@ -58,22 +59,32 @@ def test_color_transforms_match_their_formulas():
   x = _images(b=3, c=3)
   r = np.array([0.0, 0.3, 0.9], np.float32)
   per = r[:, None, None, None]
-  np.testing.assert_allclose(da.brightness(x, r), x + (per - 0.5) * 1.0, rtol=1e-6)
-  m = x.mean(axis=3, keepdims=True)
-  np.testing.assert_allclose(da.saturation(x, r), (x - m) * per * 2.0 + m, rtol=1e-5, atol=1e-6)
-  m = x.mean(axis=(1, 2, 3), keepdims=True)
-  np.testing.assert_allclose(da.contrast(x, r), (x - m) * (per + 0.5) + m, rtol=1e-5, atol=1e-6)
   gray = _images(b=3, c=1)
-  np.testing.assert_allclose(da.saturation(gray, r), gray, atol=1e-6)  # one channel: no-op
+  # jitted: run op by op, each transform compiled its primitives one by one (cold time)
+  bright, sat, con, sat_gray = jax.jit(
+    lambda x, gray, r: (
+      da.brightness(x, r),
+      da.saturation(x, r),
+      da.contrast(x, r),
+      da.saturation(gray, r),
+    )
+  )(x, gray, r)
+  np.testing.assert_allclose(bright, x + (per - 0.5) * 1.0, rtol=1e-6)
+  m = x.mean(axis=3, keepdims=True)
+  np.testing.assert_allclose(sat, (x - m) * per * 2.0 + m, rtol=1e-5, atol=1e-6)
+  m = x.mean(axis=(1, 2, 3), keepdims=True)
+  np.testing.assert_allclose(con, (x - m) * (per + 0.5) + m, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sat_gray, gray, atol=1e-6)  # one channel: no-op
 
 
 def test_affine_identity_and_quarter_turn():
   x = _images(b=2, h=6, w=6, c=2)
   one = np.ones(2, np.float32)
-  np.testing.assert_allclose(da.scale(x, one, one), x, atol=1e-6)
-  np.testing.assert_allclose(da.rotate(x, np.zeros(2, np.float32)), x, atol=1e-6)
+  scale, rotate = jax.jit(da.scale), jax.jit(da.rotate)  # eager: ~45 one-primitive programs
+  np.testing.assert_allclose(scale(x, one, one), x, atol=1e-6)
+  np.testing.assert_allclose(rotate(x, np.zeros(2, np.float32)), x, atol=1e-6)
   # +90°: out[i, j] = x[j, W-1-i], numpy's counter-clockwise rot90 on (H, W)
-  quarter = np.asarray(da.rotate(x, np.full(2, np.pi / 2, np.float32)))
+  quarter = np.asarray(rotate(x, np.full(2, np.pi / 2, np.float32)))
   np.testing.assert_allclose(quarter, np.rot90(x, k=1, axes=(1, 2)), atol=1e-5)
 
 
@@ -85,7 +96,8 @@ def test_scale_and_rotate_match_bilinear_sampling_with_zero_padding():
   angle = np.array([0.2, -0.26, 0.1], np.float32)
   h, w = 9, 7
   gy, gx = np.meshgrid(np.linspace(-1, 1, h), np.linspace(-1, 1, w), indexing='ij')
-  for kind, got in (('scale', da.scale(x, sx, sy)), ('rotate', da.rotate(x, angle))):
+  scaled, rotated = jax.jit(lambda x: (da.scale(x, sx, sy), da.rotate(x, angle)))(x)
+  for kind, got in (('scale', scaled), ('rotate', rotated)):
     for b in range(len(x)):
       if kind == 'scale':
         u, v = sx[b] * gx, sy[b] * gy
@@ -107,13 +119,14 @@ def test_affine_matches_torch_grid_sample():
     torch.tensor(theta, dtype=torch.float32), xt.shape, align_corners=True
   )
   expected = torch.nn.functional.grid_sample(xt, grid, align_corners=True).permute(0, 2, 3, 1)
-  got = da.affine(x, theta.astype(np.float32))
+  got = jax.jit(da.affine)(x, theta.astype(np.float32))
   np.testing.assert_allclose(np.asarray(got), expected.numpy(), atol=1e-5)
 
 
 def test_sampled_parameters_cover_the_reference_ranges():
   shape = (4000, 28, 28, 1)
-  p = {k: np.asarray(v) for k, v in da.sample_params(jax.random.key(0), shape).items()}
+  sample = jax.jit(da.sample_params, static_argnums=1)
+  p = {k: np.asarray(v) for k, v in sample(jax.random.key(0), shape).items()}
   # rand_crop: randint(-s, s + 1) with s = int(28 · 0.125 + 0.5) = 4
   assert set(p['crop_y']) == set(p['crop_x']) == set(range(-4, 5))
   # rand_cutout: size int(28 · 0.5 + 0.5) = 14 (even) -> randint(0, 28 + 1)
@@ -122,9 +135,9 @@ def test_sampled_parameters_cover_the_reference_ranges():
   assert 1 / 1.2 <= p['scale_x'].min() < 0.85 and 1.18 < p['scale_x'].max() <= 1.2
   limit = 15 / 180 * np.pi
   assert -limit <= p['rotate'].min() < -0.95 * limit and 0.95 * limit < p['rotate'].max() <= limit
-  odd = da.sample_params(jax.random.key(0), (4000, 7, 7, 1))  # size int(4.0) = 4, even
+  odd = sample(jax.random.key(0), (4000, 7, 7, 1))  # size int(4.0) = 4, even
   assert set(np.asarray(odd['cutout_y'])) == set(range(0, 8))
-  odd = da.sample_params(jax.random.key(0), (4000, 5, 5, 1))  # size int(3.0) = 3, odd
+  odd = sample(jax.random.key(0), (4000, 5, 5, 1))  # size int(3.0) = 3, odd
   assert set(np.asarray(odd['cutout_y'])) == set(range(0, 5))
 
 
@@ -132,34 +145,43 @@ def test_single_mode_applies_one_uniformly_chosen_word():
   x = _images(b=3)
   words = da.strategy_words(da.DEFAULT_STRATEGY)
   keys = jax.random.split(jax.random.key(0), 240)
-  params = jax.vmap(lambda k: da.sample_params(k, x.shape))(keys)
-  chosen = np.minimum(np.floor(np.asarray(params['choice'][:, 0]) * 6), 5).astype(int)
+
+  @jax.jit  # run op by op, the vmaps and words compiled ~150 one-primitive programs
+  def by_hand(keys, key):
+    params = jax.vmap(lambda k: da.sample_params(k, x.shape))(keys)
+    per_word = [jax.vmap(lambda p, w=w: da.apply_word(w, x, p))(params) for w in words]
+    # mode 'M' runs every word in order
+    p = da.sample_params(key, x.shape)
+    expected = x
+    for word in words:
+      expected = da.apply_word(word, expected, p)
+    return params['choice'], jnp.stack(per_word), expected, p
+
+  choice, per_word, expected_m, p = by_hand(keys, jax.random.key(0))
+  chosen = np.minimum(np.floor(np.asarray(choice[:, 0]) * 6), 5).astype(int)
   got = jax.jit(jax.vmap(lambda k: da.DiffAugment()(k, x)))(keys)
-  per_word = [jax.vmap(lambda p, w=w: da.apply_word(w, x, p))(params) for w in words]
-  expected = np.stack(per_word)[chosen, np.arange(len(keys))]
+  expected = np.asarray(per_word)[chosen, np.arange(len(keys))]
   np.testing.assert_allclose(got, expected, atol=1e-6)
   counts = np.bincount(chosen, minlength=6)
   assert counts.min() >= 20, counts  # 40 expected per word
-  # mode 'M' runs every word in order
-  p = da.sample_params(jax.random.key(0), x.shape)
-  expected = x
-  for word in words:
-    expected = da.apply_word(word, expected, p)
-  got = da.apply_params(x, p, da.DEFAULT_STRATEGY, single=False)
-  np.testing.assert_allclose(got, expected, atol=1e-6)
+  got = jax.jit(lambda x, p: da.apply_params(x, p, da.DEFAULT_STRATEGY, single=False))(x, p)
+  np.testing.assert_allclose(got, expected_m, atol=1e-6)
 
 
 def test_siamese_and_batchwise_parameters():
   a, b = _images(seed=1), _images(seed=2)
-  p = da.sample_params(jax.random.key(3), a.shape)
+  p = jax.jit(da.sample_params, static_argnums=1)(jax.random.key(3), a.shape)
   strategy = 'crop_cutout_flip_scale_rotate'  # linear in the images for fixed parameters
-  for word in da.strategy_words(strategy):
-    fa, fb = da.apply_word(word, a, p), da.apply_word(word, b, p)
-    np.testing.assert_allclose(da.apply_word(word, a + 2 * b, p), fa + 2 * fb, atol=1e-5)
-  aug = da.DiffAugment(strategy)
+  # jitted: run op by op, the words compiled ~100 one-primitive programs (cold time)
+  word = jax.jit(da.apply_word, static_argnums=0)
+  for w in da.strategy_words(strategy):
+    fa, fb = word(w, a, p), word(w, b, p)
+    np.testing.assert_allclose(word(w, a + 2 * b, p), fa + 2 * fb, atol=1e-5)
+  aug = jax.jit(da.DiffAugment(strategy).__call__)
   np.testing.assert_array_equal(aug(jax.random.key(5), a), aug(jax.random.key(5), a))
   same = np.repeat(a[:1], 6, axis=0)
-  out = np.asarray(da.DiffAugment(da.DEFAULT_STRATEGY, batchwise=True)(jax.random.key(7), same))
+  batchwise = jax.jit(da.DiffAugment(da.DEFAULT_STRATEGY, batchwise=True).__call__)
+  out = np.asarray(batchwise(jax.random.key(7), same))
   np.testing.assert_array_equal(out, np.repeat(out[:1], 6, axis=0))
 
 
@@ -169,16 +191,17 @@ def test_normalised_space_fill_and_brightness():
   mean, std = 0.1307, 0.3081
   x = _images(b=16)
   key = jax.random.key(0)
-  p = da.sample_params(key, x.shape)
-  got = np.asarray(da.DiffAugment('crop', mean, std)(key, x))
+  p = jax.jit(da.sample_params, static_argnums=1)(key, x.shape)
+  got = np.asarray(jax.jit(da.DiffAugment('crop', mean, std).__call__)(key, x))
   dy, dx = np.asarray(p['crop_y']), np.asarray(p['crop_x'])
-  np.testing.assert_allclose(got, np.asarray(da.translate(x - mean, dy, dx, 1)) + mean, atol=1e-6)
+  shifted = jax.jit(da.translate, static_argnums=3)(x - mean, dy, dx, 1)
+  np.testing.assert_allclose(got, np.asarray(shifted) + mean, atol=1e-6)
   down = np.flatnonzero(dy == 1)
   assert len(down), dy
   np.testing.assert_allclose(got[down, -1], mean, atol=1e-6)  # the row shifted in
   flat = np.full((16, 8, 8, 1), 0.7, np.float32)  # saturation and contrast leave it alone
   r = np.asarray(p['brightness'])[:, None, None, None]
-  got = da.DiffAugment('color', mean, std)(key, flat)
+  got = jax.jit(da.DiffAugment('color', mean, std).__call__)(key, flat)
   np.testing.assert_allclose(got, flat + std * (r - 0.5), atol=1e-6)
   assert da.DiffAugment('none')(key, x) is x
 
@@ -187,18 +210,24 @@ def test_gradients_flow_through_every_word():
   x = jnp.asarray(_images(b=3, c=3))
   w = jnp.asarray(np.random.default_rng(1).normal(size=x.shape).astype(np.float32))
   d = jnp.asarray(np.random.default_rng(2).normal(size=x.shape).astype(np.float32))
-  for word in da.WORDS:
-    aug = da.DiffAugment(word)
-    key = jax.random.key(11)
-    f = lambda y, aug=aug: aug(key, y)
-    g = jax.grad(lambda y: jnp.sum(f(y) * w))(x)
+  key = jax.random.key(11)
+
+  @jax.jit  # run op by op, the gradients and JVPs compiled ~80 one-primitive programs
+  def by_word(x, w, d):
+    out = {}
+    for word in da.WORDS:
+      f = lambda y, aug=da.DiffAugment(word): aug(key, y)
+      _, tangent = jax.jvp(f, (x,), (d,))
+      out[word] = jax.grad(lambda y: jnp.sum(f(y) * w))(x), tangent, f(x + d) - f(x)
+    return out
+
+  for word, (g, tangent, difference) in by_word(x, w, d).items():
     assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), word
     # affine in the images for fixed parameters: the JVP is the exact finite difference
-    _, tangent = jax.jvp(f, (x,), (d,))
-    np.testing.assert_allclose(tangent, f(x + d) - f(x), atol=1e-4, err_msg=word)
+    np.testing.assert_allclose(tangent, difference, atol=1e-4, err_msg=word)
   # flip's gradient is the flipped cotangent where it flipped
   which = np.array([True, False, True])
-  g = jax.grad(lambda y: jnp.sum(da.flip(y, which) * w))(x)
+  g = jax.jit(jax.grad(lambda y: jnp.sum(da.flip(y, which) * w)))(x)
   np.testing.assert_allclose(np.asarray(g)[which], np.asarray(w)[which][:, :, ::-1])
   np.testing.assert_allclose(np.asarray(g)[~which], np.asarray(w)[~which])
 

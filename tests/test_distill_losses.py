@@ -14,6 +14,9 @@ from jfed.engine import optim
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 
+# Jitted (a flax module hashes by its fields): run op by op, `init` compiled one program per op.
+_init = jax.jit(lambda module, key, x: module.init(key, x), static_argnums=0)
+
 # ----------------------------------------------------------------------------- naive references
 
 
@@ -69,14 +72,21 @@ def test_kl_divergence_reductions(logits, T, t_squared):
 def test_cross_entropy_and_hard_sample(logits):
   s, _, y = logits
   ce = np_ce(s, y)
-  np.testing.assert_allclose(losses.cross_entropy(s, y), ce.mean(), rtol=1e-5)
-  np.testing.assert_allclose(losses.cross_entropy(s, y, 'none'), ce, rtol=1e-5)
+
+  @jax.jit  # run op by op, the losses compiled ~20 one-primitive programs (cold time)
+  def run(s, y):
+    hard = [losses.hard_sample_cross_entropy(s, y, hs) for hs in (1.0, 2.5)]
+    # p_y is detached: gradient = (1 - p_y)^hs * dCE only
+    g = jax.grad(lambda a: losses.hard_sample_cross_entropy(a, y, 1.0))(s)
+    return losses.cross_entropy(s, y), losses.cross_entropy(s, y, 'none'), hard, g
+
+  mean_ce, ce_none, hard, g = run(jnp.asarray(s), jnp.asarray(y))
+  np.testing.assert_allclose(mean_ce, ce.mean(), rtol=1e-5)
+  np.testing.assert_allclose(ce_none, ce, rtol=1e-5)
   p_y = np.exp(-ce)
-  for hs in (1.0, 2.5):
+  for hs, got in zip((1.0, 2.5), hard):
     want = np.mean((1 - p_y) ** hs * ce)
-    np.testing.assert_allclose(losses.hard_sample_cross_entropy(s, y, hs), want, rtol=1e-5)
-  # p_y is detached: gradient = (1 - p_y)^hs * dCE only
-  g = jax.grad(lambda a: losses.hard_sample_cross_entropy(a, jnp.asarray(y), 1.0))(jnp.asarray(s))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
   sm = np.exp(np_log_softmax(s))
   onehot = np.eye(5)[y]
   want_g = ((1 - p_y)[:, None] * (sm - onehot)) / len(y)
@@ -113,16 +123,20 @@ class BNNet(nn.Module):
 
 def _bnnet_state(key, seed=1, shape=(4, 4, 2)):
   net = BNNet()
-  v = net.init(key, jnp.zeros((2, *shape)))
+  v = _init(net, key, jnp.zeros((2, *shape)))
   rng = np.random.default_rng(seed)
   bs = jax.tree.map(
     lambda a: jnp.asarray(rng.normal(size=a.shape).astype(np.float32)), v['batch_stats']
   )
+  return net, _bnnet_perturbed(v['params'], bs)
+
+
+@jax.jit  # one program for every call (run op by op: one per op and leaf shape)
+def _bnnet_perturbed(params, bs):
   bs = jax.tree_util.tree_map_with_path(
     lambda p, a: jnp.abs(a) + 0.5 if p[-1].key == 'var' else a, bs
   )
-  params = jax.tree.map(lambda a: a + 0.1, v['params'])
-  return net, ModelState(params, bs)
+  return ModelState(jax.tree.map(lambda a: a + 0.1, params), bs)
 
 
 def test_bn_statistics_loss_formula():
@@ -202,7 +216,7 @@ class MLP(nn.Module):
 def _stack_states(module, key, n, shape=(4, 4, 1)):
   sts = []
   for k in jax.random.split(key, n):
-    v = module.init(k, jnp.zeros((2, *shape)))
+    v = _init(module, k, jnp.zeros((2, *shape)))
     sts.append(ModelState(v['params'], v.get('batch_stats', {})))
   return jax.tree.map(lambda *a: jnp.stack(a), *sts), sts
 
@@ -291,8 +305,13 @@ def test_dense_generator_conv_forms_agree_and_a_bad_form_is_refused():
     generator.make_generator((28, 28, 1), nz=16, ngf=16, conv_impl=impl)
     for impl in ('lax', 'matmul')
   )
-  st, z = generator.dense_generator_init(jax.random.PRNGKey(0), lax_gen, noise_batch=4)
-  want, got = (generator.generate(g, st, z)[0] for g in (lax_gen, matmul_gen))
+
+  @jax.jit  # run op by op, the init and both generators compiled ~100 one-primitive programs
+  def run(key):
+    st, z = generator.dense_generator_init(key, lax_gen, noise_batch=4)
+    return [generator.generate(g, st, z)[0] for g in (lax_gen, matmul_gen)]
+
+  want, got = run(jax.random.PRNGKey(0))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   with pytest.raises(ValueError, match="conv_impl 'cudnn'; valid"):
     generator.make_generator((28, 28, 1), conv_impl='cudnn')
@@ -420,8 +439,10 @@ def test_knowledge_fusion_loss_equals_eqs_5_to_7_by_hand():
     return (np.exp(log_p) * (log_p - log_softmax(s))).sum(-1)
 
   real = lambda v: v[:3].mean()
+  # jitted: run op by op, the loss compiled ~5 one-primitive programs a call
+  loss = jax.jit(losses.knowledge_fusion_loss, static_argnames=('lam', 'kl_reduction'))
   f = lambda t=None, **kw: float(
-    losses.knowledge_fusion_loss(
+    loss(
       jnp.asarray(s, jnp.float32),
       jnp.asarray(y),
       None if t is None else jnp.asarray(t, jnp.float32),
@@ -450,8 +471,9 @@ def test_batch_bn_teachers_normalise_with_the_batch_statistics():
   x = jax.random.uniform(jax.random.PRNGKey(6), (6, 4, 4, 1))
   y = jnp.zeros((6,), jnp.int32)
   expected = []
+  conv = jax.jit(lambda params, x: nn.Conv(3, (3, 3)).apply({'params': params}, x))
   for st in singles:
-    h = nn.Conv(3, (3, 3)).apply({'params': st.params['Conv_0']}, x)
+    h = conv(st.params['Conv_0'], x)
     h = np.asarray(h, np.float64)
     mean, var = h.mean((0, 1, 2)), h.var((0, 1, 2))
     bn = st.params['BatchNorm_0']['bn']
@@ -459,11 +481,16 @@ def test_batch_bn_teachers_normalise_with_the_batch_statistics():
     d = st.params['Dense_0']
     expected.append(h.reshape(6, -1) @ np.asarray(d['kernel']) + np.asarray(d['bias']))
   expected = np.mean(expected, 0)
+  # jitted as the KD step runs it: op by op, each call compiled ~15 one-primitive programs
+  teachers = jax.jit(
+    lambda cfg, states, x, y: kd.teacher_logits(cfg, (net,), (states,), x, y, None),
+    static_argnums=0,
+  )
   for strategy in ('vmap', 'loop'):
     cfg = kd.KDConfig(teacher_bn='batch', strategy=strategy)
-    got = kd.teacher_logits(cfg, (net,), (collapsed,), x, y, None)
+    got = teachers(cfg, collapsed, x, y)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
-  running = kd.teacher_logits(kd.KDConfig(), (net,), (collapsed,), x, y, None)
+  running = teachers(kd.KDConfig(), collapsed, x, y)
   # eval mode: 1/sqrt(eps) amplification, what made multi-round FedDF diverge on digits
   assert np.abs(np.asarray(running)).max() > 20 * np.abs(expected).max()
   with pytest.raises(ValueError, match='no BN-statistics loss'):
@@ -535,7 +562,7 @@ def hydra_setup():
   U_r = (U / U.sum(1, keepdims=True)).astype(np.float32)  # Eqs. 4–5: Σ_k ū_{k,j} = 1
   U_c = (U / U.sum(0, keepdims=True)).astype(np.float32)  # Eqs. 6–7: Σ_j û_{k,j} = 1
   student = _Linear()
-  s_params = student.init(jax.random.PRNGKey(14), jnp.zeros((2, *_HYDRA_SHAPE)))['params']
+  s_params = _init(student, jax.random.PRNGKey(14), jnp.zeros((2, *_HYDRA_SHAPE)))['params']
 
   def np_teachers(x):  # [m, B, C], clients in group order
     return np.stack([_np_bnnet(st, x)[0] for st in bn_states] + [_np_mlp(mlp_singles[0], x)])
@@ -551,14 +578,19 @@ def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
   groups, sa, student, s_params, np_teachers, np_bn_losses = hydra_setup
   lam1, lam2 = 0.7, 0.4
   gen = generator.make_generator(_HYDRA_SHAPE, nz=8, ngf=4)
+
   # FedHydra continues one generator across epochs (`generator_state`); a fresh DENSE init draws
   # nearly constant images, so scale its kernels for images that differ from sample to sample
-  g0, _ = generator.dense_generator_init(jax.random.PRNGKey(3), gen, noise_batch=8)
-  g0 = g0._replace(
-    params=jax.tree_util.tree_map_with_path(
-      lambda p, a: a * 10 if p[-1].key == 'kernel' else a, g0.params
+  @jax.jit  # run op by op, the init compiled ~40 one-primitive programs
+  def g0_init(key):
+    g0, _ = generator.dense_generator_init(key, gen, noise_batch=8)
+    return g0._replace(
+      params=jax.tree_util.tree_map_with_path(
+        lambda p, a: a * 10 if p[-1].key == 'kernel' else a, g0.params
+      )
     )
-  )
+
+  g0 = g0_init(jax.random.PRNGKey(3))
   cfg = synthesis.fedhydra_config(lam1, lam2, g_steps=1, batch_size=8, loop='python')
   res = synthesis.synthesize(
     gen,
@@ -617,7 +649,8 @@ def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg, stored_targets):
   agg = (jnp.asarray(sa.U_r), jnp.asarray(sa.U_c)) if kcfg.aggregation == 'sa' else None
   modules, states = tuple(g.module for g in groups), tuple(g.states for g in groups)
   if stored_targets:  # the targets computed once per pool image, then the step without teachers
-    stored = pool.pool_add(pool.pool_init(8, _HYDRA_SHAPE), jnp.asarray(x), jnp.asarray(y))
+    add = jax.jit(pool.pool_add)  # run op by op: ~10 one-primitive programs
+    stored = add(pool.pool_init(8, _HYDRA_SHAPE), jnp.asarray(x), jnp.asarray(y))
     assert kd.targets_depend_only_on_the_image(kcfg)
     t = kd.pool_teacher_logits(kcfg, modules, states, agg, stored, jnp.arange(6))
     new, loss = kd.kd_step_on_targets(

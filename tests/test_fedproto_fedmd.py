@@ -54,9 +54,12 @@ def _images(n, seed=0):
 def test_features_are_the_input_of_the_output_layer(name, kw, dim):
   module, model = _init(name, **kw)
   x = _images(4)
-  logits, features, stats = apply_with_features(module, model.variables(), x)
+  # jitted: run op by op, the two forwards compiled 15-50 one-primitive programs
+  (logits, features, stats), plain = jax.jit(
+    lambda v, x: (apply_with_features(module, v, x), module.apply(v, x))
+  )(model.variables(), x)
   assert features.shape == (4, dim)
-  np.testing.assert_allclose(logits, module.apply(model.variables(), x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(logits, plain, rtol=1e-5, atol=1e-6)
   out = model.params[max(k for k in model.params if k.startswith('Dense_'))]
   np.testing.assert_allclose(logits, features @ out['kernel'] + out['bias'], rtol=1e-4, atol=1e-5)
   jax.tree.map(np.testing.assert_array_equal, stats, model.batch_stats)  # eval: unchanged
@@ -70,7 +73,9 @@ def test_fedproto_loss_is_cross_entropy_plus_ld_times_the_prototype_mse():
   rng = np.random.default_rng(2)
   protos = rng.normal(size=(10, 5)).astype(np.float32)
   support = np.array([2, 0, 1, 0, 0, 3, 0, 0, 0, 0], np.int32)  # classes 1 and 3: no prototype
-  loss, (reported, correct, count, _) = fedproto_objective(0.7)(
+  # jitted as training runs it: op by op, the objective compiled ~40 one-primitive programs
+  objective = jax.jit(fedproto_objective(0.7), static_argnums=0)
+  loss, (reported, correct, count, _) = objective(
     module,
     model.params,
     {},
@@ -80,7 +85,9 @@ def test_fedproto_loss_is_cross_entropy_plus_ld_times_the_prototype_mse():
     jax.random.PRNGKey(0),
     GlobalPrototypes(protos, support),
   )
-  logits, f, _ = apply_with_features(module, {'params': model.params}, x)
+  logits, f, _ = jax.jit(lambda v, x: apply_with_features(module, v, x))(
+    {'params': model.params}, x
+  )
   logits, f = np.asarray(logits, np.float64), np.asarray(f, np.float64)
   ce = np.log(np.exp(logits).sum(1)) - logits[np.arange(6), y]
   mse = sum(np.sum((f[i] - protos[y[i]]) ** 2) for i in range(5) if support[y[i]] > 0) / (5 * 5)
@@ -89,9 +96,7 @@ def test_fedproto_loss_is_cross_entropy_plus_ld_times_the_prototype_mse():
   assert correct == np.sum((np.argmax(logits, 1) == y)[:5])
   # without any global prototype (round 1) the loss is the cross entropy
   none = GlobalPrototypes(protos, np.zeros(10, np.int32))
-  loss0, _ = fedproto_objective(0.7)(
-    module, model.params, {}, x, y, weights, jax.random.PRNGKey(0), none
-  )
+  loss0, _ = objective(module, model.params, {}, x, y, weights, jax.random.PRNGKey(0), none)
   np.testing.assert_allclose(loss0, np.mean(ce[:5]), rtol=1e-5)
 
 
@@ -117,12 +122,12 @@ def test_local_prototypes_are_class_means_of_train_mode_embeddings_batch_by_batc
   x, y = _images(25, seed=4), rng.integers(0, 3, 25)
   fed = federate(x, y, [np.arange(20), np.arange(20, 25)])
   got = ClassMeans(module, 10, 8, 'loop')(engine.replicate(model, 2), fed, 6)
+  # jitted: run op by op, the ResNet's forward compiled ~100 one-primitive programs
+  features = jax.jit(lambda v, x: apply_with_features(module, v, x, train=True)[1])
   for k, (start, size) in enumerate([(0, 20), (20, 5)]):
     feats = np.concatenate(
       [
-        apply_with_features(module, model.variables(), x[b : min(b + 8, start + size)], train=True)[
-          1
-        ]
+        features(model.variables(), x[b : min(b + 8, start + size)])
         for b in range(start, start + size, 8)
       ]
     )
@@ -176,10 +181,11 @@ def test_fedmd_consensus_is_the_mean_logit_and_the_digest_loss_is_l1():
   x = _images(4, seed=3)
   target = np.asarray(consensus_logits(logits))
   weights = np.array([1, 1, 1, 0], np.float32)
-  loss, (reported, correct, count, _) = digest_objective(
+  # jitted as training runs it: op by op, the objective compiled ~10 one-primitive programs
+  loss, (reported, correct, count, _) = jax.jit(digest_objective, static_argnums=0)(
     module, model.params, {}, x, target, weights, jax.random.PRNGKey(0)
   )
-  out = np.asarray(module.apply({'params': model.params}, x))
+  out = np.asarray(jax.jit(module.apply)({'params': model.params}, x))
   np.testing.assert_allclose(loss, np.mean(np.abs(out[:3] - target[:3])), rtol=1e-5)
   assert reported == loss and count == 3
   assert correct == np.sum((out.argmax(1) == target.argmax(1))[:3])

@@ -37,10 +37,14 @@ def _random_like(shapes, seed):
 
 def test_slicing_at_rate_one_is_the_identity_and_a_half_rate_takes_the_leading_channels():
   module, full = _init('resnet18', width_mult=1 / 16)
-  same = submodels.slice_tree(full, model_shapes(module, SHAPE))
+
+  def slice_to(shapes):  # jitted: run op by op, each slice compiled a program per leaf shape
+    return jax.jit(lambda t: submodels.slice_tree(t, shapes))(full)
+
+  same = slice_to(model_shapes(module, SHAPE))
   jax.tree.map(np.testing.assert_array_equal, same, full)
   half = model_shapes(get_model('resnet18', 10, SHAPE, width_mult=1 / 32), SHAPE)
-  sub = submodels.slice_tree(full, half)
+  sub = slice_to(half)
   # the stem conv keeps the first 2 of 4 output channels, a block conv the first 4x4 of 8x8
   np.testing.assert_array_equal(
     sub.params['Conv_0']['kernel'], full.params['Conv_0']['kernel'][..., :2]
@@ -82,15 +86,14 @@ def test_scatter_average_of_two_half_and_one_full_client_is_the_count_based_mean
   whole_mask = np.array([[1] * 9 + [0]], np.float32)  # class 9: held by nobody
   output = submodels.output_layer_name(full.params, 10)
   assert output == 'Dense_0'
-  # jitted as the method runs it (eagerly every leaf's ops compile on their own: seconds)
-  scatter_average = jax.jit(submodels.scatter_average, static_argnames='output_layer')
-  got = scatter_average(
-    full.params,
-    [engine.stack(halves), engine.stack([whole])],
-    [np.ones(2), np.ones(1)],
-    [masks, whole_mask],
-    output_layer=output,
+  # jitted as the method runs it (eagerly every leaf's ops compile on their own: seconds), with
+  # the clients' stacking (eagerly ~40 one-primitive programs)
+  scatter_average = jax.jit(
+    lambda full, halves, whole, weights, masks: submodels.scatter_average(
+      full, [engine.stack(halves), engine.stack([whole])], weights, masks, output_layer=output
+    )
   )
+  got = scatter_average(full.params, halves, whole, [np.ones(2), np.ones(1)], [masks, whole_mask])
   want = _independent_mean(full.params, halves + [whole], list(masks) + list(whole_mask), output)
   for path, leaf in jax.tree_util.tree_flatten_with_path(got)[0]:
     np.testing.assert_allclose(leaf, want[path], rtol=1e-6, atol=1e-6, err_msg=str(path))
@@ -105,11 +108,7 @@ def test_scatter_average_of_two_half_and_one_full_client_is_the_count_based_mean
   )
   # a client that sat the round out (weight 0) changes nothing
   without = scatter_average(
-    full.params,
-    [engine.stack(halves), engine.stack([whole])],
-    [np.array([1.0, 0.0]), np.ones(1)],
-    [masks, whole_mask],
-    output_layer=output,
+    full.params, halves, whole, [np.array([1.0, 0.0]), np.ones(1)], [masks, whole_mask]
   )
   want = _independent_mean(full.params, [halves[0], whole], [masks[0], whole_mask[0]], output)
   for path, leaf in jax.tree_util.tree_flatten_with_path(without)[0]:
@@ -124,16 +123,17 @@ def test_masked_cross_entropy_equals_a_hand_computation():
   weights = np.array([1, 1, 1, 1, 1, 0], np.float32)  # the last row is padding
   label_mask = np.zeros(10, np.float32)
   label_mask[[1, 3, 7]] = 1
-  loss, (reported, correct, count, _) = masked_classification_objective(
+  # jitted as training runs it: op by op, the objective compiled ~25 one-primitive programs
+  loss, (reported, correct, count, _) = jax.jit(masked_classification_objective, static_argnums=0)(
     module, model.params, {}, x, y, weights, jax.random.PRNGKey(1), label_mask
   )
-  logits = np.asarray(module.apply({'params': model.params}, x), np.float64)
+  logits = np.asarray(jax.jit(module.apply)({'params': model.params}, x), np.float64)
   z = np.where(label_mask > 0, logits, 0.0)  # masked_fill(label_mask == 0, 0)
   per = np.log(np.sum(np.exp(z), axis=1)) - z[np.arange(6), y]
   np.testing.assert_allclose(loss, np.sum(per[:5]) / 5, rtol=1e-5)
   assert reported == loss and count == 5
   assert correct == np.sum((np.argmax(z, 1) == y)[:5])
-  np.testing.assert_array_equal(mask_logits(jnp.ones((1, 10)), label_mask)[0], label_mask)
+  np.testing.assert_array_equal(jax.jit(mask_logits)(jnp.ones((1, 10)), label_mask)[0], label_mask)
 
 
 def test_the_objective_context_reaches_every_client_the_same_way_in_every_strategy():
@@ -171,10 +171,10 @@ def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_inpu
   x = np.random.default_rng(0).random((48, *SHAPE), dtype=np.float32)
   stats = engine.BatchNormStatistics(module, 16)(model, x)
   sown = []
+  # jitted: run op by op, the CNN's forward compiled ~40 one-primitive programs
+  apply = jax.jit(lambda v, x: module.apply(v, x, train=True, mutable=['bn_inputs', 'batch_stats']))
   for b in range(3):  # the BN layers sow their input's mean and biased variance
-    _, upd = module.apply(
-      model.variables(), x[16 * b : 16 * (b + 1)], train=True, mutable=['bn_inputs', 'batch_stats']
-    )
+    _, upd = apply(model.variables(), x[16 * b : 16 * (b + 1)])
     sown.append(upd['bn_inputs'])
   for layer in ('BatchNorm_0', 'BatchNorm_1'):
     mean = np.mean([s[layer]['stats'][0][0] for s in sown], axis=0)
