@@ -34,6 +34,14 @@ IID (#C=10, HFLDD's Tables III-V setting), 3 seeds, 39 min on the 2 cores:
   95.38 ± 2.14, DynaFed 64.23 ± 5.00, FedAvg 32.05 ± 7.71, FedProx 32.05 ± 8.07, centralized
   96.67 ± 0.59; 80% at round 6.0 (FedSeq) and 9.0 (HFLDD), never for the others.
 
+IID at the `plateau` budget (100 rounds for every method), 3 seeds, 1 h 41 min on the 2 cores
+beside other jobs (2026-11-27):
+  python -m experiments.hfldd_compare --config=experiments/configs/hfldd_digits.py:iid,plateau \
+      --out=runs/hfldd_compare_digits_iid_plateau --targets=0.8,0.9
+  measured (docs/results/hfldd_compare_digits_iid_plateau/), final %: HFLDD 95.37 ± 0.42,
+  FedSeq 96.85 ± 0.70, FedAvg 95.00 ± 1.94, FedProx 94.91 ± 1.95, DynaFed 92.31 ± 1.25,
+  centralized 97.87 ± 0.70; 80% at round 10.0 (HFLDD, 11.9 MiB) and 7.0 (FedSeq, 12.6 MiB).
+
 Variants (comma-separated): `c2` (#C=2), `iid` (#C=10), `nodd` (HFLDD w/o DD: raw data to
 the heads), `plateau` (100 rounds for every method instead of 20: where FedAvg's IID curve
 reaches its plateau), `fmpublic` (public set = 100 Fashion-MNIST images resized to 8x8, the paper's
