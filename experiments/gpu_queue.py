@@ -12,9 +12,10 @@ $JFED_DATA_DIR/fashion-mnist):
     python -m experiments.gpu_queue --next --out=$OUT [--parallel=3] [--limit_s=480]
 
 runs the first `--parallel` chunks the ledger does not hold as done, each in its own process
-(the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself), stops any still running after `--limit_s` seconds, and
-writes OUT/<chunk>.tar.gz: the chunk's results (tables, results.json, metrics.jsonl and
-summary.json of every run, figures; no checkpoints), its log and its ledger entry. Back here:
+(the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself),
+stops any still running after `--limit_s` seconds, and writes OUT/<chunk>.tar.gz: the
+chunk's results (tables, results.json, metrics.jsonl and summary.json of every run, figures;
+no checkpoints), its log and its ledger entry. Back here:
 
     python -m experiments.gpu_queue --ingest=DIR    # DIR: the folder the archives came back to
     python -m experiments.gpu_queue --list          # done / partial / next, with measured costs
