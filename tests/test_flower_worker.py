@@ -82,9 +82,10 @@ def test_a_worker_serves_every_message_in_one_process_as_the_node_would():
   ctx = context_of_config(config)
   request = _request(ctx, config)
   owner = os.getpid()  # the worker ends with this test process
-  path = relay.socket_path(SMOKE, OVERRIDES, 0, 2, owner)
-  first = relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
-  second = relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
+  share = relay.NodeShare(SMOKE, tuple(OVERRIDES), 0, 2)
+  path = relay.socket_path(share, owner)
+  first = relay.forward(request.to_records(), share, owner)
+  second = relay.forward(request.to_records(), share, owner)
   assert pathlib.Path(path).exists()  # still listening: one process for both messages
   # the node's setup (config, data, partition) counted in the first reply only
   assert first['metrics']['seconds'] > second['metrics']['seconds']
@@ -96,7 +97,7 @@ def test_a_worker_serves_every_message_in_one_process_as_the_node_would():
   # a request the node refuses comes back as the node's error, and the worker keeps serving
   request.digests = ['not-it']
   with pytest.raises(ConfigError, match='data other than their partition'):
-    relay.forward(request.to_records(), SMOKE, OVERRIDES, 0, 2, owner)
+    relay.forward(request.to_records(), share, owner)
   assert pathlib.Path(path).exists()
 
 

@@ -37,17 +37,14 @@ def client_train(message: Message, context: Context) -> Message:
   else:  # the node's clients are its files (jfed/flower/own_data.py)
     data_dir = os.path.abspath(data_dir)
     partition_id, num_partitions = 0, 1
+  share = relay.NodeShare(spec, tuple(overrides), partition_id, num_partitions, data_dir)
   if keeps_process(context.node_config):
     # The SuperNode's process (this one's parent) owns the worker: it ends with it.
-    reply = relay.forward(
-      message.content, spec, overrides, partition_id, num_partitions, os.getppid(), data_dir
-    )
-    return Message(reply, reply_to=message)
+    return Message(relay.forward(message.content, share, os.getppid()), reply_to=message)
   # keep-process=false: this process trains, so only now does it load JAX and jfed's engine.
   from jfed.flower import worker  # pylint: disable=g-import-not-at-top
 
-  key = (spec, tuple(overrides), partition_id, num_partitions, data_dir)
-  if key not in _NODES:
-    _NODES[key] = worker.node_trainer(spec, overrides, partition_id, num_partitions, data_dir)
+  if share not in _NODES:
+    _NODES[share] = worker.node_trainer(share)
   setup_seconds = time.perf_counter() - start
-  return Message(_NODES[key].handle(message.content, setup_seconds), reply_to=message)
+  return Message(_NODES[share].handle(message.content, setup_seconds), reply_to=message)

@@ -22,11 +22,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 from jfed.errors import ConfigError
 
 START_TIMEOUT_S = 600.0
+
+
+class NodeShare(NamedTuple):
+  """What a SuperNode's worker trains: its block of the seeded partition of the run config's
+  data, or the clients of its own data directory."""
+
+  spec: str  # the node's run config file (PATH[:ARG])
+  overrides: Tuple[str, ...]  # the run's config overrides (`key=value` strings)
+  partition_id: int = 0  # this SuperNode's partition, from 0
+  num_partitions: int = 1  # the number of SuperNodes sharing the clients
+  data_dir: Optional[str] = None  # the node's own data (node config `data-dir`), or None
 
 
 def send(conn: socket.socket, payload: bytes) -> None:
@@ -63,29 +74,18 @@ def from_bytes(payload: bytes):
   return recorddict_from_proto(proto)
 
 
-def socket_path(
-  spec: str,
-  overrides,
-  partition_id: int,
-  num_partitions: int,
-  owner: int,
-  data_dir: Optional[str] = None,
-) -> str:
+def socket_path(share: NodeShare, owner: int) -> str:
   """One worker per SuperNode process (`owner`), config and share of the clients.
 
   Args:
-    spec: The node's run config file.
-    overrides: The config overrides (`key=value` strings) of the run.
-    partition_id: This SuperNode's partition, from 0.
-    num_partitions: The number of SuperNodes sharing the clients.
+    share: What the node trains.
     owner: The process id of the SuperNode process that owns the worker.
-    data_dir: The node's own data directory (node config `data-dir`), or None.
 
   Returns:
     The Unix socket path of that worker (in the temporary directory).
   """
-  key = [spec, list(overrides), partition_id, num_partitions, owner]
-  key = json.dumps(key if data_dir is None else key + [data_dir])
+  key = [share.spec, list(share.overrides), share.partition_id, share.num_partitions, owner]
+  key = json.dumps(key if share.data_dir is None else key + [share.data_dir])
   digest = hashlib.sha256(key.encode()).hexdigest()[:20]
   # Unix socket paths are limited to ~100 bytes: a short name in the temporary directory.
   return str(pathlib.Path(tempfile.gettempdir()) / f'jfed-node-{digest}.sock')
@@ -101,37 +101,23 @@ def _connect(path: str) -> Optional[socket.socket]:
     return None
 
 
-def forward(
-  content,
-  spec: str,
-  overrides,
-  partition_id: int,
-  num_partitions: int,
-  owner: int,
-  data_dir: Optional[str] = None,
-):
+def forward(content, share: NodeShare, owner: int):
   """The reply records of the node's worker to `content`, starting the worker if none runs.
 
   Args:
     content: The message's RecordDict.
-    spec: The node's run config file.
-    overrides: The config overrides (`key=value` strings) of the run.
-    partition_id: This SuperNode's partition, from 0.
-    num_partitions: The number of SuperNodes sharing the clients.
+    share: What the node trains.
     owner: The process id of the SuperNode process that owns the worker.
-    data_dir: The node's own data directory (node config `data-dir`), or None.
 
   Returns:
     The worker's reply RecordDict.
   """
-  path = socket_path(spec, overrides, partition_id, num_partitions, owner, data_dir)
+  path = socket_path(share, owner)
   conn = _connect(path)
   if conn is None:
     with open(path + '.lock', 'w') as lock:  # one start however many messages arrive at once
       fcntl.flock(lock, fcntl.LOCK_EX)
-      conn = _connect(path) or _start(
-        path, spec, overrides, partition_id, num_partitions, owner, data_dir
-      )
+      conn = _connect(path) or _start(path, share, owner)
   with conn:
     send(conn, to_bytes(content))
     reply = receive(conn)
@@ -140,23 +126,15 @@ def forward(
   return from_bytes(reply[1:])
 
 
-def _start(
-  path: str,
-  spec: str,
-  overrides,
-  partition_id: int,
-  num_partitions: int,
-  owner: int,
-  data_dir: Optional[str] = None,
-) -> socket.socket:
+def _start(path: str, share: NodeShare, owner: int) -> socket.socket:
   log = open(path + '.log', 'ab')  # pylint: disable=consider-using-with
   command = [
-    sys.executable, '-m', 'jfed.flower.worker', '--socket', path, '--spec', spec,
-    '--overrides', json.dumps(list(overrides)), '--partition-id', str(partition_id),
-    '--num-partitions', str(num_partitions), '--owner', str(owner),
+    sys.executable, '-m', 'jfed.flower.worker', '--socket', path, '--spec', share.spec,
+    '--overrides', json.dumps(list(share.overrides)), '--partition-id', str(share.partition_id),
+    '--num-partitions', str(share.num_partitions), '--owner', str(owner),
   ]  # fmt: skip
-  if data_dir is not None:
-    command += ['--data-dir', data_dir]
+  if share.data_dir is not None:
+    command += ['--data-dir', share.data_dir]
   process = subprocess.Popen(
     command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
   )

@@ -11,62 +11,43 @@ import os
 import socket
 import threading
 import time
-from typing import Optional
 
 from jfed.driver import context_of_config
-from jfed.flower.relay import alive, from_bytes, receive, send, to_bytes
+from jfed.flower.relay import NodeShare, alive, from_bytes, receive, send, to_bytes
 from jfed.flower.settings import load_config
 from jfed.flower.transport import NodeTrainer
 
 IDLE_S = 3600.0
 
 
-def node_trainer(
-  spec: str, overrides, partition_id: int, num_partitions: int, data_dir: Optional[str] = None
-) -> NodeTrainer:
+def node_trainer(share: NodeShare) -> NodeTrainer:
   """The trainer of this node's share of the clients: its block of the seeded partition of
-  the data the config names, or the clients of its own data directory.
+  the data the config names, or the clients of its own data directory (jfed/flower/own_data.py
+  says its format).
 
   Args:
-    spec: The node's run config file.
-    overrides: The config overrides (`key=value` strings) of the run.
-    partition_id: This SuperNode's partition, from 0.
-    num_partitions: The number of SuperNodes sharing the clients.
-    data_dir: The node's own data (node config `data-dir`; jfed/flower/own_data.py says its
-      format), or None for its block of the seeded partition.
+    share: What the node trains.
 
   Returns:
     The node's trainer.
   """
-  config = load_config(spec, overrides)
-  if data_dir is not None:  # no dataset to load: the server sends its shape and classes
-    return NodeTrainer.serving(config, data_dir)
-  return NodeTrainer(context_of_config(config), partition_id, num_partitions)
+  config = load_config(share.spec, list(share.overrides))
+  if share.data_dir is not None:  # no dataset to load: the server sends its shape and classes
+    return NodeTrainer.serving(config, share.data_dir)
+  return NodeTrainer(context_of_config(config), share.partition_id, share.num_partitions)
 
 
-def serve(
-  path: str,
-  spec: str,
-  overrides,
-  partition_id: int,
-  num_partitions: int,
-  owner: int,
-  data_dir: Optional[str] = None,
-) -> None:
+def serve(path: str, share: NodeShare, owner: int) -> None:
   """Builds the node's trainer once, then answers each connection's request until the owner
   process ends or nothing comes for IDLE_S.
 
   Args:
     path: The Unix socket path to listen on.
-    spec: The node's run config file.
-    overrides: The config overrides (`key=value` strings) of the run.
-    partition_id: This SuperNode's partition, from 0.
-    num_partitions: The number of SuperNodes sharing the clients.
+    share: What the node trains.
     owner: The process id of the SuperNode process that owns the worker.
-    data_dir: The node's own data directory, or None.
   """
   start = time.perf_counter()
-  node = node_trainer(spec, overrides, partition_id, num_partitions, data_dir)
+  node = node_trainer(share)
   setup_seconds = time.perf_counter() - start
   partial = f'{path}.{os.getpid()}'
   server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -119,8 +100,9 @@ def main() -> None:
   parser.add_argument('--owner', type=int, required=True)
   parser.add_argument('--data-dir', default=None)
   a = parser.parse_args()
+  overrides = tuple(json.loads(a.overrides))
   serve(
-    a.socket, a.spec, json.loads(a.overrides), a.partition_id, a.num_partitions, a.owner, a.data_dir
+    a.socket, NodeShare(a.spec, overrides, a.partition_id, a.num_partitions, a.data_dir), a.owner
   )
 
 
