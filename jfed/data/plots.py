@@ -4,8 +4,6 @@ import os
 import pathlib
 from typing import Optional
 
-from matplotlib import figure as mpl_figure
-from matplotlib.backends import backend_agg
 import numpy as np
 
 from jfed.errors import WorkdirError
@@ -36,6 +34,11 @@ def plot_partition_bubbles(
     raise ValueError(f'table must be [clients, classes], got shape {table.shape}.')
   num_clients, num_classes = table.shape
   width, height = max(4.0, 0.6 * num_clients + 1.5), max(3.0, 0.4 * num_classes + 1.2)
+  # matplotlib on first use: a run that plots nothing (a refused config, a Flower ClientApp
+  # process) should not pay its import.
+  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
+
   fig = mpl_figure.Figure(figsize=(width, height), dpi=120)
   backend_agg.FigureCanvasAgg(fig)
   # Fixed margins in inches for the known labels (tick numbers, axis names, a title line):

@@ -45,8 +45,6 @@ import logging
 import math
 from typing import Any, NamedTuple, Optional, Tuple
 
-import dp_accounting
-from dp_accounting import rdp
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
@@ -311,6 +309,14 @@ def privatize_locally(
 # ---- accounting ---------------------------------------------------------------------------------
 
 
+def _dp_accounting() -> Any:
+  """dp-accounting, imported on first use: it pulls in scipy.signal and scipy.stats (about half
+  of `import jfed.api`'s CPU time), which only runs with differential privacy need."""
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+
+  return dp_accounting
+
+
 @functools.lru_cache(maxsize=4096)  # a run asks for each round's ε more than once
 def central_epsilon(
   sampling_rate: float,
@@ -334,6 +340,7 @@ def central_epsilon(
   Returns:
     ε.
   """
+  dp_accounting = _dp_accounting()
   gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
   if count_std is not None:
     gaussian = dp_accounting.ComposedDpEvent(
@@ -360,6 +367,7 @@ def local_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
   Returns:
     ε.
   """
+  dp_accounting = _dp_accounting()
   event = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
   return _rdp_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta)
 
@@ -374,6 +382,8 @@ class _SkippedOrders(logging.Filter):
 
 
 def _rdp_epsilon(event: Any, delta: float) -> float:
+  from dp_accounting import rdp  # pylint: disable=g-import-not-at-top
+
   accountant = rdp.RdpAccountant()
   quiet = _SkippedOrders()
   absl_logger = logging.getLogger('absl')

@@ -172,7 +172,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
     uploads.append(
       cvae_clients.receive_decoder_uploads(
         ids,
-        jax.tree.map(lambda a: a[keep], m),
+        engine.take(m, np.flatnonzero(keep)),
         class_count_table(
           ctx.dataset.train_y, [ctx.parts[k] for k in ids], ctx.dataset.num_classes
         ).astype(np.int32),

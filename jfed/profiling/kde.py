@@ -20,7 +20,6 @@ and `bandwidth` are in the units of `space`.
 from typing import NamedTuple, Union
 
 import numpy as np
-from scipy import stats
 
 Bandwidth = Union[str, float]
 
@@ -102,6 +101,10 @@ def kde_clusters(
       0.0,
       space,
     )
+  # scipy.stats on first use: importing it costs about 1 s of CPU, paid by every command (the
+  # method registry imports this module) instead of only by FedTSA's clustering.
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+
   x = np.log(d) if space == 'log' else d
   kde = stats.gaussian_kde(x, bw_method=bandwidth)
   h = float(np.sqrt(kde.covariance[0, 0]))
