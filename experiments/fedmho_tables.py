@@ -44,7 +44,16 @@ The header also shows whether the generators produce usable data (issue 36's pre
 reference classifier (`--reference_model`, default cnn_mnist, `--reference_epochs` on the real
 training images, once per sweep; 0 turns it off) labels each FedMHO-MD and FEDCVAE (Ens) run's
 generated samples (`experiments.generator_check`), and the line gives the share of the kept and
-of the removed samples labelled as their conditioned class, mean ± std over seeds.
+of the removed samples labelled as their conditioned class, mean ± std over seeds. It also shows
+the classifier clients' precondition: the config file's measured evidence for the budget's words
+(its `EVIDENCE`, e.g. fedmho_digits.py's `plateau`: the local client curve of
+`experiments.client_curve`) and, from run 'fedmho', the mean and lowest test accuracy of this
+sweep's FedMHO classifier clients.
+
+The tables end with a verdict for every ordering the paper gives at each α (Table 3's pairs and
+Table 4's "the filter helps"): holds / fails / within noise, a two-sided t-test over the seeds
+paired by seed. On a dataset the paper does not report (digits) the orderings tested are those
+of its Fashion-MNIST tables.
 """
 
 import json
@@ -57,6 +66,7 @@ import numpy as np
 
 from experiments import generator_check, sweep
 from experiments.seed_tables import (
+  Ordering,
   load_config_module,
   mean_std,
   ordering_lines,
@@ -137,6 +147,7 @@ TABLE3 = (
   'fedmho_sd',
 )
 TABLE4 = (('fedmho_md', 'fedmho_md_nofilter'), ('fedmho_sd', 'fedmho_sd_nofilter'))
+CLIENT_KEY = 'client_mean_test_accuracy'  # a run's classifier clients, mean test accuracy
 SUMMARY_KEYS = (
   'final_test_accuracy',
   'best_test_accuracy',
@@ -159,6 +170,16 @@ def run_config(module, budget: str, run: Run, alpha: float, seed: int, cell: pat
     c.fedmho.num_synthetic = int(round(c.fedmho.clean_rate * c.fedmho.num_synthetic))
     c.fedmho.clean_rate = 1.0
   return c
+
+
+def client_record(summary) -> dict:
+  """The mean and lowest test accuracy of a FedMHO run's classifier clients (its summary's
+  `classifier_client_test_accuracy`); empty for a run that reports none."""
+  clients = summary.get('classifier_client_test_accuracy')
+  if not clients:
+    return {}
+  values = [float(v) for v in clients.values()]
+  return {CLIENT_KEY: float(np.mean(values)), 'client_lowest_test_accuracy': min(values)}
 
 
 def cell_dir(out: pathlib.Path, alpha: float, seed: int) -> pathlib.Path:
@@ -210,8 +231,9 @@ def budget_lines(c) -> List[str]:
     + (f', R_th {cv.clean_rate}' if cv.protocol == 'fedmho' else '')
     + f', classifier {cv.epochs} epochs of Adam {cv.lr}, batch {cv.batch}',
     f'- baselines (VGG-9 + small CNN clients, {c.fedavg_vote.local_epochs} local epochs): DENSE '
-    f'{d.epochs} epochs x {d.g_steps} generator steps on {d.synthesis_batch}; Co-Boosting '
-    f'{cb.epochs} x {cb.g_steps} on {cb.synthesis_batch}; FedDF {df.total_steps} steps of '
+    f'{d.epochs} epochs x {d.g_steps} generator steps on {d.synthesis_batch}, student '
+    f'{d.kd_optimizer} {d.kd_lr}; Co-Boosting {cb.epochs} x {cb.g_steps} on '
+    f'{cb.synthesis_batch}, student {cb.kd_optimizer} {cb.kd_lr}; FedDF {df.total_steps} steps of '
     f'{df.kd_batch} on {df.source_size} unlabelled held-out training images per prototype '
     f'student',
     f'- every method: {c.dataset.get("holdout_size", 0)} training samples held out of the '
@@ -221,6 +243,31 @@ def budget_lines(c) -> List[str]:
 
 # The runs whose server learns from generated samples; the runs of one client set share them.
 GENERATING = ('fedmho_md', 'fedcvae_ens')
+
+
+def evidence_lines(module, budget: str) -> List[str]:
+  """The config file's measured precondition evidence for the budget's words (its `EVIDENCE`:
+  word -> Markdown lines, e.g. the local client curve behind a `plateau` budget)."""
+  evidence = getattr(module, 'EVIDENCE', {})
+  return [line for w in budget.split(',') if w in evidence for line in evidence[w]]
+
+
+def client_lines(results: dict, runs: List[str], alphas: List[float]) -> List[str]:
+  """The classifier clients' own test accuracy in this sweep (FedMHO's VGG-9 clients, from run
+  'fedmho'), mean ± std over seeds of the clients' mean, and the lowest client."""
+  if 'fedmho' not in runs or not any(gather(results, 'fedmho', a, CLIENT_KEY) for a in alphas):
+    return []
+  cells = []
+  for a in alphas:
+    values = gather(results, 'fedmho', a, CLIENT_KEY)
+    lows = gather(results, 'fedmho', a, 'client_lowest_test_accuracy')
+    low = f' (lowest client {100 * min(lows):.2f})' if lows else ''
+    cells.append(f'α={a}: {mean_std(values) or "—"}{low}')
+  return [
+    '',
+    "FedMHO's classifier clients in these runs, mean client test accuracy (%), mean ± std over "
+    'seeds: ' + '; '.join(cells) + '.',
+  ]
 
 
 def precondition_lines(results: dict, runs: List[str], alphas: List[float], meta: dict):
@@ -279,6 +326,10 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
     f'{meta["seeds"]}. Budget ({meta["budget"] or "the config default"}):',
   ]
   lines += budget_lines(config)
+  if meta.get('evidence'):
+    lines += ['', 'Precondition evidence for this budget (measured before the sweep):']
+    lines += meta['evidence']
+  lines += client_lines(results, runs, alphas)
   lines += precondition_lines(results, runs, alphas, meta)
   for title, key in (
     ('final model', 'final_test_accuracy'),
@@ -305,19 +356,27 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
     ]
     for with_filter, without in pairs:
       lines += [row(with_filter, 'final_test_accuracy'), row(without, 'final_test_accuracy')]
-  for a in alphas if paper else []:
+  for a in alphas:
     column = {r: PAPER[r][a][0] for r in TABLE3 if r in runs and a in PAPER.get(r, {})}
+    if not column:
+      continue
     lines += [
       '',
       f'## Orderings the paper gives, α={a}, our final model',
       '',
-      'Every pair of Table 3 rows that the paper ranks apart; a two-sided t-test over our seeds, '
+      'Every pair of Table 3 rows that the paper ranks apart'
+      + ('' if paper else " (its Fashion-MNIST Table 3's order at this α, tested here)")
+      + ', and each Table 4 pair (the filter helps); a two-sided t-test over our seeds, '
       'paired by seed (one partition per seed), at 5 %: holds / fails when our seeds tell them '
       'apart, within noise when they do not.',
       '',
     ]
-    names = {r: RUNS[r].name for r in column}
-    lines += ordering_lines(paper_orderings(results, str(a), column), names)
+    orderings = paper_orderings(results, str(a), column)
+    for pair in pairs:
+      if all(a in PAPER[r] for r in pair):
+        orderings += paper_orderings(results, str(a), {r: PAPER[r][a][0] for r in pair})
+    names = {r: RUNS[r].name for r in RUNS}
+    lines += ordering_lines(orderings, names) if paper else ranked_lines(orderings, names)
   lines += [
     '',
     'FedAvg and FedDF report the vote of the model prototypes (the argmax of the mean logits of '
@@ -326,6 +385,22 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
     'table3.png; Fig. 9: synthetic_samples.png.',
   ]
   return '\n'.join(lines) + '\n'
+
+
+def ranked_lines(orderings: Sequence[Ordering], names: Dict[str, str]) -> List[str]:
+  """`ordering_lines` without the paper's numbers, for a dataset the paper does not report
+  (its Fashion-MNIST numbers beside ours would read as this dataset's)."""
+  lines = ordering_lines(orderings, names)
+  if not orderings:
+    return lines
+  out = [
+    '| paper says | ours (mean %) | seeds | p (paired t) | verdict |',
+    '|---|---|---|---:|---|',
+  ]
+  for line in lines[2 : 2 + len(orderings)]:
+    cells = line.split(' | ')
+    out.append(' | '.join(cells[:1] + cells[2:]))
+  return out + lines[2 + len(orderings) :]
 
 
 def plot_table(
@@ -421,6 +496,7 @@ def run_sweep(
     return saved
 
   s = sweep.Sweep.open(out, seeds, merge, read, budget=budget)
+  s.meta['evidence'] = evidence_lines(module, budget)
   if any(references):
     s.meta['reference'] = next(r for r in references if r)
   paper = base.dataset.name == 'fashion_mnist'
@@ -452,7 +528,9 @@ def run_sweep(
 
   def execute(name: str, alpha: float, seed: int, workdir: pathlib.Path) -> sweep.Record:
     c = run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed))
-    record = sweep.summary_record(run_experiment(RUNS[name].method, c, workdir), SUMMARY_KEYS)
+    summary = run_experiment(RUNS[name].method, c, workdir)
+    record = sweep.summary_record(summary, SUMMARY_KEYS)
+    record.update(client_record(summary))
     if name in GENERATING:
       label_samples(workdir, record)
     return record

@@ -22,6 +22,25 @@ Adam 1e-3, λ = 0.5. FedCVAE-Ens runs as FedMHO's reference runs its FEDCVAE row
 (`fedcvae.protocol='fedmho'`: FedMHO's generation, filter and server settings).
 Measured (seed 0, jax 0.10.2, CPU, 2 cores): see docs/fedmho.md "FedMHO and FedCVAE".
 
+The `plateau` budget (issue 36): the default's 30 local epochs leave the classifier clients far
+below what they reach alone, so the one-shot methods are compared on weak teachers. Client test
+accuracy vs local epochs (seed 0, α = 0.5, the `local` method on the baselines' client set, whose
+VGG-9 clients hold FedMHO's VGG-9 clients' data; mean over the 5 clients of each model, %):
+  epochs      10    30    60    100   150   200   300
+  VGG-9       10.1  32.8  48.9  54.9  58.1  59.7  61.9
+  small CNN   13.2  27.1  27.5  29.4  31.4  31.4  33.3
+  python -m experiments.client_curve --config=experiments/configs/fedmho_digits.py:baselines \
+      --epochs=10,30,60,100,150,200,300 --seeds=0 --out=runs/fedmho_client_curve
+At 200 epochs (the paper's) both are within 3 points of the best measured (the VGG-9 still gains
+about 2 points per 100 epochs; the small CNN, whose reference ends in a softmax before the cross
+entropy, stays near 30 %). The CVAEs' 40 epochs are the paper's; at the default's 30, 88.2 % of
+FedMHO-MD's kept samples are labelled as their class by a real-data classifier
+(docs/results/generator_check_fedmho_digits.md), and the table command repeats that check per run.
+  python -m experiments.fedmho_tables --config=experiments/configs/fedmho_digits.py \
+      --budget=plateau --seeds=0,1,2 --alphas=0.5,0.1 --reference_model=mlp \
+      --reference_epochs=10 --out=runs/fedmho_tables_digits_plateau
+  measured: docs/results/fedmho_tables_digits_plateau/ and docs/fedmho.md.
+
 Variants (comma-separated):
   fedcvae    every client a CVAE, CVAE-large and CVAE-small alternating (Table 1's FEDCVAE)
   fedcvae_kd as fedcvae with CVAE-small at latent 20, the CVAE-large's (FedCVAE-KD's server
@@ -31,6 +50,11 @@ Variants (comma-separated):
              ceh-2000/fed_cvae's server (`fedcvae.protocol='fed_cvae'`)
   baselines  VGG-9 and FedMHO's small CNN alternating (Table 1's FedAvg/FedDF/DENSE/Co-Boosting);
              the DENSE / Co-Boosting / FedDF server model is the VGG-9
+  plateau    issue 36's mechanism budget: every classifier client (FedMHO's VGG-9, the baselines'
+             VGG-9 and small CNN, `local`) 200 local epochs and every CVAE client 40, the
+             paper's numbers (Table 7), with the default's Adam 1e-3 for all; DENSE's and
+             Co-Boosting's VGG-9 students 60 epochs of Adam 1e-3 (default: 20 of SGD); the
+             other servers unchanged
   smoke      seconds-long budgets (MLP classifiers, 1–2 epochs, 200 samples): the driver's
              resume tests; accuracy meaningless
   dir=A      Dirichlet α (default 0.5)
@@ -38,7 +62,25 @@ Variants (comma-separated):
 
 from experiments.configs.common import base_config, variant_value, variant_words
 
-VARIANTS = ('fedcvae', 'fedcvae_kd', 'fedcvae_v0', 'baselines', 'smoke', 'dir=')
+VARIANTS = ('fedcvae', 'fedcvae_kd', 'fedcvae_v0', 'baselines', 'plateau', 'smoke', 'dir=')
+# 'plateau': the local epochs of every classifier client (FedMHO's, the baselines', `local`'s)
+# and of every CVAE client; the paper's 200 and 40 (FedMHO Table 7), with the default's Adam.
+PLATEAU_LOCAL_EPOCHS = 200
+PLATEAU_CVAE_EPOCHS = 40
+PLATEAU_KD_EPOCHS = 60  # DENSE's and Co-Boosting's server epochs (the paper: 200)
+# Issue 36's precondition evidence behind a budget word, printed in experiments.fedmho_tables'
+# header (measured with the commands of the docstring, seed 0, α = 0.5, CPU).
+EVIDENCE = {
+  'plateau': (
+    '- local classifier clients vs local epochs (`experiments.client_curve`, `local` method, '
+    'Adam 1e-3, batch 32, seed 0, α = 0.5; mean client test accuracy % (lowest–highest client)): '
+    'VGG-9 10: 10.1, 30: 32.8, 60: 48.9, 100: 54.9, 150: 58.1, 200: 59.7 (47.2–70.6), '
+    '300: 61.9 (52.5–69.4); small CNN 10: 13.2, 30: 27.1, 60: 27.5, 100: 29.4, 150: 31.4, '
+    '200: 31.4 (20.0–39.2), 300: 33.3 (20.0–48.9). At 200 epochs both are within 3 points of '
+    'the best measured (VGG-9 2.2 below its 300-epoch mean, still rising about 2 points per 100 '
+    'epochs; the default 30 epochs: 29 points below).',
+  ),
+}
 VGG = 'vgg9:width_mult=0.25,fc_width=128'
 FEDMHO_CLIENTS = f'{VGG};cvae:size=small'
 FEDCVAE_CLIENTS = 'cvae:size=large;cvae:size=small'
@@ -117,6 +159,18 @@ def get_config(arg: str = ''):
   for a in args:
     if a.startswith('dir='):
       c.partition.alpha = variant_value(a, float)
+  if 'plateau' in args:
+    c.fedmho.update({'local_epochs': PLATEAU_LOCAL_EPOCHS, 'cvae_epochs': PLATEAU_CVAE_EPOCHS})
+    c.fedcvae.cvae_epochs = PLATEAU_CVAE_EPOCHS
+    c.fedavg_vote.local_epochs = PLATEAU_LOCAL_EPOCHS
+    c.local.epochs = PLATEAU_LOCAL_EPOCHS
+    for m in ('dense', 'coboosting', 'feddf'):
+      c[m].local_epochs = PLATEAU_LOCAL_EPOCHS
+    # The VGG-9 student (no BatchNorm) stays at chance under the references' SGD here (DENSE
+    # and Co-Boosting 10.00 % at 20 epochs, seed 0, α = 0.5); Adam 1e-3 moves it, as in
+    # fedmho_fashion_mnist.py's CPU budget, and 60 epochs give it 3x the default's KD steps.
+    for m in ('dense', 'coboosting'):
+      c[m].update({'epochs': PLATEAU_KD_EPOCHS, 'kd_optimizer': 'adam', 'kd_lr': 1e-3})
   if 'smoke' in args:
     c.model = 'mlp'
     c.client_models = c.client_models.replace(VGG, 'mlp')
