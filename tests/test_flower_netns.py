@@ -1,6 +1,8 @@
-"""The multi-machine Flower recipe of docs/deployment.md, run as written on separate "machines":
+"""The multi-machine Flower recipes of docs/deployment.md, run as written on separate "machines":
 the SuperLink, each SuperNode and `flwr run` each in their own network namespace with their own
-address, joined by veth pairs on a bridge (no route out of the machine).
+address, joined by veth pairs on a bridge (no route out of the machine). Two recipes: every
+SuperNode rebuilding its clients from the config and seed (`flower-recipe`), and every SuperNode
+serving its own clients' files (`flower-recipe-own-data`).
 
 Also, in this process: a SuperNode loads the config the server sends, not a file at the same
 path (the rule the recipe no longer needs)."""
@@ -14,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -22,15 +24,16 @@ pytest.importorskip('flwr')
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
-RECIPE_START = '<!-- flower-recipe'
-RECIPE_END = '<!-- end flower-recipe -->'
+RECIPE = 'flower-recipe'  # every SuperNode rebuilds its clients from the config and seed
+OWN_DATA_RECIPE = 'flower-recipe-own-data'  # every SuperNode serves its own clients' files
 ROLES = {'server': 'on the server machine', 'node': 'on each client machine', 'user': 'anywhere'}
 
 
-def recipe_block(text: str) -> str:
-  """The fenced bash block between the recipe markers of a Markdown file."""
-  start = text.index(RECIPE_START)
-  body = text[start : text.index(RECIPE_END, start)]
+def recipe_block(text: str, name: str = RECIPE) -> str:
+  """The fenced bash block between the markers `<!-- NAME: ... -->` and `<!-- end NAME -->` of
+  a Markdown file."""
+  start = text.index(f'<!-- {name}:')
+  body = text[start : text.index(f'<!-- end {name} -->', start)]
   return re.search(r'```bash\n(.*?)```', body, re.S).group(1)
 
 
@@ -55,10 +58,30 @@ def test_the_recipe_has_a_command_for_every_machine():
   assert commands['user'][-1].startswith('flwr run ')
 
 
-def test_the_readme_gives_the_tested_recipe():
+def test_the_own_data_recipe_differs_from_the_recipe_only_in_the_node_and_run_lines():
+  docs = (ROOT / 'docs' / 'deployment.md').read_text()
+  base, own = (
+    recipe_commands(recipe_block(docs)),
+    recipe_commands(recipe_block(docs, OWN_DATA_RECIPE)),
+  )
+  assert own['server'] == base['server']
+  assert own['user'][:-1] == base['user'][:-1]  # the same federation in config.toml
+  (node,) = own['node']
+  # a double-quoted TOML string, so that the shell expands $DATA_DIR inside it
+  assert '--node-config "data-dir=\\"$DATA_DIR\\""' in node and 'partition-id' not in node
+  assert node.replace('--node-config "data-dir=\\"$DATA_DIR\\""', '') == base['node'][0].replace(
+    '--node-config "partition-id=$I num-partitions=$N"', ''
+  )
+  assert own['user'][-1] == base['user'][-1][:-1] + ' own-data=true"'
+
+
+@pytest.mark.parametrize('name', [RECIPE, OWN_DATA_RECIPE])
+def test_the_readme_gives_the_tested_recipe(name):
   readme = (ROOT / 'README.md').read_text()
-  assert RECIPE_START in readme, 'README.md has no flower-recipe block'
-  assert recipe_block(readme) == recipe_block((ROOT / 'docs' / 'deployment.md').read_text())
+  assert f'<!-- {name}:' in readme, f'README.md has no {name} block'
+  assert recipe_block(readme, name) == recipe_block(
+    (ROOT / 'docs' / 'deployment.md').read_text(), name
+  )
 
 
 def test_a_supernode_loads_the_config_the_server_sends_not_its_own_path(tmp_path):
@@ -136,10 +159,15 @@ def _wait_for_line(path: pathlib.Path, pattern: str, process, timeout_s: float) 
   raise AssertionError(f'no {pattern!r} in {path} within {timeout_s} s')
 
 
-@pytest.mark.slow
-def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
-  commands = recipe_commands(recipe_block((ROOT / 'docs' / 'deployment.md').read_text()))
-  nodes = 2
+def _run_recipe_across_namespaces(
+  tmp_path: pathlib.Path,
+  commands: Dict[str, List[str]],
+  nodes: int,
+  node_env: Optional[Callable[[int], Dict[str, str]]] = None,
+) -> Tuple[pathlib.Path, subprocess.CompletedProcess]:
+  """Runs a recipe's lines, each in its machine's namespace: the SuperLink, `nodes` SuperNodes
+  (node i with $I=i and `node_env(i)`) and then the user's lines in order; (workdir, the last
+  user line's completed process). Every process and namespace is gone on return."""
   machines = ['link'] + [f'node{i}' for i in range(nodes)] + ['user']
   spaces = _namespaces_or_skip(machines)
   processes: List[subprocess.Popen] = []
@@ -184,7 +212,7 @@ def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
     time.sleep(2)
     (node_line,) = commands['node']
     for i in range(nodes):
-      start(f'node{i}', node_line, I=str(i))
+      start(f'node{i}', node_line, I=str(i), **(node_env(i) if node_env else {}))
     run = None
     for line in commands['user']:
       run = subprocess.run(
@@ -197,13 +225,17 @@ def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
         check=False,
       )
       assert run.returncode == 0, f'{line}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}'
-    assert (workdir / 'summary.json').exists(), f'no summary: {run.stdout[-4000:]}{run.stderr}'
-    summary = json.loads((workdir / 'summary.json').read_text())
-    assert summary['final_test_accuracy'] > 0.3  # it learns (chance is 0.1)
-    bridge = json.loads((workdir / 'flower.json').read_text())
-    assert bridge['supernodes'] == nodes
+    node_logs = '\n'.join(
+      f'{log.name}: {log.read_text(errors="replace")[-1500:]}' for log in sorted(logs.iterdir())
+    )
+    assert (workdir / 'summary.json').exists(), (
+      f'no summary: {run.stdout[-4000:]}{run.stderr}\n{node_logs}'
+    )
     # the server's per-exchange progress reached the console of `flwr run --stream`
-    assert re.search(r'flower: exchange 1: 2/2 SuperNodes replied', run.stdout + run.stderr)
+    assert re.search(
+      rf'flower: exchange 1: {nodes}/{nodes} SuperNodes replied', run.stdout + run.stderr
+    )
+    return workdir, run
   finally:
     for p in processes:
       if p.poll() is None:
@@ -215,3 +247,62 @@ def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     spaces.delete()
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_fedavg_across_network_namespaces(tmp_path):
+  commands = recipe_commands(recipe_block((ROOT / 'docs' / 'deployment.md').read_text()))
+  nodes = 2
+  workdir, _ = _run_recipe_across_namespaces(tmp_path, commands, nodes)
+  summary = json.loads((workdir / 'summary.json').read_text())
+  assert summary['final_test_accuracy'] > 0.3  # it learns (chance is 0.1)
+  bridge = json.loads((workdir / 'flower.json').read_text())
+  assert bridge['supernodes'] == nodes
+
+
+@pytest.mark.slow
+def test_the_own_data_recipe_runs_fedavg_across_network_namespaces(tmp_path):
+  """Each SuperNode's $DATA_DIR holds only its own clients' files (written from the config's
+  seeded partition, node i the block a whole-dataset SuperNode i would rebuild): the run ends
+  with the whole-dataset in-process run's parameters, the server having learnt every client's
+  size from the nodes."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
+  from jfed.engine import sharding  # pylint: disable=g-import-not-at-top
+  from jfed.flower.settings import load_config  # pylint: disable=g-import-not-at-top
+  from tests.test_flower import _final_params, _in_process  # pylint: disable=g-import-not-at-top
+
+  docs = (ROOT / 'docs' / 'deployment.md').read_text()
+  commands = recipe_commands(recipe_block(docs, OWN_DATA_RECIPE))
+  nodes = 2
+  config = load_config(SMOKE, [])  # the recipe's overrides="[]"
+  seeded = context_of_config(config)
+  data_dirs = []
+  for i in range(nodes):
+    folder = tmp_path / 'data' / f'node{i}'  # node i's machine: its clients' files, no others
+    folder.mkdir(parents=True)
+    for c in sharding.client_block(len(seeded.parts), i, nodes):
+      part = seeded.parts[c]
+      np.savez(
+        folder / f'client_{c}.npz', x=seeded.dataset.train_x[part], y=seeded.dataset.train_y[part]
+      )
+    data_dirs.append(str(folder))
+  assert sorted(p.name for d in data_dirs for p in pathlib.Path(d).iterdir()) == sorted(
+    f'client_{c}.npz' for c in range(len(seeded.parts))
+  )
+
+  workdir, _ = _run_recipe_across_namespaces(
+    tmp_path, commands, nodes, node_env=lambda i: {'DATA_DIR': data_dirs[i]}
+  )
+  bridge = json.loads((workdir / 'flower.json').read_text())
+  assert bridge['supernodes'] == nodes
+  assert bridge['own_data_client_sizes'] == [len(p) for p in seeded.parts]
+  assert bridge['exchanges'] == 1 + config.fedavg.rounds  # describe, then the rounds
+  in_process = tmp_path / 'in_process'
+  _in_process('fedavg', in_process)
+  for a, b in zip(_final_params(workdir), _final_params(in_process), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  summary = json.loads((workdir / 'summary.json').read_text())
+  plain = json.loads((in_process / 'summary.json').read_text())
+  assert summary['final_test_accuracy'] == plain['final_test_accuracy']
