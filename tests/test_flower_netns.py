@@ -268,8 +268,8 @@ def test_the_own_data_recipe_runs_fedavg_across_network_namespaces(tmp_path):
   size from the nodes."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
+  from experiments import export_clients  # pylint: disable=g-import-not-at-top
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
-  from jfed.engine import sharding  # pylint: disable=g-import-not-at-top
   from jfed.flower.settings import load_config  # pylint: disable=g-import-not-at-top
   from tests.test_flower import _final_params, _in_process  # pylint: disable=g-import-not-at-top
 
@@ -281,12 +281,7 @@ def test_the_own_data_recipe_runs_fedavg_across_network_namespaces(tmp_path):
   data_dirs = []
   for i in range(nodes):
     folder = tmp_path / 'data' / f'node{i}'  # node i's machine: its clients' files, no others
-    folder.mkdir(parents=True)
-    for c in sharding.client_block(len(seeded.parts), i, nodes):
-      part = seeded.parts[c]
-      np.savez(
-        folder / f'client_{c}.npz', x=seeded.dataset.train_x[part], y=seeded.dataset.train_y[part]
-      )
+    export_clients.export(config, str(folder), i, nodes)
     data_dirs.append(str(folder))
   assert sorted(p.name for d in data_dirs for p in pathlib.Path(d).iterdir()) == sorted(
     f'client_{c}.npz' for c in range(len(seeded.parts))

@@ -42,11 +42,13 @@ def _write_node_dirs(tmp_path, config, ctx, x_dtype=np.float32):
   for p in range(NODES):
     folder = tmp_path / f'node{p}'
     folder.mkdir()
+    clients = {}
     for c in sharding.client_block(len(ctx.parts), p, NODES):
       x = ctx.dataset.train_x[ctx.parts[c]]
       if x_dtype == np.uint8:
         x = np.round(x * 255).astype(np.uint8)
-      np.savez(folder / f'client_{c}.npz', x=x, y=ctx.dataset.train_y[ctx.parts[c]])
+      clients[c] = (x, ctx.dataset.train_y[ctx.parts[c]])
+    own_data.write_clients(str(folder), clients)
     dirs.append(folder)
   return dirs
 
@@ -360,3 +362,29 @@ def test_fedavg_through_a_local_deployment_of_own_data_supernodes(tmp_path):
   bridge = json.loads((flower / 'flower.json').read_text())
   assert bridge['own_data_client_sizes'] == [len(p) for p in seeded.parts]
   assert bridge['exchanges'] == 1 + config.fedavg.rounds  # describe, then the rounds
+
+
+def test_exported_node_directories_hold_each_nodes_block_of_the_seeded_partition(tmp_path):
+  """`experiments.export_clients` writes what a whole-dataset SuperNode of the same partition id
+  would train, in the format `load_clients` reads; a second export into the same directory and
+  a node id out of range are refused before anything is written."""
+  from experiments import export_clients  # pylint: disable=g-import-not-at-top
+  from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
+
+  config = _config()
+  ctx = context_of_config(config)
+  seen = []
+  for p in range(NODES):
+    export_clients.export(config, str(tmp_path / f'n{p}'), p, NODES)
+    loaded = own_data.load_clients(str(tmp_path / f'n{p}'), config.partition.num_clients)
+    assert list(loaded) == list(sharding.client_block(len(ctx.parts), p, NODES))
+    for c, data in loaded.items():
+      np.testing.assert_array_equal(data.x, ctx.dataset.train_x[ctx.parts[c]])
+      np.testing.assert_array_equal(data.y, ctx.dataset.train_y[ctx.parts[c]])
+    seen += list(loaded)
+  assert sorted(seen) == list(range(len(ctx.parts)))
+  with pytest.raises(ConfigError, match='already holds client'):
+    export_clients.export(config, str(tmp_path / 'n0'), 0, NODES)
+  with pytest.raises(ConfigError, match='partition_id=2'):
+    export_clients.export(config, str(tmp_path / 'bad'), 2, NODES)
+  assert not (tmp_path / 'bad').exists()

@@ -19,7 +19,7 @@ No JAX here: `jfed.flower.deploy` checks the directories with it before any Flow
 
 import pathlib
 import re
-from typing import Dict, NamedTuple, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Sequence, Tuple
 import zipfile
 
 import numpy as np
@@ -68,6 +68,32 @@ def load_clients(data_dir: str, num_clients: int) -> Dict[int, ClientData]:
   if not files:
     raise ConfigError(f'node config data-dir={data_dir}: holds no client_<id>.npz file')
   return {cid: _read(str(files[cid])) for cid in sorted(files)}
+
+
+def write_clients(
+  data_dir: str, clients: Mapping[int, Tuple[np.ndarray, np.ndarray]]
+) -> List[pathlib.Path]:
+  """Writes each client's samples as the `client_<id>.npz` that `load_clients` reads.
+
+  Args:
+    data_dir: The node's directory (created if missing). One that already holds client files is
+      refused: files of two exports would mix two partitions.
+    clients: {client id: (x [n, H, W, C] in [0, 1] or uint8, y [n] integer labels)}.
+
+  Returns:
+    The files written, by client id.
+  """
+  folder = pathlib.Path(data_dir)
+  if folder.is_dir() and any(CLIENT_FILE.fullmatch(f.name) for f in folder.iterdir()):
+    raise ConfigError(f'{data_dir} already holds client_<id>.npz files; choose an empty directory')
+  folder.mkdir(parents=True, exist_ok=True)
+  written = []
+  for cid in sorted(clients):
+    x, y = clients[cid]
+    path = folder / f'client_{int(cid)}.npz'
+    np.savez(path, x=np.asarray(x), y=np.asarray(y))
+    written.append(path)
+  return written
 
 
 def _read(path: str) -> ClientData:
