@@ -14,7 +14,7 @@ Images are written as the loaders give them (float32 in [0, 1]); a few seconds o
 
 from typing import List
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jfed.api import context_of_config
@@ -54,6 +54,8 @@ def main(argv) -> None:
   del argv
   if FLAGS.config is None or not FLAGS.out:
     raise app.UsageError('--config and --out are required')
+  if not FLAGS['verbosity'].present:  # JAX's backend probing says nothing a user needs here
+    logging.set_verbosity(logging.WARNING)
   try:
     files = export(FLAGS.config, FLAGS.out, FLAGS.partition_id, FLAGS.num_partitions)
   except ConfigError as e:
