@@ -66,7 +66,6 @@ import numpy as np
 
 from experiments import generator_check, sweep
 from experiments.seed_tables import (
-  Ordering,
   load_config_module,
   mean_std,
   ordering_lines,
@@ -376,7 +375,7 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
       if all(a in PAPER[r] for r in pair):
         orderings += paper_orderings(results, str(a), {r: PAPER[r][a][0] for r in pair})
     names = {r: RUNS[r].name for r in RUNS}
-    lines += ordering_lines(orderings, names) if paper else ranked_lines(orderings, names)
+    lines += ordering_lines(orderings, names, paper_column=paper)
   lines += [
     '',
     'FedAvg and FedDF report the vote of the model prototypes (the argmax of the mean logits of '
@@ -385,22 +384,6 @@ def render(config, results: dict, runs: List[str], alphas: List[float], meta: di
     'table3.png; Fig. 9: synthetic_samples.png.',
   ]
   return '\n'.join(lines) + '\n'
-
-
-def ranked_lines(orderings: Sequence[Ordering], names: Dict[str, str]) -> List[str]:
-  """`ordering_lines` without the paper's numbers, for a dataset the paper does not report
-  (its Fashion-MNIST numbers beside ours would read as this dataset's)."""
-  lines = ordering_lines(orderings, names)
-  if not orderings:
-    return lines
-  out = [
-    '| paper says | ours (mean %) | seeds | p (paired t) | verdict |',
-    '|---|---|---|---:|---|',
-  ]
-  for line in lines[2 : 2 + len(orderings)]:
-    cells = line.split(' | ')
-    out.append(' | '.join(cells[:1] + cells[2:]))
-  return out + lines[2 + len(orderings) :]
 
 
 def plot_table(

@@ -181,19 +181,25 @@ def paper_orderings(
   return out
 
 
-def ordering_lines(orderings: Sequence[Ordering], names: Mapping[str, str]) -> List[str]:
-  """A Markdown table of the orderings and a count of each verdict."""
+def ordering_lines(
+  orderings: Sequence[Ordering], names: Mapping[str, str], paper_column: bool = True
+) -> List[str]:
+  """A Markdown table of the orderings and a count of each verdict. `paper_column=False` leaves
+  the paper's numbers out: on a dataset the paper does not report, its numbers for another one
+  beside ours would read as this dataset's."""
   if not orderings:
     return ['No pair of methods has our numbers on both sides yet.']
+  paper_head, paper_rule = ('paper | ', '---|') if paper_column else ('', '')
   lines = [
-    '| paper says | paper | ours (mean %) | seeds | p (paired t) | verdict |',
-    '|---|---|---|---|---:|---|',
+    f'| paper says | {paper_head}ours (mean %) | seeds | p (paired t) | verdict |',
+    f'|---|{paper_rule}---|---|---:|---|',
   ]
   for o in orderings:
     p = '—' if o.p_value != o.p_value else f'{o.p_value:.3f}'
+    paper = f'{o.paper[0]:.2f} > {o.paper[1]:.2f} | ' if paper_column else ''
     lines.append(
       f'| {names.get(o.better, o.better)} > {names.get(o.worse, o.worse)} | '
-      f'{o.paper[0]:.2f} > {o.paper[1]:.2f} | {100 * o.ours[0]:.2f} vs {100 * o.ours[1]:.2f} | '
+      f'{paper}{100 * o.ours[0]:.2f} vs {100 * o.ours[1]:.2f} | '
       f'{o.seeds} | {p} | {o.verdict} |'
     )
   counts = {

@@ -311,7 +311,7 @@ def privatize_locally(
 
 def _dp_accounting() -> Any:
   """dp-accounting, imported on first use: it pulls in scipy.signal and scipy.stats (about half
-  of `import jfed.api`'s CPU time), which only runs with differential privacy need."""
+  of `import jfed.api`'s CPU time), which only runs with differential privacy need pay."""
   import dp_accounting  # pylint: disable=g-import-not-at-top
 
   return dp_accounting
@@ -382,9 +382,7 @@ class _SkippedOrders(logging.Filter):
 
 
 def _rdp_epsilon(event: Any, delta: float) -> float:
-  from dp_accounting import rdp  # pylint: disable=g-import-not-at-top
-
-  accountant = rdp.RdpAccountant()
+  accountant = _dp_accounting().rdp.RdpAccountant()
   quiet = _SkippedOrders()
   absl_logger = logging.getLogger('absl')
   absl_logger.addFilter(quiet)
