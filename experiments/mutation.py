@@ -35,7 +35,21 @@ from jfed.workdir import atomic_write_text
 FLAGS = flags.FLAGS
 flags.DEFINE_list('modules', ['aggregation'], 'keys of MODULES, or "all"')
 flags.DEFINE_integer('max_children', 2, 'mutmut workers')
+flags.DEFINE_float(
+  'timeout_multiplier',
+  60.0,
+  "mutmut's timeout_multiplier (its default 15): a mutant's wall limit is (the tests' measured "
+  'seconds + 1) times this, and a mutant child compiles its JAX programs afresh, so at 15 on '
+  'loaded cores correct code timed out (34 of 129 mutants of centralized.py). Changing it re-runs '
+  'the timed-out mutants of a resumed module.',
+)
 flags.DEFINE_string('out', 'docs/results/mutation', 'report folder')
+flags.DEFINE_bool(
+  'rerun_survivors',
+  False,
+  "Forget the resumed module's surviving mutants' verdicts, so that mutmut runs them (only them) "
+  'again against the tests as they are now: the authoritative check of a triage.',
+)
 flags.DEFINE_string(
   'merge', None, "Instead of running: add another report folder's modules (summary.json) to OUT"
 )
@@ -79,7 +93,10 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
     ['jfed/methods/fedmho.py', 'jfed/methods/fedcvae.py', 'jfed/methods/generative.py'],
     ['tests/test_oracle_fedmho.py', 'tests/test_fedmho.py'],
   ),
-  'cvae': (['jfed/cvae/server.py', 'jfed/cvae/losses.py'], ['tests/test_oracle_fedmho.py']),
+  'cvae': (
+    ['jfed/cvae/server.py', 'jfed/cvae/losses.py'],
+    ['tests/test_oracle_fedmho.py', 'tests/test_fusion_trainer.py'],
+  ),
   'fedtsa': (
     ['jfed/methods/fedtsa.py', 'jfed/distill/mutual.py'],
     ['tests/test_oracle_fedtsa.py', 'tests/test_fedtsa.py'],
@@ -140,13 +157,34 @@ def configure(dest: pathlib.Path, paths: List[str], tests: List[str]) -> None:
       'process_isolation = "forkserver"\n'
       'forkserver_warmup = "import"\n'
       'preload_modules_file = "mutmut_preload.txt"\n'
+      f'timeout_multiplier = {FLAGS.timeout_multiplier}\n'
     )
+
+
+def forget_survivors(dest: pathlib.Path) -> int:
+  """Clears the verdict of every surviving mutant (exit code 0: the tests passed) in mutmut's
+  per-file state, so that the next `mutmut run` tests them again, and mutmut's record of which
+  tests call which function, so that it is taken again from the tests as they are now (mutmut
+  watches only pyproject.toml for that). Returns how many survivors."""
+  (dest / 'mutants' / 'mutmut-stats.json').unlink(missing_ok=True)
+  count = 0
+  for meta_path in (dest / 'mutants').rglob('*.meta'):
+    meta = json.loads(meta_path.read_text())
+    codes = meta.get('exit_code_by_key', {})
+    survivors = [name for name, code in codes.items() if code == 0]
+    for name in survivors:
+      codes[name] = None
+    count += len(survivors)
+    meta_path.write_text(json.dumps(meta, indent=4))
+  return count
 
 
 def _mutmut(dest: pathlib.Path, *args: str, log=None) -> str:
   out = subprocess.run(
     [sys.executable, '-m', 'mutmut', *args],
     cwd=dest,
+    # tests/support.py's shared_fixture_scope: fixtures that several tests check set up per test
+    env={**os.environ, 'JFED_MUTATION_TESTING': '1'},
     stdout=log or subprocess.PIPE,
     # mutmut's deprecation warnings (paths_to_mutate, tests_dir) stay out of the reports
     stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
@@ -162,6 +200,8 @@ def run_module(key: str, out: pathlib.Path) -> Dict:
   dest.mkdir(parents=True, exist_ok=True)
   scratch_copy(dest)
   configure(dest, paths, tests)
+  if FLAGS.rerun_survivors:
+    print(f'{key}: {forget_survivors(dest)} surviving mutants to run again', flush=True)
   with open(out / f'{key}.log', 'a') as log:
     _mutmut(dest, 'run', '--max-children', str(FLAGS.max_children), log=log)
   _mutmut(dest, 'export-cicd-stats')

@@ -25,7 +25,7 @@ local epochs), `weighted_average` and `visiting_order` (the data order jfed draw
 Other families' helpers may append functions here; do not change the existing ones.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -298,30 +298,42 @@ def mlp_local_sgd(
   y: np.ndarray,
   orders: Sequence[np.ndarray],
   batch_size: int,
-  lr: float,
+  lr: Union[float, Callable[[int], float]],
   momentum: float = 0.0,
   weight_decay: float = 0.0,
   prox_mu: float = 0.0,
   anchor: Optional[Dict[str, Any]] = None,
   buffers: Optional[Any] = None,
+  first_step: int = 0,
+  epoch_accuracies: Optional[List[float]] = None,
 ) -> Tuple[Dict[str, Any], Any, List[float]]:
   """A client's local training of an 'mlp' as a PyTorch loop runs it: for each epoch's visiting
   order (a permutation of the client's samples), mini-batches of `batch_size` in that order (the
   last one partial, DataLoader(drop_last=False)), one `sgd_momentum_step` on each batch's mean
-  cross entropy (+ the FedProx term). A fresh optimiser unless `buffers` are given.
+  cross entropy (+ the FedProx term). A fresh optimiser unless `buffers` are given. `lr` is a
+  rate or a schedule of the optimiser step (counted from `first_step`, as a torch LR scheduler
+  stepped per batch). Appends each epoch's training accuracy (the batches' predictions before
+  their step, over samples) to `epoch_accuracies` when given.
   Returns (params, momentum buffers, per-epoch mean training loss over samples)."""
   params = to_numpy(params)
   x, y = np.asarray(x, np.float64), np.asarray(y)
   epoch_losses = []
+  step = first_step
   for order in orders:
     order = np.asarray(order)
-    total = 0.0
+    total, correct = 0.0, 0
     for start in range(0, len(order), batch_size):
       idx = order[start : start + batch_size]
       loss, grads = mlp_loss_and_grads(params, x[idx], y[idx], prox_mu, anchor)
-      total += cross_entropy(mlp_forward(params, x[idx]), y[idx]) * len(idx)
-      params, buffers = sgd_momentum_step(params, grads, buffers, lr, momentum, weight_decay)
+      logits = mlp_forward(params, x[idx])
+      total += cross_entropy(logits, y[idx]) * len(idx)
+      correct += int(np.sum(np.argmax(logits, -1) == y[idx]))
+      rate = lr(step) if callable(lr) else lr
+      params, buffers = sgd_momentum_step(params, grads, buffers, rate, momentum, weight_decay)
+      step += 1
     epoch_losses.append(total / max(len(order), 1))
+    if epoch_accuracies is not None:
+      epoch_accuracies.append(correct / max(len(order), 1))
   return params, buffers, epoch_losses
 
 

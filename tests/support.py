@@ -1,6 +1,7 @@
 """Helpers shared by the end-to-end tests."""
 
 import json
+import os
 import shutil
 
 from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
@@ -13,6 +14,19 @@ HFLDD_CLIENTS = 20
 # (10-25 s each).
 DDPM_TINY = dict(timesteps=20, base_channels=8, steps=30, batch=16, lr=2e-3)
 DDPM_IMAGES = 40
+
+
+# Set by experiments.mutation for the pytest runs of mutmut.
+MUTATION_ENV = 'JFED_MUTATION_TESTING'
+
+
+def shared_fixture_scope(fixture_name, config) -> str:
+  """The scope of a fixture whose one computation several tests check: 'module', but 'function'
+  under mutation testing. mutmut credits a call made while a fixture is set up to the first test
+  that requested the fixture, and runs only the credited tests against a mutant, so the other
+  tests' checks of the same computation would never see the mutant."""
+  del fixture_name, config
+  return 'function' if os.environ.get(MUTATION_ENV) else 'module'
 
 
 def override(config, **overrides):

@@ -13,6 +13,7 @@ from jfed.distill import ensemble, generator, kd, losses, plots, pool, synthesis
 from jfed.engine import optim
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
+from tests.support import shared_fixture_scope
 
 # Jitted (a flax module hashes by its fields): run op by op, `init` compiled one program per op.
 _init = jax.jit(lambda module, key, x: module.init(key, x), static_argnums=0)
@@ -543,7 +544,7 @@ def _np_sa(per_client, U_r, U_c, y):
   return out
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def hydra_setup():
   """Three clients (two BNNets, one MLP), SA weights from a random guidance matrix U normalised
   by Eqs. 4–7, and a linear global model."""

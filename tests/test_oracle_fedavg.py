@@ -34,6 +34,7 @@ from jfed.data import load_dataset
 from jfed.data.datasets import Dataset
 from jfed.driver import build_algorithm, make_context, run
 from jfed.engine import ModelState
+from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common
 from tests import oracle_numpy as onp
@@ -423,7 +424,15 @@ def test_local_matches_the_oracle():
   np.testing.assert_allclose([r['test_accuracy'] for r in got], accs, atol=1e-9)
   # Local's reported number: the unweighted mean of the clients' own test accuracies.
   assert summary['final_test_accuracy'] == pytest.approx(np.mean(accs), abs=1e-9)
+  assert summary['mean_test_accuracy'] == pytest.approx(np.mean(accs), abs=1e-9)
   np.testing.assert_allclose(summary['client_test_accuracy'], accs, atol=1e-9)
+  # every client uploads its float32 model once: its parameters' bytes plus msgpack's framing
+  weights = sum(
+    leaf.size
+    for spec in specs
+    for leaf in jax.tree.leaves(_init_params(spec, jax.random.PRNGKey(0)))
+  )
+  assert 4 * weights <= summary['upload_bytes'] <= 4 * weights + 512 * len(specs)
   _assert_full_test_split(summary)
 
 
@@ -495,6 +504,55 @@ def test_centralized_matches_the_oracle(scored):
     assert record['train_loss'] == pytest.approx(loss, rel=1e-4)
     _assert_scored(scored[epoch : epoch + 1], [params])
   _assert_full_test_split(summary)
+
+
+def test_centralized_trains_one_model_under_a_schedule_over_all_its_steps():
+  # A cosine schedule spans epochs x ceil(n / batch) optimiser steps: batch 10 does not divide the
+  # 96 images, so 2 x 10 = 20 steps, the last batch of each epoch partial (6 images).
+  batch, epochs = 10, 2
+  config = _config(3, **{'centralized.epochs': epochs, 'batch_size': batch})
+  config.optimizer.schedule = 'cosine'
+  summary, rec, ctx = _run('centralized', config)
+  ds = _dataset()
+  total = epochs * -(-len(ds.train_y) // batch)
+  assert total == 20
+
+  def cosine(step: int) -> float:  # optax.cosine_decay_schedule(LR, total), alpha 0
+    return 0.5 * LR * (1.0 + np.cos(np.pi * min(step, total) / total))
+
+  params = _init_params(NARROW, ctx.derive_key(Purpose.MODEL_INIT, 0))
+  buffers, step, accuracies = None, 0, []
+  for epoch in range(epochs):
+    order = onp.visiting_order(
+      jax.random.fold_in(ctx.derive_key(Purpose.LOCAL_TRAINING, epoch), 0), 0, len(ds.train_y)
+    )
+    params, buffers, _ = onp.mlp_local_sgd(
+      params,
+      ds.train_x,
+      ds.train_y,
+      [order],
+      batch,
+      cosine,
+      MOMENTUM,
+      buffers=buffers,
+      first_step=step,
+      epoch_accuracies=accuracies,
+    )
+    step += -(-len(ds.train_y) // batch)
+    state = rec.states[epoch]
+    # one model, not a stack of several of which the first is scored
+    assert {leaf.shape[0] for leaf in jax.tree.leaves(state.model.params)} == {1}
+    onp.assert_tree_close(engine.take(state.model.params, 0), params)
+    (record,) = rec.records[epoch]
+    assert record['epoch'] == epoch + 1
+    assert record['train_accuracy'] == pytest.approx(accuracies[epoch], abs=1e-6)
+  assert summary['epochs'] == epochs
+
+
+@pytest.mark.parametrize('method', ['centralized', 'local'])
+def test_a_non_positive_epoch_count_is_refused_naming_its_field(method):
+  with pytest.raises(ConfigError, match=rf'^{method}\.epochs must be positive, got 0$'):
+    build_algorithm(method, _config(3, **{f'{method}.epochs': 0}))
 
 
 # ---------------------------------------------------------------------------------------------

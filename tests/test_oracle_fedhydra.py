@@ -40,6 +40,7 @@ from jfed import driver
 from jfed.data.datasets import Dataset
 from jfed.distill import dense_generator_init, make_generator
 from jfed.keys import Purpose, ServerRoundPurpose
+from tests.support import shared_fixture_scope
 
 torch = pytest.importorskip('torch')
 F = torch.nn.functional
@@ -111,7 +112,7 @@ def _config():
   return c
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def hydra_run():
   """jfed's FedHydra on the tiny problem: the context, the aux after setup, the state before and
   after step 0 (one HASA epoch) and that step's record."""

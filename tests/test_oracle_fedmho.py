@@ -40,6 +40,7 @@ from jfed import driver, engine
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import get_method
 from tests import oracle_numpy as onp
+from tests.support import shared_fixture_scope
 
 # The oracles mirror the PyTorch reference code in float64 PyTorch: skipped where it is absent
 # (the README's install; CI installs it).
@@ -235,7 +236,7 @@ def _fedmho_oracle_synthetic(ctx, config, aux, total):
   return np.concatenate(images), np.concatenate(labels), np.concatenate(owners)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def fedmho_runs():
   """setup, init and one step of each variant on the same clients (trained identically)."""
   config = _fedmho_config()

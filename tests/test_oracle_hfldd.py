@@ -37,6 +37,7 @@ from jfed.keys import Purpose
 from jfed.kip import fc_ntk_kernel, krr_loss
 from jfed.methods import common, hfldd
 from tests import oracle_numpy as onp
+from tests.support import shared_fixture_scope
 
 # The oracles mirror the PyTorch reference code in float64 PyTorch: skipped where it is absent
 # (the README's install; CI installs it).
@@ -274,7 +275,7 @@ def assert_class_balanced(chosen, labels, size):
   assert all(min(n, r) <= taken[c] <= min(n, r + 1) for c, n in have.items())
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def hfldd_problem():
   dataset, parts = tiny_problem(HFLDD_CLIENTS)
   config = hfldd_config()

@@ -12,6 +12,7 @@ from jfed.distill import ensemble, generator
 from jfed.distill import stratification as S
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
+from tests.support import shared_fixture_scope
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,7 +119,7 @@ CFG = S.MSConfig(T_G=4, batch_size=4, lr=1e-2)
 KEY = jax.random.PRNGKey(7)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def batched_conv():
   return S.model_stratification(
     ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2)), GEN, 3, KEY, CFG

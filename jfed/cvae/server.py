@@ -36,7 +36,7 @@ class FusionTrainer:
     self,
     module,
     tx: optax.GradientTransformation,
-    lam: float = 0.5,
+    lam: float,
     kl_reduction: str = 'mean',
   ):
     self.module, self.tx, self.lam, self.kl_reduction = module, tx, float(lam), kl_reduction
