@@ -95,7 +95,7 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'cvae': (
     ['jfed/cvae/server.py', 'jfed/cvae/losses.py'],
-    ['tests/test_oracle_fedmho.py', 'tests/test_fusion_trainer.py'],
+    ['tests/test_oracle_fedmho.py', 'tests/test_fusion_trainer.py', 'tests/test_cvae.py'],
   ),
   'fedtsa': (
     ['jfed/methods/fedtsa.py', 'jfed/distill/mutual.py'],

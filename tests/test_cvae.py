@@ -234,6 +234,19 @@ def test_cvae_loss_equals_eq3_computed_by_hand():
   )
   want = (((p - x) ** 2).reshape(4, -1).sum(1) + kl)[:3].mean()
   np.testing.assert_allclose(float(mse), want, rtol=1e-5)
+  # a batch with one real sample is that sample's loss
+  one, _ = cvae_loss(
+    CVAEOutput(jnp.asarray(logits), jnp.asarray(mu), jnp.asarray(logvar)),
+    jnp.asarray(x),
+    jnp.asarray([0, 0, 1, 0], jnp.float32),
+  )
+  np.testing.assert_allclose(float(one), bce[2] + kl[2], rtol=1e-5)
+
+
+def test_an_unknown_reconstruction_loss_is_refused_naming_the_choices():
+  out = CVAEOutput(jnp.zeros((2, 3, 3, 1)), jnp.zeros((2, 5)), jnp.zeros((2, 5)))
+  with pytest.raises(ValueError, match=r"^recon must be one of \('bce', 'mse'\), got 'l1'$"):
+    cvae_loss(out, jnp.zeros((2, 3, 3, 1)), jnp.ones(2), recon='l1')
 
 
 def test_cvae_small_learns_digits():

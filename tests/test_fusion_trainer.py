@@ -37,6 +37,13 @@ class _BNDropoutNet(nn.Module):
     return nn.Dense(CLASSES)(x)
 
 
+class _PlainNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask  # no BatchNorm, no dropout
+    return nn.Dense(CLASSES)(x.reshape(x.shape[0], -1))
+
+
 def _sgd(lr, momentum, weight_decay):
   """torch.optim.SGD(lr, momentum, weight_decay) as optax: weight decay needs the parameters."""
   return optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(lr, momentum=momentum))
@@ -126,3 +133,16 @@ def test_one_epoch_trains_batchnorm_and_dropout_as_written_out(with_teacher, lam
   # the check can see a difference: the epoch moved the parameters and the statistics
   moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), params, variables['params'])
   assert max(jax.tree.leaves(moved)) > 1e-3
+
+
+def test_a_model_without_batchnorm_keeps_its_empty_statistics():
+  # FedMHO's small CNN and the MLPs have no BatchNorm: the state keeps the structure it had (an
+  # empty statistics collection), so that it can be checkpointed and uploaded like any other.
+  module = _PlainNet()
+  data = _data(True)
+  variables = module.init(jax.random.PRNGKey(1), data.x[:2])
+  model = ModelState(variables['params'], variables.get('batch_stats', {}))
+  trainer = FusionTrainer(module, _sgd(LR, MOMENTUM, WEIGHT_DECAY), 0.5)
+  state = trainer.init(model)
+  state, _ = trainer.epoch(state, data, BATCH, np.random.default_rng(3), jax.random.PRNGKey(7))
+  assert jax.tree.structure(state.model) == jax.tree.structure(model)

@@ -22,7 +22,7 @@ from jfed.cvae.models import CVAEOutput, resize_images
 RECON_LOSSES = ('bce', 'mse')
 
 
-def cvae_terms(out: CVAEOutput, x: jnp.ndarray, recon: str = 'bce') -> Tuple[jnp.ndarray, ...]:
+def cvae_terms(out: CVAEOutput, x: jnp.ndarray, recon: str) -> Tuple[jnp.ndarray, ...]:
   """Per-sample (reconstruction, KL) terms, each [B].
 
   Args:
