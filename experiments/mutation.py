@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from absl import app, flags
 
@@ -193,7 +193,7 @@ def _mutmut(dest: pathlib.Path, *args: str, log=None) -> str:
   return out.stdout or ''
 
 
-def run_module(key: str, out: pathlib.Path) -> Dict:
+def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> Dict:
   paths, tests = MODULES[key]
   t0 = time.time()
   dest = pathlib.Path(FLAGS.scratch) / key
@@ -225,6 +225,11 @@ def run_module(key: str, out: pathlib.Path) -> Dict:
     'minutes': (time.time() - t0) / 60,
     'machine': f'{os.cpu_count()} CPU cores, {FLAGS.max_children} workers',
   }
+  if FLAGS.rerun_survivors and previous:
+    # the module's first full run, before the tests written for its survivors
+    row['first_run'] = previous.get('first_run') or {
+      k: previous[k] for k in ('stats', 'score', 'minutes', 'machine') if k in previous
+    }
   lines = [
     f'# Mutation testing: {key}',
     '',
@@ -254,20 +259,28 @@ def write_summary(out: pathlib.Path, rows: Dict[str, Dict]) -> None:
     '',
     'Score: killed + timeout over the mutants some selected test ran. Survivors, each with',
     'its diff: `<module>.md`; their triage (killed by a new test, or why equivalent):',
-    '`<module>_triage.md`.',
+    '`<module>_triage.md`. Where the survivors were run again against the tests written for',
+    'them (`--rerun_survivors`), the row is that run and "first run" the full run before it.',
     '',
     '| module | mutants | killed | timeout | survived | no tests | score | minutes | machine '
-    '| triage |',
-    '|---|---|---|---|---|---|---|---|---|---|',
+    '| first run | triage |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for k, r in rows.items():
     s = r['stats']
     score = f'{100 * r["score"]:.1f}%' if r['score'] is not None else 'n/a'
     triage = f'[{k}_triage.md]({k}_triage.md)' if (out / f'{k}_triage.md').exists() else '—'
+    first = r.get('first_run')
+    first_cell = (
+      f'{100 * first["score"]:.1f}%, {first["stats"].get("survived", 0)} survived, '
+      f'{first["minutes"]:.0f} min'
+      if first
+      else '—'
+    )
     table.append(
       f'| {k} | {s.get("total", 0)} | {s.get("killed", 0)} | {s.get("timeout", 0)} | '
       f'{s.get("survived", 0)} | {s.get("no_tests", 0)} | {score} | {r["minutes"]:.0f} | '
-      f'{r.get("machine", "2 CPU cores, 2 workers")} | {triage} |'
+      f'{r.get("machine", "2 CPU cores, 2 workers")} | {first_cell} | {triage} |'
     )
   atomic_write_text(out / 'summary.md', '\n'.join(table) + '\n')
 
@@ -301,7 +314,7 @@ def main(argv):
     return
   for key in keys:
     print(f'mutating {key} ...', flush=True)
-    rows[key] = run_module(key, out)
+    rows[key] = run_module(key, out, rows.get(key))
     r = rows[key]
     print(f'{key}: {r["stats"]} ({r["minutes"]:.0f} min)', flush=True)
     write_summary(out, rows)

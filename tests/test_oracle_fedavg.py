@@ -22,11 +22,13 @@ NeurIPS'20, arXiv 1910.05653; github.com/sidak/otfusion wasserstein_ensemble.py,
 """
 
 import itertools
+import re
 from typing import Dict, List, Sequence
 
 import jax
 import numpy as np
 import pytest
+from scipy.optimize import linear_sum_assignment
 
 from experiments.configs.common import base_config
 from jfed import engine
@@ -608,12 +610,18 @@ def _brute_force_alignment(rows_i: np.ndarray, rows_r: np.ndarray, squared: bool
 
 
 def _oracle_ot(
-  models: Sequence[Dict], anchor: int, squared: bool = False, bias_in_cost: bool = True
+  models: Sequence[Dict],
+  anchor: int,
+  squared: bool = False,
+  bias_in_cost: bool = True,
+  weights: Sequence[float] = (),
+  skip_last_layer: bool = True,
 ) -> Dict:
   """otfusion's weight mode (--exact, --correction, --skip-last-layer, bias in the cost), every
-  model aligned to the anchor, then the uniform average: layer by layer, incoming weights first
-  re-indexed by the previous layer's matching, then the rows (incoming weights, bias) matched to
-  the anchor's by the exact OT plan."""
+  model aligned to the anchor, then the average (uniform, or by `weights`): layer by layer,
+  incoming weights first re-indexed by the previous layer's matching, then the rows (incoming
+  weights, bias) matched to the anchor's by the exact OT plan; without --skip-last-layer the
+  output layer's rows too (by scipy's assignment solver: 10! orders are too many to list)."""
   names = sorted(models[anchor])
   aligned = []
   for i, m in enumerate(models):
@@ -624,15 +632,21 @@ def _oracle_ot(
     for l, name in enumerate(names):
       w = m[name]['kernel'] if prev is None else m[name]['kernel'][prev, :]
       b = m[name]['bias']
-      if l < len(names) - 1:
+      last = l == len(names) - 1
+      if not last or not skip_last_layer:
         wr, br = models[anchor][name]['kernel'], models[anchor][name]['bias']
         feats_i = np.concatenate([w.T, b[:, None]], 1) if bias_in_cost else w.T
         feats_r = np.concatenate([wr.T, br[:, None]], 1) if bias_in_cost else wr.T
-        prev = _brute_force_alignment(feats_i, feats_r, squared)
+        if last:
+          dist = np.linalg.norm(feats_i[:, None, :] - feats_r[None, :, :], axis=-1)
+          rows, cols = linear_sum_assignment(dist**2 if squared else dist)
+          prev = rows[np.argsort(cols)]
+        else:
+          prev = _brute_force_alignment(feats_i, feats_r, squared)
         w, b = w[:, prev], b[prev]
       out[name] = {'kernel': w, 'bias': b}
     aligned.append(out)
-  return onp.weighted_average(aligned, np.ones(len(models)))
+  return onp.weighted_average(aligned, list(weights) or np.ones(len(models)))
 
 
 @pytest.mark.parametrize('anchor', [0, 2])
@@ -653,3 +667,95 @@ def test_ot_fusion_of_unrelated_models_matches_the_oracle(anchor):
     other = _oracle_ot(models, anchor, **variant)
     assert not np.allclose(other['Dense_1']['kernel'], want['Dense_1']['kernel'], atol=1e-3)
   _assert_full_test_split(summary)
+
+
+@pytest.mark.parametrize(
+  'option, value',
+  [('squared', True), ('bias_in_cost', False), ('weights', 'size'), ('skip_last_layer', False)],
+)
+def test_ot_options_match_the_oracle(option, value):
+  tiny = 'mlp:width_mult=0.025'
+  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
+  config = _config(3, **{'ot.local_epochs': 1, f'ot.{option}': value, 'model': tiny})
+  summary, rec, _ = _run('ot', config, local_models=[_stack(models)])
+  sizes = list(SIZES) if option == 'weights' else []
+  variant = {} if option == 'weights' else {option: value}
+  want = _oracle_ot(models, 0, weights=sizes, **variant)
+  onp.assert_tree_close(rec.states[0].params, want)
+  default = _oracle_ot(models, 0)  # the option changes the fused model
+  assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(default)))
+  (record,) = rec.records[0]
+  assert record['round'] == 1
+  assert record['test_accuracy'] == pytest.approx(_test_accuracy(want), abs=1e-9)
+  plain = onp.weighted_average(models, sizes or np.ones(3))
+  assert record['plain_average_test_accuracy'] == pytest.approx(_test_accuracy(plain), abs=1e-9)
+
+
+def test_ot_sinkhorn_runs_with_its_epsilon():
+  # entropic plans: a small epsilon is near the exact plan's fusion, a large one far from it
+  tiny = 'mlp:width_mult=0.025'
+  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
+  exact = _oracle_ot(models, 0)
+  fused = {}
+  for epsilon in (1e-3, 10.0):
+    config = _config(
+      3,
+      **{'ot.local_epochs': 1, 'ot.method': 'sinkhorn', 'ot.epsilon': epsilon, 'model': tiny},
+    )
+    _, rec, _ = _run('ot', config, local_models=[_stack(models)])
+    fused[epsilon] = rec.states[0].params
+  gap = lambda p: max(
+    float(np.abs(np.asarray(a) - b).max())
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(exact))
+  )
+  assert gap(fused[1e-3]) < 0.05 < gap(fused[10.0])
+
+
+def test_ot_second_round_trains_every_client_from_the_fused_model_then_fuses_again():
+  tiny = 'mlp:width_mult=0.025'
+  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
+  config = _config(3, **{'ot.local_epochs': 1, 'ot.rounds': 2, 'ot.anchor': 1, 'model': tiny})
+  summary, rec, ctx = _run('ot', config, local_models=[_stack(models)])
+  fused1 = _oracle_ot(models, 1)
+  onp.assert_tree_close(rec.states[0].params, fused1)
+  # round 2: every client one epoch of SGD from the round-1 fused model, a fresh optimiser
+  key = ctx.derive_key(Purpose.LOCAL_TRAINING, 2)
+  clients = []
+  for k in range(3):
+    x, y = _client_data(ctx, k)
+    orders = onp.epoch_orders(key, k, len(y), 1)
+    clients.append(onp.mlp_local_sgd(fused1, x, y, orders, BATCH, LR, MOMENTUM)[0])
+  fused2 = _oracle_ot(clients, 1)
+  onp.assert_tree_close(rec.states[1].params, fused2)
+  (record,) = rec.records[1]
+  assert record['round'] == 2
+  assert record['test_accuracy'] == pytest.approx(_test_accuracy(fused2), abs=1e-9)
+  plain = onp.weighted_average(clients, np.ones(3))
+  assert record['plain_average_test_accuracy'] == pytest.approx(_test_accuracy(plain), abs=1e-9)
+  # the fused model goes down to the 3 clients; each client's model comes up, in both rounds
+  weights = sum(leaf.size for leaf in jax.tree.leaves(fused1))
+  assert 4 * weights * 3 <= record['download_bytes'] <= (4 * weights + 512) * 3
+  assert 'download_bytes' not in rec.records[0][0]
+  assert summary['upload_bytes'] == 2 * rec.records[0][0]['upload_bytes']
+  assert summary['round_test_accuracy'] == pytest.approx(
+    [_test_accuracy(fused1), _test_accuracy(fused2)], abs=1e-9
+  )
+  assert summary['plain_average_test_accuracy'] == record['plain_average_test_accuracy']
+  assert summary['fused_layers'] == ['Dense_0', 'Dense_1', 'Dense_2']
+  assert (summary['rounds'], summary['local_epochs'], summary['ot_method']) == (2, 1, 'exact')
+
+
+@pytest.mark.parametrize(
+  'key, value, message',
+  [
+    ('ot.rounds', 0, 'ot.rounds must be positive, got 0'),
+    ('ot.local_epochs', 0, 'ot.local_epochs must be positive, got 0'),
+    ('ot.epsilon', 0.0, 'ot.epsilon must be positive, got 0.0'),
+    ('ot.method', 'greedy', "ot.method is 'greedy'; valid: exact, sinkhorn"),
+    ('ot.weights', 'mass', "ot.weights is 'mass'; valid: uniform, size"),
+    ('ot.anchor', 3, 'ot.anchor must be a client id in [0, 3), got 3'),
+  ],
+)
+def test_a_bad_ot_setting_is_refused_naming_the_key_and_the_value(key, value, message):
+  with pytest.raises(ConfigError, match='^' + re.escape(message) + '$'):
+    build_algorithm('ot', _config(3, **{key: value}))

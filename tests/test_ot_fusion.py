@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jfed.distill import FusionLayer
 from jfed.distill import ot_fusion as F
 from jfed.engine.state import ModelState
+from jfed.errors import ConfigError
+from jfed.methods.ot import fusion_layers
+from jfed.models import get_model
 from jfed.models.layers import BatchNorm
 
 
@@ -173,3 +177,78 @@ def test_transport_plans():
     assert (T * C).sum() <= (Ts * C).sum() + 1e-6  # exact plan is optimal
     Tt = F.transport_plan(C, 'sinkhorn', epsilon=1e-4, threshold=1e-7)
     assert abs((Tt * C).sum() - (T * C).sum()) < 5e-3  # small ε → exact cost
+
+
+# ----------------------------------------------------------------------------- the method's layers
+# `jfed.methods.ot.fusion_layers` reads a model's fusable layers: its Conv/Dense layers in creation
+# order, each with the BatchNorm right after it; anything else is refused in one line.
+
+
+class _Param(nn.Module):
+  """A submodule with the given parameter names (shape [n, 4])."""
+
+  names: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    for name in self.names:
+      x = x @ self.param(name, nn.initializers.ones, (x.shape[-1], 4))
+    return x
+
+
+class _Stack(nn.Module):
+  """Dense ('d'), BatchNorm ('b') or `_Param` ('p:<names>') submodules in this order."""
+
+  kinds: tuple
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    x = x.reshape(x.shape[0], -1)
+    for kind in self.kinds:
+      if kind == 'd':
+        x = nn.Dense(4)(x)
+      elif kind == 'b':
+        x = BatchNorm()(x, train, mask)
+      else:
+        x = _Param(tuple(kind[2:].split(',')))(x)
+    return x
+
+
+def _fusion_layers(module, shape=(6, 6, 1)):
+  return fusion_layers(module, shape, jax.random.PRNGKey(0))
+
+
+def test_fusion_layers_pair_each_layer_with_the_batchnorm_right_after_it():
+  # cnn_mnist: 5x5 conv, BN, ReLU, pool, twice, then the classifier
+  assert _fusion_layers(get_model('cnn_mnist', 10, (28, 28, 1)), (28, 28, 1)) == [
+    FusionLayer('Conv_0', 'BatchNorm_0'),
+    FusionLayer('Conv_1', 'BatchNorm_1'),
+    FusionLayer('Dense_0'),
+  ]
+  # a BatchNorm belongs to the layer just before it, not to an earlier one
+  assert _fusion_layers(_Stack(('d', 'd', 'b', 'd', 'b', 'd'))) == [
+    FusionLayer('Dense_0'),
+    FusionLayer('Dense_1', 'BatchNorm_0'),
+    FusionLayer('Dense_2', 'BatchNorm_1'),
+    FusionLayer('Dense_3'),
+  ]
+
+
+@pytest.mark.parametrize(
+  'kinds, submodule',
+  [
+    (('b', 'd'), 'BatchNorm_0'),  # a BatchNorm with no layer before it
+    (('d', 'b', 'b', 'd'), 'BatchNorm_1'),  # a second BatchNorm after one layer
+    (('d', 'p:kernel,scale'), '_Param_0'),  # a layer with more than a kernel and a bias
+    (('d', 'p:weight'), '_Param_0'),  # neither a layer nor a BatchNorm
+  ],
+)
+def test_fusion_layers_refuse_what_is_not_a_sequential_conv_dense_bn_model(kinds, submodule):
+  with pytest.raises(
+    ConfigError,
+    match=(
+      r'^OT fusion handles sequential Conv/Dense\(\+BatchNorm\) models only; '
+      rf"_Stack has the submodule '{submodule}'$"
+    ),
+  ):
+    _fusion_layers(_Stack(kinds))
