@@ -742,6 +742,10 @@ def test_ot_second_round_trains_every_client_from_the_fused_model_then_fuses_aga
   )
   assert summary['plain_average_test_accuracy'] == record['plain_average_test_accuracy']
   assert summary['fused_layers'] == ['Dense_0', 'Dense_1', 'Dense_2']
+  # the clients' own models of the last round, each scored alone
+  np.testing.assert_allclose(
+    summary['client_test_accuracy'], [_test_accuracy(c) for c in clients], atol=1e-9
+  )
   assert (summary['rounds'], summary['local_epochs'], summary['ot_method']) == (2, 1, 'exact')
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.spatial.distance import cdist
 
 from jfed.distill import FusionLayer
 from jfed.distill import ot_fusion as F
@@ -252,3 +253,17 @@ def test_fusion_layers_refuse_what_is_not_a_sequential_conv_dense_bn_model(kinds
     ),
   ):
     _fusion_layers(_Stack(kinds))
+
+
+@pytest.mark.parametrize('squared', [False, True])
+def test_ground_metric_is_the_float64_euclidean_distance(squared):
+  # float32 rows (a model's weights): the cost is computed in float64, as scipy's cdist
+  rng = np.random.default_rng(5)
+  x = (rng.normal(size=(4, 7)) * 3).astype(np.float32)
+  y = (x[[2, 0, 3, 1]] + rng.normal(size=(4, 7)) * 1e-3).astype(np.float32)
+  got = F.ground_metric(x, y, squared)
+  want = cdist(
+    x.astype(np.float64), y.astype(np.float64), 'sqeuclidean' if squared else 'euclidean'
+  )
+  assert got.dtype == np.float64
+  np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

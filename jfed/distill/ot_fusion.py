@@ -59,7 +59,7 @@ class FusionLayer(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 
-def ground_metric(x: np.ndarray, y: np.ndarray, squared: bool = False) -> np.ndarray:
+def ground_metric(x: np.ndarray, y: np.ndarray, squared: bool) -> np.ndarray:
   """M[a, b] = ||x_a − y_b||₂ (or its square).
 
   Args:
