@@ -1,6 +1,8 @@
 """OT fusion (Singh & Jaggi weight mode): permuted copies are recovered, identical models are a
 fixed point, exact alignment preserves the function, plans satisfy their marginals."""
 
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -267,3 +269,40 @@ def test_ground_metric_is_the_float64_euclidean_distance(squared):
   )
   assert got.dtype == np.float64
   np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_layers_that_cannot_be_aligned_are_refused_in_one_line():
+  # a kernel neither Dense [in, out] nor Conv [kh, kw, in, out]
+  with pytest.raises(ValueError, match=r'^unsupported kernel rank 3$'):
+    F._to_rows(np.zeros((2, 3, 4)))
+  # a 3x3 convolution with 6 inputs after a layer of 3 units: only a Dense after a flatten may
+  # see a multiple of the previous layer's units
+  with pytest.raises(ValueError, match=r'^cannot align 6 inputs with a \(3, 3\) transport map$'):
+    F._align_inputs(np.zeros((2, 6, 9)), np.eye(3))
+
+
+def test_the_defaults_are_otfusions_weight_mode_in_every_entry_point():
+  # github.com/sidak/otfusion as jfed's OT baseline runs it: --exact, --skip-last-layer, the
+  # plain (not squared) Euclidean ground metric with the bias appended to each row
+  want = {
+    'method': 'exact',
+    'epsilon': 1e-2,
+    'skip_last_layer': True,
+    'squared': False,
+    'bias_in_cost': True,
+  }
+  for function in (F.ot_fuse, F.align_to_anchor):
+    parameters = inspect.signature(function).parameters
+    assert {name: parameters[name].default for name in want} == want, function.__name__
+
+
+def test_layers_given_as_name_pairs_are_fusion_layers():
+  st = init(CNN(), 1)
+  perm = permute_cnn(st, np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2]))
+  as_pairs = [('conv1', 'bn1'), ('conv2', 'bn2'), 'fc']
+  for layers in (as_pairs, CNN_LAYERS):
+    fused, stats = F.ot_fuse(
+      [st.params, perm.params], layers, batch_stats_list=[st.batch_stats, perm.batch_stats]
+    )
+    assert_tree_close(fused, st.params, rtol=1e-6, atol=1e-7)
+    assert_tree_close(stats, st.batch_stats, rtol=1e-6, atol=1e-7)
