@@ -306,3 +306,42 @@ def test_layers_given_as_name_pairs_are_fusion_layers():
     )
     assert_tree_close(fused, st.params, rtol=1e-6, atol=1e-7)
     assert_tree_close(stats, st.batch_stats, rtol=1e-6, atol=1e-7)
+
+
+def test_a_wider_model_split_from_the_anchor_aligns_back_to_the_anchor():
+  # the model's 4 hidden units are two copies of each of the anchor's 2: the exact plan between
+  # the uniform measures (1/4 each, 1/2 each) sends 1/4 along each copy, and the column-normalised
+  # plan averages the copies back into the anchor's units
+  rng = np.random.default_rng(8)
+  anchor = {
+    'fc1': {'kernel': rng.normal(size=(5, 2)), 'bias': rng.normal(size=2)},
+    'fc2': {'kernel': rng.normal(size=(2, 3)), 'bias': rng.normal(size=3)},
+  }
+  copies = np.array([1, 0, 0, 1])
+  wide = {
+    'fc1': {'kernel': anchor['fc1']['kernel'][:, copies], 'bias': anchor['fc1']['bias'][copies]},
+    'fc2': {'kernel': anchor['fc2']['kernel'][copies] / 2, 'bias': anchor['fc2']['bias']},
+  }
+  aligned, _ = F.align_to_anchor(wide, anchor, ['fc1', 'fc2'])
+  np.testing.assert_allclose(aligned['fc1']['kernel'], anchor['fc1']['kernel'], atol=1e-12)
+  np.testing.assert_allclose(aligned['fc1']['bias'], anchor['fc1']['bias'], atol=1e-12)
+
+
+def test_a_layer_without_bias_is_aligned_by_its_weights_alone():
+  rng = np.random.default_rng(9)
+  anchor = {'fc1': {'kernel': rng.normal(size=(5, 3))}, 'fc2': {'kernel': rng.normal(size=(3, 2))}}
+  perm = np.array([2, 0, 1])
+  model = {
+    'fc1': {'kernel': anchor['fc1']['kernel'][:, perm]},
+    'fc2': {'kernel': anchor['fc2']['kernel'][perm]},
+  }
+  aligned, _ = F.align_to_anchor(model, anchor, ['fc1', 'fc2'])
+  assert_tree_close(aligned, anchor, rtol=0, atol=1e-6)
+
+
+def test_models_with_different_numbers_of_classes_are_refused():
+  rng = np.random.default_rng(10)
+  anchor = {'fc': {'kernel': rng.normal(size=(5, 3)), 'bias': np.zeros(3)}}
+  other = {'fc': {'kernel': rng.normal(size=(5, 4)), 'bias': np.zeros(4)}}
+  with pytest.raises(ValueError, match=r'^last layer fc: output widths differ \(4 vs 3\)$'):
+    F.align_to_anchor(other, anchor, ['fc'])
