@@ -1,8 +1,6 @@
 """OT fusion (Singh & Jaggi weight mode): permuted copies are recovered, identical models are a
 fixed point, exact alignment preserves the function, plans satisfy their marginals."""
 
-import inspect
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -283,17 +281,37 @@ def test_layers_that_cannot_be_aligned_are_refused_in_one_line():
 
 def test_the_defaults_are_otfusions_weight_mode_in_every_entry_point():
   # github.com/sidak/otfusion as jfed's OT baseline runs it: --exact, --skip-last-layer, the
-  # plain (not squared) Euclidean ground metric with the bias appended to each row
-  want = {
-    'method': 'exact',
-    'epsilon': 1e-2,
-    'skip_last_layer': True,
-    'squared': False,
-    'bias_in_cost': True,
-  }
-  for function in (F.ot_fuse, F.align_to_anchor):
-    parameters = inspect.signature(function).parameters
-    assert {name: parameters[name].default for name in want} == want, function.__name__
+  # plain (not squared) Euclidean ground metric with the bias appended to each row; epsilon 0.01
+  # for the entropic plan
+  rng = np.random.default_rng(6)
+  # unrelated models with biases of the weights' scale, so that every setting matters
+  a, b = (
+    {
+      name: {'kernel': np.asarray(l['kernel']), 'bias': rng.normal(size=l['bias'].shape) * 0.5}
+      for name, l in init(MLP(), seed).params.items()
+    }
+    for seed in (5, 8)
+  )
+  reference = dict(
+    method='exact', epsilon=1e-2, skip_last_layer=True, squared=False, bias_in_cost=True
+  )
+  changed = {'squared': True, 'bias_in_cost': False, 'skip_last_layer': False}
+  # the entropic plans cost a compilation each: their one setting, epsilon, is checked alone
+  for method in ('exact', 'sinkhorn'):
+    chosen = {**reference, 'method': method}
+    variants = changed if method == 'exact' else {'epsilon': 1.0}
+    runs = [
+      (F.ot_fuse, lambda **kw: F.ot_fuse([a, b], MLP_LAYERS, **kw)[0]),
+      (F.align_to_anchor, lambda **kw: F.align_to_anchor(b, a, MLP_LAYERS, **kw)[0]),
+    ]
+    for function, run in runs:
+      by_default = run(method=method)
+      assert_tree_close(by_default, run(**chosen), rtol=0, atol=0)
+      for name, value in variants.items():  # each default is one that changes the result
+        other = run(**{**chosen, name: value})
+        assert any(
+          not np.allclose(x, y) for x, y in zip(jax.tree.leaves(other), jax.tree.leaves(by_default))
+        ), (function.__name__, name)
 
 
 def test_layers_given_as_name_pairs_are_fusion_layers():
