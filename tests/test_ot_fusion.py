@@ -363,3 +363,23 @@ def test_models_with_different_numbers_of_classes_are_refused():
   other = {'fc': {'kernel': rng.normal(size=(5, 4)), 'bias': np.zeros(4)}}
   with pytest.raises(ValueError, match=r'^last layer fc: output widths differ \(4 vs 3\)$'):
     F.align_to_anchor(other, anchor, ['fc'])
+
+
+def test_float32_models_come_back_float32():
+  # the plans and the alignment are computed in float64; the models keep their own dtype
+  st = init(CNN(), 1)
+  perm = permute_cnn(st, np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2]))
+  aligned, stats = F.align_to_anchor(perm.params, st.params, CNN_LAYERS, perm.batch_stats)
+  fused, fused_stats = F.ot_fuse(
+    [st.params, perm.params], CNN_LAYERS, batch_stats_list=[st.batch_stats, perm.batch_stats]
+  )
+  for tree in (aligned, stats, fused, fused_stats):
+    assert {np.asarray(leaf).dtype for leaf in jax.tree.leaves(tree)} == {np.dtype(np.float32)}
+
+
+def test_batchnorm_statistics_of_another_width_are_refused():
+  st = init(CNN(), 1)
+  stats = jax.tree.map(lambda a: a, st.batch_stats)
+  stats['bn1']['bn']['mean'] = jnp.zeros(5)  # conv1 has 4 channels
+  with pytest.raises(ValueError, match=r'^BN leaf bn1/bn/mean has 5 channels, layer has 4$'):
+    F.align_to_anchor(st.params, st.params, CNN_LAYERS, stats)
