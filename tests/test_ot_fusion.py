@@ -170,7 +170,7 @@ def test_transport_plans():
   rng = np.random.default_rng(0)
   for n, m in [(5, 5), (4, 6)]:
     C = rng.random((n, m))
-    T = F.transport_plan(C, 'exact')
+    T = F.transport_plan(C, 'exact', 0.0)
     np.testing.assert_allclose(T.sum(1), 1 / n, atol=1e-9)
     np.testing.assert_allclose(T.sum(0), 1 / m, atol=1e-9)
     Ts = F.transport_plan(C, 'sinkhorn', epsilon=1e-2, threshold=1e-7)
@@ -353,8 +353,9 @@ def test_a_layer_without_bias_is_aligned_by_its_weights_alone():
     'fc1': {'kernel': anchor['fc1']['kernel'][:, perm]},
     'fc2': {'kernel': anchor['fc2']['kernel'][perm]},
   }
-  aligned, _ = F.align_to_anchor(model, anchor, ['fc1', 'fc2'])
+  aligned, stats = F.align_to_anchor(model, anchor, ['fc1', 'fc2'])
   assert_tree_close(aligned, anchor, rtol=0, atol=1e-6)
+  assert stats is None  # no statistics in, none out
 
 
 def test_models_with_different_numbers_of_classes_are_refused():

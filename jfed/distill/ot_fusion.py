@@ -79,21 +79,18 @@ def ground_metric(x: np.ndarray, y: np.ndarray, squared: bool) -> np.ndarray:
 
 def transport_plan(
   cost: np.ndarray,
-  method: str = 'exact',
-  epsilon: float = 1e-2,
-  a: Optional[np.ndarray] = None,
-  b: Optional[np.ndarray] = None,
+  method: str,
+  epsilon: float,
   threshold: float = 1e-6,
   max_iterations: int = 10000,
 ) -> np.ndarray:
-  """OT plan T [n, m] between marginals a (default 1/n) and b (default 1/m) for `cost`.
+  """OT plan T [n, m] between the uniform marginals a = 1/n and b = 1/m for `cost` (otfusion's
+  uniform neuron weights).
 
   Args:
     cost: Ground metric [n, m].
     method: 'exact' or 'sinkhorn' (see the module docstring).
     epsilon: Entropic regularisation of 'sinkhorn' (absolute).
-    a: Source marginal [n]; None is uniform.
-    b: Target marginal [m]; None is uniform.
     threshold: Convergence tolerance of 'sinkhorn'.
     max_iterations: Iteration cap of 'sinkhorn'.
 
@@ -102,14 +99,12 @@ def transport_plan(
   """
   cost = np.asarray(cost, np.float64)
   n, m = cost.shape
-  uniform = a is None and b is None
-  a = np.full(n, 1.0 / n) if a is None else np.asarray(a, np.float64)
-  b = np.full(m, 1.0 / m) if b is None else np.asarray(b, np.float64)
+  a, b = np.full(n, 1.0 / n), np.full(m, 1.0 / m)
   if method == 'exact':
     # Imported here: SciPy's optimiser costs 0.9 s of start-up to every command that never fuses.
     import scipy.optimize  # pylint: disable=g-import-not-at-top
 
-    if uniform and n == m:
+    if n == m:
       rows, cols = scipy.optimize.linear_sum_assignment(cost)
       T = np.zeros((n, m))
       T[rows, cols] = 1.0 / n
