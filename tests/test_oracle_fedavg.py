@@ -673,7 +673,7 @@ def test_ot_fusion_of_unrelated_models_matches_the_oracle(anchor):
   'option, value',
   [('squared', True), ('bias_in_cost', False), ('weights', 'size'), ('skip_last_layer', False)],
 )
-def test_ot_options_match_the_oracle(option, value):
+def test_ot_options_match_the_oracle(option, value, scored):
   tiny = 'mlp:width_mult=0.025'
   models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
   config = _config(3, **{'ot.local_epochs': 1, f'ot.{option}': value, 'model': tiny})
@@ -689,6 +689,7 @@ def test_ot_options_match_the_oracle(option, value):
   assert record['test_accuracy'] == pytest.approx(_test_accuracy(want), abs=1e-9)
   plain = onp.weighted_average(models, sizes or np.ones(3))
   assert record['plain_average_test_accuracy'] == pytest.approx(_test_accuracy(plain), abs=1e-9)
+  _assert_scored(scored, [want, plain])  # the plain average with the same weights
 
 
 def test_ot_sinkhorn_runs_with_its_epsilon():

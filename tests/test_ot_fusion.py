@@ -269,6 +269,11 @@ def test_ground_metric_is_the_float64_euclidean_distance(squared):
   np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+def test_an_unknown_transport_method_is_refused_naming_it():
+  with pytest.raises(ValueError, match=r"^method must be 'exact' or 'sinkhorn', got 'greedy'$"):
+    F.transport_plan(np.ones((2, 2)), 'greedy', 0.01)
+
+
 def test_layers_that_cannot_be_aligned_are_refused_in_one_line():
   # a kernel neither Dense [in, out] nor Conv [kh, kw, in, out]
   with pytest.raises(ValueError, match=r'^unsupported kernel rank 3$'):
