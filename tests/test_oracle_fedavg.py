@@ -649,13 +649,20 @@ def _oracle_ot(
   return onp.weighted_average(aligned, list(weights) or np.ones(len(models)))
 
 
+# hidden widths 5: 5! alignments for the oracle to search
+TINY = 'mlp:width_mult=0.025'
+
+
+def _unrelated_tiny_models() -> List[Dict]:
+  """Three independently initialised TINY models, for which the plain Euclidean cost, its square
+  and the cost without the biases pick different matchings."""
+  return [_init_params(TINY, jax.random.PRNGKey(59 + k)) for k in range(3)]
+
+
 @pytest.mark.parametrize('anchor', [0, 2])
 def test_ot_fusion_of_unrelated_models_matches_the_oracle(anchor):
-  tiny = 'mlp:width_mult=0.025'  # hidden widths 5: 5! alignments to search
-  # models for which the plain Euclidean cost, its square and the cost without the biases pick
-  # different matchings
-  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
-  config = _config(3, **{'ot.local_epochs': 1, 'ot.anchor': anchor, 'model': tiny})
+  models = _unrelated_tiny_models()
+  config = _config(3, **{'ot.local_epochs': 1, 'ot.anchor': anchor, 'model': TINY})
   summary, rec, _ = _run('ot', config, local_models=[_stack(models)])
   want = _oracle_ot(models, anchor)
   onp.assert_tree_close(rec.states[0].params, want)
@@ -674,9 +681,8 @@ def test_ot_fusion_of_unrelated_models_matches_the_oracle(anchor):
   [('squared', True), ('bias_in_cost', False), ('weights', 'size'), ('skip_last_layer', False)],
 )
 def test_ot_options_match_the_oracle(option, value, scored):
-  tiny = 'mlp:width_mult=0.025'
-  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
-  config = _config(3, **{'ot.local_epochs': 1, f'ot.{option}': value, 'model': tiny})
+  models = _unrelated_tiny_models()
+  config = _config(3, **{'ot.local_epochs': 1, f'ot.{option}': value, 'model': TINY})
   summary, rec, _ = _run('ot', config, local_models=[_stack(models)])
   sizes = list(SIZES) if option == 'weights' else []
   variant = {} if option == 'weights' else {option: value}
@@ -694,14 +700,13 @@ def test_ot_options_match_the_oracle(option, value, scored):
 
 def test_ot_sinkhorn_runs_with_its_epsilon():
   # entropic plans: a small epsilon is near the exact plan's fusion, a large one far from it
-  tiny = 'mlp:width_mult=0.025'
-  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
+  models = _unrelated_tiny_models()
   exact = _oracle_ot(models, 0)
   fused = {}
   for epsilon in (1e-3, 10.0):
     config = _config(
       3,
-      **{'ot.local_epochs': 1, 'ot.method': 'sinkhorn', 'ot.epsilon': epsilon, 'model': tiny},
+      **{'ot.local_epochs': 1, 'ot.method': 'sinkhorn', 'ot.epsilon': epsilon, 'model': TINY},
     )
     _, rec, _ = _run('ot', config, local_models=[_stack(models)])
     fused[epsilon] = rec.states[0].params
@@ -713,9 +718,8 @@ def test_ot_sinkhorn_runs_with_its_epsilon():
 
 
 def test_ot_second_round_trains_every_client_from_the_fused_model_then_fuses_again():
-  tiny = 'mlp:width_mult=0.025'
-  models = [_init_params(tiny, jax.random.PRNGKey(59 + k)) for k in range(3)]
-  config = _config(3, **{'ot.local_epochs': 1, 'ot.rounds': 2, 'ot.anchor': 1, 'model': tiny})
+  models = _unrelated_tiny_models()
+  config = _config(3, **{'ot.local_epochs': 1, 'ot.rounds': 2, 'ot.anchor': 1, 'model': TINY})
   summary, rec, ctx = _run('ot', config, local_models=[_stack(models)])
   fused1 = _oracle_ot(models, 1)
   onp.assert_tree_close(rec.states[0].params, fused1)

@@ -115,10 +115,14 @@ def test_mlp_permuted_copy_recovered():
   assert_tree_close(fused, st.params, rtol=0, atol=2e-3)
 
 
+def _cnn_and_permuted_copy():
+  """A CNN with BatchNorm and the same function with its channels reordered."""
+  st = init(CNN(), 1)
+  return st, permute_cnn(st, np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2]))
+
+
 def test_cnn_bn_flatten_permuted_copy_recovered():
-  net, st = CNN(), init(CNN(), 1)
-  p1, p2 = np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2])
-  perm = permute_cnn(st, p1, p2)
+  net, (st, perm) = CNN(), _cnn_and_permuted_copy()
   np.testing.assert_allclose(apply(net, perm), apply(net, st), rtol=1e-5, atol=1e-5)
   fp, fbs = F.ot_fuse(
     [st.params, perm.params],
@@ -320,8 +324,7 @@ def test_the_defaults_are_otfusions_weight_mode_in_every_entry_point():
 
 
 def test_layers_given_as_name_pairs_are_fusion_layers():
-  st = init(CNN(), 1)
-  perm = permute_cnn(st, np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2]))
+  st, perm = _cnn_and_permuted_copy()
   as_pairs = [('conv1', 'bn1'), ('conv2', 'bn2'), 'fc']
   for layers in (as_pairs, CNN_LAYERS):
     fused, stats = F.ot_fuse(
@@ -373,8 +376,7 @@ def test_models_with_different_numbers_of_classes_are_refused():
 
 def test_float32_models_come_back_float32():
   # the plans and the alignment are computed in float64; the models keep their own dtype
-  st = init(CNN(), 1)
-  perm = permute_cnn(st, np.array([2, 0, 3, 1]), np.array([4, 1, 3, 0, 2]))
+  st, perm = _cnn_and_permuted_copy()
   aligned, stats = F.align_to_anchor(perm.params, st.params, CNN_LAYERS, perm.batch_stats)
   fused, fused_stats = F.ot_fuse(
     [st.params, perm.params], CNN_LAYERS, batch_stats_list=[st.batch_stats, perm.batch_stats]
