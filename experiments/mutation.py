@@ -47,8 +47,8 @@ flags.DEFINE_string('out', 'docs/results/mutation', 'report folder')
 flags.DEFINE_bool(
   'rerun_survivors',
   False,
-  "Forget the resumed module's surviving mutants' verdicts, so that mutmut runs them (only them) "
-  'again against the tests as they are now: the authoritative check of a triage.',
+  "Forget the resumed module's verdicts of surviving and untested mutants, so that mutmut runs "
+  'them (only them) again against the tests as they are now: the authoritative check of a triage.',
 )
 flags.DEFINE_string(
   'merge', None, "Instead of running: add another report folder's modules (summary.json) to OUT"
@@ -162,16 +162,16 @@ def configure(dest: pathlib.Path, paths: List[str], tests: List[str]) -> None:
 
 
 def forget_survivors(dest: pathlib.Path) -> int:
-  """Clears the verdict of every surviving mutant (exit code 0: the tests passed) in mutmut's
-  per-file state, so that the next `mutmut run` tests them again, and mutmut's record of which
-  tests call which function, so that it is taken again from the tests as they are now (mutmut
-  watches only pyproject.toml for that). Returns how many survivors."""
+  """Clears the verdict of every surviving mutant (exit code 0: the tests passed) and of every
+  mutant no test ran (33) in mutmut's per-file state, so that the next `mutmut run` tests them
+  again, and mutmut's record of which tests call which function, so that it is taken again from
+  the tests as they are now (mutmut watches only pyproject.toml for that). Returns how many."""
   (dest / 'mutants' / 'mutmut-stats.json').unlink(missing_ok=True)
   count = 0
   for meta_path in (dest / 'mutants').rglob('*.meta'):
     meta = json.loads(meta_path.read_text())
     codes = meta.get('exit_code_by_key', {})
-    survivors = [name for name, code in codes.items() if code == 0]
+    survivors = [name for name, code in codes.items() if code in (0, 33)]
     for name in survivors:
       codes[name] = None
     count += len(survivors)
@@ -201,7 +201,7 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
   scratch_copy(dest)
   configure(dest, paths, tests)
   if FLAGS.rerun_survivors:
-    print(f'{key}: {forget_survivors(dest)} surviving mutants to run again', flush=True)
+    print(f'{key}: {forget_survivors(dest)} surviving or untested mutants to run again', flush=True)
   with open(out / f'{key}.log', 'a') as log:
     _mutmut(dest, 'run', '--max-children', str(FLAGS.max_children), log=log)
   _mutmut(dest, 'export-cicd-stats')

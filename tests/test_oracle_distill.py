@@ -29,6 +29,7 @@ References:
 import math
 from typing import Any, List, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,12 @@ import pytest
 
 from experiments.configs.common import base_config
 from jfed import driver, engine
+from jfed.data import load_dataset
 from jfed.distill import dense_generator_init
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
-from jfed.methods import common
+from jfed.methods import common, feddf
 from jfed.models import registry
 from jfed.models.layers import BatchNorm
 
@@ -232,6 +234,20 @@ FEDDF = {
 }
 
 
+FEDDF_SUMMARY = (
+  'source',
+  'source_size',
+  'val_size',
+  'val_split',
+  'eval_samples',
+  'best_val_accuracy',
+  'early_stopped',
+  'architectures',
+  'students',
+  'student_test_accuracy',
+)
+
+
 def feddf_student_oracle(start, teachers, pool_x, val_x, val_y, cfg, seed, r=1):
   """One FedDF round of one student (epfml FedDF-code `noise_knowledge_transfer`): from `start`
   (numpy (params, stats)), Adam(kd_lr) with CosineAnnealingLR over all the round's batches,
@@ -296,17 +312,19 @@ def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypat
   accuracy is that student's on the whole test split."""
   given_client_models(monkeypatch)
   config = tiny_config(feddf=FEDDF)
-  _, ctx, aux, states, history = run_steps('feddf', config)
+  algorithm, ctx, aux, states, history = run_steps('feddf', config)
   student_aux = aux.auxes[0]
   local = student_aux.round_cache[1].local
   sizes = np.concatenate([g.fed.sizes for g in local.groups])
   assert len(set(sizes.tolist())) > 1  # unequal sizes: size weights differ from uniform ones
   data = student_aux.data
-  # no test image: the distillation and validation images are held-out training images
-  held = ctx.dataset.holdout_x.reshape(len(ctx.dataset.holdout_x), -1)
-  for images in (np.asarray(data.pool.images), np.asarray(data.val_x)):
-    flat = images.reshape(len(images), -1)
-    assert np.all(((flat[:, None] - held[None]) ** 2).sum(-1).min(1) == 0)
+  # no test image: the distillation and validation images are a seeded draw of the held-out
+  # training images, the first val_size of it validating
+  holdout = ctx.dataset.holdout_x
+  draw = np.sort(np.random.default_rng(config.seed).choice(len(holdout), 50, replace=False))
+  np.testing.assert_array_equal(data.val_x, holdout[draw[:30]])
+  np.testing.assert_array_equal(data.val_y, ctx.dataset.holdout_y[draw[:30]])
+  np.testing.assert_array_equal(data.pool.images, holdout[draw[30:]])
   cfg = dict(FEDDF, kd_lr=config.feddf.kd_lr)
   start = architecture_start(local, WIDE)
   students, vals, best = feddf_student_oracle(
@@ -320,16 +338,33 @@ def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypat
   assert_tree_close(states[-1][0].extra.best.params, best[0])
   want = accuracy(to_torch(best[0]), to_torch(best[1]), ctx.dataset.test_x, ctx.dataset.test_y)
   assert history[-1]['round_accuracy'] == pytest.approx(want, abs=1e-6)
-  summary = driver.build_algorithm('feddf', config).summarize(ctx, aux, states[-1], history)
-  assert summary['eval_samples'] == len(ctx.dataset.test_y)
+  assert algorithm.final_accuracy(history) == pytest.approx(want, abs=1e-6)
+  assert [algorithm.step_label(i, 2) for i in range(2)] == ['epoch 1/2', 'epoch 2/2']
+  # the given uploads (`given_client_models`) report 0 bytes
+  assert algorithm.setup_records(ctx, aux) == [{'round': 1, 'clients': 3, 'upload_bytes': 0}]
+  summary = algorithm.summarize(ctx, aux, states[-1], history)
+  best_val = accuracy(to_torch(best[0]), to_torch(best[1]), data.val_x, data.val_y)
+  assert {k: summary[k] for k in FEDDF_SUMMARY} == {
+    'source': 'holdout',
+    'source_size': FEDDF['source_size'],
+    'val_size': FEDDF['val_size'],
+    'val_split': 'holdout',
+    'eval_samples': len(ctx.dataset.test_y),
+    'best_val_accuracy': pytest.approx(best_val, abs=1e-6),
+    'early_stopped': False,
+    'architectures': 'all',
+    'students': [WIDE],
+    'student_test_accuracy': {WIDE: pytest.approx(want, abs=1e-6)},
+  }
 
 
-def record_round_starts(monkeypatch) -> List[List[ModelState]]:
-  """Local training of rounds r > 1 replaced by recording where every group starts."""
+def record_round_starts(monkeypatch) -> List[Any]:
+  """Local training of rounds r > 1 replaced by recording where every group starts, with the
+  trainers and epochs it is given."""
   starts = []
 
   def train_groups(trainers, groups, models, epochs, key, label=''):
-    starts.append(list(models))
+    starts.append((list(models), list(trainers), epochs))
     return list(models), None
 
   monkeypatch.setattr(common, 'train_groups', train_groups)
@@ -372,13 +407,79 @@ def test_heterogeneous_feddf_distils_every_architecture_and_sends_each_its_stude
     assert_tree_close(state.extra.best.params, best[0])
     bests[spec] = state.extra.best
   assert len(starts) == 1  # round 2's local training
-  for g, own, start in zip(first.groups, first.models, starts[0]):
+  start_models, trainers, epochs = starts[0]
+  assert epochs == config.feddf.local_epochs
+  # the run's trainers, built once in setup and shared by every student
+  assert all(a.trainers is aux.auxes[0].trainers for a in aux.auxes)
+  assert trainers == [aux.auxes[0].trainers[g.spec] for g in first.groups]
+  for g, own, start in zip(first.groups, first.models, start_models):
     for k in range(len(g.client_ids)):
       want = bests[g.spec] if g.spec in bests else engine.take(own, k)
       assert_tree_close(engine.take(start, k).params, want.params, rtol=0, atol=0)
+  x, y = ctx.dataset.test_x, ctx.dataset.test_y
+  round1_accuracy = {
+    spec: pytest.approx(accuracy(to_torch(b.params), to_torch(b.batch_stats), x, y))
+    for spec, b in bests.items()
+  }
+  assert history[0]['round_accuracy'] == round1_accuracy[WIDE]
+  # round 2 sends each architecture's student to its clients (wide: clients 0 and 2)
+  receivers = {WIDE: 2, NARROW: 1}
+  sent = sum(
+    len(flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(b))) * receivers[spec]
+    for spec, b in bests.items()
+  )
+  assert history[1]['download_bytes'] == sent
   if architectures == 'all':
     assert set(history[0]['student_test_accuracy']) == {WIDE, NARROW}
     assert history[0]['test_accuracy'] == history[0]['student_test_accuracy'][WIDE]
+    assert history[0]['student_round_accuracy'] == round1_accuracy
+  else:
+    assert 'student_round_accuracy' not in history[0]
+
+
+def test_feddf_students_stop_early_each_on_its_own_validation(monkeypatch):
+  """Two architectures, five epochs, patience 2 (= one epoch without gain): each student stops
+  where the oracle's does (here the wide one after epoch 1, the narrow one after epoch 2);
+  a step after a student stopped leaves its state as it was, records only the students still
+  running, and nothing once all stopped; the summary says the first student stopped."""
+  given_client_models(monkeypatch)
+  config = tiny_config(feddf=dict(FEDDF, total_steps=10, patience=2))
+  config.client_models = f'{WIDE};{NARROW}'
+  algorithm, ctx, aux, states, history = run_steps('feddf', config)
+  first = common.local_models(ctx, config.feddf.local_epochs)
+  cfg = dict(FEDDF, total_steps=10, patience=2, kd_lr=config.feddf.kd_lr)
+  ran, best_accuracy = {}, {}
+  for spec, student_aux in zip([WIDE, NARROW], aux.auxes):
+    data = student_aux.data
+    students, _, best = feddf_student_oracle(
+      architecture_start(first, spec),
+      client_models(first),
+      data.pool.images,
+      data.val_x,
+      data.val_y,
+      cfg,
+      config.seed,
+    )
+    ran[spec] = len(students)
+    x, y = ctx.dataset.test_x, ctx.dataset.test_y
+    best_accuracy[spec] = pytest.approx(accuracy(to_torch(best[0]), to_torch(best[1]), x, y))
+  assert ran == {WIDE: 1, NARROW: 2}  # the case this test is about
+  assert len(states) == 6 and [h['step'] for h in history] == [1, 2]
+  assert history[0]['early_stop'] and set(history[0]['student_test_accuracy']) == {WIDE, NARROW}
+  assert history[0]['student_round_accuracy'] == {WIDE: best_accuracy[WIDE]}
+  # the wide student's record is the step's record; once it stopped, the step has its own
+  assert {k: v for k, v in history[1].items() if k != 'student_test_accuracy'} == {
+    'step': 2,
+    'round': 1,
+    'epoch': 2,
+    'student_round_accuracy': {NARROW: best_accuracy[NARROW]},
+  }
+  assert set(history[1]['student_test_accuracy']) == {NARROW}
+  for p, spec in enumerate([WIDE, NARROW]):
+    stopped = states[ran[spec]][p].student.model.params
+    for later in states[ran[spec] + 1 :]:
+      assert_tree_close(later[p].student.model.params, stopped, rtol=0, atol=0)
+  assert algorithm.summarize(ctx, aux, states[-1], history)['early_stopped']
 
 
 def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
@@ -387,14 +488,15 @@ def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
   given_client_models(monkeypatch)
   config = tiny_config(feddf=FEDDF)
   config.client_models = f'{WIDE};{NARROW}'
-  _, ctx, aux, states, history = run_steps('feddf_vote', config)
+  algorithm, ctx, aux, states, history = run_steps('feddf_vote', config)
   first = common.local_models(ctx, config.feddf.local_epochs)
   teachers = client_models(first)
   cfg = dict(FEDDF, kd_lr=config.feddf.kd_lr)
-  logits = []
+  assert aux.auxes[0].trainers is aux.auxes[1].trainers  # both read one set of uploads
+  logits, best_vals = [], []
   for spec, state, student_aux in zip([WIDE, NARROW], states[-1], aux.auxes):
     data = student_aux.data
-    _, _, best = feddf_student_oracle(
+    students, vals, best = feddf_student_oracle(
       architecture_start(first, spec),
       teachers,
       data.pool.images,
@@ -404,11 +506,55 @@ def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
       config.seed,
     )
     assert_tree_close(state.extra.best.params, best[0])
+    best_vals.append(accuracy(to_torch(best[0]), to_torch(best[1]), data.val_x, data.val_y))
     with torch.no_grad():
       x = torch.tensor(np.asarray(ctx.dataset.test_x))
       logits.append(net(to_torch(best[0]), to_torch(best[1]), x, False)[0].numpy())
-  vote = np.mean(np.argmax(np.mean(logits, 0), 1) == ctx.dataset.test_y)
-  assert history[-1]['test_accuracy'] == pytest.approx(vote, abs=1e-6)
+    # each prototype's epochs: its name, its student's accuracies renamed, the round's last
+    mine = [h for h in history if h.get('prototype') == spec]
+    assert [h['epoch'] for h in mine] == [1, 2] and [h['val_accuracy'] for h in mine] == vals
+    for h, (params, stats) in zip(mine, students):
+      want = accuracy(to_torch(params), to_torch(stats), ctx.dataset.test_x, ctx.dataset.test_y)
+      assert h['prototype_test_accuracy'] == pytest.approx(want, abs=1e-6)
+    assert mine[-1]['prototype_accuracy'] == pytest.approx(
+      accuracy(to_torch(best[0]), to_torch(best[1]), ctx.dataset.test_x, ctx.dataset.test_y),
+      abs=1e-6,
+    )
+  y = np.asarray(ctx.dataset.test_y)
+  per_prototype = {s: np.mean(np.argmax(lg, 1) == y) for s, lg in zip([WIDE, NARROW], logits)}
+  vote = np.mean(np.argmax(np.mean(logits, 0), 1) == y)
+  assert len(states[-1]) == 2 and len(history) == 5  # 2 prototypes × 2 epochs, then the vote
+  assert all('test_accuracy' not in h and 'round_accuracy' not in h for h in history[:-1])
+  assert history[-1] == {
+    'step': 4,
+    'round': 1,
+    'test_accuracy': pytest.approx(vote, abs=1e-6),
+    'prototype_test_accuracy': pytest.approx(per_prototype, abs=1e-6),
+    'mean_prototype_test_accuracy': pytest.approx(np.mean(list(per_prototype.values())), abs=1e-6),
+  }
+  assert [algorithm.step_label(i, 4) for i in (0, 3)] == [
+    'prototype 1/2 epoch 1/2',
+    'prototype 2/2 epoch 2/2',
+  ]
+  assert algorithm.setup_records(ctx, aux) == [{'round': 1, 'clients': 3, 'upload_bytes': 0}]
+  summary = algorithm.summarize(ctx, aux, states[-1], history)
+  with torch.no_grad():
+    x = torch.tensor(np.asarray(ctx.dataset.test_x))
+    by_teacher = [net(p, st, x, False)[0].numpy() for p, st in teachers]
+  teacher_ids = np.concatenate([g.client_ids for g in first.groups]).tolist()
+  client_logits = [by_teacher[teacher_ids.index(c)] for c in range(3)]  # in client order
+  assert summary == {
+    'prototypes': [WIDE, NARROW],
+    'prototype_test_accuracy': pytest.approx(per_prototype, abs=1e-6),
+    'mean_prototype_test_accuracy': pytest.approx(np.mean(list(per_prototype.values())), abs=1e-6),
+    'prototype_best_val_accuracy': pytest.approx(dict(zip([WIDE, NARROW], best_vals)), abs=1e-6),
+    'eval_samples': len(y),
+    'client_models': [WIDE, NARROW, WIDE],
+    'client_test_accuracy': pytest.approx([np.mean(np.argmax(c, 1) == y) for c in client_logits]),
+    'teacher_ensemble_test_accuracy': pytest.approx(
+      np.mean(np.argmax(np.mean(client_logits, 0), 1) == y), abs=1e-6
+    ),
+  }
 
 
 def test_feddf_takes_nothing_from_the_test_split_and_refuses_a_too_small_holdout():
@@ -418,6 +564,42 @@ def test_feddf_takes_nothing_from_the_test_split_and_refuses_a_too_small_holdout
   config.feddf.val_split = 'test'
   with pytest.raises(ConfigError, match='val_split'):
     driver.build_algorithm('feddf', config)
+
+
+def test_feddf_draws_from_another_dataset_and_validates_on_the_training_split():
+  """source='digits' (a dataset loaded apart from the clients'), val_split='train': the pool is a
+  seeded draw of that dataset's training images, unlabelled; validation a seeded draw of the
+  (clients') training split."""
+  config = tiny_config(feddf=dict(FEDDF, source='digits', val_split='train'))
+  ctx = driver.context_of_config(config)
+  train_x, train_y = ctx.dataset.train_x, ctx.dataset.train_y
+  cfg = driver.build_algorithm('feddf', config).config
+  data = feddf.distillation_data(ctx, cfg)
+  val = np.sort(np.random.default_rng(config.seed).choice(len(train_y), 30, replace=False))
+  np.testing.assert_array_equal(data.val_x, train_x[val])
+  np.testing.assert_array_equal(data.val_y, train_y[val])
+  other = load_dataset('digits').train_x
+  pool = np.sort(np.random.default_rng(config.seed).choice(len(other), 20, replace=False))
+  assert data.source == 'digits' and data.pool.images.dtype == jnp.float32
+  np.testing.assert_array_equal(data.pool.images, other[pool])
+  assert data.pool.labels.dtype == jnp.int32 and np.all(np.asarray(data.pool.labels) == -1)
+  assert data.pool.count.dtype == jnp.int32 and int(data.pool.count) == 20
+  everything = feddf.distillation_data(ctx, cfg._replace(val_size=len(train_y)))
+  assert len(everything.val_y) == len(train_y)
+  with pytest.raises(ConfigError, match=f'the training split has {len(train_y)} samples'):
+    feddf.distillation_data(ctx, cfg._replace(val_size=len(train_y) + 1))
+
+
+def test_feddf_refuses_an_unknown_server_model():
+  config = tiny_config(feddf=dict(FEDDF, server_model='nonesuch'))
+  with pytest.raises(ConfigError, match="feddf.server_model: unknown model 'nonesuch'"):
+    driver.build_algorithm('feddf', config)
+
+
+def test_feddf_vote_refuses_more_than_one_round():
+  config = tiny_config(feddf=dict(FEDDF, rounds=2))
+  with pytest.raises(ConfigError, match='feddf_vote is one-shot: feddf.rounds must be 1, got 2'):
+    driver.build_algorithm('feddf_vote', config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,15 +115,8 @@ def distillation_data(ctx: RunContext, cfg: FedDFConfig) -> DistillationData:
   """The unlabelled distillation set and the validation set (seeded; no test sample)."""
   ds, seed = ctx.dataset, int(ctx.run.seed)
   val_held = cfg.val_split == HOLDOUT
+  # `validate` refused a too small dataset.holdout_size; `public_data` refuses one again
   held = held_out_count(cfg)
-  available = 0 if ds.holdout_y is None else len(ds.holdout_y)
-  if held > available:
-    raise ConfigError(
-      f'feddf: source={cfg.source!r} (source_size={cfg.source_size}) and '
-      f'val_split={cfg.val_split!r} (val_size={cfg.val_size}) read {held} training samples held '
-      f'out of the clients, but dataset.holdout_size holds {available}; set '
-      f'--config.dataset.holdout_size={held}'
-    )
   x_held = y_held = None
   if held:
     public = public_data(ds, HOLDOUT, held, seed)
