@@ -437,17 +437,19 @@ def test_heterogeneous_feddf_distils_every_architecture_and_sends_each_its_stude
     assert 'student_round_accuracy' not in history[0]
 
 
-def test_feddf_students_stop_early_each_on_its_own_validation(monkeypatch):
-  """Two architectures, five epochs, patience 2 (= one epoch without gain): each student stops
-  where the oracle's does (here the wide one after epoch 1, the narrow one after epoch 2);
-  a step after a student stopped leaves its state as it was, records only the students still
-  running, and nothing once all stopped; the summary says the first student stopped."""
+@pytest.mark.parametrize('patience, stops', [(2, (1, 2)), (4, (2, 3))])
+def test_feddf_students_stop_early_each_on_its_own_validation(monkeypatch, patience, stops):
+  """Two architectures, five epochs, `patience` KD steps (eval_every 2) without a gain in
+  validation accuracy (a tie is no gain): each student stops where the oracle's does (`stops`:
+  the wide and the narrow student's last epoch); a step after a student stopped leaves its
+  state as it was and records only the students still running, and nothing once all stopped;
+  the summary says the first student stopped."""
   given_client_models(monkeypatch)
-  config = tiny_config(feddf=dict(FEDDF, total_steps=10, patience=2))
+  config = tiny_config(feddf=dict(FEDDF, total_steps=10, patience=patience))
   config.client_models = f'{WIDE};{NARROW}'
   algorithm, ctx, aux, states, history = run_steps('feddf', config)
   first = common.local_models(ctx, config.feddf.local_epochs)
-  cfg = dict(FEDDF, total_steps=10, patience=2, kd_lr=config.feddf.kd_lr)
+  cfg = dict(FEDDF, total_steps=10, patience=patience, kd_lr=config.feddf.kd_lr)
   ran, best_accuracy = {}, {}
   for spec, student_aux in zip([WIDE, NARROW], aux.auxes):
     data = student_aux.data
@@ -463,23 +465,41 @@ def test_feddf_students_stop_early_each_on_its_own_validation(monkeypatch):
     ran[spec] = len(students)
     x, y = ctx.dataset.test_x, ctx.dataset.test_y
     best_accuracy[spec] = pytest.approx(accuracy(to_torch(best[0]), to_torch(best[1]), x, y))
-  assert ran == {WIDE: 1, NARROW: 2}  # the case this test is about
-  assert len(states) == 6 and [h['step'] for h in history] == [1, 2]
-  assert history[0]['early_stop'] and set(history[0]['student_test_accuracy']) == {WIDE, NARROW}
-  assert history[0]['student_round_accuracy'] == {WIDE: best_accuracy[WIDE]}
-  # the wide student's record is the step's record; once it stopped, the step has its own
-  assert {k: v for k, v in history[1].items() if k != 'student_test_accuracy'} == {
-    'step': 2,
-    'round': 1,
-    'epoch': 2,
-    'student_round_accuracy': {NARROW: best_accuracy[NARROW]},
-  }
-  assert set(history[1]['student_test_accuracy']) == {NARROW}
+  assert (ran[WIDE], ran[NARROW]) == stops  # the case this test is about
+  assert len(states) == 6 and [h['step'] for h in history] == list(range(1, stops[1] + 1))
+  for k, h in enumerate(history, 1):
+    running = {spec for spec in (WIDE, NARROW) if ran[spec] >= k}
+    assert set(h['student_test_accuracy']) == running
+    ended = {spec: best_accuracy[spec] for spec in running if ran[spec] == k}
+    assert h.get('student_round_accuracy') == (ended or None)
+    if WIDE in running:  # the wide student's record is the step's record
+      assert h['early_stop'] == (k == ran[WIDE])
+    else:  # once it stopped, the step has a record of its own
+      assert set(h) == {'step', 'round', 'epoch', 'student_test_accuracy'} | (
+        {'student_round_accuracy'} if ended else set()
+      )
+      assert (h['round'], h['epoch']) == (1, k)
   for p, spec in enumerate([WIDE, NARROW]):
     stopped = states[ran[spec]][p].student.model.params
     for later in states[ran[spec] + 1 :]:
       assert_tree_close(later[p].student.model.params, stopped, rtol=0, atol=0)
   assert algorithm.summarize(ctx, aux, states[-1], history)['early_stopped']
+
+
+def test_feddf_without_validation_keeps_the_last_student(monkeypatch):
+  """val_size=0: no validation and no early stop; each epoch's student is the best, the round's
+  accuracy is the last student's, and the summary reports no validation accuracy (-1)."""
+  given_client_models(monkeypatch)
+  config = tiny_config(feddf=dict(FEDDF, val_size=0, patience=0))
+  algorithm, ctx, aux, states, history = run_steps('feddf', config)
+  assert [h['step'] for h in history] == [1, 2]
+  assert all('val_accuracy' not in h and 'early_stop' not in h for h in history)
+  for state in states[1:]:
+    assert_tree_close(state[0].extra.best.params, state[0].student.model.params, rtol=0, atol=0)
+    assert not bool(state[0].stopped)
+  assert history[-1]['round_accuracy'] == history[-1]['test_accuracy']
+  summary = algorithm.summarize(ctx, aux, states[-1], history)
+  assert summary['val_size'] == 0 and summary['best_val_accuracy'] == -1.0
 
 
 def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
