@@ -256,7 +256,10 @@ def feddf_student_oracle(start, teachers, pool_x, val_x, val_y, cfg, seed, r=1):
   validated every `eval_every` batches; the best-on-validation student (the start included).
   Returns (students after every epoch, validation accuracies, the best student)."""
   params, stats = to_torch(start[0], requires_grad=True), to_torch(start[1])
-  opt = torch.optim.Adam(leaves(params), lr=cfg['kd_lr'], betas=(0.9, 0.999), eps=1e-8)
+  if cfg.get('kd_optimizer', 'adam') == 'sgd':  # jfed's option; T² would show under SGD
+    opt = torch.optim.SGD(leaves(params), lr=cfg['kd_lr'])
+  else:
+    opt = torch.optim.Adam(leaves(params), lr=cfg['kd_lr'], betas=(0.9, 0.999), eps=1e-8)
   epochs = math.ceil(cfg['total_steps'] / cfg['eval_every'])
   total = epochs * cfg['eval_every']
   pool = torch.tensor(np.asarray(pool_x))
@@ -306,12 +309,13 @@ def architecture_start(local: common.LocalModels, spec: str):
   raise AssertionError(spec)
 
 
-def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypatch):
+@pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
+def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypatch, optimizer):
   """One round from given client models: the student starts from the size-weighted FedAvg,
-  every Adam step matches the oracle, the validation picks the best student and the round's
-  accuracy is that student's on the whole test split."""
+  every Adam (FedDF's) or SGD step matches the oracle, the validation picks the best student
+  and the round's accuracy is that student's on the whole test split."""
   given_client_models(monkeypatch)
-  config = tiny_config(feddf=FEDDF)
+  config = tiny_config(feddf=dict(FEDDF, kd_optimizer=optimizer))
   algorithm, ctx, aux, states, history = run_steps('feddf', config)
   student_aux = aux.auxes[0]
   local = student_aux.round_cache[1].local
@@ -325,7 +329,7 @@ def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypat
   np.testing.assert_array_equal(data.val_x, holdout[draw[:30]])
   np.testing.assert_array_equal(data.val_y, ctx.dataset.holdout_y[draw[:30]])
   np.testing.assert_array_equal(data.pool.images, holdout[draw[30:]])
-  cfg = dict(FEDDF, kd_lr=config.feddf.kd_lr)
+  cfg = dict(FEDDF, kd_lr=config.feddf.kd_lr, kd_optimizer=optimizer)
   start = architecture_start(local, WIDE)
   students, vals, best = feddf_student_oracle(
     start, client_models(local), data.pool.images, data.val_x, data.val_y, cfg, config.seed
@@ -610,9 +614,21 @@ def test_feddf_draws_from_another_dataset_and_validates_on_the_training_split():
     feddf.distillation_data(ctx, cfg._replace(val_size=len(train_y) + 1))
 
 
-def test_feddf_refuses_an_unknown_server_model():
-  config = tiny_config(feddf=dict(FEDDF, server_model='nonesuch'))
-  with pytest.raises(ConfigError, match="feddf.server_model: unknown model 'nonesuch'"):
+@pytest.mark.parametrize(
+  'key, value, message',
+  [
+    ('server_model', 'nonesuch', "feddf.server_model: unknown model 'nonesuch'"),
+    ('source_size', 0, 'feddf.source_size'),
+    ('patience', -1, 'feddf.patience'),
+    ('teacher_bn', 'frozen', 'feddf.teacher_bn'),
+    ('architectures', 'some', 'feddf.architectures'),
+    ('source', 'nonesuch', "feddf.source is 'nonesuch'"),
+    ('val_size', 41, r'feddf.source_size \+ val_size from'),
+  ],
+)
+def test_feddf_refusals_name_the_key(key, value, message):
+  config = tiny_config(feddf=dict(FEDDF, **{key: value}))
+  with pytest.raises(ConfigError, match=message):
     driver.build_algorithm('feddf', config)
 
 
