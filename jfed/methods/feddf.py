@@ -203,7 +203,9 @@ def keep_best_on_validation(c: FedDFConfig, ctx: RunContext, aux, rd, state, r: 
     return state._replace(extra=state.extra._replace(best=state.student.model)), {}
   val = _val(aux, state.student.model)
   ex = state.extra
-  if val > float(ex.best_val):
+  # both in float32, as best_val is kept: a tie is no gain (the reference's `>`), whichever way
+  # float32 rounds the accuracy
+  if np.float32(val) > np.float32(ex.best_val):
     ex = FedDFExtra(state.student.model, jnp.float32(val), jnp.int32(0))
   else:
     ex = ex._replace(bad_epochs=jnp.int32(int(ex.bad_epochs) + 1))  # host-side: no program
