@@ -339,6 +339,10 @@ def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypat
     assert_tree_close(state[0].student.model.params, params)
     assert_tree_close(state[0].student.model.batch_stats, stats)
   np.testing.assert_allclose([h['val_accuracy'] for h in history], vals)
+  start_val = accuracy(to_torch(start[0]), to_torch(start[1]), data.val_x, data.val_y)
+  np.testing.assert_allclose(
+    [h['best_val_accuracy'] for h in history], np.maximum.accumulate([start_val, *vals])[1:]
+  )
   assert_tree_close(states[-1][0].extra.best.params, best[0])
   want = accuracy(to_torch(best[0]), to_torch(best[1]), ctx.dataset.test_x, ctx.dataset.test_y)
   assert history[-1]['round_accuracy'] == pytest.approx(want, abs=1e-6)
