@@ -83,7 +83,13 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'distill_losses': (
     ['jfed/distill/losses.py', 'jfed/distill/kd.py', 'jfed/distill/ensemble.py'],
-    ['tests/test_oracle_distill.py', 'tests/test_distill_losses.py'],
+    [
+      'tests/test_oracle_distill.py',
+      'tests/test_distill_losses.py',
+      # kd_block and its scan; FedTSA's mutual-learning loss and consensus
+      'tests/test_kd_block.py',
+      'tests/test_fedtsa.py',
+    ],
   ),
   'fedhydra': (
     ['jfed/methods/fedhydra.py', 'jfed/distill/stratification.py'],
