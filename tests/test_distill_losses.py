@@ -289,7 +289,8 @@ def test_ensemble_heterogeneous_groups():
 def test_coboosting_weight_update():
   w_orig = np.array([0.2, 0.5, 0.99], np.float32)
   w = np.array([0.25, 0.5, 1.0], np.float32)
-  g = np.array([0.3, -0.1, -2.0], np.float32)
+  g = np.array([0.3, -0.1, -2.0, 0.0], np.float32)  # a zero gradient leaves its weight
+  w_orig, w = np.append(w_orig, 0.4), np.append(w, 0.45)
   got = ensemble.coboosting_weight_update(w, w_orig, g, mu=0.1, wdc=0.5, epoch=2)
   step = w - 0.1 * 0.25 * np.sign(g)
   want = np.clip(w_orig + np.clip(step - w_orig, -1, 1), 0, 1)
@@ -442,13 +443,14 @@ def test_knowledge_fusion_loss_equals_eqs_5_to_7_by_hand():
   real = lambda v: v[:3].mean()
   # jitted: run op by op, the loss compiled ~5 one-primitive programs a call
   loss = jax.jit(losses.knowledge_fusion_loss, static_argnames=('lam', 'kl_reduction'))
-  f = lambda t=None, **kw: float(
+  f = lambda t=None, lam=0.5, kl_reduction='batchmean': float(
     loss(
       jnp.asarray(s, jnp.float32),
       jnp.asarray(y),
       None if t is None else jnp.asarray(t, jnp.float32),
+      lam=lam,
       weights=jnp.asarray(w),
-      **kw,
+      kl_reduction=kl_reduction,
     )
   )
   md_teacher = clients.mean(0)  # Eq. 5 averages the logits, then takes the softmax
@@ -458,6 +460,14 @@ def test_knowledge_fusion_loss_equals_eqs_5_to_7_by_hand():
   np.testing.assert_allclose(
     f(initial, lam=0.3, kl_reduction='mean'), real(0.3 * ce + 0.7 * kl(initial) / 5), rtol=1e-5
   )
+  # one real sample: its loss, not half of it; no weights: every row counts
+  one = jnp.asarray([0.0, 1.0, 0.0, 0.0])
+  got = loss(jnp.asarray(s, jnp.float32), jnp.asarray(y), None, 0.5, one, 'batchmean')
+  np.testing.assert_allclose(float(got), ce[1], rtol=1e-5)
+  got = loss(jnp.asarray(s, jnp.float32), jnp.asarray(y), None, 0.5, None, 'batchmean')
+  np.testing.assert_allclose(float(got), ce.mean(), rtol=1e-5)
+  with pytest.raises(ValueError, match="kl_reduction must be 'batchmean' or 'mean', got 'sum'"):
+    losses.knowledge_fusion_loss(jnp.asarray(s), jnp.asarray(y), None, 0.5, None, 'sum')
 
 
 def test_batch_bn_teachers_normalise_with_the_batch_statistics():

@@ -197,9 +197,9 @@ def coboosting_weight_update(
   w: jnp.ndarray,
   w_orig: jnp.ndarray,
   grad: jnp.ndarray,
-  mu: float = 0.01,
-  wdc: float = 0.99,
-  epoch: int = 0,
+  mu: float,
+  wdc: float,
+  epoch: int,
 ) -> jnp.ndarray:
   """Co-Boosting ensemble-weight step (`github.com/rong-dai/Co-Boosting`, `datafree_kd.py`), with
   grad = ∇_w CE(Σ w_k f_k / Σ w_k, y):

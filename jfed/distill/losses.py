@@ -83,10 +83,10 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'me
 def knowledge_fusion_loss(
   student_logits: jnp.ndarray,
   labels: jnp.ndarray,
-  teacher_logits: Optional[jnp.ndarray] = None,
-  lam: float = 0.5,
-  weights: Optional[jnp.ndarray] = None,
-  kl_reduction: str = 'batchmean',
+  teacher_logits: Optional[jnp.ndarray],
+  lam: float,
+  weights: Optional[jnp.ndarray],
+  kl_reduction: str,
 ) -> jnp.ndarray:
   """FedMHO's global-model loss, Eq. 7: λ · CE(s, y) + (1 − λ) · KL(softmax(t) ‖ softmax(s)).
 
