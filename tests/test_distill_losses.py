@@ -1,8 +1,6 @@
 """jfed.distill losses, generator, ensemble, pool, synthesis and the KD step against naive NumPy
 formulas."""
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -181,15 +179,18 @@ def _np_bnnet(st, x):
   return logits, stat_loss(x, 'bn_a', (0, 1, 2)) + stat_loss(h, 'bn_b', 0)
 
 
-def test_bn_loss_from_model_apply():
+def test_bn_loss_of_a_teacher_in_eval_mode():
+  """A teacher's eval-mode logits and DeepInversion BN loss, as DENSE's synthesis reads them
+  (`teacher_outputs(..., with_bn_loss=True)`), against NumPy."""
   net, st = _bnnet_state(jax.random.PRNGKey(0))
   x = np.random.default_rng(3).random((5, 4, 4, 2)).astype(np.float32)
-  logits, l_bn = jax.jit(functools.partial(losses.apply_with_bn_loss, net))(
-    st.params, st.batch_stats, jnp.asarray(x)
+  one = jax.tree.map(lambda a: a[None], st)  # a group of one client
+  logits, l_bn = jax.jit(lambda s, x: ensemble.teacher_outputs((net, s), x, True, 'loop'))(
+    one, jnp.asarray(x)
   )
   want_logits, want_bn = _np_bnnet(st, x)
-  np.testing.assert_allclose(l_bn, want_bn, rtol=1e-4)
-  np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(l_bn, [want_bn], rtol=1e-4)
+  np.testing.assert_allclose(logits, want_logits[None], rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- ensemble

@@ -33,7 +33,6 @@ from jfed.distill.kd import (
 )
 from jfed.distill.losses import (
   adversarial_loss,
-  apply_with_bn_loss,
   bn_statistics_loss,
   cross_entropy,
   disagreement_mask,

@@ -7,7 +7,7 @@ that want a frozen teacher pass `jax.lax.stop_gradient(t)` (the synthesis losses
 through the teacher, because the generator's input reaches the teacher).
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import flax
 import jax
@@ -284,30 +284,3 @@ def bn_statistics_loss(
   if model_reduction == 'mean':
     return jnp.mean(total)
   raise ValueError(f'model_reduction must be sum/mean/none, got {model_reduction!r}')
-
-
-def apply_with_bn_loss(
-  module, params: Any, batch_stats: Any, x: jnp.ndarray, **apply_kwargs
-) -> Tuple[jnp.ndarray, jnp.ndarray]:
-  """Eval-mode forward of one model that also returns its BN-statistics loss on `x`:
-  `module.apply(..., train=False, mutable=['bn_inputs'])` → (logits, L_bn). A model without
-  BatchNorm returns L_bn = 0.
-
-  Args:
-    module: The flax model.
-    params: Its parameters.
-    batch_stats: Its BN running statistics.
-    x: Input images [B, H, W, C].
-    **apply_kwargs: Passed on to `module.apply`.
-
-  Returns:
-    (logits [B, num_classes], L_bn scalar).
-  """
-  logits, col = module.apply(
-    {'params': params, 'batch_stats': batch_stats},
-    x,
-    train=False,
-    mutable=['bn_inputs'],
-    **apply_kwargs,
-  )
-  return logits, bn_statistics_loss(col.get('bn_inputs', {}), batch_stats)
