@@ -169,9 +169,7 @@ def mutual_learning_loss(
   return jnp.sum(per_sample * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def hard_sample_cross_entropy(
-  logits: jnp.ndarray, labels: jnp.ndarray, hs: float = 1.0
-) -> jnp.ndarray:
+def hard_sample_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, hs: float) -> jnp.ndarray:
   """Co-Boosting hard-sample synthesis loss (coboost.py):
 
   L = mean_b ( (1 − p_y[b])^hs · CE_b ),   p_y[b] = softmax(logits)[b, y_b]  (p_y detached).
