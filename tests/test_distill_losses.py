@@ -193,6 +193,33 @@ def test_bn_loss_of_a_teacher_in_eval_mode():
   np.testing.assert_allclose(logits, want_logits[None], rtol=1e-4, atol=1e-5)
 
 
+class NestedBN(nn.Module):
+  """A BatchNorm inside a block, as in ResNet and VGG: its statistics sit two levels deep."""
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    block = nn.Sequential([lambda h: BatchNorm(name='bn')(h, train, mask)], name='block')
+    return block(x).reshape(x.shape[0], -1)
+
+
+def test_bn_loss_reads_a_nested_batchnorm_s_running_statistics():
+  net = NestedBN()
+  x = np.random.default_rng(4).random((5, 4, 4, 2)).astype(np.float32)
+  v = _init(net, jax.random.PRNGKey(0), jnp.zeros((2, 4, 4, 2)))
+  rng = np.random.default_rng(5)
+  stats = jax.tree.map(lambda a: jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32), v)
+  _, col = net.apply(
+    {'params': v['params'], 'batch_stats': stats['batch_stats']},
+    jnp.asarray(x),
+    mutable=['bn_inputs'],
+  )
+  got = losses.bn_statistics_loss(col['bn_inputs'], stats['batch_stats'])
+  run = jax.tree.leaves(stats['batch_stats'])  # mean, var (sorted keys)
+  h = np.asarray(x, np.float64)
+  want = np.linalg.norm(run[1] - h.var((0, 1, 2))) + np.linalg.norm(run[0] - h.mean((0, 1, 2)))
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- ensemble
 
 
