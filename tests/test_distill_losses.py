@@ -156,7 +156,12 @@ def test_bn_statistics_loss_formula():
   want = sum(
     np.linalg.norm(run[n][1] - stats[n][1]) + np.linalg.norm(run[n][0] - stats[n][0]) for n in stats
   )
-  np.testing.assert_allclose(losses.bn_statistics_loss(bn_inputs, batch_stats), want, rtol=1e-5)
+  got = losses.bn_statistics_loss(bn_inputs, batch_stats)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), batch_stats)  # two models at once
+  with pytest.raises(ValueError, match='takes one model'):
+    losses.bn_statistics_loss(jax.tree.map(lambda a: jnp.stack([a, a]), bn_inputs), stacked)
 
 
 def _np_bnnet(st, x):

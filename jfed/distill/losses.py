@@ -246,39 +246,32 @@ def _bn_pairs(bn_inputs: Any, batch_stats: Any):
       yield mean_in, var_in, flat_bs[mkey], flat_bs[vkey]
 
 
-def bn_statistics_loss(
-  bn_inputs: Any, batch_stats: Any, model_reduction: str = 'sum'
-) -> jnp.ndarray:
-  """DeepInversion / DENSE BN-statistics loss (helpers/utils.py:DeepInversionHook):
+def bn_statistics_loss(bn_inputs: Any, batch_stats: Any) -> jnp.ndarray:
+  """DeepInversion / DENSE BN-statistics loss of one model (helpers/utils.py:DeepInversionHook):
 
       L_bn = Σ_layers ( ||running_var_l − var_l(x)||₂ + ||running_mean_l − mean_l(x)||₂ )
 
   with mean_l / var_l the per-channel mean and *biased* variance of the BN layer's input over
   (N, H, W) (sown by jfed.models.layers.BatchNorm into collection 'bn_inputs'). Plain L2 norms,
-  not squared, no division. `bn_inputs` / `batch_stats` are the 'bn_inputs' collection and the
-  model's 'batch_stats'; both may carry leading model axes (a vmapped stacked group), in which
-  case the loss of each model is computed and `model_reduction` ('sum' — DENSE's sum over hooks of
-  all models — or 'mean' — FedHydra Eq. 14's 1/m Σ_k and Co-Boosting's DENSE / num_models — or
-  'none' → per-model array) combines them.
+  not squared, no division. A group of clients gets one loss per model by mapping this over
+  them (`jfed.distill.ensemble.teacher_outputs`); the methods combine those.
 
   Args:
-    bn_inputs: The 'bn_inputs' collection of a forward pass on the synthetic batch.
+    bn_inputs: The 'bn_inputs' collection of one model's forward pass on the synthetic batch.
     batch_stats: The model's 'batch_stats' (running statistics), the same structure.
-    model_reduction: 'sum', 'mean' or 'none', over leading model axes as above.
 
   Returns:
-    A scalar, or an array with one loss per model for 'none'.
+    The scalar loss (float32).
+
+  Raises:
+    ValueError: statistics with a leading model axis (several models at once).
   """
-  total = 0.0
+  total = jnp.zeros((), jnp.float32)
   for mean_in, var_in, rmean, rvar in _bn_pairs(bn_inputs, batch_stats):
-    total = total + (
-      jnp.linalg.norm(rvar - var_in, axis=-1) + jnp.linalg.norm(rmean - mean_in, axis=-1)
-    )
-  total = jnp.asarray(total, jnp.float32)
-  if model_reduction == 'none':
-    return total
-  if model_reduction == 'sum':
-    return jnp.sum(total)
-  if model_reduction == 'mean':
-    return jnp.mean(total)
-  raise ValueError(f'model_reduction must be sum/mean/none, got {model_reduction!r}')
+    if jnp.ndim(mean_in) != 1 or jnp.ndim(rmean) != 1:
+      raise ValueError(
+        'bn_statistics_loss takes one model: per-channel statistics, got shapes '
+        f'{jnp.shape(mean_in)} and {jnp.shape(rmean)}'
+      )
+    total = total + jnp.linalg.norm(rvar - var_in) + jnp.linalg.norm(rmean - mean_in)
+  return total
