@@ -98,7 +98,9 @@ def test_adversarial_loss(logits):
   mask = np.array([float(np.argmax(s[b]) != np.argmax(t[b])) for b in range(B)])
   assert 0 < mask.sum() < B
   per = np_kl_elem(s, t, 1.0).sum(1)
-  np.testing.assert_allclose(losses.adversarial_loss(s, t), -np.mean(mask * per), rtol=1e-5)
+  np.testing.assert_allclose(
+    losses.adversarial_loss(s, t, 1.0, True, False), -np.mean(mask * per), rtol=1e-5
+  )
   per3 = np_kl_elem(s, t, 3.0).sum(1) * 9.0  # Co-Boosting: T=3, x T^2, no mask
   np.testing.assert_allclose(
     losses.adversarial_loss(s, t, T=3.0, use_mask=False, t_squared=True), -np.mean(per3), rtol=1e-5

@@ -197,9 +197,9 @@ def disagreement_mask(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray) 
 def adversarial_loss(
   student_logits: jnp.ndarray,
   teacher_logits: jnp.ndarray,
-  T: float = 1.0,
-  use_mask: bool = True,
-  t_squared: bool = False,
+  T: float,
+  use_mask: bool,
+  t_squared: bool,
 ) -> jnp.ndarray:
   """Generator adversarial (model-discrepancy) loss:
 
