@@ -80,6 +80,8 @@ def test_cross_entropy_and_hard_sample(logits):
     return losses.cross_entropy(s, y), losses.cross_entropy(s, y, 'none'), hard, g
 
   mean_ce, ce_none, hard, g = run(jnp.asarray(s), jnp.asarray(y))
+  with pytest.raises(ValueError, match="reduction must be mean or none, got 'sum'"):
+    losses.cross_entropy(jnp.asarray(s), jnp.asarray(y), 'sum')
   np.testing.assert_allclose(mean_ce, ce.mean(), rtol=1e-5)
   np.testing.assert_allclose(ce_none, ce, rtol=1e-5)
   p_y = np.exp(-ce)

@@ -59,25 +59,23 @@ def kl_divergence(
 
 
 def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, reduction: str = 'mean') -> jnp.ndarray:
-  """CE_b = −log softmax(logits)[b, y_b];  'mean' → mean_b CE_b, 'sum' → Σ_b, 'none' → [B].
+  """CE_b = −log softmax(logits)[b, y_b];  'mean' → mean_b CE_b, 'none' → [B].
 
   Args:
     logits: Shape [B, C].
     labels: Integer class labels, shape [B].
-    reduction: 'mean', 'sum' or 'none'.
+    reduction: 'mean' or 'none'.
 
   Returns:
     A scalar, or the per-sample CE [B] for 'none'.
   """
   logp = jax.nn.log_softmax(logits, axis=-1)
-  ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1).squeeze(-1)
   if reduction == 'none':
     return ce
-  if reduction == 'sum':
-    return jnp.sum(ce)
   if reduction == 'mean':
     return jnp.mean(ce)
-  raise ValueError(f'reduction must be mean/sum/none, got {reduction!r}')
+  raise ValueError(f'reduction must be mean or none, got {reduction!r}')
 
 
 def knowledge_fusion_loss(
@@ -183,7 +181,7 @@ def hard_sample_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, hs: floa
     The scalar loss.
   """
   logp = jax.nn.log_softmax(logits, axis=-1)
-  logp_y = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  logp_y = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1).squeeze(-1)
   p_y = jax.lax.stop_gradient(jnp.exp(logp_y))
   return jnp.mean(jnp.power(1.0 - p_y, hs) * (-logp_y))
 
