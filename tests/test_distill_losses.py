@@ -166,6 +166,8 @@ def test_bn_statistics_loss_formula():
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), batch_stats)  # two models at once
   with pytest.raises(ValueError, match='takes one model'):
     losses.bn_statistics_loss(jax.tree.map(lambda a: jnp.stack([a, a]), bn_inputs), stacked)
+  with pytest.raises(KeyError, match='no running statistics for BN input statistics at l1/stats'):
+    losses.bn_statistics_loss(bn_inputs, {'l0': batch_stats['l0']})
 
 
 def _np_bnnet(st, x):
