@@ -108,3 +108,9 @@ def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored):
     np.testing.assert_allclose(blocked_losses, per_call_losses, rtol=2e-5)
     _close(blocked, per_call)
   assert (kd.kd_block_size('cpu'), kd.kd_block_size('gpu')) == (1, kd.KD_BLOCK)
+
+
+def test_an_unknown_kd_loss_is_refused_naming_the_choices():
+  s = jnp.zeros((2, 3))
+  with pytest.raises(ValueError, match=r"KD loss must be one of \('kl', 'fedhydra'\), got 'ce'"):
+    kd.per_sample_loss(kd.KDConfig(loss='ce'), s, s)
