@@ -177,10 +177,10 @@ def forget_survivors(dest: pathlib.Path) -> int:
   for meta_path in (dest / 'mutants').rglob('*.meta'):
     meta = json.loads(meta_path.read_text())
     codes = meta.get('exit_code_by_key', {})
-    survivors = [name for name, code in codes.items() if code in (0, 33)]
-    for name in survivors:
+    forgotten = [name for name, code in codes.items() if code in (0, 33)]
+    for name in forgotten:
       codes[name] = None
-    count += len(survivors)
+    count += len(forgotten)
     meta_path.write_text(json.dumps(meta, indent=4))
   return count
 

@@ -309,6 +309,26 @@ def architecture_start(local: common.LocalModels, spec: str):
   raise AssertionError(spec)
 
 
+def architecture_oracle(first: common.LocalModels, spec: str, student_aux, cfg, seed):
+  """`feddf_student_oracle` for `spec`'s student: from its clients' FedAvg, against every
+  client of `first`, on that student's distillation and validation sets."""
+  data = student_aux.data
+  return feddf_student_oracle(
+    architecture_start(first, spec),
+    client_models(first),
+    data.pool.images,
+    data.val_x,
+    data.val_y,
+    cfg,
+    seed,
+  )
+
+
+def model_accuracy(model, x, y) -> float:
+  """`accuracy` of an oracle's (params, stats) pair of numpy trees."""
+  return accuracy(to_torch(model[0]), to_torch(model[1]), x, y)
+
+
 @pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
 def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypatch, optimizer):
   """One round from given client models: the student starts from the size-weighted FedAvg,
@@ -339,19 +359,19 @@ def test_feddf_distils_the_fedavg_start_against_the_mean_client_logits(monkeypat
     assert_tree_close(state[0].student.model.params, params)
     assert_tree_close(state[0].student.model.batch_stats, stats)
   np.testing.assert_allclose([h['val_accuracy'] for h in history], vals)
-  start_val = accuracy(to_torch(start[0]), to_torch(start[1]), data.val_x, data.val_y)
+  start_val = model_accuracy(start, data.val_x, data.val_y)
   np.testing.assert_allclose(
     [h['best_val_accuracy'] for h in history], np.maximum.accumulate([start_val, *vals])[1:]
   )
   assert_tree_close(states[-1][0].extra.best.params, best[0])
-  want = accuracy(to_torch(best[0]), to_torch(best[1]), ctx.dataset.test_x, ctx.dataset.test_y)
+  want = model_accuracy(best, ctx.dataset.test_x, ctx.dataset.test_y)
   assert history[-1]['round_accuracy'] == pytest.approx(want, abs=1e-6)
   assert algorithm.final_accuracy(history) == pytest.approx(want, abs=1e-6)
   assert [algorithm.step_label(i, 2) for i in range(2)] == ['epoch 1/2', 'epoch 2/2']
   # the given uploads (`given_client_models`) report 0 bytes
   assert algorithm.setup_records(ctx, aux) == [{'round': 1, 'clients': 3, 'upload_bytes': 0}]
   summary = algorithm.summarize(ctx, aux, states[-1], history)
-  best_val = accuracy(to_torch(best[0]), to_torch(best[1]), data.val_x, data.val_y)
+  best_val = model_accuracy(best, data.val_x, data.val_y)
   assert {k: summary[k] for k in FEDDF_SUMMARY} == {
     'source': 'holdout',
     'source_size': FEDDF['source_size'],
@@ -396,21 +416,11 @@ def test_heterogeneous_feddf_distils_every_architecture_and_sends_each_its_stude
   specs = [WIDE, NARROW] if architectures == 'all' else [WIDE]
   assert list(aux.architectures) == specs
   first = common.local_models(ctx, config.feddf.local_epochs)
-  teachers = client_models(first)
   cfg = dict(FEDDF, total_steps=2, kd_lr=config.feddf.kd_lr)
   round1 = states[1]  # one epoch per round
   bests = {}
   for spec, state, student_aux in zip(specs, round1, aux.auxes):
-    data = student_aux.data
-    students, _, best = feddf_student_oracle(
-      architecture_start(first, spec),
-      teachers,
-      data.pool.images,
-      data.val_x,
-      data.val_y,
-      cfg,
-      config.seed,
-    )
+    students, _, best = architecture_oracle(first, spec, student_aux, cfg, config.seed)
     assert_tree_close(state.student.model.params, students[0][0])
     assert_tree_close(state.extra.best.params, best[0])
     bests[spec] = state.extra.best
@@ -460,19 +470,11 @@ def test_feddf_students_stop_early_each_on_its_own_validation(monkeypatch, patie
   cfg = dict(FEDDF, total_steps=10, patience=patience, kd_lr=config.feddf.kd_lr)
   ran, best_accuracy = {}, {}
   for spec, student_aux in zip([WIDE, NARROW], aux.auxes):
-    data = student_aux.data
-    students, _, best = feddf_student_oracle(
-      architecture_start(first, spec),
-      client_models(first),
-      data.pool.images,
-      data.val_x,
-      data.val_y,
-      cfg,
-      config.seed,
-    )
+    students, _, best = architecture_oracle(first, spec, student_aux, cfg, config.seed)
     ran[spec] = len(students)
-    x, y = ctx.dataset.test_x, ctx.dataset.test_y
-    best_accuracy[spec] = pytest.approx(accuracy(to_torch(best[0]), to_torch(best[1]), x, y))
+    best_accuracy[spec] = pytest.approx(
+      model_accuracy(best, ctx.dataset.test_x, ctx.dataset.test_y)
+    )
   assert (ran[WIDE], ran[NARROW]) == stops  # the case this test is about
   assert len(states) == 6 and [h['step'] for h in history] == list(range(1, stops[1] + 1))
   for k, h in enumerate(history, 1):
@@ -523,30 +525,20 @@ def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
   assert aux.auxes[0].trainers is aux.auxes[1].trainers  # both read one set of uploads
   logits, best_vals = [], []
   for spec, state, student_aux in zip([WIDE, NARROW], states[-1], aux.auxes):
-    data = student_aux.data
-    students, vals, best = feddf_student_oracle(
-      architecture_start(first, spec),
-      teachers,
-      data.pool.images,
-      data.val_x,
-      data.val_y,
-      cfg,
-      config.seed,
-    )
+    students, vals, best = architecture_oracle(first, spec, student_aux, cfg, config.seed)
     assert_tree_close(state.extra.best.params, best[0])
-    best_vals.append(accuracy(to_torch(best[0]), to_torch(best[1]), data.val_x, data.val_y))
+    best_vals.append(model_accuracy(best, student_aux.data.val_x, student_aux.data.val_y))
     with torch.no_grad():
       x = torch.tensor(np.asarray(ctx.dataset.test_x))
       logits.append(net(to_torch(best[0]), to_torch(best[1]), x, False)[0].numpy())
     # each prototype's epochs: its name, its student's accuracies renamed, the round's last
     mine = [h for h in history if h.get('prototype') == spec]
     assert [h['epoch'] for h in mine] == [1, 2] and [h['val_accuracy'] for h in mine] == vals
-    for h, (params, stats) in zip(mine, students):
-      want = accuracy(to_torch(params), to_torch(stats), ctx.dataset.test_x, ctx.dataset.test_y)
+    for h, student in zip(mine, students):
+      want = model_accuracy(student, ctx.dataset.test_x, ctx.dataset.test_y)
       assert h['prototype_test_accuracy'] == pytest.approx(want, abs=1e-6)
     assert mine[-1]['prototype_accuracy'] == pytest.approx(
-      accuracy(to_torch(best[0]), to_torch(best[1]), ctx.dataset.test_x, ctx.dataset.test_y),
-      abs=1e-6,
+      model_accuracy(best, ctx.dataset.test_x, ctx.dataset.test_y), abs=1e-6
     )
   y = np.asarray(ctx.dataset.test_y)
   per_prototype = {s: np.mean(np.argmax(lg, 1) == y) for s, lg in zip([WIDE, NARROW], logits)}

@@ -311,8 +311,7 @@ def privatize_locally(
 
 def _dp_accounting() -> Any:
   """dp-accounting, imported on first use: it pulls in scipy.signal and scipy.stats (about half
-  of `import jfed.api`'s CPU time), which only the runs that use
-  differential privacy need."""
+  of `import jfed.api`'s CPU time), which only the runs that use differential privacy need."""
   import dp_accounting  # pylint: disable=g-import-not-at-top
 
   return dp_accounting
