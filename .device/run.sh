@@ -1,6 +1,6 @@
 #!/bin/bash
-# One lent-GPU call: the next three GPU-queue chunks on the GPU, mutation testing of four
-# modules on ten of the CPU cores beside them (JAX on CPU there), everything packed into $OUT.
+# One lent-GPU call: the next GPU-queue chunks on the GPU, mutation testing of MUT_MODULES on
+# MUT_CHILDREN of the CPU cores beside them (JAX on CPU there), everything packed into $OUT.
 set -u
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -14,12 +14,15 @@ mut=
    --out=/tmp/mutation_out > /tmp/mutation.log 2>&1) &
 [ "${MUT_S:-500}" -gt 0 ] && mut=$!
 # KD steps one call each vs KD_BLOCK per call (jfed.distill.kd.kd_block_size picks blocks off CPU)
-timeout ${KD_S:-150} python3 -m experiments.bench.model_stratification --stages=hydra_kd --pool=65536 \
-   --out=$OUT/hydra_kd_blocks_gpu.json > $OUT/hydra_kd_blocks_gpu.log 2>&1
+[ "${KD_S:-150}" -gt 0 ] && timeout ${KD_S:-150} python3 -m experiments.bench.model_stratification --stages=hydra_kd \
+   --pool=65536 --out=$OUT/hydra_kd_blocks_gpu.json > $OUT/hydra_kd_blocks_gpu.log 2>&1
 python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-470} --out=$OUT
 if [ -n "$mut" ]; then
-  wait $mut; tail -5 /tmp/mutation.log
+  wait $mut; pkill -f mutmut; sleep 2; tail -5 /tmp/mutation.log
   mkdir -p /tmp/mutation_out; cp /tmp/mutation.log /tmp/mutation_out/
   tar czf $OUT/mutation.tar.gz -C /tmp mutation_out
+  # mutmut's state (mutated copies, verdicts): a module stopped part-way resumes from it here
+  # (unpack into --scratch before `python -m experiments.mutation --modules=...`)
+  (cd /tmp/jfed-mutation && tar czf $OUT/mutation_state.tar.gz */mutants)
 fi
 ls -la $OUT; echo "total $(( $(date +%s) - t0 )) s"
