@@ -82,6 +82,14 @@ def test_stratified_aggregation_matches_loops():
   np.testing.assert_allclose(
     S.stratified_aggregation(P, U_r, U_c, y, in_model=False), want_inter, rtol=1e-5, atol=1e-6
   )
+  W_inter = S.stratified_weights(U_r, U_c, jnp.asarray(y), in_model=False)
+  assert W_inter.shape == (b, m, c)
+  np.testing.assert_allclose(
+    ensemble.combine_logits(jnp.asarray(P), W_inter, normalize=False),
+    want_inter,
+    rtol=1e-5,
+    atol=1e-6,
+  )
   np.testing.assert_allclose(S.average_ensemble(P), P.mean(0), rtol=1e-6)
 
 
@@ -149,7 +157,7 @@ def test_heterogeneous_ms(batched_conv):
   st = stacked(MLP(), 1, 1)
   p, bs = jax.tree.map(lambda a: a[0], st.params), jax.tree.map(lambda a: a[0], st.batch_stats)
   for j in range(3):
-    want = S._ms_single_run_jit(MLP(), GEN, None, CFG, p, bs, keys[j], jnp.int32(j))
+    want = S._ms_single_run_jit(MLP(), GEN, CFG, p, bs, keys[j], jnp.int32(j))
     np.testing.assert_allclose(r.losses[2, j], want, rtol=2e-5, atol=1e-6)
 
 

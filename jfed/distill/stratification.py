@@ -174,15 +174,10 @@ class MSConfig(NamedTuple):
   flip: bool = True
 
 
-def _ms_run_init(
-  generator: DenseGenerator, init_fn: Optional[Callable], cfg: MSConfig, key: jax.Array
-):
+def _ms_run_init(generator: DenseGenerator, cfg: MSConfig, key: jax.Array):
   """A (k, j) run's fresh G, z, Adam state and per-step augmentation keys."""
-  if init_fn is None:  # one random draw for G and z (compile time, see dense_generator_init)
-    g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
-  else:
-    g = init_fn(key)
-    z = jax.random.normal(jax.random.fold_in(key, 2), (cfg.batch_size, generator.nz))
+  # one random draw for G and z (compile time, see dense_generator_init)
+  g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
   opt_vars = (g.params, z) if cfg.optimize_z else g.params
   tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
   step_keys = (
@@ -217,7 +212,6 @@ def _ms_step(
 def _ms_single_run(
   teacher_module,
   generator: DenseGenerator,
-  init_fn: Callable,
   cfg: MSConfig,
   t_params,
   t_batch_stats,
@@ -226,37 +220,33 @@ def _ms_single_run(
 ) -> jnp.ndarray:
   """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
   (each evaluated before its step, Eq. 1)."""
-  carry, z, step_keys = _ms_run_init(generator, init_fn, cfg, key)
+  carry, z, step_keys = _ms_run_init(generator, cfg, key)
   teacher_vars = {'params': t_params, 'batch_stats': t_batch_stats}
   step = lambda c, k: _ms_step(teacher_module, generator, cfg, c, z, teacher_vars, label, k)
   _, losses = jax.lax.scan(step, carry, step_keys)
   return losses
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _ms_single_run_jit(teacher_module, generator, cfg, t_params, t_bs, key, label):
+  return _ms_single_run(teacher_module, generator, cfg, t_params, t_bs, key, label)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _ms_single_run_jit(teacher_module, generator, init_fn, cfg, t_params, t_bs, key, label):
-  return _ms_single_run(teacher_module, generator, init_fn, cfg, t_params, t_bs, key, label)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _ms_batched(
-  teacher_module, generator, init_fn, cfg, chunk_size, t_states, keys, labels, clients
-):
+def _ms_batched(teacher_module, generator, cfg, chunk_size, t_states, keys, labels, clients):
   def run(args):
     key, label, k = args
     p = jax.tree.map(lambda a: a[k], t_states.params)
     bs = jax.tree.map(lambda a: a[k], t_states.batch_stats)
-    return _ms_single_run(teacher_module, generator, init_fn, cfg, p, bs, key, label)
+    return _ms_single_run(teacher_module, generator, cfg, p, bs, key, label)
 
   if chunk_size:
     return jax.lax.map(run, (keys, labels, clients), batch_size=chunk_size)
   return jax.vmap(run)((keys, labels, clients))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _ms_batched_by_client(
-  teacher_module, generator, init_fn, cfg, clients_per_chunk, t_states, keys
-):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _ms_batched_by_client(teacher_module, generator, cfg, clients_per_chunk, t_states, keys):
   """keys [m, c]: a vmap over clients of a vmap over classes. Within a client the teacher's
   weights are shared, so its convolutions see the c runs' images as one batch; only across
   clients do they differ (grouped convolutions of m groups, not m·c)."""
@@ -265,7 +255,7 @@ def _ms_batched_by_client(
   def client(args):
     key_row, params, batch_stats = args
     single = lambda key, label: _ms_single_run(
-      teacher_module, generator, init_fn, cfg, params, batch_stats, key, label
+      teacher_module, generator, cfg, params, batch_stats, key, label
     )
     return jax.vmap(single)(key_row, labels)
 
@@ -289,7 +279,7 @@ def ms_step_flops(teacher_module, teacher_vars, generator: DenseGenerator, cfg: 
   Returns:
     The step's FLOPs.
   """
-  carry, z, step_keys = _ms_run_init(generator, None, cfg, jax.random.PRNGKey(0))
+  carry, z, step_keys = _ms_run_init(generator, cfg, jax.random.PRNGKey(0))
   step = jax.jit(
     lambda carry, k: _ms_step(teacher_module, generator, cfg, carry, z, teacher_vars, 0, k)
   )
@@ -306,13 +296,6 @@ def _run_keys(key: jax.Array, client_offset: int, m: int, c: int) -> jnp.ndarray
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids.reshape(-1), jnp.uint32))
 
 
-def _prepare(generator, generator_init_fn, cfg, kw):
-  cfg = cfg or MSConfig()
-  if kw:
-    cfg = cfg._replace(**kw)
-  return cfg, generator_init_fn  # None → dense_generator_init (hashable, no recompiles)
-
-
 def model_stratification(
   teacher_groups,
   generator: DenseGenerator,
@@ -320,18 +303,16 @@ def model_stratification(
   key: jax.Array,
   cfg: Optional[MSConfig] = None,
   *,
-  generator_init_fn: Optional[Callable] = None,
   chunk_size: Optional[int] = None,
   devices: Optional[Sequence[Any]] = None,
   layout: str = 'runs',
-  **cfg_overrides,
 ) -> StratificationResult:
   """Algorithm 2 for all clients: m·c fresh-generator runs of T_G steps, batched.
 
   teacher_groups: TeacherGroup(module, stacked ModelState) or a list of them (heterogeneous; one
   batched program per group, clients ordered by concatenation). generator: the DenseGenerator to
-  train (`generator_init_fn(key) -> ModelState`, default `dense_generator_init`). Settings come
-  from `cfg` (MSConfig) and keyword overrides (T_G=, lr=, batch_size=, ...). `chunk_size` bounds
+  train, each run from a fresh `dense_generator_init`. Settings come from `cfg` (MSConfig).
+  `chunk_size` bounds
   memory: `lax.map` over chunks of that many vmapped runs. `devices` (default all devices of the
   default backend) shards the run axis when more than one.
   `layout`: 'runs' vmaps over the flat m·c axis (each run gathers its client's weights);
@@ -347,18 +328,16 @@ def model_stratification(
     num_classes: c.
     key: PRNG key of all m·c runs.
     cfg: MS settings; None takes MSConfig's defaults.
-    generator_init_fn: key -> generator ModelState; None uses `dense_generator_init`.
     chunk_size: Runs vmapped at once; None runs all at once.
     devices: Devices to shard the run axis over; None takes the default backend's.
     layout: 'runs' or 'clients', as above.
-    **cfg_overrides: MSConfig fields to replace (T_G=, lr=, batch_size=, ...).
 
   Returns:
     StratificationResult(losses [m, c, T_G], u [m, c], U, U_r, U_c [c, m]).
   """
   if layout not in MS_LAYOUTS:
     raise ValueError(f'layout {layout!r}; valid: {MS_LAYOUTS}')
-  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+  cfg = cfg or MSConfig()
   devices = list(devices) if devices is not None else jax.devices()
   groups = list(_as_groups(teacher_groups))
   # One program per group (accelerators): progress between groups.
@@ -374,7 +353,7 @@ def model_stratification(
     keys = _run_keys(key, offset, m, num_classes)
     layout_losses = _by_client_losses if layout == 'clients' else _flat_losses
     all_losses.append(
-      layout_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, num_classes)
+      layout_losses(module, generator, cfg, chunk_size, devices, states, keys, num_classes)
     )
     offset += m
     phase.update(len(all_losses))
@@ -390,7 +369,7 @@ def _first_axis_sharding(devices) -> NamedSharding:
   return NamedSharding(Mesh(np.asarray(devices), ('clients',)), P('clients'))
 
 
-def _flat_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, c):
+def _flat_losses(module, generator, cfg, chunk_size, devices, states, keys, c):
   """The 'runs' layout of one group: the m·c runs on one axis; losses [m, c, T_G]."""
   m = jax.tree.leaves(states.params)[0].shape[0]
   n = m * c
@@ -401,11 +380,11 @@ def _flat_losses(module, generator, init_fn, cfg, chunk_size, devices, states, k
     shard = _first_axis_sharding(devices)
     keys, labels, clients = jax.device_put((keys[sel], labels[sel], clients[sel]), shard)
     states = jax.device_put(states, NamedSharding(shard.mesh, P()))
-  losses = _ms_batched(module, generator, init_fn, cfg, chunk_size, states, keys, labels, clients)
+  losses = _ms_batched(module, generator, cfg, chunk_size, states, keys, labels, clients)
   return np.asarray(losses)[:n].reshape(m, c, cfg.T_G)
 
 
-def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, states, keys, c):
+def _by_client_losses(module, generator, cfg, chunk_size, devices, states, keys, c):
   """The 'clients' layout of one group: whole clients per chunk and shard; losses [m, c, T_G]."""
   m = jax.tree.leaves(states.params)[0].shape[0]
   keys = keys.reshape((m, c) + keys.shape[1:])
@@ -414,7 +393,7 @@ def _by_client_losses(module, generator, init_fn, cfg, chunk_size, devices, stat
     sel = _padded_index(m, len(devices))
     keys, states = keys[sel], jax.tree.map(lambda a: a[sel], states)
     keys, states = jax.device_put((keys, states), _first_axis_sharding(devices))
-  losses = _ms_batched_by_client(module, generator, init_fn, cfg, per_chunk, states, keys)
+  losses = _ms_batched_by_client(module, generator, cfg, per_chunk, states, keys)
   return np.asarray(losses)[:m]
 
 
@@ -460,9 +439,6 @@ def model_stratification_loop(
   num_classes: int,
   key: jax.Array,
   cfg: Optional[MSConfig] = None,
-  *,
-  generator_init_fn: Optional[Callable] = None,
-  **cfg_overrides,
 ) -> StratificationResult:
   """Same as `model_stratification`, one (k, j) run at a time: a Python loop over the same
   jitted single-run program (the reference code's structure; for equivalence tests and
@@ -474,20 +450,17 @@ def model_stratification_loop(
     num_classes: c.
     key: PRNG key of all m·c runs.
     cfg: MS settings; None takes MSConfig's defaults.
-    generator_init_fn: As `model_stratification`.
-    **cfg_overrides: MSConfig fields to replace.
 
   Returns:
     The same StratificationResult as `model_stratification`.
   """
-  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+  cfg = cfg or MSConfig()
 
   def run(module, teacher_vars, run_key, label, tick):
     del tick  # one program per run: progress between runs
     return _ms_single_run_jit(
       module,
       generator,
-      init_fn,
       cfg,
       teacher_vars['params'],
       teacher_vars['batch_stats'],
@@ -502,7 +475,7 @@ def model_stratification_loop(
 # DENSE generator vs ~25 ms as separate jitted steps, docs/design.md), so on CPU the T_G steps
 # of each run are a Python loop of one jitted step: the same run (keys, init, z, Adam, loss
 # recorded before each step) as the scan forms; tests assert equality.
-_ms_run_init_jit = jax.jit(_ms_run_init, static_argnums=(0, 1, 2))
+_ms_run_init_jit = jax.jit(_ms_run_init, static_argnums=(0, 1))
 _ms_step_jit = jax.jit(_ms_step, static_argnums=(0, 1, 2))
 
 
@@ -512,9 +485,6 @@ def model_stratification_python(
   num_classes: int,
   key: jax.Array,
   cfg: Optional[MSConfig] = None,
-  *,
-  generator_init_fn: Optional[Callable] = None,
-  **cfg_overrides,
 ) -> StratificationResult:
   """Same as `model_stratification`, run by run, each run a Python loop of T_G jitted steps
   (the fastest form on CPU: experiments/bench/model_stratification.py).
@@ -525,16 +495,14 @@ def model_stratification_python(
     num_classes: c.
     key: PRNG key of all m·c runs.
     cfg: MS settings; None takes MSConfig's defaults.
-    generator_init_fn: As `model_stratification`.
-    **cfg_overrides: MSConfig fields to replace.
 
   Returns:
     The same StratificationResult as `model_stratification`.
   """
-  cfg, init_fn = _prepare(generator, generator_init_fn, cfg, cfg_overrides)
+  cfg = cfg or MSConfig()
 
   def run(module, teacher_vars, run_key, label, tick):
-    carry, z, step_keys = commit(_ms_run_init_jit(generator, init_fn, cfg, run_key))
+    carry, z, step_keys = commit(_ms_run_init_jit(generator, cfg, run_key))
     losses = []
     for t in range(cfg.T_G):
       carry, loss = _ms_step_jit(
