@@ -4,9 +4,11 @@ argument, a dropped loss term?
 For each module named, a scratch copy of the working tree (tracked and untracked, not ignored
 files; `--scratch`/<module>, kept, so that a stopped run resumes where it stopped) gets a
 `[tool.mutmut]` section that mutates that module alone and runs the module's own fast tests
-(`MODULES`: its oracle test and its unit tests), then `mutmut run`. mutmut 3 runs, for each
-mutant, only the tests that call the mutated function; its workers come from a fork server
-that imports nothing but the scientific stack (JAX must not be initialised before a fork).
+(`MODULES`: its oracle test and its unit tests), then `mutmut run`. Each module's verdicts are
+also kept in the repository (`--state`), so that a run stopped on one machine (a lent GPU's
+CPUs, a session that ended) resumes on another. mutmut 3 runs, for each mutant, only the tests
+that call the mutated function; its workers come from a fork server that imports nothing but
+the scientific stack (JAX must not be initialised before a fork).
 
     python -m experiments.mutation --modules=aggregation,fedavg --max_children=2 \
         --out=docs/results/mutation
@@ -22,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +52,14 @@ flags.DEFINE_bool(
   False,
   "Forget the resumed module's verdicts of surviving and untested mutants, so that mutmut runs "
   'them (only them) again against the tests as they are now: the authoritative check of a triage.',
+)
+flags.DEFINE_string(
+  'state',
+  'docs/results/mutation/state',
+  "where each module's verdicts are kept (<state>/<module>/<file>.meta, mutmut's own per-file "
+  'record), saved every minute while mutmut runs and restored into a new scratch copy: a run '
+  'stopped on one machine resumes on another (mutmut keeps the verdicts of the functions whose '
+  'source is unchanged and tests the rest again)',
 )
 flags.DEFINE_string(
   'merge', None, "Instead of running: add another report folder's modules (summary.json) to OUT"
@@ -185,12 +196,58 @@ def forget_survivors(dest: pathlib.Path) -> int:
   return count
 
 
+def _meta_files(paths: List[str]) -> List[str]:
+  return [f'{p}.meta' for p in paths]
+
+
+def _verdict_count(meta_path: pathlib.Path) -> int:
+  if not meta_path.exists():
+    return -1
+  try:
+    codes = json.loads(meta_path.read_text()).get('exit_code_by_key', {})
+  except json.JSONDecodeError:
+    return -1
+  return sum(code is not None for code in codes.values())
+
+
+def restore_verdicts(dest: pathlib.Path, state: pathlib.Path, paths: List[str]) -> int:
+  """Copies a kept per-file record into the scratch copy where it holds more verdicts than the
+  copy's own (a new machine, a cleared /tmp, a run that went further elsewhere). Returns how
+  many files were restored."""
+  restored = 0
+  for name in _meta_files(paths):
+    kept, here = state / name, dest / 'mutants' / name
+    if kept.exists() and _verdict_count(kept) > _verdict_count(here):
+      here.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(kept, here)
+      restored += 1
+  return restored
+
+
+def save_verdicts(dest: pathlib.Path, state: pathlib.Path, paths: List[str]) -> None:
+  """Keeps the scratch copy's per-file records (verdicts by mutant, hashes by function)."""
+  for name in _meta_files(paths):
+    here = dest / 'mutants' / name
+    if here.exists():
+      text = here.read_text()
+      try:
+        json.loads(text)
+      except json.JSONDecodeError:  # caught mid-write by mutmut: the next save takes it
+        continue
+      (state / name).parent.mkdir(parents=True, exist_ok=True)
+      atomic_write_text(state / name, text)
+
+
+def _mutmut_env() -> Dict[str, str]:
+  # tests/support.py's shared_fixture_scope: fixtures that several tests check set up per test
+  return {**os.environ, 'JFED_MUTATION_TESTING': '1'}
+
+
 def _mutmut(dest: pathlib.Path, *args: str, log=None) -> str:
   out = subprocess.run(
     [sys.executable, '-m', 'mutmut', *args],
     cwd=dest,
-    # tests/support.py's shared_fixture_scope: fixtures that several tests check set up per test
-    env={**os.environ, 'JFED_MUTATION_TESTING': '1'},
+    env=_mutmut_env(),
     stdout=log or subprocess.PIPE,
     # mutmut's deprecation warnings (paths_to_mutate, tests_dir) stay out of the reports
     stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
@@ -206,10 +263,32 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
   dest.mkdir(parents=True, exist_ok=True)
   scratch_copy(dest)
   configure(dest, paths, tests)
+  state = pathlib.Path(FLAGS.state) / key
+  restored = restore_verdicts(dest, state, paths)
+  if restored:
+    print(f'{key}: verdicts of {restored} file(s) restored from {state}', flush=True)
   if FLAGS.rerun_survivors:
     print(f'{key}: {forget_survivors(dest)} surviving or untested mutants to run again', flush=True)
   with open(out / f'{key}.log', 'a') as log:
-    _mutmut(dest, 'run', '--max-children', str(FLAGS.max_children), log=log)
+    run = subprocess.Popen(
+      [sys.executable, '-m', 'mutmut', 'run', '--max-children', str(FLAGS.max_children)],
+      cwd=dest,
+      env=_mutmut_env(),
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    try:
+      while run.poll() is None:
+        try:
+          run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+          save_verdicts(dest, state, paths)
+    finally:
+      if run.poll() is None:  # the runner itself was stopped: stop mutmut too
+        run.terminate()
+        run.wait()
+      save_verdicts(dest, state, paths)
   _mutmut(dest, 'export-cicd-stats')
   stats_path = dest / 'mutants' / 'mutmut-cicd-stats.json'
   stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
@@ -306,6 +385,9 @@ def merge(out: pathlib.Path, rows: Dict[str, Dict], other: pathlib.Path) -> None
 
 def main(argv):
   del argv
+  # `timeout` and kill stop the runner with SIGTERM: unwind, so that mutmut is stopped and the
+  # verdicts so far are kept (run_module's finally)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   keys = list(MODULES) if FLAGS.modules == ['all'] else FLAGS.modules
   unknown = [k for k in keys if k not in MODULES]
   if unknown:

@@ -21,3 +21,27 @@ def test_rerun_forgets_survivors_and_untested_mutants_only(tmp_path):
     'pending': None,
   }
   assert not stats.exists()  # which tests call which function is taken again
+
+
+def test_verdicts_kept_in_the_repository_resume_a_new_scratch_copy(tmp_path):
+  paths = ['jfed/methods/feddf.py']
+  old, new, state = tmp_path / 'old', tmp_path / 'new', tmp_path / 'state'
+  meta = old / 'mutants' / 'jfed' / 'methods' / 'feddf.py.meta'
+  meta.parent.mkdir(parents=True)
+  record = {'exit_code_by_key': {'a': 1, 'b': 0}, 'hash_by_function_name': {'f': 'h'}}
+  meta.write_text(json.dumps(record))
+  mutation.save_verdicts(old, state, paths)
+  assert json.loads((state / 'jfed/methods/feddf.py.meta').read_text()) == record
+  # a new machine: the record goes where mutmut reads it before it generates the mutants
+  assert mutation.restore_verdicts(new, state, paths) == 1
+  assert json.loads((new / 'mutants/jfed/methods/feddf.py.meta').read_text()) == record
+  # a scratch copy with as many verdicts of its own keeps its record; one with fewer takes ours
+  assert mutation.restore_verdicts(new, state, paths) == 0
+  behind = {'exit_code_by_key': {'a': 1, 'b': None}, 'hash_by_function_name': {'f': 'h'}}
+  (new / 'mutants/jfed/methods/feddf.py.meta').write_text(json.dumps(behind))
+  assert mutation.restore_verdicts(new, state, paths) == 1
+  assert json.loads((new / 'mutants/jfed/methods/feddf.py.meta').read_text()) == record
+  # a record caught mid-write is not kept over the last good one
+  meta.write_text('{"exit_code_by')
+  mutation.save_verdicts(old, state, paths)
+  assert json.loads((state / 'jfed/methods/feddf.py.meta').read_text()) == record
