@@ -114,3 +114,39 @@ def test_an_unknown_kd_loss_is_refused_naming_the_choices():
   s = jnp.zeros((2, 3))
   with pytest.raises(ValueError, match=r"KD loss must be one of \('kl', 'fedhydra'\), got 'ce'"):
     kd.per_sample_loss(kd.KDConfig(loss='ce'), s, s)
+
+
+@pytest.mark.parametrize('real', [1, 5])
+def test_a_padded_kd_step_is_the_step_on_its_real_samples(real):
+  """Padding (mask 0) is left out of the loss, its mean and the BatchNorm statistics; the loss
+  is the mean over the real samples of T^2 KL(softmax(t/T) || softmax(s/T)) (DENSE's KD), also
+  for one real sample."""
+  module = get_model('cnn_mnist', CLASSES, SHAPE)
+  student = kd.student_state(SPEC, init_model(module, SHAPE, jax.random.PRNGKey(7)))
+  rng = np.random.default_rng(3)
+  x = rng.random((8, *SHAPE), np.float32)
+  x[real:] = 50.0  # padding far from the real images: a leak moves the BN statistics
+  t = rng.normal(size=(8, CLASSES)).astype(np.float32)
+  kcfg, T = kd.KDConfig(loss='kl', T=4.0, t_squared=True), 4.0
+  padded, padded_loss = kd.kd_step_on_targets(
+    kcfg, SPEC, module, student, jnp.asarray(x), jnp.asarray(t), jnp.arange(8) < real, 0.05
+  )
+  alone, alone_loss = kd.kd_step_on_targets(
+    kcfg, SPEC, module, student, jnp.asarray(x[:real]), jnp.asarray(t[:real]),
+    jnp.ones(real, bool), 0.05,
+  )  # fmt: skip
+  _close(padded, alone)
+  s, _ = module.apply(
+    {'params': student.model.params, 'batch_stats': student.model.batch_stats},
+    jnp.asarray(x[:real]),
+    train=True,
+    mutable=['batch_stats'],
+  )
+  s = np.asarray(s, np.float64) / T
+  log_q = (
+    s - np.log(np.exp(s - s.max(1, keepdims=True)).sum(1, keepdims=True)) - s.max(1, keepdims=True)
+  )
+  p = np.exp(t[:real] / T) / np.exp(t[:real] / T).sum(1, keepdims=True)
+  want = T**2 * np.mean(np.sum(p * (np.log(p) - log_q), axis=1))
+  np.testing.assert_allclose(float(padded_loss), want, rtol=1e-5)
+  np.testing.assert_allclose(float(alone_loss), want, rtol=1e-5)
