@@ -332,6 +332,9 @@ def next_batch(queue: Sequence[Chunk], parallel: int) -> List[Chunk]:
   return batch
 
 
+POLL_S = 2.0  # how often run_next looks at its chunks
+
+
 def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.Path) -> List[str]:
   """Runs the next `parallel` pending chunks side by side for at most `limit_s` seconds and packs
   each into `out`; returns their names."""
@@ -347,7 +350,7 @@ def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.
     running[chunk.name] = (chunk, start(chunk, scratch / chunk.name, 0.9 / len(batch)))
   seconds = {}
   while len(seconds) < len(batch):
-    time.sleep(2)
+    time.sleep(POLL_S)
     for name, (_, process) in running.items():
       if name not in seconds and process.poll() is not None:
         seconds[name] = round(time.time() - t0)

@@ -154,6 +154,7 @@ def test_a_run_stopped_midway_keeps_the_sections_it_finished(tmp_path, monkeypat
   assert saved['pending'] == ['model_stratification', 'kip']
 
 
+@pytest.mark.slow  # a whole command end to end (README: the slow set)
 def test_fedhydra_kd_stage_trains_the_same_student_in_both_forms(tmp_path):
   """The command line of the MS benchmark with only FedHydra's KD pass, at tiny sizes: the
   per-step-teacher and stored-target forms report times and the Fashion-MNIST extrapolation,
@@ -194,6 +195,7 @@ def test_fedhydra_kd_stage_trains_the_same_student_in_both_forms(tmp_path):
   assert 'FedHydra KD pass over 24 images' in proc.stdout
 
 
+@pytest.mark.slow  # a whole command end to end (README: the slow set)
 def test_conv_forms_times_every_generator_layer_in_both_forms():
   from experiments.bench import conv_forms  # pylint: disable=g-import-not-at-top
 
@@ -205,6 +207,7 @@ def test_conv_forms_times_every_generator_layer_in_both_forms():
   assert '| DENSE conv2 (28x28) | 64 -> 32 |' in result['table_markdown']
 
 
+@pytest.mark.slow  # a whole command end to end (README: the slow set)
 def test_the_ms_forms_are_timed_and_the_headline_takes_the_fastest_batched_row():
   """The fast set's twin of the next (slow) test: one form compiled instead of three (the
   matmul-generator variant alone compiled for 13 s of the slow test's 30, the python form for 5);

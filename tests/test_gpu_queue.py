@@ -139,6 +139,7 @@ def test_run_next_packs_each_chunk_with_its_status(tmp_path, monkeypatch, comman
   monkeypatch.setattr(q, 'chunks', lambda: [FAKE])
   monkeypatch.setattr(q, 'RESULTS', tmp_path / 'res')
   monkeypatch.setattr(q, 'machine', lambda: META)
+  monkeypatch.setattr(q, 'POLL_S', 0.05)
 
   def start(chunk, folder, memory_fraction):
     del chunk, memory_fraction

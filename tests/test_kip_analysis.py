@@ -62,6 +62,7 @@ def _raw_subset(config, dataset, parts):
   return np.concatenate(xs), np.concatenate(ys)
 
 
+@pytest.mark.slow  # a whole command end to end (README: the slow set)
 def test_smoke_on_digits_at_one_class_per_client(tmp_path):
   text = kip_analysis.run_analysis('digits', [1], tmp_path, seeds=[0], labels=['fixed'], smoke=True)
   saved = json.loads((tmp_path / 'results.json').read_text())

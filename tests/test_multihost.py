@@ -51,6 +51,7 @@ def _leaves(params):
   return [np.asarray(a) for a in jax.tree.leaves(params)]
 
 
+@pytest.mark.slow  # two processes started end to end (README: the slow set)
 def test_a_sharded_group_spans_two_processes_and_trains_as_in_one(tmp_path):
   coordinator = f'localhost:{_free_port()}'
   _run_processes(

@@ -182,6 +182,7 @@ def test_merged_tables_name_the_backend_of_every_run(tmp_path):
 FEDMHO_RUNS = ['fedavg_vote', 'fedmho_sd', 'fedmho_sd_nofilter']
 
 
+@pytest.mark.slow  # a whole command end to end (README: the slow set)
 def test_fedmho_tables_sweep_shares_clients_averages_seeds_and_resumes(tmp_path):
   config = str(pathlib.Path(fedmho_digits.__file__))
   args = (config, 'smoke', tmp_path, FEDMHO_RUNS, [0.5], [0, 1])
