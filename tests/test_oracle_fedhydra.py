@@ -25,7 +25,9 @@ float64 PyTorch, without jfed's models, losses, optimisers or aggregation:
   HASA the generator's loss CE(SA, y) + λ1·(1/m)Σ_k L_BN,k + λ2·(−KL(SA ‖ F_g)) (Eqs. 13-16)
        for T_G Adam steps (θ_G only, z fixed), every step's G(z) pooled with its label; the
        student's loss KL(SA ‖ F_g) + β·CE(F_g, argmax SA) (Eqs. 17-19) and one SGD step on
-       the pool.
+       the pool. λ2 and β are not 1, and both KLs are taken at a temperature other than 1
+       (jfed's `adv_T`, `kd_T`; the paper's T = 1 is their default), so that a weight or a
+       temperature lost on its way to the losses shows.
 and compares MS's losses, u, U, U_r, U_c, the pool, the generator's parameters, the generator
 losses and the student's parameters and BatchNorm statistics after the step.
 """
@@ -40,6 +42,7 @@ from jfed import driver
 from jfed.data.datasets import Dataset
 from jfed.distill import dense_generator_init, make_generator
 from jfed.keys import Purpose, ServerRoundPurpose
+from jfed.methods import fedhydra
 from tests.support import shared_fixture_scope
 
 torch = pytest.importorskip('torch')
@@ -49,7 +52,8 @@ NUM_CLASSES = 3
 NZ, NGF = 8, 4
 MS_T_G, MS_BATCH, MS_LR = 3, 4, 0.05
 T_G, BATCH, LR_G = 2, 6, 0.01
-LAMBDA1, LAMBDA2, BETA = 0.5, 1.0, 1.0
+LAMBDA1, LAMBDA2, BETA = 0.5, 0.7, 0.8
+ADV_T, KD_T = 2.0, 1.5  # KL(softmax(P/T) ‖ softmax(s/T)), no T² (FedHydra's `t_squared=False`)
 KD_LR = 0.1
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1  # PyTorch's: running ← (1 − 0.1)·running + 0.1·batch
@@ -104,6 +108,8 @@ def _config():
       'ms_batch': MS_BATCH,
       'ms_impl': 'python',
       'beta': BETA,
+      'adv_T': ADV_T,
+      'kd_T': KD_T,
       'kd_lr': KD_LR,
       'kd_batch': T_G * BATCH,  # one student step on the whole pool
       'pool_quantize': False,
@@ -293,7 +299,7 @@ def oracle_hasa_epoch(teachers, U_r, U_c, gen_params, z, y, student):
     l_ce = ce(P, y)  # Eq. 13
     l_bn = sum(bn_loss(o[1], st) for o, (_, st) in zip(outs, teachers)) / len(teachers)  # Eq. 14
     s_logits, _ = cnn_mnist(s_params, s_stats, x)  # the global model, eval mode
-    l_ad = -kl_rows(P, s_logits).mean()  # Eq. 15
+    l_ad = -kl_rows(P / ADV_T, s_logits / ADV_T).mean()  # Eq. 15
     loss = l_ce + LAMBDA1 * l_bn + LAMBDA2 * l_ad  # Eq. 16
     pool.append(x.detach())
     comps.append([l_bn.item(), l_ce.item(), l_ad.item()])
@@ -305,7 +311,9 @@ def oracle_hasa_epoch(teachers, U_r, U_c, gen_params, z, y, student):
     P = oracle_sa([cnn_mnist(p, st, x_pool)[0] for p, st in teachers], U_r, U_c, y_pool)
   w = _tree(student.params, True)
   s_logits, s_inputs = cnn_mnist(w, s_stats, x_pool, train=True)
-  kd = kl_rows(P, s_logits) + BETA * F.cross_entropy(s_logits, P.argmax(-1), reduction='none')
+  kd = kl_rows(P / KD_T, s_logits / KD_T) + BETA * F.cross_entropy(
+    s_logits, P.argmax(-1), reduction='none'
+  )
   # Eq. 18's hard label is SA's, not the student's: they differ on some pooled images
   hard_label_differs = float((P.argmax(-1) != s_logits.argmax(-1)).double().mean())
   kd = kd.mean()
@@ -432,3 +440,15 @@ def test_one_hasa_epoch_matches_equations_12_to_19(hydra_run):
     )
   )
   assert moved > 1e-3
+
+
+def test_the_ae_ablation_reaches_synthesis_and_distillation():
+  """Fig. 7's AE ablation: the mean of the teachers' logits, not SA, guides the generator and
+  teaches the student."""
+  config = _config()
+  config.fedhydra.aggregation = 'ae'
+  ctx = driver.make_context(config, *_dataset_and_parts())
+  algo = driver.build_algorithm('fedhydra', config)
+  settings = fedhydra.settings(algo.config, ctx)
+  assert settings.synthesis.aggregation == 'mean'
+  assert settings.kd.aggregation == 'mean'

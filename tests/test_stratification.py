@@ -11,6 +11,7 @@ import pytest
 from jfed.distill import ensemble, generator
 from jfed.distill import stratification as S
 from jfed.engine.state import ModelState
+from jfed.methods import fedhydra
 from jfed.models.layers import BatchNorm
 from tests.support import shared_fixture_scope
 
@@ -263,3 +264,10 @@ def test_ms_step_flops_match_a_hand_count_of_the_layers():
   hand = batch * (3 * g_forward + 2 * f_forward)
   counted = ms_step_flops(teacher, variables, generator, cfg)
   assert 0.85 * hand < counted < 1.1 * hand, (counted, hand)
+
+
+def test_fedhydra_names_round_one_files_plainly_and_later_rounds_by_number():
+  """What docs/fedhydra.md and the table commands read: model_stratification.npz and
+  ms_heatmap.png for a one-round run, a _round<r> suffix from round 2 on."""
+  assert fedhydra._file_name('ms_heatmap', 1, 'png') == 'ms_heatmap.png'
+  assert fedhydra._file_name('model_stratification', 2, 'npz') == 'model_stratification_round2.npz'
