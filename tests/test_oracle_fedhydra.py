@@ -452,3 +452,5 @@ def test_the_ae_ablation_reaches_synthesis_and_distillation():
   settings = fedhydra.settings(algo.config, ctx)
   assert settings.synthesis.aggregation == 'mean'
   assert settings.kd.aggregation == 'mean'
+  # and no model stratification: nothing would read its weights (no uploads are needed)
+  assert fedhydra.stratify(algo.config, ctx, None, 1, None, None) is None
