@@ -11,9 +11,9 @@ NeurIPS'22, github.com/zj-jayzhang/DENSE), which FedHydra builds on: Adam with b
 The problem: sklearn digits restricted to 3 classes, 3 clients that each mostly own one class
 (client 0: classes 0 and 1, client 1: 1 and 2, client 2: 2 and 0, unequal counts), jfed's
 `cnn_mnist` (BatchNorm, so Eq. 14's BN term is live), FedHydra's §4.1.3 generator at nz = 8,
-ngf = 4. jfed runs its registered Algorithm (setup: local training and MS; init; step 0: one
-HASA epoch of T_G = 2 generator steps on 6 images, then one student step on the 12 pooled
-intermediates). The oracle takes jfed's *inputs*: the client models, the random student, the
+ngf = 4. jfed runs its registered Algorithm (setup: local training and MS, in the batched form
+an accelerator picks, chunks of 4 runs; init; step 0: one HASA epoch of T_G = 2 generator steps
+on 6 images, then one student step on the 12 pooled intermediates). The oracle takes jfed's *inputs*: the client models, the random student, the
 initial generators and noise each run draws from its key, the target labels. It recomputes, in
 float64 PyTorch, without jfed's models, losses, optimisers or aggregation:
 
@@ -106,7 +106,8 @@ def _config():
       'ms_T_G': MS_T_G,
       'ms_lr': MS_LR,
       'ms_batch': MS_BATCH,
-      'ms_impl': 'python',
+      'ms_impl': 'batched',
+      'ms_chunk': 4,  # lax.map over chunks of 4 of the 9 runs
       'beta': BETA,
       'adv_T': ADV_T,
       'kd_T': KD_T,
