@@ -13,8 +13,9 @@ The problem: sklearn digits restricted to 3 classes, 3 clients that each mostly 
 `cnn_mnist` (BatchNorm, so Eq. 14's BN term is live), FedHydra's §4.1.3 generator at nz = 8,
 ngf = 4. jfed runs its registered Algorithm (setup: local training and MS, in the batched form
 an accelerator picks, chunks of 4 runs; init; step 0: one HASA epoch of T_G = 2 generator steps
-on 6 images, then one student step on the 12 pooled intermediates). The oracle takes jfed's *inputs*: the client models, the random student, the
-initial generators and noise each run draws from its key, the target labels. It recomputes, in
+on 6 images, then one student step on the 12 pooled intermediates). The oracle takes jfed's
+*inputs*: the client models, the random student, the initial generators and noise each run
+draws from its key, the target labels. It recomputes, in
 float64 PyTorch, without jfed's models, losses, optimisers or aggregation:
 
   MS   for every client k and class j a fresh generator trained T_G^MS Adam steps on
