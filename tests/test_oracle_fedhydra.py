@@ -389,6 +389,7 @@ def test_model_stratification_matches_equations_1_to_7(hydra_run):
   np.testing.assert_allclose(ms.U, U, rtol=2e-3, atol=1e-5)
   np.testing.assert_allclose(ms.U_r, U_r, rtol=2e-3, atol=1e-5)
   np.testing.assert_allclose(ms.U_c, U_c, rtol=2e-3, atol=1e-5)
+  assert ms.seconds.dtype == np.float32 and 0 < ms.seconds < 600  # the summary's ms_seconds
   # the problem is not degenerate: every row and column of U differs from uniform
   assert np.ptp(U_r, axis=1).min() > 0.02 and np.ptp(U_c, axis=0).min() > 0.02
   # SA uses the paper's Ū_r and Ū_c as they are (sa_in_model_scale='paper')
