@@ -13,7 +13,8 @@ skips finished ones, so the sweep can be stopped at any point and continued late
 
 FedMHO (Yao et al., WWW 2026) Table 1 gives the methods different clients; per (α, seed) each
 client set trains once and its runs share it (`local_models_dir` / `local_cvaes_dir` =
-OUT/dir<α>/seed<s>/<set>/):
+OUT/dir<α>/seed<s>/<set>/, or under `--clients_root` instead of OUT, which sweeps of the same
+config and budget share, e.g. the GPU queue's chunks of one seed on one machine):
 - 'fedmho' (the config's default clients: VGG-9 + CVAE-small): fedmho, fedmho_md, fedmho_sd
   and the Table 4 ablation runs fedmho_md_nofilter / fedmho_sd_nofilter (R_th = 1, N_syn the
   number the filter keeps, 0.8 · N_syn: the paper's "same number of samples");
@@ -59,7 +60,7 @@ of its Fashion-MNIST tables.
 import json
 import pathlib
 import shutil
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from absl import flags
 import numpy as np
@@ -96,6 +97,14 @@ def define_flags() -> None:
     True,
     "Before an α's runs: train the baseline client set's local models of its seeds that have "
     'none yet in one program (jfed.methods.seed_batch), which the runs then read.',
+  )
+  flags.DEFINE_string(
+    'clients_root',
+    None,
+    'Where the client sets (their trained local models and CVAEs) live, as '
+    '<root>/dir<α>/seed<s>/<set>; default: beside the runs under --out. Sweeps of the same '
+    'config and budget that name the same root train each set once (the GPU queue: chunks of '
+    'one seed).',
   )
 
 
@@ -158,7 +167,8 @@ SUMMARY_KEYS = (
 
 
 def run_config(module, budget: str, run: Run, alpha: float, seed: int, cell: pathlib.Path):
-  """The config of one run: the budget, its client set and α; seed; the set's shared clients."""
+  """The config of one run: the budget, its client set and α; seed; the set's shared clients,
+  in `cell` (the (α, seed) folder of the client sets: `cell_dir(clients_root or out, ...)`)."""
   words = [w for w in (budget, run.clients, f'dir={alpha}') if w]
   c = module.get_config(','.join(words))
   c.seed = seed
@@ -424,7 +434,13 @@ BATCHED_CLIENTS = ('baselines',)
 
 
 def batched_plan(
-  module, budget: str, out: pathlib.Path, runs: List[str], alpha: float, seeds: List[int]
+  module,
+  budget: str,
+  out: pathlib.Path,
+  runs: List[str],
+  alpha: float,
+  seeds: List[int],
+  clients_root: Optional[pathlib.Path] = None,
 ):
   """Per seed of the α, the `seed_batch.PlannedRun`s of the runs of the client sets of
   `BATCHED_CLIENTS` (what `seed_tables.pretrain_seeds` trains in one program)."""
@@ -434,7 +450,9 @@ def batched_plan(
     [
       seed_batch.PlannedRun(
         RUNS[name].method,
-        run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed)),
+        run_config(
+          module, budget, RUNS[name], alpha, seed, cell_dir(clients_root or out, alpha, seed)
+        ),
         cell_dir(out, alpha, seed) / name,
       )
       for name in runs
@@ -455,6 +473,7 @@ def run_sweep(
   reference_model: str = 'cnn_mnist',
   batch_seeds: bool = True,
   merge: Sequence[str] = (),
+  clients_root: Optional[pathlib.Path] = None,
 ) -> str:
   """Runs every (α, seed, run) not finished yet (or, with `merge`, only merges those
   directories' results); writes results.json and tables.md after each; returns the tables'
@@ -510,7 +529,8 @@ def run_sweep(
     )
 
   def execute(name: str, alpha: float, seed: int, workdir: pathlib.Path) -> sweep.Record:
-    c = run_config(module, budget, RUNS[name], alpha, seed, cell_dir(out, alpha, seed))
+    clients = cell_dir(clients_root or out, alpha, seed)
+    c = run_config(module, budget, RUNS[name], alpha, seed, clients)
     summary = run_experiment(RUNS[name].method, c, workdir)
     record = sweep.summary_record(summary, SUMMARY_KEYS)
     record.update(client_record(summary))
@@ -520,7 +540,9 @@ def run_sweep(
 
   for alpha in [] if merge else alphas:
     if batch_seeds:
-      pretrain_seeds(lambda: batched_plan(module, budget, out, runs, alpha, seeds), f'α={alpha}')
+      pretrain_seeds(
+        lambda: batched_plan(module, budget, out, runs, alpha, seeds, clients_root), f'α={alpha}'
+      )
     for seed in seeds:
       for name in runs:
         workdir = cell_dir(out, alpha, seed) / name
@@ -556,6 +578,7 @@ def main(argv):
       FLAGS.reference_model,
       FLAGS.batch_seeds,
       FLAGS.merge,
+      pathlib.Path(FLAGS.clients_root) if FLAGS.clients_root else None,
     )
   )
 

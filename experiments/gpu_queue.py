@@ -12,8 +12,9 @@ $JFED_DATA_DIR/fashion-mnist):
     python -m experiments.gpu_queue --next --out=$OUT [--parallel=3] [--limit_s=480]
 
 runs the first `--parallel` chunks the ledger does not hold as done, each in its own process
-(the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself),
-stops any still running after `--limit_s` seconds, and writes OUT/<chunk>.tar.gz: the
+(the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself), then
+the next batch while at least MIN_START_S of `--limit_s` is left (at most `--max_chunks` in
+all), stops any still running after `--limit_s` seconds, and writes OUT/<chunk>.tar.gz: the
 chunk's results (tables, results.json, metrics.jsonl and summary.json of every run, figures;
 no checkpoints), its log and its ledger entry. Back here:
 
@@ -25,6 +26,9 @@ docs/results/gpu_queue/ledger.json and re-renders each table group that can merg
 (docs/results/gpu_queue/<group>/tables.md). A chunk stopped by the limit is 'partial': its
 finished runs are kept, `--list` shows how far its runs got, and `--next` runs it again, whole
 (checkpoints do not come back), so a chunk that cannot finish in one call must be cut smaller.
+FedMHO's chunks of one seed share their trained client sets on the machine that runs them
+(`--clients_root` beside the chunk folders): a call that runs FedAvg/FedDF's chunk, then
+DENSE's, trains the baselines' 200-epoch clients once.
 """
 
 import dataclasses
@@ -66,6 +70,9 @@ class Chunk:
     merge_args: the flags with which `module --merge=...` renders the group's table; empty when
       the command cannot merge (the group's chunks then keep their own tables).
     alone: runs with no other chunk beside it (the whole GPU and the machine's CPU threads).
+    shared_clients: the command takes `--clients_root`: the chunks of a group that one machine
+      runs share their trained client sets (FedMHO's baselines train once for FedAvg/FedDF,
+      DENSE and Co-Boosting of a seed).
   """
 
   name: str
@@ -74,6 +81,7 @@ class Chunk:
   args: Tuple[str, ...]
   merge_args: Tuple[str, ...] = ()
   alone: bool = False
+  shared_clients: bool = False
 
 
 FEDHYDRA_CONFIG = 'experiments/configs/fedhydra_fashion_mnist.py:paper'
@@ -112,6 +120,7 @@ def _fedmho(alpha: float, seed: int, runs: str) -> Chunk:
   group = f'fedmho_t3_fmnist_dir{alpha}_paper'
   return Chunk(
     alone=True,
+    shared_clients=True,
     name=f'{group}_s{seed}_{runs.replace(",", "_")}',
     group=group,
     module='experiments.fedmho_tables',
@@ -269,8 +278,11 @@ def start(chunk: Chunk, folder: pathlib.Path, memory_fraction: float) -> subproc
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f'{memory_fraction:.2f}')
   env['PYTHONUNBUFFERED'] = '1'
   log = open(folder / 'chunk.log', 'w')  # pylint: disable=consider-using-with
+  args = [*chunk.args, f'--out={folder / "run"}']
+  if chunk.shared_clients:  # beside the chunks' folders: never packed
+    args.append(f'--clients_root={folder.parent / "clients" / chunk.group}')
   return subprocess.Popen(
-    [sys.executable, '-m', chunk.module, *chunk.args, f'--out={folder / "run"}'],
+    [sys.executable, '-m', chunk.module, *args],
     cwd=ROOT,
     env=env,
     stdout=log,
@@ -333,15 +345,40 @@ def next_batch(queue: Sequence[Chunk], parallel: int) -> List[Chunk]:
 
 
 POLL_S = 2.0  # how often run_next looks at its chunks
+# A batch is started only with this much of the call's limit left: less finishes no chunk.
+MIN_START_S = 90.0
 
 
-def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.Path) -> List[str]:
-  """Runs the next `parallel` pending chunks side by side for at most `limit_s` seconds and packs
-  each into `out`; returns their names."""
-  batch = next_batch(pending(chunks(), read_ledger(RESULTS)), parallel)
-  if not batch:
-    print('The queue is empty: every chunk is done.')
-    return []
+def run_next(
+  out: pathlib.Path,
+  parallel: int,
+  limit_s: float,
+  scratch: pathlib.Path,
+  max_chunks: int = 6,
+) -> List[str]:
+  """Runs the pending chunks, `parallel` side by side (or one that must run alone), batch after
+  batch while at least MIN_START_S of the `limit_s` seconds is left and at most `max_chunks`
+  in all (a call brings back 8 files), and packs each into `out`; returns their names. A batch
+  still running at the limit is stopped."""
+  t0, ran = time.time(), []
+  while True:
+    left = limit_s - (time.time() - t0)
+    queue = [c for c in pending(chunks(), read_ledger(RESULTS)) if c.name not in ran]
+    batch = next_batch(queue, parallel)
+    if not batch:
+      if not ran:
+        print('The queue is empty: every chunk is done.')
+      return ran
+    if ran and (left < MIN_START_S or len(ran) + len(batch) > max_chunks):
+      return ran
+    run_batch(batch, out, left, scratch)
+    ran += [c.name for c in batch]
+
+
+def run_batch(
+  batch: Sequence[Chunk], out: pathlib.Path, limit_s: float, scratch: pathlib.Path
+) -> None:
+  """Runs `batch` side by side for at most `limit_s` seconds and packs each chunk into `out`."""
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.time()
   running = {}
@@ -384,7 +421,6 @@ def run_next(out: pathlib.Path, parallel: int, limit_s: float, scratch: pathlib.
     }
     print(f'{name}: {status}; {entry["progress"]}', flush=True)
     pack(chunk, folder, entry, out)
-  return [c.name for c in batch]
 
 
 # --- ingesting what came back (here) -----------------------------------------------------------
@@ -470,18 +506,30 @@ def main(argv):
   elif FLAGS.next:
     if not FLAGS.out:
       raise app.UsageError('--next needs --out (the folder the archives go to)')
-    run_next(pathlib.Path(FLAGS.out), FLAGS.parallel, FLAGS.limit_s, pathlib.Path(FLAGS.scratch))
+    run_next(
+      pathlib.Path(FLAGS.out),
+      FLAGS.parallel,
+      FLAGS.limit_s,
+      pathlib.Path(FLAGS.scratch),
+      FLAGS.max_chunks,
+    )
   if FLAGS.list or not (FLAGS.next or FLAGS.ingest or FLAGS.skip):
     print(listing(chunks(), read_ledger(RESULTS)))
 
 
 if __name__ == '__main__':
   flags.DEFINE_bool('list', False, 'Show every chunk: done, partial, next, measured cost.')
-  flags.DEFINE_bool('next', False, 'Run the next --parallel pending chunks (on a GPU machine).')
+  flags.DEFINE_bool(
+    'next',
+    False,
+    'Run the pending chunks, --parallel side by side, batch after batch within --limit_s (on a '
+    'GPU machine).',
+  )
   flags.DEFINE_string('out', None, 'With --next: where the chunk archives are written.')
   flags.DEFINE_string('ingest', None, 'Merge the chunk archives in this folder into docs/results.')
   flags.DEFINE_integer('parallel', 3, 'Chunks run side by side, the GPU memory split between them.')
   flags.DEFINE_float('limit_s', 480, 'Chunks still running after this many seconds are stopped.')
+  flags.DEFINE_integer('max_chunks', 6, 'With --next: at most this many chunks (archives) a call.')
   flags.DEFINE_list('skip', [], "Mark these chunks 'skipped' (needs --reason).")
   flags.DEFINE_string('reason', '', 'With --skip: why, with what was measured.')
   flags.DEFINE_string('scratch', '/tmp/jfed-gpu-queue', "Where the chunks' run folders live.")

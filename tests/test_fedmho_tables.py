@@ -108,3 +108,21 @@ def test_client_curve_runs_local_and_resumes(tmp_path: pathlib.Path):
   assert '| mlp |' in text and '| fedmho_cnn |' in text
   assert (tmp_path / 'seed0' / 'e2' / 'summary.json').exists()
   assert client_curve.run_curve(*args) == text  # the finished runs are read back
+
+
+def test_client_sets_live_under_the_clients_root_the_runs_name(tmp_path):
+  """`--clients_root`: the sets' local models and CVAEs under <root>/dir<α>/seed<s>/<set>, the
+  runs' workdirs still under OUT (the GPU queue's chunks of one seed share the sets)."""
+  out, root = tmp_path / 'out', tmp_path / 'clients'
+  runs = ['fedavg_vote', 'dense']
+  plan = fedmho_tables.batched_plan(fedmho_digits, 'smoke', out, runs, 0.5, [1], root)
+  (seed_runs,) = plan
+  for planned, name in zip(seed_runs, runs):
+    assert (
+      pathlib.Path(planned.config.local_models_dir) == root / 'dir0.5/seed1/baselines/local_models'
+    )
+    assert planned.workdir == out / 'dir0.5' / 'seed1' / name
+  (default,) = fedmho_tables.batched_plan(fedmho_digits, 'smoke', out, runs, 0.5, [1])
+  assert (
+    pathlib.Path(default[0].config.local_models_dir) == out / 'dir0.5/seed1/baselines/local_models'
+  )

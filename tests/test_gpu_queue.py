@@ -163,3 +163,40 @@ def test_a_chunk_that_must_run_alone_gets_the_machine_to_itself():
   assert q.next_batch([a, b], 1) == [a] and q.next_batch([], 3) == []
   fedmho = [c for c in q.chunks() if c.module == 'experiments.fedmho_tables']
   assert fedmho and all(c.alone for c in fedmho)
+
+
+def test_run_next_runs_batch_after_batch_while_time_is_left(tmp_path, monkeypatch):
+  """An alone chunk, then the next batch in the time it left; at most max_chunks in all."""
+  alone = q.Chunk('alone_s0', 'g', 'experiments.fedmho_tables', (), alone=True)
+  pair = [q.Chunk(f'c{i}_s0', 'g', 'experiments.fedhydra_tables', ()) for i in range(3)]
+  monkeypatch.setattr(q, 'chunks', lambda: [alone, *pair])
+  monkeypatch.setattr(q, 'RESULTS', tmp_path / 'res')
+  monkeypatch.setattr(q, 'machine', lambda: META)
+  monkeypatch.setattr(q, 'POLL_S', 0.05)
+  started = []
+
+  def start(chunk, folder, memory_fraction):
+    started.append((chunk.name, round(memory_fraction, 2)))
+    folder.mkdir(parents=True)
+    return subprocess.Popen(['true'])
+
+  monkeypatch.setattr(q, 'start', start)
+  ran = q.run_next(tmp_path / 'out', 2, 600, tmp_path / 'scratch', max_chunks=3)
+  assert ran == ['alone_s0', 'c0_s0', 'c1_s0']
+  assert started == [('alone_s0', 0.9), ('c0_s0', 0.45), ('c1_s0', 0.45)]
+  assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == [
+    f'{n}.tar.gz' for n in sorted(ran)
+  ]
+  # with less than MIN_START_S left after a batch, no next one starts
+  monkeypatch.setattr(q, 'MIN_START_S', 1e6)
+  assert q.run_next(tmp_path / 'out2', 2, 600, tmp_path / 'scratch2') == ['alone_s0']
+
+
+def test_fedmho_chunks_of_a_group_share_their_client_sets(tmp_path, monkeypatch):
+  chunk = next(c for c in q.chunks() if c.module == 'experiments.fedmho_tables')
+  assert chunk.shared_clients and chunk.alone
+  argv = []
+  monkeypatch.setattr(q.subprocess, 'Popen', lambda args, **kw: argv.extend(args))
+  q.start(chunk, tmp_path / chunk.name, 0.9)
+  assert f'--clients_root={tmp_path / "clients" / chunk.group}' in argv
+  assert f'--out={tmp_path / chunk.name / "run"}' in argv
