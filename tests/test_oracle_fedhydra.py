@@ -121,12 +121,12 @@ def _config():
 
 
 @pytest.fixture(scope=shared_fixture_scope)
-def hydra_run():
-  """jfed's FedHydra on the tiny problem: the context, the aux after setup, the state before and
-  after step 0 (one HASA epoch) and that step's record."""
+def hydra_run(tmp_path_factory):
+  """jfed's FedHydra on the tiny problem, in a workdir: the context, the aux after setup, the
+  state before and after step 0 (one HASA epoch) and that step's record."""
   config = _config()
   ds, parts = _dataset_and_parts()
-  ctx = driver.make_context(config, ds, parts)
+  ctx = driver.make_context(config, ds, parts, workdir=tmp_path_factory.mktemp('fedhydra'))
   algo = driver.build_algorithm('fedhydra', config)
   aux = algo.setup(ctx)
   state0 = algo.init(ctx, aux)
@@ -390,6 +390,14 @@ def test_model_stratification_matches_equations_1_to_7(hydra_run):
   np.testing.assert_allclose(ms.U_r, U_r, rtol=2e-3, atol=1e-5)
   np.testing.assert_allclose(ms.U_c, U_c, rtol=2e-3, atol=1e-5)
   assert ms.seconds.dtype == np.float32 and 0 < ms.seconds < 600  # the summary's ms_seconds
+  # what the workdir keeps of it (model_stratification.npz; the heatmap of Fig. 5b)
+  saved = np.load(ctx.output_path('model_stratification.npz'))
+  np.testing.assert_array_equal(saved['teacher_client_ids'], np.arange(3))
+  assert str(saved['impl']) == 'batched' and saved['seconds'] == ms.seconds
+  for name, want in zip(('losses', 'u', 'U', 'U_r', 'U_c'), (losses, u, U, U_r, U_c)):
+    for key in (name, f'{name}_by_client'):  # teachers 0, 1, 2 are clients 0, 1, 2
+      np.testing.assert_allclose(saved[key], want, rtol=2e-3, atol=1e-5, err_msg=key)
+  assert ctx.output_path('ms_heatmap.png').stat().st_size > 0
   # the problem is not degenerate: every row and column of U differs from uniform
   assert np.ptp(U_r, axis=1).min() > 0.02 and np.ptp(U_c, axis=0).min() > 0.02
   # SA uses the paper's Ū_r and Ū_c as they are (sa_in_model_scale='paper')
