@@ -43,7 +43,7 @@ from jfed import driver
 from jfed.data.datasets import Dataset
 from jfed.distill import dense_generator_init, make_generator
 from jfed.keys import Purpose, ServerRoundPurpose
-from jfed.methods import fedhydra
+from jfed.methods import fedhydra, oneshot
 from tests.support import shared_fixture_scope
 
 torch = pytest.importorskip('torch')
@@ -465,3 +465,7 @@ def test_the_ae_ablation_reaches_synthesis_and_distillation():
   assert settings.kd.aggregation == 'mean'
   # and no model stratification: nothing would read its weights (no uploads are needed)
   assert fedhydra.stratify(algo.config, ctx, None, 1, None, None) is None
+  # a round without MS hands synthesis and the KD targets no weights: the plain mean
+  round_data = oneshot.RoundData(1, None, [], None)
+  assert fedhydra.synthesis_weights(None, round_data) is None
+  assert fedhydra.kd_weights(None, round_data) is None
