@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.configs.common import base_config
+from jfed import driver
 from jfed.distill import ensemble, generator
 from jfed.distill import stratification as S
 from jfed.engine.state import ModelState
+from jfed.errors import ConfigError
 from jfed.methods import fedhydra
 from jfed.models.layers import BatchNorm
 from tests.support import shared_fixture_scope
@@ -271,3 +274,25 @@ def test_fedhydra_names_round_one_files_plainly_and_later_rounds_by_number():
   ms_heatmap.png for a one-round run, a _round<r> suffix from round 2 on."""
   assert fedhydra._file_name('ms_heatmap', 1, 'png') == 'ms_heatmap.png'
   assert fedhydra._file_name('model_stratification', 2, 'npz') == 'model_stratification_round2.npz'
+
+
+@pytest.mark.parametrize(
+  'key, value',
+  [
+    ('kd_T', 0.0),  # the shared one-shot checks
+    ('adv_T', 0.0),
+    ('ms_batch', 0),
+    ('lambda2', -1.0),
+    ('ms_chunk', -1),
+    ('aggregation', 'median'),
+    ('generator', 'gan'),
+    ('synthesis_keep', 'some'),
+    ('ms_impl', 'gpu'),
+    ('sa_in_model_scale', 'rows'),
+  ],
+)
+def test_fedhydra_refusals_name_the_key(key, value):
+  config = base_config()
+  config.fedhydra[key] = value
+  with pytest.raises(ConfigError, match=rf'^fedhydra\.{key}\b'):
+    driver.build_algorithm('fedhydra', config)
