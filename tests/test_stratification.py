@@ -296,3 +296,48 @@ def test_fedhydra_refusals_name_the_key(key, value):
   config.fedhydra[key] = value
   with pytest.raises(ConfigError, match=rf'^fedhydra\.{key}\b'):
     driver.build_algorithm('fedhydra', config)
+
+
+def test_run_by_run_visits_every_client_of_every_group_with_its_own_key():
+  """The loop and Python MS forms (the CPU's): three architecture groups of 2, 1 and 2 clients,
+  each (client, class) run with its own teacher, label and key fold_in(key, k·c + j), k the
+  client's index over all groups, as the batched form draws them; the losses in client order."""
+  c, T_G, key = 3, 2, jax.random.PRNGKey(11)
+  sizes = (2, 1, 2)
+  first = np.cumsum((0,) + sizes)
+  groups = [
+    (f'arch{g}', ModelState({'w': first[g] + np.arange(m, dtype=np.float32)}, {}))
+    for g, m in enumerate(sizes)
+  ]
+  calls = []
+
+  def run(module, teacher_vars, run_key, label, tick):
+    k = int(teacher_vars['params']['w'])
+    calls.append((module, k, int(label), np.asarray(jax.random.key_data(run_key))))
+    tick(T_G, 0.0)
+    return np.array([4.0 + k + int(label), 2.0], np.float32)
+
+  result = S._run_by_run(groups, c, key, T_G, run)
+  assert [(m, k, j) for m, k, j, _ in calls] == [
+    (f'arch{g}', k, j)
+    for g, m in enumerate(sizes)
+    for k in range(first[g], first[g] + m)
+    for j in range(c)
+  ]
+  for _, k, j, run_key in calls:
+    want = jax.random.key_data(jax.random.fold_in(key, k * c + j))
+    np.testing.assert_array_equal(run_key, np.asarray(want))
+  want_losses = np.stack(
+    [[[4.0 + k + j, 2.0] for j in range(c)] for k in range(sum(sizes))]
+  ).astype(np.float32)
+  np.testing.assert_array_equal(result.losses, want_losses)
+
+
+def test_which_ms_form_runs_where_and_bad_choices_refused():
+  assert S.resolve_ms_impl('auto', 'cpu') == 'python'
+  assert S.resolve_ms_impl('auto', 'gpu') == 'batched'
+  assert S.resolve_ms_impl('loop', 'gpu') == 'loop'
+  with pytest.raises(ValueError, match=r"ms_impl must be one of .*got 'gpu'"):
+    S.resolve_ms_impl('gpu')
+  with pytest.raises(ValueError, match=r"sa_in_model_scale 'rows'; valid"):
+    fedhydra.sa_weights(np.ones((3, 2)), np.ones((3, 2)), 'rows')
