@@ -27,7 +27,7 @@ weights), for accelerators where grouped convolutions over m·c kernels are slow
 """
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +290,17 @@ def ms_step_flops(teacher_module, teacher_vars, generator: DenseGenerator, cfg: 
 MS_LAYOUTS = ('runs', 'clients')
 
 
+def _groups_with_offsets(teacher_groups) -> List[Tuple[Any, Any, int, int]]:
+  """(module, stacked states, m, offset) per architecture group, offset the index of the group's
+  first client over all groups: the batched and the run-by-run forms draw a run's key from it."""
+  out, offset = [], 0
+  for module, states in _as_groups(teacher_groups):
+    m = jax.tree.leaves(states.params)[0].shape[0]
+    out.append((module, states, m, offset))
+    offset += m
+  return out
+
+
 def _run_keys(key: jax.Array, client_offset: int, m: int, c: int) -> jnp.ndarray:
   """Per-(k, j) keys fold_in(key, (offset + k)·c + j): identical in the batched and loop forms."""
   ids = (client_offset + np.arange(m))[:, None] * c + np.arange(c)[None, :]
@@ -339,7 +350,7 @@ def model_stratification(
     raise ValueError(f'layout {layout!r}; valid: {MS_LAYOUTS}')
   cfg = cfg or MSConfig()
   devices = list(devices) if devices is not None else jax.devices()
-  groups = list(_as_groups(teacher_groups))
+  groups = _groups_with_offsets(teacher_groups)
   # One program per group (accelerators): progress between groups.
   phase = PhaseProgress(
     f'model stratification: {len(groups)} batched program(s) of T_G={cfg.T_G}',
@@ -347,15 +358,13 @@ def model_stratification(
     'program',
     every_s=0.0,
   )
-  all_losses, offset = [], 0
-  for module, states in groups:
-    m = jax.tree.leaves(states.params)[0].shape[0]
+  all_losses = []
+  for module, states, m, offset in groups:
     keys = _run_keys(key, offset, m, num_classes)
     layout_losses = _by_client_losses if layout == 'clients' else _flat_losses
     all_losses.append(
       layout_losses(module, generator, cfg, chunk_size, devices, states, keys, num_classes)
     )
-    offset += m
     phase.update(len(all_losses))
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
@@ -403,14 +412,13 @@ def _run_by_run(
   """Algorithm 2 one (k, j) run at a time: `run(module, teacher_vars, run_key, j, tick)` returns
   the run's T_G losses (`tick(t, loss)` after its step t, for progress); keys as in the batched
   form."""
-  groups = list(_as_groups(teacher_groups))
-  runs = sum(jax.tree.leaves(states.params)[0].shape[0] for _, states in groups) * num_classes
+  groups = _groups_with_offsets(teacher_groups)
+  runs = sum(m for _, _, m, _ in groups) * num_classes
   phase = PhaseProgress(
     f'model stratification: {runs} generator runs of T_G={T_G}', runs * T_G, 'generator step'
   )
-  all_losses, offset, done = [], 0, 0
-  for module, states in groups:
-    m = jax.tree.leaves(states.params)[0].shape[0]
+  all_losses, done = [], 0
+  for module, states, m, offset in groups:
     keys = _run_keys(key, offset, m, num_classes).reshape(m, num_classes, -1)
     out = np.zeros((m, num_classes, T_G), np.float32)
     for k in range(m):
@@ -429,7 +437,6 @@ def _run_by_run(
         done += T_G
         phase.update(done)
     all_losses.append(out)
-    offset += m
   return stratification_from_losses(np.concatenate(all_losses, 0))
 
 
