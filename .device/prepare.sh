@@ -4,7 +4,7 @@
 #           with the missing dependencies; the image has jax, flax, optax, orbax, torch, ...
 #   .data/  Fashion-MNIST's IDX files, from Debian's dataset-fashion-mnist.
 # Both are ignored by git (.git/info/exclude) and travel with `carry: [".whl", ".data"]`:
-#   MUT_MODULES=fedhydra MUT_CHILDREN=12 MUT_S=465 KD_S=0 LIMIT_S=430 bash .device/run.sh
+#   bash .device/run.sh    (MUT_MODULES, MUT_CHILDREN, MUT_S, KD_S, LIMIT_S override its defaults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for p in /.whl/ /.data/; do grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done

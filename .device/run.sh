@@ -9,14 +9,14 @@ export PYTHONPATH=/tmp/site:$PWD JFED_DATA_DIR=$PWD/.data PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; python3 -c "import jax, flax, optax, ml_collections, ott, dp_accounting, experiments.fedhydra_tables; print('jax', jax.__version__, jax.devices())" || exit 1
 git init -q . && printf '/.data/\n/.whl/\n/.device/\n' >> .git/info/exclude
 mut=
-[ "${MUT_S:-500}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-500} nice -n 10 python3 -m experiments.mutation \
-   --modules=${MUT_MODULES:-fedavg,feddf,distill_losses,fedhydra} --max_children=${MUT_CHILDREN:-10} \
+[ "${MUT_S:-465}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-465} nice -n 10 python3 -m experiments.mutation \
+   --modules=${MUT_MODULES:-fedhydra,distill_losses} --max_children=${MUT_CHILDREN:-12} \
    --out=/tmp/mutation_out > /tmp/mutation.log 2>&1) &
-[ "${MUT_S:-500}" -gt 0 ] && mut=$!
+[ "${MUT_S:-465}" -gt 0 ] && mut=$!
 # KD steps one call each vs KD_BLOCK per call (jfed.distill.kd.kd_block_size picks blocks off CPU)
-[ "${KD_S:-150}" -gt 0 ] && timeout ${KD_S:-150} python3 -m experiments.bench.model_stratification --stages=hydra_kd \
+[ "${KD_S:-0}" -gt 0 ] && timeout ${KD_S} python3 -m experiments.bench.model_stratification --stages=hydra_kd \
    --pool=65536 --out=$OUT/hydra_kd_blocks_gpu.json > $OUT/hydra_kd_blocks_gpu.log 2>&1
-python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-470} --out=$OUT
+python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-430} --out=$OUT
 if [ -n "$mut" ]; then
   wait $mut; pkill -f mutmut; sleep 2; tail -5 /tmp/mutation.log
   mkdir -p /tmp/mutation_out; cp /tmp/mutation.log /tmp/mutation_out/
