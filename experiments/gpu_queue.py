@@ -361,9 +361,10 @@ def run_next(
   in all (a call brings back 8 files), and packs each into `out`; returns their names. A batch
   still running at the limit is stopped."""
   t0, ran = time.time(), []
+  queue = pending(chunks(), read_ledger(RESULTS))  # the ledger changes only at --ingest
   while True:
     left = limit_s - (time.time() - t0)
-    queue = [c for c in pending(chunks(), read_ledger(RESULTS)) if c.name not in ran]
+    queue = [c for c in queue if c.name not in ran]
     batch = next_batch(queue, parallel)
     if not batch:
       if not ran:

@@ -15,8 +15,8 @@ ngf = 4. jfed runs its registered Algorithm (setup: local training and MS, in th
 an accelerator picks, chunks of 4 runs; init; step 0: one HASA epoch of T_G = 2 generator steps
 on 6 images, then one student step on the 12 pooled intermediates). The oracle takes jfed's
 *inputs*: the client models, the random student, the initial generators and noise each run
-draws from its key, the target labels. It recomputes, in
-float64 PyTorch, without jfed's models, losses, optimisers or aggregation:
+draws from its key, the target labels. It recomputes, in float64 PyTorch, without jfed's
+models, losses, optimisers or aggregation:
 
   MS   for every client k and class j a fresh generator trained T_G^MS Adam steps on
        CE(F_k(G(z)), j), the losses recorded before each step (Eq. 1); u_{k,j} (Eq. 2),

@@ -323,9 +323,8 @@ def model_stratification(
   teacher_groups: TeacherGroup(module, stacked ModelState) or a list of them (heterogeneous; one
   batched program per group, clients ordered by concatenation). generator: the DenseGenerator to
   train, each run from a fresh `dense_generator_init`. Settings come from `cfg` (MSConfig).
-  `chunk_size` bounds
-  memory: `lax.map` over chunks of that many vmapped runs. `devices` (default all devices of the
-  default backend) shards the run axis when more than one.
+  `chunk_size` bounds memory: `lax.map` over chunks of that many vmapped runs. `devices`
+  (default all devices of the default backend) shards the run axis when more than one.
   `layout`: 'runs' vmaps over the flat m·c axis (each run gathers its client's weights);
   'clients' vmaps over clients, then over classes with the client's weights shared
   (`_ms_batched_by_client`; chunks and shards are whole clients, chunk_size // c of them). Both
@@ -363,7 +362,7 @@ def model_stratification(
     keys = _run_keys(key, offset, m, num_classes)
     layout_losses = _by_client_losses if layout == 'clients' else _flat_losses
     all_losses.append(
-      layout_losses(module, generator, cfg, chunk_size, devices, states, keys, num_classes)
+      layout_losses(module, generator, cfg, chunk_size, devices, states, keys, m, num_classes)
     )
     phase.update(len(all_losses))
   return stratification_from_losses(np.concatenate(all_losses, 0))
@@ -378,9 +377,8 @@ def _first_axis_sharding(devices) -> NamedSharding:
   return NamedSharding(Mesh(np.asarray(devices), ('clients',)), P('clients'))
 
 
-def _flat_losses(module, generator, cfg, chunk_size, devices, states, keys, c):
-  """The 'runs' layout of one group: the m·c runs on one axis; losses [m, c, T_G]."""
-  m = jax.tree.leaves(states.params)[0].shape[0]
+def _flat_losses(module, generator, cfg, chunk_size, devices, states, keys, m, c):
+  """The 'runs' layout of one group of m clients: the m·c runs on one axis; losses [m, c, T_G]."""
   n = m * c
   labels = jnp.tile(jnp.arange(c, dtype=jnp.int32), m)
   clients = jnp.repeat(jnp.arange(m, dtype=jnp.int32), c)
@@ -393,9 +391,9 @@ def _flat_losses(module, generator, cfg, chunk_size, devices, states, keys, c):
   return np.asarray(losses)[:n].reshape(m, c, cfg.T_G)
 
 
-def _by_client_losses(module, generator, cfg, chunk_size, devices, states, keys, c):
-  """The 'clients' layout of one group: whole clients per chunk and shard; losses [m, c, T_G]."""
-  m = jax.tree.leaves(states.params)[0].shape[0]
+def _by_client_losses(module, generator, cfg, chunk_size, devices, states, keys, m, c):
+  """The 'clients' layout of one group of m clients: whole clients per chunk and shard; losses
+  [m, c, T_G]."""
   keys = keys.reshape((m, c) + keys.shape[1:])
   per_chunk = max(1, chunk_size // c) if chunk_size else None
   if len(devices) > 1:
