@@ -130,7 +130,10 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
     ['jfed/methods/hfldd.py', 'jfed/clustering/hfldd.py'],
     ['tests/test_oracle_hfldd.py', 'tests/test_hfldd_clustering.py'],
   ),
-  'kip': (['jfed/kip/kip.py', 'jfed/kip/kernels.py'], ['tests/test_oracle_hfldd.py']),
+  'kip': (
+    ['jfed/kip/kip.py', 'jfed/kip/kernels.py'],
+    ['tests/test_oracle_hfldd.py', 'tests/test_kip.py'],
+  ),
   'fedseq_dynafed': (
     ['jfed/methods/fedseq.py', 'jfed/methods/dynafed.py', 'jfed/clustering/fedseq.py'],
     ['tests/test_oracle_hfldd.py'],

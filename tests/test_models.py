@@ -292,6 +292,66 @@ def test_pool_skip_on_tiny_maps():
   assert layers.pool2_or_skip(jnp.ones((2, 5, 5, 4))).shape == (2, 2, 2, 4)
 
 
+def _max_pool_oracle(x, window):
+  """NumPy MaxPool2d (floor mode) and its gradient of sum(pool * weights): each window's
+  gradient goes to its first maximum in row-major order, as PyTorch routes it."""
+  *lead, h, w, c = x.shape
+  rows, cols = h // window, w // window
+  flat = x.reshape(-1, h, w, c)
+  out = np.zeros((flat.shape[0], rows, cols, c), x.dtype)
+  first = np.zeros(flat.shape, bool)
+  for n in range(flat.shape[0]):
+    for r in range(rows):
+      for q in range(cols):
+        for ch in range(c):
+          block = flat[n, r * window : (r + 1) * window, q * window : (q + 1) * window, ch]
+          i, j = np.unravel_index(np.argmax(block), block.shape)  # argmax: the first maximum
+          out[n, r, q, ch] = block[i, j]
+          first[n, r * window + i, q * window + j, ch] = True
+  return out.reshape(*lead, rows, cols, c), first.reshape(x.shape)
+
+
+@pytest.mark.parametrize('shape', [(2, 8, 8, 3), (2, 7, 9, 2), (3, 2, 6, 6, 2)])
+@pytest.mark.parametrize('window', [2, 3])
+def test_max_pool_matches_an_oracle_with_tied_maxima(shape, window):
+  # Small integers tie often: the gradient must go to the first maximum of a window only.
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 3, shape).astype(np.float32)
+  expected, first = _max_pool_oracle(x, window)
+  weights = rng.standard_normal(expected.shape).astype(np.float32)
+  pooled = layers.max_pool(jnp.asarray(x), window)
+  np.testing.assert_array_equal(pooled, expected)
+  grad = jax.grad(lambda v: jnp.sum(layers.max_pool(v, window) * weights))(jnp.asarray(x))
+  up = np.zeros(x.shape, np.float32)  # each window's weight, broadcast over the window
+  rows, cols = expected.shape[-3], expected.shape[-2]
+  up[..., : rows * window, : cols * window, :] = np.repeat(
+    np.repeat(weights, window, axis=-3), window, axis=-2
+  )
+  np.testing.assert_allclose(grad, np.where(first, up, 0.0), rtol=0, atol=0)
+  tangent = rng.standard_normal(shape).astype(np.float32)
+  _, jvp = jax.jvp(lambda v: layers.max_pool(v, window), (jnp.asarray(x),), (jnp.asarray(tangent),))
+  np.testing.assert_allclose(jvp, _max_pool_oracle_tangent(first, tangent, window), rtol=1e-6)
+
+
+def _max_pool_oracle_tangent(first, tangent, window):
+  *lead, h, w, c = first.shape
+  rows, cols = h // window, w // window
+  picked = np.where(first, tangent, 0.0)[..., : rows * window, : cols * window, :]
+  return picked.reshape(*lead, rows, window, cols, window, c).sum(axis=(-4, -2))
+
+
+def test_max_pool_gradient_matches_pytorch_with_ties():
+  torch = pytest.importorskip('torch')
+  rng = np.random.default_rng(3)
+  x = rng.integers(0, 2, (2, 9, 8, 3)).astype(np.float32)
+  weights = rng.standard_normal((2, 4, 4, 3)).astype(np.float32)
+  grad = jax.grad(lambda v: jnp.sum(layers.max_pool(v, 2) * weights))(jnp.asarray(x))
+  xt = torch.from_numpy(x).permute(0, 3, 1, 2).requires_grad_()
+  pooled = torch.nn.functional.max_pool2d(xt, 2)
+  (pooled * torch.from_numpy(weights).permute(0, 3, 1, 2)).sum().backward()
+  np.testing.assert_array_equal(grad, xt.grad.permute(0, 2, 3, 1).numpy())
+
+
 # ------------------------------------------------------------------- PyTorch parity (optional)
 def test_adaptive_avg_pool_matches_pytorch():
   torch = pytest.importorskip('torch')
