@@ -39,7 +39,6 @@ import optax
 from jfed.distill.ensemble import _as_groups
 from jfed.distill.generator import DenseGenerator, dense_generator_init
 from jfed.distill.losses import cross_entropy
-from jfed.distill.pool import augment as augment_images
 from jfed.engine.progress import PhaseProgress
 from jfed.engine.state import commit
 
@@ -168,45 +167,35 @@ class MSConfig(NamedTuple):
   b1: float = 0.5  # Adam betas of DENSE / FL-SA generators
   b2: float = 0.999
   batch_size: int = 256  # b (not stated in the paper; DENSE synthesis batch 256)
-  optimize_z: bool = False  # Algorithm 2 updates θ_G only (FL-SA: z has no requires_grad)
-  augment: bool = False  # FL-SA's interview feeds aug(G(z)); the paper feeds G(z)
-  crop_padding: int = 4
-  flip: bool = True
 
 
 def _ms_run_init(generator: DenseGenerator, cfg: MSConfig, key: jax.Array):
-  """A (k, j) run's fresh G, z, Adam state and per-step augmentation keys."""
+  """A (k, j) run's fresh G, z and Adam state. Algorithm 2 updates θ_G only (z fixed, as in
+  FL-SA's code) and feeds G(z) to F_k unaugmented (FL-SA's `interview` feeds aug(G(z)))."""
   # one random draw for G and z (compile time, see dense_generator_init)
   g, z = dense_generator_init(key, generator, noise_batch=cfg.batch_size)
-  opt_vars = (g.params, z) if cfg.optimize_z else g.params
   tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
-  step_keys = (
-    jax.random.split(jax.random.fold_in(key, 1), cfg.T_G) if cfg.augment else jnp.zeros((cfg.T_G,))
-  )
-  return (opt_vars, g.batch_stats, tx.init(opt_vars)), z, step_keys
+  return (g.params, g.batch_stats, tx.init(g.params)), z
 
 
 def _ms_step(
-  teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z, teacher_vars, label, k_aug
+  teacher_module, generator: DenseGenerator, cfg: MSConfig, carry, z, teacher_vars, label
 ):
   """One Adam step of G on CE(F_k(G(z)), label); returns (carry, the loss before the step)."""
-  ov, gen_bs, opt_state = carry
+  gen_params, gen_bs, opt_state = carry
   y = jnp.full((cfg.batch_size,), label, jnp.int32)
   tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2)
 
-  def loss_fn(ov, gen_bs):
-    gp, zz = ov if cfg.optimize_z else (ov, z)
+  def loss_fn(gen_params, gen_bs):
     x, upd = generator.apply(
-      {'params': gp, 'batch_stats': gen_bs}, zz, train=True, mutable=['batch_stats']
+      {'params': gen_params, 'batch_stats': gen_bs}, z, train=True, mutable=['batch_stats']
     )
-    if cfg.augment:
-      x = augment_images(k_aug, x, cfg.crop_padding, cfg.flip)
     logits = teacher_module.apply(teacher_vars, x, train=False)
     return cross_entropy(logits, y), upd['batch_stats']
 
-  (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(ov, gen_bs)
-  updates, opt_state = tx.update(grads, opt_state, ov)
-  return (optax.apply_updates(ov, updates), gen_bs, opt_state), loss
+  (loss, gen_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(gen_params, gen_bs)
+  updates, opt_state = tx.update(grads, opt_state, gen_params)
+  return (optax.apply_updates(gen_params, updates), gen_bs, opt_state), loss
 
 
 def _ms_single_run(
@@ -220,10 +209,10 @@ def _ms_single_run(
 ) -> jnp.ndarray:
   """One (k, j) run: fresh G, z; T_G Adam steps on CE(F_k(G(z)), j); returns the T_G losses
   (each evaluated before its step, Eq. 1)."""
-  carry, z, step_keys = _ms_run_init(generator, cfg, key)
+  carry, z = _ms_run_init(generator, cfg, key)
   teacher_vars = {'params': t_params, 'batch_stats': t_batch_stats}
-  step = lambda c, k: _ms_step(teacher_module, generator, cfg, c, z, teacher_vars, label, k)
-  _, losses = jax.lax.scan(step, carry, step_keys)
+  step = lambda c, _: _ms_step(teacher_module, generator, cfg, c, z, teacher_vars, label)
+  _, losses = jax.lax.scan(step, carry, None, length=cfg.T_G)
   return losses
 
 
@@ -279,11 +268,9 @@ def ms_step_flops(teacher_module, teacher_vars, generator: DenseGenerator, cfg: 
   Returns:
     The step's FLOPs.
   """
-  carry, z, step_keys = _ms_run_init(generator, cfg, jax.random.PRNGKey(0))
-  step = jax.jit(
-    lambda carry, k: _ms_step(teacher_module, generator, cfg, carry, z, teacher_vars, 0, k)
-  )
-  cost = step.lower(carry, step_keys[0]).compile().cost_analysis()
+  carry, z = _ms_run_init(generator, cfg, jax.random.PRNGKey(0))
+  step = jax.jit(lambda carry: _ms_step(teacher_module, generator, cfg, carry, z, teacher_vars, 0))
+  cost = step.lower(carry).compile().cost_analysis()
   return float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
 
 
@@ -507,12 +494,10 @@ def model_stratification_python(
   cfg = cfg or MSConfig()
 
   def run(module, teacher_vars, run_key, label, tick):
-    carry, z, step_keys = commit(_ms_run_init_jit(generator, cfg, run_key))
+    carry, z = commit(_ms_run_init_jit(generator, cfg, run_key))
     losses = []
     for t in range(cfg.T_G):
-      carry, loss = _ms_step_jit(
-        module, generator, cfg, carry, z, teacher_vars, label, step_keys[t]
-      )
+      carry, loss = _ms_step_jit(module, generator, cfg, carry, z, teacher_vars, label)
       losses.append(loss)
       tick(t + 1, loss)
     return jnp.stack(losses)
