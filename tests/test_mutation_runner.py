@@ -1,6 +1,7 @@
 """experiments.mutation's re-run of a triaged module: which mutants' verdicts it forgets."""
 
 import json
+import pathlib
 
 from experiments import mutation
 
@@ -45,3 +46,23 @@ def test_verdicts_kept_in_the_repository_resume_a_new_scratch_copy(tmp_path):
   meta.write_text('{"exit_code_by')
   mutation.save_verdicts(old, state, paths)
   assert json.loads((state / 'jfed/methods/feddf.py.meta').read_text()) == record
+
+
+def test_every_file_of_the_method_layer_is_in_exactly_one_module():
+  root = pathlib.Path(mutation.__file__).resolve().parents[1]
+  files = set()
+  for entry in mutation.MUTATED_PACKAGES:
+    path = root / entry
+    found = [path] if path.is_file() else sorted(path.glob('*.py'))
+    files.update(str(f.relative_to(root)) for f in found)
+  expected = {
+    f
+    for f in files
+    if not any(f == skip or f.endswith('/' + skip) for skip in mutation.NOT_MUTATED)
+  }
+  mutated = [f for paths, _ in mutation.MODULES.values() for f in paths]
+  assert sorted(mutated) == sorted(set(mutated)), 'a file is in two modules'
+  assert set(mutated) == expected
+  for paths, tests in mutation.MODULES.values():
+    for name in paths + tests:
+      assert (root / name).is_file(), name
