@@ -11,6 +11,7 @@ from sklearn.datasets import load_digits
 from jfed.kip import (
   KIPConfig,
   centered_one_hot,
+  client_mesh,
   fc_kernels,
   fc_nngp_kernel,
   fc_ntk_kernel,
@@ -132,6 +133,15 @@ def test_rbf_kernel_formula():
     ref,
     rtol=1e-5,
   )
+
+
+def test_rbf_kernel_of_one_set_and_its_default_width():
+  # x2 = None means x1; gamma = None means 1 / d with d the flattened features (here 6)
+  rng = np.random.default_rng(4)
+  a = rng.normal(size=(5, 2, 3))
+  flat = a.reshape(5, -1)
+  ref = np.exp(-((flat[:, None] - flat[None]) ** 2).sum(-1) / 6.0)
+  np.testing.assert_allclose(np.asarray(rbf_kernel(jnp.asarray(a, jnp.float32))), ref, rtol=1e-5)
 
 
 def test_kernel_gradients_finite_with_duplicates():
@@ -309,3 +319,28 @@ def test_kip_loss_decreases_and_generalises():
   # measured (CPU): loss 0.0275 → 0.0147, accuracy 0.68 → 0.91 with one support image per class
   assert float(l_kip) < 0.75 * float(l_init), (float(l_init), float(l_kip))
   assert float(acc_kip) > float(acc_init) + 0.1, (float(acc_init), float(acc_kip))
+
+
+def test_batched_indices_distil_a_subset_exactly_as_within_the_whole_batch():
+  # A Flower SuperNode distils its share of the clients: client i draws fold_in(key, i) by its
+  # index in the whole batch, not by its position in the share.
+  fx, fy, sizes = _digits_clients([20, 12, 16], 20)
+  cfg = KIPConfig(support_size=6, iterations=3, lr=0.01, target_batch=5)
+  key = jax.random.PRNGKey(3)
+  whole = kip_distill_batched(fx, fy, sizes, cfg, key, 10, mesh=None)
+  share = kip_distill_batched(
+    fx[[2, 0]], fy[[2, 0]], sizes[[2, 0]], cfg, key, 10, mesh=None, indices=[2, 0]
+  )
+  np.testing.assert_allclose(np.asarray(share.x), np.asarray(whole.x)[[2, 0]], atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(share.y), np.asarray(whole.y)[[2, 0]])
+  unindexed = kip_distill_batched(fx[[2, 0]], fy[[2, 0]], sizes[[2, 0]], cfg, key, 10, mesh=None)
+  assert not np.allclose(np.asarray(unindexed.x), np.asarray(share.x))
+
+
+def test_client_mesh_spans_the_devices_given():
+  devices = jax.devices()
+  assert len(devices) > 1  # conftest's four host devices
+  assert client_mesh(devices[:1]) is None
+  two = client_mesh(devices[:2])
+  assert two.devices.size == 2 and two.axis_names == ('clients',)
+  assert client_mesh().devices.size == len(devices)
