@@ -20,13 +20,14 @@ from typing import Dict, List, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments.configs import digits
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill import MSConfig, TeacherGroup, make_generator, model_stratification_python
-from jfed.distill.synthesis import SynthesisConfig, synthesize
+from jfed.distill.synthesis import SynthesisConfig, fedhydra_config, synthesize
 from jfed.engine import compiles
 from jfed.models import get_model
 
@@ -196,3 +197,35 @@ def test_the_generator_and_ms_loops_compile_their_step_once():
     )
   counts = compiled.counts()
   assert counts['jit(_synthesis_step)'] == 1 and counts['jit(_ms_step)'] == 1, compiled.summary()
+
+
+def test_a_lambda_sweep_compiles_the_generator_step_once_and_equals_runs_one_at_a_time():
+  """FedHydra's Table 6 (λ1, λ2 in {0, 0.5, 1}): with `every_term` the loss weights are values of
+  one program, zeros included; each sweep point equals the run made alone (whose zero weights
+  skip their terms)."""
+  module = get_model('cnn_mnist', 10, (8, 8, 1))
+  key = jax.random.PRNGKey(1)
+  teachers = engine.commit(engine.init_models(module, (8, 8, 1), key, 2, same_init=False))
+  student = engine.init_models(module, (8, 8, 1), jax.random.PRNGKey(2), 1)
+  student = jax.tree.map(lambda a: a[0], student)
+  generator = make_generator((8, 8, 1), nz=8, ngf=4)
+  sweep = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.0), (0.0, 0.0)]
+
+  def run(lambda1, lambda2, every_term):
+    cfg = fedhydra_config(
+      lambda1, lambda2, g_steps=2, batch_size=4, aggregation='mean', loop='python'
+    )._replace(every_term=every_term)
+    return synthesize(generator, TeacherGroup(module, teachers), module, student, 10, key, cfg)
+
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
+    swept = [run(l1, l2, True) for l1, l2 in sweep]
+  assert compiled.counts()['jit(_synthesis_step)'] == 1, compiled.summary()
+  for (l1, l2), got in zip(sweep, swept):
+    alone = run(l1, l2, False)
+    np.testing.assert_allclose(got.losses, alone.losses, rtol=1e-6)
+    np.testing.assert_allclose(got.images, alone.images, rtol=1e-6, atol=1e-7)
+    # the terms a zero weight skips alone are still computed in the sweep
+    assert (np.asarray(got.components) != 0).all()
+  # and the weights do reach the program: different λ, different generators
+  assert not np.allclose(swept[0].images, swept[4].images)

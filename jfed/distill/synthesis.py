@@ -67,6 +67,10 @@ class SynthesisConfig(NamedTuple):
   strategy: str = 'auto'  # teacher client mapping (ensemble.resolve_strategy)
   loop: str = 'auto'  # 'scan' | 'python' | 'auto'
   keep: str = 'best'  # 'best': the lowest-loss batch (DENSE) | 'all': every step's G(z)
+  # The loss weights bn / oh / adv reach the compiled step as values, so runs that differ only in
+  # nonzero weights share one program. A zero weight skips its term (a smaller program) unless
+  # every_term, which keeps the program the same for every weight: a λ sweep compiles once.
+  every_term: bool = False
 
 
 KEEP = ('best', 'all')
@@ -182,6 +186,15 @@ def aggregate_teachers(
   raise ValueError(f'unknown aggregation {cfg.aggregation!r}')
 
 
+def _program_config(cfg: SynthesisConfig) -> SynthesisConfig:
+  """The static part of `cfg`: its loss weights reduced to whether each term is computed."""
+
+  def computed(weight: float) -> float:
+    return 1.0 if cfg.every_term or weight > 0 else 0.0
+
+  return cfg._replace(bn=computed(cfg.bn), oh=1.0, adv=computed(cfg.adv))
+
+
 def _tx(cfg):
   return optax.adam(cfg.lr_g, b1=cfg.b1, b2=cfg.b2)
 
@@ -222,7 +235,10 @@ def _synthesis_step(
   teacher_states,
   student_state,
   agg,
+  weights,
 ):
+  """One generator step; `cfg` is `_program_config`'s, `weights` [3] the (bn, oh, adv) loss
+  weights."""
   strategy = cfg.strategy
 
   def loss_fn(ov, gen_bs):
@@ -252,7 +268,7 @@ def _synthesis_step(
       l_adv = adversarial_loss(s, t, cfg.adv_T, cfg.adv_mask, cfg.adv_t_squared)
     else:
       l_adv = zero
-    total = cfg.bn * l_bn + cfg.oh * l_oh + cfg.adv * l_adv
+    total = weights[0] * l_bn + weights[1] * l_oh + weights[2] * l_adv
     return total, (x, upd['batch_stats'], jnp.stack([l_bn, l_oh, l_adv]))
 
   (loss, (x, gen_bs, comps)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -299,6 +315,7 @@ def _synthesize_scan(
   student_state,
   agg,
   gen_state,
+  weights,
 ):
   carry, z, k_y, step_keys = _init(generator, cfg, key, gen_state)
   targets = _targets(cfg, k_y, num_classes)
@@ -316,6 +333,7 @@ def _synthesize_scan(
       teacher_states,
       student_state,
       agg,
+      weights,
     )
 
   carry, (losses, comps, xs) = jax.lax.scan(body, carry, step_keys)
@@ -366,6 +384,8 @@ def synthesize(
   states = tuple(g.states for g in groups)
   if cfg.aggregation in ('sa', 'sa_inter') and agg is not None:
     agg = (jnp.asarray(agg[0]), jnp.asarray(agg[1]))
+  weights = jnp.asarray([cfg.bn, cfg.oh, cfg.adv], jnp.float32)
+  cfg = _program_config(cfg)
   loop = cfg.loop
   if loop == 'auto':
     loop = 'python' if jax.default_backend() == 'cpu' else 'scan'
@@ -381,6 +401,7 @@ def synthesize(
       student_state,
       agg,
       generator_state,
+      weights,
     )
   carry, z, targets, step_keys = commit(_py_init(generator, cfg, num_classes, key, generator_state))
   losses, comps, xs = [], [], []
@@ -397,6 +418,7 @@ def synthesize(
       states,
       student_state,
       agg,
+      weights,
     )
     losses.append(l)
     comps.append(c)

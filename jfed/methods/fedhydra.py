@@ -98,6 +98,9 @@ class FedHydraOwnConfig(NamedTuple):
   # 'all': every generator step's batch enters the pool (FedHydra §2, "leverages all generated
   # intermediates"); 'best': only the lowest-loss batch of each epoch (DENSE's best_inputs)
   synthesis_keep: str = 'all'
+  # Compute L_BN and L_AD at λ = 0 too, so that a sweep over λ1 / λ2 (Table 6) runs one compiled
+  # generator step for every value; the results equal the default's.
+  synthesis_every_term: bool = False
   ms_T_G: int = 30
   ms_lr: float = 1e-3
   ms_batch: int = 256
@@ -171,6 +174,7 @@ def settings(c: FedHydraConfig, ctx: RunContext) -> oneshot.Settings:
     aggregation=agg,
     strategy=oneshot.teacher_strategy(ctx),
     keep=c.synthesis_keep,
+    every_term=c.synthesis_every_term,
   )
   kd = oneshot.kd_config(c, ctx, loss='fedhydra', t_squared=False, beta=c.beta, aggregation=agg)
   return oneshot.base_settings(
