@@ -82,6 +82,23 @@ def test_fc_kernels_equal_numpy_closed_form(depth):
   np.testing.assert_allclose(np.asarray(nngp32), ref_nngp, rtol=2e-3)
 
 
+def test_fc_kernel_defaults_and_other_widths_reach_the_closed_form():
+  # depth 1, W_std √2 and b_std 0.1 by default; other weight and bias scales passed through
+  rng = np.random.default_rng(7)
+  x1, x2 = rng.normal(size=(4, 6)), rng.normal(size=(3, 6))
+  with jax.enable_x64(True):
+    a, b = jnp.asarray(x1), jnp.asarray(x2)
+    np.testing.assert_allclose(fc_nngp_kernel(a, b), np_fc_kernels(x1, x2, 1)[0], rtol=1e-6)
+    np.testing.assert_allclose(fc_ntk_kernel(a, b), np_fc_kernels(x1, x2, 1)[1], rtol=1e-6)
+    ref_nngp, ref_ntk = np_fc_kernels(x1, x2, 2, W_std=1.3, b_std=0.4)
+    np.testing.assert_allclose(
+      fc_nngp_kernel(a, b, depth=2, W_std=1.3, b_std=0.4), ref_nngp, rtol=1e-6
+    )
+    np.testing.assert_allclose(
+      fc_ntk_kernel(a, b, depth=2, W_std=1.3, b_std=0.4), ref_ntk, rtol=1e-6
+    )
+
+
 def _mlp_init(key, d, width, depth):
   dims = [d] + [width] * depth + [1]
   params = []
@@ -344,3 +361,17 @@ def test_client_mesh_spans_the_devices_given():
   two = client_mesh(devices[:2])
   assert two.devices.size == 2 and two.axis_names == ('clients',)
   assert client_mesh().devices.size == len(devices)
+
+
+def test_one_client_takes_its_size_as_none_a_count_or_a_prefix_mask():
+  fx, fy, sizes = _digits_clients([12, 9], 12)
+  cfg = KIPConfig(support_size=4, iterations=2, lr=0.01, target_batch=4)
+  key = jax.random.PRNGKey(5)
+  whole = kip_distill(fx[0], fy[0], 12, cfg, key, 10)
+  np.testing.assert_array_equal(kip_distill(fx[0], fy[0], None, cfg, key, 10).x, whole.x)
+  counted = kip_distill(fx[1], fy[1], 9, cfg, key, 10)
+  mask = np.arange(12) < 9
+  np.testing.assert_array_equal(kip_distill(fx[1], fy[1], mask, cfg, key, 10).x, counted.x)
+  assert not np.allclose(kip_distill(fx[1], fy[1], 12, cfg, key, 10).x, counted.x)
+  with pytest.raises(ValueError, match='prefix'):
+    kip_distill(fx[1], fy[1], ~mask, cfg, key, 10)
