@@ -23,6 +23,7 @@ column ranks apart (holds / fails / within noise: a paired t-test over seeds at 
 """
 
 import pathlib
+import sys
 from typing import Dict, List, Sequence, Tuple
 
 from absl import flags
@@ -96,6 +97,8 @@ def render(config, results: Dict, cell: str, pairs, meta: Dict) -> str:
   lines = [
     f'# FedHydra Table 6 on {config.dataset.name}, {cell}: λ1 (L_BN) and λ2 (L_AD)',
     '',
+    f'Command: `{meta.get("command") or "python -m experiments.fedhydra_table6"}`',
+    '',
     backend_line(results, meta),
     f'- {config.partition.num_clients} clients {config.client_models or config.model}, '
     f'{f.local_epochs} local epochs; server {f.server_model or config.model}, T_g={f.epochs} '
@@ -134,15 +137,17 @@ def run_sweep(
   pairs: Sequence[Tuple[float, float]],
   seeds: Sequence[int] = (0, 1, 2),
   merge: Sequence[str] = (),
+  command: str = '',
 ) -> str:
-  """Runs every (seed, pair) not finished yet, or with `merge` only merges; returns table6.md."""
+  """Runs every (seed, pair) not finished yet, or with `merge` only merges; returns table6.md
+  (`command`: the command line it states)."""
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.methods.seed_batch import PlannedRun  # pylint: disable=g-import-not-at-top
 
   pairs, seeds = list(pairs), [int(s) for s in seeds]
   base = partition_config(config, partition)
   cell = dirname(partition)
-  s = sweep.Sweep.open(out, [] if merge else seeds, merge)
+  s = sweep.Sweep.open(out, [] if merge else seeds, merge, command=command)
   s.render = lambda s: {'table6.md': render(base, s.results, cell, pairs, s.meta)}
 
   def run_config(seed: int, pair: Tuple[float, float]):
@@ -191,6 +196,7 @@ def main(argv):
       parse_pairs(FLAGS.pairs),
       FLAGS.seeds,
       FLAGS.merge,
+      'python -m experiments.fedhydra_table6 ' + ' '.join(sys.argv[1:]),
     )
   )
 
