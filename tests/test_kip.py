@@ -375,3 +375,39 @@ def test_one_client_takes_its_size_as_none_a_count_or_a_prefix_mask():
   assert not np.allclose(kip_distill(fx[1], fy[1], 12, cfg, key, 10).x, counted.x)
   with pytest.raises(ValueError, match='prefix'):
     kip_distill(fx[1], fy[1], ~mask, cfg, key, 10)
+
+
+def test_kernel_from_config_takes_the_configs_kernel_settings():
+  from jfed.kip.kip import kernel_fn_from_config
+
+  rng = np.random.default_rng(8)
+  a, b = rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)
+  rbf = kernel_fn_from_config(KIPConfig(kernel='rbf', rbf_gamma=0.7))(a, b)
+  np.testing.assert_allclose(rbf, np.exp(-0.7 * ((a[:, None] - b[None]) ** 2).sum(-1)), rtol=1e-5)
+  cfg = KIPConfig(kernel='fc_ntk', depth=2, W_std=1.3, b_std=0.4)
+  np.testing.assert_allclose(
+    kernel_fn_from_config(cfg)(a, b), np_fc_kernels(a, b, 2, W_std=1.3, b_std=0.4)[1], rtol=1e-4
+  )
+
+
+def test_standardisation_statistics_are_per_channel_over_the_real_samples():
+  from jfed.kip.kip import _channel_stats
+
+  rng = np.random.default_rng(9)
+  x = rng.normal(loc=[0.0, 3.0, -2.0], scale=[1.0, 2.0, 0.5], size=(6, 4, 4, 3))
+  x[4:] = 0.0  # padding past the 4 real samples
+  mean, std = _channel_stats(jnp.asarray(x, jnp.float32), jnp.asarray(4))
+  real = x[:4].reshape(-1, 3)
+  np.testing.assert_allclose(mean, real.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(std, real.std(0) + 1e-6, rtol=1e-5)
+
+
+def test_support_copies_past_a_small_clients_samples_are_jittered():
+  # A client with 3 samples and a support set of 6: rows 0-2 are its images, rows 3-5 copies of
+  # them with jitter (lr 0: the support is the initial one).
+  fx, fy, _ = _digits_clients([3], 6)
+  cfg = KIPConfig(support_size=6, iterations=1, lr=0.0, target_batch=3, dup_jitter=0.05)
+  res = kip_distill(fx[0], fy[0], 3, cfg, jax.random.PRNGKey(6), 10)
+  real = fx[0, :3].reshape(3, -1)
+  dist = np.abs(np.asarray(res.x).reshape(6, 1, -1) - real[None]).max(-1).min(-1)
+  assert (dist[:3] < 1e-5).all() and (dist[3:] > 1e-3).all(), dist
