@@ -311,8 +311,8 @@ def _max_pool_oracle(x, window):
   return out.reshape(*lead, rows, cols, c), first.reshape(x.shape)
 
 
-@pytest.mark.parametrize('shape', [(2, 8, 8, 3), (2, 7, 9, 2), (3, 2, 6, 6, 2)])
-@pytest.mark.parametrize('window', [2, 3])
+# odd sizes (floor mode) at window 2; leading axes and window 3
+@pytest.mark.parametrize('shape, window', [((2, 7, 9, 2), 2), ((3, 2, 7, 6, 2), 3)])
 def test_max_pool_matches_an_oracle_with_tied_maxima(shape, window):
   # Small integers tie often: the gradient must go to the first maximum of a window only.
   rng = np.random.default_rng(0)
