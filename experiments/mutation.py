@@ -140,7 +140,7 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'kip': (
     ['jfed/kip/kip.py', 'jfed/kip/kernels.py'],
-    ['tests/test_oracle_hfldd.py', 'tests/test_kip.py'],
+    ['tests/test_oracle_hfldd.py', 'tests/test_kip.py', 'tests/test_phase_progress.py'],
   ),
   'fedseq_dynafed': (
     ['jfed/methods/fedseq.py', 'jfed/methods/dynafed.py', 'jfed/clustering/fedseq.py'],
