@@ -411,3 +411,26 @@ def test_support_copies_past_a_small_clients_samples_are_jittered():
   real = fx[0, :3].reshape(3, -1)
   dist = np.abs(np.asarray(res.x).reshape(6, 1, -1) - real[None]).max(-1).min(-1)
   assert (dist[:3] < 1e-5).all() and (dist[3:] > 1e-3).all(), dist
+
+
+@pytest.mark.parametrize('standardize', [False, True])
+def test_the_first_loss_is_the_krr_loss_in_raw_or_standardised_pixels(standardize):
+  # lr 0 keeps the initial support; a target batch of all 10 real samples makes the first loss
+  # the KRR loss (NumPy, float64) over every real sample, whatever their order.
+  fx, fy, _ = _digits_clients([10], 12)
+  cfg = KIPConfig(
+    support_size=4, iterations=1, lr=0.0, target_batch=10, standardize=standardize, x64=True
+  )
+  res = kip_distill(fx[0], fy[0], 10, cfg, jax.random.PRNGKey(8), 10)
+  x = fx[0, :10].astype(np.float64)
+  sup = np.asarray(res.x, np.float64)
+  if standardize:
+    mean, std = x.mean((0, 1, 2)), x.std((0, 1, 2)) + 1e-6
+    x, sup = (x - mean) / std, (sup - mean) / std
+  onehot = lambda y: np.eye(10)[y] - 0.1  # centred one-hot
+  kss = np_fc_kernels(sup, sup, 1)[1]
+  kts = np_fc_kernels(x, sup, 1)[1]
+  kss = kss + 1e-6 * np.trace(kss) / 4 * np.eye(4)
+  pred = kts @ np.linalg.solve(kss, onehot(np.asarray(res.y)))
+  expected = 0.5 * np.mean((pred - onehot(fy[0, :10])) ** 2)
+  np.testing.assert_allclose(float(res.loss[0]), expected, rtol=2e-3)
