@@ -16,6 +16,7 @@ from jfed.kip import (
   fc_nngp_kernel,
   fc_ntk_kernel,
   init_support,
+  kernel_fn_from_config,
   kip_distill,
   kip_distill_batched,
   kip_distill_loop,
@@ -378,8 +379,6 @@ def test_one_client_takes_its_size_as_none_a_count_or_a_prefix_mask():
 
 
 def test_kernel_from_config_takes_the_configs_kernel_settings():
-  from jfed.kip.kip import kernel_fn_from_config
-
   rng = np.random.default_rng(8)
   a, b = rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)
   rbf = kernel_fn_from_config(KIPConfig(kernel='rbf', rbf_gamma=0.7))(a, b)
