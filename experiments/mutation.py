@@ -64,6 +64,11 @@ flags.DEFINE_string(
 flags.DEFINE_string(
   'merge', None, "Instead of running: add another report folder's modules (summary.json) to OUT"
 )
+flags.DEFINE_list(
+  'merge_only',
+  None,
+  "With --merge: take only these modules' rows (the other folder may hold older runs of the rest)",
+)
 flags.DEFINE_string(
   'scratch',
   os.path.join(tempfile.gettempdir(), 'jfed-mutation'),
@@ -398,12 +403,15 @@ def write_summary(out: pathlib.Path, rows: Dict[str, Dict]) -> None:
     score = f'{100 * r["score"]:.1f}%' if r['score'] is not None else 'n/a'
     triage = f'[{k}_triage.md]({k}_triage.md)' if (out / f'{k}_triage.md').exists() else '—'
     first = r.get('first_run')
-    first_cell = (
-      f'{100 * first["score"]:.1f}%, {first["stats"].get("survived", 0)} survived, '
-      f'{first["minutes"]:.0f} min'
-      if first
-      else '—'
-    )
+    if not first:
+      first_cell = '—'
+    elif 'note' in first:  # a first run stopped part-way: its counts so far
+      first_cell = first['note']
+    else:
+      first_cell = (
+        f'{100 * first["score"]:.1f}%, {first["stats"].get("survived", 0)} survived, '
+        f'{first["minutes"]:.0f} min'
+      )
     table.append(
       f'| {k} | {s.get("total", 0)} | {s.get("killed", 0)} | {s.get("timeout", 0)} | '
       f'{s.get("survived", 0)} | {s.get("no_tests", 0)} | {score} | {r["minutes"]:.0f} | '
@@ -412,13 +420,21 @@ def write_summary(out: pathlib.Path, rows: Dict[str, Dict]) -> None:
   atomic_write_text(out / 'summary.md', '\n'.join(table) + '\n')
 
 
-def merge(out: pathlib.Path, rows: Dict[str, Dict], other: pathlib.Path) -> None:
+def merge(
+  out: pathlib.Path, rows: Dict[str, Dict], other: pathlib.Path, only: Optional[List[str]] = None
+) -> None:
   """Adds the modules of another report folder (a run on another machine) to OUT: their rows and
-  their <module>.md reports."""
+  their <module>.md reports; `only` names the modules to take."""
   path = other / 'summary.json'
   if not path.exists():
     raise app.UsageError(f'--merge={other}: no summary.json there')
-  for key, row in json.loads(path.read_text()).items():
+  theirs = json.loads(path.read_text())
+  missing = [k for k in only or [] if k not in theirs]
+  if missing:
+    raise app.UsageError(f'--merge_only: {missing} not in {path}')
+  for key, row in theirs.items():
+    if only is not None and key not in only:
+      continue
     if key not in MODULES:
       raise app.UsageError(f'--merge={other}: unknown module {key!r}')
     shutil.copyfile(other / f'{key}.md', out / f'{key}.md')
@@ -439,7 +455,7 @@ def main(argv):
   summary_path = out / 'summary.json'
   rows = json.loads(summary_path.read_text()) if summary_path.exists() else {}
   if FLAGS.merge:
-    merge(out, rows, pathlib.Path(FLAGS.merge))
+    merge(out, rows, pathlib.Path(FLAGS.merge), FLAGS.merge_only)
     write_summary(out, rows)
     return
   for key in keys:

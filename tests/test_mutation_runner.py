@@ -3,6 +3,9 @@
 import json
 import pathlib
 
+from absl import app
+import pytest
+
 from experiments import mutation
 
 
@@ -66,3 +69,42 @@ def test_every_file_of_the_method_layer_is_in_exactly_one_module():
   for paths, tests in mutation.MODULES.values():
     for name in paths + tests:
       assert (root / name).is_file(), name
+
+
+def _row(module, survived, first_run=None):
+  row = {
+    'module': module,
+    'stats': {'total': 10, 'killed': 10 - survived, 'survived': survived},
+    'score': (10 - survived) / 10,
+    'minutes': 3.0,
+    'machine': '2 CPU cores, 2 workers',
+  }
+  if first_run:
+    row['first_run'] = first_run
+  return row
+
+
+def test_merge_only_takes_the_named_modules_and_a_part_way_first_run_shows_its_note(tmp_path):
+  out, other = tmp_path / 'out', tmp_path / 'other'
+  out.mkdir()
+  other.mkdir()
+  rows = {'fedhydra': _row('fedhydra', 2)}
+  theirs = {'fedhydra': _row('fedhydra', 9), 'kip': _row('kip', 1, {'note': 'stopped at 5 of 10'})}
+  (other / 'summary.json').write_text(json.dumps(theirs))
+  for key in theirs:
+    (other / f'{key}.md').write_text(f'# {key}, theirs\n')
+  mutation.merge(out, rows, other, ['kip'])
+  assert rows['fedhydra']['stats']['survived'] == 2  # our newer fedhydra row stays
+  assert rows['kip'] == theirs['kip'] and (out / 'kip.md').exists()
+  assert not (out / 'fedhydra.md').exists()
+  mutation.write_summary(out, rows)
+  kip_line = [ln for ln in (out / 'summary.md').read_text().splitlines() if ln.startswith('| kip')]
+  assert 'stopped at 5 of 10' in kip_line[0]
+  mutation.merge(out, rows, other, None)  # everything
+  assert rows['fedhydra']['stats']['survived'] == 9
+
+
+def test_merge_only_refuses_a_module_the_folder_lacks(tmp_path):
+  (tmp_path / 'summary.json').write_text('{}')
+  with pytest.raises(app.UsageError, match='not in'):
+    mutation.merge(tmp_path, {}, tmp_path, ['kip'])
