@@ -106,7 +106,8 @@ def render(config, results: Dict, cell: str, pairs, meta: Dict) -> str:
     f'β={f.beta} (paper: E = 200, T_g = 200, T_G = 30)',
     '- one process, one set of client models per seed; the generator step compiled once for '
     'every pair (`fedhydra.synthesis_every_term`): the first pair of a seed also pays the '
-    "compilation the others reuse (seconds column, each seed's mean)",
+    'compilation the others reuse (seconds column: one run of that pair, mean ± std over the '
+    'seeds)',
     '',
     '| λ1 | λ2 | final % | best % | seconds | paper MNIST | paper Fashion-MNIST |',
     '|---:|---:|---|---|---:|---:|---:|',
