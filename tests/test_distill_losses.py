@@ -164,8 +164,12 @@ def test_bn_statistics_loss_formula():
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, rtol=1e-5)
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), batch_stats)  # two models at once
-  with pytest.raises(ValueError, match='takes one model'):
+  message = r'^bn_statistics_loss takes one model: per-channel statistics, got shapes {} and {}$'
+  with pytest.raises(ValueError, match=message.format(r'\(2, 3\)', r'\(2, 3\)')):
     losses.bn_statistics_loss(jax.tree.map(lambda a: jnp.stack([a, a]), bn_inputs), stacked)
+  # either side stacked alone is refused too (it would broadcast into a wrong norm)
+  with pytest.raises(ValueError, match=message.format(r'\(3,\)', r'\(2, 3\)')):
+    losses.bn_statistics_loss(bn_inputs, stacked)
   with pytest.raises(KeyError, match='no running statistics for BN input statistics at l1/stats'):
     losses.bn_statistics_loss(bn_inputs, {'l0': batch_stats['l0']})
 

@@ -36,23 +36,38 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 
 
+def _aggregation_inputs(aggregation):
+  """What `teacher_logits` needs per aggregation; away from uniform, so that a lost input shows."""
+  rng = np.random.default_rng(11)
+  if aggregation == 'weighted':
+    return jnp.asarray([0.7, 0.2, 0.1], jnp.float32)
+  if aggregation == 'sa':
+    return tuple(jnp.asarray(rng.dirichlet(np.ones(3), CLASSES), jnp.float32) for _ in range(2))
+  return None
+
+
 @pytest.mark.parametrize(
   'kcfg',
   [
     kd.KDConfig(loss='kl', T=4.0, t_squared=True),
     kd.KDConfig(loss='fedhydra', augment='crop_flip', crop_padding=2, ods_eta=0.05),
+    # the aggregation's inputs (client weights; FedHydra's U_r, U_c and the pool's labels) must
+    # reach every step of a block
+    kd.KDConfig(loss='kl', T=2.0, aggregation='weighted'),
+    kd.KDConfig(loss='fedhydra', T=2.0, aggregation='sa'),
   ],
-  ids=['kl', 'augmented_ods'],
+  ids=['kl', 'augmented_ods', 'weighted', 'sa'],
 )
 def test_kd_blocks_train_the_student_the_loop_trains(kcfg):
   module, modules, states, student, pool, idx, mask = _setup(111)  # 19 steps: 16 + 3
   assert idx.shape[0] > kd.KD_BLOCK
   key = jax.random.PRNGKey(5)
+  agg = _aggregation_inputs(kcfg.aggregation)
   lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
   looped, loop_losses = student, []
   for b in range(idx.shape[0]):
     looped, loss = kd.kd_step(
-      kcfg, SPEC, modules, module, looped, states, None,
+      kcfg, SPEC, modules, module, looped, states, agg,
       *kd.gather_batch(pool, jnp.asarray(idx[b])), jnp.asarray(mask[b]),
       jax.random.fold_in(key, b), lrs[b],
     )  # fmt: skip
@@ -60,7 +75,7 @@ def test_kd_blocks_train_the_student_the_loop_trains(kcfg):
   blocked, block_losses = student, []
   for first in range(0, idx.shape[0], kd.KD_BLOCK):
     blocked, losses, steps = kd.kd_block(
-      kcfg, SPEC, modules, module, blocked, states, None, pool, idx, mask, key, lrs, first
+      kcfg, SPEC, modules, module, blocked, states, agg, pool, idx, mask, key, lrs, first
     )
     block_losses.extend(np.asarray(losses)[:steps].tolist())
   np.testing.assert_allclose(block_losses, loop_losses, rtol=2e-5)
@@ -150,3 +165,16 @@ def test_a_padded_kd_step_is_the_step_on_its_real_samples(real):
   want = T**2 * np.mean(np.sum(p * (np.log(p) - log_q), axis=1))
   np.testing.assert_allclose(float(padded_loss), want, rtol=1e-5)
   np.testing.assert_allclose(float(alone_loss), want, rtol=1e-5)
+
+
+def test_auto_kd_augmentation_is_crop_flip_on_cifar_and_flip_elsewhere():
+  """DENSE's and Co-Boosting's KD augment CIFAR with crop + flip and the greyscale sets with a
+  flip only; a named kind is kept, an unknown one refused naming the choices."""
+  assert kd.resolve_augment('auto', 'cifar10') == 'crop_flip'
+  assert kd.resolve_augment('auto', 'CIFAR100') == 'crop_flip'
+  assert kd.resolve_augment('auto', 'fashion_mnist') == 'flip'
+  assert kd.resolve_augment('none', 'cifar10') == 'none'
+  assert kd.resolve_augment('flip', 'cifar10') == 'flip'
+  valid = ', '.join(kd.KD_AUGMENT)
+  with pytest.raises(ValueError, match=rf"^Unknown KD augmentation 'rotate'; valid: {valid}$"):
+    kd.resolve_augment('rotate', 'cifar10')
