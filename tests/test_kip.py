@@ -21,6 +21,7 @@ from jfed.kip import (
   kip_distill_batched,
   kip_distill_loop,
   krr_loss,
+  krr_predict,
   make_kernel_fn,
   rbf_kernel,
   sample_target_indices,
@@ -98,6 +99,40 @@ def test_fc_kernel_defaults_and_other_widths_reach_the_closed_form():
     np.testing.assert_allclose(
       fc_ntk_kernel(a, b, depth=2, W_std=1.3, b_std=0.4), ref_ntk, rtol=1e-6
     )
+
+
+def test_fc_kernels_without_bias_keep_a_zero_input_at_zero():
+  # b_std = 0: a zero input has Σ = Θ = 0 with every input at every layer (W² · 0 + 0, and the
+  # ReLU's sqrt(Σ(x, x) Σ(x', x')) · J1 = 0); the others are the closed form (default depth 1).
+  # sqrt's floor (the dtype's smallest normal) leaves ~sqrt(tiny): 1e-154 in float64, 1e-19 in
+  # float32; without a floor, c = 0 / 0 is NaN. Float32 inputs stay float32 in an x64 scope.
+  rng = np.random.default_rng(11)
+  x = rng.normal(size=(4, 6))
+  x[0] = 0.0
+  ref = [np.zeros((4, 4)), np.zeros((4, 4))]
+  ref[0][1:, 1:], ref[1][1:, 1:] = np_fc_kernels(x[1:], x[1:], 1, b_std=0.0)
+  with jax.enable_x64(True):
+    got = fc_kernels(jnp.asarray(x), jnp.asarray(x), b_std=0.0)
+    for k, r in zip(got, ref):
+      np.testing.assert_allclose(np.asarray(k), r, rtol=1e-6, atol=1e-100)
+    got32_x64 = fc_kernels(jnp.asarray(x, jnp.float32), None, b_std=0.0)
+  for got32 in (fc_kernels(jnp.asarray(x, jnp.float32), None, b_std=0.0), got32_x64):
+    for k, r in zip(got32, ref):
+      assert k.dtype == jnp.float32
+      np.testing.assert_allclose(np.asarray(k), r, rtol=2e-3, atol=1e-18)
+
+
+def test_make_kernel_fn_builds_the_named_kernel_with_its_settings():
+  rng = np.random.default_rng(12)
+  a, b = rng.normal(size=(4, 5)), rng.normal(size=(3, 5))
+  with jax.enable_x64(True):
+    k1, k2 = jnp.asarray(a), jnp.asarray(b)
+    # the default name is the notebook's 'fc_ntk'
+    np.testing.assert_allclose(make_kernel_fn()(k1, k2), np_fc_kernels(a, b, 1)[1], rtol=1e-6)
+    nngp = make_kernel_fn('fc_nngp', depth=2, W_std=1.3, b_std=0.4)(k1, k2)
+    np.testing.assert_allclose(nngp, np_fc_kernels(a, b, 2, W_std=1.3, b_std=0.4)[0], rtol=1e-6)
+  with pytest.raises(ValueError, match=r"unknown KIP kernel 'cnn'; expected one of .*fc_ntk"):
+    make_kernel_fn('cnn')
 
 
 def _mlp_init(key, d, width, depth):
@@ -207,6 +242,32 @@ def test_krr_loss_equals_numpy_formula():
       assert float(acc) == pytest.approx(np.mean(pred.argmax(-1) == np.asarray(yt).argmax(-1)))
 
 
+def test_krr_predict_is_the_closed_form_for_any_kernel_at_the_default_ridge():
+  # A kernel of the caller's own (a plain two-argument function) and the default ridge 1e-6;
+  # float32 inputs inside an x64 scope (the KIP notebook's global setting) stay float32.
+  rng = np.random.default_rng(10)
+  xs, xt = rng.normal(size=(6, 8)), rng.normal(size=(5, 8))
+  ys = np.eye(3)[rng.integers(0, 3, 6)] - 1.0 / 3
+  poly = lambda a, b: (a @ b.T / 8 + 1.0) ** 2
+  kss = poly(xs, xs)
+  ref = poly(xt, xs) @ np.linalg.solve(kss + 1e-6 * np.trace(kss) / 6 * np.eye(6), ys)
+  with jax.enable_x64(True):
+    got = krr_predict(jnp.asarray(xs), jnp.asarray(ys), jnp.asarray(xt), poly)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-8)
+    got32 = krr_predict(*(jnp.asarray(v, jnp.float32) for v in (xs, ys, xt)), poly)
+  assert got32.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got32), ref, rtol=1e-3, atol=1e-4)
+
+
+def test_centered_one_hot_comes_in_the_dtype_asked():
+  labels = np.array([2, 0, 3, 3])
+  ref = np.eye(4)[labels] - 0.25  # 0.75 and -0.25: exact in half precision
+  for dtype in (jnp.bfloat16, jnp.float16):
+    got = centered_one_hot(jnp.asarray(labels), 4, dtype)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
+
+
 def test_label_gradient_only_when_learned():
   rng = np.random.default_rng(4)
   xs, xt = (
@@ -237,6 +298,31 @@ def test_init_support_class_balanced_from_real_samples():
   # support larger than the client: every real sample once, then cycles
   idx = np.asarray(init_support(jax.random.PRNGKey(1), jnp.asarray(y_pad), size, 70, 10))
   assert idx.max() < size and set(idx[:size].tolist()) == set(range(size))
+
+
+def _np_round_robin(key, y, size, support_size, num_classes):
+  """init_support's documented selection, from the same two draws of `key`: a random rank inside
+  each class (u), then the ranks in rounds, the classes of a round in a random order (perm),
+  cycled past the real samples."""
+  k_rank, k_round = jax.random.split(key)
+  u = np.asarray(jax.random.uniform(k_rank, (len(y),)))
+  perm = np.asarray(jax.random.uniform(k_round, (num_classes + 1,)))
+  rank = np.zeros(size, np.float32)
+  for c in np.unique(y[:size]):
+    members = np.flatnonzero(y[:size] == c)
+    rank[members[np.argsort(u[members], kind='stable')]] = np.arange(len(members))
+  order = np.argsort(rank + perm[y[:size]], kind='stable')  # float32, like the program's score
+  return order[np.arange(support_size) % size]
+
+
+def test_init_support_is_the_documented_round_robin_of_the_keys_draws():
+  # every class present, the last one (C - 1) too; pads past the 13 real samples
+  y = np.array([3, 1, 3, 0, 2, 3, 2, 3, 1, 3, 2, 3, 3, 0, 0, 0], np.int32)
+  for seed in range(6):
+    key = jax.random.PRNGKey(seed)
+    for support_size in (6, 20):
+      got = np.asarray(init_support(key, jnp.asarray(y), 13, support_size, 4))
+      np.testing.assert_array_equal(got, _np_round_robin(key, y, 13, support_size, 4))
 
 
 def test_target_indices_real_only():
@@ -412,6 +498,22 @@ def test_support_copies_past_a_small_clients_samples_are_jittered():
   assert (dist[:3] < 1e-5).all() and (dist[3:] > 1e-3).all(), dist
 
 
+def test_support_copies_carry_the_jitter_drawn_from_the_keys_second_part():
+  # 3 samples, a support set of 6 (lr 0, raw pixels): the init cycles, so row 3 + i is row i
+  # plus dup_jitter times the standard normal drawn from split(key, 3)[1] (init [0], steps [2]).
+  fx, fy, _ = _digits_clients([3], 6)
+  cfg = KIPConfig(
+    support_size=6, iterations=1, lr=0.0, target_batch=3, dup_jitter=0.05, standardize=False
+  )
+  key = jax.random.PRNGKey(6)
+  res = kip_distill(fx[0], fy[0], 3, cfg, key, 10)
+  x = np.asarray(res.x).reshape(6, -1)
+  real = fx[0, :3].reshape(3, -1)
+  np.testing.assert_array_equal(x[:3][np.lexsort(x[:3].T)], real[np.lexsort(real.T)])  # the images
+  noise = 0.05 * np.asarray(jax.random.normal(jax.random.split(key, 3)[1], (6, 8, 8, 1)))
+  np.testing.assert_allclose(x[3:] - x[:3], noise[3:].reshape(3, -1), atol=1e-6)
+
+
 @pytest.mark.parametrize('standardize', [False, True])
 def test_the_first_loss_is_the_krr_loss_in_raw_or_standardised_pixels(standardize):
   # lr 0 keeps the initial support; a target batch of all 10 real samples makes the first loss
@@ -433,3 +535,19 @@ def test_the_first_loss_is_the_krr_loss_in_raw_or_standardised_pixels(standardiz
   pred = kts @ np.linalg.solve(kss, onehot(np.asarray(res.y)))
   expected = 0.5 * np.mean((pred - onehot(fy[0, :10])) ** 2)
   np.testing.assert_allclose(float(res.loss[0]), expected, rtol=2e-3)
+  # the step's KRR accuracy on the same batch; the fields float32 / int32 after a float64 run
+  assert float(res.acc[0]) == pytest.approx(np.mean(pred.argmax(-1) == fy[0, :10]))
+  dtypes = [np.float32, np.int32, np.float32, np.float32, np.float32]
+  assert [np.asarray(field).dtype for field in res] == dtypes
+
+
+@pytest.mark.parametrize('dtype', [np.uint8, np.int32])
+def test_integer_pixels_give_the_kernels_of_their_float_values(dtype):
+  """uint8 images overflowed x·x and int32 ones truncated W_std, b_std to integers: the kernels
+  of integer pixels are those of the same values as floats."""
+  x = np.random.default_rng(0).integers(0, 256, (4, 3, 3, 1)).astype(dtype)
+  xf = x.astype(np.float32)
+  for kernel in (fc_nngp_kernel, fc_ntk_kernel, rbf_kernel):
+    np.testing.assert_allclose(
+      np.asarray(kernel(x, x[:2])), np.asarray(kernel(xf, xf[:2])), rtol=1e-6, err_msg=str(kernel)
+    )

@@ -55,6 +55,9 @@ KERNELS = ('fc_ntk', 'fc_nngp', 'rbf')
 
 def _flatten(x: Array) -> Array:
   x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    # integer pixels (uint8 images) would overflow x·x and truncate W_std, b_std to integers
+    x = x.astype(jnp.result_type(float))
   return x.reshape(x.shape[0], -1)
 
 

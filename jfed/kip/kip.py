@@ -292,7 +292,7 @@ def _distill_one(
   *,
   config: KIPConfig,
   num_classes: int,
-  progress: bool = False,
+  progress: bool,
 ) -> KIPResult:
   """Traceable single-client KIP (x: [n_max, ...] padded, y: [n_max] int, size: scalar).
   `progress`: each iteration reports to the active `jfed.engine.progress` phase."""
@@ -357,7 +357,9 @@ def _distill_one(
 
 @functools.partial(jax.jit, static_argnames=('config', 'num_classes'))
 def _distill_one_jit(x, y, size, key, config, num_classes):
-  return _distill_one(x, y, size, key, config=config, num_classes=num_classes)
+  # one client's solve reports nothing: its program then has no host callback, which JAX's
+  # persistent compilation cache would not store
+  return _distill_one(x, y, size, key, config=config, num_classes=num_classes, progress=False)
 
 
 def _x64_scope(config: KIPConfig):
