@@ -104,18 +104,26 @@ def test_kd_blocks_on_stored_targets_train_the_student_the_loop_trains():
   _close(blocked, looped)
 
 
-@pytest.mark.parametrize('stored', [False, True], ids=['teachers', 'stored_targets'])
-def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored):
+@pytest.mark.parametrize(
+  'stored, aggregation',
+  [(False, 'mean'), (True, 'mean'), (False, 'sa')],
+  ids=['teachers', 'stored_targets', 'sa_teachers'],
+)
+def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored, aggregation):
   """`run_kd_steps`, what the one-shot methods call per epoch: one call a step on the CPU, blocks
-  on an accelerator (`kd_block_size`), the same student and losses either way."""
+  on an accelerator (`kd_block_size`), the same student and losses either way (with FedHydra's SA
+  inputs too)."""
   module, modules, states, student, pool, idx, mask = _setup(111)
-  kcfg = kd.KDConfig(loss='fedhydra', T=2.0, augment='none' if stored else 'flip')
+  kcfg = kd.KDConfig(
+    loss='fedhydra', T=2.0, augment='none' if stored else 'flip', aggregation=aggregation
+  )
+  agg = _aggregation_inputs(aggregation)
   targets = None
   if stored:
-    targets = kd.pool_teacher_logits(kcfg, modules, states, None, pool, jnp.arange(pool.capacity))
+    targets = kd.pool_teacher_logits(kcfg, modules, states, agg, pool, jnp.arange(pool.capacity))
   lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
   key = jax.random.PRNGKey(3)
-  args = (kcfg, SPEC, modules, module, student, states, None, pool, idx, mask, key, lrs, targets)
+  args = (kcfg, SPEC, modules, module, student, states, agg, pool, idx, mask, key, lrs, targets)
   per_call, per_call_losses = kd.run_kd_steps(*args, block=1)
   for block in (kd.KD_BLOCK, 5):  # 19 steps: 16 + 3, and 5 + 5 + 5 + 4
     blocked, blocked_losses = kd.run_kd_steps(*args, block=block)
@@ -178,3 +186,13 @@ def test_auto_kd_augmentation_is_crop_flip_on_cifar_and_flip_elsewhere():
   valid = ', '.join(kd.KD_AUGMENT)
   with pytest.raises(ValueError, match=rf"^Unknown KD augmentation 'rotate'; valid: {valid}$"):
     kd.resolve_augment('rotate', 'cifar10')
+
+
+@pytest.mark.parametrize(
+  'shape, padding', [((28, 28, 1), 4), ((32, 32, 3), 4), ((8, 8, 1), 1), ((27, 27, 1), 3),
+                     ((16, 24, 1), 2), ((4, 4, 1), 1)],
+)  # fmt: skip
+def test_kd_crop_padding_is_denses_4_from_28_pixels_and_an_eighth_of_the_height_below(
+  shape, padding
+):
+  assert kd.crop_padding(shape) == padding
