@@ -53,8 +53,15 @@ def test_dml_loss_is_the_kl_to_the_mean_logits_at_temperature_t():
     jnp.asarray(z_bar)
   )
   assert not np.any(np.asarray(grad))
-  with pytest.raises(ValueError, match='labels'):
+  message = r'^kl_weight < 1 \(KL \+ CE, Eq\. 9\) needs the labels of the synthetic images$'
+  with pytest.raises(ValueError, match=message):
     mutual_learning_loss(jnp.asarray(logits[0]), jnp.asarray(z_bar), 5.0, kl_weight=0.5)
+  # the paper's T = 5 is the default; a batch with one real sample is that sample's loss
+  p, q = _softmax(z_bar / 5.0), _softmax(logits[1] / 5.0)
+  kl5 = (p * (np.log(p) - np.log(q))).sum(-1)
+  one = np.array([0, 0, 1, 0, 0, 0], np.float32)
+  got = mutual_learning_loss(jnp.asarray(logits[1]), jnp.asarray(z_bar), weights=jnp.asarray(one))
+  np.testing.assert_allclose(float(got), kl5[2], rtol=1e-5)
 
 
 def test_mutual_learning_step_uses_the_pre_update_consensus_and_models_agree_more():

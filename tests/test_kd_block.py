@@ -196,3 +196,50 @@ def test_kd_crop_padding_is_denses_4_from_28_pixels_and_an_eighth_of_the_height_
   shape, padding
 ):
   assert kd.crop_padding(shape) == padding
+
+
+def test_kd_views_crop_only_under_crop_flip_and_flip_otherwise():
+  """'flip' mirrors some images and leaves the rest; 'crop_flip' also shifts them (padding 2), so
+  some view is neither the image nor its mirror; 'none' is the batch itself."""
+  x = jnp.asarray(np.random.default_rng(0).random((16, *SHAPE), np.float32))
+  key = jax.random.PRNGKey(4)
+
+  def kinds(view):
+    same = [np.allclose(view[i], x[i]) for i in range(16)]
+    mirrored = [np.allclose(view[i], x[i, :, ::-1]) for i in range(16)]
+    return same, mirrored
+
+  none = kd._kd_view(kd.KDConfig(augment='none'), key, x)
+  np.testing.assert_array_equal(np.asarray(none), np.asarray(x))
+  same, mirrored = kinds(kd._kd_view(kd.KDConfig(augment='flip'), key, x))
+  assert all(s or m for s, m in zip(same, mirrored)) and any(mirrored) and any(same)
+  same, mirrored = kinds(kd._kd_view(kd.KDConfig(augment='crop_flip', crop_padding=2), key, x))
+  assert not all(s or m for s, m in zip(same, mirrored))
+
+
+@pytest.mark.parametrize('block', [1, kd.KD_BLOCK])
+def test_an_epoch_without_steps_leaves_the_student_and_has_no_losses(block):
+  module, modules, states, student, pool, idx, mask = _setup(40)
+  ts, losses = kd.run_kd_steps(
+    kd.KDConfig(), SPEC, modules, module, student, states, None, pool, idx[:0], mask[:0],
+    jax.random.PRNGKey(0), np.zeros(0, np.float32), block=block,
+  )  # fmt: skip
+  assert losses.shape == (0,) and losses.dtype == np.float32
+  _close(ts, student)
+
+
+def test_ods_leaves_a_pixel_no_teacher_sees_where_it_is():
+  """Co-Boosting's ODS moves x by eta · sign(∇x score): a pixel no teacher reads has a zero
+  gradient and stays (a division by the sign would send it to infinity)."""
+  module, modules, (stacked,), student, pool, idx, mask = _setup(40)
+  first_kernel = stacked.params['Dense_0']['kernel']  # [teachers, pixels, hidden]
+  params = {**stacked.params, 'Dense_0': {**stacked.params['Dense_0']}}
+  params['Dense_0']['kernel'] = first_kernel.at[:, 0, :].set(0.0)
+  states = (stacked._replace(params=params),)
+  kcfg = kd.KDConfig(loss='kl', T=2.0, augment='none', ods_eta=0.1)
+  ts, loss = kd.kd_step(
+    kcfg, SPEC, modules, module, student, states, None,
+    *kd.gather_batch(pool, jnp.asarray(idx[0])), jnp.asarray(mask[0]), jax.random.PRNGKey(2), 0.05,
+  )  # fmt: skip
+  assert np.isfinite(float(loss))
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(ts.model.params))
