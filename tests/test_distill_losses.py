@@ -746,3 +746,39 @@ def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg, stored_targets):
   want_bias = np.asarray(s_params['fc']['bias']) - lr * grad_s.sum(0)
   np.testing.assert_allclose(new.model.params['fc']['kernel'], want_kernel, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(new.model.params['fc']['bias'], want_bias, rtol=1e-4, atol=1e-6)
+
+
+def test_combine_logits_every_weight_form_against_numpy():
+  """[K], [B, K] and [B, K, C] weights, normalised (the default) or not, against einsum; weights of
+  another rank are refused with their shape."""
+  rng = np.random.default_rng(5)
+  per = rng.normal(size=(3, 4, 5)).astype(np.float32)
+  forms = {
+    'k,kbc->bc': rng.random(3) + 0.1,
+    'bk,kbc->bc': rng.random((4, 3)) + 0.1,
+    'bkc,kbc->bc': rng.random((4, 3, 5)) + 0.1,
+  }
+  sums = {'k,kbc->bc': 'k->', 'bk,kbc->bc': 'bk->b', 'bkc,kbc->bc': 'bkc->bc'}
+  for spec, w in forms.items():  # float64 weights: cast to the logits' dtype
+    raw = np.einsum(spec, w, per.astype(np.float64))
+    total = np.einsum(sums[spec], w)
+    total = total[:, None] if total.ndim == 1 else total
+    got = ensemble.combine_logits(jnp.asarray(per), w)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, raw / total, rtol=1e-5, atol=1e-6, err_msg=spec)
+    np.testing.assert_allclose(
+      ensemble.combine_logits(jnp.asarray(per), w, normalize=False), raw, rtol=1e-5, atol=1e-6
+    )
+  np.testing.assert_allclose(ensemble.combine_logits(jnp.asarray(per)), per.mean(0), rtol=1e-6)
+  with pytest.raises(ValueError, match=r'^weights must have 1-3 dims, got shape \(1, 4, 3, 5\)$'):
+    ensemble.combine_logits(jnp.asarray(per), np.ones((1, 4, 3, 5)))
+
+
+def test_auto_strategy_is_a_loop_on_the_cpu_and_vmap_on_accelerators(monkeypatch):
+  assert ensemble.resolve_strategy('auto') == 'loop'  # the suite runs on the CPU
+  assert ensemble.resolve_strategy('vmap') == 'vmap'
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert ensemble.resolve_strategy('auto') == 'vmap'
+  assert ensemble.resolve_strategy('loop') == 'loop'
+  with pytest.raises(ValueError, match=r"^strategy must be 'auto', 'vmap' or 'loop', got 'scan'$"):
+    ensemble.resolve_strategy('scan')

@@ -48,7 +48,7 @@ def resolve_strategy(strategy: str) -> str:
   return strategy
 
 
-def _one(module, params, batch_stats, x, with_bn_loss: bool, batch_bn: bool = False):
+def _one(module, params, batch_stats, x, with_bn_loss: bool, batch_bn: bool):
   variables = {'params': params, 'batch_stats': batch_stats}
   if batch_bn:
     # BN on the batch's own statistics (a torch module left in train mode); the updated
