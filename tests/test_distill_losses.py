@@ -64,7 +64,7 @@ def test_kl_divergence_reductions(logits, T, t_squared):
   for red, w in want.items():
     got = losses.kl_divergence(jnp.asarray(s), jnp.asarray(t), T, red, t_squared)
     np.testing.assert_allclose(np.asarray(got), w, rtol=1e-5, atol=1e-6)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match=r"^reduction must be one of .*'batchmean'.*, got 'avg'$"):
     losses.kl_divergence(s, t, T, 'avg')
 
 
@@ -327,6 +327,8 @@ def test_ensemble_heterogeneous_groups():
   np.testing.assert_allclose(per, indiv, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out, indiv.mean(0), rtol=1e-5, atol=1e-6)
   assert bn.shape == (5,) and np.all(bn[:2] > 0) and np.all(bn[2:] == 0)
+  with pytest.raises(ValueError, match='^batch_bn teachers have no BN-statistics loss$'):
+    ensemble.teacher_outputs(groups, x, True, 'loop', True)
 
 
 def test_coboosting_weight_update():

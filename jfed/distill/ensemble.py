@@ -64,9 +64,9 @@ def _one(module, params, batch_stats, x, with_bn_loss: bool, batch_bn: bool):
 def group_outputs(
   group: TeacherGroup,
   x: jnp.ndarray,
-  with_bn_loss: bool = False,
-  strategy: str = 'auto',
-  batch_bn: bool = False,
+  with_bn_loss: bool,
+  strategy: str,
+  batch_bn: bool,
 ) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """Per-client logits [K_g, B, C] and per-client BN-statistics losses [K_g] (zeros unless
   `with_bn_loss`) of one group on the same input x [B, ...]. `batch_bn`: BatchNorm normalises

@@ -19,8 +19,8 @@ _REDUCTIONS = ('batchmean', 'mean', 'sum', 'none')
 def kl_divergence(
   student_logits: jnp.ndarray,
   teacher_logits: jnp.ndarray,
-  T: float = 1.0,
-  reduction: str = 'batchmean',
+  T: float,
+  reduction: str,
   t_squared: bool = False,
 ) -> jnp.ndarray:
   """PyTorch `F.kl_div(log_softmax(s/T), softmax(t/T), reduction)` (× T² if `t_squared`).
