@@ -321,10 +321,12 @@ def test_ensemble_heterogeneous_groups():
     indiv = jnp.stack([_call(conv, s, x) for s in singles1] + [_call(mlp, s, x) for s in singles2])
     groups = [ensemble.TeacherGroup(conv, s1), ensemble.TeacherGroup(mlp, s2)]
     out, per = ensemble.ensemble_logits(groups, x, return_per_client=True)
-    return indiv, out, per, ensemble.teacher_outputs(groups, x, with_bn_loss=True)[1]
+    as_tuple = ensemble.teacher_outputs(tuple(groups), x)[0]  # two groups, not one (module, state)
+    return indiv, out, per, ensemble.teacher_outputs(groups, x, with_bn_loss=True)[1], as_tuple
 
-  indiv, out, per, bn = jax.tree.map(np.asarray, run(s1, s2, singles1, singles2, x))
+  indiv, out, per, bn, as_tuple = jax.tree.map(np.asarray, run(s1, s2, singles1, singles2, x))
   np.testing.assert_allclose(per, indiv, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(as_tuple, indiv, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out, indiv.mean(0), rtol=1e-5, atol=1e-6)
   assert bn.shape == (5,) and np.all(bn[:2] > 0) and np.all(bn[2:] == 0)
   with pytest.raises(ValueError, match='^batch_bn teachers have no BN-statistics loss$'):
