@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jfed import engine
 from jfed.distill import kd
 from jfed.distill.pool import epoch_batches, pool_add, pool_init
-from jfed.engine import init_model
+from jfed.engine import compiles, init_model
 from jfed.engine.optim import OptimizerSpec
 from jfed.models import get_model
 
@@ -245,3 +246,17 @@ def test_ods_leaves_a_pixel_no_teacher_sees_where_it_is():
   )  # fmt: skip
   assert np.isfinite(float(loss))
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(ts.model.params))
+
+
+def test_a_committed_start_shares_one_program_with_the_steps_after_it():
+  """A loop's first call on fresh arrays and its later calls on outputs of steps on committed
+  teachers compile one program only if the start is committed (`kd.committed`)."""
+  step = jax.jit(lambda w, teacher: w * 0.5 + teacher)
+  teacher = engine.commit(jnp.ones(3))
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
+    w = kd.committed(jnp.zeros(3))
+    for _ in range(3):
+      w = step(w, teacher)
+  assert compiled.counts()['jit(<lambda>)'] == 1, compiled.summary()
+  assert w.committed
