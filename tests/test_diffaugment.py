@@ -164,7 +164,9 @@ def test_single_mode_applies_one_uniformly_chosen_word():
   np.testing.assert_allclose(got, expected, atol=1e-6)
   counts = np.bincount(chosen, minlength=6)
   assert counts.min() >= 20, counts  # 40 expected per word
-  got = jax.jit(lambda x, p: da.apply_params(x, p, da.DEFAULT_STRATEGY, single=False))(x, p)
+  got = jax.jit(
+    lambda x, p: da.apply_params(x, p, da.DEFAULT_STRATEGY, da.DSAConstants(), single=False)
+  )(x, p)
   np.testing.assert_allclose(got, expected_m, atol=1e-6)
 
 
@@ -236,3 +238,57 @@ def test_unknown_word_is_refused():
   with pytest.raises(ValueError, match='blur'):
     da.strategy_words('color_blur')
   assert da.strategy_words('') == da.strategy_words('none') == ()
+  with pytest.raises(ValueError, match=r"^unknown DSA transform 'blur'$"):
+    da.apply_word('blur', jnp.zeros((1, 4, 4, 1)), {}, da.DSAConstants())
+
+
+def _np_color(x, p, c):
+  """The reference's color word with constants c, in NumPy."""
+  per = lambda v: np.asarray(v, np.float64)[:, None, None, None]
+  x = np.asarray(x, np.float64) + (per(p['brightness']) - 0.5) * c.brightness
+  m = x.mean(axis=3, keepdims=True)
+  x = (x - m) * per(p['saturation']) * c.saturation + m
+  m = x.mean(axis=(1, 2, 3), keepdims=True)
+  return (x - m) * (per(p['contrast']) + c.contrast) + m
+
+
+def test_constants_reach_every_mode_and_the_single_mode_picks_by_choice():
+  """Non-default DSA constants reach the colour transforms alone, in the all-words mode and in
+  the single-word mode, whose word is words[floor(choice · len(words))]."""
+  c = da.DSAConstants(brightness=0.3, saturation=1.5, contrast=0.2)
+  x = _images(b=3, c=3)
+  colored = {}
+  for seed in range(8):
+    key = jax.random.key(seed)
+    p = da.sample_params(key, x.shape, c)
+    color = _np_color(x, p, c)
+    got = da.DiffAugment('color', constants=c)(key, x)
+    np.testing.assert_allclose(got, color, rtol=1e-5, atol=1e-5)
+    flipped = np.where(np.asarray(p['flip'])[:, None, None, None], color[:, :, ::-1], color)
+    got = da.DiffAugment('color_flip', constants=c, single=False)(key, x)
+    np.testing.assert_allclose(got, flipped, rtol=1e-5, atol=1e-5)
+    word = ('color', 'flip')[int(float(p['choice'][0]) * 2)]
+    want = (
+      color
+      if word == 'color'
+      else np.where(np.asarray(p['flip'])[:, None, None, None], x[:, :, ::-1], x)
+    )
+    got = jax.jit(da.DiffAugment('color_flip', constants=c, single=True).__call__)(key, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=word)
+    colored[word] = True
+  assert colored == {'color': True, 'flip': True}  # both branches were checked
+
+
+def test_crop_and_cutout_sizes_follow_height_and_width_apart():
+  """Crop shift int(0.125 · size + 0.5) and cutout side int(0.5 · size + 0.5), per axis."""
+  x = np.zeros((512, 8, 24, 1), np.float32)
+  p = da.sample_params(jax.random.key(0), x.shape)
+  assert set(np.unique(np.asarray(p['crop_y']))) == {-1, 0, 1}
+  assert set(np.unique(np.asarray(p['crop_x']))) == {-3, -2, -1, 0, 1, 2, 3}
+  ones = np.ones((1, 8, 24, 1), np.float32)
+  cut = np.asarray(
+    da.apply_word('cutout', ones, {'cutout_y': jnp.array([4]), 'cutout_x': jnp.array([12])},
+                  da.DSAConstants())
+  )  # fmt: skip
+  rows, cols = np.nonzero(cut[0, :, :, 0] == 0)
+  assert (rows.min(), rows.max(), cols.min(), cols.max()) == (2, 5, 6, 17)  # 4 x 12 around (4, 12)

@@ -304,9 +304,9 @@ def apply_word(word: str, x, p, constants: DSAConstants = DSAConstants()):
 def apply_params(
   x,
   p,
-  strategy: str = DEFAULT_STRATEGY,
-  constants: DSAConstants = DSAConstants(),
-  single: bool = True,
+  strategy: str,
+  constants: DSAConstants,
+  single: bool,
 ):
   """The augmentation with given parameters (Siamese: the same `p` on several batches).
 
