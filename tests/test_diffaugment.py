@@ -280,11 +280,20 @@ def test_constants_reach_every_mode_and_the_single_mode_picks_by_choice():
 
 
 def test_crop_and_cutout_sizes_follow_height_and_width_apart():
-  """Crop shift int(0.125 · size + 0.5) and cutout side int(0.5 · size + 0.5), per axis."""
-  x = np.zeros((512, 8, 24, 1), np.float32)
-  p = da.sample_params(jax.random.key(0), x.shape)
-  assert set(np.unique(np.asarray(p['crop_y']))) == {-1, 0, 1}
-  assert set(np.unique(np.asarray(p['crop_x']))) == {-3, -2, -1, 0, 1, 2, 3}
+  """Crop shift int(0.125 · size + 0.5) and cutout side int(0.5 · size + 0.5), per axis; cutout
+  centres ~ U{0 .. size − (cut mod 2)} per axis (the reference's randint(0, size + 1 − cut % 2)),
+  for even and odd cutout sides; scale factors in [1/1.2, 1.2] on both axes."""
+  for shape, crop_y, crop_x, cuts in [
+    ((1024, 8, 24, 1), 1, 3, (4, 12)),  # even cutout sides
+    ((1024, 10, 22, 1), 1, 3, (5, 11)),  # odd ones (11 mod 3 differs from 11 mod 2)
+  ]:
+    p = jax.tree.map(np.asarray, da.sample_params(jax.random.key(0), shape))
+    assert set(np.unique(p['crop_y'])) == set(range(-crop_y, crop_y + 1))
+    assert set(np.unique(p['crop_x'])) == set(range(-crop_x, crop_x + 1))
+    for axis, size, cut in (('cutout_y', shape[1], cuts[0]), ('cutout_x', shape[2], cuts[1])):
+      assert set(np.unique(p[axis])) == set(range(size + 1 - cut % 2)), (shape, axis)
+    for axis in ('scale_x', 'scale_y'):
+      assert 1 / 1.2 <= p[axis].min() < 0.85 and 1.15 < p[axis].max() <= 1.2, (shape, axis)
   ones = np.ones((1, 8, 24, 1), np.float32)
   cut = np.asarray(
     da.apply_word('cutout', ones, {'cutout_y': jnp.array([4]), 'cutout_x': jnp.array([12])},
