@@ -235,9 +235,13 @@ def test_gradients_flow_through_every_word():
 
 
 def test_unknown_word_is_refused():
-  with pytest.raises(ValueError, match='blur'):
-    da.strategy_words('color_blur')
-  assert da.strategy_words('') == da.strategy_words('none') == ()
+  message = (
+    r"^unknown DSA transform\(s\) 'blur', 'warp' in 'color_blur_warp'; valid words \(joined by "
+    r'_\): color, crop, cutout, flip, scale, rotate; or none$'
+  )
+  with pytest.raises(ValueError, match=message):
+    da.strategy_words('color_blur_warp')
+  assert da.strategy_words('') == da.strategy_words('none') == da.strategy_words('None') == ()
   with pytest.raises(ValueError, match=r"^unknown DSA transform 'blur'$"):
     da.apply_word('blur', jnp.zeros((1, 4, 4, 1)), {}, da.DSAConstants())
 
@@ -301,3 +305,17 @@ def test_crop_and_cutout_sizes_follow_height_and_width_apart():
   )  # fmt: skip
   rows, cols = np.nonzero(cut[0, :, :, 0] == 0)
   assert (rows.min(), rows.max(), cols.min(), cols.max()) == (2, 5, 6, 17)  # 4 x 12 around (4, 12)
+
+
+def test_scale_and_rotation_are_the_references_affine_maps_of_the_draw():
+  """scale = u · (1.2 − 1/1.2) + 1/1.2 and rotation = (u − 0.5) · 2 · 15° in radians, u the rows
+  of the one uniform draw (`sample_params`'s documented rows)."""
+  key, shape = jax.random.key(3), (64, 8, 8, 1)
+  u = np.asarray(jax.random.uniform(key, (len(da._ROWS), shape[0])), np.float64)
+  row = {name: u[i] for i, name in enumerate(da._ROWS)}
+  p = da.sample_params(key, shape)
+  for axis in ('scale_x', 'scale_y'):
+    want = row[axis] * (1.2 - 1 / 1.2) + 1 / 1.2
+    np.testing.assert_allclose(np.asarray(p[axis]), want, rtol=1e-6)
+  want = (row['rotate'] - 0.5) * 2.0 * 15.0 / 180.0 * np.pi
+  np.testing.assert_allclose(np.asarray(p['rotate']), want, rtol=1e-6, atol=1e-7)
