@@ -314,3 +314,35 @@ def test_between_two_candidate_boundaries_there_is_always_a_client():
       assert np.any((x > lo) & (x < hi)), (d, space)
     checked += len(candidates) > 1
   assert checked > 200  # cases with two or more candidates were drawn
+
+
+def test_device_profiles_normalise_shares_and_refuse_bad_rates_or_shares():
+  """Shares are normalised (a zero share allowed), slow-downs are fastest rate / rate; every bad
+  input is refused with its whole message."""
+  p = profile_from_rates([1.0, 0.5, 0.25], [2, 2, 0])
+  np.testing.assert_allclose(p.shares, (0.5, 0.5, 0.0))
+  np.testing.assert_allclose(p.slowdowns, (1.0, 2.0, 4.0))
+  shape = r'^rates \(1\.0,\) and shares \(1\.0, 1\.0\) must be non-empty and of equal length$'
+  with pytest.raises(ValueError, match=shape):
+    profile_from_rates([1.0], [1, 1])
+  with pytest.raises(ValueError, match=r'^rates \(\) and shares \(\) must be non-empty'):
+    profile_from_rates([], [])
+  for rates, shares in [([0.0, 1.0], [1, 1]), ([1.5, 1.0], [1, 1]), ([1.0, 0.5], [1, -1]),
+                        ([1.0, 0.5], [0, 0])]:  # fmt: skip
+    message = rf'^rates must be in \(0, 1\] and shares non-negative, got .*{shares[1]}\.0\)$'
+    with pytest.raises(ValueError, match=message):
+      profile_from_rates(rates, shares)
+
+
+def test_devices_are_assigned_by_largest_remainder_and_durations_scale_by_class():
+  """10 clients at shares 0.25 / 0.35 / 0.4: floors 2, 3, 4 and the one left to the first of the
+  tied largest remainders (3, 3, 4); a duration is base × slow-down × lognormal(0, σ) noise from
+  the seed's second stream, and the record keeps the median base time and its source."""
+  p = profile_from_rates([1.0, 0.5, 0.25], [0.25, 0.35, 0.4])
+  classes = assign_devices(10, p, seed=3)
+  assert np.bincount(classes, minlength=3).tolist() == [3, 3, 4]
+  d = simulated_durations(np.full(10, 2.0), 10, p, jitter=0.1, seed=3)
+  noise = np.random.default_rng((3, 1)).lognormal(0.0, 0.1, 10)
+  np.testing.assert_array_equal(d.device_class, classes)
+  np.testing.assert_allclose(d.durations, 2.0 * np.array([1.0, 2.0, 4.0])[classes] * noise)
+  assert d.base_seconds == 2.0 and d.source == 'simulated'
