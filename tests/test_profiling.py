@@ -346,3 +346,15 @@ def test_devices_are_assigned_by_largest_remainder_and_durations_scale_by_class(
   np.testing.assert_array_equal(d.device_class, classes)
   np.testing.assert_allclose(d.durations, 2.0 * np.array([1.0, 2.0, 4.0])[classes] * noise)
   assert d.base_seconds == 2.0 and d.source == 'simulated'
+
+
+def test_a_durations_file_is_recorded_as_read_and_a_zero_duration_is_refused(tmp_path):
+  path = tmp_path / 'durations.json'
+  path.write_text('[2, 2.1, 10]')
+  d = read_durations(str(path), 3)
+  assert d.durations.dtype == np.float64 and d.durations.tolist() == [2.0, 2.1, 10.0]
+  assert d.base_seconds == 0.0 and d.device_class.tolist() == [-1, -1, -1]
+  assert d.source == str(path)
+  path.write_text('[2, 0, 10]')
+  with pytest.raises(ValueError, match='finite and > 0'):
+    read_durations(str(path), 3)
