@@ -90,7 +90,11 @@ def test_the_proxy_task_is_timed_here_and_scaled_by_the_profile(tmp_path):
   ds = load_dataset('digits')
   task = ProxyTask(ds.train_x[:256], ds.train_y[:256], 10, epochs=2)
   p = profile_from_rates([1.0, 0.5], [0.5, 0.5])
-  assert task.seconds(repeats=2) > 0
+  assert 0 < task.seconds(repeats=2) < 30  # one pass over 256 digits
+  with pytest.raises(
+    ValueError, match='^the proxy task needs at least one batch of 32 samples, got 31$'
+  ):
+    ProxyTask(ds.train_x[:31], ds.train_y[:31], 10)
   # Each client's own measured time (stubbed: real timings on a shared CPU are noisy) times its
   # device class's slow-down.
   times = iter([0.010, 0.011, 0.012, 0.013, 0.014, 0.015])
@@ -98,6 +102,11 @@ def test_the_proxy_task_is_timed_here_and_scaled_by_the_profile(tmp_path):
   d = measured_durations(task, 6, p, seed=0, repeats=3)
   want = np.array([0.010, 0.011, 0.012, 0.013, 0.014, 0.015]) * np.where(d.device_class, 2.0, 1.0)
   np.testing.assert_allclose(d.durations, want)
+  # with jitter: the lognormal noise of the seed's second stream on top
+  times = iter([0.010, 0.011, 0.012, 0.013, 0.014, 0.015])
+  jittered = measured_durations(task, 6, p, seed=0, repeats=3, jitter=0.2)
+  noise = np.random.default_rng((0, 1)).lognormal(0.0, 0.2, 6)
+  np.testing.assert_allclose(jittered.durations, want * noise)
   np.testing.assert_array_equal(np.bincount(d.device_class), [3, 3])
   plot_kde(kde_clusters(d.durations, 0.3), d.durations, str(tmp_path / 'kde.png'))
   assert (tmp_path / 'kde.png').stat().st_size > 5000
