@@ -18,12 +18,13 @@ unwritable workdir, training that turns non-finite) end in one `error: ...` line
 status 1; `--traceback` shows the stack instead.
 """
 
-import logging as std_logging
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from experiments import console
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('method', None, 'Method to run; --method=? lists them.')
@@ -108,25 +109,6 @@ def _parse_flags(argv):
     _fail(' '.join(str(message).split()), 2)
 
 
-def _jfed_record(record) -> bool:
-  """Whether a log record is worth the console by default: any warning or error, and the INFO
-  lines of jfed and the experiments (the phases of a run: KIP, model stratification, DDPM
-  training, generation), not the libraries' INFO (orbax logs every checkpoint step)."""
-  return record.levelno >= std_logging.WARNING or record.pathname.startswith(_OWN_CODE)
-
-
-_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _console_logging() -> None:
-  """An explicit --verbosity is honoured as absl defines it; by default, INFO for jfed's own
-  records and WARNING for the libraries'."""
-  if FLAGS['verbosity'].present:
-    return
-  logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(_jfed_record)
-
-
 def main(argv):
   del argv
   from jfed.methods import available_methods  # pylint: disable=g-import-not-at-top
@@ -139,7 +121,7 @@ def main(argv):
     return
   if FLAGS.config is None:
     _fail('--config is required, e.g. --config=experiments/configs/digits.py', 2)
-  _console_logging()
+  console.console_logging()
   try:
     from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
     from jfed.engine import multihost  # pylint: disable=g-import-not-at-top

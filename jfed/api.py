@@ -227,7 +227,9 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
       i: The step, from 0 to num_steps - 1.
 
     Returns:
-      The new state (checkpointed after the step) and the step's records.
+      The new state (checkpointed after the step) and the step's records. The input state's
+      own leaves (arrays) with no records mean the step changed nothing (FedDF after its early
+      stop): the driver writes no checkpoint for it, since the previous one holds that state.
     """
     raise NotImplementedError
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from experiments import main as cli
+from experiments import console, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,10 +19,29 @@ def _record(path, level):
 
 
 def test_the_default_filter_keeps_jfeds_info_and_every_warning():
-  assert cli._jfed_record(_record(os.path.join(ROOT, 'jfed', 'methods', 'hfldd.py'), logging.INFO))
+  own = os.path.join(ROOT, 'jfed', 'methods', 'hfldd.py')
+  assert console.jfed_record(_record(own, logging.INFO))
   orbax = '/usr/lib/python3/site-packages/orbax/checkpoint/checkpoint_manager.py'
-  assert not cli._jfed_record(_record(orbax, logging.INFO))
-  assert cli._jfed_record(_record(orbax, logging.WARNING))
+  assert not console.jfed_record(_record(orbax, logging.INFO))
+  assert console.jfed_record(_record(orbax, logging.WARNING))
+
+
+def test_a_table_command_filters_the_libraries_info_lines_too(monkeypatch):
+  """The table and sweep commands (sweep.run_command; the GPU queue's chunks are such commands):
+  a chunk's log had ended in 200 of orbax's checkpoint lines and no progress line."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+
+  handler = absl_logging.get_absl_handler()
+  seen = []
+  monkeypatch.setattr(handler, 'filters', [])
+  monkeypatch.setattr(sys, 'argv', ['table'])
+  verbosity = absl_logging.get_verbosity()
+  try:  # INFO left on would put progress callbacks in other tests' programs
+    with pytest.raises(SystemExit):
+      sweep.run_command(lambda argv: seen.append(list(handler.filters)), lambda: None)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  assert seen == [[console.jfed_record]]
 
 
 def _run(tmp_path, *extra):

@@ -310,9 +310,10 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
 
 
 def test_feddf_early_stop_leaves_the_round_and_resumes_inside_it(tmp_path, monkeypatch):
-  """patience 0: every round stops after its first epoch; the remaining steps record nothing.
-  A run killed inside a stopped round resumes to the uninterrupted result. Smoke budget with
-  four epochs a round, MLP clients (FedDF's learning is the end-to-end test's)."""
+  """patience 0: every round stops after its first epoch; the remaining steps record nothing
+  and write no checkpoint (at the paper's budget each would be 1 GiB of unchanged teachers). A
+  run killed inside a stopped round resumes to the uninterrupted result. Smoke budget with four
+  epochs a round, MLP clients (FedDF's learning is the end-to-end test's)."""
   overrides = {'feddf.patience': 0, 'feddf.total_steps': 8, 'feddf.eval_every': 2}
   config = _config('smoke,rounds=2', model='mlp', **overrides)
   with monkeypatch.context() as m:
@@ -322,8 +323,9 @@ def test_feddf_early_stop_leaves_the_round_and_resumes_inside_it(tmp_path, monke
   assert [(r['round'], r['epoch'], r['step']) for r in records] == [(1, 1, 1), (2, 1, 5)]
   assert all(r['early_stop'] for r in records) and whole['early_stopped']
   assert whole.steps == 8 and whole['final_test_accuracy'] == records[-1]['round_accuracy']
-  resumed = _run('feddf', config, tmp_path / 'killed' / '3')
-  assert read_metrics(tmp_path / 'killed' / '3') == read_metrics(tmp_path / 'whole')
+  assert sorted(int(p.name) for p in (tmp_path / 'killed').iterdir()) == [1, 5]
+  resumed = _run('feddf', config, tmp_path / 'killed' / '1')
+  assert read_metrics(tmp_path / 'killed' / '1') == read_metrics(tmp_path / 'whole')
   assert comparable_summary(resumed) == comparable_summary(whole)
 
 
