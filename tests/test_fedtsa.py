@@ -234,3 +234,177 @@ def test_every_run_of_a_fedtsa_table_holds_out_the_same_training_images_and_uses
   configs['heterofl'].dataset.holdout_size += 1
   with pytest.raises(ConfigError, match='differ'):
     fedtsa_tables.check_comparable(configs)
+
+
+_DIGIT_NAMES = 'zero one two three four five six seven eight nine'.split()
+
+
+def test_every_client_uploads_one_prompt_per_class_from_the_configured_template():
+  """§4.4: each client sends a text prompt per class; the pool is their union and the bytes are
+  every client's prompts as newline-joined UTF-8."""
+  algorithm, ctx, _ = _fedtsa_setup(None, **{'fedtsa.prompt_template': 'an image of {}'})
+  pool, nbytes = algorithm._prompt_pool(ctx)
+  expected = [f'an image of digit {n}' for n in _DIGIT_NAMES]
+  assert list(pool.prompts) == expected
+  assert nbytes == ctx.num_clients * len('\n'.join(expected).encode())
+
+
+_DDPM = {
+  'fedtsa.source': 'ddpm',
+  'fedtsa.ddpm_timesteps': 20,
+  'fedtsa.ddpm_channels': 8,
+  'fedtsa.ddpm_steps': 3,
+  'fedtsa.ddpm_batch': 4,
+  'fedtsa.ddpm_lr': 1e-3,
+  'fedtsa.ddpm_guidance': 2.0,
+}
+
+
+def _context(tmp_path, **overrides):
+  """The algorithm, its context and held-out data, without setup's profiling and Stage 1."""
+  config = override(fedtsa_digits.get_config('smoke'), **overrides)
+  algorithm = driver.build_algorithm('fedtsa', config)
+  ctx = driver.context_of_config(config, load_dataset('digits'), workdir=tmp_path)
+  return algorithm, ctx, algorithm._holdout(ctx)
+
+
+def _assert_held_out(ctx, holdout, x, y):
+  """x, y are fedtsa.holdout_size (100) held-out training images, labelled, none of the test's."""
+  assert x is holdout.x and y is holdout.y and len(y) == 100
+  held = {a.tobytes(): b for a, b in zip(ctx.dataset.holdout_x, ctx.dataset.holdout_y)}
+  assert all(held[a.tobytes()] == b for a, b in zip(x, y))
+  test = {a.tobytes() for a in ctx.dataset.test_x}
+  assert not any(a.tobytes() in test for a in x)
+
+
+def _record_calls(monkeypatch, module, name, result):
+  calls = []
+
+  def fake(*args, **kwargs):
+    calls.append((args, kwargs))
+    return result
+
+  monkeypatch.setattr(module, name, fake)
+  return calls
+
+
+@pytest.mark.parametrize('own_cache', [True, False])
+def test_the_ddpm_source_trains_on_the_held_out_images_with_the_configs_settings(
+  tmp_path, monkeypatch, own_cache
+):
+  """The DDPM of Stage 2 learns from the held-out training images (never the test split) with
+  fedtsa.ddpm_*, keyed by the DIFFUSION purpose, cached in the workdir unless ddpm_cache names
+  a file; what the record says matches what happened."""
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  cache = '' if own_cache else str(tmp_path / 'shared' / 'ddpm.msgpack')
+  algorithm, ctx, holdout = _context(tmp_path, **_DDPM, **{'fedtsa.ddpm_cache': cache})
+  calls = _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', True))
+  record = {}
+  source = algorithm._image_source(ctx, holdout, record)
+  ((path, x, y, classes, cfg, key),), _ = zip(*calls)
+  assert path == (str(tmp_path / 'ddpm.msgpack') if own_cache else cache)
+  _assert_held_out(ctx, holdout, x, y)
+  assert classes == 10
+  assert (cfg.timesteps, cfg.base_channels, cfg.steps, cfg.batch) == (20, 8, 3, 4)
+  assert (cfg.lr, cfg.guidance) == (1e-3, 2.0)
+  np.testing.assert_array_equal(
+    jax.random.key_data(key), jax.random.key_data(ctx.derive_key(Purpose.DIFFUSION))
+  )
+  assert record['ddpm_loaded_from_cache'] is True
+  assert record['ddpm_training_images'] == len(y) == 100
+  assert record['ddpm_seconds'] >= 0
+  assert (source.params, source.cfg, source.num_classes) == ('trained', cfg, 10)
+  assert source.image_shape == ctx.dataset.input_shape
+
+
+def test_a_run_in_memory_trains_its_ddpm_without_a_cache(monkeypatch):
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, holdout = _context(None, **_DDPM)
+  monkeypatch.setattr(ddpm_train, 'load_or_train', None)  # must not be called
+  calls = _record_calls(monkeypatch, ddpm_train, 'train_ddpm', 'trained')
+  record = {}
+  source = algorithm._image_source(ctx, holdout, record)
+  ((x, y, classes, cfg, key),), _ = zip(*calls)
+  _assert_held_out(ctx, holdout, x, y)
+  assert classes == 10 and cfg.steps == 3 and source.params == 'trained'
+  np.testing.assert_array_equal(
+    jax.random.key_data(key), jax.random.key_data(ctx.derive_key(Purpose.DIFFUSION))
+  )
+  assert record['ddpm_loaded_from_cache'] is False
+
+
+def test_held_out_labels_beyond_the_tasks_classes_are_refused(tmp_path, monkeypatch):
+  from jfed.data.public import PublicData  # pylint: disable=g-import-not-at-top
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
+  _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
+  last_class = holdout._replace(y=np.full_like(holdout.y, 9))
+  assert algorithm._image_source(ctx, last_class, {}).params == 'trained'
+  beyond = PublicData(holdout.x, np.full_like(holdout.y, 10), holdout.eval_x, holdout.eval_y, 'x')
+  with pytest.raises(ConfigError, match='has labels beyond the 10 classes of digits'):
+    algorithm._image_source(ctx, beyond, {})
+
+
+def test_the_pipeline_source_opens_the_configured_directory_at_the_task_shape(
+  tmp_path, monkeypatch
+):
+  from jfed.methods import fedtsa  # pylint: disable=g-import-not-at-top
+
+  overrides = {
+    'fedtsa.source': 'pipeline',
+    'fedtsa.pipeline_dir': str(tmp_path / 'sd'),
+    'fedtsa.pipeline_steps': 7,
+    'fedtsa.pipeline_guidance': 3.5,
+  }
+  algorithm, ctx, holdout = _context(tmp_path, **overrides)
+  calls = _record_calls(monkeypatch, fedtsa, 'LocalDiffusionSource', 'pipeline')
+  assert algorithm._image_source(ctx, holdout, {}) == 'pipeline'
+  assert calls == [
+    (
+      (str(tmp_path / 'sd'), ctx.dataset.input_shape),
+      {'num_inference_steps': 7, 'guidance_scale': 3.5},
+    )
+  ]
+
+
+@pytest.mark.parametrize('stage2', [True, False])
+def test_the_summary_reports_the_clusters_stage2_and_the_last_rounds_accuracies(stage2):
+  """summary.json's fields, each from what the run did: the clusters (sizes and rates of the
+  KDE assignment, the pruned model of each), Stage 2's source and image count, the whole test
+  split, the upload size of each cluster's model (flax msgpack) and the last record's
+  accuracies."""
+  import flax.serialization  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, aux = _fedtsa_setup(
+    None, **{'fedtsa.stage2': stage2, 'fedtsa.reported_model': 'client_weighted'}
+  )
+  history = [
+    {'round': 1, 'cluster_test_accuracy': [0.1, 0.2], 'client_weighted_test_accuracy': 0.15},
+    {'round': 2, 'cluster_test_accuracy': [0.3, 0.4], 'client_weighted_test_accuracy': 0.35},
+    {'round': 3, 'cluster_test_accuracy': [0.5, 0.6], 'client_weighted_test_accuracy': 0.55},
+  ]
+  summary = algorithm.summarize(ctx, aux, algorithm.init(ctx, aux), history)
+  assignments = np.asarray(aux.clusters.assignments)
+  sizes = np.bincount(assignments).tolist()
+  rates = [float(r) for r in aux.clusters.rates]
+  assert summary == {
+    'rounds': 3,
+    'clusters': len(sizes),
+    'cluster_rates': rates,
+    'cluster_sizes': sizes,
+    'cluster_models': [f'mlp:width_mult={r:g}' for r in rates],
+    'cluster_test_accuracy': [0.5, 0.6],
+    'client_weighted_test_accuracy': 0.55,
+    'stage2': stage2,
+    'source': 'public' if stage2 else None,
+    'stage2_images': 100 if stage2 else 0,  # 10 prompts x images_per_prompt
+    'eval_samples': 360,
+    'reported_model': 'client_weighted',
+    'model_bytes': [len(flax.serialization.to_bytes(t)) for t in aux.templates],
+  }
+  assert sum(sizes) == ctx.num_clients
+  empty = algorithm.summarize(ctx, aux, algorithm.init(ctx, aux), [])
+  assert empty['cluster_test_accuracy'] is None and empty['client_weighted_test_accuracy'] is None
