@@ -2,6 +2,8 @@
 mutual learning step, clustering and pruning in the method's setup, Stage-2 images,
 participation."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -408,3 +410,54 @@ def test_the_summary_reports_the_clusters_stage2_and_the_last_rounds_accuracies(
   assert sum(sizes) == ctx.num_clients
   empty = algorithm.summarize(ctx, aux, algorithm.init(ctx, aux), [])
   assert empty['cluster_test_accuracy'] is None and empty['client_weighted_test_accuracy'] is None
+
+
+class _FakeSource:
+  """An image source that records its call and its closing (a pipeline frees its memory)."""
+
+  def __init__(self, shape):
+    self.shape, self.calls, self.closed = shape, [], False
+
+  def generate(self, pool, per_prompt, key):
+    from jfed.diffusion.source import SyntheticImages  # pylint: disable=g-import-not-at-top
+
+    self.calls.append((pool, per_prompt, key))
+    n = len(pool.prompts) * per_prompt
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(n, *self.shape))  # float64, as a library might return
+    return SyntheticImages(images, np.repeat(np.arange(len(pool.prompts)), per_prompt))
+
+  def close(self):
+    self.closed = True
+
+
+def test_stage2_images_come_from_the_source_once_and_a_resumed_run_reads_them_back(
+  tmp_path, monkeypatch
+):
+  """The Stage-2 images are a stage of the run: generated once with the STAGE2_IMAGES key,
+  stored as float32 images and int32 labels, and read back (not generated again) on resume;
+  the record has the DDPM's and the generation's fields."""
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
+  pool, _ = algorithm._prompt_pool(ctx)
+  source = _FakeSource(ctx.dataset.input_shape)
+  _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
+  monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: source)
+  record = {}
+  start = time.perf_counter()
+  images = algorithm._images(ctx, pool, holdout, record)
+  elapsed = time.perf_counter() - start
+  ((called_pool, per_prompt, key),) = source.calls
+  assert called_pool is pool and per_prompt == 10 and source.closed
+  np.testing.assert_array_equal(
+    jax.random.key_data(key), jax.random.key_data(ctx.derive_key(Purpose.STAGE2_IMAGES))
+  )
+  assert images.images.dtype == np.float32 and images.labels.dtype == np.int32
+  assert 0 <= record['generation_seconds'] <= elapsed
+  assert record['ddpm_loaded_from_cache'] is False and record['ddpm_training_images'] == 100
+  again = algorithm._images(ctx, pool, holdout, {})
+  assert len(source.calls) == 1  # read back from the workdir's stage
+  assert again.images.dtype == np.float32 and again.labels.dtype == np.int32
+  np.testing.assert_array_equal(again.images, images.images)
+  np.testing.assert_array_equal(again.labels, images.labels)
