@@ -461,3 +461,57 @@ def test_stage2_images_come_from_the_source_once_and_a_resumed_run_reads_them_ba
   assert again.images.dtype == np.float32 and again.labels.dtype == np.int32
   np.testing.assert_array_equal(again.images, images.images)
   np.testing.assert_array_equal(again.labels, images.labels)
+
+
+def test_rates_and_shares_parse_with_commas_or_semicolons_and_bad_lists_are_named():
+  from jfed.methods.fedtsa import parse_floats  # pylint: disable=g-import-not-at-top
+
+  assert parse_floats('1;0.8, 0.6', 'fedtsa.device_rates') == (1.0, 0.8, 0.6)
+  assert parse_floats(0.5, 'fedtsa.device_rates') == (0.5,)
+  with pytest.raises(ConfigError) as info:
+    parse_floats('1;a', 'fedtsa.device_rates')
+  assert str(info.value) == "fedtsa.device_rates must be comma-separated numbers, got '1;a'"
+  with pytest.raises(ConfigError) as info:
+    parse_floats(' , ', 'fedtsa.device_shares')
+  assert str(info.value) == 'fedtsa.device_shares is empty'
+
+
+def test_a_round_sends_each_cluster_its_own_models_and_adds_up_what_the_server_received(
+  monkeypatch,
+):
+  """Round 2 (i = 1) at participation 0.6: the clients drawn with the SAMPLING key train, each
+  cluster's server call gets that cluster's model, template, members taking part and index,
+  and the record adds up every call's upload bytes and rejected uploads (a fake count per call,
+  so that a sum is told from a last value). The training label names the round and cluster."""
+  algorithm, ctx, aux = _fedtsa_setup(None, **{'fedtsa.participation': 0.6})
+  state = algorithm.init(ctx, aux)
+  selected = common.select_clients(ctx.derive_key(Purpose.SAMPLING, 1), ctx.num_clients, 0.6)
+  received, labels = [], []
+  receive, train_groups = type(aux.server).receive, common.train_groups
+
+  def counting_receive(server, group, trained, model, template, i, taking_part, part):
+    received.append((model, template, i, np.asarray(taking_part), part))
+    aggregate, out = receive(
+      server, group, trained, model, template, i, taking_part=taking_part, part=part
+    )
+    return aggregate, {**out, 'upload_bytes': 1000 + part, 'rejected_uploads': 1}
+
+  def labelled(*args, label, **kwargs):
+    labels.append(label)
+    return train_groups(*args, label=label, **kwargs)
+
+  monkeypatch.setattr(type(aux.server), 'receive', counting_receive)
+  monkeypatch.setattr(common, 'train_groups', labelled)
+  _, (record,) = algorithm.step(ctx, aux, state, 1)
+  taking = [k for k, g in enumerate(aux.groups) if np.isin(g.client_ids, selected).any()]
+  assert [r[4] for r in received] == taking and taking
+  for model, template, i, mask, k in received:
+    assert model is state[k] and template is aux.templates[k] and i == 1
+    np.testing.assert_array_equal(mask, np.isin(aux.groups[k].client_ids, selected))
+  assert labels == [
+    f'round 2/3 cluster {k} (rate {float(aux.clusters.rates[k]):g})' for k in taking
+  ]
+  assert record['round'] == 2 and record['clients'] == len(selected)
+  assert record['upload_bytes'] == record['download_bytes'] == sum(1000 + k for k in taking)
+  assert record['rejected_uploads'] == len(taking)
+  assert np.isfinite(record['stage2_loss'])
