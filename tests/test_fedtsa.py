@@ -515,3 +515,61 @@ def test_a_round_sends_each_cluster_its_own_models_and_adds_up_what_the_server_r
   assert record['upload_bytes'] == record['download_bytes'] == sum(1000 + k for k in taking)
   assert record['rejected_uploads'] == len(taking)
   assert np.isfinite(record['stage2_loss'])
+
+
+class _FakeProxyTask:
+  """Records what FedTSA builds the proxy task from; its time here is 0.25 s."""
+
+  made = []
+
+  def __init__(self, x, y, num_classes, seed):
+    self.x, self.y, self.num_classes, self.seed = x, y, num_classes, seed
+    _FakeProxyTask.made.append(self)
+
+  def seconds(self, repeats):
+    self.repeats = repeats
+    return 0.25
+
+
+@pytest.mark.parametrize('profile', ['measured', 'simulated'])
+def test_the_durations_come_from_the_proxy_task_on_the_first_training_images(monkeypatch, profile):
+  """§4.3's profiling: the proxy task is the first proxy_samples training images with the run's
+  seed; 'measured' times it per client, 'simulated' once, each with the config's device profile,
+  repeats and jitter; the result is float64 durations and int64 device classes named by the
+  profile."""
+  from jfed.methods import fedtsa  # pylint: disable=g-import-not-at-top
+  from jfed.profiling.proxy import ClientDurations  # pylint: disable=g-import-not-at-top
+
+  overrides = {
+    'fedtsa.profile': profile,
+    'fedtsa.proxy_samples': 40,
+    'fedtsa.proxy_repeats': 2,
+    'fedtsa.jitter': 0.07,
+    'fedtsa.device_rates': '1.0;0.5',
+    'fedtsa.device_shares': '0.4,0.6',
+    'seed': 3,
+  }
+  algorithm, ctx, _ = _context(None, **overrides)
+  _FakeProxyTask.made = []
+  monkeypatch.setattr(fedtsa, 'ProxyTask', _FakeProxyTask)
+  result = ClientDurations(
+    np.arange(1, 6, dtype=np.float32), 0.25, np.array([0, 0, 1, 1, 1], np.int32), 'x'
+  )
+  name = f'{profile}_durations'
+  calls = _record_calls(monkeypatch, fedtsa, name, result)
+  durations = algorithm._durations(ctx)
+  (task,) = _FakeProxyTask.made
+  np.testing.assert_array_equal(task.x, ctx.dataset.train_x[:40])
+  np.testing.assert_array_equal(task.y, ctx.dataset.train_y[:40])
+  assert (task.num_classes, task.seed) == (10, 3)
+  ((args, kwargs),) = calls
+  assert not kwargs
+  expected_profile = ((0.4, 0.6), (1.0, 2.0))
+  if profile == 'measured':
+    assert args[0] is task and args[1:] == (5, expected_profile, 3, 2, 0.07)
+  else:
+    assert task.repeats == 2 and args == (0.25, 5, expected_profile, 0.07, 3)
+  assert durations.durations.dtype == np.float64 and durations.device_class.dtype == np.int64
+  np.testing.assert_array_equal(durations.durations, [1, 2, 3, 4, 5])
+  np.testing.assert_array_equal(durations.device_class, [0, 0, 1, 1, 1])
+  assert durations.base_seconds == 0.25 and durations.source == profile

@@ -277,8 +277,9 @@ class FedTSA(Algorithm):
     c, ds, n = self.config, ctx.dataset, ctx.num_clients
     if c.profile == 'file':
       return read_durations(c.durations_file, n)
-    profile = profile_from_rates(
-      parse_floats(c.device_rates, 'device_rates'), parse_floats(c.device_shares, 'device_shares')
+    profile = profile_from_rates(  # validate() refused bad lists already, with these names
+      parse_floats(c.device_rates, 'fedtsa.device_rates'),
+      parse_floats(c.device_shares, 'fedtsa.device_shares'),
     )
     seed = int(ctx.run.seed)
 
