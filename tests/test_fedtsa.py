@@ -573,3 +573,102 @@ def test_the_durations_come_from_the_proxy_task_on_the_first_training_images(mon
   np.testing.assert_array_equal(durations.durations, [1, 2, 3, 4, 5])
   np.testing.assert_array_equal(durations.device_class, [0, 0, 1, 1, 1])
   assert durations.base_seconds == 0.25 and durations.source == profile
+
+
+def _bn_members():
+  """Two BatchNorm CNNs of different widths (the padding and the mask matter only with BN)."""
+  shape = (8, 8, 1)
+  modules = [get_model('cnn_mnist', 10, shape, channels=(c, 4)) for c in (2, 3)]
+  models = [engine.init_model(m, shape, jax.random.PRNGKey(i)) for i, m in enumerate(modules)]
+  x = jnp.asarray(np.random.default_rng(2).uniform(size=(5, *shape)), jnp.float32)
+  y = jnp.asarray([0, 1, 2, 1, 0], jnp.int32)
+  return modules, models, x, y
+
+
+def test_a_padded_batch_trains_as_its_real_samples_alone_with_weight_decay():
+  """Five samples in one batch of 8 (three padding rows, masked) give the models, the running
+  statistics' choice aside, and the losses that a batch of exactly those five gives: the padding
+  enters neither the consensus, nor the BatchNorm statistics, nor the loss. Weight decay reads
+  the parameters in the optimiser's update."""
+  modules, models, x, y = _bn_members()
+  tx = engine.make_optimizer('sgd', 0.1, momentum=0.9, weight_decay=0.05)
+  learner = MutualLearner(modules, tx, MutualLearningConfig(temperature=2.0, kl_weight=0.5))
+  runs = [
+    learner.epoch(learner.init(models), x, y, batch, np.random.default_rng(0)) for batch in (8, 5)
+  ]
+  (padded, padded_loss), (exact, exact_loss) = runs
+  assert padded_loss.shape == (2,) and padded_loss[0] != padded_loss[1]
+  np.testing.assert_allclose(padded_loss, exact_loss, rtol=1e-5)
+  for a, b in zip(padded, exact):
+    for p, q in zip(jax.tree.leaves(a.model.params), jax.tree.leaves(b.model.params)):
+      np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-4, atol=1e-6)
+  plain = MutualLearner(
+    modules, engine.make_optimizer('sgd', 0.1, momentum=0.9), learner.members[0].cfg
+  )
+  decayless = plain.epoch(plain.init(models), x, y, 5, np.random.default_rng(0))[0]
+  moved = [
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(
+      jax.tree.leaves(exact[0].model.params), jax.tree.leaves(decayless[0].model.params)
+    )
+  ]
+  assert max(moved) > 1e-4  # the decay took part
+
+
+def test_t_squared_scales_the_loss_by_t2_and_an_epochs_loss_is_the_mean_over_its_batches():
+  modules, models, x, y = _bn_members()
+  tx = engine.make_optimizer('sgd', 0.0)  # no update: every batch sees the initial models
+
+  def losses(t_squared, batch):
+    cfg = MutualLearningConfig(temperature=3.0, t_squared=t_squared)
+    learner = MutualLearner(modules, tx, cfg)
+    return learner.epoch(learner.init(models), x, y, batch, np.random.default_rng(0))[1]
+
+  np.testing.assert_allclose(losses(True, 5), 9.0 * losses(False, 5), rtol=1e-5)
+  per_batch = losses(False, 2)  # batches of 2, 2 and 1 (padded): a mean loss per model
+  assert per_batch.shape == (2,)
+
+
+def test_recalibration_updates_the_incoming_running_statistics():
+  """keep_running_stats=False: a step's running mean is 0.9 × the incoming one + 0.1 × the batch
+  mean (PyTorch's BatchNorm momentum 0.1), so raising every incoming mean by 1 raises every new
+  mean by 0.9; kept (the default), the incoming statistics come back as they were."""
+  modules, models, x, y = _bn_members()
+  tx = engine.make_optimizer('sgd', 0.0)
+
+  def new_stats(keep, shift):
+    model = models[0]._replace(batch_stats=jax.tree.map(lambda s: s + shift, models[0].batch_stats))
+    learner = MutualLearner(modules[:1], tx, MutualLearningConfig(keep_running_stats=keep))
+    (state,), _ = learner.epoch(learner.init([model]), x, y, 5, np.random.default_rng(0))
+    return state.model.batch_stats
+
+  base, raised = new_stats(False, 0.0), new_stats(False, 1.0)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(raised)):
+    np.testing.assert_allclose(np.asarray(b) - np.asarray(a), 0.9, rtol=1e-5)
+  kept = new_stats(True, 1.0)
+  for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(models[0].batch_stats)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b) + 1.0)
+
+
+def test_a_model_without_batchnorm_keeps_its_empty_statistics_when_recalibrating():
+  shape = (8, 8, 1)
+  module = get_model('mlp', 10, shape, hidden=(8,))
+  model = engine.init_model(module, shape, jax.random.PRNGKey(0))
+  learner = MutualLearner(
+    [module], engine.make_optimizer('sgd', 0.1), MutualLearningConfig(keep_running_stats=False)
+  )
+  x = jnp.zeros((4, *shape), jnp.float32)
+  (state,), _ = learner.epoch(
+    learner.init([model]), x, jnp.zeros(4, jnp.int32), 4, np.random.default_rng(0)
+  )
+  assert state.model.batch_stats == model.batch_stats
+  assert jax.tree.structure(state.model) == jax.tree.structure(model)
+
+
+def test_the_held_out_draw_is_the_seeds_and_only_stage2_from_data_draws_one():
+  draws = [_context(None, seed=s)[2] for s in (4, 4, 5)]
+  np.testing.assert_array_equal(draws[0].x, draws[1].x)
+  assert not np.array_equal(draws[0].x, draws[2].x)
+  assert _context(None, **{'fedtsa.stage2': False})[2] is None
+  overrides = {'fedtsa.source': 'pipeline', 'fedtsa.pipeline_dir': '/nonexistent'}
+  assert _context(None, **overrides)[2] is None
