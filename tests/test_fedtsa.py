@@ -133,6 +133,17 @@ def test_durations_from_a_file_are_used_as_they_are(tmp_path):
   assert [g.client_ids.tolist() for g in aux.groups] == [[0, 1], [4], [2, 3]]
   # Rates: the fastest mean over each cluster's (2.05 / 5 = 0.41, 2.05 / 9.75 ≈ 0.21), to 0.1.
   np.testing.assert_allclose(aux.clusters.rates, [1.0, 0.4, 0.2])
+  # A bandwidth floor wider than the spread of the log-durations merges them into one cluster.
+  _, _, wide = _fedtsa_setup(
+    None,
+    **{
+      'fedtsa.profile': 'file',
+      'fedtsa.durations_file': str(path),
+      'fedtsa.stage2': False,
+      'fedtsa.kde_min_bandwidth': 5.0,
+    },
+  )
+  assert [g.client_ids.tolist() for g in wide.groups] == [[0, 1, 2, 3, 4]]
 
 
 def test_stage2_images_are_images_per_prompt_of_every_clients_prompt_class():
@@ -514,7 +525,7 @@ def test_a_round_sends_each_cluster_its_own_models_and_adds_up_what_the_server_r
   assert record['round'] == 2 and record['clients'] == len(selected)
   assert record['upload_bytes'] == record['download_bytes'] == sum(1000 + k for k in taking)
   assert record['rejected_uploads'] == len(taking)
-  assert np.isfinite(record['stage2_loss'])
+  assert np.isfinite(record['stage2_loss']) and record['train_loss'] > 0
 
 
 class _FakeProxyTask:
