@@ -683,3 +683,110 @@ def test_the_held_out_draw_is_the_seeds_and_only_stage2_from_data_draws_one():
   assert _context(None, **{'fedtsa.stage2': False})[2] is None
   overrides = {'fedtsa.source': 'pipeline', 'fedtsa.pipeline_dir': '/nonexistent'}
   assert _context(None, **overrides)[2] is None
+
+
+_HOLDOUT_MESSAGE = (
+  "fedtsa.holdout='holdout' needs 100000 training samples held out of the clients but "
+  'dataset.holdout_size is 180; set --config.dataset.holdout_size=100000 (the same for every '
+  'method of a comparison)'
+)
+
+
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
+    ({'fedtsa.rounds': 0}, 'fedtsa.rounds must be positive, got 0'),
+    ({'fedtsa.proxy_repeats': 0}, 'fedtsa.proxy_repeats must be positive, got 0'),
+    ({'fedtsa.jitter': -0.1}, 'fedtsa.jitter must be >= 0, got -0.1'),
+    ({'fedtsa.kde_space': 'cubic'}, "fedtsa.kde_space is 'cubic'; valid: duration, log"),
+    ({'fedtsa.participation': 1.5}, 'fedtsa.participation must be in (0, 1], got 1.5'),
+    ({'fedtsa.kl_weight': 1.5}, 'fedtsa.kl_weight must be in [0, 1], got 1.5'),
+    ({'fedtsa.kl_weight': -0.1}, 'fedtsa.kl_weight must be in [0, 1], got -0.1'),
+    ({'fedtsa.profile': 'exact'}, "fedtsa.profile is 'exact'; valid: simulated, measured, file"),
+    ({'fedtsa.stage2_bn_stats': 'x'}, "fedtsa.stage2_bn_stats is 'x'; valid: keep, recalibrate"),
+    (
+      {'fedtsa.reported_model': 'x'},
+      "fedtsa.reported_model is 'x'; valid: widest, client_weighted",
+    ),
+    ({'fedtsa.device_rates': 'a'}, "fedtsa.device_rates must be comma-separated numbers, got 'a'"),
+    ({'fedtsa.device_shares': ''}, 'fedtsa.device_shares is empty'),
+    (
+      {'fedtsa.source': 'public', 'fedtsa.holdout_size': 0},
+      'fedtsa.holdout_size must be positive, got 0',
+    ),
+    ({'fedtsa.source': 'ddpm', 'fedtsa.holdout_size': 100000}, _HOLDOUT_MESSAGE),
+    (
+      {'fedtsa.source': 'ddpm', 'fedtsa.ddpm_steps': 0},
+      'fedtsa.ddpm_steps must be positive, got 0',
+    ),
+    (
+      {'fedtsa.source': 'ddpm', 'fedtsa.ddpm_timesteps': 0},
+      'fedtsa.ddpm_timesteps must be positive, got 0',
+    ),
+    (
+      {'fedtsa.source': 'ddpm', 'fedtsa.ddpm_channels': 0},
+      'fedtsa.ddpm_channels must be positive, got 0',
+    ),
+    (
+      {'fedtsa.source': 'ddpm', 'fedtsa.ddpm_batch': 0},
+      'fedtsa.ddpm_batch must be positive, got 0',
+    ),
+    ({'fedtsa.source': 'ddpm', 'fedtsa.ddpm_lr': 0.0}, 'fedtsa.ddpm_lr must be positive, got 0.0'),
+    ({'fedtsa.source': 'pipeline'}, "fedtsa.source='pipeline' needs fedtsa.pipeline_dir"),
+    (
+      {'fedtsa.bandwidth': '0'},
+      "fedtsa.bandwidth must be 'scott', 'silverman' or a factor > 0, got '0'",
+    ),
+    (
+      {'fedtsa.bandwidth': 'abc'},
+      "fedtsa.bandwidth must be 'scott', 'silverman' or a factor > 0, got 'abc'",
+    ),
+    (
+      {'model': 'cnn_mnist'},
+      "fedtsa prunes the width of resnet18, mlp; config.model is 'cnn_mnist'",
+    ),
+  ],
+)
+def test_each_bad_setting_is_refused_with_its_whole_message(overrides, message):
+  config = override(fedtsa_digits.get_config('smoke'), **overrides)
+  with pytest.raises(ConfigError) as info:
+    driver.build_algorithm('fedtsa', config)
+  assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'fedtsa.kl_weight': 0.0},  # cross-entropy only
+    {'fedtsa.kl_weight': 1.0},  # KL only (the paper)
+    {'fedtsa.profile': 'file', 'fedtsa.durations_file': 'd.json', 'fedtsa.device_rates': 'a'},
+    {'fedtsa.source': 'ddpm', 'fedtsa.stage2': False, 'fedtsa.ddpm_steps': 0},
+    {'fedtsa.source': 'public', 'fedtsa.ddpm_steps': 0},
+    {'fedtsa.source': 'pipeline', 'fedtsa.stage2': False},
+    {'fedtsa.source': 'pipeline', 'fedtsa.pipeline_dir': 'sd', 'fedtsa.holdout_size': 0},
+    {'fedtsa.bandwidth': 'SCOTT'},
+    {'fedtsa.bandwidth': ' Silverman '},
+    {'model': 'mlp:width_mult=0.5'},
+  ],
+)
+def test_settings_that_the_run_does_not_read_are_not_checked(overrides):
+  """Each setting is checked where the run uses it: the device lists only when profiling is
+  simulated or measured, the DDPM's only when Stage 2 trains one, the held-out size only when
+  Stage 2 draws from data; the bandwidth's name in any case."""
+  driver.build_algorithm('fedtsa', override(fedtsa_digits.get_config('smoke'), **overrides))
+
+
+def test_a_bandwidth_is_a_rule_name_in_any_case_or_a_positive_factor():
+  from jfed.methods.fedtsa import parse_bandwidth  # pylint: disable=g-import-not-at-top
+
+  assert parse_bandwidth('SCOTT') == 'scott' and parse_bandwidth(' Silverman ') == 'silverman'
+  assert parse_bandwidth('0.5') == 0.5
+
+
+def test_a_clusters_spec_scales_the_width_and_keeps_the_other_arguments():
+  from jfed.methods.fedtsa import cluster_spec  # pylint: disable=g-import-not-at-top
+
+  assert cluster_spec('mlp:width_mult=0.5,act=relu,hidden=7', 0.6) == (
+    'mlp:width_mult=0.3,act=relu,hidden=7'
+  )
+  assert cluster_spec('resnet18', 0.8) == 'resnet18:width_mult=0.8'
