@@ -790,3 +790,82 @@ def test_a_clusters_spec_scales_the_width_and_keeps_the_other_arguments():
     'mlp:width_mult=0.3,act=relu,hidden=7'
   )
   assert cluster_spec('resnet18', 0.8) == 'resnet18:width_mult=0.8'
+
+
+def _durations_file(tmp_path, durations):
+  path = tmp_path / 'durations.json'
+  path.write_text(str(list(durations)))
+  return {'fedtsa.profile': 'file', 'fedtsa.durations_file': str(path)}
+
+
+@pytest.mark.parametrize('bn_stats', ['keep', 'recalibrate'])
+def test_setup_records_its_stages_and_builds_stage2_from_the_config(tmp_path, bn_stats):
+  """The setup record (profiling, clusters, prompts, images), its figures, each cluster's
+  initial model from its own MODEL_INIT key, and Stage 2's learner: the config's temperature,
+  α and BatchNorm choice, and SGD at fedtsa.stage2_lr with a constant rate."""
+  overrides = {
+    **_durations_file(tmp_path, [2.0, 2.1, 10.0, 9.5, 5.0]),
+    'fedtsa.stage2_bn_stats': bn_stats,
+    'fedtsa.temperature': 3.0,
+    'fedtsa.kl_weight': 0.7,
+    'fedtsa.stage2_lr': 0.02,
+    'optimizer.momentum': 0.0,
+    'strategy': 'vmap',
+  }
+  _, ctx, aux = _fedtsa_setup(tmp_path / 'run', **overrides)
+  record = aux.setup_record
+  prompts = '\n'.join(f'a photo of real digit {n}' for n in _DIGIT_NAMES)
+  assert record == {
+    'stage': 'profiling and clustering',
+    'proxy_seconds': 0.0,  # read from a file
+    'client_durations': [2.0, 2.1, 10.0, 9.5, 5.0],
+    'cluster_of_client': [0, 0, 2, 2, 1],
+    'cluster_rates': [1.0, 0.4, 0.2],
+    'cluster_sizes': [2, 1, 2],
+    'cluster_models': ['mlp:width_mult=1', 'mlp:width_mult=0.4', 'mlp:width_mult=0.2'],
+    'kde_bandwidth': aux.clusters.bandwidth,
+    'prompt_upload_bytes': 5 * len(prompts.encode()),
+    'upload_bytes': 5 * len(prompts.encode()),
+    'generation_seconds': record['generation_seconds'],  # the public source's: real images
+    'stage2_images': 100,
+  }
+  assert aux.clusters.bandwidth > 0
+  for name in ('kde_clusters.png', 'stage2_images.png'):
+    assert (tmp_path / 'run' / name).stat().st_size > 0
+  for k, (g, model) in enumerate(zip(aux.groups, aux.init)):
+    want = engine.init_model(g.module, (8, 8, 1), ctx.derive_key(Purpose.MODEL_INIT, k))
+    for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(model.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(e.strategy == 'vmap' for e in aux.evaluators)
+  cfg = aux.learner.members[0].cfg
+  assert (cfg.temperature, cfg.kl_weight) == (3.0, 0.7)
+  assert cfg.keep_running_stats == (bn_stats == 'keep')
+  tx, params = aux.learner.tx, {'w': jnp.zeros(3)}
+  opt_state = tx.init(params)
+  for _ in range(4):
+    update, opt_state = tx.update({'w': jnp.ones(3)}, opt_state, params)
+    np.testing.assert_allclose(np.asarray(update['w']), -0.02, rtol=1e-6)
+
+
+def test_stage2_needs_two_clusters(tmp_path):
+  """Mutual learning needs models to learn from: one cluster skips Stage 2 (no prompts, images
+  or learner); two clusters run it."""
+  two = _fedtsa_setup(None, **_durations_file(tmp_path, [1.0, 1.0, 5.0, 5.0, 5.0]))[2]
+  assert len(two.groups) == 2 and two.learner is not None and len(two.images.labels) == 100
+  one = _fedtsa_setup(None, **_durations_file(tmp_path, [1.0, 1.0, 1.0, 1.0, 1.0]))[2]
+  assert len(one.groups) == 1 and one.learner is one.images is one.pool is None
+  assert 'stage2_images' not in one.setup_record
+
+
+def test_images_of_the_wrong_shape_from_a_source_are_refused(monkeypatch):
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, holdout = _context(None, **_DDPM)
+  pool, _ = algorithm._prompt_pool(ctx)
+  _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
+  monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: _FakeSource((4, 4, 1)))
+  with pytest.raises(ConfigError) as info:
+    algorithm._images(ctx, pool, holdout, {})
+  assert str(info.value) == (
+    'the Stage-2 source gave images of shape (4, 4, 1), not the task shape (8, 8, 1)'
+  )
