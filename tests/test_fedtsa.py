@@ -467,7 +467,8 @@ def test_stage2_images_come_from_the_source_once_and_a_resumed_run_reads_them_ba
   assert images.images.dtype == np.float32 and images.labels.dtype == np.int32
   assert 0 <= record['generation_seconds'] <= elapsed
   assert record['ddpm_loaded_from_cache'] is False and record['ddpm_training_images'] == 100
-  again = algorithm._images(ctx, pool, holdout, {})
+  _, resumed, _ = _context(tmp_path, **_DDPM)  # a new process's context: nothing in memory
+  again = algorithm._images(resumed, pool, holdout, {})
   assert len(source.calls) == 1  # read back from the workdir's stage
   assert again.images.dtype == np.float32 and again.labels.dtype == np.int32
   np.testing.assert_array_equal(again.images, images.images)
@@ -869,3 +870,20 @@ def test_images_of_the_wrong_shape_from_a_source_are_refused(monkeypatch):
   assert str(info.value) == (
     'the Stage-2 source gave images of shape (4, 4, 1), not the task shape (8, 8, 1)'
   )
+
+
+def test_cached_stage2_images_of_another_source_are_not_reused(tmp_path, monkeypatch):
+  """The images' stage tag holds the source and images_per_prompt: a workdir's public images
+  are not handed to a run that asks for DDPM images."""
+  from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
+
+  algorithm, ctx, holdout = _context(tmp_path, **{'fedtsa.source': 'public'})
+  pool, _ = algorithm._prompt_pool(ctx)
+  public = algorithm._images(ctx, pool, holdout, {})
+  algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
+  source = _FakeSource(ctx.dataset.input_shape)
+  _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
+  monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: source)
+  generated = algorithm._images(ctx, pool, holdout, {})
+  assert len(source.calls) == 1
+  assert not np.array_equal(generated.images, public.images)
