@@ -123,26 +123,14 @@ def test_fedtsa_finds_the_papers_three_device_classes_and_prunes_a_model_per_clu
 
 
 def test_durations_from_a_file_are_used_as_they_are(tmp_path):
-  path = tmp_path / 'durations.json'
-  path.write_text('[2.0, 2.1, 10.0, 9.5, 5.0]')
-  _, _, aux = _fedtsa_setup(
-    None,
-    **{'fedtsa.profile': 'file', 'fedtsa.durations_file': str(path), 'fedtsa.stage2': False},
-  )
+  from_file = {**_durations_file(tmp_path, [2.0, 2.1, 10.0, 9.5, 5.0]), 'fedtsa.stage2': False}
+  _, _, aux = _fedtsa_setup(None, **from_file)
   np.testing.assert_array_equal(aux.durations.durations, [2.0, 2.1, 10.0, 9.5, 5.0])
   assert [g.client_ids.tolist() for g in aux.groups] == [[0, 1], [4], [2, 3]]
   # Rates: the fastest mean over each cluster's (2.05 / 5 = 0.41, 2.05 / 9.75 ≈ 0.21), to 0.1.
   np.testing.assert_allclose(aux.clusters.rates, [1.0, 0.4, 0.2])
   # A bandwidth floor wider than the spread of the log-durations merges them into one cluster.
-  _, _, wide = _fedtsa_setup(
-    None,
-    **{
-      'fedtsa.profile': 'file',
-      'fedtsa.durations_file': str(path),
-      'fedtsa.stage2': False,
-      'fedtsa.kde_min_bandwidth': 5.0,
-    },
-  )
+  _, _, wide = _fedtsa_setup(None, **from_file, **{'fedtsa.kde_min_bandwidth': 5.0})
   assert [g.client_ids.tolist() for g in wide.groups] == [[0, 1, 2, 3, 4]]
 
 
