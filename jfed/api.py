@@ -181,6 +181,8 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     label_flip_unsupported: why a label-flipping attacker cannot run under it ('' : its clients
       train on `common.client_groups`' data, where labels are flipped, and it runs to the end).
     differential_privacy: it reads the `dp` section (DP-FedAvg's clipping and noise).
+    lr_schedule: it honours `optimizer.schedule='cosine'` (one schedule across one training
+      run); client optimisers restart every round, so nothing else has a run for it to span.
   """
 
   name: ClassVar[str] = ''
@@ -190,6 +192,7 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
   server_round: ClassVar[bool] = False
   label_flip_unsupported: ClassVar[str] = ''
   differential_privacy: ClassVar[bool] = False
+  lr_schedule: ClassVar[bool] = False
 
   def __init__(self, config: ConfigT):
     self.config = config

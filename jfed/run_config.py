@@ -120,7 +120,7 @@ def validate_run_config(config: Any, method_section: Optional[str] = None) -> Ru
   tc.require_choice(run.strategy, STRATEGIES, 'strategy')
   o = run.optimizer
   tc.require_choice(o.name, OPTIMIZERS, 'optimizer.name')
-  # Client optimisers restart every round; only centralized training keeps a schedule going.
+  # Client optimisers restart every round; `check_capabilities` refuses a schedule elsewhere.
   tc.require_choice(o.schedule, ('constant', 'cosine'), 'optimizer.schedule')
   tc.require(o.lr > 0, f'optimizer.lr must be positive, got {o.lr}')
   tc.require(0.0 <= o.momentum < 1.0, f'optimizer.momentum must be in [0, 1), got {o.momentum}')
@@ -150,7 +150,8 @@ def check_capabilities(
   """Refuses the settings `algorithm` would silently ignore (one line naming the keys and the
   methods that honour them): an aggregation rule, update clipping, a model-poisoning attack or an
   update-norm bound without a server round, a label-flipping attack its clients would not train
-  under, `dp.enabled` for a method without differential privacy.
+  under, `dp.enabled` for a method without differential privacy, an `optimizer.schedule` for a
+  method whose optimisers restart every round.
 
   Args:
     method: its `--method` name (for messages).
@@ -184,6 +185,12 @@ def check_capabilities(
       f'attack.kind=label_flip is not supported by {method}: '
       f'{algorithm.label_flip_unsupported}; label flipping applies to '
       f'{_names(methods, lambda cls: not cls.label_flip_unsupported)}'
+    )
+  if run.optimizer.schedule != 'constant' and not algorithm.lr_schedule:
+    raise ConfigError(
+      f'optimizer.schedule={run.optimizer.schedule}: {method} restarts its client optimisers '
+      'every round, so a schedule has no training run to span; use optimizer.schedule=constant '
+      f'(schedules apply to {_names(methods, lambda cls: cls.lr_schedule)} only)'
     )
   if run.dp.enabled and not algorithm.differential_privacy:
     raise ConfigError(

@@ -67,8 +67,30 @@ def _problem(method, config):
       {'attack.kind': 'label_flip', 'attack.clients': '0'},
       r'^attack.kind=label_flip is not supported by fedproto: .*label counts',
     ),
+    (
+      'fedtsa',  # failed in setup, in make_trainers, before it was refused here
+      {'optimizer.schedule': 'cosine'},
+      r'^optimizer.schedule=cosine: fedtsa restarts its client optimisers every round, so a '
+      r'schedule has no training run to span; use optimizer.schedule=constant \(schedules apply '
+      r'to centralized only\)$',
+    ),
+    (
+      'heterofl',  # ran with a constant rate, ignoring the setting
+      {'optimizer.schedule': 'cosine'},
+      r'^optimizer.schedule=cosine: heterofl restarts',
+    ),
   ],
-  ids=['rule', 'model_attack', 'two_keys', 'norm_bound', 'label_flip', 'fedtsa', 'fedproto'],
+  ids=[
+    'rule',
+    'model_attack',
+    'two_keys',
+    'norm_bound',
+    'label_flip',
+    'fedtsa',
+    'fedproto',
+    'schedule',
+    'schedule_heterofl',
+  ],  # fmt: skip
 )
 def test_a_setting_the_method_would_ignore_is_refused_when_the_algorithm_is_built(
   method, overrides, message
@@ -86,8 +108,9 @@ def test_a_setting_the_method_would_ignore_is_refused_when_the_algorithm_is_buil
     ('fedprox', {'server.max_update_norm_ratio': 2.0, 'aggregation.clip_norm': 1.0}),
     ('dense', {'attack.kind': 'label_flip', 'attack.clients': '1'}),
     ('dense', {'aggregation.trim_fraction': 0.3, 'attack.strength': 3.0}),  # rule, kind default
+    ('centralized', {'optimizer.schedule': 'cosine'}),
   ],
-  ids=['fedavg', 'fedprox', 'label_flip', 'defaults'],
+  ids=['fedavg', 'fedprox', 'label_flip', 'defaults', 'schedule'],
 )
 def test_settings_the_method_honours_are_accepted(method, overrides):
   config = override(smoke_config(method), **overrides)
@@ -103,6 +126,7 @@ def test_the_declared_capabilities_are_those_of_the_papers_methods():
   assert SERVER_ROUND_METHODS == ['dynafed', 'fedavg', 'fedprox', 'fedtsa', 'hfldd', 'hfldd_nodd']
   assert sorted(set(METHODS) - set(LABEL_FLIP_METHODS)) == ['centralized', 'fedproto', 'fedtsa']
   assert [m for m, cls in classes.items() if cls.differential_privacy] == ['fedavg', 'fedprox']
+  assert [m for m, cls in classes.items() if cls.lr_schedule] == ['centralized']
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ class Centralized(Algorithm):
   )
   Config = CentralizedConfig
   step_name = 'epoch'
+  lr_schedule = True
 
   def validate(self, config) -> None:
     tc.require_positive(self.config, self.section, ('epochs',))
