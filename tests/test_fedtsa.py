@@ -848,10 +848,11 @@ def test_stage2_needs_two_clusters(tmp_path):
   assert 'stage2_images' not in one.setup_record
 
 
-def test_images_of_the_wrong_shape_from_a_source_are_refused(monkeypatch):
+def test_images_of_the_wrong_shape_from_a_source_are_refused(tmp_path, monkeypatch):
   from jfed.diffusion import train as ddpm_train  # pylint: disable=g-import-not-at-top
 
-  algorithm, ctx, holdout = _context(None, **_DDPM)
+  # a workdir, so that the DDPM goes through the faked load_or_train instead of training
+  algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
   pool, _ = algorithm._prompt_pool(ctx)
   _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
   monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: _FakeSource((4, 4, 1)))

@@ -128,9 +128,12 @@ def _epoch_order(seed_path, n: int, batch: int) -> List[np.ndarray]:
   return [order[s : s + batch] for s in range(0, n, batch)]
 
 
-def _train_classifier_torch(params, x, y, batches, lr, teacher_logits=None, loss_scale=1.0):
+def _train_classifier_torch(
+  params, x, y, batches, lr, teacher_logits=None, loss_scale=1.0, losses=None
+):
   """One epoch of the global model as the FedMHO reference trains it: Adam, per batch
-  CE(f(x), y) [+ KLDivLoss()(log_softmax(f(x)), softmax(teacher))], in float64."""
+  CE(f(x), y) [+ KLDivLoss()(log_softmax(f(x)), softmax(teacher))], in float64; each batch's
+  scaled loss is appended to `losses` when given."""
   layers = _torch_mlp(params)
   opt = torch.optim.Adam([p for l in layers for p in l.parameters()], lr=lr)
   xt, yt = torch.from_numpy(np.asarray(x, np.float64)), torch.from_numpy(np.asarray(y, np.int64))
@@ -144,6 +147,8 @@ def _train_classifier_torch(params, x, y, batches, lr, teacher_logits=None, loss
       loss = loss + kl(torch.log_softmax(pred, 1), torch.softmax(t, 1))
     opt.zero_grad()
     (loss_scale * loss).backward()
+    if losses is not None:
+      losses.append(loss_scale * float(loss.detach()))
     opt.step()
   return _torch_params(layers)
 
@@ -243,15 +248,15 @@ def fedmho_runs():
   out = {}
   for method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
     ctx, algorithm, aux = _run_setup(method, config)
-    state, _ = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
-    out[method] = (ctx, aux, state)
+    state, records = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
+    out[method] = (ctx, aux, state, records)
   return config, out
 
 
 @pytest.mark.parametrize('method', ['fedmho', 'fedmho_md', 'fedmho_sd'])
 def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, method):
   config, runs = fedmho_runs
-  ctx, aux, state = runs[method]
+  ctx, aux, state, records = runs[method]
   classifier_ids = [
     k for k in range(ctx.num_clients) if not _spec_of_client(config, k).startswith('cvae')
   ]
@@ -288,6 +293,7 @@ def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, metho
   # one global epoch: Adam on CE + KLDivLoss() (the reference's sum, weight 1 each), from Eq. 4.
   # jfed's λ·CE + (1 − λ)·KL at λ = 0.5 is half of it: the same Adam steps (up to its epsilon).
   batches = _epoch_order((int(config.seed), 1, 0), len(y), config.fedmho.batch)
+  losses = []
   want = _train_classifier_torch(
     initial,
     x,
@@ -296,8 +302,16 @@ def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, metho
     config.fedmho.lr,
     teacher,
     loss_scale=1.0 if teacher is None else config.fedmho.lam,
+    losses=losses,
   )
   _assert_trees_close(state.model.params, want, rtol=1e-4, atol=2e-5)
+  ((record,),) = [records]
+  assert sorted(record) == ['epoch', 'fusion_loss', 'test_accuracy']
+  assert record['epoch'] == 1
+  np.testing.assert_allclose(record['fusion_loss'], np.mean(losses), rtol=1e-4)
+  test_x, test_y = np.asarray(ctx.dataset.test_x), np.asarray(ctx.dataset.test_y)
+  accuracy = onp.accuracy(onp.mlp_forward(onp.to_numpy(want), test_x), test_y)
+  assert record['test_accuracy'] == pytest.approx(accuracy, abs=1.5 / len(test_y))
 
 
 def test_fedmho_md_and_sd_teachers_differ_and_fedmho_has_none(fedmho_runs):
@@ -306,6 +320,69 @@ def test_fedmho_md_and_sd_teachers_differ_and_fedmho_has_none(fedmho_runs):
   md, sd = (np.asarray(runs[m][1].data.teacher) for m in ('fedmho_md', 'fedmho_sd'))
   assert np.abs(md - sd).max() > 1e-2
   assert runs['fedmho'][1].data.teacher is None
+
+
+@pytest.mark.parametrize('method', ['fedmho', 'fedmho_sd'])
+def test_fedmho_records_and_summary_report_what_the_server_built(
+  fedmho_runs, method, tmp_path, monkeypatch
+):
+  """The setup record and the summary, field by field, against values recomputed from the
+  clients' models and the synthetic set; the sample grid is drawn from the generated set and
+  the filter's choice when the run has a workdir."""
+  from jfed.cvae import plots as cvae_plots  # pylint: disable=g-import-not-at-top
+
+  config, runs = fedmho_runs
+  ctx, aux, state, _ = runs[method]
+  algorithm = get_method(method).from_config(config)
+  test_x, test_y = np.asarray(ctx.dataset.test_x), np.asarray(ctx.dataset.test_y)
+  clients = [onp.take_client(aux.local.models[0].params, i) for i in range(3)]
+  initial = onp.weighted_average(clients, np.ones(3))
+  initial_accuracy = onp.accuracy(onp.mlp_forward(initial, test_x), test_y)
+  client_accuracy = [onp.accuracy(onp.mlp_forward(p, test_x), test_y) for p in clients]
+  kept_labels = aux.synthetic.labels[aux.synthetic.kept]
+  generated = int(fedmho_counts(_class_counts(ctx, [1, 3, 5]), config.fedmho.num_synthetic).sum())
+  classifier_bytes, decoder_bytes = aux.local.upload_bytes, aux.cvaes.upload_bytes
+  assert 0 < decoder_bytes < classifier_bytes  # three MLPs against three small decoders
+
+  (record,) = algorithm.setup_records(ctx, aux)
+  assert record == {
+    'round': 1,
+    'clients': 6,
+    'upload_bytes': classifier_bytes + decoder_bytes,
+    'classifier_upload_bytes': classifier_bytes,
+    'decoder_upload_bytes': decoder_bytes,
+    'initial_test_accuracy': pytest.approx(initial_accuracy, abs=1.5 / len(test_y)),
+    'synthetic_generated': generated,
+    'synthetic_kept': len(kept_labels),
+  }
+  assert record['synthetic_kept'] < record['synthetic_generated']
+
+  drawn = []
+  monkeypatch.setattr(cvae_plots, 'plot_filter_grid', lambda *args: drawn.append(args))
+  summary = algorithm.summarize(ctx, aux, state, [])  # no workdir: no figure
+  assert not drawn
+  with_workdir = driver.context_of_config(config, workdir=tmp_path)
+  assert algorithm.summarize(with_workdir, aux, state, []) == summary
+  ((path, images, labels, kept, classes),) = drawn
+  assert path == tmp_path / 'synthetic_samples.png' and classes == NUM_CLASSES
+  assert images is aux.synthetic.images and labels is aux.synthetic.labels
+  assert kept is aux.synthetic.kept
+  assert summary == {
+    'teacher': {'fedmho': 'none', 'fedmho_sd': 'initial'}[method],
+    'initial_test_accuracy': record['initial_test_accuracy'],
+    'global_model': 'mlp',
+    'client_models': [_spec_of_client(config, k) for k in range(6)],
+    'classifier_client_test_accuracy': {
+      k: pytest.approx(a, abs=1.5 / len(test_y)) for k, a in zip((0, 2, 4), client_accuracy)
+    },
+    'synthetic_generated': generated,
+    'synthetic_kept': len(kept_labels),
+    'synthetic_kept_per_class': [int(np.sum(kept_labels == c)) for c in range(NUM_CLASSES)],
+    'classifier_upload_bytes': classifier_bytes,
+    'decoder_upload_bytes': decoder_bytes,
+    'excluded_cvae_clients': [],
+    'clean_rate': 0.8,
+  }
 
 
 # ---------------------------------------------------------------------------------------------
