@@ -13,10 +13,12 @@ from jfed.cvae import clients as cvae_clients
 from jfed.cvae import decoder_kd, generation_counts
 from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
+from jfed.errors import ConfigError
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
 from jfed.methods import common, generative, get_method
 from jfed.methods.fedcvae import decoder_sample_counts
 from jfed.models import get_model
+from tests.support import override
 
 
 def _cvae_group(sizes=(37, 12, 25)):
@@ -279,3 +281,58 @@ def test_every_run_of_the_fedmho_table_holds_out_the_same_training_samples(modul
   assert ens.fedcvae.protocol == 'fedmho'
   for key in ('num_synthetic', 'clean_rate', 'epochs', 'lr', 'batch'):
     assert ens.fedcvae[key] == mho.fedmho[key], key
+
+
+_FEDMHO_POSITIVE = (
+  'local_epochs',
+  'cvae_epochs',
+  'cvae_lr',
+  'cvae_batch',
+  'num_synthetic',
+  'epochs',
+  'lr',
+  'batch',
+)
+
+
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
+    ({f'fedmho.{name}': 0}, f'fedmho.{name} must be positive, got {0.0 if "lr" in name else 0}')
+    for name in _FEDMHO_POSITIVE
+  ]
+  + [
+    ({'fedmho.clean_rate': 0.0}, 'fedmho.clean_rate must be in (0, 1], got 0.0'),
+    ({'fedmho.clean_rate': 1.5}, 'fedmho.clean_rate must be in (0, 1], got 1.5'),
+    ({'fedmho.lam': -0.1}, 'fedmho.lam must be in [0, 1], got -0.1'),
+    ({'fedmho.lam': 1.1}, 'fedmho.lam must be in [0, 1], got 1.1'),
+    (
+      {'fedmho.cvae_optimizer': 'rmsprop'},
+      "fedmho.cvae_optimizer is 'rmsprop'; valid: sgd, adam",
+    ),
+    ({'fedmho.cvae_recon': 'l1'}, "fedmho.cvae_recon is 'l1'; valid: bce, mse"),
+    ({'fedmho.kl_reduction': 'sum'}, "fedmho.kl_reduction is 'sum'; valid: batchmean, mean"),
+  ],
+  ids=list(_FEDMHO_POSITIVE)
+  + ['clean_rate_0', 'clean_rate_over_1', 'lam_below_0', 'lam_over_1', 'optimizer', 'recon', 'kl'],
+)
+def test_bad_fedmho_settings_are_refused_with_their_whole_message(overrides, message):
+  config = override(fedmho_digits.get_config('smoke'), **overrides)
+  for method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
+    with pytest.raises(ConfigError) as info:
+      driver.build_algorithm(method, config)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'fedmho.clean_rate': 1.0, 'fedmho.lam': 0.0},
+    {'fedmho.lam': 1.0, 'fedmho.cvae_optimizer': 'sgd', 'fedmho.cvae_recon': 'mse'},
+    {'fedmho.kl_reduction': 'batchmean'},
+  ],
+  ids=['no_filter_kl_only', 'ce_only_sgd_mse', 'batchmean'],
+)
+def test_fedmho_settings_at_their_limits_are_accepted(overrides):
+  config = override(fedmho_digits.get_config('smoke'), **overrides)
+  assert driver.build_algorithm('fedmho_md', config).config.clean_rate == config.fedmho.clean_rate
