@@ -336,3 +336,24 @@ def test_bad_fedmho_settings_are_refused_with_their_whole_message(overrides, mes
 def test_fedmho_settings_at_their_limits_are_accepted(overrides):
   config = override(fedmho_digits.get_config('smoke'), **overrides)
   assert driver.build_algorithm('fedmho_md', config).config.clean_rate == config.fedmho.clean_rate
+
+
+@pytest.mark.parametrize(
+  'client_models, found',
+  [
+    ('mlp;cnn_mnist;cvae:size=small', "classifiers ['cnn_mnist', 'mlp'] and 3 CVAE client(s)"),
+    ('mlp', "classifiers ['mlp'] and 0 CVAE client(s)"),
+    ('cvae:size=small', 'classifiers [] and 10 CVAE client(s)'),
+  ],
+  ids=['two_architectures', 'no_cvae', 'no_classifier'],
+)
+def test_fedmho_needs_one_classifier_architecture_and_a_cvae_client(client_models, found):
+  config = override(fedmho_digits.get_config('smoke'), client_models=client_models)
+  ctx = driver.context_of_config(config)
+  for method in ('fedmho', 'fedmho_sd'):
+    with pytest.raises(ConfigError) as info:
+      get_method(method).from_config(config).setup(ctx)
+    assert str(info.value) == (
+      f'{method} needs classifier clients of one architecture and at least one CVAE client; '
+      f"client_models gives {found} (e.g. client_models = 'vgg9;cvae:size=small')"
+    )
