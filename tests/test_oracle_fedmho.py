@@ -160,8 +160,8 @@ def _assert_trees_close(got, want, **tol):
     np.testing.assert_allclose(a, b, **(tol or FLOAT32))
 
 
-def _run_setup(method: str, config):
-  ctx = driver.context_of_config(config)
+def _run_setup(method: str, config, workdir=None):
+  ctx = driver.context_of_config(config, workdir=workdir)
   algorithm = get_method(method).from_config(config)
   aux = algorithm.setup(ctx)
   return ctx, algorithm, aux
@@ -242,12 +242,14 @@ def _fedmho_oracle_synthetic(ctx, config, aux, total):
 
 
 @pytest.fixture(scope=shared_fixture_scope)
-def fedmho_runs():
-  """setup, init and one step of each variant on the same clients (trained identically)."""
+def fedmho_runs(tmp_path_factory):
+  """setup, init and one step of each variant on the same clients (trained identically);
+  FedMHO-MD's in a workdir (where the synthetic set is saved), the others' in memory."""
   config = _fedmho_config()
   out = {}
   for method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
-    ctx, algorithm, aux = _run_setup(method, config)
+    workdir = tmp_path_factory.mktemp(method) if method == 'fedmho_md' else None
+    ctx, algorithm, aux = _run_setup(method, config, workdir)
     state, records = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
     out[method] = (ctx, aux, state, records)
   return config, out
@@ -278,6 +280,14 @@ def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, metho
   kept = kept_nearest(images, labels, config.fedmho.clean_rate)
   np.testing.assert_array_equal(aux.synthetic.kept, kept)
   x, y = images[kept], labels[kept]
+  saved = ctx.workdir / 'synthetic.npz' if ctx.workdir else None
+  assert (saved is not None) == (method == 'fedmho_md')
+  if saved:  # the whole generated set in 1/255 steps, for experiments.generator_check
+    with np.load(saved) as f:
+      assert f['images'].dtype == np.uint8 and f['labels'].dtype == np.int32
+      assert np.abs(f['images'].astype(int) - np.round(images * 255)).max() <= 1
+      np.testing.assert_array_equal(f['labels'], labels)
+      np.testing.assert_array_equal(f['kept'], kept)
 
   # the teachers (Eq. 5 MD: the classifier clients' mean logits; Eq. 6 SD: the initial model)
   teacher = {
