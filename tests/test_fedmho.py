@@ -357,3 +357,65 @@ def test_fedmho_needs_one_classifier_architecture_and_a_cvae_client(client_model
       f'{method} needs classifier clients of one architecture and at least one CVAE client; '
       f"client_models gives {found} (e.g. client_models = 'vgg9;cvae:size=small')"
     )
+
+
+def _first_step_size(tx, params) -> float:
+  """|update| of a first Adam step on gradients of ones: the learning rate (m̂ / √v̂ = 1)."""
+  grads = jax.tree.map(np.ones_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return float(np.abs(jax.tree.leaves(updates)[0]).max())
+
+
+class _FakeTransport:
+  def __init__(self):
+    self.calls = []
+
+  def trainer(self, spec, tx, recipe, sizes):
+    self.calls.append((spec, tx, recipe, sizes))
+    return spec
+
+
+def test_cvae_trainers_give_each_group_its_learning_rate_batch_and_objective(monkeypatch):
+  """In this process: one GroupTrainer per CVAE group with the settings' batch, the run's
+  strategy and mesh, Eq. 3's objective with the settings' loss and β, and Adam at CVAE-small's
+  own rate; on Flower nodes: the recipe the nodes build the same trainer from."""
+  config = override(
+    fedmho_digits.get_config('smoke'), client_models='mlp;cvae:size=small;cvae:size=v0,hidden=8'
+  )
+  s = generative.CVAESettings(3, 'adam', 1e-3, 16, 'mse', 0.5, small_lr=5e-2)
+  objectives = []
+  monkeypatch.setattr(
+    cvae_clients, 'cvae_objective', lambda *args: objectives.append(args) or 'eq3'
+  )
+  ctx = driver.context_of_config(config)
+  groups = generative.cvae_groups(ctx)
+  assert [g.spec for g in groups] == ['cvae:size=small', 'cvae:size=v0,hidden=8']
+  params = [
+    cvae_clients.init_cvae(g.module, ctx.dataset.input_shape, jax.random.PRNGKey(0)).params
+    for g in groups
+  ]
+  trainers = generative.cvae_trainers(ctx, groups, s)
+  assert objectives == [('mse', 0.5)]
+  for g, t, p, lr in zip(groups, trainers, params, (5e-2, 1e-3)):
+    assert (t.module, t.batch_size, t.objective, t.mesh) == (g.module, 16, 'eq3', ctx.mesh)
+    assert t.strategy == engine.GroupTrainer(g.module, t.tx, 16, strategy=ctx.run.strategy).strategy
+    assert _first_step_size(t.tx, p) == pytest.approx(lr, rel=1e-3)
+
+  transport = _FakeTransport()
+  remote = driver.context_of_config(config, client_transport=transport)
+  assert generative.cvae_trainers(remote, groups, s) == [g.spec for g in groups]
+  recipe = {
+    'kind': 'cvae',
+    'upload': 'decoder',
+    'epochs': 3,
+    'optimizer': 'adam',
+    'lr': 1e-3,
+    'batch': 16,
+    'recon': 'mse',
+    'beta': 0.5,
+    'small_lr': 5e-2,
+  }
+  assert [(spec, r) for spec, _, r, _ in transport.calls] == [(g.spec, recipe) for g in groups]
+  for (_, tx, _, sizes), p, lr in zip(transport.calls, params, (5e-2, 1e-3)):
+    np.testing.assert_array_equal(sizes, remote.client_sizes)
+    assert _first_step_size(tx, p) == pytest.approx(lr, rel=1e-3)
