@@ -419,3 +419,59 @@ def test_cvae_trainers_give_each_group_its_learning_rate_batch_and_objective(mon
   for (_, tx, _, sizes), p, lr in zip(transport.calls, params, (5e-2, 1e-3)):
     np.testing.assert_array_equal(sizes, remote.client_sizes)
     assert _first_step_size(tx, p) == pytest.approx(lr, rel=1e-3)
+
+
+def test_a_bad_cvae_spec_is_refused_naming_the_client_model():
+  config = override(fedmho_digits.get_config('smoke'), client_models='mlp;cvae:size=small,depth=3')
+  with pytest.raises(ConfigError) as info:
+    generative.cvae_groups(driver.context_of_config(config))
+  assert str(info.value) == (
+    "client model 'cvae:size=small,depth=3': Unknown CVAE option(s) ['depth']; valid: size, "
+    'latent, hidden, width_mult'
+  )
+  config = override(config, client_models='mlp;cvae:size=huge')
+  ctx = driver.context_of_config(config)
+  with pytest.raises(ConfigError) as info:
+    generative.init_cvaes(ctx, generative.cvae_groups(ctx))
+  assert str(info.value) == (
+    "client model 'cvae:size=huge': CVAE size must be 'small', 'large' or 'v0', got 'huge'"
+  )
+
+
+def test_every_cvae_of_a_group_starts_from_the_init_keyed_by_its_specs_index():
+  """Specs are indexed among all the clients' specs in order of first appearance (the
+  classifier's 'mlp' is 0), so the two CVAE groups' inits are MODEL_INIT keys 1 and 2."""
+  from jfed.keys import Purpose  # pylint: disable=g-import-not-at-top
+
+  config = override(
+    fedmho_digits.get_config('smoke'), client_models='mlp;cvae:size=small;cvae:size=small,hidden=8'
+  )
+  ctx = driver.context_of_config(config)
+  groups = generative.cvae_groups(ctx)
+  assert [g.client_ids.tolist() for g in groups] == [[1, 4, 7], [2, 5, 8]]
+  for index, (g, stacked) in enumerate(zip(groups, generative.init_cvaes(ctx, groups)), 1):
+    want = cvae_clients.init_cvae(
+      g.module, ctx.dataset.input_shape, ctx.derive_key(Purpose.MODEL_INIT, index)
+    )
+    for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
+      assert a.shape == (3, *b.shape)
+      for k in range(3):
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b))
+
+
+def test_the_synthetic_set_is_saved_in_255_steps_with_its_labels_and_kept_indices(tmp_path):
+  config = fedmho_digits.get_config('smoke')
+  images = np.array([-0.2, 0.0, 0.5 / 255, 0.499, 0.5, 1.0, 1.7, 0.3], np.float32)
+  images = images.reshape(8, 1, 1, 1)
+  labels = np.arange(8) % 3
+  generative.save_synthetic(driver.context_of_config(config), images, labels)  # in memory
+  ctx = driver.context_of_config(config, workdir=tmp_path)
+  for kept, want_kept in ((None, np.arange(8)), (np.array([1, 6], np.int32), [1, 6])):
+    generative.save_synthetic(ctx, images, labels, kept)
+    with np.load(tmp_path / generative.SYNTHETIC_FILE) as f:
+      assert f['images'].dtype == np.uint8 and f['images'].shape == images.shape
+      np.testing.assert_array_equal(f['images'].ravel(), [0, 0, 0, 127, 128, 255, 255, 76])
+      assert f['labels'].dtype == np.int32 and f['kept'].dtype == np.int64
+      np.testing.assert_array_equal(f['labels'], labels)
+      np.testing.assert_array_equal(f['kept'], want_kept)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [generative.SYNTHETIC_FILE]
