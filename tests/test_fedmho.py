@@ -13,7 +13,7 @@ from jfed.cvae import clients as cvae_clients
 from jfed.cvae import decoder_kd, generation_counts
 from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
-from jfed.errors import ConfigError
+from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
 from jfed.methods import common, generative, get_method
 from jfed.methods.fedcvae import decoder_sample_counts
@@ -475,3 +475,48 @@ def test_the_synthetic_set_is_saved_in_255_steps_with_its_labels_and_kept_indice
       np.testing.assert_array_equal(f['labels'], labels)
       np.testing.assert_array_equal(f['kept'], want_kept)
   assert sorted(p.name for p in tmp_path.iterdir()) == [generative.SYNTHETIC_FILE]
+
+
+def _diverge(monkeypatch, diverged):
+  """Local CVAE training whose clients `diverged` ({group: [member index]}) end non-finite."""
+  real_train = common.train_groups
+
+  def train(*args, **kwargs):
+    models, metrics = real_train(*args, **kwargs)
+    if kwargs.get('label') == 'local CVAE training':
+      models = [
+        jax.tree.map(lambda a, rows=tuple(diverged.get(g, ())): a.at[rows, ...].set(np.nan), m)
+        for g, m in enumerate(models)
+      ]
+    return models, metrics
+
+  monkeypatch.setattr(generative.common, 'train_groups', train)
+
+
+_TWO_CVAE_GROUPS = 'mlp;cvae:size=small;cvae:size=small,hidden=8'
+_ONE_EPOCH = generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0)
+
+
+def test_a_group_whose_every_cvae_diverged_generates_nothing(monkeypatch):
+  _diverge(monkeypatch, {0: [0, 1, 2]})
+  config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
+  ctx = driver.context_of_config(config)
+  cvaes = generative.local_cvaes(ctx, _ONE_EPOCH)
+  assert cvaes.excluded == [1, 4, 7] and len(cvaes.uploads[0].client_ids) == 0
+  synthetic = generative.fedmho_synthetic(ctx, cvaes, 300, 1.0)
+  counts = np.stack(
+    [np.bincount(ctx.dataset.train_y[ctx.parts[k]], minlength=10) for k in (2, 5, 8)]
+  )
+  assert set(synthetic.owners.tolist()) == {2, 5, 8}
+  assert len(synthetic.labels) == int(generation_counts(counts, 300).sum())
+  np.testing.assert_array_equal(synthetic.kept, np.arange(len(synthetic.labels)))
+
+
+def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
+  _diverge(monkeypatch, {0: [0, 1, 2], 1: [0, 1, 2]})
+  config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
+  with pytest.raises(NonFiniteError) as info:
+    generative.local_cvaes(driver.context_of_config(config), _ONE_EPOCH)
+  assert str(info.value) == (
+    'every CVAE client diverged ([1, 4, 7, 2, 5, 8]); lower the CVAE learning rate'
+  )
