@@ -520,3 +520,71 @@ def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
   assert str(info.value) == (
     'every CVAE client diverged ([1, 4, 7, 2, 5, 8]); lower the CVAE learning rate'
   )
+
+
+_FEDCVAE_POSITIVE = (
+  'cvae_epochs',
+  'cvae_lr',
+  'cvae_batch',
+  'num_synthetic',
+  'z_bound',
+  'epochs',
+  'lr',
+  'batch',
+)
+_FEDCVAE_KD_POSITIVE = ('decoder_samples', 'decoder_epochs', 'decoder_lr', 'decoder_batch')
+_FLOAT_KEYS = ('cvae_lr', 'z_bound', 'lr', 'decoder_lr')
+
+
+def _zero(name):
+  return f'fedcvae.{name} must be positive, got {0.0 if name in _FLOAT_KEYS else 0}'
+
+
+@pytest.mark.parametrize(
+  'methods, overrides, message',
+  [(('fedcvae_ens', 'fedcvae_kd'), {f'fedcvae.{n}': 0}, _zero(n)) for n in _FEDCVAE_POSITIVE]
+  + [(('fedcvae_kd',), {f'fedcvae.{n}': 0}, _zero(n)) for n in _FEDCVAE_KD_POSITIVE]
+  + [
+    (
+      ('fedcvae_ens', 'fedcvae_kd'),
+      {'fedcvae.cvae_small_lr': -1.0},
+      'fedcvae.cvae_small_lr must be >= 0, got -1.0',
+    ),
+    (
+      ('fedcvae_ens', 'fedcvae_kd'),
+      {'fedcvae.clean_rate': 0.0},
+      'fedcvae.clean_rate must be in (0, 1], got 0.0',
+    ),
+    (
+      ('fedcvae_ens', 'fedcvae_kd'),
+      {'fedcvae.protocol': 'dense'},
+      "fedcvae.protocol is 'dense'; valid: fed_cvae, fedmho",
+    ),
+    (
+      ('fedcvae_ens', 'fedcvae_kd'),
+      {'fedcvae.cvae_optimizer': 'lion'},
+      "fedcvae.cvae_optimizer is 'lion'; valid: sgd, adam",
+    ),
+    (
+      ('fedcvae_ens', 'fedcvae_kd'),
+      {'fedcvae.cvae_recon': 'l1'},
+      "fedcvae.cvae_recon is 'l1'; valid: bce, mse",
+    ),
+    (
+      ('fedcvae_kd',),
+      {'fedcvae.server_decoder': 'mlp'},
+      "fedcvae.server_decoder must be a CVAE spec ('cvae:...'), got 'mlp'",
+    ),
+  ],
+  ids=[f'{n}' for n in _FEDCVAE_POSITIVE]
+  + [f'kd_{n}' for n in _FEDCVAE_KD_POSITIVE]
+  + ['small_lr', 'clean_rate', 'protocol', 'optimizer', 'recon', 'server_decoder'],
+)
+def test_bad_fedcvae_settings_are_refused_with_their_whole_message(methods, overrides, message):
+  config = override(fedmho_digits.get_config('fedcvae_kd,smoke'), **overrides)
+  for method in methods:
+    with pytest.raises(ConfigError) as info:
+      driver.build_algorithm(method, config)
+    assert str(info.value) == message
+  if methods == ('fedcvae_kd',):  # a key FedCVAE-Ens does not read
+    driver.build_algorithm('fedcvae_ens', config)
