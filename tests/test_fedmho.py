@@ -588,3 +588,21 @@ def test_bad_fedcvae_settings_are_refused_with_their_whole_message(methods, over
     assert str(info.value) == message
   if methods == ('fedcvae_kd',):  # a key FedCVAE-Ens does not read
     driver.build_algorithm('fedcvae_ens', config)
+
+
+def test_fedmho_cvae_clients_train_eq3_with_its_cvae_settings():
+  """Eq. 3's KL term at weight 1 (β = 1, the reference's loss), with the fedmho.cvae_* keys and
+  no separate CVAE-small rate (FedMHO's CVAE-small clients train at cvae_lr)."""
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    **{
+      'fedmho.cvae_epochs': 7,
+      'fedmho.cvae_optimizer': 'sgd',
+      'fedmho.cvae_lr': 0.03,
+      'fedmho.cvae_batch': 24,
+      'fedmho.cvae_recon': 'mse',
+    },
+  )
+  for method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
+    settings = driver.build_algorithm(method, config).cvae_settings()
+    assert settings == (7, 'sgd', 0.03, 24, 'mse', 1.0, 0.0)
