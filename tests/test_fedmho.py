@@ -606,3 +606,26 @@ def test_fedmho_cvae_clients_train_eq3_with_its_cvae_settings():
   for method in ('fedmho', 'fedmho_md', 'fedmho_sd'):
     settings = driver.build_algorithm(method, config).cvae_settings()
     assert settings == (7, 'sgd', 0.03, 24, 'mse', 1.0, 0.0)
+
+
+def test_the_server_trains_with_lam_and_the_kl_reduction_of_the_config_fedmho_on_ce_alone():
+  """FedMHO-MD/SD: λ = fedmho.lam and fedmho.kl_reduction; FedMHO (no teacher): CE alone (λ = 1);
+  every one by Adam at fedmho.lr on the global architecture."""
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    **{
+      'fedmho.lam': 0.3,
+      'fedmho.kl_reduction': 'batchmean',
+      'fedmho.lr': 0.02,
+      'fedmho.local_epochs': 1,
+      'fedmho.cvae_epochs': 1,
+      'fedmho.num_synthetic': 50,
+    },
+  )
+  ctx = driver.context_of_config(config)
+  for method, lam in (('fedmho', 1.0), ('fedmho_md', 0.3), ('fedmho_sd', 0.3)):
+    aux = get_method(method).from_config(config).setup(ctx)
+    trainer = aux.trainer
+    assert (trainer.lam, trainer.kl_reduction) == (lam, 'batchmean')
+    assert trainer.module == aux.local.groups[0].module and aux.spec == 'mlp'
+    assert _first_step_size(trainer.tx, aux.initial.params) == pytest.approx(0.02, rel=1e-3)

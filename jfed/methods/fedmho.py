@@ -68,7 +68,6 @@ class FedMHOConfig(NamedTuple):
 
 class FedMHOAux(NamedTuple):
   spec: str  # the classifiers' (and global model's) architecture
-  module: Any
   trainer: FusionTrainer
   evaluator: engine.Evaluator
   local: common.LocalModels
@@ -159,7 +158,6 @@ class _FedMHOBase(Algorithm):
     )
     return FedMHOAux(
       group.spec,
-      group.module,
       trainer,
       evaluator,
       local,
