@@ -393,6 +393,11 @@ def test_fedmho_records_and_summary_report_what_the_server_built(
     'excluded_cvae_clients': [],
     'clean_rate': 0.8,
   }
+  # a class the filter kept nothing of still has its count: 0
+  without_9 = aux.synthetic.kept[aux.synthetic.labels[aux.synthetic.kept] != 9]
+  aux_9 = aux._replace(synthetic=aux.synthetic._replace(kept=without_9))
+  per_class = algorithm.summarize(ctx, aux_9, state, [])['synthetic_kept_per_class']
+  assert per_class == summary['synthetic_kept_per_class'][:9] + [0]
 
 
 # ---------------------------------------------------------------------------------------------
