@@ -4,6 +4,8 @@ import json
 import os
 import shutil
 
+import pytest
+
 from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed.driver import RunCheckpointer
 
@@ -164,3 +166,21 @@ def smoke_config(method: str):
   c = digits.get_config('smoke')
   c.fedavg.rounds = c.fedprox.rounds = 3
   return override(c, **{'model': 'mlp', 'fedprox.participation': 0.6})
+
+
+def fashion_mnist_missing() -> bool:
+  """Whether Fashion-MNIST's IDX files are absent (CI installs the Debian package; a fresh
+  machine may not have it): tests that read it skip then."""
+  from jfed.data import datasets  # pylint: disable=g-import-not-at-top
+
+  try:
+    datasets._find_idx_dir('fashion_mnist', None)  # pylint: disable=protected-access
+  except datasets.DatasetNotFoundError:
+    return True
+  return False
+
+
+needs_fashion_mnist = pytest.mark.skipif(
+  fashion_mnist_missing(),
+  reason='Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)',
+)

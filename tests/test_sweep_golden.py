@@ -12,6 +12,8 @@ from typing import Callable, Dict, List, Mapping, Sequence
 
 import pytest
 
+from tests.support import needs_fashion_mnist
+
 GOLDEN = pathlib.Path(__file__).parent / 'data' / 'sweep_golden'
 REPO = pathlib.Path(__file__).parent.parent
 META = {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0.0.0', 'date': '2000-01-01'}
@@ -233,7 +235,7 @@ def render_all(tmp: pathlib.Path, names: Sequence[str] = ()) -> Dict[str, str]:
   return {k: normalise(v) for k, v in out.items()}
 
 
-@pytest.mark.parametrize('name', [*CASES, 'hfldd_compare'])
+@pytest.mark.parametrize('name', [*CASES, pytest.param('hfldd_compare', marks=needs_fashion_mnist)])
 def test_tables_match_the_golden_files(name, tmp_path):
   for filename, text in render_all(tmp_path, [name]).items():
     want = cited((GOLDEN / filename).read_text())
