@@ -13,9 +13,7 @@ import pytest
 from jfed import data
 from jfed.data import datasets, partitions
 from jfed.errors import DataError, WorkdirError
-
-FMNIST_DIR = pathlib.Path('/usr/share/datasets/fashion-mnist')
-
+from tests.support import needs_fashion_mnist
 
 # NumPy dtype -> IDX type byte (the inverse of datasets._IDX_DTYPES).
 IDX_TYPE_BYTES = {
@@ -241,7 +239,7 @@ def test_emnist_is_transposed_back(tmp_path):
   np.testing.assert_allclose(ds.train_x[..., 0] * 255, expected, atol=1e-3)
 
 
-@pytest.mark.skipif(not FMNIST_DIR.is_dir(), reason='dataset-fashion-mnist not installed')
+@needs_fashion_mnist
 def test_fashion_mnist_loads():
   ds = data.load_dataset('fashion_mnist')
   assert ds.train_x.shape == (60000, 28, 28, 1) and ds.test_x.shape == (10000, 28, 28, 1)

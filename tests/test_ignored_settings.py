@@ -90,7 +90,7 @@ def _problem(method, config):
     'fedproto',
     'schedule',
     'schedule_heterofl',
-  ],  # fmt: skip
+  ],
 )
 def test_a_setting_the_method_would_ignore_is_refused_when_the_algorithm_is_built(
   method, overrides, message
