@@ -212,19 +212,26 @@ def test_fedcvae_ens_with_its_own_v0_cvae_learns_on_digits():
   assert summary['final_test_accuracy'] > 0.3, summary['final_test_accuracy']
 
 
+def _diverge(monkeypatch, diverged):
+  """Local CVAE training whose clients `diverged` ({group: [member index]}) end non-finite."""
+  real_train = common.train_groups
+
+  def train(*args, **kwargs):
+    models, metrics = real_train(*args, **kwargs)
+    if kwargs.get('label') == 'local CVAE training':
+      models = [
+        jax.tree.map(lambda a, rows=tuple(diverged.get(g, ())): a.at[rows, ...].set(np.nan), m)
+        for g, m in enumerate(models)
+      ]
+    return models, metrics
+
+  monkeypatch.setattr(generative.common, 'train_groups', train)
+
+
 def test_a_diverged_cvae_client_is_excluded_and_the_run_goes_on(monkeypatch):
   """A CVAE whose training went non-finite sends a decoder the server cannot use: the server
   drops it (with the others' uploads received) instead of failing the run."""
-  real_train = common.train_groups
-
-  def diverge_second_client(*args, **kwargs):
-    models, metrics = real_train(*args, **kwargs)
-    if kwargs.get('label') != 'local CVAE training':
-      return models, metrics
-    nan = jax.tree.map(lambda a: a.at[1].set(np.nan), models[0])
-    return [nan] + list(models[1:]), metrics
-
-  monkeypatch.setattr(generative.common, 'train_groups', diverge_second_client)
+  _diverge(monkeypatch, {0: [1]})  # the second client of the first group
   config = fedmho_digits.get_config('smoke')
   # N_syn at which the excluded decoder's share changes the total (the rounding of 200 hides it)
   config.fedmho.num_synthetic = 2000
@@ -283,6 +290,14 @@ def test_every_run_of_the_fedmho_table_holds_out_the_same_training_samples(modul
     assert ens.fedcvae[key] == mho.fedmho[key], key
 
 
+_FLOAT_KEYS = ('cvae_lr', 'z_bound', 'lr', 'decoder_lr')  # the rest are ints
+
+
+def _zero_refused(section, name):
+  """validate's message for `section.name = 0` (printed as the key's type: 0 or 0.0)."""
+  return f'{section}.{name} must be positive, got {0.0 if name in _FLOAT_KEYS else 0}'
+
+
 _FEDMHO_POSITIVE = (
   'local_epochs',
   'cvae_epochs',
@@ -297,10 +312,7 @@ _FEDMHO_POSITIVE = (
 
 @pytest.mark.parametrize(
   'overrides, message',
-  [
-    ({f'fedmho.{name}': 0}, f'fedmho.{name} must be positive, got {0.0 if "lr" in name else 0}')
-    for name in _FEDMHO_POSITIVE
-  ]
+  [({f'fedmho.{name}': 0}, _zero_refused('fedmho', name)) for name in _FEDMHO_POSITIVE]
   + [
     ({'fedmho.clean_rate': 0.0}, 'fedmho.clean_rate must be in (0, 1], got 0.0'),
     ({'fedmho.clean_rate': 1.5}, 'fedmho.clean_rate must be in (0, 1], got 1.5'),
@@ -477,22 +489,6 @@ def test_the_synthetic_set_is_saved_in_255_steps_with_its_labels_and_kept_indice
   assert sorted(p.name for p in tmp_path.iterdir()) == [generative.SYNTHETIC_FILE]
 
 
-def _diverge(monkeypatch, diverged):
-  """Local CVAE training whose clients `diverged` ({group: [member index]}) end non-finite."""
-  real_train = common.train_groups
-
-  def train(*args, **kwargs):
-    models, metrics = real_train(*args, **kwargs)
-    if kwargs.get('label') == 'local CVAE training':
-      models = [
-        jax.tree.map(lambda a, rows=tuple(diverged.get(g, ())): a.at[rows, ...].set(np.nan), m)
-        for g, m in enumerate(models)
-      ]
-    return models, metrics
-
-  monkeypatch.setattr(generative.common, 'train_groups', train)
-
-
 _TWO_CVAE_GROUPS = 'mlp;cvae:size=small;cvae:size=small,hidden=8'
 _ONE_EPOCH = generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0)
 
@@ -533,17 +529,18 @@ _FEDCVAE_POSITIVE = (
   'batch',
 )
 _FEDCVAE_KD_POSITIVE = ('decoder_samples', 'decoder_epochs', 'decoder_lr', 'decoder_batch')
-_FLOAT_KEYS = ('cvae_lr', 'z_bound', 'lr', 'decoder_lr')
-
-
-def _zero(name):
-  return f'fedcvae.{name} must be positive, got {0.0 if name in _FLOAT_KEYS else 0}'
 
 
 @pytest.mark.parametrize(
   'methods, overrides, message',
-  [(('fedcvae_ens', 'fedcvae_kd'), {f'fedcvae.{n}': 0}, _zero(n)) for n in _FEDCVAE_POSITIVE]
-  + [(('fedcvae_kd',), {f'fedcvae.{n}': 0}, _zero(n)) for n in _FEDCVAE_KD_POSITIVE]
+  [
+    (('fedcvae_ens', 'fedcvae_kd'), {f'fedcvae.{n}': 0}, _zero_refused('fedcvae', n))
+    for n in _FEDCVAE_POSITIVE
+  ]
+  + [
+    (('fedcvae_kd',), {f'fedcvae.{n}': 0}, _zero_refused('fedcvae', n))
+    for n in _FEDCVAE_KD_POSITIVE
+  ]
   + [
     (
       ('fedcvae_ens', 'fedcvae_kd'),
