@@ -73,6 +73,11 @@ def _spec_of_client(config, k: int) -> str:
   return specs[k % len(specs)]
 
 
+def _client_ids(config, num_clients: int, cvae: bool) -> List[int]:
+  """The CVAE clients (cvae=True) or the classifier clients, from the config's specs."""
+  return [k for k in range(num_clients) if _spec_of_client(config, k).startswith('cvae') == cvae]
+
+
 def _class_counts(ctx, ids: Sequence[int]) -> np.ndarray:
   """[clients, classes] label histograms of the clients' training samples, from the partition."""
   y = np.asarray(ctx.dataset.train_y)
@@ -218,7 +223,7 @@ def kept_nearest(images: np.ndarray, labels: np.ndarray, rate: float) -> np.ndar
 def _fedmho_oracle_synthetic(ctx, config, aux, total):
   """The synthetic set of `total` samples from the CVAE clients' decoders, in jfed's order
   (decoder group by group, client by client, class by class): (images, labels, owners)."""
-  cvae_ids = [k for k in range(ctx.num_clients) if _spec_of_client(config, k).startswith('cvae')]
+  cvae_ids = _client_ids(config, ctx.num_clients, cvae=True)
   counts = fedmho_counts(_class_counts(ctx, cvae_ids), total)
   count_of = dict(zip(cvae_ids, counts))
   decoder_of = {}
@@ -259,9 +264,7 @@ def fedmho_runs(tmp_path_factory):
 def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, method):
   config, runs = fedmho_runs
   ctx, aux, state, records = runs[method]
-  classifier_ids = [
-    k for k in range(ctx.num_clients) if not _spec_of_client(config, k).startswith('cvae')
-  ]
+  classifier_ids = _client_ids(config, ctx.num_clients, cvae=False)
   group = aux.local.groups[0]
   assert [int(k) for k in group.client_ids] == classifier_ids
   clients = [onp.take_client(aux.local.models[0].params, i) for i in range(len(classifier_ids))]
@@ -315,7 +318,7 @@ def test_fedmho_server_stage_matches_the_reference_recomputed(fedmho_runs, metho
     losses=losses,
   )
   _assert_trees_close(state.model.params, want, rtol=1e-4, atol=2e-5)
-  ((record,),) = [records]
+  (record,) = records
   assert sorted(record) == ['epoch', 'fusion_loss', 'test_accuracy']
   assert record['epoch'] == 1
   np.testing.assert_allclose(record['fusion_loss'], np.mean(losses), rtol=1e-4)
@@ -345,12 +348,14 @@ def test_fedmho_records_and_summary_report_what_the_server_built(
   ctx, aux, state, _ = runs[method]
   algorithm = get_method(method).from_config(config)
   test_x, test_y = np.asarray(ctx.dataset.test_x), np.asarray(ctx.dataset.test_y)
-  clients = [onp.take_client(aux.local.models[0].params, i) for i in range(3)]
-  initial = onp.weighted_average(clients, np.ones(3))
+  classifier_ids = _client_ids(config, ctx.num_clients, cvae=False)
+  clients = [onp.take_client(aux.local.models[0].params, i) for i in range(len(classifier_ids))]
+  initial = onp.weighted_average(clients, np.ones(len(clients)))
   initial_accuracy = onp.accuracy(onp.mlp_forward(initial, test_x), test_y)
   client_accuracy = [onp.accuracy(onp.mlp_forward(p, test_x), test_y) for p in clients]
   kept_labels = aux.synthetic.labels[aux.synthetic.kept]
-  generated = int(fedmho_counts(_class_counts(ctx, [1, 3, 5]), config.fedmho.num_synthetic).sum())
+  cvae_counts = _class_counts(ctx, _client_ids(config, ctx.num_clients, cvae=True))
+  generated = int(fedmho_counts(cvae_counts, config.fedmho.num_synthetic).sum())
   classifier_bytes, decoder_bytes = aux.local.upload_bytes, aux.cvaes.upload_bytes
   assert 0 < decoder_bytes < classifier_bytes  # three MLPs against three small decoders
 
@@ -383,7 +388,7 @@ def test_fedmho_records_and_summary_report_what_the_server_built(
     'global_model': 'mlp',
     'client_models': [_spec_of_client(config, k) for k in range(6)],
     'classifier_client_test_accuracy': {
-      k: pytest.approx(a, abs=1.5 / len(test_y)) for k, a in zip((0, 2, 4), client_accuracy)
+      k: pytest.approx(a, abs=1.5 / len(test_y)) for k, a in zip(classifier_ids, client_accuracy)
     },
     'synthetic_generated': generated,
     'synthetic_kept': len(kept_labels),
