@@ -8,6 +8,7 @@ disk reads. Rendered reports carry a fixed date. The environment variables reach
 """
 
 import gc
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -17,9 +18,19 @@ import time
 # XLA's backend optimisation level 1 (default 2): measured on the suite's compile-heavy modules
 # (KIP, engine, distillation losses, stratification) 9% less CPU time, and on the one-shot
 # end-to-end tests 5%; level 0 made the execution-heavy tests up to 5x slower.
-os.environ.setdefault(
-  'XLA_FLAGS', '--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1'
+# Single-threaded Eigen calls: `-n auto` already runs one test process per core, and two
+# processes of two Eigen threads each on 2 cores took 6 min 33 s for the cold suite against
+# 6 min 11 s single-threaded (2026-11-28). On jaxlib 0.10, also XLA:CPU's older
+# (non-fusion-emitter) code generator: it halved the compile time of tests/test_kip.py (34 s to
+# 16 s), ran the execution-heavy one-shot tests 6% faster, and took the cold suite from 8 min 4 s
+# to 6 min 33 s; jaxlib 0.11 no longer registers that flag (an unknown flag aborts XLA).
+_XLA_FLAGS = (
+  '--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1'
+  ' --xla_cpu_multi_thread_eigen=false'
 )
+if importlib.metadata.version('jaxlib').startswith('0.10.'):
+  _XLA_FLAGS += ' --xla_cpu_use_fusion_emitters=false'
+os.environ.setdefault('XLA_FLAGS', _XLA_FLAGS)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('MPLBACKEND', 'Agg')
 # Reports are stamped with this date (2026-01-01), not today's: a test that renders a table, then

@@ -470,6 +470,7 @@ def test_main_lists_methods_without_a_config():
   assert 'fedavg' in proc.stdout and 'hfldd' in proc.stdout
 
 
+@pytest.mark.slow  # three whole commands, one a run from its own empty compilation cache (12 s)
 def test_main_runs_keeps_its_programs_in_the_cache_and_resumes_a_finished_run(tmp_path):
   cache = tmp_path / 'cache'
   args = [
