@@ -386,7 +386,7 @@ def test_fedmho_records_and_summary_report_what_the_server_built(
     'teacher': {'fedmho': 'none', 'fedmho_sd': 'initial'}[method],
     'initial_test_accuracy': record['initial_test_accuracy'],
     'global_model': 'mlp',
-    'client_models': [_spec_of_client(config, k) for k in range(6)],
+    'client_models': [_spec_of_client(config, k) for k in range(ctx.num_clients)],
     'classifier_client_test_accuracy': {
       k: pytest.approx(a, abs=1.5 / len(test_y)) for k, a in zip(classifier_ids, client_accuracy)
     },
