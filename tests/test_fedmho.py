@@ -508,6 +508,28 @@ def test_a_group_whose_every_cvae_diverged_generates_nothing(monkeypatch):
   np.testing.assert_array_equal(synthetic.kept, np.arange(len(synthetic.labels)))
 
 
+def test_every_decoder_of_three_groups_generates_its_own_clients_share_of_each_class():
+  """§4.2.2's split n_kc² / Σ n_k'c² of each class, read off per owner: with three CVAE groups
+  the third group's clients must get their own rows of the counts, not the second group's."""
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    client_models='mlp;cvae:size=small;cvae:size=small,hidden=8;cvae:size=small,hidden=16',
+  )
+  ctx = driver.context_of_config(config)
+  cvaes = generative.local_cvaes(ctx, _ONE_EPOCH)
+  assert [len(u.client_ids) for u in cvaes.uploads] == [3, 2, 2]
+  synthetic = generative.fedmho_synthetic(ctx, cvaes, 300, 1.0)
+  owners = [k for u in cvaes.uploads for k in u.client_ids.tolist()]
+  assert owners == [1, 5, 9, 2, 6, 3, 7]
+  n = np.stack([np.bincount(ctx.dataset.train_y[ctx.parts[k]], minlength=10) for k in owners])
+  squares = n.astype(np.float64) ** 2
+  assert squares.sum(0).all()  # every class held by some decoder: no uniform fallback here
+  want = np.floor(squares / squares.sum(0) * (300 // 10))  # the reference truncates with int()
+  for row, k in enumerate(owners):
+    got = np.bincount(synthetic.labels[synthetic.owners == k], minlength=10)
+    np.testing.assert_array_equal(got, want[row], err_msg=f'client {k}')
+
+
 def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
   _diverge(monkeypatch, {0: [0, 1, 2], 1: [0, 1, 2]})
   config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
