@@ -1,5 +1,5 @@
-"""Do the generators produce usable data? Scores the synthetic sets that FedMHO and FedCVAE runs
-wrote (workdir/synthetic.npz) with a classifier trained on real training images.
+"""Do the generators produce usable data? Scores the synthetic sets that FedMHO, FedCVAE and FedTSA
+runs wrote (workdir/synthetic.npz) with a classifier trained on real training images.
 
     python -m experiments.generator_check --runs=runs/fm_fedmho_md,runs/fm_fedcvae \
         [--reference_model=cnn_mnist] [--reference_epochs=3] [--out=runs/generator_check.md]
@@ -43,7 +43,7 @@ def load_synthetic(run: pathlib.Path):
   path = run / 'synthetic.npz'
   if not path.exists():
     raise app.UsageError(
-      f'{path} does not exist: only FedMHO / FedCVAE runs (since issue 36) write their samples'
+      f'{path} does not exist: only FedMHO, FedCVAE and FedTSA runs write their samples'
     )
   with np.load(path) as f:
     return f['images'].astype(np.float32) / 255.0, f['labels'], f['kept']
@@ -138,7 +138,9 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.DEFINE_list('runs', None, 'Run directories of FedMHO / FedCVAE runs (synthetic.npz).')
+  flags.DEFINE_list(
+    'runs', None, 'Run directories of FedMHO, FedCVAE or FedTSA runs (synthetic.npz).'
+  )
   flags.DEFINE_string('reference_model', 'cnn_mnist', 'The reference classifier (a model spec).')
   flags.DEFINE_integer('reference_epochs', 3, 'Its epochs on the training split.')
   flags.DEFINE_string('out', None, 'Also write the table here (Markdown).')

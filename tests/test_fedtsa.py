@@ -823,6 +823,12 @@ def test_setup_records_its_stages_and_builds_stage2_from_the_config(tmp_path, bn
   assert aux.clusters.bandwidth > 0
   for name in ('kde_clusters.png', 'stage2_images.png'):
     assert (tmp_path / 'run' / name).stat().st_size > 0
+  with np.load(tmp_path / 'run' / 'synthetic.npz') as saved:  # for experiments.generator_check
+    np.testing.assert_array_equal(saved['labels'], aux.images.labels)
+    np.testing.assert_array_equal(saved['kept'], np.arange(100))
+    np.testing.assert_array_equal(
+      saved['images'], np.round(np.clip(aux.images.images, 0, 1) * 255).astype(np.uint8)
+    )
   for k, (g, model) in enumerate(zip(aux.groups, aux.init)):
     want = engine.init_model(g.module, (8, 8, 1), ctx.derive_key(Purpose.MODEL_INIT, k))
     for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(model.params)):

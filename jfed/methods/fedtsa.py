@@ -36,7 +36,8 @@ and images):
    - 'pipeline': a Stable-Diffusion-style pipeline from the local directory `pipeline_dir`
      (`jfed.diffusion.local_pipeline`, the paper's SD v1-4; the `diffusion` extra);
    - 'public': those held-out images themselves, `images_per_prompt` of each prompt's class.
-   A grid of the images is written to `stage2_images.png`.
+   A grid of the images is written to `stage2_images.png`, and the images with their prompts'
+   classes to `synthetic.npz` (`experiments.generator_check` scores them).
 
 Each round (`participation` of the clients, seeded):
 - Stage 1: inside every cluster, the selected members train the cluster model for
@@ -98,6 +99,7 @@ from jfed.distill.mutual import MutualLearner, MutualLearningConfig
 from jfed.engine import ModelState
 from jfed.errors import ConfigError
 from jfed.io import serialized_nbytes
+from jfed.io import synthetic as synthetic_io
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.registry import register_method
@@ -432,6 +434,9 @@ class FedTSA(Algorithm):
       grid_path = ctx.output_path('stage2_images.png')
       if grid_path is not None:
         write_class_grid(images, str(grid_path))
+      synthetic_io.save_synthetic(
+        ctx.output_path(synthetic_io.SYNTHETIC_FILE), images.images, images.labels
+      )
       o = cfg.optimizer
       tx = engine.build_optimizer(o._replace(lr=c.stage2_lr or o.lr, schedule='constant'))
       learner = MutualLearner(

@@ -7,7 +7,6 @@ the local CVAEs are a driver stage ('local_cvaes', tagged by their epochs, read 
 `config.local_cvaes_dir` when set) so a sweep over server-side methods trains them once.
 """
 
-import io
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 from absl import logging
@@ -23,9 +22,9 @@ from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.data import class_count_table
 from jfed.engine import GroupTrainer, ModelState
 from jfed.errors import ConfigError, NonFiniteError
+from jfed.io import synthetic as synthetic_io
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
-from jfed.workdir import atomic_write_bytes
 
 
 class CVAESettings(NamedTuple):
@@ -226,15 +225,15 @@ def fedmho_synthetic(
   return Synthetic(images, labels, owners, kmeans_filter(images, labels, clean_rate))
 
 
-SYNTHETIC_FILE = 'synthetic.npz'
+SYNTHETIC_FILE = synthetic_io.SYNTHETIC_FILE
 
 
 def save_synthetic(
   ctx: RunContext, images: np.ndarray, labels: np.ndarray, kept: Optional[np.ndarray] = None
 ) -> None:
-  """workdir/synthetic.npz: the generated set (images as uint8, 1/255 steps), its labels and the
-  indices the filter kept (all when there is no filter), so that `experiments.generator_check`
-  can score the samples with a classifier trained on real data (nothing written in memory).
+  """workdir/synthetic.npz (`jfed.io.synthetic`): the generated set, its labels and the indices
+  the filter kept, so that `experiments.generator_check` can score the samples with a classifier
+  trained on real data (nothing written in memory).
 
   Args:
     ctx: The run context (dataset, clients, run config, stage cache).
@@ -242,17 +241,7 @@ def save_synthetic(
     labels: Their labels, [N].
     kept: The indices the filter kept; None for all.
   """
-  path = ctx.output_path(SYNTHETIC_FILE)
-  if path is None:
-    return
-  buffer = io.BytesIO()
-  np.savez_compressed(
-    buffer,
-    images=np.round(np.clip(images, 0.0, 1.0) * 255).astype(np.uint8),
-    labels=np.asarray(labels, np.int32),
-    kept=np.arange(len(labels)) if kept is None else np.asarray(kept, np.int64),
-  )
-  atomic_write_bytes(path, buffer.getvalue())
+  synthetic_io.save_synthetic(ctx.output_path(SYNTHETIC_FILE), images, labels, kept)
 
 
 def fusion_epoch(
