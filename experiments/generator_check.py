@@ -88,6 +88,11 @@ def reference_classifier(config: ml_collections.ConfigDict, model: str, epochs: 
   return lambda x: np.argmax(aux.evaluator.logits(params, x), axis=-1), accuracy
 
 
+def _share(fraction: float) -> str:
+  """A share in %, or '— (none removed)' where no sample was removed (no filter)."""
+  return '— (none removed)' if fraction != fraction else f'{100 * fraction:.1f} %'
+
+
 def render(scores: List[SampleScore], reference: Dict) -> str:
   lines = [
     '# Generated samples labelled by a classifier trained on real data',
@@ -105,7 +110,7 @@ def render(scores: List[SampleScore], reference: Dict) -> str:
     low = min(present) if present else (float('nan'), -1)
     lines.append(
       f'| {s.run} | {s.generated} | {s.kept} | {100 * s.kept_accuracy:.1f} % | '
-      f'{100 * s.removed_accuracy:.1f} % | class {low[1]}: {100 * low[0]:.1f} % | '
+      f'{_share(s.removed_accuracy)} | class {low[1]}: {100 * low[0]:.1f} % | '
       f'{"yes" if s.kept_accuracy >= USABLE else "no"} |'
     )
   return '\n'.join(lines) + '\n'

@@ -41,6 +41,9 @@ def test_score_counts_kept_and_removed_samples_and_classes():
   assert s.per_class[:3] == pytest.approx([0.5, 1.0, 0.0]) and np.isnan(s.per_class[3])
   text = gc.render([s], {'model': 'mlp', 'epochs': 1, 'dataset': 'd', 'test_accuracy': 0.9})
   assert '| r | 8 | 6 | 50.0 % | 50.0 % | class 2: 0.0 % | no |' in text
+  everything = gc.score('f', labels, labels, np.arange(8), classes=3)  # no filter (FedTSA)
+  text = gc.render([everything], {'model': 'm', 'epochs': 1, 'dataset': 'd', 'test_accuracy': 1})
+  assert '| f | 8 | 8 | 100.0 % | — (none removed) | class 0: 100.0 % | yes |' in text
 
 
 def test_a_run_without_samples_is_refused(tmp_path):
