@@ -504,25 +504,13 @@ def run_sweep(
   paper = base.dataset.name == 'fashion_mnist'
   s.render = lambda s: {'tables.md': render(base, s.results, runs, alphas, s.meta)}
   s.after_save = lambda s: plot_table(out / 'table3.png', s.results, runs, alphas, paper)
-  predict = []  # the reference classifier, trained when first needed
+  labeller = generator_check.Labeller(base, reference_model, reference_epochs)
 
   def label_samples(workdir: pathlib.Path, record: dict) -> None:
-    if not reference_epochs or not (workdir / 'synthetic.npz').exists():
+    score = labeller.score(workdir)
+    if score is None:
       return
-    if not predict:
-      classify, accuracy = generator_check.reference_classifier(
-        base, reference_model, reference_epochs
-      )
-      predict.append(classify)
-      s.meta['reference'] = {
-        'model': reference_model,
-        'epochs': reference_epochs,
-        'test_accuracy': accuracy,
-      }
-    images, labels, kept = generator_check.load_synthetic(workdir)
-    score = generator_check.score(
-      workdir.name, predict[0](images), labels, kept, int(labels.max()) + 1
-    )
+    s.meta['reference'] = labeller.reference
     record['kept_labelled_right'] = score.kept_accuracy
     record['removed_labelled_right'] = (
       None if score.removed_accuracy != score.removed_accuracy else (score.removed_accuracy)

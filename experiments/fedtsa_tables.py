@@ -16,7 +16,11 @@ seed (`fedtsa.ddpm_cache` = OUT/ddpm/seed<s>.msgpack; its training images, drawn
 training images held out of every client by `dataset.holdout_size`, depend on the seed, not on
 the partition). Every run of a table holds out the same `dataset.holdout_size` training images
 and trains its clients with the same optimiser (`config.optimizer`), and every run is scored on
-the whole test split (`check_comparable` refuses a config that breaks this).
+the whole test split (`check_comparable` refuses a config that breaks this). With
+`--reference_epochs=N` (and `--reference_model`), a classifier trained on the real training images
+labels each FedTSA run's Stage-2 images (`experiments.generator_check`), and the header gives the
+share labelled as their prompt's class per partition: the precondition that Stage 2 learns from
+usable images.
 
 Table 3 has the paper's columns IID, Dir(0.6), Dir(0.3) (`--partitions`); FedAvg and FedProx
 appear twice, every client pruned to 0.6 (lower bound) and every client at 1.0 (upper bound).
@@ -37,15 +41,17 @@ then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (with the same --config/--bud
 directories stay where they ran.
 """
 
+import json
 import pathlib
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from absl import flags
 import numpy as np
 
-from experiments import sweep
+from experiments import generator_check, sweep
 from experiments.seed_tables import (
   load_config_module,
+  mean_std,
   ordering_lines,
   paper_orderings,
   percent_stats_each,
@@ -64,6 +70,13 @@ def define_flags() -> None:
   flags.DEFINE_list('partitions', ['iid', 'dir=0.6', 'dir=0.3'], 'Table 3 columns.')
   flags.DEFINE_list('degrees', [], 'Table 4 rows, e.g. 1.0,0.5/1.0,0.6/0.8/1.0 (none: no Table 4).')
   flags.DEFINE_list('runs', None, 'Runs (rows); default: every Table 3 run.')
+  flags.DEFINE_integer(
+    'reference_epochs',
+    0,
+    'Epochs of a reference classifier trained on the real training images that labels the '
+    "FedTSA runs' Stage-2 images (the table's precondition line); 0: none.",
+  )
+  flags.DEFINE_string('reference_model', 'cnn_mnist', 'The reference classifier (a model spec).')
 
 
 class Run(NamedTuple):
@@ -243,6 +256,26 @@ def ordering_sections(results: dict, partitions, degrees, runs) -> List[str]:
   return lines
 
 
+def precondition_lines(results: dict, partitions: List[str], runs: List[str], meta: dict):
+  """Issue 36's precondition that Stage 2 learns from usable images: the share of FedTSA's
+  Stage-2 images that a classifier trained on real training images labels as their prompt's
+  class, per Table 3 partition."""
+  reference = meta.get('reference')
+  if not reference or 'fedtsa' not in runs:
+    return []
+  cells = [
+    f'{p}: {mean_std(gather(results, p, "fedtsa", "stage2_labelled_right")) or "—"}'
+    for p in partitions
+  ]
+  return [
+    '',
+    f"FedTSA's Stage-2 images labelled as their prompt's class by a reference "
+    f'{reference["model"]} ({reference["epochs"]} epochs on the training split, test accuracy '
+    f'{100 * reference["test_accuracy"]:.2f} %; `experiments.generator_check`), mean ± std over '
+    'seeds (usable at ≥ 80 %): ' + '; '.join(cells) + '.',
+  ]
+
+
 def render(config, results: dict, plan: dict, meta: dict) -> str:
   partitions, degrees, runs = plan['partitions'], plan['degrees'], plan['runs']
   lines = [
@@ -286,6 +319,7 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
     for d in degrees:
       cells = [ours(results, degree_cell(d), r, key) for r in t4]
       lines.append(f'| [{d.replace("/", ", ")}] | ' + ' | '.join(cells) + ' |')
+  lines += precondition_lines(results, partitions, runs, meta)
   lines += ordering_sections(results, partitions, degrees, runs)
   lines += [
     '',
@@ -362,10 +396,14 @@ def run_sweep(
   degrees: List[str],
   seeds: List[int],
   merge: Sequence[str] = (),
+  reference_epochs: int = 0,
+  reference_model: str = 'cnn_mnist',
 ) -> str:
   """Runs every (cell, seed, run) not finished yet (or, with `merge`, only merges those
   directories' results); rewrites results.json, tables.md and the plots after each run;
-  returns the tables' text."""
+  returns the tables' text. With `reference_epochs`, a classifier trained on the real training
+  images (once, when the first FedTSA run has finished) labels each FedTSA run's Stage-2
+  images."""
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -383,8 +421,18 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
   (out / 'ddpm').mkdir(exist_ok=True)
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
-  s = sweep.Sweep.open(out, seeds, merge, budget=budget)
+  references = []
+
+  def read(path: pathlib.Path) -> dict:
+    saved = json.loads(path.read_text())
+    references.append(saved['meta'].get('reference'))
+    return saved
+
+  s = sweep.Sweep.open(out, seeds, merge, read, budget=budget)
+  if any(references):
+    s.meta['reference'] = next(r for r in references if r)
   s.render = lambda s: {'tables.md': render(base, s.results, plan, s.meta)}
+  labeller = generator_check.Labeller(base, reference_model, reference_epochs)
 
   def plots(s: sweep.Sweep) -> None:
     if partitions:
@@ -404,7 +452,12 @@ def run_sweep(
 
   def execute(cell: str, name: str, seed: int, workdir: pathlib.Path) -> sweep.Record:
     c = run_config(module, budget, ALL_RUNS[name], cell, seed, out)
-    return sweep.summary_record(run_experiment(ALL_RUNS[name].method, c, workdir), SUMMARY_KEYS)
+    record = sweep.summary_record(run_experiment(ALL_RUNS[name].method, c, workdir), SUMMARY_KEYS)
+    score = labeller.score(workdir) if ALL_RUNS[name].method == 'fedtsa' else None
+    if score is not None:
+      s.meta['reference'] = labeller.reference
+      record['stage2_labelled_right'] = score.kept_accuracy
+    return record
 
   for seed in [] if merge else seeds:
     for cell, name in jobs:
@@ -433,6 +486,8 @@ def main(argv):
       FLAGS.degrees,
       [int(s) for s in FLAGS.seeds],
       FLAGS.merge,
+      FLAGS.reference_epochs,
+      FLAGS.reference_model,
     )
   )
 

@@ -15,7 +15,7 @@ reference's own test accuracy is the ceiling of what these shares can mean.
 
 import json
 import pathlib
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 from absl import app, flags
 import ml_collections
@@ -86,6 +86,27 @@ def reference_classifier(config: ml_collections.ConfigDict, model: str, epochs: 
     accuracy = records[-1]['test_accuracy']
   params = engine.take(state.model, 0)
   return lambda x: np.argmax(aux.evaluator.logits(params, x), axis=-1), accuracy
+
+
+class Labeller:
+  """Scores runs' synthetic sets with one reference classifier (`reference_classifier`),
+  trained when the first run with samples is scored: what the table commands put in their
+  headers as the precondition that the generators produce usable data."""
+
+  def __init__(self, config: ml_collections.ConfigDict, model: str, epochs: int):
+    self.config, self.model, self.epochs = config, model, int(epochs)
+    self.reference: Optional[Dict] = None  # model, epochs, test_accuracy once trained
+    self._predict = None
+
+  def score(self, workdir: pathlib.Path) -> Optional[SampleScore]:
+    """The run's SampleScore; None with epochs 0 (off) or a run that wrote no samples."""
+    if not self.epochs or not (workdir / 'synthetic.npz').exists():
+      return None
+    if self._predict is None:
+      self._predict, accuracy = reference_classifier(self.config, self.model, self.epochs)
+      self.reference = {'model': self.model, 'epochs': self.epochs, 'test_accuracy': accuracy}
+    images, labels, kept = load_synthetic(workdir)
+    return score(workdir.name, self._predict(images), labels, kept, int(labels.max()) + 1)
 
 
 def _share(fraction: float) -> str:

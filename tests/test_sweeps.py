@@ -231,6 +231,41 @@ def test_fedmho_tables_labels_the_generated_samples_with_a_reference(tmp_path):
   assert fedmho_tables.run_sweep(*args) == table  # the resumed sweep keeps the reference
 
 
+@pytest.mark.slow  # a FedTSA smoke run and a reference classifier
+def test_fedtsa_tables_labels_the_stage2_images_with_a_reference(tmp_path):
+  config = str(pathlib.Path(fedtsa_digits.__file__))
+  args = (config, 'smoke', tmp_path, ['fedtsa'], ['iid'], [], [0])
+  table = fedtsa_tables.run_sweep(*args, reference_epochs=2, reference_model='mlp')
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  record = saved['results']['iid']['0']['fedtsa']
+  assert 0.0 <= record['stage2_labelled_right'] <= 1.0
+  assert saved['meta']['reference']['model'] == 'mlp'
+  share = f'{100 * record["stage2_labelled_right"]:.2f} ± 0.00'
+  assert 'by a reference mlp (2 epochs on the training split' in table
+  assert f'(usable at ≥ 80 %): iid: {share}.' in table
+  resumed = fedtsa_tables.run_sweep(*args, reference_epochs=2, reference_model='mlp')
+  assert resumed == table  # the resumed sweep keeps the reference
+
+
+def test_fedtsa_tables_precondition_line_is_the_mean_over_seeds_per_partition():
+  results = {
+    'iid': {'0': {'fedtsa': {'stage2_labelled_right': 0.9}}, '1': {'fedtsa': {}}},
+    'dir=0.3': {
+      '0': {'fedtsa': {'stage2_labelled_right': 0.8}},
+      '1': {'fedtsa': {'stage2_labelled_right': 0.9}},
+    },
+  }
+  meta = {'reference': {'model': 'cnn_mnist', 'epochs': 3, 'test_accuracy': 0.9}}
+  lines = fedtsa_tables.precondition_lines(results, ['iid', 'dir=0.3', 'dir=0.6'], ['fedtsa'], meta)
+  spread = 100 * np.std([0.8, 0.9], ddof=1)
+  assert lines[-1].endswith(
+    f'(usable at ≥ 80 %): iid: 90.00 ± 0.00; dir=0.3: 85.00 ± {spread:.2f}; dir=0.6: —.'
+  )
+  assert 'reference cnn_mnist (3 epochs on the training split, test accuracy 90.00 %' in lines[-1]
+  assert fedtsa_tables.precondition_lines(results, ['iid'], ['heterofl'], meta) == []
+  assert fedtsa_tables.precondition_lines(results, ['iid'], ['fedtsa'], {}) == []
+
+
 FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
 
 
