@@ -20,7 +20,8 @@ the whole test split (`check_comparable` refuses a config that breaks this). Wit
 `--reference_epochs=N` (and `--reference_model`), a classifier trained on the real training images
 labels each FedTSA run's Stage-2 images (`experiments.generator_check`), and the header gives the
 share labelled as their prompt's class per partition: the precondition that Stage 2 learns from
-usable images.
+usable images. "Is the budget enough?" gives each Table 3 run's rise over the last fifth of its
+steps (about 0 on a plateau; a method still climbing is not yet compared at its best).
 
 Table 3 has the paper's columns IID, Dir(0.6), Dir(0.3) (`--partitions`); FedAvg and FedProx
 appear twice, every client pruned to 0.6 (lower bound) and every client at 1.0 (upper bound).
@@ -50,6 +51,8 @@ import numpy as np
 
 from experiments import generator_check, sweep
 from experiments.seed_tables import (
+  RISE_EXPLAINED,
+  last_fifth_rise,
   load_config_module,
   mean_std,
   ordering_lines,
@@ -57,6 +60,7 @@ from experiments.seed_tables import (
   percent_stats_each,
   seed_cell,
   seed_values,
+  step_accuracies,
 )
 
 FLAGS = flags.FLAGS
@@ -276,6 +280,20 @@ def precondition_lines(results: dict, partitions: List[str], runs: List[str], me
   ]
 
 
+def budget_lines(results: dict, partitions: List[str], runs: List[str]) -> List[str]:
+  """Whether the budget lets the methods reach their plateau: each Table 3 run's rise of the
+  last fifth of its steps, per partition."""
+  shown = [r for r in runs if r in RUNS]
+  if not partitions or not shown:
+    return []
+  rows = [
+    [RUNS[r].name] + [mean_std(gather(results, p, r, 'last_fifth_rise')) or '—' for p in partitions]
+    for r in shown
+  ]
+  lines = ['', '## Is the budget enough?', '', RISE_EXPLAINED, '']
+  return lines + sweep.table_lines(['Method', *partitions], rows)
+
+
 def render(config, results: dict, plan: dict, meta: dict) -> str:
   partitions, degrees, runs = plan['partitions'], plan['degrees'], plan['runs']
   lines = [
@@ -320,6 +338,7 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
       cells = [ours(results, degree_cell(d), r, key) for r in t4]
       lines.append(f'| [{d.replace("/", ", ")}] | ' + ' | '.join(cells) + ' |')
   lines += precondition_lines(results, partitions, runs, meta)
+  lines += budget_lines(results, partitions, runs)
   lines += ordering_sections(results, partitions, degrees, runs)
   lines += [
     '',
@@ -453,6 +472,7 @@ def run_sweep(
   def execute(cell: str, name: str, seed: int, workdir: pathlib.Path) -> sweep.Record:
     c = run_config(module, budget, ALL_RUNS[name], cell, seed, out)
     record = sweep.summary_record(run_experiment(ALL_RUNS[name].method, c, workdir), SUMMARY_KEYS)
+    record['last_fifth_rise'] = last_fifth_rise(step_accuracies(workdir))
     score = labeller.score(workdir) if ALL_RUNS[name].method == 'fedtsa' else None
     if score is not None:
       s.meta['reference'] = labeller.reference

@@ -59,6 +59,7 @@ from experiments import sweep
 from experiments.seed_tables import (
   backend_line,
   curve_stats,
+  last_fifth_rise,
   mean_std,
   ordering_verdict,
   plot_bands,
@@ -331,10 +332,7 @@ def budget_evidence_lines(results, methods: Sequence[str]) -> List[str]:
     runs = [r for r in finished(results, m) if len(r['accuracy']) >= 5]
     if not runs:
       continue
-    gains = []
-    for r in runs:
-      acc, fifth = np.asarray(r['accuracy']), len(r['accuracy']) // 5
-      gains.append(acc[-fifth:].mean() - acc[-2 * fifth : -fifth].mean())
+    gains = [last_fifth_rise(r['accuracy']) for r in runs]
     lines.append(
       f'| {m} | {mean_std(gains, 100.0, 2)} | {cell([r["final_test_accuracy"] for r in runs])} |'
     )

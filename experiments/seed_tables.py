@@ -74,6 +74,36 @@ def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> 
   return f'{mean:.{digits}f} ± {std:.{digits}f}'
 
 
+def step_accuracies(workdir: pathlib.Path) -> List[float]:
+  """A run's test accuracy per driver step (the last record of each step that has one), from
+  its metrics.jsonl."""
+  text = (workdir / 'metrics.jsonl').read_text()
+  by_step = {}
+  for line in text.splitlines():
+    record = json.loads(line) if line.strip() else {}
+    if record.get('step', 0) >= 1 and record.get('test_accuracy') is not None:
+      by_step[int(record['step'])] = float(record['test_accuracy'])
+  return [by_step[k] for k in sorted(by_step)]
+
+
+def last_fifth_rise(accuracy: Sequence[float]) -> Optional[float]:
+  """The mean of a curve's last fifth minus the mean of the fifth before it: about 0 on a
+  plateau, clearly positive for a curve still climbing (issue 36's evidence that a budget lets a
+  method reach its plateau); None for a curve of fewer than 5 points."""
+  if len(accuracy) < 5:
+    return None
+  acc, fifth = np.asarray(accuracy, np.float64), len(accuracy) // 5
+  return float(acc[-fifth:].mean() - acc[-2 * fifth : -fifth].mean())
+
+
+RISE_EXPLAINED = (
+  'Rise of the last fifth: the mean test accuracy over the last fifth of the steps minus the mean '
+  'over the fifth before it, mean ± std over the seeds, in points. A curve on its plateau rises by '
+  'about 0; one still climbing by several points has not reached it, and its method is not yet '
+  'compared at its best.'
+)
+
+
 # results.json of a sweep over seeds: results[cell][seed][run] = the run's record, a dict of
 # its summary numbers, or {'status': 'error', 'error': message} for a run that failed.
 

@@ -184,3 +184,22 @@ def test_a_table_commands_bad_flag_is_one_error_line(args, message, tmp_path):
   lines = [line for line in done.stderr.splitlines() if line.startswith('error:')]
   assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
   assert 'Traceback' not in done.stderr
+
+
+def test_last_fifth_rise_and_the_per_step_curve_from_metrics(tmp_path):
+  from experiments import seed_tables  # pylint: disable=g-import-not-at-top
+
+  curve = [0.1, 0.3, 0.5, 0.6, 0.65, 0.7, 0.72, 0.74, 0.75, 0.76]  # fifths of 2 steps
+  assert seed_tables.last_fifth_rise(curve) == pytest.approx((0.755 - 0.73), abs=1e-12)
+  assert seed_tables.last_fifth_rise([0.5] * 7) == 0.0  # a plateau
+  assert seed_tables.last_fifth_rise([0.1, 0.2, 0.3, 0.4]) is None  # too short to tell
+  records = [
+    {'step': 0, 'stage': 'setup', 'test_accuracy': 0.05},  # setup: not a step of the curve
+    {'step': 1, 'round': 1, 'test_accuracy': 0.2},
+    {'step': 2, 'distill_step': 1},  # no accuracy
+    {'step': 2, 'round': 2, 'test_accuracy': 0.3},
+    {'step': 2, 'round': 2, 'test_accuracy': 0.35},  # the step's last record wins
+    {'step': 3, 'test_accuracy': None},
+  ]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+  assert seed_tables.step_accuracies(tmp_path) == [0.2, 0.35]

@@ -243,6 +243,8 @@ def test_fedtsa_tables_labels_the_stage2_images_with_a_reference(tmp_path):
   share = f'{100 * record["stage2_labelled_right"]:.2f} ± 0.00'
   assert 'by a reference mlp (2 epochs on the training split' in table
   assert f'(usable at ≥ 80 %): iid: {share}.' in table
+  assert record['last_fifth_rise'] is None  # 2 smoke rounds: too short a curve to tell
+  assert '## Is the budget enough?' in table and '| FedTSA | — |' in table
   resumed = fedtsa_tables.run_sweep(*args, reference_epochs=2, reference_model='mlp')
   assert resumed == table  # the resumed sweep keeps the reference
 
@@ -264,6 +266,19 @@ def test_fedtsa_tables_precondition_line_is_the_mean_over_seeds_per_partition():
   assert 'reference cnn_mnist (3 epochs on the training split, test accuracy 90.00 %' in lines[-1]
   assert fedtsa_tables.precondition_lines(results, ['iid'], ['heterofl'], meta) == []
   assert fedtsa_tables.precondition_lines(results, ['iid'], ['fedtsa'], {}) == []
+
+
+def test_fedtsa_tables_budget_section_gives_each_runs_rise_per_partition():
+  results = {
+    'iid': {
+      '0': {'fedtsa': {'last_fifth_rise': 0.02}, 'heterofl': {'last_fifth_rise': None}},
+      '1': {'fedtsa': {'last_fifth_rise': 0.04}},
+    },
+  }
+  lines = fedtsa_tables.budget_lines(results, ['iid'], ['heterofl', 'fedtsa', 'fedtsa_t1'])
+  assert lines[1] == '## Is the budget enough?'
+  spread = 100 * np.std([0.02, 0.04], ddof=1)
+  assert lines[-2:] == ['| HeteroFL | — |', f'| FedTSA | 3.00 ± {spread:.2f} |']
 
 
 FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
