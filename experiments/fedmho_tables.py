@@ -57,7 +57,6 @@ paired by seed. On a dataset the paper does not report (digits) the orderings te
 of its Fashion-MNIST tables.
 """
 
-import json
 import pathlib
 import shutil
 from typing import Dict, List, NamedTuple, Optional, Sequence
@@ -490,17 +489,8 @@ def run_sweep(
   module = load_config_module(config_path, 'fedmho_tables_config')
   base = module.get_config(budget)
   out.mkdir(parents=True, exist_ok=True)
-  references = []
-
-  def read(path: pathlib.Path) -> dict:
-    saved = json.loads(path.read_text())
-    references.append(saved['meta'].get('reference'))
-    return saved
-
-  s = sweep.Sweep.open(out, seeds, merge, read, budget=budget)
+  s = generator_check.open_sweep(out, seeds, merge, budget=budget)
   s.meta['evidence'] = evidence_lines(module, budget)
-  if any(references):
-    s.meta['reference'] = next(r for r in references if r)
   paper = base.dataset.name == 'fashion_mnist'
   s.render = lambda s: {'tables.md': render(base, s.results, runs, alphas, s.meta)}
   s.after_save = lambda s: plot_table(out / 'table3.png', s.results, runs, alphas, paper)

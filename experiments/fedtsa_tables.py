@@ -42,7 +42,6 @@ then `--merge=runs/t_s1,runs/t_s2 --out=runs/t_s0` (with the same --config/--bud
 directories stay where they ran.
 """
 
-import json
 import pathlib
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -440,16 +439,7 @@ def run_sweep(
   out.mkdir(parents=True, exist_ok=True)
   (out / 'ddpm').mkdir(exist_ok=True)
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
-  references = []
-
-  def read(path: pathlib.Path) -> dict:
-    saved = json.loads(path.read_text())
-    references.append(saved['meta'].get('reference'))
-    return saved
-
-  s = sweep.Sweep.open(out, seeds, merge, read, budget=budget)
-  if any(references):
-    s.meta['reference'] = next(r for r in references if r)
+  s = generator_check.open_sweep(out, seeds, merge, budget=budget)
   s.render = lambda s: {'tables.md': render(base, s.results, plan, s.meta)}
   labeller = generator_check.Labeller(base, reference_model, reference_epochs)
 

@@ -15,12 +15,13 @@ reference's own test accuracy is the ceiling of what these shares can mean.
 
 import json
 import pathlib
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from absl import app, flags
 import ml_collections
 import numpy as np
 
+from experiments import sweep
 from jfed.workdir import atomic_write_text
 
 FLAGS = flags.FLAGS
@@ -107,6 +108,25 @@ class Labeller:
       self.reference = {'model': self.model, 'epochs': self.epochs, 'test_accuracy': accuracy}
     images, labels, kept = load_synthetic(workdir)
     return score(workdir.name, self._predict(images), labels, kept, int(labels.max()) + 1)
+
+
+def open_sweep(
+  out: pathlib.Path, seeds: Sequence[int], merge: Sequence[str], **meta
+) -> sweep.Sweep:
+  """`sweep.Sweep.open` that also restores the reference classifier's description (the first
+  saved or merged results.json that has one), so that a resumed or merged table keeps its
+  precondition line without training the reference again."""
+  references = []
+
+  def read(path: pathlib.Path) -> dict:
+    saved = json.loads(path.read_text())
+    references.append(saved['meta'].get('reference'))
+    return saved
+
+  s = sweep.Sweep.open(out, seeds, merge, read, **meta)
+  if any(references):
+    s.meta['reference'] = next(r for r in references if r)
+  return s
 
 
 def _share(fraction: float) -> str:
