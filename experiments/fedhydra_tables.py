@@ -32,6 +32,14 @@ every distillation method, mean over every seed in results.json with a ± std ba
 and the teacher ensemble as horizontal lines at their mean). A run that fails is counted as
 'error' (its message in results.json) and the sweep goes on.
 
+The header shows issue 36's preconditions: the config file's measured evidence for the budget's
+words (its `EVIDENCE`, e.g. fedhydra_digits.py's `plateau`: the local client curve of
+`experiments.client_curve`) and this sweep's client models' test accuracy (mean and lowest
+client). "Is the budget enough?" gives each distillation student's rise over the last fifth of
+its epochs and its gain over one-shot FedAvg, the teacher-free baseline. The tables end with a
+verdict for every ordering of the paper's Fashion-MNIST columns (on another dataset, the same
+orderings): holds / fails / within noise, a two-sided t-test over the seeds paired by seed.
+
 Rerunning the command skips the runs results.json records as finished (`experiments.sweep`),
 retries the failed ones and resumes an interrupted one; results.json keeps the seeds it holds,
 so a later `--seeds=3,4` adds to them. Seeds in parallel: run one sweep per seed into its own
@@ -51,8 +59,12 @@ from absl import app, flags
 
 from experiments import sweep
 from experiments.seed_tables import (
+  RISE_EXPLAINED,
   backend_line,
   curve_stats,
+  evidence_lines,
+  last_fifth_rise,
+  load_config_module,
   mean_std,
   ordering_lines,
   paper_orderings,
@@ -189,6 +201,75 @@ def reference_cell(values: List[float]) -> str:
   return f'{mean_std(values)} (n={len(values)})' if values else '—'
 
 
+def client_lines(results: dict, partitions: List[str]) -> List[str]:
+  """The local client models of this sweep: their mean test accuracy per seed (from any run
+  that evaluated them: the runs of one seed share them), mean ± std over seeds, and the lowest
+  client of any seed."""
+  cells = []
+  for p in partitions:
+    means, lowest = [], []
+    for runs in results.get(p, {}).values():
+      clients = [r['client_test_accuracy'] for r in runs.values() if r.get('client_test_accuracy')]
+      if clients:
+        means.append(sum(clients[0]) / len(clients[0]))
+        lowest.append(min(clients[0]))
+    if means:
+      cells.append(f'{p}: {mean_std(means)} (lowest client {100 * min(lowest):.2f})')
+  if not cells:
+    return []
+  return [
+    '',
+    'The local client models of these runs, mean client test accuracy (%), mean ± std over '
+    'seeds: ' + '; '.join(cells) + '.',
+  ]
+
+
+def gain_over(results: dict, partition: str, method: str, key: str, baseline: str) -> List[float]:
+  """Per seed that has both: `method`'s `key` minus `baseline`'s final test accuracy."""
+  out = []
+  for runs in results.get(partition, {}).values():
+    a, b = runs.get(method) or {}, runs.get(baseline) or {}
+    if a.get(key) is not None and b.get('final_test_accuracy') is not None:
+      out.append(a[key] - b['final_test_accuracy'])
+  return out
+
+
+def budget_enough_lines(results: dict, methods: List[str], partitions: List[str]) -> List[str]:
+  """Issue 36's evidence that the distillation mechanisms operate at this budget: each
+  distillation student's rise over the last fifth of its epochs (on its plateau or still
+  climbing) and its gain over one-shot FedAvg, the teacher-free baseline (the same client models
+  averaged, no generator and no distillation)."""
+  shown = [m for m in methods if m in DISTILL]
+  if not shown:
+    return []
+  rise_rows, gain_rows = [], []
+  for m in shown:
+    rises = []
+    for p in partitions:
+      curves = [r[m]['curve'] for r in results.get(p, {}).values() if (r.get(m) or {}).get('curve')]
+      values = [v for v in (last_fifth_rise(c[1]) for c in curves) if v is not None]
+      rises.append(mean_std(values) or '—')
+    rise_rows.append([NAMES[m], *rises])
+    gains = []
+    for p in partitions:
+      final = mean_std(gain_over(results, p, m, 'final_test_accuracy', 'fedavg')) or '—'
+      best = mean_std(gain_over(results, p, m, 'best_test_accuracy', 'fedavg')) or '—'
+      gains.append(f'{final} / {best}')
+    gain_rows.append([NAMES[m], *gains])
+  lines = ['', '## Is the budget enough?', '', RISE_EXPLAINED, '']
+  lines += sweep.table_lines(['Method', *partitions], rise_rows)
+  if 'fedavg' in methods:
+    lines += [
+      '',
+      'Gain over one-shot FedAvg, the teacher-free baseline (the same client models averaged; no '
+      'generator, no distillation), in points, of the final / best epoch, mean ± std over the '
+      'seeds paired by seed: a student that learns from its teachers rises above it.',
+      '',
+    ]
+    lines += sweep.table_lines(['Method', *partitions], gain_rows)
+  return lines
+
+
 def render(config, results: dict, methods, partitions, meta: dict) -> str:
   dir_parts = [p for p in partitions if p.startswith('dir')]
   paper = PAPER if config.dataset.name == 'fashion_mnist' else {}  # the paper's FMNIST columns
@@ -244,6 +325,8 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     f'{backend_line(results, meta)}; {meta["date"]}, seeds {meta["seeds"]}. Budget:',
   ]
   lines += budget_lines(config)
+  lines += meta.get('evidence', [])
+  lines += client_lines(results, partitions)
   groups = []
   if dir_parts:
     groups.append(('Table 1 (Dirichlet)', dir_parts, [f'α={p[3:]}' for p in dir_parts]))
@@ -254,8 +337,15 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     lines += table(final, columns, labels, 'final_test_accuracy', True)
     best = f'{name}, best epoch' + (f" (the paper's column: {PAPER_COLUMN})" if paper else '')
     lines += table(best, columns, labels, 'best_test_accuracy', False)
-  for partition in partitions if paper else []:
-    column = {m: paper[m][partition] for m in methods if partition in paper.get(m, {})}
+  lines += budget_enough_lines(results, methods, partitions)
+  elsewhere = (
+    ''
+    if paper
+    else f' On {config.dataset.name}, which the paper does not report, the orderings tested are '
+    'those of its Fashion-MNIST columns.'
+  )
+  for partition in partitions:
+    column = {m: PAPER[m][partition] for m in methods if partition in PAPER.get(m, {})}
     for label, key in (('final', 'final_test_accuracy'), ('best', 'best_test_accuracy')):
       lines += [
         '',
@@ -263,7 +353,7 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
         '',
         'Every pair of methods that the paper ranks apart; a two-sided t-test over our seeds, '
         'paired by seed (one partition and one set of client models per seed), at 5 %: holds / '
-        'fails when our seeds tell them apart, within noise when they do not.',
+        f'fails when our seeds tell them apart, within noise when they do not.{elsewhere}',
         '',
       ]
       lines += ordering_lines(paper_orderings(results, partition, column, key), NAMES)
@@ -329,12 +419,14 @@ def run_sweep(
   seeds: Sequence[int] = (0, 1, 2),
   merge: Sequence[str] = (),
   batch_seeds: bool = True,
+  evidence: Sequence[str] = (),
 ) -> str:
   """Runs every (seed, partition, method) not finished yet (or, with `merge`, only merges those
   directories' results); rewrites results.json and tables.md after each run and the figures
   after each partition; returns the tables' text. With `batch_seeds`, first, per partition, the
   shared local models of the seeds that will read them and have none yet train in one program
-  (`pretrain_seeds`)."""
+  (`pretrain_seeds`). `evidence`: Markdown lines of the budget's measured preconditions (the
+  config file's `EVIDENCE`), printed in the header."""
 
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -353,6 +445,8 @@ def run_sweep(
     return saved
 
   s = sweep.Sweep.open(out, [] if merge else seeds, merge, load)
+  if evidence:
+    s.meta['evidence'] = list(evidence)
   s.render = lambda s: {'tables.md': render(config, s.results, methods, partitions, s.meta)}
 
   def seed_config(seed: int, partition: str):
@@ -397,6 +491,8 @@ def run_sweep(
 
 def main(argv):
   del argv
+  path, _, words = FLAGS['config'].config_filename.partition(':')
+  module = load_config_module(path, 'fedhydra_tables_config')
   print(
     run_sweep(
       FLAGS.config,
@@ -406,6 +502,7 @@ def main(argv):
       [int(s) for s in FLAGS.seeds],
       FLAGS.merge,
       FLAGS.batch_seeds,
+      evidence_lines(module, words),
     )
   )
 

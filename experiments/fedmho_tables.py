@@ -66,6 +66,7 @@ import numpy as np
 
 from experiments import generator_check, sweep
 from experiments.seed_tables import (
+  evidence_lines,
   load_config_module,
   mean_std,
   ordering_lines,
@@ -251,13 +252,6 @@ def budget_lines(c) -> List[str]:
 
 # The runs whose server learns from generated samples; the runs of one client set share them.
 GENERATING = ('fedmho_md', 'fedcvae_ens')
-
-
-def evidence_lines(module, budget: str) -> List[str]:
-  """The config file's measured precondition evidence for the budget's words (its `EVIDENCE`:
-  word -> Markdown lines, e.g. the local client curve behind a `plateau` budget)."""
-  evidence = getattr(module, 'EVIDENCE', {})
-  return [line for w in budget.split(',') if w in evidence for line in evidence[w]]
 
 
 def client_lines(results: dict, runs: List[str], alphas: List[float]) -> List[str]:

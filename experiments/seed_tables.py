@@ -32,6 +32,13 @@ def load_config_module(path: str, name: str):
   return module
 
 
+def evidence_lines(module, budget: str) -> List[str]:
+  """The config file's measured precondition evidence for the budget's words (its `EVIDENCE`:
+  word -> Markdown lines, e.g. the local client curve behind a `plateau` budget)."""
+  evidence = getattr(module, 'EVIDENCE', {})
+  return [line for w in budget.split(',') if w in evidence for line in evidence[w]]
+
+
 def report_date() -> str:
   """The ISO date a rendered report carries: today, or the reproducible-builds convention's
   SOURCE_DATE_EPOCH (seconds, UTC) where it is set, so that a re-render after midnight (a resumed

@@ -496,6 +496,27 @@ _TWO_CVAE_GROUPS = 'mlp;cvae:size=small;cvae:size=small,hidden=8'
 _ONE_EPOCH = generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0)
 
 
+def test_a_cvae_client_whose_training_loss_goes_non_finite_is_excluded_not_fatal(monkeypatch):
+  """The training itself diverges (not the model after it): one client's images are NaN, so its
+  loss is non-finite inside local CVAE training, which must warn and go on (`diverged='warn'`;
+  the default raises); the server excludes that client."""
+  real_groups = generative.cvae_groups
+
+  def poisoned(ctx):
+    groups = real_groups(ctx)
+    g = groups[0]
+    x = np.array(g.fed.x, np.float32)
+    x[1] = np.nan  # the second client of the first group
+    return [g._replace(fed=g.fed._replace(x=x)), *groups[1:]]
+
+  monkeypatch.setattr(generative, 'cvae_groups', poisoned)
+  ctx = driver.context_of_config(fedmho_digits.get_config('smoke'))
+  cvaes = generative.local_cvaes(ctx, generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0))
+  group = cvaes.groups[0]
+  assert cvaes.excluded == [int(group.client_ids[1])]
+  np.testing.assert_array_equal(cvaes.uploads[0].client_ids, np.delete(group.client_ids, 1))
+
+
 def test_a_group_whose_every_cvae_diverged_generates_nothing(monkeypatch):
   _diverge(monkeypatch, {0: [0, 1, 2]})
   config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)

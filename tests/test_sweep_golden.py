@@ -147,9 +147,13 @@ def fedhydra_tables() -> Dict[str, str]:
     'teacher_ensemble_test_accuracy': lambda i, j, k: 0.6 + 0.01 * (i + j),
     'client_test_accuracy': lambda i, j, k: [0.4 + 0.01 * j, 0.5 + 0.01 * i],
     'best_step': lambda i, j, k: k,
+    'curve': lambda i, j, k: [
+      list(range(1, 11)),
+      [0.3 + 0.01 * ((i + j + k) % 4) * e for e in range(10)],
+    ],
   }
   results = synthetic(partitions, ['0', '1', '2'], methods, extra)
-  meta = {**META, 'seeds': [0, 1, 2]}
+  meta = {**META, 'seeds': [0, 1, 2], 'evidence': ['- evidence line of the budget']}
   return {
     'fedhydra_tables_fashion_mnist.md': t.render(
       fedhydra_fashion_mnist.get_config('smoke'), results, methods, partitions, meta

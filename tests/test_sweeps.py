@@ -281,6 +281,75 @@ def test_fedtsa_tables_budget_section_gives_each_runs_rise_per_partition():
   assert lines[-2:] == ['| HeteroFL | — |', f'| FedTSA | 3.00 ± {spread:.2f} |']
 
 
+def test_fedhydra_tables_budget_section_gives_each_students_rise_and_gain_over_fedavg():
+  ramp = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # fifths of 2 points: 0.9-0.7 = 0.2
+  flat = [0.5] * 10
+  results = {
+    'dir0.5': {
+      '0': {
+        'fedavg': {'final_test_accuracy': 0.5, 'client_test_accuracy': [0.6, 0.8]},
+        'dense': {
+          'final_test_accuracy': 0.7,
+          'best_test_accuracy': 0.9,
+          'curve': [list(range(10)), ramp],
+          'client_test_accuracy': [0.6, 0.8],
+        },
+      },
+      '1': {
+        'fedavg': {'final_test_accuracy': 0.4},
+        'dense': {
+          'final_test_accuracy': 0.6,
+          'best_test_accuracy': 0.6,
+          'curve': [list(range(10)), flat],
+          'client_test_accuracy': [0.5, 0.9],
+        },
+      },
+    },
+  }
+  lines = fedhydra_tables.budget_enough_lines(results, ['fedavg', 'dense'], ['dir0.5'])
+  assert lines[1] == '## Is the budget enough?'
+  rises = 100 * np.array([np.mean(ramp[8:]) - np.mean(ramp[6:8]), 0.0])
+  assert table_row('\n'.join(lines), 'Is the budget enough?', 'DENSE')[0] == (
+    f'{rises.mean():.2f} ± {rises.std(ddof=1):.2f}'
+  )
+  finals, bests = 100 * np.array([0.2, 0.2]), 100 * np.array([0.4, 0.2])
+  assert lines[-1] == (
+    f'| DENSE | {finals.mean():.2f} ± 0.00 / {bests.mean():.2f} ± {bests.std(ddof=1):.2f} |'
+  )
+  # no FedAvg run: no gain table; no distillation run: no section
+  assert 'teacher-free' not in ' '.join(fedhydra_tables.budget_enough_lines(results, ['dense'], []))
+  assert fedhydra_tables.budget_enough_lines(results, ['fedavg', 'ot'], ['dir0.5']) == []
+  means = 100 * np.array([0.7, 0.7])  # seed 0: (0.6 + 0.8) / 2 from its first run; seed 1: dense's
+  assert fedhydra_tables.client_lines(results, ['dir0.5', '2c/c'])[-1].endswith(
+    f'seeds: dir0.5: {means.mean():.2f} ± 0.00 (lowest client 50.00).'
+  )
+
+
+def test_fedhydra_tables_on_digits_test_the_papers_fashion_mnist_orderings():
+  methods, partitions = ['fedavg', 'fedhydra'], ['2c/c']
+  results = {
+    '2c/c': {
+      str(s): {
+        'fedavg': {'final_test_accuracy': 0.2 + 0.01 * s, 'best_test_accuracy': 0.2 + 0.01 * s},
+        'fedhydra': {'final_test_accuracy': 0.5 + 0.02 * s, 'best_test_accuracy': 0.6},
+      }
+      for s in range(3)
+    }
+  }
+  meta = {'seeds': [0, 1, 2], 'date': '2026-11-28'}
+  table = fedhydra_tables.render(
+    fedhydra_digits.get_config('smoke'), results, methods, partitions, meta
+  )
+  # the paper's Table 2 ranks FedHydra (39.06) above FedAvg (32.73); here it holds in every seed
+  section = next(
+    s for s in table.split('\n## ') if s.startswith('Orderings the paper gives, 2c/c, our final')
+  )
+  assert 'orderings tested are those of its Fashion-MNIST columns' in section
+  assert '| FedHydra > FedAvg | 39.06 > 32.73 | 52.00 vs 21.00 | 3 | 0.000 | holds |' in section
+  tables = [s for s in table.split('\n## ') if s.startswith('Table 2')]
+  assert len(tables) == 2 and not any('39.06' in s for s in tables)  # no paper column on digits
+
+
 FEDTSA_RUNS = ['heterofl', 'fedtsa', 'fedtsa_stage1_only']
 
 
