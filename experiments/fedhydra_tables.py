@@ -319,8 +319,8 @@ def render(config, results: dict, methods, partitions, meta: dict) -> str:
     'collapsing late in distillation, and the DENSE code it builds on keeps the best '
     f'checkpoint, so its columns are **{PAPER_COLUMN}**: compare them with the best-epoch '
     'tables. The final-epoch tables are what a method delivers without choosing an epoch on '
-    'the test images. FedDF: its final model is the best-on-validation student, evaluated on '
-    'the test images not held out.',
+    'the test images. FedDF: its final model is the student best on its validation images '
+    '(training images held out of the clients); every method is scored on the whole test split.',
     '',
     f'{backend_line(results, meta)}; {meta["date"]}, seeds {meta["seeds"]}. Budget:',
   ]
