@@ -82,7 +82,10 @@ def test_fedhydra_tables_sweep_over_seeds_runs_resumes_and_renders(tmp_path, cap
   ]
   assert partitions[0] != partitions[1]
 
-  assert '(75.76)' not in table and '75.76' not in table  # paper numbers only beside FMNIST
+  # the paper's numbers are beside Fashion-MNIST only; on digits they only give its orderings
+  tables = [s for s in table.split('\n## ') if s.startswith('Table ')]
+  assert len(tables) == 4 and not any('75.76' in s for s in tables)
+  assert '| FedAvg > FedDF | 75.76 > 73.44 |' in table
   assert 'plausibly the best epoch (not stated)' in table
   # every cell is the mean ± sample std over the seeds of the runs' summary.json, for the final
   # and for the best epoch, in Table 1 (Dir(0.5)) and Table 2 (2c/c)
