@@ -90,8 +90,7 @@ def check(method: str, config, workdir: pathlib.Path, passes: int) -> List[Score
   checkpointer = driver.RunCheckpointer(workdir / 'checkpoints')
   out = []
   for step in steps:
-    restored = checkpointer.restore(step, template)
-    model = (restored if hasattr(restored, 'model') else restored[0]).model
+    model = checkpointer.restore(step, template).model
     stats = recomputed_stats(module, model, train_x, passes)
     out.append(
       Scores(

@@ -180,6 +180,17 @@ def budget_lines(c) -> list:
   ]
 
 
+def seed_clients(results: dict, partition: str) -> List[List[float]]:
+  """Per seed that has them, its local client models' test accuracies: the runs of one seed
+  share its local models, so any run that evaluated them gives the seed's."""
+  out = []
+  for runs in results.get(partition, {}).values():
+    clients = [r['client_test_accuracy'] for r in runs.values() if r.get('client_test_accuracy')]
+    if clients:
+      out.append(clients[0])
+  return out
+
+
 def reference_values(results: dict, partition: str) -> Dict[str, List[float]]:
   """Not methods: per seed, what the clients' models reach on their own (from the distillation
   runs, which evaluate the teachers they received): the mean-logit ensemble (DENSE's teacher;
@@ -189,11 +200,9 @@ def reference_values(results: dict, partition: str) -> Dict[str, List[float]]:
     # the runs of one seed share its local models: any of them gives the seed's value
     ensemble = [r.get('teacher_ensemble_test_accuracy') for r in runs.values()]
     ensemble = [a for a in ensemble if a is not None]
-    clients = [r['client_test_accuracy'] for r in runs.values() if r.get('client_test_accuracy')]
     if ensemble:
       out[ENSEMBLE].append(ensemble[0])
-    if clients:
-      out[BEST_CLIENT].append(max(clients[0]))
+  out[BEST_CLIENT] = [max(clients) for clients in seed_clients(results, partition)]
   return out
 
 
@@ -202,19 +211,15 @@ def reference_cell(values: List[float]) -> str:
 
 
 def client_lines(results: dict, partitions: List[str]) -> List[str]:
-  """The local client models of this sweep: their mean test accuracy per seed (from any run
-  that evaluated them: the runs of one seed share them), mean ± std over seeds, and the lowest
-  client of any seed."""
+  """The local client models of this sweep: their mean test accuracy per seed (`seed_clients`),
+  mean ± std over seeds, and the lowest client of any seed."""
   cells = []
   for p in partitions:
-    means, lowest = [], []
-    for runs in results.get(p, {}).values():
-      clients = [r['client_test_accuracy'] for r in runs.values() if r.get('client_test_accuracy')]
-      if clients:
-        means.append(sum(clients[0]) / len(clients[0]))
-        lowest.append(min(clients[0]))
-    if means:
-      cells.append(f'{p}: {mean_std(means)} (lowest client {100 * min(lowest):.2f})')
+    seeds = seed_clients(results, p)
+    if seeds:
+      means = [sum(clients) / len(clients) for clients in seeds]
+      lowest = min(min(clients) for clients in seeds)
+      cells.append(f'{p}: {mean_std(means)} (lowest client {100 * lowest:.2f})')
   if not cells:
     return []
   return [
@@ -244,17 +249,15 @@ def budget_enough_lines(results: dict, methods: List[str], partitions: List[str]
     return []
   rise_rows, gain_rows = [], []
   for m in shown:
-    rises = []
+    rises, gains = [], []
     for p in partitions:
       curves = [r[m]['curve'] for r in results.get(p, {}).values() if (r.get(m) or {}).get('curve')]
       values = [v for v in (last_fifth_rise(c[1]) for c in curves) if v is not None]
       rises.append(mean_std(values) or '—')
-    rise_rows.append([NAMES[m], *rises])
-    gains = []
-    for p in partitions:
       final = mean_std(gain_over(results, p, m, 'final_test_accuracy', 'fedavg')) or '—'
       best = mean_std(gain_over(results, p, m, 'best_test_accuracy', 'fedavg')) or '—'
       gains.append(f'{final} / {best}')
+    rise_rows.append([NAMES[m], *rises])
     gain_rows.append([NAMES[m], *gains])
   lines = ['', '## Is the budget enough?', '', RISE_EXPLAINED, '']
   lines += sweep.table_lines(['Method', *partitions], rise_rows)
