@@ -170,6 +170,27 @@ def cnn_mnist_forward(
   return dense(flatten(h), params['Dense_0'])
 
 
+def cnn_mnist_static_bn(params: Dict[str, Any], x: np.ndarray, batch: int) -> Dict[str, Any]:
+  """HeteroFL's static BatchNorm statistics of a 'cnn_mnist' on x (diaoenmao/HeteroFL `stats`,
+  torch BatchNorm2d(momentum=None) in train mode): each BN layer's running mean / variance is the
+  mean over consecutive batches of `batch` (the last one partial) of the batch's per-channel mean
+  / biased variance of the layer's input, every layer normalised by its batch's own statistics."""
+  convs = sorted((k for k in params if k.startswith('Conv_')), key=lambda k: int(k.split('_')[1]))
+  sums = {f'BatchNorm_{i}': [0.0, 0.0] for i in range(len(convs))}
+  starts = range(0, len(x), batch)
+  for start in starts:
+    h = np.asarray(x[start : start + batch], np.float64)
+    for i, name in enumerate(convs):
+      h = conv2d(h, params[name], padding=2)
+      mean, var = h.mean(axis=(0, 1, 2)), h.var(axis=(0, 1, 2))
+      sums[f'BatchNorm_{i}'][0] += mean
+      sums[f'BatchNorm_{i}'][1] += var
+      bn = params[f'BatchNorm_{i}']['bn']
+      h = pool2(relu(batchnorm_eval(h, bn['scale'], bn['bias'], mean, var)))
+  n = len(starts)
+  return {k: {'bn': {'mean': m / n, 'var': v / n}} for k, (m, v) in sums.items()}
+
+
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
   return float(np.mean(np.argmax(logits, -1) == np.asarray(labels)))
 
@@ -364,11 +385,15 @@ def epoch_orders(key, client_id: int, size: int, epochs: int, first_epoch: int =
 
 
 def assert_tree_close(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-  """Two two-level parameter trees ({layer: {leaf: array}}) have the same keys and close leaves."""
-  got, want = to_numpy(got), to_numpy(want)
-  assert sorted(got) == sorted(want)
+  """Two nested trees of arrays ({layer: {leaf: array}}, or deeper) have the same keys and close
+  leaves."""
+  _assert_close(to_numpy(got), to_numpy(want), rtol, atol, '')
+
+
+def _assert_close(got: Any, want: Any, rtol: float, atol: float, path: str) -> None:
+  if not isinstance(want, dict):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=path)
+    return
+  assert isinstance(got, dict) and sorted(got) == sorted(want), path
   for name in want:
-    for leaf in want[name]:
-      np.testing.assert_allclose(
-        got[name][leaf], want[name][leaf], rtol=rtol, atol=atol, err_msg=f'{name}/{leaf}'
-      )
+    _assert_close(got[name], want[name], rtol, atol, f'{path}/{name}')

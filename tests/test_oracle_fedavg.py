@@ -351,6 +351,41 @@ def test_fedavg_with_partial_participation_matches_the_oracle():
   _assert_full_test_split(summary)
 
 
+def test_recomputed_bn_statistics_are_the_static_bn_of_the_averaged_weights_on_the_clients():
+  # bn_stats changes the global model's running statistics only: the weights are the same as
+  # with the averaged statistics (train-mode training never reads the running ones)
+  runs = {}
+  for bn_stats in ('averaged', 'recomputed'):
+    overrides = {'fedavg.rounds': 2, 'fedavg.bn_stats': bn_stats}
+    runs[bn_stats] = _run('fedavg', _config(3, model='cnn_mnist', **overrides))
+  _, averaged, _ = runs['averaged']
+  summary, rec, ctx = runs['recomputed']
+  images = np.concatenate([_client_data(ctx, k)[0] for k in range(3)])
+  test_x, test_y = _dataset().test_x, _dataset().test_y
+  for r in range(2):
+    params = onp.to_numpy(rec.states[r].model.params)
+    onp.assert_tree_close(params, onp.to_numpy(averaged.states[r].model.params))
+    want = onp.cnn_mnist_static_bn(params, images, BATCH)
+    onp.assert_tree_close(rec.states[r].model.batch_stats, want)
+    (record,) = rec.records[r]
+    acc = onp.accuracy(onp.cnn_mnist_forward(params, want, test_x), test_y)
+    assert record['test_accuracy'] == pytest.approx(acc, abs=1e-9)
+    assert 'averaged_bn_test_accuracy' not in averaged.records[r][0]
+  stats = averaged.states[0].model.batch_stats['BatchNorm_1']['bn']['var']
+  assert not np.allclose(stats, rec.states[0].model.batch_stats['BatchNorm_1']['bn']['var'])
+  # the same weights with the averaged statistics: what the averaged run scored
+  assert rec.records[0][0]['averaged_bn_test_accuracy'] == averaged.records[0][0]['test_accuracy']
+  _assert_full_test_split(summary)
+
+
+def test_recomputed_bn_statistics_are_refused_under_differential_privacy():
+  config = _config(3, model='cnn_mnist', **{'fedavg.bn_stats': 'recomputed', 'dp.enabled': True})
+  with pytest.raises(ConfigError, match="bn_stats='recomputed' reads the clients' raw images"):
+    build_algorithm('fedavg', config)
+  with pytest.raises(ConfigError, match='fedprox.bn_stats'):
+    build_algorithm('fedprox', _config(3, **{'fedprox.bn_stats': 'running'}))
+
+
 def test_fedprox_round_matches_the_oracle():
   # FedSeq's FedProx setting (pgd.yaml: weight decay 4e-4) with a mu large enough to matter.
   # FedSeq's PGD adds mu (w − w_global) to the step *after* the momentum update, but into the

@@ -641,3 +641,53 @@ def test_stage2_keeps_the_running_statistics_unless_asked_to_recalibrate():
   assert base_config().heterofl.scaler
   assert base_config().fedproto.prototypes == 'last_epoch'
   assert base_config().fedproto.embed_dim == 0
+
+
+def test_recomputed_bn_statistics_are_each_clusters_static_bn_on_its_members_images(tmp_path):
+  """`fedtsa.bn_stats='recomputed'`: after Stage 1 each cluster model's running statistics are
+  the mean over batches of the clients' batch size of every BN layer's input statistics, on the
+  images of that cluster's members only (the layers' sown statistics: an input), not the
+  average of the members' running statistics; Stage 2 keeps them by default."""
+  import flax  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / 'durations.json'
+  path.write_text(str([1.0, 1.7, 1.02, 1.66]))  # two device classes: two clusters of two
+  ds = _dataset(n_train=100, n_holdout=60)
+  parts = _parts(ds, (13, 9, 17, 11))
+  overrides = {
+    'model': 'resnet18:width_mult=0.0625',
+    'dataset.holdout_size': 60,
+    'fedtsa.holdout_size': 60,
+    'fedtsa.rounds': 1,
+    'fedtsa.local_epochs': 1,
+    'fedtsa.profile': 'file',
+    'fedtsa.durations_file': str(path),
+    'fedtsa.stage2': False,
+  }
+  runs = {
+    bn: _run('fedtsa', _config(4, **overrides, **{'fedtsa.bn_stats': bn}), ds, parts)
+    for bn in ('averaged', 'recomputed')
+  }
+  _, averaged, _ = runs['averaged']
+  _, rec, _ = runs['recomputed']
+  assert [g.client_ids.tolist() for g in rec.aux.groups] == [[0, 2], [1, 3]]
+  for k, g in enumerate(rec.aux.groups):
+    model = rec.after[0][k]
+    onp.assert_tree_close(model.params, averaged.after[0][k].params)  # the weights are the same
+    x = np.concatenate([ds.train_x[parts[cid]] for cid in g.client_ids])
+    apply = jax.jit(
+      lambda v, xb, m=g.module: m.apply(v, xb, train=True, mutable=['bn_inputs', 'batch_stats'])
+    )
+    sown = [
+      flax.traverse_util.flatten_dict(apply(model.variables(), x[s : s + BATCH])[1]['bn_inputs'])
+      for s in range(0, len(x), BATCH)
+    ]
+    got = flax.traverse_util.flatten_dict(model.batch_stats)
+    was = flax.traverse_util.flatten_dict(averaged.after[0][k].batch_stats)
+    assert len(sown[0]) * 2 == len(got)
+    for layer in sown[0]:  # (..., 'BatchNorm_i', 'stats') -> (..., 'BatchNorm_i', 'bn', 'mean')
+      for j, stat in enumerate(('mean', 'var')):
+        want = np.mean([np.asarray(s[layer][0][j]) for s in sown], axis=0)
+        where = (*layer[:-1], 'bn', stat)
+        np.testing.assert_allclose(got[where], want, rtol=1e-4, atol=1e-5, err_msg=str(where))
+        assert not np.allclose(was[where], want, rtol=1e-4, atol=1e-5)

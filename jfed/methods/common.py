@@ -653,3 +653,49 @@ def client_probabilities(ctx: RunContext, local: LocalModels, x: np.ndarray) -> 
     ev = engine.Evaluator(g.module, ctx.run.eval_batch_size, ctx.run.strategy)
     out[g.client_ids] = np.asarray(jax.nn.softmax(jnp.asarray(ev.group_logits(models, x)), -1))
   return out
+
+
+# How a server model aggregated from clients gets its BatchNorm running statistics. 'averaged':
+# the clients' running statistics averaged with the weights (what FedAvg code that averages a
+# model's whole state does; the default). 'recomputed': statistics of the aggregated weights
+# themselves, the mean over batches of each batch's statistics on the clients' training images
+# (HeteroFL's static BN query, diaoenmao/HeteroFL `stats`): the average of clients' running
+# statistics is not the statistics of the averaged weights, and on non-IID clients it can cost
+# tens of points from one round to the next (experiments.bn_check).
+BN_STATS = ('averaged', 'recomputed')
+
+
+class BatchNormRecompute(NamedTuple):
+  """The 'recomputed' BN statistics of one architecture on a fixed set of clients' images."""
+
+  statistics: engine.BatchNormStatistics
+  images: np.ndarray
+
+  def __call__(self, model: ModelState) -> ModelState:
+    return model._replace(batch_stats=self.statistics(model, self.images))
+
+
+def clients_training_images(ctx: RunContext, client_ids: Sequence[int]) -> np.ndarray:
+  """The training images of `client_ids`, client after client."""
+  rows = [np.asarray(ctx.parts[int(k)], np.int64) for k in client_ids]
+  return ctx.dataset.train_x[np.concatenate(rows)]
+
+
+def bn_recompute(
+  ctx: RunContext, module, client_ids: Sequence[int], bn_stats: str
+) -> Optional[BatchNormRecompute]:
+  """The recomputation a method's `bn_stats` asks for, in batches of the clients' batch size.
+
+  Args:
+    ctx: The run context (dataset, clients, run config).
+    module: The aggregated model's flax module.
+    client_ids: The clients whose training images give the statistics (those the model serves).
+    bn_stats: The method's setting, one of BN_STATS.
+
+  Returns:
+    The recomputation, or None for 'averaged'.
+  """
+  if bn_stats == 'averaged':
+    return None
+  statistics = engine.BatchNormStatistics(module, ctx.run.batch_size)
+  return BatchNormRecompute(statistics, clients_training_images(ctx, client_ids))

@@ -8,6 +8,13 @@ models, and the server (`common.Server`) validates them and aggregates them by t
 steps on the pseudo-gradient θ_global − aggregate; the driver checkpoints the global model and
 the server optimiser's state after every round.
 
+`bn_stats` (models with BatchNorm): 'averaged' (default) gives the global model the clients'
+running statistics averaged like its weights, as FedAvg code that averages a model's whole state
+does; 'recomputed' replaces them after every round by the statistics of the averaged weights on
+every client's training images (the mean over batches of each batch's statistics, HeteroFL's
+static-BN query; `common.BN_STATS`), and the round also records `averaged_bn_test_accuracy`,
+the accuracy the averaged statistics would have given. Not with DP (the query reads raw images).
+
 `reuse_local_models` (one-shot FedAvg only): average the shared one-shot client models
 (`common.local_models`, read from `local_models_dir` when set) instead of training the clients
 again. FedHydra's tables compare every method on the same local models; this also saves one
@@ -51,6 +58,7 @@ class FedAvgConfig(NamedTuple):
   local_epochs: int = 1
   participation: float = 1.0
   reuse_local_models: bool = False
+  bn_stats: str = 'averaged'  # or 'recomputed' (common.BN_STATS)
 
 
 class FedProxConfig(NamedTuple):
@@ -58,6 +66,7 @@ class FedProxConfig(NamedTuple):
   local_epochs: int = 1
   participation: float = 1.0
   mu: float = 0.01
+  bn_stats: str = 'averaged'  # or 'recomputed' (common.BN_STATS)
 
 
 class FedAvgVoteConfig(NamedTuple):
@@ -74,6 +83,7 @@ class FedAvgAux(NamedTuple):
   server_tx: Any  # optax.GradientTransformation on the pseudo-gradient
   server_update: Callable  # jitted (opt_state, global, aggregate) -> (global, opt_state)
   dp: Optional['DpSetup'] = None  # None: no differential privacy
+  bn: Optional[common.BatchNormRecompute] = None  # bn_stats='recomputed' (else None)
 
 
 class FedAvgState(NamedTuple):
@@ -164,7 +174,13 @@ class FedAvg(Algorithm):
     c = self.config
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
+    tc.require_choice(c.bn_stats, common.BN_STATS, f'{self.section}.bn_stats')
     run = parse_run_config(config)
+    tc.require(
+      not (run.dp.enabled and c.bn_stats == 'recomputed'),
+      f"{self.section}.bn_stats='recomputed' reads the clients' raw images outside the DP "
+      "mechanism: use 'averaged' with dp.enabled",
+    )
     problem = privacy.config_problem(
       run.dp, common.clients_per_round(run.partition.num_clients, c.participation), run.aggregation
     )
@@ -197,12 +213,13 @@ class FedAvg(Algorithm):
     tx = server_optim.make_server_optimizer(ctx.run.server_optimizer)
     update = jax.jit(functools.partial(server_optim.server_update, tx))
     dp = self._dp_setup(ctx)
+    bn = common.bn_recompute(ctx, full_group.module, range(ctx.num_clients), self.config.bn_stats)
     if self.reuse_local_models:
       local = common.local_models(ctx, self.config.local_epochs)
       assert local.groups[0].spec == spec
-      return FedAvgAux(full_group, None, evaluator, init, local, server, tx, update, dp)
+      return FedAvgAux(full_group, None, evaluator, init, local, server, tx, update, dp, bn)
     trainer = common.make_trainers(ctx, [full_group], self.prox_mu)[0]
-    return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update, dp)
+    return FedAvgAux(full_group, trainer, evaluator, init, None, server, tx, update, dp, bn)
 
   def _dp_setup(self, ctx: RunContext) -> Optional[DpSetup]:
     dp = ctx.run.dp
@@ -304,7 +321,11 @@ class FedAvg(Algorithm):
       )
     clip, dp_record = self._dp_round(aux, state, server, i)
     model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
-    accuracy = aux.evaluator.accuracy(model, ctx.dataset.test_x, ctx.dataset.test_y)
+    test_x, test_y = ctx.dataset.test_x, ctx.dataset.test_y
+    if aux.bn is not None and model.batch_stats:
+      record['averaged_bn_test_accuracy'] = aux.evaluator.accuracy(model, test_x, test_y)
+      model = aux.bn(model)
+    accuracy = aux.evaluator.accuracy(model, test_x, test_y)
     record = {'round': i + 1, 'test_accuracy': accuracy, **record, **dp_record}
     return FedAvgState(model, opt_state, clip), [record]
 

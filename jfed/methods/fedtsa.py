@@ -44,6 +44,9 @@ Each round (`participation` of the clients, seeded):
   `local_epochs` epochs (config.optimizer, fresh per round), upload it (validated, bytes
   counted) and the server averages them weighted by client size (FedAvg); a cluster none of
   whose members was selected keeps its model;
+- `bn_stats`: each aggregated cluster model's BatchNorm running statistics are 'averaged'
+  (default: the members' running statistics averaged like the weights; the paper says nothing of
+  BatchNorm) or 'recomputed' on the cluster members' training images (`common.BN_STATS`);
 - Stage 2 (`stage2`, skipped with a single cluster): the cluster models learn from each other
   on the Stage-2 images for `global_epochs` epochs (`jfed.distill.mutual`): per batch of
   `stage2_batch` the consensus is the mean of all cluster models' logits (Eq. 7) and each model
@@ -148,6 +151,7 @@ class FedTSAConfig(NamedTuple):
   stage2_lr: float = 0.0
   stage2_batch: int = 100
   stage2_bn_stats: str = 'keep'  # 'recalibrate': keep Stage 2's running-statistics updates
+  bn_stats: str = 'averaged'  # Stage 1's: or 'recomputed' (common.BN_STATS)
   reported_model: str = 'widest'  # or 'client_weighted' (mean over clients of their cluster's)
   # Stage-2 images.
   source: str = 'ddpm'
@@ -220,6 +224,7 @@ class FedTSAAux(NamedTuple):
   learner: Optional[MutualLearner]
   setup_record: Dict[str, Any]
   server: common.Server  # attack simulation, validation and the in-cluster aggregation rule
+  bn: Optional[List[common.BatchNormRecompute]] = None  # bn_stats='recomputed': per cluster
 
 
 @register_method('fedtsa')
@@ -247,6 +252,7 @@ class FedTSA(Algorithm):
     tc.require_choice(c.profile, PROFILES, f'{where}.profile')
     tc.require_choice(c.source, SOURCES, f'{where}.source')
     tc.require_choice(c.stage2_bn_stats, STAGE2_BN_STATS, f'{where}.stage2_bn_stats')
+    tc.require_choice(c.bn_stats, common.BN_STATS, f'{where}.bn_stats')
     tc.require_choice(c.reported_model, REPORTED_MODELS, f'{where}.reported_model')
     tc.require(
       c.profile != 'file' or bool(c.durations_file),
@@ -463,6 +469,9 @@ class FedTSA(Algorithm):
       learner=learner,
       setup_record=record,
       server=common.make_server(ctx),
+      bn=None
+      if c.bn_stats == 'averaged'
+      else [common.bn_recompute(ctx, g.module, g.client_ids, c.bn_stats) for g in groups],
     )
 
   def setup_records(self, ctx: RunContext, aux: FedTSAAux) -> List[Dict[str, Any]]:
@@ -531,6 +540,8 @@ class FedTSA(Algorithm):
       )
       upload_bytes += received['upload_bytes']
       rejected += received['rejected_uploads']
+      if aux.bn is not None and aggregate.batch_stats:
+        aggregate = aux.bn[k](aggregate)
       models.append(aggregate)
       losses.extend(np.asarray(metrics.loss)[taking_part, -1].tolist())
     record: Dict[str, Any] = {'round': i + 1}
