@@ -51,6 +51,7 @@ import numpy as np
 from experiments import generator_check, sweep
 from experiments.seed_tables import (
   RISE_EXPLAINED,
+  evidence_lines,
   last_fifth_rise,
   load_config_module,
   mean_std,
@@ -190,16 +191,24 @@ def run_config(module, budget: str, run: Run, cell: str, seed: int, out: pathlib
 
 def check_comparable(configs: Dict[str, object]) -> None:
   """ConfigError unless every run's config holds out the same training images
-  (`dataset.holdout_size`), trains its clients with the same optimiser and, for FedMD, uses that
-  optimiser rather than its reference's Adam."""
+  (`dataset.holdout_size`), trains its clients with the same optimiser (name, learning rate,
+  momentum, batch) and, for FedMD, uses that optimiser rather than its reference's Adam."""
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   seen = {
-    name: (int(c.dataset.get('holdout_size', 0)), str(c.optimizer.name))
+    name: (
+      int(c.dataset.get('holdout_size', 0)),
+      str(c.optimizer.name),
+      float(c.optimizer.lr),
+      float(c.optimizer.get('momentum', 0.0)),
+      int(c.batch_size),
+    )
     for name, c in configs.items()
   }
   if len(set(seen.values())) > 1:
-    raise ConfigError(f'the runs of a table differ in (holdout_size, client optimiser): {seen}')
+    raise ConfigError(
+      f'the runs of a table differ in (holdout_size, client optimiser, lr, momentum, batch): {seen}'
+    )
   for name, c in configs.items():
     if ALL_RUNS[name].method == 'fedmd' and c.fedmd.optimizer != 'client':
       raise ConfigError(f'{name}: fedmd.optimizer={c.fedmd.optimizer!r}; a table needs client')
@@ -293,6 +302,14 @@ def budget_lines(results: dict, partitions: List[str], runs: List[str]) -> List[
   return lines + sweep.table_lines(['Method', *partitions], rows)
 
 
+def optimizer_words(config) -> str:
+  """The clients' optimiser as the header names it, e.g. 'SGD lr 0.03, momentum 0, batch 100'."""
+  o = config.optimizer
+  name = {'sgd': 'SGD', 'adam': 'Adam'}.get(o.name, o.name)
+  momentum = f', momentum {o.momentum:g}' if o.name == 'sgd' else ''
+  return f'{name} lr {o.lr:g}{momentum}, batch {config.batch_size}'
+
+
 def render(config, results: dict, plan: dict, meta: dict) -> str:
   partitions, degrees, runs = plan['partitions'], plan['degrees'], plan['runs']
   lines = [
@@ -306,8 +323,12 @@ def render(config, results: dict, plan: dict, meta: dict) -> str:
     f'{meta["seeds"]}, budget: {meta["budget"] or "the config default"}; '
     f'{config.partition.num_clients} clients, model {config.model}, clients '
     f'{config.client_models or config.model}; FedTSA {config.fedtsa.rounds} rounds x '
-    f'{config.fedtsa.local_epochs} local epochs, Stage-2 source {config.fedtsa.source}.',
+    f'{config.fedtsa.local_epochs} local epochs, Stage-2 source {config.fedtsa.source}; '
+    f'every client {optimizer_words(config)}.',
   ]
+  if meta.get('evidence'):
+    lines += ['', 'Precondition evidence for this budget (measured before the sweep):']
+    lines += meta['evidence']
   table3 = [r for r in runs if r in RUNS]
   for title, key in (('final round', 'final_test_accuracy'), ('best round', 'best_test_accuracy')):
     lines += ['', f'## Table 3: {title}', '']
@@ -440,6 +461,7 @@ def run_sweep(
   (out / 'ddpm').mkdir(exist_ok=True)
   plan = {'partitions': partitions, 'degrees': degrees, 'runs': runs}
   s = generator_check.open_sweep(out, seeds, merge, budget=budget)
+  s.meta['evidence'] = evidence_lines(module, budget)
   s.render = lambda s: {'tables.md': render(base, s.results, plan, s.meta)}
   labeller = generator_check.Labeller(base, reference_model, reference_epochs)
 

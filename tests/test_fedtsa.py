@@ -235,6 +235,15 @@ def test_every_run_of_a_fedtsa_table_holds_out_the_same_training_images_and_uses
   configs['heterofl'].dataset.holdout_size += 1
   with pytest.raises(ConfigError, match='differ'):
     fedtsa_tables.check_comparable(configs)
+  configs['heterofl'].dataset.holdout_size -= 1
+  for key, value in (('optimizer.lr', 0.5), ('optimizer.momentum', 0.5), ('batch_size', 7)):
+    changed = {
+      **configs,
+      'fedavg_full': override(configs['fedavg_full'].copy_and_resolve_references(), **{key: value}),
+    }
+    with pytest.raises(ConfigError, match='differ'):
+      fedtsa_tables.check_comparable(changed)
+  fedtsa_tables.check_comparable(configs)
 
 
 _DIGIT_NAMES = 'zero one two three four five six seven eight nine'.split()

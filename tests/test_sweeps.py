@@ -319,6 +319,11 @@ def test_fedhydra_tables_budget_section_gives_each_students_rise_and_gain_over_f
   assert lines[-1] == (
     f'| DENSE | {finals.mean():.2f} ± 0.00 / {bests.mean():.2f} ± {bests.std(ddof=1):.2f} |'
   )
+  assert not any(line.startswith('Not met') for line in lines)
+  # a student at or below FedAvg at the final epoch: the precondition is named as not met
+  results['dir0.5']['1']['dense']['final_test_accuracy'] = 0.0
+  lines = fedhydra_tables.budget_enough_lines(results, ['fedavg', 'dense'], ['dir0.5'])
+  assert lines[-1].startswith('Not met: DENSE (dir0.5) end at or below the teacher-free baseline')
   # no FedAvg run: no gain table; no distillation run: no section
   assert 'teacher-free' not in ' '.join(fedhydra_tables.budget_enough_lines(results, ['dense'], []))
   assert fedhydra_tables.budget_enough_lines(results, ['fedavg', 'ot'], ['dir0.5']) == []
