@@ -63,6 +63,7 @@ def check(method: str, config, workdir: pathlib.Path, passes: int) -> List[Score
   from jfed import driver  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from jfed.io.checkpoint import saved_steps  # pylint: disable=g-import-not-at-top
+  from jfed.methods import common  # pylint: disable=g-import-not-at-top
 
   if method not in ('fedavg', 'fedprox'):
     raise ConfigError(f'--method={method}: bn_check reads FedAvg-family runs (fedavg, fedprox)')
@@ -77,7 +78,7 @@ def check(method: str, config, workdir: pathlib.Path, passes: int) -> List[Score
   if not template.model.batch_stats:
     raise ConfigError(f'{config.model!r} has no BatchNorm: nothing to check')
   ds = ctx.dataset
-  train_x = jnp.asarray(ds.train_x[np.concatenate([np.asarray(p) for p in ctx.parts])])
+  train_x = jnp.asarray(common.clients_training_images(ctx, range(ctx.num_clients)))
   test_x, test_y = jnp.asarray(ds.test_x), np.asarray(ds.test_y)
 
   def accuracy(variables, train: bool) -> float:

@@ -247,14 +247,17 @@ def budget_enough_lines(results: dict, methods: List[str], partitions: List[str]
   shown = [m for m in methods if m in DISTILL]
   if not shown:
     return []
-  rise_rows, gain_rows = [], []
+  rise_rows, gain_rows, below = [], [], []
   for m in shown:
     rises, gains = [], []
     for p in partitions:
       curves = [r[m]['curve'] for r in results.get(p, {}).values() if (r.get(m) or {}).get('curve')]
       values = [v for v in (last_fifth_rise(c[1]) for c in curves) if v is not None]
       rises.append(mean_std(values) or '—')
-      final = mean_std(gain_over(results, p, m, 'final_test_accuracy', 'fedavg')) or '—'
+      final_gains = gain_over(results, p, m, 'final_test_accuracy', 'fedavg')
+      if final_gains and sum(final_gains) <= 0:
+        below.append(f'{NAMES[m]} ({p})')
+      final = mean_std(final_gains) or '—'
       best = mean_std(gain_over(results, p, m, 'best_test_accuracy', 'fedavg')) or '—'
       gains.append(f'{final} / {best}')
     rise_rows.append([NAMES[m], *rises])
@@ -270,12 +273,6 @@ def budget_enough_lines(results: dict, methods: List[str], partitions: List[str]
       '',
     ]
     lines += sweep.table_lines(['Method', *partitions], gain_rows)
-    below = [
-      f'{NAMES[m]} ({p})'
-      for m in shown
-      for p in partitions
-      if (gains := gain_over(results, p, m, 'final_test_accuracy', 'fedavg')) and sum(gains) <= 0
-    ]
     if below:
       lines += [
         '',

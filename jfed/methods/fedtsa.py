@@ -224,7 +224,7 @@ class FedTSAAux(NamedTuple):
   learner: Optional[MutualLearner]
   setup_record: Dict[str, Any]
   server: common.Server  # attack simulation, validation and the in-cluster aggregation rule
-  bn: Optional[List[common.BatchNormRecompute]] = None  # bn_stats='recomputed': per cluster
+  bn: List[Optional[common.BatchNormRecompute]]  # per cluster; None: bn_stats='averaged'
 
 
 @register_method('fedtsa')
@@ -469,9 +469,7 @@ class FedTSA(Algorithm):
       learner=learner,
       setup_record=record,
       server=common.make_server(ctx),
-      bn=None
-      if c.bn_stats == 'averaged'
-      else [common.bn_recompute(ctx, g.module, g.client_ids, c.bn_stats) for g in groups],
+      bn=[common.bn_recompute(ctx, g.module, g.client_ids, c.bn_stats) for g in groups],
     )
 
   def setup_records(self, ctx: RunContext, aux: FedTSAAux) -> List[Dict[str, Any]]:
@@ -540,7 +538,7 @@ class FedTSA(Algorithm):
       )
       upload_bytes += received['upload_bytes']
       rejected += received['rejected_uploads']
-      if aux.bn is not None and aggregate.batch_stats:
+      if aux.bn[k] is not None and aggregate.batch_stats:
         aggregate = aux.bn[k](aggregate)
       models.append(aggregate)
       losses.extend(np.asarray(metrics.loss)[taking_part, -1].tolist())

@@ -254,7 +254,7 @@ class HeteroFL(Algorithm):
       slicers.append(jax.jit(functools.partial(submodels.slice_tree, template=shapes)))
       sub = submodels.slice_tree(init, shapes)
       templates.append(sub._replace(batch_stats={}) if c.static_bn else sub)
-    bn_x = ds.train_x[np.concatenate([np.asarray(p, np.int64) for p in ctx.parts])]
+    bn_x = common.clients_training_images(ctx, range(ctx.num_clients))
     eval_batch = cfg.eval_batch_size
     return HeteroFLAux(
       groups=groups,
