@@ -287,8 +287,8 @@ def test_the_per_model_table_times_jfed_and_pytorch_in_turn(monkeypatch):
   monkeypatch.setattr(zoo, '_torch_train', lambda *a: calls.append('torch'))
   real_form = zoo._jfed_form
 
-  def counted(*a):
-    call, form = real_form(*a)
+  def counted(*a, **kw):
+    call, form = real_form(*a, **kw)
     return (lambda: (calls.append('jfed'), call())), form  # noqa: B023
 
   monkeypatch.setattr(zoo, '_jfed_form', counted)
@@ -305,11 +305,15 @@ def test_the_per_model_table_times_jfed_and_pytorch_in_turn(monkeypatch):
       return a
 
   monkeypatch.setattr(zoo, 'torch_model', lambda torch, name: None)
+  from jfed.engine import training
+
+  monkeypatch.setattr(training, 'default_loop_threads', lambda: 2)
   rows = zoo.model_rows(FakeTorch, ('mlp',), steps=1, repeats=2)
-  # one warm-up each, then A/B/A/B
-  assert calls == ['jfed', 'torch', 'jfed', 'torch', 'jfed', 'torch']
+  # one warm-up each, then A/B/A/B; jfed twice: the threaded loop and the plain one
+  assert calls == ['jfed', 'jfed', 'torch'] * 3
   (r,) = rows
-  assert r['jfed_form'] == 'loop' and r['batch'] == 64
+  assert r['jfed_form'] in ('loop (2 threads)', 'loop (1 thread)') and r['batch'] == 64
+  assert set(r['jfed_ms_per_form']) == {'lax', 'lax 1 thread'}
   assert r['ratio_vs_torch'] == pytest.approx(
     r['torch_ms_per_client_step'] / r['jfed_ms_per_client_step']
   )

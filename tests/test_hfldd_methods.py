@@ -22,6 +22,7 @@ from tests.support import (
   hfldd_tiny_config,
   interrupt_after,
   read_metrics,
+  shared_fixture_scope,
 )
 
 CHANCE = 0.1  # ten classes
@@ -40,7 +41,7 @@ def _run(method, config, workdir):
   return driver.run_experiment(method, config, workdir, progress=False)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope=shared_fixture_scope)
 def hfldd_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('hfldd_whole')
   return workdir, _run('hfldd', _config(), workdir)
@@ -60,10 +61,14 @@ def test_hfldd_learns_at_c1_and_writes_its_outputs(hfldd_run):
     assert (workdir / name).exists(), name
   records = read_metrics(workdir)
   assert [r['step'] for r in records] == [0, 1, 2, 3]
+  assert [r.get('round') for r in records] == [None, 1, 2, 3]
   assert summary.final_test_accuracy > CHANCE + 0.4, summary.final_test_accuracy
-  assert (
-    summary['eval_samples'] == 360
-  )  # the whole test split; the public set is held-out training data
+  # the whole test split; the public set is held-out training data
+  assert summary['eval_samples'] == 360 and summary['public'] == 'holdout'
+  assert summary['rounds'] == 3 and summary['distill']
+  setup = records[0]
+  assert setup['stage'] == 'setup' and setup['num_clusters'] == len(summary['clusters']) == 2
+  assert setup['hybrid_sizes'] == summary['hybrid_sizes'] and len(summary['hybrid_sizes']) == 2
 
   # every client in exactly one cluster; #C=1 -> each heterogeneous cluster has one client of
   # every homogeneous cluster, i.e. as many distinct classes as clients: here all ten
@@ -341,8 +346,289 @@ def test_kip_label_matrix_becomes_a_distribution():
   C = 4
   centred = np.eye(C)[[0, 2]] - 1.0 / C
   np.testing.assert_allclose(kip_label_distribution(centred), np.eye(C)[[0, 2]], atol=1e-7)
-  learned = np.array([[0.5, 0.25, -1.0, -1.0], [-1.0, -1.0, -0.5, -2.0]])
+  learned = np.array(
+    [[0.5, 0.25, -1.0, -1.0], [-1.0, -1.0, -0.5, -2.0], [0.25, 0.0, -1.0, -1.0]], np.float32
+  )
   p = kip_label_distribution(learned)
+  assert p.dtype == np.float32
   np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
   np.testing.assert_allclose(p[0], [0.75 / 1.25, 0.5 / 1.25, 0, 0], rtol=1e-6)
   np.testing.assert_allclose(p[1], np.eye(C)[2])  # no positive entry -> argmax
+  # positive mass below 1 is normalised too, not replaced by the argmax
+  np.testing.assert_allclose(p[2], [0.5 / 0.75, 0.25 / 0.75, 0, 0], rtol=1e-6)
+
+
+def test_the_kip_section_reaches_kip_field_by_field():
+  # Every field away from its default, so that a field dropped on the way (KIPConfig's own
+  # default taking its place) shows.
+  section = hfldd.KIPSection(
+    support_size=7,
+    iterations=3,
+    lr=0.05,
+    target_batch=4,
+    learn_labels=True,
+    kernel='rbf',
+    depth=2,
+    reg=1e-3,
+    x64=True,
+  )
+  assert all(getattr(section, f) != getattr(hfldd.KIPSection(), f) for f in section._fields)
+  kcfg = hfldd.kip_config(section)
+  assert {f: getattr(kcfg, f) for f in section._fields} == section._asdict()
+
+
+def test_the_topology_plot_names_each_clients_classes():
+  table = np.array([[3, 0, 2], [0, 0, 1], [0, 0, 0]])
+  assert hfldd._client_classes(table) == ['0,2', '2', '']
+
+
+def test_kip_goes_to_the_members_nodes_and_is_read_back_from_the_workdir(tmp_path):
+  # With a client transport (Flower), each member distils on its own node: the transport gets
+  # the members, the KIP settings and the run's KIP key; the sets it returns are the stage's,
+  # cached in the workdir and read back with their dtypes by a resumed run without distilling.
+  from jfed.keys import Purpose
+  from jfed.kip import KIPConfig
+
+  config = _config()
+  kcfg = KIPConfig(support_size=4, iterations=3)
+  members = np.array([1, 3, 4])
+
+  class Transport:
+    def __init__(self):
+      self.calls = []
+
+    def distill(self, member_ids, kip, key):
+      self.calls.append((np.asarray(member_ids).copy(), kip, key))
+      rng = np.random.default_rng(0)
+      m, s = len(member_ids), kip.support_size
+      return (
+        rng.random((m, s, 8, 8, 1)).astype(np.float32),
+        rng.integers(0, 10, (m, s)).astype(np.int32),
+        rng.random((m, s, 10)).astype(np.float32),
+        rng.random((m, kip.iterations)).astype(np.float32),
+      )
+
+  transport = Transport()
+  ctx = driver.context_of_config(config, workdir=tmp_path, client_transport=transport)
+  sets = hfldd.distill_members(ctx, kcfg, members)
+  ((sent_members, sent_kip, sent_key),) = transport.calls
+  np.testing.assert_array_equal(sent_members, members)
+  assert sent_kip == kcfg
+  np.testing.assert_array_equal(
+    jax.random.key_data(sent_key), jax.random.key_data(ctx.derive_key(Purpose.KIP))
+  )
+  expected = Transport().distill(members, kcfg, None)
+  for got, want in zip(sets, expected):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+  class NoTransport:
+    def distill(self, *args):
+      raise AssertionError('a resumed run distilled again')
+
+  resumed = driver.context_of_config(config, workdir=tmp_path, client_transport=NoTransport())
+  again = hfldd.distill_members(resumed, kcfg, members)
+  for got, want in zip(again, expected):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_images_cross_the_network_as_uint8_or_float32_and_come_back_as_float32():
+  x = np.array([[0.0, 0.5], [1.0, 0.25]], np.float64)
+  as_float = hfldd.encode_images(x, 'float32')
+  assert as_float.dtype == np.float32
+  np.testing.assert_array_equal(as_float, x)
+  as_bytes = hfldd.encode_images(x, 'uint8')
+  assert as_bytes.dtype == np.uint8
+  for sent in (as_bytes, x):
+    back = hfldd.decode_images(sent)
+    assert back.dtype == np.float32
+    np.testing.assert_allclose(back, x, atol=0.5 / 255)
+  with pytest.raises(ValueError, match=r"image_dtype must be one of .*uint8.*got 'int8'"):
+    hfldd.encode_images(x, 'int8')
+
+
+def test_clients_are_stacked_zero_padded_with_their_sizes():
+  xs = [np.ones((3, 2, 2, 1)), 2 * np.ones((1, 2, 2, 1))]  # float64 in, float32 out
+  for ys in ([np.array([1, 2, 0]), np.array([4])], [np.eye(3), np.full((1, 3), 0.5)]):
+    fed = hfldd.stack_clients(xs, ys)
+    assert fed.sizes.dtype == np.int32 and fed.sizes.tolist() == [3, 1]
+    assert fed.x.dtype == np.float32 and fed.x.shape == (2, 3, 2, 2, 1)
+    assert fed.y.dtype == ys[0].dtype and fed.y.shape == (2, 3, *ys[0].shape[1:])
+    np.testing.assert_array_equal(fed.x[1], np.concatenate([xs[1], np.zeros((2, 2, 2, 1))]))
+    np.testing.assert_array_equal(fed.y[0], ys[0])
+    np.testing.assert_array_equal(fed.y[1, 1:], 0)
+
+
+def test_members_with_learned_labels_send_their_label_distributions():
+  from jfed.kip import KIPConfig
+
+  members = np.array([1, 3])
+  support, classes = 4, 10
+  rng = np.random.default_rng(0)
+  y_matrix = rng.normal(size=(2, support, classes)).astype(np.float32)
+
+  class Transport:
+    def distill(self, member_ids, kip, key):
+      assert kip == KIPConfig(support_size=support, iterations=3, learn_labels=True)
+      return (
+        rng.random((2, support, 8, 8, 1)).astype(np.float32),
+        np.zeros((2, support), np.int32),
+        y_matrix,
+        np.zeros((2, 3), np.float32),
+      )
+
+  ctx = driver.context_of_config(_config(), client_transport=Transport())
+  cfg = hfldd.HFLDDConfig(
+    kip=hfldd.KIPSection(support_size=support, iterations=3, learn_labels=True)
+  )
+  uploads = hfldd.member_uploads(ctx, cfg, members, distill=True)
+  assert sorted(uploads) == [1, 3]
+  for j, cid in enumerate(members):
+    np.testing.assert_array_equal(uploads[int(cid)].y, y_matrix[j])
+
+
+def test_heads_train_on_their_own_data_then_their_members_sets_hard_or_soft():
+  # Each head's set: its own samples, then each member's upload in member order; with soft
+  # (learned KIP) labels anywhere, every label becomes a float32 distribution: the heads' own
+  # labels one-hot and the members' label matrices `kip_label_distribution`.
+  import types
+
+  DataUpload = hfldd.DataUpload
+  ctx = driver.context_of_config(_config())
+  ds = ctx.dataset
+  topology = types.SimpleNamespace(heads=np.array([0, 5]), members=[np.array([2]), np.array([])])
+  images = np.full((3, 8, 8, 1), 51, np.uint8)  # 0.2 in [0, 1]
+  hard = hfldd.hybrid_datasets(ctx, topology, {2: DataUpload(images, np.array([7, 8, 9]))})
+  own0, own5 = ctx.parts[0], ctx.parts[5]
+  assert hard.sizes.tolist() == [len(own0) + 3, len(own5)]
+  assert hard.y.dtype == np.int32
+  np.testing.assert_array_equal(hard.y[0, : hard.sizes[0]], np.r_[ds.train_y[own0], 7, 8, 9])
+  np.testing.assert_allclose(hard.x[0, len(own0) : hard.sizes[0]], 0.2, rtol=1e-6)
+  np.testing.assert_array_equal(hard.x[1, : len(own5)], ds.train_x[own5])
+
+  matrix = np.array([[0.9, -0.1] + [-0.1] * 8] * 3, np.float32)
+  soft = hfldd.hybrid_datasets(ctx, topology, {2: DataUpload(images, matrix)})
+  assert soft.y.dtype == np.float32 and soft.y.shape[-1] == 10
+  np.testing.assert_array_equal(soft.y[1, : len(own5)], np.eye(10)[ds.train_y[own5]])
+  np.testing.assert_allclose(
+    soft.y[0, len(own0) : soft.sizes[0]], hfldd.kip_label_distribution(matrix), rtol=1e-6
+  )
+
+
+def test_a_member_upload_of_the_wrong_image_dtype_is_refused_naming_the_client(monkeypatch):
+  from jfed.io import UploadError
+
+  ctx = driver.context_of_config(_config())
+  monkeypatch.setattr(hfldd, 'encode_images', lambda x, dtype: np.asarray(x, np.float32))
+  with pytest.raises(UploadError, match='data upload of client 3'):
+    hfldd.member_uploads(ctx, hfldd.HFLDDConfig(), np.array([3]), distill=False)
+
+
+class _SoftLabelNodes:
+  """A client transport whose nodes return given soft labels and distilled sets, recording what
+  the server asked for."""
+
+  def __init__(self, soft_labels):
+    self.soft = soft_labels
+    self.asked = []
+
+  def soft_labels(self, num_clients, epochs, public_x):
+    self.asked.append((num_clients, epochs, np.asarray(public_x).copy()))
+    return self.soft
+
+  def trainer(self, spec, tx, recipe, sizes):
+    assert spec == 'mlp', spec  # the nodes build the heads' architecture from its spec
+    del recipe, sizes  # the heads train here
+    return GroupTrainer(get_model('mlp', 10, (8, 8, 1)), tx, 16)
+
+  def distill(self, members, kip, key):
+    m, s = len(members), kip.support_size
+    return (
+      np.full((m, s, 8, 8, 1), 0.5, np.float32),
+      np.tile(np.arange(s) % 10, (m, 1)).astype(np.int32),
+      np.zeros((m, s, 10), np.float32),
+      np.zeros((m, kip.iterations), np.float32),
+    )
+
+
+def _unlinked_holdout(config, size):
+  # the config ties dataset.holdout_size to hfldd.public_size; a public set drawn from a larger
+  # held-out set needs the two apart
+  with config.unlocked():
+    del config.dataset['holdout_size']
+    config.dataset.holdout_size = size
+  return config
+
+
+def test_setup_asks_the_nodes_for_soft_labels_on_the_seeded_public_draw_and_clusters_them():
+  from jfed.clustering import build_topology
+
+  config = _unlinked_holdout(
+    _config(**{'seed': 3, 'hfldd.symmetric': True, 'hfldd.leftover': 'distribute'}), 100
+  )
+  rng = np.random.default_rng(1)
+  soft = rng.dirichlet(np.full(10, 0.3), size=(NUM_CLIENTS, 60)).astype(np.float32)
+  nodes = _SoftLabelNodes(soft)
+  ctx = driver.context_of_config(config, client_transport=nodes)
+  aux = driver.build_algorithm('hfldd', config).setup(ctx)
+
+  # the public set: 60 of the 100 held-out training samples, drawn with the run's seed
+  ds = ctx.dataset
+  rows = np.sort(np.random.default_rng(3).choice(100, 60, replace=False))
+  ((num_clients, epochs, public_x),) = nodes.asked
+  assert (num_clients, epochs) == (NUM_CLIENTS, config.hfldd.pretrain_epochs)
+  np.testing.assert_array_equal(public_x, ds.holdout_x[rows])
+  np.testing.assert_array_equal(aux.public.y, ds.holdout_y[rows])
+  # the nodes' soft labels, clustered with the configured Eq. 4 symmetry and leftover rule
+  expected = build_topology(soft, config.hfldd.K, 3, symmetric=True, leftover='distribute')
+  plain = build_topology(soft, config.hfldd.K, 3)
+  assert not np.allclose(expected.similarity, plain.similarity)
+  np.testing.assert_allclose(aux.topology.similarity, expected.similarity)
+  assert [c.tolist() for c in aux.topology.clusters] == [c.tolist() for c in expected.clusters]
+
+
+def test_soft_labels_of_the_wrong_dtype_are_refused_naming_the_client():
+  from jfed.io import UploadError
+
+  soft = np.full((NUM_CLIENTS, 60, 10), 0.1, np.float64)  # the nodes should send float32
+  ctx = driver.context_of_config(_config(), client_transport=_SoftLabelNodes(soft))
+  with pytest.raises(UploadError, match='soft labels of client 0'):
+    driver.build_algorithm('hfldd', _config()).setup(ctx)
+
+
+def test_every_method_of_the_comparison_starts_from_fedavgs_initial_model():
+  # HFLDD's tables compare it with FedAvg and FedSeq from one initial global model.
+  config = _config()
+  ctx = driver.context_of_config(config)
+  starts = {}
+  for method in ('fedavg', 'hfldd', 'fedseq'):
+    algorithm = driver.build_algorithm(method, config)
+    state = algorithm.init(ctx, algorithm.setup(ctx))
+    starts[method] = getattr(state, 'global_model', state)
+  for method in ('hfldd', 'fedseq'):
+    for a, b in zip(jax.tree.leaves(starts['fedavg']), jax.tree.leaves(starts[method])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_when_every_cluster_is_one_client_nothing_is_distilled_and_hfldd_is_fedavg():
+  # K = 1: one homogeneous cluster, so every heterogeneous cluster is a single client, its own
+  # head. Nothing is distilled, and a round is FedAvg's round over all the clients: the same
+  # clients, data orders (the round's key), weights and start.
+  config = _config(**{'hfldd.K': 1, 'hfldd.rounds': 2, 'fedavg.rounds': 2})
+  config.fedavg.local_epochs = config.hfldd.local_epochs
+  summary = driver.run_in_memory('hfldd', config)
+  assert sorted(summary['heads']) == list(range(NUM_CLIENTS))
+  assert summary['clusters'] == [[h] for h in summary['heads']]
+  assert set(summary['bytes_by_stage']) == {'soft_labels', 'model_down', 'model_up'}
+  ctx = driver.context_of_config(config)
+  models = {}
+  for method in ('hfldd', 'fedavg'):
+    algorithm = driver.build_algorithm(method, config)
+    aux = algorithm.setup(ctx)
+    state = algorithm.init(ctx, aux)
+    for i in range(2):
+      state, _ = algorithm.step(ctx, aux, state, i)
+    models[method] = getattr(state, 'global_model', state)
+  for a, b in zip(jax.tree.leaves(models['fedavg']), jax.tree.leaves(models['hfldd'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -70,9 +70,11 @@ JFED_STRATEGIES = ('loop', 'vmap', 'scan')
 SLOW_STRATEGIES = ('vmap', 'scan')
 SLOW_MIN_CLIENTS = 100
 LEGACY = 'legacy_loop'
+PLAIN_LOOP = 'loop_one_thread'  # the loop training one client at a time (loop_threads=1)
 NAMES = {
   'torch': 'PyTorch per-client loop',
   LEGACY: 'jfed loop, before issue 14',
+  PLAIN_LOOP: 'jfed loop, one client at a time',
   'loop': 'jfed loop',
   'vmap': 'jfed vmap',
   'scan': 'jfed scan',
@@ -286,9 +288,11 @@ def training_rows(sizes: Sizes, torch, torch_device, backend):
   module = get_model('cnn_mnist', NUM_CLASSES, INPUT_SHAPE)
   tx = optax.sgd(LR, momentum=MOMENTUM)
   trainers = {s: GroupTrainer(module, tx, BATCH, strategy=s) for s in sizes.strategies}
+  if 'loop' in trainers and trainers['loop'].loop_threads > 1:
+    trainers[PLAIN_LOOP] = GroupTrainer(module, tx, BATCH, strategy='loop', loop_threads=1)
   if sizes.legacy_loop:
     trainers = {LEGACY: LegacyLoopTrainer(module, tx, BATCH), **trainers}
-  rows, checks = [], {}
+  rows, checks, thread_checks = [], {}, {}
   for m in sizes.clients:
     legacy_off = sizes.legacy_max_clients and m > sizes.legacy_max_clients
     steps, repeats = steps_for(sizes, m), _for_m(sizes.repeats, sizes, m)
@@ -319,9 +323,11 @@ def training_rows(sizes: Sizes, torch, torch_device, backend):
     _add_ratios(m_rows, ('torch', LEGACY, 'loop'))
     if LEGACY in outs and 'loop' in outs:
       checks[m] = _max_abs_diff(outs[LEGACY], outs['loop'])
+    if PLAIN_LOOP in outs and 'loop' in outs:
+      thread_checks[m] = _max_abs_diff(outs[PLAIN_LOOP], outs['loop'])
     rows.extend(m_rows)
     del fed, state0, outs
-  return rows, checks
+  return rows, checks, thread_checks
 
 
 class ProbeNet(nn.Module):
@@ -411,7 +417,8 @@ def report(meta, rows, probe, evaluation, summary) -> str:
   lines = [
     '### Client training (CNNMnist, batch 64, SGD lr 0.01 momentum 0.9, one epoch)',
     '',
-    f'`auto` resolves to **{auto}** on {meta["backend"]}; PyTorch: '
+    f'`auto` resolves to **{auto}** on {meta["backend"]} (the loop trains '
+    f'{meta.get("loop_threads", 1)} client(s) at a time); PyTorch: '
     + (
       f'{meta["torch_version"]} on {meta["torch_device"]} ({meta["torch_threads"]} threads)'
       if meta['torch_version']
@@ -448,6 +455,11 @@ def report(meta, rows, probe, evaluation, summary) -> str:
   for m, d in summary['loop_vs_legacy_max_abs_diff'].items():
     lines.append(
       f'- m={m}: loop after vs before issue 14, max abs difference of the trained states: {d:.1e}'
+    )
+  for m, d in summary.get('threaded_vs_plain_loop_max_abs_diff', {}).items():
+    lines.append(
+      f'- m={m}: loop on its client threads vs one client at a time, max abs difference of the '
+      f'trained states: {d:.1e}'
     )
   lines.append("- ratios are the reference's ms / the row's ms: > 1 means the row is faster.")
   if probe:
@@ -557,7 +569,7 @@ def headline(meta, rows, probe_rows, summary):
 
 def run(sizes: Sizes = Sizes()) -> dict:
   """Runs the benchmark; returns meta (environment, sizes), rows, tables and headline figures."""
-  from jfed.engine.training import resolve_strategy
+  from jfed.engine.training import default_loop_threads, resolve_strategy
 
   if not sizes.clients or min(sizes.clients) < 1:
     raise ValueError('clients must be positive integers')
@@ -584,6 +596,7 @@ def run(sizes: Sizes = Sizes()) -> dict:
     torch_threads=torch.get_num_threads() if torch is not None else None,
     torch_note=torch_note,
     auto_strategy=resolve_strategy('auto'),
+    loop_threads=default_loop_threads(),
     sizes={
       **sizes._asdict(),
       'steps_per_m': {m: steps_for(sizes, m) for m in sizes.clients},
@@ -597,7 +610,7 @@ def run(sizes: Sizes = Sizes()) -> dict:
     f'load {meta["load_average"]}'
   )
   t0 = time.perf_counter()
-  rows, checks = training_rows(sizes, torch, torch_device, backend)
+  rows, checks, thread_checks = training_rows(sizes, torch, torch_device, backend)
   probe, probe_diff = [], None
   if sizes.probe_clients:
     log(f'  dispatch probe: {sizes.probe_clients} clients x {sizes.probe_steps} steps')
@@ -628,6 +641,7 @@ def run(sizes: Sizes = Sizes()) -> dict:
   summary = {
     'fastest': fastest,
     'loop_vs_legacy_max_abs_diff': {str(m): d for m, d in checks.items()},
+    'threaded_vs_plain_loop_max_abs_diff': {str(m): d for m, d in thread_checks.items()},
     'probe_max_abs_diff': probe_diff,
   }
   table = report(meta, rows, probe, evaluation, summary)

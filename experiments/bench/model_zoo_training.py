@@ -10,7 +10,9 @@ clients train one epoch of `steps` batches of random 28x28x1 images with SGD(lr 
 
 - jfed: `GroupTrainer.train` with strategy `auto` (the form the configs run) on a
   `FederatedArrays` of 2 clients, for a model with convolutions once per `conv_impl` form
-  (`lax`: XLA's convolution, the default; `matmul`: shifted-slice matmuls), the faster reported;
+  (`lax`: XLA's convolution, the default; `matmul`: shifted-slice matmuls), and where the loop
+  trains clients on several threads (`default_loop_threads`) once more in the plain loop, one
+  client at a time (`lax 1 thread`); the fastest is reported;
 - PyTorch: the same network in torch.nn, one client after another (copy the global model, a
   fresh SGD optimiser, then forward, cross entropy, backward, step per batch), with the thread
   count the caller set (`torch.set_num_threads`).
@@ -149,7 +151,7 @@ def _torch_train(torch, global_model, xs, ys, steps: int, batch: int):
     raise RuntimeError('non-finite PyTorch training loss')
 
 
-def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax'):
+def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax', loop_threads=None):
   import optax
 
   from jfed.engine.state import init_models, init_train_state
@@ -162,7 +164,7 @@ def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax'):
     kw['conv_impl'] = conv_impl
   module = get_model(model_name, NUM_CLASSES, INPUT_SHAPE, **kw)
   tx = optax.sgd(LR, momentum=MOMENTUM)
-  trainer = GroupTrainer(module, tx, case.batch, strategy='auto')
+  trainer = GroupTrainer(module, tx, case.batch, strategy='auto', loop_threads=loop_threads)
   state0 = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), CLIENTS))
   key = jax.random.key(0)
 
@@ -172,12 +174,17 @@ def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax'):
     if not np.all(np.isfinite(metrics.loss)):
       raise RuntimeError(f'non-finite jfed training loss for {name}')
 
-  return call, trainer.strategy
+  strategy = trainer.strategy
+  if strategy == 'loop':
+    strategy += f' ({trainer.loop_threads} thread{"s" if trainer.loop_threads > 1 else ""})'
+  return call, strategy
 
 
 # Models with convolutions: their `conv_impl` forms are timed side by side.
 CONV_MODELS = ('cnn_mnist', 'vgg9', 'resnet18')
 CONV_FORMS = ('lax', 'matmul')
+# The default convolution form in the plain loop (one client at a time), beside the threaded one.
+ONE_THREAD = 'lax 1 thread'
 
 
 def _timed(fn) -> float:
@@ -191,6 +198,7 @@ def model_rows(
 ) -> list:  # one row per model
   """Times jfed and PyTorch per model, interleaved A/B; see the module docstring."""
   from jfed.data.federated import federate
+  from jfed.engine.training import default_loop_threads
 
   unknown = set(models) - set(MODELS)
   if unknown:
@@ -204,9 +212,13 @@ def model_rows(
     y = rng.integers(0, NUM_CLASSES, CLIENTS * n).astype(np.int32)
     fed = federate(x, y, [np.arange(k * n, (k + 1) * n) for k in range(CLIENTS)])
     conv_forms = CONV_FORMS if name in CONV_MODELS else ('lax',)
-    forms = {}
+    forms, strategies = {}, {}
     for impl in conv_forms:
-      forms[f'jfed:{impl}'], strategy = _jfed_form(name, case, fed, impl)
+      forms[f'jfed:{impl}'], strategies[impl] = _jfed_form(name, case, fed, impl)
+    if default_loop_threads() > 1:  # the plain loop beside the threaded default
+      forms[f'jfed:{ONE_THREAD}'], strategies[ONE_THREAD] = _jfed_form(
+        name, case, fed, 'lax', loop_threads=1
+      )
     if torch is not None:
       torch.manual_seed(0)
       xs = torch.from_numpy(np.ascontiguousarray(fed.x.transpose(0, 1, 4, 2, 3)))
@@ -232,7 +244,9 @@ def model_rows(
       'config': case.source,
       'clients': CLIENTS,
       'steps_per_client': steps,
-      'jfed_form': f'{strategy}, conv {best}' if name in CONV_MODELS else strategy,
+      'jfed_form': (
+        f'{strategies[best]}, conv {best.split()[0]}' if name in CONV_MODELS else strategies[best]
+      ),
       'jfed_ms_per_form': jfed_ms,
       'default_form_ms': jfed_ms['lax'],
       'warmup_s': warm,

@@ -23,5 +23,6 @@ from jfed.engine.training import (
   LocalObjective,
   TrainMetrics,
   classification_objective,
+  default_loop_threads,
   resolve_strategy,
 )

@@ -8,7 +8,10 @@ same numbers and differ only in how the (client, step) grid is mapped onto the m
            where client-batched convolutions and convolutions inside `lax.scan` are
            pathologically slow (design.md, measured table). Its host side is kept to one
            dispatch per step (experiments/bench/client_training.py times it against the
-           pre-issue-14 form in experiments/bench/reference_loop.py).
+           pre-issue-14 form in experiments/bench/reference_loop.py). Up to `loop_threads`
+           clients train at once, each on its own host thread: XLA:CPU runs a convolution's
+           backward pass on one core, so two clients' programs side by side keep both cores
+           busy (`default_loop_threads`; every client's numbers are those of the plain loop).
 - `vmap`:  one jitted step vmapped over clients, Python loop over steps.
 - `scan`:  one jitted program per epoch: vmap over clients of a `lax.scan` over steps. The fast
            form on GPU/TPU.
@@ -32,7 +35,9 @@ BatchNorm statistics, and a step in which a client has no real sample leaves its
 optimiser state untouched, so a padded client trains exactly as it would alone.
 """
 
+import concurrent.futures
 import math
+import os
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
 
 import jax
@@ -57,6 +62,18 @@ def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
     return strategy
   backend = backend or jax.default_backend()
   return 'loop' if backend == 'cpu' else 'scan'
+
+
+def default_loop_threads(backend: Optional[str] = None) -> int:
+  """How many clients the `loop` strategy trains at once: 2 on a CPU with 2 or more cores.
+
+  Measured on 2 cores (experiments/bench/client_training.py, `loop_threads`): XLA:CPU runs
+  the kernel and input gradients of a convolution on one core, so a second client's program
+  beside the first fills the other core; more threads than 2 only contend for the same
+  intra-op pool. Elsewhere (one core, or an accelerator, where `loop` is not the default) 1.
+  """
+  backend = backend or jax.default_backend()
+  return 2 if backend == 'cpu' and (os.cpu_count() or 1) >= 2 else 1
 
 
 class TrainMetrics(NamedTuple):
@@ -210,6 +227,7 @@ class GroupTrainer:
     strategy: str = 'auto',
     mesh=None,
     objective: LocalObjective = classification_objective,
+    loop_threads: Optional[int] = None,
   ):
     self.module = module
     self.objective = objective
@@ -218,6 +236,10 @@ class GroupTrainer:
     self.prox_mu = float(prox_mu)
     self.strategy = resolve_strategy(strategy)
     self.mesh = mesh
+    self.loop_threads = default_loop_threads() if loop_threads is None else int(loop_threads)
+    if self.loop_threads < 1:
+      raise ValueError(f'loop_threads must be at least 1, got {loop_threads}')
+    self._pool = None  # the loop's client threads, made on first use
     step = self._client_step
     # `loop` (the CPU strategy) is dispatch-bound around each step, so it makes one call per
     # step: the step index and the metric sums ride along on the device, and the client's
@@ -378,20 +400,27 @@ class GroupTrainer:
     self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None, owned=None
   ):
     owned = range(len(sizes_np)) if owned is None else owned
-    new_states, epoch_stats = [], []
-    for k in range(len(sizes_np)):
+
+    def train_client(k):
       ts, xk, yk, order, size, ck, acc, step = self._loop_take(state, x, y, orders, sizes, keys, k)
       if k not in owned:  # another process trains it (see _process_block)
-        new_states.append(ts)
-        epoch_stats.append(acc)
-        continue
+        return ts, acc
       ctx_k = None if context is None else self._loop_take_context(context, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
         ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, ck, step, anchor, ctx_k)
-      new_states.append(ts)
-      epoch_stats.append(acc)
-    return self._loop_stack(new_states, epoch_stats)
+      return ts, acc
+
+    clients = range(len(sizes_np))
+    if self.loop_threads > 1 and len(clients) > 1:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+          self.loop_threads, thread_name_prefix='jfed-client'
+        )
+      trained = list(self._pool.map(train_client, clients))
+    else:
+      trained = [train_client(k) for k in clients]
+    return self._loop_stack([ts for ts, _ in trained], [acc for _, acc in trained])
 
 
 def _process_block(m: int) -> range:

@@ -357,9 +357,7 @@ class HFLDD(Algorithm):
       )
 
     # 3. IID dataset generation (KIP, or raw data without DD)
-    members = np.concatenate(
-      [np.asarray(m, np.int64) for m in topo.members] or [np.zeros(0, np.int64)]
-    )
+    members = np.concatenate([np.asarray(m, np.int64) for m in topo.members])
     uploads = member_uploads(ctx, cfg, members, self.distill) if len(members) else {}
     fed = hybrid_datasets(ctx, topo, uploads)
 
@@ -449,7 +447,6 @@ class HFLDD(Algorithm):
       'rounds': self.config.rounds,
       'distill': self.distill,
       'public': aux.public.source,
-      'eval_samples': int(len(aux.public.eval_y)),
       'clusters': [c.tolist() for c in topo.clusters],
       'heads': topo.heads.tolist(),
       'homogeneous_labels': topo.homog_labels.tolist(),
