@@ -59,6 +59,26 @@ def test_kl_matrix_equals_mean_kl():
   np.testing.assert_allclose(
     kl_similarity_matrix(p, reduction='sum'), ref * 7, rtol=1e-4, atol=1e-5
   )
+  assert S.dtype == np.float64  # K-means runs on it in float64
+
+
+def test_kl_matrix_clips_zero_probabilities_and_refuses_bad_input():
+  # A client certain of one class (probabilities exactly 0 elsewhere): Eq. 4 on the soft labels
+  # clipped at eps = 1e-8 and renormalised, finite.
+  rng = np.random.default_rng(1)
+  p = _softmax(rng.normal(size=(3, 5, 4)))
+  p[0] = np.eye(4)[rng.integers(0, 4, 5)]
+  q = np.clip(p, 1e-8, 1.0)
+  q /= q.sum(-1, keepdims=True)
+  ref = np.array([[np.mean(np.sum(a * np.log(a / b), -1)) for b in q] for a in q])
+  np.fill_diagonal(ref, 0.0)
+  S = kl_similarity_matrix(p)
+  assert np.all(np.isfinite(S))
+  np.testing.assert_allclose(S, ref, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match=r'soft_labels must be \[clients, n_public, classes\], got'):
+    kl_similarity_matrix(p[0])
+  with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'max'"):
+    kl_similarity_matrix(p, reduction='max')
 
 
 def test_c1_partition_recovers_label_groups_and_balanced_clusters():
@@ -103,6 +123,8 @@ def test_leftovers_rule():
   assert sorted(np.concatenate(dist).tolist()) == list(range(8))
   # one homogeneous cluster only: everyone is isolated
   assert [len(c) for c in heterogeneous_clusters(np.zeros(3, int), seed=0)] == [1, 1, 1]
+  with pytest.raises(ValueError, match=r"leftover must be one of .*distribute.*got 'spread'"):
+    heterogeneous_clusters(homog, seed=0, leftover='spread')
   # deterministic in the seed
   a = heterogeneous_clusters(homog, seed=5)
   b = heterogeneous_clusters(homog, seed=5)
@@ -158,3 +180,48 @@ def test_topology_plot_png(tmp_path):
   )
   data = open(path, 'rb').read()
   assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
+
+
+def test_kmeans_is_scikit_learns_with_ten_restarts_from_the_seed():
+  # A matrix where the number of restarts changes the partition (10 vs 11 vs sklearn's default),
+  # so the documented 10 restarts from `random_state=seed` are what runs.
+  from sklearn.cluster import KMeans
+
+  S = np.random.default_rng(44).random((12, 12))
+  labels = homogeneous_clusters(S.astype(np.float32), 4, seed=0)
+  assert labels.dtype == np.int64
+  expected = KMeans(n_clusters=4, random_state=0, n_init=10).fit_predict(S)
+  np.testing.assert_array_equal(labels, expected)
+  assert not np.array_equal(
+    expected, KMeans(n_clusters=4, random_state=0, n_init=11).fit_predict(S)
+  )
+  assert len(np.unique(homogeneous_clusters(S, 40, seed=0))) == 12  # K capped at m
+
+
+def test_build_topology_wires_eq4s_symmetry_kmeans_algorithm1_and_heads_to_three_seed_streams():
+  rng = np.random.default_rng(3)
+  p = _softmax(2.0 * rng.normal(size=(9, 6, 4)))
+  seed, K = 7, 3
+  s_km, s_het, s_head = (int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(3))
+  ref = np.array([[np.mean(np.sum(a * np.log(a / b), -1)) for b in p] for a in p])
+  for symmetric, leftover in ((True, 'distribute'), (False, 'singleton')):
+    topo = build_topology(p, K, seed, symmetric=symmetric, leftover=leftover)
+    want = (ref + ref.T) / 2 if symmetric else ref
+    np.testing.assert_allclose(topo.similarity, want, rtol=1e-4, atol=1e-6)
+    from sklearn.cluster import KMeans
+
+    homog = KMeans(n_clusters=K, random_state=s_km, n_init=10).fit_predict(topo.similarity)
+    np.testing.assert_array_equal(topo.homog_labels, homog)
+    clusters = heterogeneous_clusters(homog, s_het, leftover=leftover)
+    assert [c.tolist() for c in topo.clusters] == [c.tolist() for c in clusters]
+    # homogeneous clusters of 2, 2 and 5 clients: the rule decides where the last 3 go
+    assert len(topo.clusters) == (2 if leftover == 'distribute' else 5)
+    heads_rng = np.random.default_rng(s_head)
+    assert topo.heads.dtype == np.int64
+    assert topo.heads.tolist() == [int(heads_rng.choice(c)) for c in clusters]
+
+
+def test_cluster_label_coverage_counts_distinct_classes_per_cluster():
+  table = np.array([[3, 2, 0], [0, 1, 0], [0, 0, 4]])
+  coverage = cluster_label_coverage([np.array([0]), np.array([1, 2]), np.array([0, 1, 2])], table)
+  assert coverage.tolist() == [2, 2, 3]

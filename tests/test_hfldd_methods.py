@@ -66,6 +66,8 @@ def test_hfldd_learns_at_c1_and_writes_its_outputs(hfldd_run):
   # the whole test split; the public set is held-out training data
   assert summary['eval_samples'] == 360 and summary['public'] == 'holdout'
   assert summary['rounds'] == 3 and summary['distill']
+  assert len(summary['homogeneous_labels']) == NUM_CLIENTS
+  assert summary['model_bytes'] > 0 and 0 < summary['setup_bytes'] < summary.total_bytes
   setup = records[0]
   assert setup['stage'] == 'setup' and setup['num_clusters'] == len(summary['clusters']) == 2
   assert setup['hybrid_sizes'] == summary['hybrid_sizes'] and len(summary['hybrid_sizes']) == 2
@@ -632,3 +634,9 @@ def test_when_every_cluster_is_one_client_nothing_is_distilled_and_hfldd_is_feda
     models[method] = getattr(state, 'global_model', state)
   for a, b in zip(jax.tree.leaves(models['fedavg']), jax.tree.leaves(models['hfldd'])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('key', ['depth', 'reg'])
+def test_a_negative_kip_depth_or_ridge_is_refused_by_name(key):
+  with pytest.raises(ConfigError, match=f'hfldd.kip.{key} must be >= 0, got -1'):
+    driver.build_algorithm('hfldd', _config(**{f'hfldd.kip.{key}': -1}))
