@@ -97,9 +97,19 @@ def test_loop_threads_train_each_client_exactly_as_the_plain_loop(tx_name, prox_
     np.testing.assert_array_equal(plain_metrics.accuracy, metrics.accuracy)
 
 
-def test_loop_threads_default_and_refusal():
+def test_loop_threads_default_and_refusal(monkeypatch):
+  monkeypatch.delenv('JFED_LOOP_THREADS', raising=False)
   assert engine.default_loop_threads('gpu') == 1
   assert engine.default_loop_threads('cpu') == (2 if (os.cpu_count() or 1) >= 2 else 1)
+  monkeypatch.setenv('JFED_LOOP_THREADS', '3')
+  assert engine.default_loop_threads('gpu') == engine.default_loop_threads('cpu') == 3
+  assert engine.GroupTrainer(TinyBNNet(), engine.make_optimizer('sgd', 0.1), 4).loop_threads == 3
+  for bad in ('0', 'two', '-1'):
+    monkeypatch.setenv('JFED_LOOP_THREADS', bad)
+    with pytest.raises(
+      ValueError, match=f"JFED_LOOP_THREADS must be a positive integer, got '{bad}'"
+    ):
+      engine.default_loop_threads('cpu')
   with pytest.raises(ValueError, match='loop_threads must be at least 1'):
     engine.GroupTrainer(TinyBNNet(), engine.make_optimizer('sgd', 0.1), 4, loop_threads=0)
 

@@ -64,14 +64,24 @@ def resolve_strategy(strategy: str, backend: Optional[str] = None) -> str:
   return 'loop' if backend == 'cpu' else 'scan'
 
 
+# Overrides `default_loop_threads` (a positive integer), e.g. 1 for models whose steps are so
+# cheap that they are dispatch-bound (an MLP), where two threads contend for the interpreter.
+LOOP_THREADS_ENV = 'JFED_LOOP_THREADS'
+
+
 def default_loop_threads(backend: Optional[str] = None) -> int:
   """How many clients the `loop` strategy trains at once: 2 on a CPU with 2 or more cores.
 
-  Measured on 2 cores (experiments/bench/client_training.py, `loop_threads`): XLA:CPU runs
+  Measured on 2 cores (docs/performance.md, experiments/bench/client_training.py): XLA:CPU runs
   the kernel and input gradients of a convolution on one core, so a second client's program
-  beside the first fills the other core; more threads than 2 only contend for the same
-  intra-op pool. Elsewhere (one core, or an accelerator, where `loop` is not the default) 1.
+  beside the first fills the other core. Elsewhere (one core, or an accelerator, where `loop`
+  is not the default) 1. The environment variable `JFED_LOOP_THREADS` overrides both.
   """
+  value = os.environ.get(LOOP_THREADS_ENV, '').strip()
+  if value:
+    if not value.isdigit() or int(value) < 1:
+      raise ValueError(f'{LOOP_THREADS_ENV} must be a positive integer, got {value!r}')
+    return int(value)
   backend = backend or jax.default_backend()
   return 2 if backend == 'cpu' and (os.cpu_count() or 1) >= 2 else 1
 
