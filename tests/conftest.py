@@ -35,10 +35,6 @@ if importlib.metadata.version('jaxlib').startswith('0.10.'):
   _XLA_FLAGS += ' --xla_cpu_use_fusion_emitters=false'
 os.environ.setdefault('XLA_FLAGS', _XLA_FLAGS)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# One client at a time in the `loop` strategy (its threads are tested in tests/test_engine.py):
-# the suite's models are tiny, so two client threads per test process only contend with the
-# other process for the 2 cores (cold suite 7 min 13 s with them, 6 min 50 s without, 2026-11-28).
-os.environ.setdefault('JFED_LOOP_THREADS', '1')
 os.environ.setdefault('MPLBACKEND', 'Agg')
 # Reports are stamped with this date (2026-01-01), not today's: a test that renders a table, then
 # resumes and renders it again must not fail for the clock passing midnight between the two.
