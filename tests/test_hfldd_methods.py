@@ -384,6 +384,36 @@ def test_the_topology_plot_names_each_clients_classes():
   assert hfldd._client_classes(table) == ['0,2', '2', '']
 
 
+class _ClientNodes:
+  """A client transport (the Flower bridge's interface) whose nodes return given soft labels and
+  seeded distilled sets, recording what the server asked for."""
+
+  def __init__(self, soft_labels=None):
+    self.soft = soft_labels
+    self.asked = []  # soft-label requests
+    self.distilled = []  # KIP requests
+
+  def soft_labels(self, num_clients, epochs, public_x):
+    self.asked.append((num_clients, epochs, np.asarray(public_x).copy()))
+    return self.soft
+
+  def trainer(self, spec, tx, recipe, sizes):
+    assert spec == 'mlp', spec  # the nodes build the heads' architecture from its spec
+    del recipe, sizes  # the heads train here
+    return GroupTrainer(get_model('mlp', 10, (8, 8, 1)), tx, 16)
+
+  def distill(self, members, kip, key):
+    self.distilled.append((np.asarray(members).copy(), kip, key))
+    rng = np.random.default_rng(0)
+    m, s = len(members), kip.support_size
+    return (
+      rng.random((m, s, 8, 8, 1)).astype(np.float32),
+      rng.integers(0, 10, (m, s)).astype(np.int32),
+      rng.normal(size=(m, s, 10)).astype(np.float32),
+      rng.random((m, kip.iterations)).astype(np.float32),
+    )
+
+
 def test_kip_goes_to_the_members_nodes_and_is_read_back_from_the_workdir(tmp_path):
   # With a client transport (Flower), each member distils on its own node: the transport gets
   # the members, the KIP settings and the run's KIP key; the sets it returns are the stage's,
@@ -394,42 +424,24 @@ def test_kip_goes_to_the_members_nodes_and_is_read_back_from_the_workdir(tmp_pat
   config = _config()
   kcfg = KIPConfig(support_size=4, iterations=3)
   members = np.array([1, 3, 4])
-
-  class Transport:
-    def __init__(self):
-      self.calls = []
-
-    def distill(self, member_ids, kip, key):
-      self.calls.append((np.asarray(member_ids).copy(), kip, key))
-      rng = np.random.default_rng(0)
-      m, s = len(member_ids), kip.support_size
-      return (
-        rng.random((m, s, 8, 8, 1)).astype(np.float32),
-        rng.integers(0, 10, (m, s)).astype(np.int32),
-        rng.random((m, s, 10)).astype(np.float32),
-        rng.random((m, kip.iterations)).astype(np.float32),
-      )
-
-  transport = Transport()
-  ctx = driver.context_of_config(config, workdir=tmp_path, client_transport=transport)
+  nodes = _ClientNodes()
+  ctx = driver.context_of_config(config, workdir=tmp_path, client_transport=nodes)
   sets = hfldd.distill_members(ctx, kcfg, members)
-  ((sent_members, sent_kip, sent_key),) = transport.calls
+  ((sent_members, sent_kip, sent_key),) = nodes.distilled
   np.testing.assert_array_equal(sent_members, members)
   assert sent_kip == kcfg
   np.testing.assert_array_equal(
     jax.random.key_data(sent_key), jax.random.key_data(ctx.derive_key(Purpose.KIP))
   )
-  expected = Transport().distill(members, kcfg, None)
+  expected = _ClientNodes().distill(members, kcfg, None)
   for got, want in zip(sets, expected):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
-  class NoTransport:
-    def distill(self, *args):
-      raise AssertionError('a resumed run distilled again')
-
-  resumed = driver.context_of_config(config, workdir=tmp_path, client_transport=NoTransport())
+  resumed_nodes = _ClientNodes()
+  resumed = driver.context_of_config(config, workdir=tmp_path, client_transport=resumed_nodes)
   again = hfldd.distill_members(resumed, kcfg, members)
+  assert not resumed_nodes.distilled  # read back, not distilled again
   for got, want in zip(again, expected):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
@@ -466,25 +478,14 @@ def test_members_with_learned_labels_send_their_label_distributions():
   from jfed.kip import KIPConfig
 
   members = np.array([1, 3])
-  support, classes = 4, 10
-  rng = np.random.default_rng(0)
-  y_matrix = rng.normal(size=(2, support, classes)).astype(np.float32)
-
-  class Transport:
-    def distill(self, member_ids, kip, key):
-      assert kip == KIPConfig(support_size=support, iterations=3, learn_labels=True)
-      return (
-        rng.random((2, support, 8, 8, 1)).astype(np.float32),
-        np.zeros((2, support), np.int32),
-        y_matrix,
-        np.zeros((2, 3), np.float32),
-      )
-
-  ctx = driver.context_of_config(_config(), client_transport=Transport())
-  cfg = hfldd.HFLDDConfig(
-    kip=hfldd.KIPSection(support_size=support, iterations=3, learn_labels=True)
-  )
+  nodes = _ClientNodes()
+  ctx = driver.context_of_config(_config(), client_transport=nodes)
+  cfg = hfldd.HFLDDConfig(kip=hfldd.KIPSection(support_size=4, iterations=3, learn_labels=True))
   uploads = hfldd.member_uploads(ctx, cfg, members, distill=True)
+  kcfg = KIPConfig(support_size=4, iterations=3, learn_labels=True)
+  ((_, sent_kip, _),) = nodes.distilled
+  assert sent_kip == kcfg
+  y_matrix = _ClientNodes().distill(members, kcfg, None)[2]
   assert sorted(uploads) == [1, 3]
   for j, cid in enumerate(members):
     np.testing.assert_array_equal(uploads[int(cid)].y, y_matrix[j])
@@ -527,33 +528,6 @@ def test_a_member_upload_of_the_wrong_image_dtype_is_refused_naming_the_client(m
     hfldd.member_uploads(ctx, hfldd.HFLDDConfig(), np.array([3]), distill=False)
 
 
-class _SoftLabelNodes:
-  """A client transport whose nodes return given soft labels and distilled sets, recording what
-  the server asked for."""
-
-  def __init__(self, soft_labels):
-    self.soft = soft_labels
-    self.asked = []
-
-  def soft_labels(self, num_clients, epochs, public_x):
-    self.asked.append((num_clients, epochs, np.asarray(public_x).copy()))
-    return self.soft
-
-  def trainer(self, spec, tx, recipe, sizes):
-    assert spec == 'mlp', spec  # the nodes build the heads' architecture from its spec
-    del recipe, sizes  # the heads train here
-    return GroupTrainer(get_model('mlp', 10, (8, 8, 1)), tx, 16)
-
-  def distill(self, members, kip, key):
-    m, s = len(members), kip.support_size
-    return (
-      np.full((m, s, 8, 8, 1), 0.5, np.float32),
-      np.tile(np.arange(s) % 10, (m, 1)).astype(np.int32),
-      np.zeros((m, s, 10), np.float32),
-      np.zeros((m, kip.iterations), np.float32),
-    )
-
-
 def _unlinked_holdout(config, size):
   # the config ties dataset.holdout_size to hfldd.public_size; a public set drawn from a larger
   # held-out set needs the two apart
@@ -571,7 +545,7 @@ def test_setup_asks_the_nodes_for_soft_labels_on_the_seeded_public_draw_and_clus
   )
   rng = np.random.default_rng(1)
   soft = rng.dirichlet(np.full(10, 0.3), size=(NUM_CLIENTS, 60)).astype(np.float32)
-  nodes = _SoftLabelNodes(soft)
+  nodes = _ClientNodes(soft)
   ctx = driver.context_of_config(config, client_transport=nodes)
   aux = driver.build_algorithm('hfldd', config).setup(ctx)
 
@@ -594,7 +568,7 @@ def test_soft_labels_of_the_wrong_dtype_are_refused_naming_the_client():
   from jfed.io import UploadError
 
   soft = np.full((NUM_CLIENTS, 60, 10), 0.1, np.float64)  # the nodes should send float32
-  ctx = driver.context_of_config(_config(), client_transport=_SoftLabelNodes(soft))
+  ctx = driver.context_of_config(_config(), client_transport=_ClientNodes(soft))
   with pytest.raises(UploadError, match='soft labels of client 0'):
     driver.build_algorithm('hfldd', _config()).setup(ctx)
 
@@ -617,21 +591,24 @@ def test_when_every_cluster_is_one_client_nothing_is_distilled_and_hfldd_is_feda
   # K = 1: one homogeneous cluster, so every heterogeneous cluster is a single client, its own
   # head. Nothing is distilled, and a round is FedAvg's round over all the clients: the same
   # clients, data orders (the round's key), weights and start.
+  from jfed.io import comm
+
   config = _config(**{'hfldd.K': 1, 'hfldd.rounds': 2, 'fedavg.rounds': 2})
   config.fedavg.local_epochs = config.hfldd.local_epochs
-  summary = driver.run_in_memory('hfldd', config)
-  assert sorted(summary['heads']) == list(range(NUM_CLIENTS))
-  assert summary['clusters'] == [[h] for h in summary['heads']]
-  assert set(summary['bytes_by_stage']) == {'soft_labels', 'model_down', 'model_up'}
   ctx = driver.context_of_config(config)
-  models = {}
+  models, auxes = {}, {}
   for method in ('hfldd', 'fedavg'):
     algorithm = driver.build_algorithm(method, config)
-    aux = algorithm.setup(ctx)
+    aux = auxes[method] = algorithm.setup(ctx)
     state = algorithm.init(ctx, aux)
     for i in range(2):
       state, _ = algorithm.step(ctx, aux, state, i)
     models[method] = getattr(state, 'global_model', state)
+  topo = auxes['hfldd'].topology
+  assert sorted(topo.heads.tolist()) == list(range(NUM_CLIENTS))
+  assert [c.tolist() for c in topo.clusters] == [[h] for h in topo.heads.tolist()]
+  stages = dict(comm.bytes_by_stage(auxes['hfldd'].transfers))
+  assert set(stages) == {'soft_labels', 'model_down', 'model_up'}
   for a, b in zip(jax.tree.leaves(models['fedavg']), jax.tree.leaves(models['hfldd'])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 

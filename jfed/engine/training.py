@@ -36,6 +36,7 @@ optimiser state untouched, so a padded client trains exactly as it would alone.
 """
 
 import concurrent.futures
+import functools
 import math
 import os
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
@@ -249,7 +250,6 @@ class GroupTrainer:
     self.loop_threads = default_loop_threads() if loop_threads is None else int(loop_threads)
     if self.loop_threads < 1:
       raise ValueError(f'loop_threads must be at least 1, got {loop_threads}')
-    self._pool = None  # the loop's client threads, made on first use
     step = self._client_step
     # `loop` (the CPU strategy) is dispatch-bound around each step, so it makes one call per
     # step: the step index and the metric sums ride along on the device, and the client's
@@ -423,14 +423,16 @@ class GroupTrainer:
 
     clients = range(len(sizes_np))
     if self.loop_threads > 1 and len(clients) > 1:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-          self.loop_threads, thread_name_prefix='jfed-client'
-        )
-      trained = list(self._pool.map(train_client, clients))
+      trained = list(_client_pool(self.loop_threads).map(train_client, clients))
     else:
       trained = [train_client(k) for k in clients]
     return self._loop_stack([ts for ts, _ in trained], [acc for _, acc in trained])
+
+
+@functools.lru_cache(maxsize=None)
+def _client_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+  """The `loop` strategy's client threads, one pool per thread count shared by every trainer."""
+  return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix='jfed-client')
 
 
 def _process_block(m: int) -> range:
