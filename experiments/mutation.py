@@ -155,7 +155,7 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'fedseq_dynafed': (
     ['jfed/methods/fedseq.py', 'jfed/methods/dynafed.py', 'jfed/clustering/fedseq.py'],
-    ['tests/test_oracle_hfldd.py', 'tests/test_hfldd_methods.py'],
+    ['tests/test_oracle_hfldd.py', 'tests/test_hfldd_methods.py', 'tests/test_hfldd_clustering.py'],
   ),
   'cvae_clients': (
     [

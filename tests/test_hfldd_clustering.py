@@ -10,8 +10,10 @@ from jfed.clustering import (
   build_topology,
   choose_heads,
   cluster_label_coverage,
+  cosine_measure,
   fedseq_clusters,
   fedseq_confidence,
+  gini_measure,
   heterogeneous_clusters,
   homogeneous_clusters,
   kl_similarity_matrix,
@@ -166,6 +168,112 @@ def test_fedseq_greedy_clusters_heterogeneous_and_redistribution():
   # undersized last cluster with no room elsewhere is kept (never drops clients)
   clusters = fedseq_clusters(conf[:5], np.full(5, 100), min_examples=400, max_clients=4)
   assert sorted(np.concatenate(clusters).tolist()) == list(range(5))
+
+
+def test_fedseq_gini_and_cosine_measures_and_the_confidence_normalisation():
+  u, e0 = np.full(4, 0.25), np.eye(4)[0]
+  # gini: 1 − Σ m², m = (cluster + client) / 2 = (0.625, 0.125, 0.125, 0.125)
+  assert gini_measure(u, e0) == pytest.approx(1 - (0.625**2 + 3 * 0.125**2))
+  assert gini_measure(u, u) == pytest.approx(0.75)
+  # cosine distance: 1 − u·e0 / (|u| |e0|) = 1 − 0.25 / 0.5
+  assert cosine_measure(u, e0) == pytest.approx(0.5)
+  assert cosine_measure(u, 3 * u) == pytest.approx(0.0, abs=1e-12)
+  # one exemplar, confidence 0.3 in its class: the normalised vector is one-hot, in float64
+  conf = fedseq_confidence(np.array([[[0.3, 0.5, 0.2]]], np.float32), [0])
+  assert conf.dtype == np.float64
+  np.testing.assert_array_equal(conf, [[1.0, 0.0, 0.0]])
+
+
+def _reference_greedy(conf, sizes, min_examples, max_clients, measure, code_compat):
+  """GreedyClusterMaker as RickZack/FedSeq (src/algo/fedseq_modules/greedy_cluster_maker.py,
+  cluster_maker.py) runs it, on inputs where its redistribution assertion holds."""
+  measures = {
+    'kullback': lambda a, b: 1 - np.sum([v * np.log(v * len(a)) for v in (a + b) / 2]),
+    'gini': lambda a, b: 1 - np.sum(((a + b) / 2) ** 2),
+    'cosine': lambda a, b: 1 - np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)),
+  }
+  score = measures[measure]
+  rem = list(range(len(conf)))
+  clusters, cluster = [], []
+  while rem:
+    if sum(sizes[k] for k in cluster) < min_examples and len(cluster) < max_clients:
+      if cluster:
+        total = sum(sizes[k] for k in cluster)
+        rep = sum(conf[k] * sizes[k] / total for k in cluster)
+      else:
+        rep = np.full(conf.shape[1], 1 / conf.shape[1])
+      best_diff, best_index = (0, 0) if code_compat else (-np.inf, 0)
+      for index, k in enumerate(rem):
+        d = score(rep, conf[k])
+        if d > best_diff:
+          best_diff, best_index = d, index
+      cluster.append(rem.pop(best_index))
+    else:
+      clusters.append(cluster)
+      cluster = []
+  if cluster:
+    if sum(sizes[k] for k in cluster) < min_examples:
+      total = sum(len(c) for c in clusters) + len(cluster)
+      assert -(-total // len(clusters)) <= max_clients  # _verify_constraints
+      room = [c for c in clusters if len(c) < max_clients]
+      room.sort(key=lambda c: sum(sizes[k] for k in c))
+      i = 0
+      while cluster:
+        if len(room[i % len(room)]) < max_clients:
+          room[i % len(room)].append(cluster.pop())
+        i += 1
+    else:
+      clusters.append(cluster)
+  return clusters
+
+
+def test_fedseq_greedy_clusters_equal_the_reference_for_every_measure():
+  compat_differs = measures_differ = redistributed = compared = 0
+  for seed in range(12):
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(9, 25))
+    conf = rng.dirichlet(np.full(10, (0.02, 0.3, 2.0)[seed % 3]), size=m)
+    conf = (conf + 1e-4) / (1 + 1e-3)  # no exact zeros: the reference's 0 · log 0 is NaN
+    sizes = rng.integers(5, 60, m).tolist()
+    min_examples = int(rng.integers(60, 200))
+    max_clients = 5 if seed % 2 else m
+    results = {}
+    for measure in ('kullback', 'gini', 'cosine'):
+      for code_compat in (False, True):
+        try:
+          want = _reference_greedy(conf, sizes, min_examples, max_clients, measure, code_compat)
+        except AssertionError:  # the reference refuses; jfed keeps the cluster (tested above)
+          continue
+        got = fedseq_clusters(conf, sizes, min_examples, max_clients, measure, code_compat)
+        assert [c.tolist() for c in got] == want, (seed, measure, code_compat)
+        results[measure, code_compat] = want
+        compared += 1
+        redistributed += sum(sizes[k] for k in want[-1][:-1]) >= min_examples
+    compat_differs += any(results.get((ms, True), v) != v for (ms, c), v in results.items())
+    measures_differ += len({str(results[k]) for k in results if not k[1]}) > 1
+  # the cases tell the measures, the reference's zero start and the redistribution apart
+  assert compared >= 60 and compat_differs >= 3 and measures_differ >= 8 and redistributed >= 10
+
+
+def test_fedseq_defaults_boundaries_and_refusal():
+  rng = np.random.default_rng(0)
+  conf = np.eye(10)[np.arange(24) % 10] * 0.9 + rng.uniform(0.005, 0.015, (24, 10))
+  # defaults: 800 examples or 11 clients, 'kullback', the best client (not the reference's 0 start)
+  sizes = np.full(24, 100)
+  default = fedseq_clusters(conf, sizes)
+  assert [c.tolist() for c in default] == _reference_greedy(conf, sizes, 800, 11, 'kullback', False)
+  assert [len(c) for c in default] == [8, 8, 8]  # 800 examples close a superclient
+  compat = fedseq_clusters(conf, sizes, code_compat=True)
+  assert [c.tolist() for c in compat] != [c.tolist() for c in default]
+  assert [len(c) for c in fedseq_clusters(conf, sizes, min_examples=801)] == [11, 11, 2]
+  small = np.full(30, 10)
+  conf30 = np.eye(10)[np.arange(30) % 10] * 0.9 + rng.uniform(0.005, 0.015, (30, 10))
+  assert [len(c) for c in fedseq_clusters(conf30, small)] == [11, 11, 8]  # 11 clients close one
+  assert [len(c) for c in fedseq_clusters(conf30, small, max_clients=12)] == [12, 12, 6]
+  with pytest.raises(
+    ValueError, match=r"measure must be one of \['cosine', 'gini', 'kullback'\], got 'KL'"
+  ):
+    fedseq_clusters(conf, sizes, measure='KL')
 
 
 def test_topology_plot_png(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 from jfed import driver, engine
 from jfed.engine import GroupTrainer
 from jfed.errors import ConfigError
-from jfed.methods import dynafed, hfldd
+from jfed.keys import Purpose
+from jfed.methods import common, dynafed, fedseq, hfldd
 from jfed.methods.dynafed import trajectory_matching_loss
 from jfed.methods.hfldd import kip_label_distribution
 from jfed.models.registry import get_model
@@ -145,14 +146,121 @@ def test_fedseq_learns_and_counts_eq_19(tmp_path):
   stages = summary['bytes_by_stage']
   assert set(stages) == {'confidence', 'model_down', 'model_peer', 'model_up'}
   assert summary.total_bytes == sum(stages.values()) == records[-1]['cumulative_bytes'] > 0
+  assert records[0]['stage'] == 'setup' and records[0]['superclients'] == len(superclients)
   assert records[0]['upload_bytes'] == stages['confidence']
+  # N float32 confidence vectors of C = 10 (payload + msgpack overhead)
+  assert 0 < stages['confidence'] - NUM_CLIENTS * 10 * 4 <= NUM_CLIENTS * 40
+  sizes = driver.context_of_config(_iid()).client_sizes
+  assert summary['superclient_sizes'] == [int(sizes[c].sum()) for c in superclients]
+  assert (summary['rounds'], summary['public']) == (2, 'holdout')
   # per round: one download per superclient, n_c - 1 hand-offs, one upload: N + S model copies
   for r in records[1:]:
+    assert (r['round'], r['superclients']) == (r['step'], len(superclients))
+    assert 0 < r['train_loss'] < 3
     assert r['download_bytes'] == r['upload_bytes'] == len(superclients) * summary['model_bytes']
     assert (
       r['download_bytes'] + r['peer_bytes'] + r['upload_bytes']
       == (NUM_CLIENTS + len(superclients)) * summary['model_bytes']
     )
+
+
+def test_fedseq_wiring_public_draw_clustering_keys_orders_and_uploads(monkeypatch):
+  config = _unlinked_holdout(
+    _iid(
+      **{
+        'seed': 3,
+        'fedseq.measure': 'gini',
+        'fedseq.code_compat': True,
+        'fedseq.min_examples': 150,
+        'fedseq.max_clients': 4,
+        'fedseq.participation': 0.5,
+        'fedseq.local_epochs': 1,
+      }
+    ),
+    100,
+  )
+  clustered, trained, uploads = [], [], []
+  cluster, train, validate = (
+    fedseq.fedseq_clusters,
+    common.train_groups,
+    fedseq.validate_model_upload,
+  )
+
+  def record_clusters(*args):
+    clustered.append(args)
+    return cluster(*args)
+
+  def record_training(trainers, groups, models, epochs, key, label):
+    trained.append((groups[0].client_ids.tolist(), np.asarray(key), label))
+    return train(trainers, groups, models, epochs, key, label=label)
+
+  def record_upload(upload, reference):
+    uploads.append((upload.client_id, upload.num_samples))
+    return validate(upload, reference)
+
+  monkeypatch.setattr(fedseq, 'fedseq_clusters', record_clusters)
+  monkeypatch.setattr(fedseq, 'validate_model_upload', record_upload)
+  ctx = driver.context_of_config(config)
+  algorithm = driver.build_algorithm('fedseq', config)
+  aux = algorithm.setup(ctx)
+  monkeypatch.setattr(common, 'train_groups', record_training)  # the rounds' training only
+
+  # the public set: 60 of the 100 held-out training samples, drawn with the run's seed
+  rows = np.sort(np.random.default_rng(3).choice(100, 60, replace=False))
+  np.testing.assert_array_equal(aux.public.x, ctx.dataset.holdout_x[rows])
+  # the confidences (float32, one distribution per client) go to the configured clustering
+  ((conf, sizes, min_examples, max_clients, measure, code_compat),) = clustered
+  assert conf.dtype == np.float32 and conf.shape == (NUM_CLIENTS, 10)
+  np.testing.assert_allclose(conf.sum(1), 1, rtol=1e-6)
+  np.testing.assert_array_equal(sizes, ctx.client_sizes)
+  assert (min_examples, max_clients, measure, code_compat) == (150, 4, 'gini', True)
+  # the model's bytes: its float32 parameters plus msgpack's framing
+  num_params = sum(a.size for a in jax.tree.leaves(aux.init))
+  assert 0 < aux.model_bytes - 4 * num_params <= 400
+
+  state = algorithm.init(ctx, aux)
+  superclients = [c.tolist() for c in aux.superclients]
+  for i in range(2):
+    trained.clear(), uploads.clear()
+    state, (record,) = algorithm.step(ctx, aux, state, i)
+    # half of the superclients, drawn with round i's sampling key; each visits its clients in
+    # the order drawn from round i's order key folded with its id
+    count = round(0.5 * len(superclients))
+    selected = np.sort(
+      jax.random.choice(ctx.derive_key(Purpose.SAMPLING, i), len(superclients), (count,), False)
+    )
+    orders = [
+      np.asarray(superclients[c])[
+        jax.random.permutation(
+          jax.random.fold_in(ctx.derive_key(Purpose.SUPERCLIENT_ORDER, i), int(c)),
+          len(superclients[c]),
+        )
+      ].tolist()
+      for c in selected
+    ]
+    assert record['superclients'] == len(selected) == count
+    steps = max(len(o) for o in orders)
+    assert [t[0] for t in trained] == [[o[j] for o in orders if len(o) > j] for j in range(steps)]
+    for j, (_, key, label) in enumerate(trained):
+      want = jax.random.fold_in(ctx.derive_key(Purpose.ROUNDS, i), j)
+      np.testing.assert_array_equal(key, np.asarray(want))
+      assert label == f'round {i + 1}/2 step {j + 1}'
+    # the last client of each superclient uploads the superclient's model and data size
+    assert uploads == [(o[-1], int(ctx.client_sizes[o].sum())) for o in orders]
+
+
+def test_a_non_finite_confidence_is_refused_naming_the_client(monkeypatch):
+  from jfed.io import UploadError
+
+  def probabilities(ctx, local, x):
+    probs = np.full((NUM_CLIENTS, len(x), 10), 0.1, np.float32)
+    probs[2, 0, 0] = np.nan
+    return probs
+
+  monkeypatch.setattr(common, 'client_probabilities', probabilities)
+  config = _config()
+  with pytest.raises(UploadError, match='confidence of client 2'):
+    driver.build_algorithm('fedseq', config).setup(driver.context_of_config(config))
 
 
 def test_dynafed_distils_fine_tunes_and_learns(tmp_path):

@@ -481,7 +481,7 @@ def fedseq_config():
   s = c.fedseq
   s.pretrain_epochs, s.public, s.public_size = 3, 'holdout', 18
   s.min_examples, s.max_clients, s.measure = 25, 3, 'kullback'
-  s.rounds, s.local_epochs, s.participation = 1, 2, 1.0
+  s.rounds, s.local_epochs, s.participation = 1, 3, 1.0
   return c
 
 
@@ -575,19 +575,22 @@ def test_fedseq_superclients_sequential_training_and_aggregation():
   for order, superclient in zip(orders, expected):
     assert sorted(order.tolist()) == sorted(superclient)
   start = onp.to_numpy(state.params)
-  models = []
+  models, last_epoch_losses = [], []
   for order in orders:
     params = start
     for k in order:  # a fresh optimiser per client
-      params = full_batch_sgd(
-        params, dataset.train_x[parts[k]], dataset.train_y[parts[k]], s.local_epochs
-      )
+      x, y = dataset.train_x[parts[k]], dataset.train_y[parts[k]]
+      epochs = [np.arange(len(y))] * s.local_epochs
+      params, _, losses = onp.mlp_local_sgd(params, x, y, epochs, BATCH, LR, MOMENTUM)
+      last_epoch_losses.append(losses[-1])
     models.append(params)
   weights = [sum(sizes[k] for k in c) for c in expected]
   global_params = onp.weighted_average(models, weights)
   onp.assert_tree_close(new_state.params, global_params)
   logits = onp.mlp_forward(global_params, dataset.test_x)
   assert records[0]['test_accuracy'] == pytest.approx(onp.accuracy(logits, dataset.test_y))
+  # the round's training loss: every client's last local epoch, averaged over the clients
+  assert records[0]['train_loss'] == pytest.approx(np.mean(last_epoch_losses), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def _step_group(ctx: RunContext, full_group: common.ClientGroup, ids) -> common.
     [ctx.parts[k] for k in ids],
     pad_to_multiple=int(full_group.fed.x.shape[1]),
   )
-  return common.ClientGroup(full_group.spec, full_group.module, np.asarray(ids), fed)
+  return full_group._replace(client_ids=np.asarray(ids), fed=fed)
 
 
 @register_method('fedseq')
@@ -130,7 +130,7 @@ class FedSeq(Algorithm):
     local = common.local_models(ctx, cfg.pretrain_epochs)
     public = public_data(ds, cfg.public, cfg.public_size, ctx.run.seed)
     probs = common.client_probabilities(ctx, local, public.x)
-    conf = fedseq_confidence(probs, public.y, ds.num_classes).astype(np.float32)
+    conf = fedseq_confidence(probs, public.y).astype(np.float32)
     for k in range(ctx.num_clients):
       validate_tree(conf[k], np.zeros(ds.num_classes, np.float32), f'confidence of client {k}')
     clusters = fedseq_clusters(
@@ -248,7 +248,6 @@ class FedSeq(Algorithm):
     return {
       'rounds': self.config.rounds,
       'public': aux.public.source,
-      'eval_samples': int(len(aux.public.eval_y)),
       'superclients': [c.tolist() for c in aux.superclients],
       'superclient_sizes': aux.superclient_sizes.tolist(),
       'bytes_by_stage': dict(comm.bytes_by_stage(transfers)),
