@@ -3,6 +3,7 @@ outputs, Eq. 18 / 19 byte accounting, resume without distilling again, config ch
 loss (value and gradients against NumPy), DynaFed's DSA in matching and fine-tuning, its client
 optimiser, and the KIP label distribution."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from jfed.keys import Purpose
 from jfed.methods import common, dynafed, fedseq, hfldd
 from jfed.methods.dynafed import trajectory_matching_loss
 from jfed.methods.hfldd import kip_label_distribution
+from jfed.models.layers import BatchNorm
 from jfed.models.registry import get_model
 from tests.support import (
   HFLDD_CLIENTS,
@@ -372,6 +374,106 @@ def test_matching_and_fine_tuning_apply_the_augmentation():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   changed = [np.any(a != b) for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(model))]
   assert any(changed)
+
+
+def _reference_ranges(T, cfg):
+  """image_synthesizer.py:Synthesizer.synthesize's ranges for a trajectory θ_0..θ_T: start
+  epochs (np.random.randint's [low, high)), and the averaging counts (random.choice of range)."""
+  curr_max = min(cfg['max_start_epoch'], T - cfg['expert_epochs'])
+  starts = [0] if curr_max == 0 else list(range(cfg['min_start_epoch'], curr_max + 1))
+  e, m = cfg['expert_epochs'], cfg['max_ave_num']
+  upper = m + 1 if m < e else e + 1
+  return starts, list(range(cfg['least_ave_num'], upper))
+
+
+@pytest.mark.parametrize(
+  'T,expert,min_start,max_start,least,most',
+  [(24, 3, 0, 50, 2, 10), (10, 2, 3, 5, 1, 1), (6, 4, 1, 50, 2, 3), (3, 3, 0, 50, 2, 10)],
+)
+def test_dynafed_draws_starts_and_averaged_targets_from_the_references_ranges(
+  T, expert, min_start, max_start, least, most
+):
+  cfg = {
+    'expert_epochs': expert,
+    'min_start_epoch': min_start,
+    'max_start_epoch': max_start,
+    'least_ave_num': least,
+    'max_ave_num': most,
+  }
+  starts, counts = _reference_ranges(T, cfg)
+  schedule = dynafed.matching_schedule(dynafed.DynaFedConfig(weight_averaging=True, **cfg), T + 1)
+  # θ_t = one-hot e_t: a start reads as its index, an averaged target as its picks' histogram
+  trajectory = {'w': jnp.eye(T + 1)}
+  seen_starts, seen_counts = set(), set()
+  for i in range(300):
+    start, target = dynafed.sample_target(jax.random.key(i), trajectory, schedule)
+    start, target = np.asarray(start['w']), np.asarray(target['w'])
+    s = int(np.argmax(start))
+    np.testing.assert_array_equal(start, np.eye(T + 1)[s])
+    seen_starts.add(s)
+    # the mean of k draws (with replacement) of θ_{s+1..s+expert}
+    assert target.sum() == pytest.approx(1.0, abs=1e-6)
+    support = np.flatnonzero(target > 1e-7)
+    assert s + 1 <= support.min() and support.max() <= s + expert
+    k = [c for c in counts if np.allclose(target * c, np.round(target * c), atol=1e-5)]
+    assert k, (target, counts)
+    seen_counts.add(round(1 / target[support].min()) if len(support) == 1 else max(k))
+  assert seen_starts == set(starts)
+  assert max(counts) in seen_counts
+  plain = dynafed.matching_schedule(dynafed.DynaFedConfig(weight_averaging=False, **cfg), T + 1)
+  for i in range(40):
+    start, target = dynafed.sample_target(jax.random.key(i), trajectory, plain)
+    s = int(np.argmax(start['w']))
+    np.testing.assert_array_equal(target['w'], np.eye(T + 1)[s + expert])
+
+
+def test_student_batches_are_consecutive_chunks_of_fresh_permutations():
+  idx = np.asarray(dynafed.student_batches(jax.random.key(0), 5, 4, 3))
+  assert idx.shape == (4, 3)
+  flat = idx.reshape(-1)  # 12 indices: two whole permutations of 0..4, then 2 distinct ones
+  assert sorted(flat[:5]) == sorted(flat[5:10]) == list(range(5))
+  assert len(set(flat[10:])) == 2 and not np.array_equal(flat[:5], flat[5:10])
+  other = np.asarray(dynafed.student_batches(jax.random.key(1), 5, 4, 3))
+  assert not np.array_equal(idx, other)
+
+
+class _NormalisedLinear(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool, mask=None):
+    return nn.Dense(3)(BatchNorm()(x.reshape(len(x), -1), train, mask))
+
+
+def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch):
+  # server.py:datadistill: `for _ in range(3): model(x_dis)` in train mode, no gradient
+  rng = np.random.default_rng(0)
+  x = rng.normal(2.0, 3.0, size=(6, 2, 2, 1)).astype(np.float32)
+  module = _NormalisedLinear()
+  model = engine.init_model(module, (2, 2, 1), jax.random.key(0))
+  out = dynafed._bn_passes(module, model, x, 6, 3, jax.random.key(1))  # pylint: disable=protected-access
+  decay = 0.9**3  # PyTorch's momentum 0.1 per pass
+  flat = x.reshape(6, -1).astype(np.float64)
+  stats = out.batch_stats['BatchNorm_0']['bn']
+  np.testing.assert_allclose(stats['mean'], (1 - decay) * flat.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(stats['var'], decay + (1 - decay) * flat.var(0), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(model.params)):
+    np.testing.assert_array_equal(a, b)
+
+  # finetune: the passes run on the un-augmented synthetic set, in the tuner's batches
+  calls = []
+
+  def record(module_, model_, x_, batch, passes, key):
+    calls.append((np.asarray(x_), batch, passes))
+    return model_
+
+  monkeypatch.setattr(dynafed, '_bn_passes', record)
+  labels = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+  trainer = GroupTrainer(
+    module, optax.adam(1e-3), 4, objective=dynafed.FinetuneObjective(_flip_all)
+  )
+  dynafed.finetune(trainer, module, model, x, labels, 1, jax.random.key(2))
+  ((seen, batch, passes),) = calls
+  np.testing.assert_array_equal(seen, x)
+  assert (batch, passes) == (4, 3)
 
 
 @pytest.mark.parametrize(
