@@ -295,6 +295,46 @@ def test_dynafed_distils_fine_tunes_and_learns(tmp_path):
   assert len({r['upload_bytes'] for r in records}) == 1  # 8 model copies every round
 
 
+def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set():
+  config = _config(
+    **{
+      'dynafed.rounds': 3,
+      'dynafed.trajectory_rounds': 1,
+      'dynafed.participation': 1.0,
+      'dynafed.weighting': 'size',
+    }
+  )
+  ctx = driver.context_of_config(config)
+  algorithm = driver.build_algorithm('dynafed', config)
+  aux = algorithm.setup(ctx)
+  states, records = [algorithm.init(ctx, aux)], []
+  for i in range(3):
+    state, (record,) = algorithm.step(ctx, aux, states[-1], i)
+    states.append(state)
+    records.append(record)
+  assert [r['round'] for r in records] == [1, 2, 3]
+  assert ['matching_loss_first' in r for r in records] == [False, True, False]
+  assert ['test_accuracy_before_finetune' in r for r in records] == [False, True, True]
+  # θ_1 is round 1's global model; the trajectory is complete after it and stays as it is
+  for leaf, model, later in zip(
+    jax.tree.leaves(states[1].trajectory),
+    jax.tree.leaves(states[1].model.params),
+    jax.tree.leaves(states[3].trajectory),
+  ):
+    np.testing.assert_array_equal(leaf[1], model)
+    np.testing.assert_array_equal(later, leaf)
+  # the set distilled in round T + 1 is the one round T + 2 fine-tunes on
+  assert np.any(np.asarray(states[2].syn_x) != 0)
+  for a, b in zip(states[2][2:], states[3][2:]):
+    np.testing.assert_array_equal(a, b)
+  summary = algorithm.summarize(ctx, aux, states[-1], records)
+  assert (summary['rounds'], summary['distilled'], summary['num_synthetic']) == (3, True, 10)
+  # a run that ends with its trajectory distils nothing
+  config = _config(**{'dynafed.rounds': 1, 'dynafed.trajectory_rounds': 1})
+  algorithm = driver.build_algorithm('dynafed', config)
+  assert not algorithm.summarize(ctx, aux, states[-1], records[:1])['distilled']
+
+
 # Slow: a second whole DynaFed run that compiles its own programs (16 s). The fast set still
 # checks the DSA words (tests/test_diffaugment.py), the client-optimizer setting (the next test)
 # and a whole DynaFed run (the test above).
@@ -457,6 +497,13 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   np.testing.assert_allclose(stats['var'], decay + (1 - decay) * flat.var(0), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(model.params)):
     np.testing.assert_array_equal(a, b)
+  # the matching's student normalises with the batch's statistics (train mode)
+  dense = model.params['Dense_0']
+  normalised = (flat - flat.mean(0)) / np.sqrt(flat.var(0) + 1e-5)
+  logits = dynafed.student_apply_fn(module, model.batch_stats)(model.params, x)
+  np.testing.assert_allclose(
+    logits, normalised @ dense['kernel'] + dense['bias'], rtol=1e-4, atol=1e-5
+  )
 
   # finetune: the passes run on the un-augmented synthetic set, in the tuner's batches
   calls = []
