@@ -60,10 +60,11 @@ def serve(path: str, share: NodeShare, owner: int) -> None:
   def watch() -> None:
     while alive(owner) and time.monotonic() - last < IDLE_S:
       time.sleep(1.0)
-    try:
-      os.unlink(path)
-    except OSError:
-      pass
+    for leftover in (path, path + '.log'):  # the log only explains a failed start
+      try:
+        os.unlink(leftover)
+      except OSError:
+        pass
     os._exit(0)  # pylint: disable=protected-access
 
   threading.Thread(target=watch, daemon=True).start()
