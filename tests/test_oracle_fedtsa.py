@@ -249,7 +249,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   glob = onp.to_numpy(rec.before[0].params)
   key = ctx.derive_key(Purpose.ROUNDS, 0)
   rates = {0: 1.0, 1: 0.5, 2: 0.5}
-  trained, label_sets = [], []
+  trained, label_sets, last_epoch_losses, num_params = [], [], [], []
   for k in range(3):
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
     held = np.isin(np.arange(10), np.unique(y))
@@ -267,10 +267,23 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
       logits, _ = torch_mlp(tp, xb, hidden_scale=r)
       return _ce(logits.masked_fill(~mask, 0.0), yb)  # the reference's masked_fill(.., 0)
 
+    epoch_loss = np.zeros(2)
+
+    def add_loss(e, tp, xb, yb, loss=loss, epoch_loss=epoch_loss):
+      epoch_loss[e] += float(loss(tp, xb, yb)) * len(yb)
+
     tp, _ = torch_local_sgd(
-      _corner(glob, shapes), x, y, onp.epoch_orders(key, k, len(y), 2), loss, grad_clip=1.0
+      _corner(glob, shapes),
+      x,
+      y,
+      onp.epoch_orders(key, k, len(y), 2),
+      loss,
+      grad_clip=1.0,
+      on_batch=add_loss,
     )
     trained.append(_to_numpy(tp))
+    last_epoch_losses.append(epoch_loss[-1] / len(y))
+    num_params.append(sum(a.size for layer in shapes.values() for a in layer.values()))
   want = {}
   for n, layer in glob.items():
     want[n] = {}
@@ -288,6 +301,14 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   onp.assert_tree_close(rec.after[0].params, want)
   acc = onp.accuracy(onp.mlp_forward(want, ds.test_x), ds.test_y)
   assert summary.final_test_accuracy == pytest.approx(acc, abs=1e-9)
+  ((record,),) = rec.records
+  assert (record['round'], record['clients']) == (1, 3)
+  # the round's loss: each client's last epoch (masked CE, per sample), averaged over clients
+  assert record['train_loss'] == pytest.approx(np.mean(last_epoch_losses), rel=1e-5)
+  # every client uploads its float32 slice and downloads one of the same size (+ msgpack framing)
+  assert 0 < record['upload_bytes'] - 4 * sum(num_params) <= 3 * 400
+  assert record['download_bytes'] == record['upload_bytes']
+  assert summary['client_rates'] == [1.0, 0.5, 0.5] and summary['rounds'] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +359,7 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
   protos, support = np.zeros((10, 20)), np.zeros(10, bool)
   for r in range(2):
     key = ctx.derive_key(Purpose.ROUNDS, r)
-    local = {}
+    local, losses = {}, []
     for k in range(3):
       x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
       orders = onp.epoch_orders(key, k, len(y), epochs - 1)
@@ -359,10 +380,27 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
         target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
         return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
 
-      tp, _ = torch_local_sgd(params[k], x, y, orders, loss, on_batch=collect)
+      last_loss = [0.0]
+
+      def collect_and_score(e, tp, xb, yb, collect=collect, loss=loss, last_loss=last_loss):
+        collect(e, tp, xb, yb)
+        if e == epochs - 1:
+          with torch.no_grad():
+            last_loss[0] += float(loss(tp, xb, yb)) * len(yb) / len(y)
+
+      tp, _ = torch_local_sgd(params[k], x, y, orders, loss, on_batch=collect_and_score)
       params[k] = _to_numpy(tp)
       local[k] = sums / np.maximum(counts, 1)[:, None]
+      losses.append(last_loss[0])
     support = holds.any(0)
+    (record,) = rec.records[r]
+    assert (record['round'], record['clients']) == (r + 1, 3)
+    assert record['classes_with_prototype'] == int(support.sum()) == 10
+    # the round's loss: each client's last epoch (CE + ld · MSE, per sample), over the clients
+    assert record['train_loss'] == pytest.approx(np.mean(losses), rel=1e-5)
+    # up: 3 clients' [C, D] float32 prototypes and class counts; down: the [C, D] global ones
+    assert 3 * 10 * 20 * 4 < record['upload_bytes'] <= 3 * (10 * 20 * 4 + 10 * 8 + 200)
+    assert 3 * 10 * 20 * 4 < record['download_bytes'] <= 3 * (10 * 20 * 4 + 10 * 8 + 200)
     protos = (
       sum(local[k] * holds[k][:, None] for k in range(3)) / np.maximum(holds.sum(0), 1)[:, None]
     )
@@ -389,6 +427,8 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
   assert summary['proto_test_accuracy'] == pytest.approx(np.mean(proto_acc), abs=1e-9)
   assert summary['local_test_accuracy'] == pytest.approx(np.mean(local_acc), abs=1e-9)
   assert summary['local_proto_test_accuracy'] == pytest.approx(np.mean(local_proto_acc), abs=1e-9)
+  assert summary['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
+  assert (summary['rounds'], summary['embedding_dim']) == (2, 20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,24 +502,61 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   align_x = ds.holdout_x[align]
   consensus = np.mean([_mlp_logits(params[k], align_x) for k in range(3)], axis=0)
   digest_key, revisit_key = ctx.derive_key(Purpose.DIGEST, 0), ctx.derive_key(Purpose.ROUNDS, 0)
+  digest_loss, revisit_loss = [], []
   for k in range(3):
     index = np.arange(len(align))  # the digest's samples are the alignment images
 
     def l1(tp, xb, yb):
       return torch.mean(torch.abs(torch_mlp(tp, align_x[xb])[0] - torch.as_tensor(consensus[yb])))
 
+    def add(total, n, loss):  # one epoch: the loss of each batch before its step, per sample
+      def on_batch(e, tp, xb, yb):
+        with torch.no_grad():
+          total[0] += float(loss(tp, xb, yb)) * len(yb) / n
+
+      return on_batch
+
+    digest_total, revisit_total = [0.0], [0.0]
     tp, _ = torch_local_sgd(
-      params[k], index, index, onp.epoch_orders(digest_key, k, len(index), 1), l1
+      params[k],
+      index,
+      index,
+      onp.epoch_orders(digest_key, k, len(index), 1),
+      l1,
+      on_batch=add(digest_total, len(index), l1),
     )
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
     tp, _ = torch_local_sgd(
-      _to_numpy(tp), x, y, onp.epoch_orders(revisit_key, k, len(y), 1), ce_loss
+      _to_numpy(tp),
+      x,
+      y,
+      onp.epoch_orders(revisit_key, k, len(y), 1),
+      ce_loss,
+      on_batch=add(revisit_total, len(y), ce_loss),
     )
     params[k] = _to_numpy(tp)
+    digest_loss.append(digest_total[0])
+    revisit_loss.append(revisit_total[0])
     onp.assert_tree_close(_client_params(rec.after[0], rec.aux.groups, k, plain=True), params[k])
   acc = [onp.accuracy(_mlp_logits(params[k], ds.test_x), ds.test_y) for k in range(3)]
   assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
   assert summary['eval_samples'] == len(ds.test_y)  # the whole test split, never a public set
+  assert summary['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
+  assert summary['transfer_test_accuracy'] == pytest.approx(np.mean(transfer_acc), abs=1e-9)
+  assert (summary['rounds'], summary['public']) == (1, 'holdout')
+  ((record,),) = rec.records
+  assert (record['round'], record['clients']) == (1, 3)
+  assert record['test_accuracy'] == pytest.approx(np.mean(acc), abs=1e-9)
+  # each client's epoch losses: the L1 digest and the CE revisit, averaged over the clients
+  assert record['digest_loss'] == pytest.approx(np.mean(digest_loss), rel=1e-5)
+  assert record['train_loss'] == pytest.approx(np.mean(revisit_loss), rel=1e-5)
+  # up: each client's [24, 10] float32 logits; down: the consensus, to every client
+  assert 3 * 24 * 10 * 4 < record['upload_bytes'] <= 3 * (24 * 10 * 4 + 200)
+  assert 3 * 24 * 10 * 4 < record['download_bytes'] <= 3 * (24 * 10 * 4 + 200)
+  (setup,) = build_algorithm('fedmd', config).setup_records(ctx, rec.aux)
+  assert setup['stage'] == 'transfer learning'
+  assert setup['transfer_client_test_accuracy'] == pytest.approx(transfer_acc, abs=1e-9)
+  assert setup['transfer_test_accuracy'] == pytest.approx(np.mean(transfer_acc), abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------
