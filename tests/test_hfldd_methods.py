@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jfed import driver, engine
-from jfed.engine import GroupTrainer
+from jfed.engine import GroupTrainer, compiles
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common, dynafed, fedseq, hfldd
@@ -249,6 +249,26 @@ def test_fedseq_wiring_public_draw_clustering_keys_orders_and_uploads(monkeypatc
       assert label == f'round {i + 1}/2 step {j + 1}'
     # the last client of each superclient uploads the superclient's model and data size
     assert uploads == [(o[-1], int(ctx.client_sizes[o].sum())) for o in orders]
+
+
+def test_fedseq_pads_every_step_to_the_largest_client_so_later_rounds_compile_nothing():
+  # the round's orders change which clients share a step; padded to the run's largest client
+  # (not to the step's), every step keeps its shapes and round 2 reuses round 1's programs
+  config = _config(**{'fedseq.min_examples': 150, 'fedseq.max_clients': 4})
+  with config.unlocked():
+    config.partition.scheme, config.partition.alpha, config.partition.min_size = (
+      'dirichlet',
+      0.5,
+      10,
+    )
+  ctx = driver.context_of_config(config)
+  algorithm = driver.build_algorithm('fedseq', config)
+  aux = algorithm.setup(ctx)
+  state, _ = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
+  assert np.ptp(ctx.client_sizes) > config.batch_size  # steps of clients of unlike sizes
+  with compiles.count_compilations() as compiled:
+    algorithm.step(ctx, aux, state, 1)
+  assert not compiled.names, compiled.names
 
 
 def test_a_non_finite_confidence_is_refused_naming_the_client(monkeypatch):
