@@ -255,6 +255,18 @@ def test_fedseq_greedy_clusters_equal_the_reference_for_every_measure():
   assert compared >= 60 and compat_differs >= 3 and measures_differ >= 8 and redistributed >= 10
 
 
+def test_fedseq_fills_the_redistribution_targets_only_up_to_max_clients():
+  # equal confidences: every pick is a tie, so clients join in index order; clusters close at
+  # 5 clients (0-4) or 100 examples (5-8, 9-11); 12-14 (30 examples) are emptied from the end
+  # into the clusters with room, fewest examples first, never past 5 clients
+  conf = np.full((15, 4), 0.25)
+  sizes = [10] * 5 + [25] * 4 + [40] * 3 + [10] * 3
+  clusters = fedseq_clusters(conf, sizes, min_examples=100, max_clients=5)
+  want = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 14], [9, 10, 11, 13, 12]]
+  assert [c.tolist() for c in clusters] == want
+  assert _reference_greedy(conf, sizes, 100, 5, 'kullback', False) == want
+
+
 def test_fedseq_defaults_boundaries_and_refusal():
   rng = np.random.default_rng(0)
   conf = np.eye(10)[np.arange(24) % 10] * 0.9 + rng.uniform(0.005, 0.015, (24, 10))

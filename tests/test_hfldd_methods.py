@@ -554,6 +554,9 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
     ('hfldd', {'hfldd.kip.support_size': 0}, 'hfldd.kip.support_size must be positive'),
     ('fedseq', {'fedseq.measure': 'euclid'}, 'fedseq.measure'),
     ('fedseq', {'fedseq.participation': 0.0}, r'participation must be in \(0, 1\]'),
+    ('fedseq', {'fedseq.rounds': 0}, 'fedseq.rounds must be positive'),
+    ('dynafed', {'dynafed.lr_lr': -1.0}, 'dynafed.lr_lr'),
+    ('dynafed', {'dynafed.participation': 1.5}, 'dynafed.participation'),
     ('dynafed', {'dynafed.weighting': 'median'}, 'dynafed.weighting'),
     ('dynafed', {'dynafed.expert_epochs': 5}, 'expert_epochs'),
     ('dynafed', {'dynafed.ipc': 0}, 'dynafed.ipc must be positive'),
@@ -812,6 +815,14 @@ def _unlinked_holdout(config, size):
     del config.dataset['holdout_size']
     config.dataset.holdout_size = size
   return config
+
+
+def test_a_fedseq_public_set_larger_than_the_held_out_set_is_refused_by_name(tmp_path):
+  config = _unlinked_holdout(_config(), 60)
+  config.fedseq.public_size = 100
+  with pytest.raises(ConfigError, match="fedseq.public='holdout' needs 100 training samples"):
+    _run('fedseq', config, tmp_path / 'w')
+  assert not (tmp_path / 'w').exists()
 
 
 def test_setup_asks_the_nodes_for_soft_labels_on_the_seeded_public_draw_and_clusters_them():

@@ -545,7 +545,7 @@ def test_fedseq_confidence_and_greedy_superclients_follow_the_reference():
   labels = rng.integers(0, C, 15)
   conf = np.stack([[p[labels == c, c].sum() for c in range(C)] for p in probs])
   np.testing.assert_allclose(
-    fedseq_confidence(probs, labels, C), conf / conf.sum(1, keepdims=True), rtol=1e-12
+    fedseq_confidence(probs, labels), conf / conf.sum(1, keepdims=True), rtol=1e-12
   )
 
 

@@ -8,28 +8,25 @@ says (`fedseq_clusters`).
 """
 
 import itertools
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
 
-def fedseq_confidence(probs, public_labels, num_classes: Optional[int] = None) -> np.ndarray:
+def fedseq_confidence(probs, public_labels) -> np.ndarray:
   """FedSeq's client representer (`client_evaluator.py:__get_prediction`).
 
   Args:
     probs: [m, n_public, C] softmax outputs of each client's locally trained model on the
       public exemplars.
     public_labels: [n_public] labels of the exemplars.
-    num_classes: C (default: the last axis of `probs`).
 
   Returns:
     float64 [m, C]: `conf[i, c] = Σ_{x: y(x) = c} p_i(x, c)`, normalised to sum 1 per client.
   """
   probs = np.asarray(probs, np.float64)
-  y = np.asarray(public_labels, np.int64)
-  C = probs.shape[-1] if num_classes is None else int(num_classes)
-  onehot = np.eye(C)[y]  # [n, C]
-  conf = np.einsum('inc,nc->ic', probs[..., :C], onehot)
+  onehot = np.eye(probs.shape[-1])[np.asarray(public_labels)]  # [n, C]
+  conf = np.einsum('inc,nc->ic', probs, onehot)
   return conf / np.maximum(conf.sum(-1, keepdims=True), 1e-300)
 
 
@@ -131,7 +128,7 @@ def fedseq_clusters(
   if cur:
     if n_ex[cur].sum() < min_examples and clusters:
       room = sorted((c for c in clusters if len(c) < max_clients), key=lambda c: int(n_ex[c].sum()))
-      for target in itertools.cycle(room) if room else ():
+      for target in itertools.cycle(room):  # empty when no cluster has room
         if len(target) < max_clients:
           target.append(cur.pop())
         if not cur or all(len(c) >= max_clients for c in room):
