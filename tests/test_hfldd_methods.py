@@ -543,6 +543,27 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   assert (batch, passes) == (4, 3)
 
 
+def test_matching_augments_with_the_configured_dsa_and_runs_a_bn_student(monkeypatch):
+  seen = []
+  loss = dynafed.trajectory_matching_loss
+
+  def recording_loss(*args, augment=None):
+    seen.append(augment)
+    return loss(*args, augment=augment)
+
+  monkeypatch.setattr(dynafed, 'trajectory_matching_loss', recording_loss)
+  cfg = dynafed.DynaFedConfig(ipc=1, syn_steps=1, expert_epochs=1, iterations=1, dsa='flip')
+  module = _NormalisedLinear()  # BatchNorm: the student runs on batch statistics
+  model = engine.init_model(module, (2, 2, 1), jax.random.key(0))
+  trajectory = jax.tree.map(lambda p: jnp.stack([p, p + 0.1]), model.params)
+  x, labels, lr, losses = dynafed.distill_synthetic_set(
+    module, model, trajectory, cfg, 3, (2, 2, 1), jax.random.key(1)
+  )
+  assert seen == [dynafed.pixel_dsa(cfg)] and seen[0] is not None
+  assert x.shape == (3, 2, 2, 1) and labels.shape == (3, 3) and losses.shape == (1,)
+  assert np.isfinite(losses).all() and float(lr) != cfg.lr_teacher
+
+
 @pytest.mark.parametrize(
   'method,overrides,message',
   [
