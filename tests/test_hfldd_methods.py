@@ -3,6 +3,9 @@ outputs, Eq. 18 / 19 byte accounting, resume without distilling again, config ch
 loss (value and gradients against NumPy), DynaFed's DSA in matching and fine-tuning, its client
 optimiser, and the KIP label distribution."""
 
+import io
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -543,7 +546,14 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   assert (batch, passes) == (4, 3)
 
 
-def test_matching_augments_with_the_configured_dsa_and_runs_a_bn_student(monkeypatch):
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_matching_augments_with_the_configured_dsa_runs_a_bn_student_and_shows_progress(
+  monkeypatch,
+):
   seen = []
   loss = dynafed.trajectory_matching_loss
 
@@ -552,16 +562,27 @@ def test_matching_augments_with_the_configured_dsa_and_runs_a_bn_student(monkeyp
     return loss(*args, augment=augment)
 
   monkeypatch.setattr(dynafed, 'trajectory_matching_loss', recording_loss)
-  cfg = dynafed.DynaFedConfig(ipc=1, syn_steps=1, expert_epochs=1, iterations=1, dsa='flip')
+  terminal = _Terminal()
+  monkeypatch.setattr(sys, 'stderr', terminal)
+  cfg = dynafed.DynaFedConfig(ipc=1, syn_steps=1, expert_epochs=1, iterations=10, dsa='flip')
   module = _NormalisedLinear()  # BatchNorm: the student runs on batch statistics
   model = engine.init_model(module, (2, 2, 1), jax.random.key(0))
   trajectory = jax.tree.map(lambda p: jnp.stack([p, p + 0.1]), model.params)
   x, labels, lr, losses = dynafed.distill_synthetic_set(
     module, model, trajectory, cfg, 3, (2, 2, 1), jax.random.key(1)
   )
-  assert seen == [dynafed.pixel_dsa(cfg)] and seen[0] is not None
-  assert x.shape == (3, 2, 2, 1) and labels.shape == (3, 3) and losses.shape == (1,)
+  assert seen == [dynafed.pixel_dsa(cfg)] and seen[0] is not None  # traced once
+  assert x.shape == (3, 2, 2, 1) and labels.shape == (3, 3) and losses.shape == (10,)
   assert np.isfinite(losses).all() and float(lr) != cfg.lr_teacher
+  # on a terminal: one line per iteration, the loss every 10th
+  lines = terminal.getvalue().split('\r')[1:]
+  assert [line.split()[3] for line in lines] == [f'{i}/10' for i in range(1, 11)]
+  assert all(line.startswith('DynaFed trajectory matching ') for line in lines)
+  assert all(' iterations ' in line for line in lines)
+  assert [line.rstrip().endswith(f'loss {losses[-1]:.4f}') for line in lines] == [False] * 9 + [
+    True
+  ]
+  assert not any('loss' in line for line in lines[:-1])
 
 
 @pytest.mark.parametrize(
@@ -883,17 +904,22 @@ def test_soft_labels_of_the_wrong_dtype_are_refused_naming_the_client():
 
 
 def test_every_method_of_the_comparison_starts_from_fedavgs_initial_model():
-  # HFLDD's tables compare it with FedAvg and FedSeq from one initial global model.
+  # HFLDD's tables compare it with FedAvg, FedSeq and DynaFed from one initial global model.
   config = _config()
   ctx = driver.context_of_config(config)
   starts = {}
-  for method in ('fedavg', 'hfldd', 'fedseq'):
+  for method in ('fedavg', 'hfldd', 'fedseq', 'dynafed'):
     algorithm = driver.build_algorithm(method, config)
-    state = algorithm.init(ctx, algorithm.setup(ctx))
-    starts[method] = getattr(state, 'global_model', state)
-  for method in ('hfldd', 'fedseq'):
+    aux = algorithm.setup(ctx)
+    state = algorithm.init(ctx, aux)
+    starts[method] = getattr(state, 'global_model', getattr(state, 'model', state))
+  for method in ('hfldd', 'fedseq', 'dynafed'):
     for a, b in zip(jax.tree.leaves(starts['fedavg']), jax.tree.leaves(starts[method])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # DynaFed's server fine-tunes with the configured DSA and Adam at finetune_lr and batch
+  assert aux.tuner.objective == dynafed.FinetuneObjective(dynafed.pixel_dsa(config.dynafed))
+  assert aux.tuner.objective.augment is not None
+  assert aux.tuner.batch_size == config.dynafed.finetune_batch
 
 
 def test_when_every_cluster_is_one_client_nothing_is_distilled_and_hfldd_is_fedavg():

@@ -333,8 +333,7 @@ def distill_synthetic_set(
     params, opt_state, loss = iteration(params, opt_state, jax.random.fold_in(k_iter, it))
     losses.append(loss)
     progress.update(it + 1, f'loss {float(loss):.4f}' if (it + 1) % 10 == 0 else '')
-  losses = np.asarray(jnp.stack(losses)) if losses else np.zeros(0)
-  return mean + std * params[0], params[1], params[2], losses
+  return mean + std * params[0], params[1], params[2], np.asarray(jnp.stack(losses))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -560,8 +559,8 @@ class DynaFed(Algorithm):
       state = state._replace(syn_x=syn_x, syn_labels=syn_labels, syn_lr=syn_lr)
       record.update(
         {
-          'matching_loss_first': float(losses[0]) if len(losses) else None,
-          'matching_loss_last': float(losses[-1]) if len(losses) else None,
+          'matching_loss_first': float(losses[0]),  # iterations >= 1 (validate)
+          'matching_loss_last': float(losses[-1]),
           'syn_lr': float(syn_lr),
         }
       )
