@@ -331,6 +331,24 @@ def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set():
   algorithm = driver.build_algorithm('dynafed', config)
   aux = algorithm.setup(ctx)
   states, records = [algorithm.init(ctx, aux)], []
+  # the checkpointed state: θ_0 then zeros on the trajectory, an empty synthetic set
+  init = states[0]
+  for leaf, param in zip(jax.tree.leaves(init.trajectory), jax.tree.leaves(init.model.params)):
+    assert leaf.shape == (2, *param.shape) and leaf.dtype == param.dtype
+    np.testing.assert_array_equal(leaf[0], param)
+    assert not np.any(leaf[1])
+  assert (init.syn_x.shape, init.syn_labels.shape, init.syn_lr.shape) == (
+    (10, 8, 8, 1),
+    (10, 10),
+    (),
+  )
+  for zeros in (init.syn_x, init.syn_labels, init.syn_lr):
+    assert zeros.dtype == jnp.float32 and not np.any(zeros)
+  # participation draws round i's clients with its sampling key
+  sampled = driver.build_algorithm('dynafed', _config(**{'dynafed.participation': 0.4}))
+  for i in range(2):
+    want = jax.random.choice(ctx.derive_key(Purpose.SAMPLING, i), NUM_CLIENTS, (8,), False)
+    np.testing.assert_array_equal(sampled._participants(ctx, i), np.sort(want))  # pylint: disable=protected-access
   for i in range(3):
     state, (record,) = algorithm.step(ctx, aux, states[-1], i)
     states.append(state)
