@@ -318,11 +318,11 @@ def test_dynafed_distils_fine_tunes_and_learns(tmp_path):
   assert len({r['upload_bytes'] for r in records}) == 1  # 8 model copies every round
 
 
-def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set():
+def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set(monkeypatch):
   config = _config(
     **{
-      'dynafed.rounds': 3,
-      'dynafed.trajectory_rounds': 1,
+      'dynafed.rounds': 4,
+      'dynafed.trajectory_rounds': 2,
       'dynafed.participation': 1.0,
       'dynafed.weighting': 'size',
     }
@@ -330,13 +330,13 @@ def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set():
   ctx = driver.context_of_config(config)
   algorithm = driver.build_algorithm('dynafed', config)
   aux = algorithm.setup(ctx)
-  states, records = [algorithm.init(ctx, aux)], []
+  states, records, rounds, tunes = [algorithm.init(ctx, aux)], [], [], []
   # the checkpointed state: θ_0 then zeros on the trajectory, an empty synthetic set
   init = states[0]
   for leaf, param in zip(jax.tree.leaves(init.trajectory), jax.tree.leaves(init.model.params)):
-    assert leaf.shape == (2, *param.shape) and leaf.dtype == param.dtype
+    assert leaf.shape == (3, *param.shape) and leaf.dtype == param.dtype
     np.testing.assert_array_equal(leaf[0], param)
-    assert not np.any(leaf[1])
+    assert not np.any(leaf[1:])
   assert (init.syn_x.shape, init.syn_labels.shape, init.syn_lr.shape) == (
     (10, 8, 8, 1),
     (10, 10),
@@ -349,31 +349,59 @@ def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set():
   for i in range(2):
     want = jax.random.choice(ctx.derive_key(Purpose.SAMPLING, i), NUM_CLIENTS, (8,), False)
     np.testing.assert_array_equal(sampled._participants(ctx, i), np.sort(want))  # pylint: disable=protected-access
-  for i in range(3):
+
+  fedavg_round, finetune = common.fedavg_round, dynafed.finetune
+
+  def recording_round(*args, **kwargs):
+    rounds.append((np.asarray(args[4]), kwargs['label'], kwargs['weights']))
+    return fedavg_round(*args, **kwargs)
+
+  def recording_finetune(*args):
+    tunes.append(np.asarray(args[-1]))
+    return finetune(*args)
+
+  monkeypatch.setattr(common, 'fedavg_round', recording_round)
+  monkeypatch.setattr(dynafed, 'finetune', recording_finetune)
+  for i in range(4):
     state, (record,) = algorithm.step(ctx, aux, states[-1], i)
     states.append(state)
     records.append(record)
-  assert [r['round'] for r in records] == [1, 2, 3]
-  assert ['matching_loss_first' in r for r in records] == [False, True, False]
-  assert ['test_accuracy_before_finetune' in r for r in records] == [False, True, True]
-  # θ_1 is round 1's global model; the trajectory is complete after it and stays as it is
-  for leaf, model, later in zip(
-    jax.tree.leaves(states[1].trajectory),
+  assert [r['round'] for r in records] == [1, 2, 3, 4]
+  assert ['matching_loss_first' in r for r in records] == [False, False, True, False]
+  assert ['test_accuracy_before_finetune' in r for r in records] == [False, False, True, True]
+  # round i: its rounds key and label, size weights (None); fine-tuning from round T + 1 on,
+  # with that round's fine-tuning key
+  for i, (key, label, weights) in enumerate(rounds):
+    np.testing.assert_array_equal(key, np.asarray(ctx.derive_key(Purpose.ROUNDS, i)))
+    assert (label, weights) == (f'round {i + 1}/4', None)
+  assert len(tunes) == 2
+  for i, key in zip((2, 3), tunes):
+    np.testing.assert_array_equal(key, np.asarray(ctx.derive_key(Purpose.FINETUNE, i)))
+  # θ_1 and θ_2 are rounds 1 and 2's global models; the trajectory then stays as it is
+  for leaf, first, second, later in zip(
+    jax.tree.leaves(states[2].trajectory),
     jax.tree.leaves(states[1].model.params),
-    jax.tree.leaves(states[3].trajectory),
+    jax.tree.leaves(states[2].model.params),
+    jax.tree.leaves(states[4].trajectory),
   ):
-    np.testing.assert_array_equal(leaf[1], model)
+    np.testing.assert_array_equal(leaf[1], first)
+    np.testing.assert_array_equal(leaf[2], second)
     np.testing.assert_array_equal(later, leaf)
   # the set distilled in round T + 1 is the one round T + 2 fine-tunes on
-  assert np.any(np.asarray(states[2].syn_x) != 0)
-  for a, b in zip(states[2][2:], states[3][2:]):
+  assert np.any(np.asarray(states[3].syn_x) != 0)
+  for a, b in zip(states[3][2:], states[4][2:]):
     np.testing.assert_array_equal(a, b)
   summary = algorithm.summarize(ctx, aux, states[-1], records)
-  assert (summary['rounds'], summary['distilled'], summary['num_synthetic']) == (3, True, 10)
+  assert (summary['rounds'], summary['distilled'], summary['num_synthetic']) == (4, True, 10)
   # a run that ends with its trajectory distils nothing
-  config = _config(**{'dynafed.rounds': 1, 'dynafed.trajectory_rounds': 1})
+  config = _config(**{'dynafed.rounds': 2, 'dynafed.trajectory_rounds': 2})
   algorithm = driver.build_algorithm('dynafed', config)
-  assert not algorithm.summarize(ctx, aux, states[-1], records[:1])['distilled']
+  assert not algorithm.summarize(ctx, aux, states[-1], records[:2])['distilled']
+  # 'uniform' passes equal weights (the reference's reduce_average)
+  uniform = driver.build_algorithm('dynafed', _config(**{'dynafed.participation': 1.0}))
+  rounds.clear()
+  uniform.step(ctx, uniform.setup(ctx), states[0], 0)
+  np.testing.assert_array_equal(rounds[0][2], np.ones(NUM_CLIENTS))
 
 
 # Slow: a second whole DynaFed run that compiles its own programs (16 s). The fast set still
@@ -435,7 +463,6 @@ def test_matching_and_fine_tuning_apply_the_augmentation():
   tx = optax.adam(1e-2)
   tuned = dynafed.finetune(
     GroupTrainer(module, tx, 4, objective=dynafed.FinetuneObjective(_flip_all)),
-    module,
     model,
     x,
     labels,
@@ -444,7 +471,6 @@ def test_matching_and_fine_tuning_apply_the_augmentation():
   )
   reference = dynafed.finetune(
     GroupTrainer(module, tx, 4, objective=dynafed.FinetuneObjective()),
-    module,
     model,
     _flip_all(None, x),
     labels,
@@ -550,7 +576,7 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   calls = []
 
   def record(module_, model_, x_, batch, passes, key):
-    calls.append((np.asarray(x_), batch, passes))
+    calls.append((module_, np.asarray(x_), batch, passes))
     return model_
 
   monkeypatch.setattr(dynafed, '_bn_passes', record)
@@ -558,8 +584,9 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   trainer = GroupTrainer(
     module, optax.adam(1e-3), 4, objective=dynafed.FinetuneObjective(_flip_all)
   )
-  dynafed.finetune(trainer, module, model, x, labels, 1, jax.random.key(2))
-  ((seen, batch, passes),) = calls
+  dynafed.finetune(trainer, model, x, labels, 1, jax.random.key(2))
+  ((bn_module, seen, batch, passes),) = calls
+  assert bn_module is module
   np.testing.assert_array_equal(seen, x)
   assert (batch, passes) == (4, 3)
 
@@ -618,10 +645,20 @@ def test_matching_augments_with_the_configured_dsa_runs_a_bn_student_and_shows_p
     ('dynafed', {'dynafed.lr_lr': -1.0}, 'dynafed.lr_lr'),
     ('dynafed', {'dynafed.participation': 1.5}, 'dynafed.participation'),
     ('dynafed', {'dynafed.weighting': 'median'}, 'dynafed.weighting'),
-    ('dynafed', {'dynafed.expert_epochs': 5}, 'expert_epochs'),
+    (
+      'dynafed',
+      {'dynafed.expert_epochs': 5},
+      r'dynafed.expert_epochs \(5\) must be <= dynafed.trajectory_rounds \(2\): a matching '
+      'target lies expert_epochs rounds after its start on the trajectory',
+    ),
     ('dynafed', {'dynafed.ipc': 0}, 'dynafed.ipc must be positive'),
     ('dynafed', {'dynafed.dsa': 'color_blur'}, "dynafed.dsa: unknown DSA transform.*'blur'"),
-    ('dynafed', {'dynafed.client_optimizer': 'rmsprop'}, 'dynafed.client_optimizer'),
+    (
+      'dynafed',
+      {'dynafed.client_optimizer': 'rmsprop'},
+      r"dynafed.client_optimizer is 'rmsprop'; valid: '' \(the run's optimizer\), sgd, adam$",
+    ),
+    ('dynafed', {'dynafed.min_start_epoch': -1}, 'dynafed.min_start_epoch'),
     ('dynafed', {'dynafed.client_lr': 0.0}, 'dynafed.client_lr must be positive'),
   ],
 )

@@ -380,14 +380,13 @@ class FinetuneObjective(NamedTuple):
 
 
 def finetune(
-  trainer: GroupTrainer, module, model: ModelState, syn_x, syn_labels, epochs: int, key
+  trainer: GroupTrainer, model: ModelState, syn_x, syn_labels, epochs: int, key
 ) -> ModelState:
   """BN re-estimation on the synthetic set (un-augmented, as the reference), then `epochs`
   epochs of soft-label training (augmented when the trainer's objective augments).
 
   Args:
-    trainer: The server's trainer (its objective and optimizer).
-    module: The global model's flax module.
+    trainer: The server's trainer (the global model's module, its objective and optimizer).
     model: The global model to fine-tune.
     syn_x: The synthetic images.
     syn_labels: Their soft labels (logits).
@@ -398,7 +397,7 @@ def finetune(
     The fine-tuned model.
   """
   x = np.asarray(syn_x)
-  model = _bn_passes(module, model, x, trainer.batch_size, 3, jax.random.fold_in(key, 1))
+  model = _bn_passes(trainer.module, model, x, trainer.batch_size, 3, jax.random.fold_in(key, 1))
   y = np.asarray(jax.nn.softmax(syn_labels, -1), np.float32)
   fed = FederatedArrays(x[None], y[None], np.array([len(x)], np.int32))
   state = engine.init_train_state(trainer.tx, engine.replicate(model, 1))
@@ -582,7 +581,6 @@ class DynaFed(Algorithm):
       record['test_accuracy_before_finetune'] = aux.evaluator.accuracy(model, ds.test_x, ds.test_y)
       model = finetune(
         aux.tuner,
-        aux.full_group.module,
         model,
         state.syn_x,
         state.syn_labels,
