@@ -511,7 +511,7 @@ def test_dynafed_draws_starts_and_averaged_targets_from_the_references_ranges(
   schedule = dynafed.matching_schedule(dynafed.DynaFedConfig(weight_averaging=True, **cfg), T + 1)
   # θ_t = one-hot e_t: a start reads as its index, an averaged target as its picks' histogram
   trajectory = {'w': jnp.eye(T + 1)}
-  seen_starts, seen_counts = set(), set()
+  seen_starts, seen_counts, seen_first = set(), set(), False
   for i in range(300):
     start, target = dynafed.sample_target(jax.random.key(i), trajectory, schedule)
     start, target = np.asarray(start['w']), np.asarray(target['w'])
@@ -522,12 +522,17 @@ def test_dynafed_draws_starts_and_averaged_targets_from_the_references_ranges(
     assert target.sum() == pytest.approx(1.0, abs=1e-6)
     support = np.flatnonzero(target > 1e-7)
     assert s + 1 <= support.min() and support.max() <= s + expert
+    seen_first = seen_first or support.min() == s + 1
     k = [c for c in counts if np.allclose(target * c, np.round(target * c), atol=1e-5)]
     assert k, (target, counts)
     seen_counts.add(round(1 / target[support].min()) if len(support) == 1 else max(k))
   assert seen_starts == set(starts)
   assert max(counts) in seen_counts
+  assert seen_first  # θ_{s+1} is among the candidates
   plain = dynafed.matching_schedule(dynafed.DynaFedConfig(weight_averaging=False, **cfg), T + 1)
+  too_short = f'dynafed: trajectory_rounds={expert - 1} must be >= expert_epochs={expert}'
+  with pytest.raises(ValueError, match=too_short):
+    dynafed.matching_schedule(dynafed.DynaFedConfig(**cfg), expert)
   for i in range(40):
     start, target = dynafed.sample_target(jax.random.key(i), trajectory, plain)
     s = int(np.argmax(start['w']))
@@ -562,8 +567,7 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   stats = out.batch_stats['BatchNorm_0']['bn']
   np.testing.assert_allclose(stats['mean'], (1 - decay) * flat.mean(0), rtol=1e-5)
   np.testing.assert_allclose(stats['var'], decay + (1 - decay) * flat.var(0), rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(model.params)):
-    np.testing.assert_array_equal(a, b)
+  jax.tree.map(np.testing.assert_array_equal, out.params, model.params)  # untouched
   # the matching's student normalises with the batch's statistics (train mode)
   dense = model.params['Dense_0']
   normalised = (flat - flat.mean(0)) / np.sqrt(flat.var(0) + 1e-5)
@@ -575,9 +579,11 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   # finetune: the passes run on the un-augmented synthetic set, in the tuner's batches
   calls = []
 
+  passes_fn = dynafed._bn_passes  # pylint: disable=protected-access
+
   def record(module_, model_, x_, batch, passes, key):
-    calls.append((module_, np.asarray(x_), batch, passes))
-    return model_
+    calls.append((module_, np.asarray(x_), batch, passes, key))
+    return passes_fn(module_, model_, x_, batch, passes, key)
 
   monkeypatch.setattr(dynafed, '_bn_passes', record)
   labels = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
@@ -585,8 +591,12 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
     module, optax.adam(1e-3), 4, objective=dynafed.FinetuneObjective(_flip_all)
   )
   dynafed.finetune(trainer, model, x, labels, 1, jax.random.key(2))
-  ((bn_module, seen, batch, passes),) = calls
+  ((bn_module, seen, batch, passes, key),) = calls
   assert bn_module is module
+  assert (
+    jax.random.key_data(key).tolist()
+    == jax.random.key_data(jax.random.fold_in(jax.random.key(2), 1)).tolist()
+  )  # the passes' shuffles: their own stream of the fine-tuning key
   np.testing.assert_array_equal(seen, x)
   assert (batch, passes) == (4, 3)
 

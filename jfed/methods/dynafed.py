@@ -238,7 +238,7 @@ def matching_schedule(cfg, trajectory_len: int) -> MatchingSchedule:
       f'dynafed: trajectory_rounds={trajectory_len - 1} must be >= expert_epochs={expert}'
     )
   max_start = min(int(cfg.max_start_epoch), trajectory_len - 1 - expert)
-  min_start = 0 if max_start == 0 else min(int(cfg.min_start_epoch), max_start)
+  min_start = min(int(cfg.min_start_epoch), max_start)  # the reference: 0 when max_start is 0
   max_ave = min(int(cfg.max_ave_num), expert)  # reference: range(least, min(max+1, e+1))
   least = max(1, min(int(cfg.least_ave_num), max_ave))
   return MatchingSchedule(min_start, max_start, expert, bool(cfg.weight_averaging), least, max_ave)
