@@ -397,3 +397,64 @@ def _assert_close(got: Any, want: Any, rtol: float, atol: float, path: str) -> N
   assert isinstance(got, dict) and sorted(got) == sorted(want), path
   for name in want:
     _assert_close(got[name], want[name], rtol, atol, f'{path}/{name}')
+
+
+# ---------------------------------------------------------------------------------------------
+# FedSeq (Zaccone et al., ICPR 2022; RickZack/FedSeq)
+# ---------------------------------------------------------------------------------------------
+
+
+def fedseq_greedy_superclients(
+  conf: np.ndarray,
+  sizes: Sequence[int],
+  min_examples: int,
+  max_clients: int,
+  measure: str = 'kullback',
+  code_compat: bool = False,
+  weighted: bool = True,
+) -> List[List[int]]:
+  """GreedyClusterMaker as RickZack/FedSeq runs it (src/algo/fedseq_modules/
+  greedy_cluster_maker.py, cluster_maker.py), on inputs where its redistribution assertion
+  holds: grow a cluster by the remaining client maximising `measure(representer, client)` (the
+  first index wins ties; with `code_compat` the search starts at 0 as the reference's, else at
+  −inf) until it holds `min_examples` examples or `max_clients` clients; the representer is the
+  members' size-weighted mean (a plain mean unless `weighted`; uniform when empty); an undersized
+  last cluster is emptied from its end into the clusters with room, fewest examples first."""
+  measures = {
+    'kullback': lambda a, b: 1 - np.sum([v * np.log(v * len(a)) for v in (a + b) / 2]),
+    'gini': lambda a, b: 1 - np.sum(((a + b) / 2) ** 2),
+    'cosine': lambda a, b: 1 - np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)),
+  }
+  score = measures[measure]
+  rem = list(range(len(conf)))
+  clusters, cluster = [], []
+  while rem:
+    if sum(sizes[k] for k in cluster) < min_examples and len(cluster) < max_clients:
+      if cluster:
+        w = np.array([sizes[k] if weighted else 1 for k in cluster], np.float64)
+        rep = sum(conf[k] * wk / w.sum() for k, wk in zip(cluster, w))
+      else:
+        rep = np.full(conf.shape[1], 1 / conf.shape[1])
+      best_diff, best_index = (0, 0) if code_compat else (-np.inf, 0)
+      for index, k in enumerate(rem):
+        d = score(rep, conf[k])
+        if d > best_diff:
+          best_diff, best_index = d, index
+      cluster.append(rem.pop(best_index))
+    else:
+      clusters.append(cluster)
+      cluster = []
+  if cluster:
+    if sum(sizes[k] for k in cluster) < min_examples:
+      total = sum(len(c) for c in clusters) + len(cluster)
+      assert -(-total // len(clusters)) <= max_clients  # _verify_constraints
+      room = [c for c in clusters if len(c) < max_clients]
+      room.sort(key=lambda c: sum(sizes[k] for k in c))
+      i = 0
+      while cluster:
+        if len(room[i % len(room)]) < max_clients:
+          room[i % len(room)].append(cluster.pop())
+        i += 1
+    else:
+      clusters.append(cluster)
+  return clusters

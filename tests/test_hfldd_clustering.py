@@ -20,6 +20,7 @@ from jfed.clustering import (
   kullback_measure,
   plot_topology,
 )
+from tests import oracle_numpy as onp
 
 
 def _softmax(z):
@@ -184,49 +185,6 @@ def test_fedseq_gini_and_cosine_measures_and_the_confidence_normalisation():
   np.testing.assert_array_equal(conf, [[1.0, 0.0, 0.0]])
 
 
-def _reference_greedy(conf, sizes, min_examples, max_clients, measure, code_compat):
-  """GreedyClusterMaker as RickZack/FedSeq (src/algo/fedseq_modules/greedy_cluster_maker.py,
-  cluster_maker.py) runs it, on inputs where its redistribution assertion holds."""
-  measures = {
-    'kullback': lambda a, b: 1 - np.sum([v * np.log(v * len(a)) for v in (a + b) / 2]),
-    'gini': lambda a, b: 1 - np.sum(((a + b) / 2) ** 2),
-    'cosine': lambda a, b: 1 - np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)),
-  }
-  score = measures[measure]
-  rem = list(range(len(conf)))
-  clusters, cluster = [], []
-  while rem:
-    if sum(sizes[k] for k in cluster) < min_examples and len(cluster) < max_clients:
-      if cluster:
-        total = sum(sizes[k] for k in cluster)
-        rep = sum(conf[k] * sizes[k] / total for k in cluster)
-      else:
-        rep = np.full(conf.shape[1], 1 / conf.shape[1])
-      best_diff, best_index = (0, 0) if code_compat else (-np.inf, 0)
-      for index, k in enumerate(rem):
-        d = score(rep, conf[k])
-        if d > best_diff:
-          best_diff, best_index = d, index
-      cluster.append(rem.pop(best_index))
-    else:
-      clusters.append(cluster)
-      cluster = []
-  if cluster:
-    if sum(sizes[k] for k in cluster) < min_examples:
-      total = sum(len(c) for c in clusters) + len(cluster)
-      assert -(-total // len(clusters)) <= max_clients  # _verify_constraints
-      room = [c for c in clusters if len(c) < max_clients]
-      room.sort(key=lambda c: sum(sizes[k] for k in c))
-      i = 0
-      while cluster:
-        if len(room[i % len(room)]) < max_clients:
-          room[i % len(room)].append(cluster.pop())
-        i += 1
-    else:
-      clusters.append(cluster)
-  return clusters
-
-
 def test_fedseq_greedy_clusters_equal_the_reference_for_every_measure():
   compat_differs = measures_differ = redistributed = compared = 0
   for seed in range(12):
@@ -241,7 +199,9 @@ def test_fedseq_greedy_clusters_equal_the_reference_for_every_measure():
     for measure in ('kullback', 'gini', 'cosine'):
       for code_compat in (False, True):
         try:
-          want = _reference_greedy(conf, sizes, min_examples, max_clients, measure, code_compat)
+          want = onp.fedseq_greedy_superclients(
+            conf, sizes, min_examples, max_clients, measure, code_compat
+          )
         except AssertionError:  # the reference refuses; jfed keeps the cluster (tested above)
           continue
         got = fedseq_clusters(conf, sizes, min_examples, max_clients, measure, code_compat)
@@ -264,7 +224,7 @@ def test_fedseq_fills_the_redistribution_targets_only_up_to_max_clients():
   clusters = fedseq_clusters(conf, sizes, min_examples=100, max_clients=5)
   want = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 14], [9, 10, 11, 13, 12]]
   assert [c.tolist() for c in clusters] == want
-  assert _reference_greedy(conf, sizes, 100, 5, 'kullback', False) == want
+  assert onp.fedseq_greedy_superclients(conf, sizes, 100, 5, 'kullback', False) == want
 
 
 def test_fedseq_defaults_boundaries_and_refusal():
@@ -273,7 +233,9 @@ def test_fedseq_defaults_boundaries_and_refusal():
   # defaults: 800 examples or 11 clients, 'kullback', the best client (not the reference's 0 start)
   sizes = np.full(24, 100)
   default = fedseq_clusters(conf, sizes)
-  assert [c.tolist() for c in default] == _reference_greedy(conf, sizes, 800, 11, 'kullback', False)
+  assert [c.tolist() for c in default] == onp.fedseq_greedy_superclients(
+    conf, sizes, 800, 11, 'kullback', False
+  )
   assert [len(c) for c in default] == [8, 8, 8]  # 800 examples close a superclient
   compat = fedseq_clusters(conf, sizes, code_compat=True)
   assert [c.tolist() for c in compat] != [c.tolist() for c in default]

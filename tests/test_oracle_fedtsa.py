@@ -185,26 +185,34 @@ def torch_local_sgd(
   optimizer=None,
   tparams=None,
   on_batch: Optional[Callable] = None,
+  epoch_losses: Optional[List[float]] = None,
 ):
   """Mini-batches in each epoch's visiting order (the last one partial), one torch.optim.SGD
   step on loss_fn(tparams, xb, yb) each; `on_batch(epoch, tparams, xb, yb)` runs before the
-  step. Returns (tparams, optimizer): pass them back to continue with the same optimiser."""
+  step. Appends each epoch's mean loss over its samples (each batch's before its step) to
+  `epoch_losses` when given. Returns (tparams, optimizer): pass them back to continue with the
+  same optimiser."""
   tparams = tparams or _to_torch(params)
   leaves = [v for n in _names(tparams) for v in tparams[n].values()]
   optimizer = optimizer or torch.optim.SGD(leaves, lr=lr, momentum=momentum)
   x, y = np.asarray(x), np.asarray(y)
   for e, order in enumerate(orders):
+    total = 0.0
     for start in range(0, len(order), batch):
       idx = order[start : start + batch]
       optimizer.zero_grad()
       if on_batch is not None:
         on_batch(e, tparams, x[idx], y[idx])
-      loss_fn(tparams, x[idx], y[idx]).backward()
+      loss = loss_fn(tparams, x[idx], y[idx])
+      loss.backward()
+      total += float(loss) * len(idx)
       if grad_clip:
         # torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6); optax by max_norm / norm:
         # the 1e-6 is far below the test's tolerance.
         torch.nn.utils.clip_grad_norm_(leaves, grad_clip)
       optimizer.step()
+    if epoch_losses is not None:
+      epoch_losses.append(total / len(order))
   return tparams, optimizer
 
 
@@ -267,11 +275,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
       logits, _ = torch_mlp(tp, xb, hidden_scale=r)
       return _ce(logits.masked_fill(~mask, 0.0), yb)  # the reference's masked_fill(.., 0)
 
-    epoch_loss = np.zeros(2)
-
-    def add_loss(e, tp, xb, yb, loss=loss, epoch_loss=epoch_loss):
-      epoch_loss[e] += float(loss(tp, xb, yb)) * len(yb)
-
+    epoch_losses = []
     tp, _ = torch_local_sgd(
       _corner(glob, shapes),
       x,
@@ -279,10 +283,10 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
       onp.epoch_orders(key, k, len(y), 2),
       loss,
       grad_clip=1.0,
-      on_batch=add_loss,
+      epoch_losses=epoch_losses,
     )
     trained.append(_to_numpy(tp))
-    last_epoch_losses.append(epoch_loss[-1] / len(y))
+    last_epoch_losses.append(epoch_losses[-1])
     num_params.append(sum(a.size for layer in shapes.values() for a in layer.values()))
   want = {}
   for n, layer in glob.items():
@@ -380,18 +384,13 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
         target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
         return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
 
-      last_loss = [0.0]
-
-      def collect_and_score(e, tp, xb, yb, collect=collect, loss=loss, last_loss=last_loss):
-        collect(e, tp, xb, yb)
-        if e == epochs - 1:
-          with torch.no_grad():
-            last_loss[0] += float(loss(tp, xb, yb)) * len(yb) / len(y)
-
-      tp, _ = torch_local_sgd(params[k], x, y, orders, loss, on_batch=collect_and_score)
+      epoch_losses = []
+      tp, _ = torch_local_sgd(
+        params[k], x, y, orders, loss, on_batch=collect, epoch_losses=epoch_losses
+      )
       params[k] = _to_numpy(tp)
       local[k] = sums / np.maximum(counts, 1)[:, None]
-      losses.append(last_loss[0])
+      losses.append(epoch_losses[-1])
     support = holds.any(0)
     (record,) = rec.records[r]
     assert (record['round'], record['clients']) == (r + 1, 3)
@@ -502,28 +501,20 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   align_x = ds.holdout_x[align]
   consensus = np.mean([_mlp_logits(params[k], align_x) for k in range(3)], axis=0)
   digest_key, revisit_key = ctx.derive_key(Purpose.DIGEST, 0), ctx.derive_key(Purpose.ROUNDS, 0)
-  digest_loss, revisit_loss = [], []
+  digest_loss, revisit_loss = [], []  # one epoch each per client
   for k in range(3):
     index = np.arange(len(align))  # the digest's samples are the alignment images
 
     def l1(tp, xb, yb):
       return torch.mean(torch.abs(torch_mlp(tp, align_x[xb])[0] - torch.as_tensor(consensus[yb])))
 
-    def add(total, n, loss):  # one epoch: the loss of each batch before its step, per sample
-      def on_batch(e, tp, xb, yb):
-        with torch.no_grad():
-          total[0] += float(loss(tp, xb, yb)) * len(yb) / n
-
-      return on_batch
-
-    digest_total, revisit_total = [0.0], [0.0]
     tp, _ = torch_local_sgd(
       params[k],
       index,
       index,
       onp.epoch_orders(digest_key, k, len(index), 1),
       l1,
-      on_batch=add(digest_total, len(index), l1),
+      epoch_losses=digest_loss,
     )
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
     tp, _ = torch_local_sgd(
@@ -532,11 +523,9 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
       y,
       onp.epoch_orders(revisit_key, k, len(y), 1),
       ce_loss,
-      on_batch=add(revisit_total, len(y), ce_loss),
+      epoch_losses=revisit_loss,
     )
     params[k] = _to_numpy(tp)
-    digest_loss.append(digest_total[0])
-    revisit_loss.append(revisit_total[0])
     onp.assert_tree_close(_client_params(rec.after[0], rec.aux.groups, k, plain=True), params[k])
   acc = [onp.accuracy(_mlp_logits(params[k], ds.test_x), ds.test_y) for k in range(3)]
   assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)

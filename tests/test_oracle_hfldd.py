@@ -492,51 +492,14 @@ def oracle_confidence(params, public_x, public_y):
   return conf / conf.sum()
 
 
-def oracle_greedy_superclients(conf, sizes, min_examples, max_clients, weighted=True):
-  """greedy_cluster_maker.py: grow a cluster by the remaining client maximising
-  1 − KL(mean(cluster representer, client) ‖ uniform) until min_examples or max_clients; the
-  representer is the size-weighted mean of the members (uniform when empty); an undersized last
-  cluster is emptied from its end into the clusters with room, smallest first."""
-
-  def kullback(cluster_vec, client_vec):
-    m = (cluster_vec + client_vec) / 2
-    return 1 - np.sum(m * np.log(m * len(m)))
-
-  remaining, clusters, current = list(range(len(conf))), [], []
-  while remaining:
-    if sum(sizes[k] for k in current) < min_examples and len(current) < max_clients:
-      if current:
-        w = np.array([sizes[k] if weighted else 1 for k in current], np.float64)
-        rep = (conf[current] * (w / w.sum())[:, None]).sum(0)
-      else:
-        rep = np.full(C, 1.0 / C)
-      scores = [kullback(rep, conf[k]) for k in remaining]
-      current.append(remaining.pop(int(np.argmax(scores))))
-    else:
-      clusters.append(current)
-      current = []
-  if current and sum(sizes[k] for k in current) < min_examples:
-    room = sorted(
-      (c for c in clusters if len(c) < max_clients), key=lambda c: sum(sizes[k] for k in c)
-    )
-    i = 0
-    while current:
-      if len(room[i % len(room)]) < max_clients:
-        room[i % len(room)].append(current.pop())
-      i += 1
-  elif current:
-    clusters.append(current)
-  return clusters
-
-
 def test_fedseq_confidence_and_greedy_superclients_follow_the_reference():
   """Data on which a size-weighted and an unweighted representer group differently and an
   undersized last superclient is redistributed."""
   rng = np.random.default_rng(8)
   conf = rng.dirichlet([0.3] * C, size=12)
   sizes = rng.integers(5, 40, 12).tolist()
-  expected = oracle_greedy_superclients(conf, sizes, 60, 4)
-  assert expected != oracle_greedy_superclients(conf, sizes, 60, 4, weighted=False)
+  expected = onp.fedseq_greedy_superclients(conf, sizes, 60, 4)
+  assert expected != onp.fedseq_greedy_superclients(conf, sizes, 60, 4, weighted=False)
   assert any(sum(sizes[k] for k in c[:-1]) >= 60 for c in expected)  # one was redistributed
   got = fedseq_clusters(conf, sizes, min_examples=60, max_clients=4, measure='kullback')
   assert [c.tolist() for c in got] == expected
@@ -565,7 +528,7 @@ def test_fedseq_superclients_sequential_training_and_aggregation():
     ]
   )
   sizes = [len(p) for p in parts]
-  expected = oracle_greedy_superclients(conf, sizes, s.min_examples, s.max_clients)
+  expected = onp.fedseq_greedy_superclients(conf, sizes, s.min_examples, s.max_clients)
   assert [c.tolist() for c in aux.superclients] == expected
   assert len(expected) > 1 and any(len(c) > 1 for c in expected)
 
