@@ -373,6 +373,19 @@ def visiting_order(epoch_key, client_id: int, size: int) -> np.ndarray:
   return np.argsort(np.asarray(u), kind='stable')
 
 
+def sampled_clients(sampling_key, num_clients: int, participation: float) -> List[int]:
+  """The clients of a round: all, or round(participation · K) (at least one) drawn without
+  replacement with the round's sampling key, sorted: the random draw jfed makes (an input of the
+  oracles, as `visiting_order`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  count = max(1, int(round(participation * num_clients)))
+  if count == num_clients:
+    return list(range(num_clients))
+  drawn = jax.random.choice(sampling_key, num_clients, (count,), replace=False)
+  return sorted(int(k) for k in np.asarray(drawn))
+
+
 def epoch_orders(key, client_id: int, size: int, epochs: int, first_epoch: int = 0):
   """`visiting_order` of epochs first_epoch .. first_epoch + epochs - 1 (epoch key =
   fold_in(key, epoch))."""

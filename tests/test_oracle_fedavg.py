@@ -300,14 +300,8 @@ def _oracle_rounds(
 
 
 def _sampled(ctx, r: int, participation: float) -> List[int]:
-  """The clients of round r: all, or round(participation · K) drawn without replacement with the
-  round's sampling key (the random draw jfed makes: an input of the oracle)."""
-  count = max(1, int(round(participation * ctx.num_clients)))
-  if count == ctx.num_clients:
-    return list(range(ctx.num_clients))
-  key = ctx.derive_key(Purpose.SAMPLING, r)
-  drawn = jax.random.choice(key, ctx.num_clients, (count,), replace=False)
-  return sorted(int(k) for k in np.asarray(drawn))
+  """The clients of round r (the draw is an input of the oracle: `onp.sampled_clients`)."""
+  return onp.sampled_clients(ctx.derive_key(Purpose.SAMPLING, r), ctx.num_clients, participation)
 
 
 @pytest.mark.parametrize('server_optimizer', ['fedavg', 'fedavgm'])

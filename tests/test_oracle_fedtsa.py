@@ -205,7 +205,7 @@ def torch_local_sgd(
         on_batch(e, tparams, x[idx], y[idx])
       loss = loss_fn(tparams, x[idx], y[idx])
       loss.backward()
-      total += float(loss) * len(idx)
+      total += float(loss.detach()) * len(idx)
       if grad_clip:
         # torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6); optax by max_norm / norm:
         # the 1e-6 is far below the test's tolerance.
@@ -240,38 +240,34 @@ def _corner(params, shapes):
   }
 
 
-def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_over_holders():
-  """Global MLP 20-20, clients at rates 1, 0.5, 0.5 (hidden 20 or 10): each client trains the
-  leading corner of every layer with masked CE, the Scaler (hidden outputs / rate), gradient
-  clipping at 1 and SGD; every entry of the new global model is the mean over the clients whose
-  corner holds it, an output column only over the clients whose label set holds the class."""
-  ds = _dataset(n_train=96)
-  classes = [None, [0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]]  # class 9: client 0 alone
-  parts = _parts(ds, (21, 19, 14), classes)
-  config = _config(
-    3,
-    client_models=f'{WIDE};{NARROW};{NARROW}',
-    **{'heterofl.rounds': 1, 'heterofl.local_epochs': 2, 'heterofl.participation': 1.0},
-  )
-  summary, rec, ctx = _run('heterofl', config, ds, parts)
-  glob = onp.to_numpy(rec.before[0].params)
-  key = ctx.derive_key(Purpose.ROUNDS, 0)
-  rates = {0: 1.0, 1: 0.5, 2: 0.5}
+def _mlp_shapes(width: int):
+  """Zero arrays shaped as the 'mlp' of two hidden layers of `width` on 8x8 digits."""
+  shapes = {
+    'Dense_0': {'kernel': (64, width), 'bias': (width,)},
+    'Dense_1': {'kernel': (width, width), 'bias': (width,)},
+    'Dense_2': {'kernel': (width, 10), 'bias': (10,)},
+  }
+  return {n: {leaf: np.zeros(s) for leaf, s in l.items()} for n, l in shapes.items()}
+
+
+def _heterofl_round(glob, ds, parts, key, clients, rates, epochs, masked_ce=True, scaler=True):
+  """One HeteroFL round from the global MLP `glob` (hidden 20-20): each of `clients` trains the
+  leading corner of every layer at its rate (hidden width 20 · rate) for `epochs` epochs with SGD,
+  gradients clipped at 1, the CE of its logits with the classes outside its label set set to 0
+  (`masked_ce`; else plain CE) and every hidden Dense's output divided by its rate (`scaler`);
+  every entry of the new global model is the mean over the clients whose corner holds it, an
+  output column only over the clients whose label set holds the class (with or without
+  `masked_ce`, as the reference's `combine`). Returns (new global, each client's last-epoch
+  loss, each client's number of parameters)."""
   trained, label_sets, last_epoch_losses, num_params = [], [], [], []
-  for k in range(3):
+  for k in clients:
     x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
     held = np.isin(np.arange(10), np.unique(y))
     label_sets.append(held)
-    width = 20 if rates[k] == 1.0 else 10
-    shapes = {
-      'Dense_0': {'kernel': (64, width), 'bias': (width,)},
-      'Dense_1': {'kernel': (width, width), 'bias': (width,)},
-      'Dense_2': {'kernel': (width, 10), 'bias': (10,)},
-    }
-    shapes = {n: {leaf: np.zeros(s) for leaf, s in l.items()} for n, l in shapes.items()}
-    mask = torch.as_tensor(held)
+    shapes = _mlp_shapes(round(20 * rates[k]))
+    mask = torch.as_tensor(held if masked_ce else np.ones(10, bool))
 
-    def loss(tp, xb, yb, r=rates[k], mask=mask):
+    def loss(tp, xb, yb, r=rates[k] if scaler else 1.0, mask=mask):
       logits, _ = torch_mlp(tp, xb, hidden_scale=r)
       return _ce(logits.masked_fill(~mask, 0.0), yb)  # the reference's masked_fill(.., 0)
 
@@ -280,7 +276,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
       _corner(glob, shapes),
       x,
       y,
-      onp.epoch_orders(key, k, len(y), 2),
+      onp.epoch_orders(key, k, len(y), epochs),
       loss,
       grad_clip=1.0,
       epoch_losses=epoch_losses,
@@ -302,6 +298,29 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
         total[corner] += sub * ones
         count[corner] += ones
       want[n][leaf] = np.where(count > 0, total / np.maximum(count, 1), g)
+  return want, last_epoch_losses, num_params
+
+
+def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_over_holders():
+  """Global MLP 20-20, clients at rates 1, 0.5, 0.5 (hidden 20 or 10): each client trains the
+  leading corner of every layer with masked CE, the Scaler (hidden outputs / rate), gradient
+  clipping at 1 and SGD; every entry of the new global model is the mean over the clients whose
+  corner holds it, an output column only over the clients whose label set holds the class. Each
+  rate's sub-model of the new global model is scored too."""
+  ds = _dataset(n_train=96)
+  classes = [None, [0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]]  # class 9: client 0 alone
+  parts = _parts(ds, (21, 19, 14), classes)
+  config = _config(
+    3,
+    client_models=f'{WIDE};{NARROW};{NARROW}',
+    **{'heterofl.rounds': 1, 'heterofl.local_epochs': 2, 'heterofl.participation': 1.0},
+  )
+  summary, rec, ctx = _run('heterofl', config, ds, parts)
+  glob = onp.to_numpy(rec.before[0].params)
+  rates = {0: 1.0, 1: 0.5, 2: 0.5}
+  want, last_epoch_losses, num_params = _heterofl_round(
+    glob, ds, parts, ctx.derive_key(Purpose.ROUNDS, 0), range(3), rates, 2
+  )
   onp.assert_tree_close(rec.after[0].params, want)
   acc = onp.accuracy(onp.mlp_forward(want, ds.test_x), ds.test_y)
   assert summary.final_test_accuracy == pytest.approx(acc, abs=1e-9)
@@ -312,7 +331,58 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   # every client uploads its float32 slice and downloads one of the same size (+ msgpack framing)
   assert 0 < record['upload_bytes'] - 4 * sum(num_params) <= 3 * 400
   assert record['download_bytes'] == record['upload_bytes']
+  # each rate's sub-model of the new global model: its leading corner (no norm layer to
+  # recalibrate), scored on the whole test split
+  half = _corner(want, _mlp_shapes(10))
+  assert half['Dense_1']['kernel'].shape == (10, 10)
+  sub_acc = onp.accuracy(onp.mlp_forward(half, ds.test_x), ds.test_y)
+  assert record['submodel_test_accuracy'] == pytest.approx({'1': acc, '0.5': sub_acc}, abs=1e-9)
+  assert summary['submodel_test_accuracy'] == record['submodel_test_accuracy']
   assert summary['client_rates'] == [1.0, 0.5, 0.5] and summary['rounds'] == 1
+  assert summary['client_models'] == [WIDE, NARROW, NARROW]
+  assert summary['output_layer'] == 'Dense_2'
+
+
+def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model():
+  """Four clients at rates 1, 0.5, 1, 0.5; half of them a round, drawn with the round's sampling
+  key; plain CE and no Scaler (`masked_ce`/`scaler` off); the output columns still averaged
+  over the clients holding the class. Round 2 starts from round 1's global model; a client that
+  sits a round out changes nothing."""
+  ds = _dataset(n_train=110)
+  classes = [[0, 1, 2, 3, 4], None, [5, 6, 7, 8, 9], [2, 3, 4, 5, 6, 7]]
+  parts = _parts(ds, (18, 22, 16, 20), classes)
+  config = _config(
+    4,
+    client_models=f'{WIDE};{NARROW}',
+    **{
+      'heterofl.rounds': 2,
+      'heterofl.local_epochs': 1,
+      'heterofl.participation': 0.5,
+      'heterofl.masked_ce': False,
+      'heterofl.scaler': False,
+      'heterofl.eval_submodels': False,
+    },
+  )
+  summary, rec, ctx = _run('heterofl', config, ds, parts)
+  rates = {0: 1.0, 1: 0.5, 2: 1.0, 3: 0.5}
+  glob = onp.to_numpy(rec.before[0].params)
+  draws = []
+  for r in range(2):
+    clients = onp.sampled_clients(ctx.derive_key(Purpose.SAMPLING, r), 4, 0.5)
+    draws.append(clients)
+    glob, losses, _ = _heterofl_round(
+      glob, ds, parts, ctx.derive_key(Purpose.ROUNDS, r), clients, rates, 1, False, False
+    )
+    onp.assert_tree_close(rec.after[r].params, glob)
+    (record,) = rec.records[r]
+    assert (record['round'], record['clients']) == (r + 1, 2)
+    assert record['train_loss'] == pytest.approx(np.mean(losses), rel=1e-5)
+    assert record['test_accuracy'] == pytest.approx(
+      onp.accuracy(onp.mlp_forward(glob, ds.test_x), ds.test_y), abs=1e-9
+    )
+    assert 'submodel_test_accuracy' not in record
+  assert draws[0] != draws[1]  # the seed gives two different draws: each round's key is read
+  assert summary['submodel_test_accuracy'] is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +399,28 @@ def _client_params(state, groups, cid: int, plain: bool = False):
     if len(hits):
       return onp.take_client(m.params, int(hits[0]))
   raise KeyError(cid)
+
+
+def _assert_fedproto_readings(summary, params, protos, support, holds, ds):
+  """Inference: the classifier, or the nearest global prototype (smallest MSE); the reference's
+  readings on a client's own classes: both restricted to the test images of those classes,
+  the prototypes to those classes. Every client is scored, whether it took part or not."""
+  acc, proto_acc, local_acc, local_proto_acc = [], [], [], []
+  for k in range(len(params)):
+    logits, f = torch_mlp(_to_torch(params[k]), ds.test_x)
+    pred = np.argmax(logits.detach().numpy(), 1)
+    dist = ((f.detach().numpy()[:, None, :] - protos[None]) ** 2).mean(-1)
+    own = holds[k][ds.test_y]
+    acc.append(np.mean(pred == ds.test_y))
+    proto_acc.append(np.mean(np.argmin(np.where(support, dist, np.inf), 1) == ds.test_y))
+    local_acc.append(np.mean(pred[own] == ds.test_y[own]))
+    nearest_own = np.argmin(np.where(support & holds[k], dist[own], np.inf), 1)
+    local_proto_acc.append(np.mean(nearest_own == ds.test_y[own]))
+  assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
+  assert summary['proto_test_accuracy'] == pytest.approx(np.mean(proto_acc), abs=1e-9)
+  assert summary['local_test_accuracy'] == pytest.approx(np.mean(local_acc), abs=1e-9)
+  assert summary['local_proto_test_accuracy'] == pytest.approx(np.mean(local_proto_acc), abs=1e-9)
+  assert summary['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
 
 
 def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_to_them():
@@ -408,31 +500,107 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
     )
   for k in range(3):
     onp.assert_tree_close(_client_params(rec.after[1], groups, k), params[k])
-  # Inference: the classifier, or the nearest global prototype (smallest MSE); the reference's
-  # readings on a client's own classes: both restricted to the test images of those classes,
-  # the prototypes to those classes.
-  acc, proto_acc, local_acc, local_proto_acc = [], [], [], []
-  for k in range(3):
-    logits, f = torch_mlp(_to_torch(params[k]), ds.test_x)
-    pred = np.argmax(logits.detach().numpy(), 1)
-    dist = ((f.detach().numpy()[:, None, :] - protos[None]) ** 2).mean(-1)
-    own = holds[k][ds.test_y]
-    acc.append(np.mean(pred == ds.test_y))
-    proto_acc.append(np.mean(np.argmin(np.where(support, dist, np.inf), 1) == ds.test_y))
-    local_acc.append(np.mean(pred[own] == ds.test_y[own]))
-    nearest_own = np.argmin(np.where(support & holds[k], dist[own], np.inf), 1)
-    local_proto_acc.append(np.mean(nearest_own == ds.test_y[own]))
-  assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
-  assert summary['proto_test_accuracy'] == pytest.approx(np.mean(proto_acc), abs=1e-9)
-  assert summary['local_test_accuracy'] == pytest.approx(np.mean(local_acc), abs=1e-9)
-  assert summary['local_proto_test_accuracy'] == pytest.approx(np.mean(local_proto_acc), abs=1e-9)
-  assert summary['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
+  _assert_fedproto_readings(summary, params, protos, support, holds, ds)
   assert (summary['rounds'], summary['embedding_dim']) == (2, 20)
+
+
+def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_training():
+  """Clients WIDE, NARROW, WIDE, each with a 6-wide ReLU embedding layer before its classifier
+  (`embed_dim`); two of them a round, drawn with the round's sampling key; one local epoch of
+  CE + ld·MSE to the previous round's global prototypes; the local prototypes are the class
+  means of the trained model's embeddings of all the client's images (`after_training`); the
+  global ones are the mean over this round's uploaders holding the class. A client that sits
+  a round out keeps its model and uploads nothing."""
+  ds = _dataset(n_train=110)
+  classes = [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9], [0, 1, 7, 8, 9]]
+  parts = _parts(ds, (24, 18, 20), classes)
+  ld = 0.5
+  config = _config(
+    3,
+    client_models=f'{WIDE};{NARROW}',
+    **{
+      'fedproto.rounds': 2,
+      'fedproto.local_epochs': 1,
+      'fedproto.ld': ld,
+      'fedproto.participation': 0.67,
+      'fedproto.prototypes': 'after_training',
+      'fedproto.embed_dim': 6,
+    },
+  )
+  summary, rec, ctx = _run('fedproto', config, ds, parts)
+  groups = rec.aux.groups
+  params = {k: _client_params(rec.before[0], groups, k) for k in range(3)}
+  assert params[1]['Dense_1']['kernel'].shape == (10, 10)  # its own widths, then the embedding
+  assert params[1]['Dense_2']['kernel'].shape == (10, 6)
+  holds = np.stack([np.isin(np.arange(10), ds.train_y[p]) for p in parts])
+  protos, support, draws = np.zeros((10, 6)), np.zeros(10, bool), []
+  for r in range(2):
+    clients = onp.sampled_clients(ctx.derive_key(Purpose.SAMPLING, r), 3, 0.67)
+    draws.append(clients)
+    key = ctx.derive_key(Purpose.ROUNDS, r)
+    local, losses = {}, []
+    for k in clients:
+      x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
+
+      def loss(tp, xb, yb, protos=protos.copy(), support=support.copy()):
+        logits, f = torch_mlp(tp, xb)
+        target = f.detach().clone()  # rows without a global prototype: no pull
+        has = support[yb]
+        target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
+        return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
+
+      epoch_losses = []
+      tp, _ = torch_local_sgd(
+        params[k], x, y, onp.epoch_orders(key, k, len(y), 1), loss, epoch_losses=epoch_losses
+      )
+      params[k] = _to_numpy(tp)
+      with torch.no_grad():
+        _, f = torch_mlp(tp, x)
+      f = f.numpy()
+      local[k] = np.stack([f[y == c].mean(0) if np.any(y == c) else np.zeros(6) for c in range(10)])
+      losses.append(epoch_losses[-1])
+    held = holds[clients]
+    support = held.any(0)
+    protos = (
+      sum(local[k] * holds[k][:, None] for k in clients) / np.maximum(held.sum(0), 1)[:, None]
+    )
+    np.testing.assert_allclose(
+      rec.after[r].protos.prototypes, protos, rtol=1e-4, atol=1e-5, err_msg=f'round {r + 1}'
+    )
+    np.testing.assert_array_equal(rec.after[r].protos.support, held.sum(0))
+    for k in range(3):
+      onp.assert_tree_close(_client_params(rec.after[r], groups, k), params[k])
+    (record,) = rec.records[r]
+    assert (record['round'], record['clients']) == (r + 1, 2)
+    assert record['classes_with_prototype'] == int(support.sum())
+    assert record['train_loss'] == pytest.approx(np.mean(losses), rel=1e-5)
+    # up: 2 clients' [C, D] float32 prototypes and class counts; down: the global ones, to each
+    assert 2 * 10 * 6 * 4 < record['upload_bytes'] <= 2 * (10 * 6 * 4 + 10 * 8 + 200)
+    assert 2 * 10 * 6 * 4 < record['download_bytes'] <= 2 * (10 * 6 * 4 + 10 * 8 + 200)
+  assert draws[0] != draws[1]  # each round's sampling key is read
+  _assert_fedproto_readings(summary, params, protos, support, holds, ds)
+  assert (summary['rounds'], summary['embedding_dim']) == (2, 6)
+  assert summary['client_models'] == [WIDE, NARROW, WIDE]
 
 
 # ---------------------------------------------------------------------------------------------
 # FedMD
 # ---------------------------------------------------------------------------------------------
+
+
+def _alignment(ctx, r: int, public_size: int, alignment_size: int) -> np.ndarray:
+  """Round r's alignment subset of the public set: `alignment_size` of its indices drawn without
+  replacement with the round's alignment key, sorted (the draw is an input of the oracle)."""
+  key = ctx.derive_key(Purpose.ALIGNMENT, r)
+  return np.sort(np.asarray(jax.random.choice(key, public_size, (alignment_size,), replace=False)))
+
+
+def _adam(params, lr: float):
+  """A fresh torch.optim.Adam (betas 0.9/0.999, eps 1e-8) over `params`: (tparams, optimizer)
+  for `torch_local_sgd`."""
+  tparams = _to_torch(params)
+  leaves = [v for n in _names(tparams) for v in tparams[n].values()]
+  return tparams, torch.optim.Adam(leaves, lr=lr)
 
 
 def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
@@ -497,7 +665,7 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
     onp.assert_tree_close(_client_params(rec.before[0], rec.aux.groups, k, plain=True), params[k])
 
   # Round 1.
-  align = build_algorithm('fedmd', config).alignment_indices(ctx, 0)
+  align = _alignment(ctx, 0, 40, 24)
   align_x = ds.holdout_x[align]
   consensus = np.mean([_mlp_logits(params[k], align_x) for k in range(3)], axis=0)
   digest_key, revisit_key = ctx.derive_key(Purpose.DIGEST, 0), ctx.derive_key(Purpose.ROUNDS, 0)
@@ -546,6 +714,103 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   assert setup['stage'] == 'transfer learning'
   assert setup['transfer_client_test_accuracy'] == pytest.approx(transfer_acc, abs=1e-9)
   assert setup['transfer_test_accuracy'] == pytest.approx(np.mean(transfer_acc), abs=1e-9)
+
+
+def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
+  """The reference's optimiser (`optimizer='adam'`: a fresh Adam at `lr` in every stage); no
+  public-set training (each architecture's init goes straight to its clients' private data);
+  two rounds, each with its own alignment subset, of consensus and two digest epochs and no
+  revisit (the round reports no training loss). Digest batches of 5: with an even batch the L1
+  gradient of an output bias can be an exact tie of signs, zero in float64 but float32 rounding
+  noise in jfed, which Adam's normalised step turns into a visible update (measured: 2e-3)."""
+  ds = _dataset(n_train=90, n_holdout=30)
+  parts = _parts(ds, (30, 22, 26))
+  lr = 0.01
+  config = _config(
+    3,
+    client_models=f'{WIDE};{NARROW}',
+    **{
+      'dataset.holdout_size': 30,
+      'fedmd.rounds': 2,
+      'fedmd.public': 'holdout',
+      'fedmd.public_size': 30,
+      'fedmd.public_epochs': 0,
+      'fedmd.private_epochs': 1,
+      'fedmd.private_batch': BATCH,
+      'fedmd.alignment_size': 15,
+      'fedmd.digest_epochs': 2,
+      'fedmd.digest_batch': 5,
+      'fedmd.revisit_epochs': 0,
+      'fedmd.optimizer': 'adam',
+      'fedmd.lr': lr,
+    },
+  )
+  summary, rec, ctx = _run('fedmd', config, ds, parts)
+
+  def ce_loss(tp, xb, yb):
+    return _ce(torch_mlp(tp, xb)[0], yb)
+
+  private_key = ctx.derive_key(Purpose.LOCAL_TRAINING)
+  params = {}
+  for k, spec in enumerate((WIDE, NARROW, WIDE)):
+    module = get_model('mlp', 10, ds.input_shape, width_mult=0.1 if spec == WIDE else 0.05)
+    init = engine.init_model(
+      module, ds.input_shape, ctx.derive_key(Purpose.MODEL_INIT, int(spec == NARROW))
+    )
+    x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
+    tparams, adam = _adam(onp.to_numpy(init.params), lr)
+    tp, _ = torch_local_sgd(
+      None,
+      x,
+      y,
+      onp.epoch_orders(private_key, k, len(y), 1),
+      ce_loss,
+      tparams=tparams,
+      optimizer=adam,
+    )
+    params[k] = _to_numpy(tp)
+    onp.assert_tree_close(_client_params(rec.before[0], rec.aux.groups, k, plain=True), params[k])
+  aligns = []
+  for r in range(2):
+    align = _alignment(ctx, r, 30, 15)
+    aligns.append(align)
+    align_x = ds.holdout_x[align]
+    consensus = np.mean([_mlp_logits(params[k], align_x) for k in range(3)], axis=0)
+    digest_key = ctx.derive_key(Purpose.DIGEST, r)
+    digest_loss = []
+    for k in range(3):
+      index = np.arange(len(align))
+
+      def l1(tp, xb, yb, align_x=align_x, consensus=consensus):
+        logits = torch_mlp(tp, align_x[xb])[0]
+        return torch.mean(torch.abs(logits - torch.as_tensor(consensus[yb])))
+
+      epoch_losses = []
+      tparams, adam = _adam(params[k], lr)
+      tp, _ = torch_local_sgd(
+        None,
+        index,
+        index,
+        onp.epoch_orders(digest_key, k, len(index), 2),
+        l1,
+        batch=5,
+        tparams=tparams,
+        optimizer=adam,
+        epoch_losses=epoch_losses,
+      )
+      params[k] = _to_numpy(tp)
+      digest_loss.append(epoch_losses[-1])
+      onp.assert_tree_close(_client_params(rec.after[r], rec.aux.groups, k, plain=True), params[k])
+    (record,) = rec.records[r]
+    acc = [onp.accuracy(_mlp_logits(params[k], ds.test_x), ds.test_y) for k in range(3)]
+    assert (record['round'], record['clients']) == (r + 1, 3)
+    assert record['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
+    assert record['digest_loss'] == pytest.approx(np.mean(digest_loss), rel=1e-5)
+    assert 'train_loss' not in record
+    assert 3 * 15 * 10 * 4 < record['upload_bytes'] <= 3 * (15 * 10 * 4 + 200)
+  assert not np.array_equal(aligns[0], aligns[1])  # each round's alignment key is read
+  assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
+  assert summary['client_models'] == [WIDE, NARROW, WIDE]
 
 
 # ---------------------------------------------------------------------------------------------
