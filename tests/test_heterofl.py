@@ -10,7 +10,8 @@ import pytest
 
 from experiments.configs import fedtsa_digits
 from jfed import driver, engine
-from jfed.data import federate
+from jfed.data import federate, load_dataset
+from jfed.data.datasets import Dataset
 from jfed.engine import submodels
 from jfed.errors import ConfigError
 from jfed.methods.heterofl import (
@@ -203,6 +204,88 @@ def test_rates_come_from_the_client_specs_and_bad_ones_are_refused():
   config = override(fedtsa_digits.get_config('smoke'), **{'heterofl.participation': 0.0})
   with pytest.raises(ConfigError, match=r'heterofl.participation must be in \(0, 1\]'):
     driver.build_algorithm('heterofl', config)
+
+
+def _sown_batch_statistics(module, params, x, batch):
+  """{BN layer path: (mean, biased var)} of each BN layer's input in a train-mode pass over `x`
+  in batches of `batch`, averaged over the batches: PyTorch's momentum=None running statistics
+  (HeteroFL's `stats`), from the statistics the layers sow."""
+  zeros = jax.tree.map(
+    lambda s: jnp.zeros(s.shape, s.dtype), model_shapes(module, SHAPE).batch_stats
+  )
+  apply = jax.jit(
+    lambda p, xb: module.apply(
+      {'params': p, 'batch_stats': zeros}, xb, train=True, mutable=['bn_inputs', 'batch_stats']
+    )
+  )
+  sums = {}
+  starts = range(0, len(x), batch)
+  for start in starts:
+    _, sown = apply(params, x[start : start + batch])
+    for path, leaf in jax.tree_util.tree_flatten_with_path(sown['bn_inputs'])[0]:
+      layer = tuple(str(getattr(k, 'key', k)) for k in path[:-3])  # drop 'stats', 0, (mean|var)
+      which = int(getattr(path[-1], 'idx', 0))
+      sums.setdefault(layer, [0.0, 0.0])[which] += np.asarray(leaf, np.float64) / len(starts)
+  return sums
+
+
+def test_static_batchnorm_of_a_round_comes_from_the_new_global_model_on_every_clients_images():
+  """A ResNet-18 round (global width 1/16, clients at rates 1 and 0.5): the global model's
+  evaluation statistics are those of a train-mode pass of its *new* parameters over all the
+  clients' training images, client by client; each rate's sub-model gets its own."""
+  d = load_dataset('digits')
+  ds = Dataset('digits', d.train_x[:48], d.train_y[:48], d.test_x[:40], d.test_y[:40], 10)
+  parts = [np.arange(24, 48), np.arange(0, 24)]  # client 0 holds the later images
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{
+      'model': 'resnet18:width_mult=0.0625',
+      'client_models': 'resnet18:width_mult=0.0625;resnet18:width_mult=0.03125',
+      'partition.num_clients': 2,
+      'dataset.holdout_size': 0,
+      'batch_size': 16,
+      'heterofl.rounds': 1,
+      'heterofl.local_epochs': 1,
+      'heterofl.participation': 1.0,
+    },
+  )
+  algorithm = driver.build_algorithm('heterofl', config)
+  ctx = driver.make_context(config, ds, parts)
+  aux = algorithm.setup(ctx)
+  state = algorithm.init(ctx, aux)
+  new, (record,) = algorithm.step(ctx, aux, state, 0)
+  images = np.concatenate([ds.train_x[p] for p in parts])
+  want = _sown_batch_statistics(
+    get_model('resnet18', 10, SHAPE, width_mult=0.0625), new.params, images, 16
+  )
+  got = {
+    tuple(str(getattr(k, 'key', k)) for k in path[:-2]): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new.batch_stats)[0]
+    if str(getattr(path[-1], 'key', '')) == 'mean'
+  }
+  assert set(got) == set(want) and len(want) > 10
+  for layer, (mean, var) in want.items():
+    np.testing.assert_allclose(got[layer], mean, rtol=1e-4, atol=1e-5, err_msg=str(layer))
+    bn = new.batch_stats
+    for name in layer:
+      bn = bn[name]
+    np.testing.assert_allclose(bn['bn']['var'], var, rtol=1e-4, atol=1e-5, err_msg=str(layer))
+  # the rate-0.5 sub-model: the leading corner of the new parameters, its own statistics
+  half = get_model('resnet18', 10, SHAPE, width_mult=0.03125)
+  shapes = model_shapes(half, SHAPE)
+  sub = submodels.slice_tree(new, shapes)
+  stats = _sown_batch_statistics(half, sub.params, images, 16)
+  batch_stats = {}
+  for layer, (mean, var) in stats.items():
+    node = batch_stats
+    for name in layer:
+      node = node.setdefault(name, {})
+    node['bn'] = {'mean': jnp.asarray(mean, jnp.float32), 'var': jnp.asarray(var, jnp.float32)}
+  sub = engine.ModelState(sub.params, batch_stats)
+  acc = engine.Evaluator(half, 16).accuracy(sub, ds.test_x, ds.test_y)
+  assert record['submodel_test_accuracy']['0.5'] == pytest.approx(acc, abs=1e-9)
+  full = engine.Evaluator(get_model('resnet18', 10, SHAPE, width_mult=0.0625), 16)
+  assert record['test_accuracy'] == pytest.approx(full.accuracy(new, ds.test_x, ds.test_y))
 
 
 @pytest.mark.slow
