@@ -10,7 +10,8 @@ import pytest
 from experiments.configs import fedtsa_digits
 from jfed import driver, engine
 from jfed.data import federate
-from jfed.errors import ConfigError
+from jfed.data.public import PublicData
+from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import (
   LogitsUpload,
   PrototypeUpload,
@@ -18,6 +19,7 @@ from jfed.io import (
   validate_logits_upload,
   validate_prototype_upload,
 )
+from jfed.methods import fedmd
 from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
 from jfed.methods.fedproto import (
   ClassMeans,
@@ -205,6 +207,28 @@ def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
   )
   with pytest.raises(ConfigError, match='has no embed_dim option'):
     driver.run_in_memory('fedproto', config)
+
+
+def test_fedproto_names_a_client_whose_loss_turns_non_finite():
+  config = override(
+    fedtsa_digits.get_config('smoke'), **{'optimizer.lr': 1e30, 'fedproto.local_epochs': 2}
+  )
+  with pytest.raises(NonFiniteError, match=r'^fedproto: the training loss of client\(s\) \[0, '):
+    driver.run_in_memory('fedproto', config)
+
+
+def test_fedmd_refuses_public_labels_beyond_the_tasks_classes(monkeypatch):
+  def beyond(dataset, source, size, seed):
+    x = dataset.train_x[:size]
+    return PublicData(x, np.full(size, 10), dataset.test_x, dataset.test_y, source)
+
+  monkeypatch.setattr(fedmd, 'public_data', beyond)
+  config = fedtsa_digits.get_config('smoke')
+  with pytest.raises(
+    ConfigError,
+    match=r"^fedmd.public='holdout' has labels up to 10, beyond the 10 classes of digits$",
+  ):
+    driver.run_in_memory('fedmd', config)
 
 
 @pytest.mark.slow
