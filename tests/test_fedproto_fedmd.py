@@ -11,6 +11,7 @@ from experiments.configs import fedtsa_digits
 from jfed import driver, engine
 from jfed.data import federate
 from jfed.data.public import PublicData
+from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import (
   LogitsUpload,
@@ -123,7 +124,11 @@ def test_local_prototypes_are_class_means_of_train_mode_embeddings_batch_by_batc
   rng = np.random.default_rng(0)
   x, y = _images(25, seed=4), rng.integers(0, 3, 25)
   fed = federate(x, y, [np.arange(20), np.arange(20, 25)])
-  got = ClassMeans(module, 10, 8, 'loop')(engine.replicate(model, 2), fed, 6)
+  models = engine.replicate(model, 2)
+  with compiles.count_compilations() as compiled:
+    got = ClassMeans(module, 10, 8, 'loop')(models, fed, 6)
+  # the last chunk (4 of 8 samples) is padded to the chunk: one program for every chunk
+  assert compiled.names.count('jit(<lambda>)') == 1, compiled.names
   # jitted: run op by op, the ResNet's forward compiled ~100 one-primitive programs
   features = jax.jit(lambda v, x: apply_with_features(module, v, x, train=True)[1])
   for k, (start, size) in enumerate([(0, 20), (20, 5)]):
