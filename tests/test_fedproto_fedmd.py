@@ -2,6 +2,8 @@
 nearest-prototype inference, typed uploads, FedMD's consensus and L1 digest, and learning on
 digits."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ import pytest
 
 from experiments.configs import fedtsa_digits
 from jfed import driver, engine
-from jfed.data import federate
+from jfed.data import federate, load_dataset
+from jfed.data.datasets import Dataset
 from jfed.data.public import PublicData
 from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
@@ -220,6 +223,32 @@ def test_fedproto_names_a_client_whose_loss_turns_non_finite():
   )
   with pytest.raises(NonFiniteError, match=r'^fedproto: the training loss of client\(s\) \[0, '):
     driver.run_in_memory('fedproto', config)
+
+
+def test_fedproto_scores_zero_on_its_own_classes_when_the_test_split_has_none_of_them():
+  """Both clients hold only classes 5-9 and the test split only classes 0-4: the readings on a
+  client's own classes have no test sample and count as 0 (not NaN)."""
+  d = load_dataset('digits')
+  train = np.flatnonzero(d.train_y >= 5)[:40]
+  test = np.flatnonzero(d.test_y < 5)[:20]
+  ds = Dataset('digits', d.train_x[train], d.train_y[train], d.test_x[test], d.test_y[test], 10)
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{
+      'partition.num_clients': 2,
+      'dataset.holdout_size': 0,
+      'client_models': '',
+      'model': 'mlp:width_mult=0.05',
+      'fedproto.rounds': 1,
+    },
+  )
+  algorithm = driver.build_algorithm('fedproto', config)
+  ctx = driver.make_context(config, ds, [np.arange(20), np.arange(20, 40)])
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # a mean over no sample would warn
+    summary = driver.run(algorithm, ctx, progress=False)
+  assert summary['local_test_accuracy'] == 0.0
+  assert summary['local_proto_test_accuracy'] == 0.0
 
 
 def test_fedmd_refuses_public_labels_beyond_the_tasks_classes(monkeypatch):

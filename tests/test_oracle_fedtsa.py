@@ -341,6 +341,8 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   assert summary['client_rates'] == [1.0, 0.5, 0.5] and summary['rounds'] == 1
   assert summary['client_models'] == [WIDE, NARROW, NARROW]
   assert summary['output_layer'] == 'Dense_2'
+  empty = build_algorithm('heterofl', config).summarize(ctx, rec.aux, rec.after[0], [])
+  assert empty['submodel_test_accuracy'] is None and empty['rounds'] == 1  # before any round
 
 
 def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model():
@@ -502,6 +504,8 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
     onp.assert_tree_close(_client_params(rec.after[1], groups, k), params[k])
   _assert_fedproto_readings(summary, params, protos, support, holds, ds)
   assert (summary['rounds'], summary['embedding_dim']) == (2, 20)
+  empty = build_algorithm('fedproto', config).summarize(ctx, rec.aux, rec.after[1], [])
+  assert empty['client_test_accuracy'] is None and empty['proto_test_accuracy'] is None
 
 
 def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_training():
@@ -714,6 +718,8 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   assert setup['stage'] == 'transfer learning'
   assert setup['transfer_client_test_accuracy'] == pytest.approx(transfer_acc, abs=1e-9)
   assert setup['transfer_test_accuracy'] == pytest.approx(np.mean(transfer_acc), abs=1e-9)
+  empty = build_algorithm('fedmd', config).summarize(ctx, rec.aux, rec.after[0], [])
+  assert empty['client_test_accuracy'] is None and empty['public'] == 'holdout'
 
 
 def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
