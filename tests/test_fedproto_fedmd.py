@@ -26,11 +26,14 @@ from jfed.io import (
 from jfed.methods import fedmd
 from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
 from jfed.methods.fedproto import (
+  CLASS_SUMS,
   ClassMeans,
   GlobalPrototypes,
   aggregate_prototypes,
   fedproto_objective,
   nearest_prototype,
+  with_class_sums,
+  without_class_sums,
 )
 from jfed.models import get_model
 from jfed.models.layers import apply_with_features
@@ -145,6 +148,17 @@ def test_local_prototypes_are_class_means_of_train_mode_embeddings_batch_by_batc
     for c in range(10):
       want = feats[labels == c].mean(0) if np.any(labels == c) else np.zeros(6)
       np.testing.assert_allclose(got[k, c], want, rtol=1e-4, atol=1e-5)
+
+
+def test_class_sums_are_zeroed_per_client_of_the_group_and_stripped_after():
+  _, model = _init('mlp', width_mult=0.1)  # leaves [2, 20] and wider once stacked
+  models = engine.replicate(model, 2)
+  with_sums = with_class_sums(models, 10, 6)
+  sums = with_sums.batch_stats[CLASS_SUMS]
+  assert sums['sums'].shape == (2, 10, 6) and sums['counts'].shape == (2, 10)
+  assert not np.any(sums['sums']) and not np.any(sums['counts'])
+  stripped, means = without_class_sums(with_sums)
+  assert CLASS_SUMS not in stripped.batch_stats and np.shape(means) == (2, 10, 6)
 
 
 def test_nearest_prototype_inference():

@@ -500,6 +500,9 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
     np.testing.assert_allclose(
       rec.after[r].protos.prototypes, protos, rtol=1e-4, atol=1e-5, err_msg=f'round {r + 1}'
     )
+    # the global prototypes keep the initial state's dtypes (one program, one checkpoint layout)
+    got, init = rec.after[r].protos, rec.before[0].protos
+    assert (got.prototypes.dtype, got.support.dtype) == (init.prototypes.dtype, init.support.dtype)
   for k in range(3):
     onp.assert_tree_close(_client_params(rec.after[1], groups, k), params[k])
   _assert_fedproto_readings(summary, params, protos, support, holds, ds)

@@ -202,14 +202,14 @@ def nearest_prototype(features: np.ndarray, protos: GlobalPrototypes, allowed=No
   """
   p = np.asarray(protos.prototypes, np.float32)
   f = np.asarray(features, np.float32)
-  # |f - p|² expanded: the broadcast difference [..., N, C, D] took 1.6 GB and most of a round
-  # for 20 clients on Fashion-MNIST's test split.
-  sq = np.sum(np.square(f), -1, keepdims=True) - 2.0 * (f @ p.T) + np.sum(np.square(p), -1)
-  dist = sq / p.shape[-1]  # [..., N, C]
+  # MSE(f, p) = (|f|² - 2 f·p + |p|²) / D, of which |f|² and 1/D are the same for every class:
+  # the argmin needs -2 f·p + |p|² alone (the broadcast difference [..., N, C, D] took 1.6 GB and
+  # most of a round for 20 clients on Fashion-MNIST's test split).
+  score = np.sum(np.square(p), -1) - 2.0 * (f @ p.T)  # [..., N, C]
   ok = np.asarray(protos.support) > 0
   if allowed is not None:
     ok = ok & np.asarray(allowed, bool)
-  return np.argmin(np.where(ok, dist, np.inf), axis=-1)
+  return np.argmin(np.where(ok, score, np.inf), axis=-1)
 
 
 class ClassMeans:
