@@ -265,6 +265,49 @@ def test_fedproto_scores_zero_on_its_own_classes_when_the_test_split_has_none_of
   assert summary['local_proto_test_accuracy'] == 0.0
 
 
+@pytest.mark.parametrize(
+  'client_models,narrow,want',
+  [
+    # ResNet-18: the pooled last stage is the feature; the narrow one's last stage widened
+    (
+      'resnet18:width_mult=0.0625;resnet18:width_mult=0.03125',
+      'resnet18:width_mult=0.03125',
+      {'widths': (2, 4, 8, 32)},
+    ),
+    # a one-hidden-layer CNN next to the 200-200 MLP: its only hidden layer widened
+    ('mlp;fedhydra_cnn3', 'fedhydra_cnn3', {'hidden': (200,)}),
+    ('mlp:width_mult=0.1;mlp:width_mult=0.05', 'mlp:width_mult=0.05', {'hidden': (10, 20)}),
+  ],
+)
+def test_widest_features_widen_only_the_layer_feeding_the_classifier(client_models, narrow, want):
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{'model': client_models.split(';')[0], 'client_models': client_models},
+  )
+  algorithm = driver.build_algorithm('fedproto', config)
+  ctx = driver.context_of_config(config)
+  build = algorithm._widest_features_build(ctx)
+  module = build(narrow, ctx.dataset)
+  for field, value in want.items():
+    assert tuple(getattr(module, field)) == value
+  wide = client_models.split(';')[0]
+  assert build(wide, ctx.dataset) == algorithm._build(wide, ctx.dataset)  # the widest unchanged
+
+
+def test_widest_features_refuse_a_narrower_model_with_no_layer_to_widen():
+  config = override(
+    fedtsa_digits.get_config('smoke'), **{'model': 'mlp', 'client_models': 'mlp;cnn_mnist'}
+  )
+  algorithm = driver.build_algorithm('fedproto', config)
+  ctx = driver.context_of_config(config)
+  with pytest.raises(
+    ConfigError,
+    match=r"^fedproto.widest_features: model 'cnn_mnist' has no layer to widen to the feature "
+    r'width 200 of the other clients; set fedproto.embed_dim > 0$',
+  ):
+    algorithm._widest_features_build(ctx)('cnn_mnist', ctx.dataset)
+
+
 def test_fedmd_refuses_public_labels_beyond_the_tasks_classes(monkeypatch):
   def beyond(dataset, source, size, seed):
     x = dataset.train_x[:size]
