@@ -231,12 +231,29 @@ def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
     driver.run_in_memory('fedproto', config)
 
 
-def test_fedproto_names_a_client_whose_loss_turns_non_finite():
+def test_fedproto_names_the_clients_whose_loss_turns_non_finite():
+  """Client 0 holds one image; both clients' images are NaN, and both are named."""
+  d = load_dataset('digits')
+  x = np.full_like(d.train_x[:21], np.nan)
+  ds = Dataset('digits', x, d.train_y[:21], d.test_x[:20], d.test_y[:20], 10)
   config = override(
-    fedtsa_digits.get_config('smoke'), **{'optimizer.lr': 1e30, 'fedproto.local_epochs': 2}
+    fedtsa_digits.get_config('smoke'),
+    **{
+      'partition.num_clients': 2,
+      'dataset.holdout_size': 0,
+      'client_models': '',
+      'model': 'mlp:width_mult=0.05',
+      'fedproto.local_epochs': 2,
+      'fedproto.participation': 1.0,
+    },
   )
-  with pytest.raises(NonFiniteError, match=r'^fedproto: the training loss of client\(s\) \[0, '):
-    driver.run_in_memory('fedproto', config)
+  ctx = driver.make_context(config, ds, [np.arange(1), np.arange(1, 21)])
+  with pytest.raises(
+    NonFiniteError,
+    match=r'^fedproto: the training loss of client\(s\) \[0, 1\] \(mlp:width_mult=0.05\) became '
+    r'non-finite; lower the learning rate or check the data$',
+  ):
+    driver.run(driver.build_algorithm('fedproto', config), ctx, progress=False)
 
 
 def test_fedproto_scores_zero_on_its_own_classes_when_the_test_split_has_none_of_them():

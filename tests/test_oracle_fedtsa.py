@@ -23,6 +23,7 @@ FedMD.py).
 
 from typing import Callable, Dict, List, Optional, Sequence
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -216,6 +217,23 @@ def torch_local_sgd(
   return tparams, optimizer
 
 
+def _msgpack_nbytes(tree) -> int:
+  """The bytes of `tree` as jfed sends it: flax's msgpack of its state dict, every leaf a NumPy
+  array (an int as a 0-d int64 array)."""
+  tree = jax.tree.map(np.asarray, tree)
+  return len(flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(tree)))
+
+
+def _prototype_upload_nbytes(cid: int, size: int, classes: int, dim: int, counts) -> int:
+  upload = {
+    'client_id': cid,
+    'num_samples': size,
+    'prototypes': np.zeros((classes, dim), np.float32),
+    'label_counts': np.asarray(counts, np.int32),
+  }
+  return _msgpack_nbytes(upload)
+
+
 def _ce(logits, y):
   return torch.nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.long))
 
@@ -328,9 +346,13 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   assert (record['round'], record['clients']) == (1, 3)
   # the round's loss: each client's last epoch (masked CE, per sample), averaged over clients
   assert record['train_loss'] == pytest.approx(np.mean(last_epoch_losses), rel=1e-5)
-  # every client uploads its float32 slice and downloads one of the same size (+ msgpack framing)
-  assert 0 < record['upload_bytes'] - 4 * sum(num_params) <= 3 * 400
-  assert record['download_bytes'] == record['upload_bytes']
+  # every client uploads its float32 slice (no running statistics) and downloads one as large
+  slices = [_corner(glob, _mlp_shapes(round(20 * rates[k]))) for k in range(3)]
+  want_bytes = sum(
+    _msgpack_nbytes(engine.ModelState(onp.tree_map(np.float32, p), {})) for p in slices
+  )
+  assert record['upload_bytes'] == want_bytes == record['download_bytes']
+  assert 4 * sum(num_params) < want_bytes
   # each rate's sub-model of the new global model: its leading corner (no norm layer to
   # recalibrate), scored on the whole test split
   half = _corner(want, _mlp_shapes(10))
@@ -492,8 +514,15 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
     # the round's loss: each client's last epoch (CE + ld · MSE, per sample), over the clients
     assert record['train_loss'] == pytest.approx(np.mean(losses), rel=1e-5)
     # up: 3 clients' [C, D] float32 prototypes and class counts; down: the [C, D] global ones
-    assert 3 * 10 * 20 * 4 < record['upload_bytes'] <= 3 * (10 * 20 * 4 + 10 * 8 + 200)
-    assert 3 * 10 * 20 * 4 < record['download_bytes'] <= 3 * (10 * 20 * 4 + 10 * 8 + 200)
+    # and their support, to each
+    assert record['upload_bytes'] == sum(
+      _prototype_upload_nbytes(
+        k, len(parts[k]), 10, 20, np.bincount(ds.train_y[parts[k]], None, 10)
+      )
+      for k in range(3)
+    )
+    down = {'prototypes': np.zeros((10, 20), np.float32), 'support': np.zeros(10, np.int32)}
+    assert record['download_bytes'] == 3 * _msgpack_nbytes(down)
     protos = (
       sum(local[k] * holds[k][:, None] for k in range(3)) / np.maximum(holds.sum(0), 1)[:, None]
     )
@@ -582,8 +611,12 @@ def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_t
     assert record['classes_with_prototype'] == int(support.sum())
     assert record['train_loss'] == pytest.approx(np.mean(losses), rel=1e-5)
     # up: 2 clients' [C, D] float32 prototypes and class counts; down: the global ones, to each
-    assert 2 * 10 * 6 * 4 < record['upload_bytes'] <= 2 * (10 * 6 * 4 + 10 * 8 + 200)
-    assert 2 * 10 * 6 * 4 < record['download_bytes'] <= 2 * (10 * 6 * 4 + 10 * 8 + 200)
+    assert record['upload_bytes'] == sum(
+      _prototype_upload_nbytes(k, len(parts[k]), 10, 6, np.bincount(ds.train_y[parts[k]], None, 10))
+      for k in clients
+    )
+    down = {'prototypes': np.zeros((10, 6), np.float32), 'support': np.zeros(10, np.int32)}
+    assert record['download_bytes'] == 2 * _msgpack_nbytes(down)
   assert draws[0] != draws[1]  # each round's sampling key is read
   _assert_fedproto_readings(summary, params, protos, support, holds, ds)
   assert (summary['rounds'], summary['embedding_dim']) == (2, 6)
@@ -715,8 +748,11 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   assert record['digest_loss'] == pytest.approx(np.mean(digest_loss), rel=1e-5)
   assert record['train_loss'] == pytest.approx(np.mean(revisit_loss), rel=1e-5)
   # up: each client's [24, 10] float32 logits; down: the consensus, to every client
-  assert 3 * 24 * 10 * 4 < record['upload_bytes'] <= 3 * (24 * 10 * 4 + 200)
-  assert 3 * 24 * 10 * 4 < record['download_bytes'] <= 3 * (24 * 10 * 4 + 200)
+  logits = np.zeros((24, 10), np.float32)
+  assert record['upload_bytes'] == sum(
+    _msgpack_nbytes({'client_id': k, 'logits': logits}) for k in range(3)
+  )
+  assert record['download_bytes'] == 3 * _msgpack_nbytes(logits)
   (setup,) = build_algorithm('fedmd', config).setup_records(ctx, rec.aux)
   assert setup['stage'] == 'transfer learning'
   assert setup['transfer_client_test_accuracy'] == pytest.approx(transfer_acc, abs=1e-9)
@@ -816,7 +852,11 @@ def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
     assert record['client_test_accuracy'] == pytest.approx(acc, abs=1e-9)
     assert record['digest_loss'] == pytest.approx(np.mean(digest_loss), rel=1e-5)
     assert 'train_loss' not in record
-    assert 3 * 15 * 10 * 4 < record['upload_bytes'] <= 3 * (15 * 10 * 4 + 200)
+    logits = np.zeros((15, 10), np.float32)
+    assert record['upload_bytes'] == sum(
+      _msgpack_nbytes({'client_id': k, 'logits': logits}) for k in range(3)
+    )
+    assert record['download_bytes'] == 3 * _msgpack_nbytes(logits)
   assert not np.array_equal(aligns[0], aligns[1])  # each round's alignment key is read
   assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
   assert summary['client_models'] == [WIDE, NARROW, WIDE]
