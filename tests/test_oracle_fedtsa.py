@@ -36,6 +36,7 @@ from jfed.data.datasets import Dataset
 from jfed.distill.mutual import MutualLearner, MutualLearningConfig
 from jfed.driver import build_algorithm, make_context, run
 from jfed.keys import Purpose
+from jfed.methods import common
 from jfed.models import get_model
 from tests import oracle_numpy as onp
 from tests.support import override
@@ -367,7 +368,7 @@ def test_heterofl_one_round_slices_trains_with_the_scaler_and_averages_entries_o
   assert empty['submodel_test_accuracy'] is None and empty['rounds'] == 1  # before any round
 
 
-def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model():
+def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model(monkeypatch):
   """Four clients at rates 1, 0.5, 1, 0.5; half of them a round, drawn with the round's sampling
   key; plain CE and no Scaler (`masked_ce`/`scaler` off); the output columns still averaged
   over the clients holding the class. Round 2 starts from round 1's global model; a client that
@@ -387,6 +388,7 @@ def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model()
       'heterofl.eval_submodels': False,
     },
   )
+  labels = _record_training_labels(monkeypatch)
   summary, rec, ctx = _run('heterofl', config, ds, parts)
   rates = {0: 1.0, 1: 0.5, 2: 1.0, 3: 0.5}
   glob = onp.to_numpy(rec.before[0].params)
@@ -407,6 +409,7 @@ def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model()
     assert 'submodel_test_accuracy' not in record
   assert draws[0] != draws[1]  # the seed gives two different draws: each round's key is read
   assert summary['submodel_test_accuracy'] is None
+  assert labels == ['round 1/2'] * 2 + ['round 2/2'] * 2  # one call, two groups, a round
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +543,9 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
   assert empty['client_test_accuracy'] is None and empty['proto_test_accuracy'] is None
 
 
-def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_training():
+def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_training(
+  monkeypatch,
+):
   """Clients WIDE, NARROW, WIDE, each with a 6-wide ReLU embedding layer before its classifier
   (`embed_dim`); two of them a round, drawn with the round's sampling key; one local epoch of
   CE + ld·MSE to the previous round's global prototypes; the local prototypes are the class
@@ -563,6 +568,7 @@ def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_t
       'fedproto.embed_dim': 6,
     },
   )
+  labels = _record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedproto', config, ds, parts)
   groups = rec.aux.groups
   params = {k: _client_params(rec.before[0], groups, k) for k in range(3)}
@@ -618,6 +624,7 @@ def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_t
     down = {'prototypes': np.zeros((10, 6), np.float32), 'support': np.zeros(10, np.int32)}
     assert record['download_bytes'] == 2 * _msgpack_nbytes(down)
   assert draws[0] != draws[1]  # each round's sampling key is read
+  assert labels == ['round 1/2'] * 2 + ['round 2/2'] * 2
   _assert_fedproto_readings(summary, params, protos, support, holds, ds)
   assert (summary['rounds'], summary['embedding_dim']) == (2, 6)
   assert summary['client_models'] == [WIDE, NARROW, WIDE]
@@ -643,7 +650,19 @@ def _adam(params, lr: float):
   return tparams, torch.optim.Adam(leaves, lr=lr)
 
 
-def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
+def _record_training_labels(monkeypatch) -> List[str]:
+  """The progress label of every `common.train_groups` call, in order (one per group)."""
+  labels, train = [], common.train_groups
+
+  def recording(trainers, groups, models, epochs, key, label='', **kwargs):
+    labels.extend([label] * len(groups))
+    return train(trainers, groups, models, epochs, key, label=label, **kwargs)
+
+  monkeypatch.setattr(common, 'train_groups', recording)
+  return labels
+
+
+def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit(monkeypatch):
   """Clients WIDE, NARROW, WIDE; a labelled public set of 40 held-out training images. Transfer
   learning: each architecture trains on the public set, then each client on its private data.
   Round 1: the consensus is the mean of all clients' logits on the alignment subset; every
@@ -670,6 +689,7 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
       'fedmd.revisit_batch': BATCH,
     },
   )
+  labels = _record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedmd', config, ds, parts)
   specs = [WIDE, NARROW]
   spec_of = {0: WIDE, 1: NARROW, 2: WIDE}
@@ -759,9 +779,11 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit():
   assert setup['transfer_test_accuracy'] == pytest.approx(np.mean(transfer_acc), abs=1e-9)
   empty = build_algorithm('fedmd', config).summarize(ctx, rec.aux, rec.after[0], [])
   assert empty['client_test_accuracy'] is None and empty['public'] == 'holdout'
+  public, private = 'transfer learning: public data', 'transfer learning: private data'
+  assert labels == [public, private] * 2 + ['round 1/1 digest', 'round 1/1 revisit'] * 2
 
 
-def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
+def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit(monkeypatch):
   """The reference's optimiser (`optimizer='adam'`: a fresh Adam at `lr` in every stage); no
   public-set training (each architecture's init goes straight to its clients' private data);
   two rounds, each with its own alignment subset, of consensus and two digest epochs and no
@@ -790,6 +812,7 @@ def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
       'fedmd.lr': lr,
     },
   )
+  labels = _record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedmd', config, ds, parts)
 
   def ce_loss(tp, xb, yb):
@@ -858,6 +881,8 @@ def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit():
     )
     assert record['download_bytes'] == 3 * _msgpack_nbytes(logits)
   assert not np.array_equal(aligns[0], aligns[1])  # each round's alignment key is read
+  private = 'transfer learning: private data'
+  assert labels == [private] * 2 + ['round 1/2 digest'] * 2 + ['round 2/2 digest'] * 2
   assert summary.final_test_accuracy == pytest.approx(np.mean(acc), abs=1e-9)
   assert summary['client_models'] == [WIDE, NARROW, WIDE]
 
