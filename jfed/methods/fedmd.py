@@ -363,7 +363,6 @@ class FedMD(Algorithm):
       'rounds': self.config.rounds,
       'client_models': common.client_model_specs(ctx),
       'public': aux.public.source,
-      'eval_samples': int(len(aux.public.eval_y)),
       'client_test_accuracy': last.get('client_test_accuracy'),
       'transfer_test_accuracy': float(np.mean(aux.transfer_accuracy)),
     }
