@@ -23,7 +23,7 @@ from jfed.io import (
   validate_logits_upload,
   validate_prototype_upload,
 )
-from jfed.methods import fedmd
+from jfed.methods import common, fedmd
 from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
 from jfed.methods.fedproto import (
   CLASS_SUMS,
@@ -337,6 +337,46 @@ def test_fedmd_refuses_public_labels_beyond_the_tasks_classes(monkeypatch):
     match=r"^fedmd.public='holdout' has labels up to 10, beyond the 10 classes of digits$",
   ):
     driver.run_in_memory('fedmd', config)
+
+
+def test_fedmd_caches_its_transfer_learning_in_the_workdir_per_epoch_budget(tmp_path, monkeypatch):
+  """A second setup in the same workdir reloads the transfer-learned models (no training); a
+  different number of public or private epochs trains again (and is kept beside the first)."""
+  labels, train = [], common.train_groups
+
+  def recording(trainers, groups, models, epochs, key, label='', **kwargs):
+    labels.append(label)
+    return train(trainers, groups, models, epochs, key, label=label, **kwargs)
+
+  monkeypatch.setattr(common, 'train_groups', recording)
+
+  def setup(**overrides):
+    config = override(
+      fedtsa_digits.get_config('smoke'),
+      **{'fedmd.public_epochs': 0, 'fedmd.private_epochs': 1, **overrides},
+    )
+    ctx = driver.context_of_config(config, workdir=tmp_path)
+    del labels[:]
+    aux = driver.build_algorithm('fedmd', config).setup(ctx)
+    return aux, [label for label in labels if label.startswith('transfer')]
+
+  first, trained = setup()
+  assert trained and (tmp_path / 'fedmd_transfer').is_dir()
+  again, trained = setup()
+  assert not trained  # reloaded
+  for a, b in zip(first.init, again.init):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  np.testing.assert_array_equal(again.transfer_accuracy, first.transfer_accuracy)
+  _, trained = setup(**{'fedmd.public_epochs': 1})  # public 1, private 1: not public 0's cache
+  assert 'transfer learning: public data' in trained
+  _, trained = setup(**{'fedmd.private_epochs': 2})
+  assert trained == ['transfer learning: private data'] * 2  # one per architecture group
+
+
+def test_fedmd_refusals_name_the_section():
+  config = override(fedtsa_digits.get_config('smoke'), **{'fedmd.digest_batch': 0})
+  with pytest.raises(ConfigError, match=r'^fedmd.digest_batch must be positive, got 0$'):
+    driver.build_algorithm('fedmd', config)
 
 
 @pytest.mark.slow
