@@ -216,6 +216,41 @@ def test_fedmd_consensus_is_the_mean_logit_and_the_digest_loss_is_l1():
   np.testing.assert_allclose(l1_loss(jnp.zeros((2, 2)), jnp.ones((2, 2)), jnp.ones(2)), 1.0)
 
 
+def test_fedmd_digest_runs_in_train_mode_with_masked_batchnorm_and_its_dropout_key():
+  """The digest's forward pass is a training pass: BatchNorm on the real rows' statistics (the
+  padded rows masked out, the running statistics updated from them) and dropout drawn from the
+  step's key; a batch with one real row is that row's mean absolute error."""
+  module, model = _init('cnn_mnist')
+  x = _images(6, seed=5)
+  target = np.random.default_rng(1).normal(size=(6, 10)).astype(np.float32)
+  weights = np.array([1, 1, 1, 1, 0, 0], np.float32)  # the last two rows are padding
+  digest = jax.jit(digest_objective, static_argnums=0)
+  loss, (_, _, count, stats) = digest(
+    module, model.params, model.batch_stats, x, target, weights, jax.random.PRNGKey(0)
+  )
+  logits, updates = jax.jit(lambda v, x: module.apply(v, x, train=True, mutable=['batch_stats']))(
+    model.variables(), x[:4]
+  )
+  np.testing.assert_allclose(loss, np.mean(np.abs(np.asarray(logits) - target[:4])), rtol=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    stats,
+    updates['batch_stats'],
+  )
+  assert count == 4
+  # dropout (VGG-9, rate 0.5) follows the step's key
+  vgg = get_model('vgg9', 10, SHAPE, width_mult=1 / 16, fc_width=16)
+  v = engine.init_model(vgg, SHAPE, jax.random.PRNGKey(0))
+  losses = [
+    float(digest(vgg, v.params, {}, x, target, weights, jax.random.PRNGKey(k))[0]) for k in (1, 2)
+  ]
+  logits = vgg.apply(v.variables(), x[:4], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
+  np.testing.assert_allclose(losses[0], np.mean(np.abs(np.asarray(logits) - target[:4])), rtol=1e-5)
+  assert losses[0] != losses[1]
+  one_row = l1_loss(jnp.asarray(target[:2]) + 1.0, jnp.asarray(target[:2]), jnp.array([1.0, 0.0]))
+  np.testing.assert_allclose(one_row, 1.0, rtol=1e-6)
+
+
 def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
   config = override(fedtsa_digits.get_config('smoke'), **{'fedproto.widest_features': False})
   with pytest.raises(ConfigError, match='one embedding width'):
@@ -373,9 +408,21 @@ def test_fedmd_caches_its_transfer_learning_in_the_workdir_per_epoch_budget(tmp_
   assert trained == ['transfer learning: private data'] * 2  # one per architecture group
 
 
-def test_fedmd_refusals_name_the_section():
-  config = override(fedtsa_digits.get_config('smoke'), **{'fedmd.digest_batch': 0})
-  with pytest.raises(ConfigError, match=r'^fedmd.digest_batch must be positive, got 0$'):
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
+    ({'fedmd.digest_batch': 0}, r'^fedmd.digest_batch must be positive, got 0$'),
+    ({'fedmd.public_epochs': -1}, r'^fedmd.public_epochs must be >= 0, got -1$'),
+    ({'fedmd.optimizer': 'bad'}, r"^fedmd.optimizer is 'bad'; valid: client, adam$"),
+    (
+      {'fedmd.public_size': 1000, 'fedmd.alignment_size': 10},
+      r"^fedmd.public='holdout' needs 1000 training samples held out of the clients but ",
+    ),
+  ],
+)
+def test_fedmd_refusals_name_the_section(overrides, message):
+  config = override(fedtsa_digits.get_config('smoke'), **overrides)
+  with pytest.raises(ConfigError, match=message):
     driver.build_algorithm('fedmd', config)
 
 
