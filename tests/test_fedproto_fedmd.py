@@ -238,6 +238,13 @@ def test_fedmd_digest_runs_in_train_mode_with_masked_batchnorm_and_its_dropout_k
     updates['batch_stats'],
   )
   assert count == 4
+  # 'correct' counts the real rows whose argmax agrees with the consensus's
+  agreeing = np.concatenate([np.asarray(logits), np.eye(10, dtype=np.float32)[:2]])
+  agreeing[3] = np.roll(agreeing[3], 1)  # one real row disagrees
+  _, (_, correct, _, _) = digest(
+    module, model.params, model.batch_stats, x, agreeing, weights, jax.random.PRNGKey(0)
+  )
+  assert correct == 3
   # dropout (VGG-9, rate 0.5) follows the step's key
   vgg = get_model('vgg9', 10, SHAPE, width_mult=1 / 16, fc_width=16)
   v = engine.init_model(vgg, SHAPE, jax.random.PRNGKey(0))
