@@ -8,6 +8,7 @@ import pytest
 
 from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed.driver import RunCheckpointer
+from jfed.methods import common
 
 HFLDD_CLIENTS = 20
 # The DDPM of the tests (jfed.diffusion.train.DDPMConfig's fields), trained on 40 images of 8x8x1
@@ -188,3 +189,16 @@ needs_fashion_mnist = pytest.mark.skipif(
   fashion_mnist_missing(),
   reason='Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)',
 )
+
+
+def record_training_labels(monkeypatch):
+  """The progress label of every `jfed.methods.common.train_groups` call from now on, in order
+  (one entry per client group trained)."""
+  labels, train = [], common.train_groups
+
+  def recording(trainers, groups, models, epochs, key, label='', **kwargs):
+    labels.extend([label] * len(groups))
+    return train(trainers, groups, models, epochs, key, label=label, **kwargs)
+
+  monkeypatch.setattr(common, 'train_groups', recording)
+  return labels

@@ -23,7 +23,7 @@ from jfed.io import (
   validate_logits_upload,
   validate_prototype_upload,
 )
-from jfed.methods import common, fedmd
+from jfed.methods import fedmd
 from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
 from jfed.methods.fedproto import (
   CLASS_SUMS,
@@ -37,7 +37,7 @@ from jfed.methods.fedproto import (
 )
 from jfed.models import get_model
 from jfed.models.layers import apply_with_features
-from tests.support import override
+from tests.support import override, record_training_labels
 
 SHAPE = (8, 8, 1)
 
@@ -273,22 +273,27 @@ def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
     driver.run_in_memory('fedproto', config)
 
 
-def test_fedproto_names_the_clients_whose_loss_turns_non_finite():
-  """Client 0 holds one image; both clients' images are NaN, and both are named."""
-  d = load_dataset('digits')
-  x = np.full_like(d.train_x[:21], np.nan)
-  ds = Dataset('digits', x, d.train_y[:21], d.test_x[:20], d.test_y[:20], 10)
-  config = override(
+def _two_mlp_clients(**overrides):
+  """The smoke config for two clients of one small MLP on a dataset and partition the test
+  builds (nothing held out)."""
+  return override(
     fedtsa_digits.get_config('smoke'),
     **{
       'partition.num_clients': 2,
       'dataset.holdout_size': 0,
       'client_models': '',
       'model': 'mlp:width_mult=0.05',
-      'fedproto.local_epochs': 2,
-      'fedproto.participation': 1.0,
+      **overrides,
     },
   )
+
+
+def test_fedproto_names_the_clients_whose_loss_turns_non_finite():
+  """Client 0 holds one image; both clients' images are NaN, and both are named."""
+  d = load_dataset('digits')
+  x = np.full_like(d.train_x[:21], np.nan)
+  ds = Dataset('digits', x, d.train_y[:21], d.test_x[:20], d.test_y[:20], 10)
+  config = _two_mlp_clients(**{'fedproto.local_epochs': 2, 'fedproto.participation': 1.0})
   ctx = driver.make_context(config, ds, [np.arange(1), np.arange(1, 21)])
   with pytest.raises(
     NonFiniteError,
@@ -305,16 +310,7 @@ def test_fedproto_scores_zero_on_its_own_classes_when_the_test_split_has_none_of
   train = np.flatnonzero(d.train_y >= 5)[:40]
   test = np.flatnonzero(d.test_y < 5)[:20]
   ds = Dataset('digits', d.train_x[train], d.train_y[train], d.test_x[test], d.test_y[test], 10)
-  config = override(
-    fedtsa_digits.get_config('smoke'),
-    **{
-      'partition.num_clients': 2,
-      'dataset.holdout_size': 0,
-      'client_models': '',
-      'model': 'mlp:width_mult=0.05',
-      'fedproto.rounds': 1,
-    },
-  )
+  config = _two_mlp_clients(**{'fedproto.rounds': 1})
   algorithm = driver.build_algorithm('fedproto', config)
   ctx = driver.make_context(config, ds, [np.arange(20), np.arange(20, 40)])
   with warnings.catch_warnings():
@@ -384,13 +380,7 @@ def test_fedmd_refuses_public_labels_beyond_the_tasks_classes(monkeypatch):
 def test_fedmd_caches_its_transfer_learning_in_the_workdir_per_epoch_budget(tmp_path, monkeypatch):
   """A second setup in the same workdir reloads the transfer-learned models (no training); a
   different number of public or private epochs trains again (and is kept beside the first)."""
-  labels, train = [], common.train_groups
-
-  def recording(trainers, groups, models, epochs, key, label='', **kwargs):
-    labels.append(label)
-    return train(trainers, groups, models, epochs, key, label=label, **kwargs)
-
-  monkeypatch.setattr(common, 'train_groups', recording)
+  labels = record_training_labels(monkeypatch)
 
   def setup(**overrides):
     config = override(

@@ -36,10 +36,9 @@ from jfed.data.datasets import Dataset
 from jfed.distill.mutual import MutualLearner, MutualLearningConfig
 from jfed.driver import build_algorithm, make_context, run
 from jfed.keys import Purpose
-from jfed.methods import common
 from jfed.models import get_model
 from tests import oracle_numpy as onp
-from tests.support import override
+from tests.support import override, record_training_labels
 
 # The oracles mirror the PyTorch reference code in float64 PyTorch: skipped where it is absent
 # (the README's install; CI installs it).
@@ -388,7 +387,7 @@ def test_heterofl_sampled_rounds_without_mask_or_scaler_chain_the_global_model(m
       'heterofl.eval_submodels': False,
     },
   )
-  labels = _record_training_labels(monkeypatch)
+  labels = record_training_labels(monkeypatch)
   summary, rec, ctx = _run('heterofl', config, ds, parts)
   rates = {0: 1.0, 1: 0.5, 2: 1.0, 3: 0.5}
   glob = onp.to_numpy(rec.before[0].params)
@@ -426,6 +425,21 @@ def _client_params(state, groups, cid: int, plain: bool = False):
     if len(hits):
       return onp.take_client(m.params, int(hits[0]))
   raise KeyError(cid)
+
+
+def _prototype_pull_loss(protos, support, ld: float) -> Callable:
+  """FedProto's local loss on the MLP: CE + ld · MSE(embedding, global prototype of its class),
+  the MSE a mean over the batch's B·D elements, rows of classes without a prototype pulling
+  nowhere (the reference's `loss_mse(proto_new, protos)`)."""
+
+  def loss(tp, xb, yb):
+    logits, f = torch_mlp(tp, xb)
+    target = f.detach().clone()  # rows without a global prototype: no pull
+    has = support[yb]
+    target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
+    return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
+
+  return loss
 
 
 def _assert_fedproto_readings(summary, params, protos, support, holds, ds):
@@ -496,13 +510,7 @@ def test_fedproto_two_rounds_collect_last_epoch_prototypes_and_pull_embeddings_t
           np.add.at(sums, yb, f.numpy())
           np.add.at(counts, yb, 1)
 
-      def loss(tp, xb, yb, protos=protos.copy(), support=support.copy()):
-        logits, f = torch_mlp(tp, xb)
-        target = f.detach().clone()  # rows without a global prototype: no pull
-        has = support[yb]
-        target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
-        return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
-
+      loss = _prototype_pull_loss(protos.copy(), support.copy(), ld)
       epoch_losses = []
       tp, _ = torch_local_sgd(
         params[k], x, y, orders, loss, on_batch=collect, epoch_losses=epoch_losses
@@ -568,7 +576,7 @@ def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_t
       'fedproto.embed_dim': 6,
     },
   )
-  labels = _record_training_labels(monkeypatch)
+  labels = record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedproto', config, ds, parts)
   groups = rec.aux.groups
   params = {k: _client_params(rec.before[0], groups, k) for k in range(3)}
@@ -584,13 +592,7 @@ def test_fedproto_sampled_clients_with_an_embedding_layer_and_prototypes_after_t
     for k in clients:
       x, y = ds.train_x[parts[k]], ds.train_y[parts[k]]
 
-      def loss(tp, xb, yb, protos=protos.copy(), support=support.copy()):
-        logits, f = torch_mlp(tp, xb)
-        target = f.detach().clone()  # rows without a global prototype: no pull
-        has = support[yb]
-        target[torch.as_tensor(has)] = torch.as_tensor(protos[yb[has]])
-        return _ce(logits, yb) + ld * torch.mean((target - f) ** 2)
-
+      loss = _prototype_pull_loss(protos.copy(), support.copy(), ld)
       epoch_losses = []
       tp, _ = torch_local_sgd(
         params[k], x, y, onp.epoch_orders(key, k, len(y), 1), loss, epoch_losses=epoch_losses
@@ -650,18 +652,6 @@ def _adam(params, lr: float):
   return tparams, torch.optim.Adam(leaves, lr=lr)
 
 
-def _record_training_labels(monkeypatch) -> List[str]:
-  """The progress label of every `common.train_groups` call, in order (one per group)."""
-  labels, train = [], common.train_groups
-
-  def recording(trainers, groups, models, epochs, key, label='', **kwargs):
-    labels.extend([label] * len(groups))
-    return train(trainers, groups, models, epochs, key, label=label, **kwargs)
-
-  monkeypatch.setattr(common, 'train_groups', recording)
-  return labels
-
-
 def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit(monkeypatch):
   """Clients WIDE, NARROW, WIDE; a labelled public set of 40 held-out training images. Transfer
   learning: each architecture trains on the public set, then each client on its private data.
@@ -689,7 +679,7 @@ def test_fedmd_transfer_learning_then_a_round_of_consensus_digest_and_revisit(mo
       'fedmd.revisit_batch': BATCH,
     },
   )
-  labels = _record_training_labels(monkeypatch)
+  labels = record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedmd', config, ds, parts)
   specs = [WIDE, NARROW]
   spec_of = {0: WIDE, 1: NARROW, 2: WIDE}
@@ -813,7 +803,7 @@ def test_fedmd_two_rounds_with_adam_and_no_public_pretraining_or_revisit(monkeyp
       'fedmd.lr': lr,
     },
   )
-  labels = _record_training_labels(monkeypatch)
+  labels = record_training_labels(monkeypatch)
   summary, rec, ctx = _run('fedmd', config, ds, parts)
 
   def ce_loss(tp, xb, yb):
