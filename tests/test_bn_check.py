@@ -15,11 +15,11 @@ def test_bn_check_scores_the_saved_models_as_the_run_did_and_recomputes_their_st
   config = digits.get_config('smoke')  # cnn_mnist: BatchNorm after each convolution
   config.fedavg.rounds = 2
   summary = driver.run_experiment('fedavg', config, tmp_path)
-  scores = bn_check.check('fedavg', config, tmp_path, passes=60)
+  scores = bn_check.check('fedavg', config, tmp_path, passes=3)
   assert [s.step for s in scores] == [1, 2]
   # the averaged statistics are the run's own evaluation of its final model
   assert scores[-1].running == pytest.approx(summary['final_test_accuracy'])
-  # no pass keeps the averaged statistics; 60 passes replace them
+  # no pass keeps the averaged statistics; passes replace them
   kept = bn_check.check('fedavg', config, tmp_path, passes=0)
   assert [s.recomputed for s in kept] == [s.running for s in kept]
   table = bn_check.table(scores)

@@ -23,7 +23,8 @@ from jfed.io import (
   validate_logits_upload,
   validate_prototype_upload,
 )
-from jfed.methods import fedmd
+from jfed.keys import Purpose
+from jfed.methods import common, fedmd
 from jfed.methods.fedmd import consensus_logits, digest_objective, l1_loss
 from jfed.methods.fedproto import (
   CLASS_SUMS,
@@ -260,7 +261,11 @@ def test_fedmd_digest_runs_in_train_mode_with_masked_batchnorm_and_its_dropout_k
 
 def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
   config = override(fedtsa_digits.get_config('smoke'), **{'fedproto.widest_features': False})
-  with pytest.raises(ConfigError, match='one embedding width'):
+  with pytest.raises(
+    ConfigError,
+    match=r'^fedproto needs one embedding width across client models, got \{.*\}; set '
+    r'fedproto\.widest_features=True or fedproto\.embed_dim > 0$',
+  ):
     driver.run_in_memory('fedproto', config)
   config = override(fedtsa_digits.get_config('smoke'), **{'fedmd.alignment_size': 41})
   with pytest.raises(ConfigError, match='alignment_size=41 exceeds fedmd.public_size=40'):
@@ -349,6 +354,28 @@ def test_widest_features_widen_only_the_layer_feeding_the_classifier(client_mode
   assert build(wide, ctx.dataset) == algorithm._build(wide, ctx.dataset)  # the widest unchanged
 
 
+def test_fedproto_clients_start_from_their_own_draws_of_their_architectures_init_key():
+  """Every client starts from its own init (the reference builds each local model anew), drawn
+  from the MODEL_INIT key of its architecture's index among the client model specs, split
+  over the group's clients; the global prototypes start empty."""
+  config = override(fedtsa_digits.get_config('smoke'), **{'partition.num_clients': 4})
+  ctx = driver.context_of_config(config)
+  aux = driver.build_algorithm('fedproto', config).setup(ctx)
+  specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+  assert len(aux.groups) == 2
+  for g, models in zip(aux.groups, aux.init.models):
+    key = ctx.derive_key(Purpose.MODEL_INIT, specs.index(g.spec))
+    draws = jax.random.split(key, len(g.client_ids))
+    assert len(draws) > 1
+    for j, draw in enumerate(draws):
+      want = engine.init_model(g.module, ctx.dataset.input_shape, draw)
+      jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), engine.take(models, j), want
+      )
+  np.testing.assert_array_equal(aux.init.protos.prototypes, np.zeros((10, aux.dim)))
+  np.testing.assert_array_equal(aux.init.protos.support, np.zeros(10))
+
+
 def test_widest_features_refuse_a_narrower_model_with_no_layer_to_widen():
   config = override(
     fedtsa_digits.get_config('smoke'), **{'model': 'mlp', 'client_models': 'mlp;cnn_mnist'}
@@ -403,6 +430,34 @@ def test_fedmd_caches_its_transfer_learning_in_the_workdir_per_epoch_budget(tmp_
   assert 'transfer learning: public data' in trained
   _, trained = setup(**{'fedmd.private_epochs': 2})
   assert trained == ['transfer learning: private data'] * 2  # one per architecture group
+
+
+def test_fedmd_stages_of_one_batch_size_and_loss_share_one_trainer(monkeypatch):
+  """Transfer learning on the public and the private data and the revisit train with the
+  cross-entropy at one batch size here, so one trainer (one compiled program) per architecture;
+  the digest, another loss, has its own."""
+  trainers, train = [], common.train_groups
+
+  def recording(group_trainers, groups, models, epochs, key, label='', **kwargs):
+    trainers.extend((label, t) for t in group_trainers)
+    return train(group_trainers, groups, models, epochs, key, label=label, **kwargs)
+
+  monkeypatch.setattr(common, 'train_groups', recording)
+  batch = {f'fedmd.{stage}_batch': 8 for stage in ('public', 'private', 'revisit', 'digest')}
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{'fedmd.public_epochs': 1, 'fedmd.private_epochs': 1, **batch},
+  )
+  ctx = driver.context_of_config(config)
+  aux = driver.build_algorithm('fedmd', config).setup(ctx)
+  assert len(aux.groups) == 2
+  want = [('transfer learning: public data', aux.revisit[0])]
+  want += [('transfer learning: private data', aux.revisit[0])]
+  want += [('transfer learning: public data', aux.revisit[1])]
+  want += [('transfer learning: private data', aux.revisit[1])]
+  assert [(label, id(t)) for label, t in trainers] == [(label, id(t)) for label, t in want]
+  assert aux.revisit[0] is not aux.revisit[1]
+  assert not {id(t) for t in aux.digest} & {id(t) for t in aux.revisit}
 
 
 @pytest.mark.parametrize(
