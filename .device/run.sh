@@ -16,6 +16,14 @@ mut=
 # KD steps one call each vs KD_BLOCK per call (jfed.distill.kd.kd_block_size picks blocks off CPU)
 [ "${KD_S:-0}" -gt 0 ] && timeout ${KD_S} python3 -m experiments.bench.model_stratification --stages=hydra_kd \
    --pool=65536 --out=$OUT/hydra_kd_blocks_gpu.json > $OUT/hydra_kd_blocks_gpu.log 2>&1
+# Batched MS in float32 and bf16 at m = 100, batch 256 (issue 34 item 4): TFLOP/s against the
+# device's dense peak, and FedHydra's accuracy with bf16 MS on digits (three seeds)
+[ "${MS_S:-0}" -gt 0 ] && timeout ${MS_S} python3 -m experiments.bench.model_stratification --stages=ms \
+   --forms=loop,batched,batched_bf16,batched_clients,batched_clients_bf16 --clients=100 \
+   --ms_batch=256 --seq_runs=20 --out=$OUT/ms_bf16_gpu.json > $OUT/ms_bf16_gpu.log 2>&1
+[ "${MS_S:-0}" -gt 0 ] && timeout ${MS_S} python3 -m experiments.ms_precision \
+   --config=experiments/configs/fedhydra_digits.py:quick --config.fedhydra.ms_impl=batched \
+   --out=/tmp/ms_precision --doc=$OUT/ms_precision_digits_gpu.md > $OUT/ms_precision_gpu.log 2>&1
 python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-430} --out=$OUT
 if [ -n "$mut" ]; then
   wait $mut; pkill -f mutmut; sleep 2; tail -5 /tmp/mutation.log

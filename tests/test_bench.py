@@ -253,6 +253,14 @@ def test_the_ms_forms_are_timed_and_the_headline_takes_the_fastest_batched_row()
   )
   with pytest.raises(ValueError, match='unknown MS forms'):
     model_stratification.run(sz._replace(forms=('batched_torch',)))
+  # on a device with a known peak each form's TFLOP/s is a share of its dtype's dense peak
+  h100 = {**out['meta'], 'device_kind': 'NVIDIA H100 80GB HBM3'}
+  bf16 = {**like('batched_bf16', 1.0), 'compute_dtype': 'bfloat16', 'tflop_per_s': 98.94}
+  text = model_stratification.report(h100, [{**row, 'tflop_per_s': 49.47}, bf16])
+  assert 'batched 49.5 TFLOP/s (10.0 % of its 495 dense peak)' in text
+  assert 'batched_bf16 98.9 TFLOP/s (10.0 % of its 989 dense peak)' in text
+  assert 'bf16 compute (float32 parameters and Adam)' in text
+  assert '% of its' not in model_stratification.report(out['meta'], [row])  # a CPU: no peak
 
 
 @pytest.mark.slow  # 30 s on 2 cores, 25 of it compiling; the fast set has the test above

@@ -203,6 +203,47 @@ def test_client_layout_equals_the_run_layout(batched_conv, conv_impl, chunk_size
   np.testing.assert_allclose(r.U_r, batched_conv.U_r, rtol=1e-3, atol=1e-5)
 
 
+def _convolution_dtypes(cfg):
+  """The operand types of every convolution and matmul in one compiled MS step."""
+  teachers = stacked(ConvNet(), 0, 1)
+  variables = jax.tree.map(
+    lambda a: a[0], {'params': teachers.params, 'batch_stats': teachers.batch_stats}
+  )
+  carry, z = S._ms_run_init(GEN, cfg, KEY)
+  step = jax.jit(S._ms_step, static_argnums=(0, 1, 2))
+  text = step.lower(ConvNet(), GEN, cfg, carry, z, variables, 0).as_text()
+  ops = [
+    l for l in text.splitlines() if 'stablehlo.convolution' in l or 'stablehlo.dot_general' in l
+  ]
+  return ops, step(ConvNet(), GEN, cfg, carry, z, variables, 0)
+
+
+def test_bf16_ms_computes_in_bf16_and_keeps_float32_state_near_the_float32_runs(batched_conv):
+  """compute_dtype='bfloat16' (mixed precision): every convolution and matmul of G and F_k in
+  bf16, while G's parameters, BN statistics, Adam state and the recorded losses stay float32;
+  the losses stay near the float32 runs', in the batched and the CPU's run-by-run forms alike."""
+  bf16 = CFG._replace(compute_dtype='bfloat16')
+  ops, (carry, loss) = _convolution_dtypes(bf16)
+  assert len(ops) >= 6 and all('bf16' in op and 'f32>' not in op.split('->')[0] for op in ops), ops
+  assert loss.dtype == jnp.float32
+  assert {a.dtype for a in jax.tree.leaves(carry) if jnp.issubdtype(a.dtype, jnp.floating)} == {
+    jnp.dtype(jnp.float32)
+  }
+  f32_ops, _ = _convolution_dtypes(CFG)
+  assert len(f32_ops) == len(ops) and not any('bf16' in op for op in f32_ops)
+  group = ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2))
+  batched = S.model_stratification(group, GEN, 3, KEY, bf16)
+  assert np.asarray(batched.losses).dtype == np.float32
+  np.testing.assert_allclose(batched.losses, batched_conv.losses, rtol=3e-2)
+  assert not np.array_equal(batched.losses, batched_conv.losses)
+  python = S.model_stratification_python(group, GEN, 3, KEY, bf16)
+  np.testing.assert_allclose(python.losses, batched.losses, rtol=3e-2)
+  with pytest.raises(
+    ValueError, match=r"^MS compute_dtype 'float16'; valid: \('float32', 'bfloat16'\)$"
+  ):
+    S.model_stratification(group, GEN, 3, KEY, CFG._replace(compute_dtype='float16'))
+
+
 def test_an_unknown_ms_layout_is_refused():
   group = ensemble.TeacherGroup(ConvNet(), stacked(ConvNet(), 0, 2))
   with pytest.raises(ValueError, match="layout 'flat'; valid"):
@@ -288,6 +329,7 @@ def test_fedhydra_names_round_one_files_plainly_and_later_rounds_by_number():
     ('generator', 'gan'),
     ('synthesis_keep', 'some'),
     ('ms_impl', 'gpu'),
+    ('ms_compute_dtype', 'float16'),
     ('sa_in_model_scale', 'rows'),
   ],
 )

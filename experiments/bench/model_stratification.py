@@ -17,7 +17,9 @@ fixed CNNMnist (the clients' models; random weights, the work does not depend on
     `batched_clients` (layout='clients': vmap over clients, then over classes sharing the
     client's weights), `batched_matmul` (the generators' convolutions as matmuls,
     `conv_impl='matmul'`) and `batched_clients_matmul` (both), to find why batched MS misses
-    its accelerator goal;
+    its accelerator goal; `batched_bf16` and `batched_clients_bf16` compute in bf16 with
+    float32 parameters and Adam state (FedHydra's `ms_compute_dtype='bfloat16'`), each form's
+    TFLOP/s compared with the device's dense peak for its dtype (`DENSE_PEAK_TFLOPS`);
   - jfed loop:    `jfed.distill.model_stratification_loop` — the same jitted single-run program
     (lax.scan over T_G) called once per (k, j);
   - jfed python:  `jfed.distill.model_stratification_python` — the same run as T_G
@@ -80,11 +82,32 @@ MS_FORMS = ('python', 'loop', 'batched', 'torch')
 # teachers' convolutions are grouped over m kernels, not m·c; `_matmul` computes the
 # generators' per-run convolutions as batched matmuls (jfed.models.layers, impl='matmul').
 BATCHED_FORMS = {
-  'batched': ('runs', 'auto'),
-  'batched_clients': ('clients', 'auto'),
-  'batched_matmul': ('runs', 'matmul'),
-  'batched_clients_matmul': ('clients', 'matmul'),
+  'batched': ('runs', 'auto', 'float32'),
+  'batched_clients': ('clients', 'auto', 'float32'),
+  'batched_matmul': ('runs', 'matmul', 'float32'),
+  'batched_clients_matmul': ('clients', 'matmul', 'float32'),
+  # mixed precision (FedHydra's `ms_compute_dtype='bfloat16'`): G and F_k compute in bf16
+  'batched_bf16': ('runs', 'auto', 'bfloat16'),
+  'batched_clients_bf16': ('clients', 'auto', 'bfloat16'),
 }
+# Dense (no sparsity) peak TFLOP/s by compute dtype, from NVIDIA's H100 / H200 SXM datasheets
+# (float32: the CUDA cores; float32 matmuls on the tensor cores as TF32 reach 495): what a
+# form's TFLOP/s is compared with. Devices not listed get no fraction.
+DENSE_PEAK_TFLOPS = {
+  'H100': {'float32': 67.0, 'tf32': 494.7, 'bfloat16': 989.4},
+  'H200': {'float32': 67.0, 'tf32': 494.7, 'bfloat16': 989.4},
+}
+
+
+def dense_peak_tflops(device_kind: str, dtype: str) -> Optional[float]:
+  """The device's dense peak for `dtype` ('float32' counts TF32, what XLA's default matmul
+  precision uses on these GPUs), or None for a device not in DENSE_PEAK_TFLOPS."""
+  for name, peaks in DENSE_PEAK_TFLOPS.items():
+    if name in device_kind:
+      return peaks['tf32' if dtype == 'float32' else dtype]
+  return None
+
+
 VALID_FORMS = MS_FORMS + tuple(f for f in BATCHED_FORMS if f not in MS_FORMS)
 
 
@@ -150,7 +173,8 @@ def jfed_ms(sz, form: str, teachers, generator, m: int, c: int):
   group = teachers._replace(states=take(teachers.states, np.arange(m)))
   kw, impl = {}, form
   if form in BATCHED_FORMS:
-    layout, conv_impl = BATCHED_FORMS[form]
+    layout, conv_impl, compute_dtype = BATCHED_FORMS[form]
+    cfg = cfg._replace(compute_dtype=compute_dtype)
     kw = {'layout': layout, 'chunk_size': sz.chunk_size}
     generator = make_generator(SHAPE, sz.nz, sz.ngf, conv_impl=conv_impl)
     impl = 'batched'
@@ -564,6 +588,7 @@ def run(sz: Sizes = Sizes()) -> dict:
           'runs': mf * cf,
           'full_ms_s': second * (m * c) / (mf * cf),
           'tflop_per_s': meta['ms_step_gflop'] * steps / second / 1e3,
+          'compute_dtype': BATCHED_FORMS[form][2] if form in BATCHED_FORMS else 'float32',
           'load_average': load_average(),
         }
       )
@@ -730,6 +755,8 @@ def report(meta, rows) -> str:
     'batched_clients': 'jfed batched, vmap over clients then classes',
     'batched_matmul': 'jfed batched, generator convolutions as matmuls',
     'batched_clients_matmul': 'jfed batched, by client, generator convolutions as matmuls',
+    'batched_bf16': 'jfed batched, bf16 compute (float32 parameters and Adam)',
+    'batched_clients_bf16': 'jfed batched, by client, bf16 compute (float32 parameters and Adam)',
     'loop': 'jfed loop (per-run lax.scan program, one run at a time)',
     'python': 'jfed python (per-run jitted steps)',
     'torch': 'PyTorch (reference structure, one run at a time)',
@@ -771,13 +798,21 @@ def report(meta, rows) -> str:
     'lax.scan forms run one run of client 0: `scan_runs`; elsewhere the one-run-at-a-time '
     'forms run the first `seq_runs` runs).'
   )
-  flops = {r['form']: r['tflop_per_s'] for r in rows if r.get('tflop_per_s') is not None}
+  flops = [r for r in rows if r.get('tflop_per_s') is not None]
   if flops:
+
+    def of_peak(r):
+      peak = dense_peak_tflops(meta.get('device_kind', ''), r.get('compute_dtype', 'float32'))
+      return (
+        f' ({100 * r["tflop_per_s"] / peak:.1f} % of its {peak:.0f} dense peak)' if peak else ''
+      )
+
     lines.append(
       f"- one generator step is {meta['ms_step_gflop']:.2f} GFLOP by XLA's cost analysis (G "
       'and F_k forward, the backward to G, Adam); at that count the forms ran '
-      + ', '.join(f'{form} {v:.3g}' for form, v in flops.items())
-      + " TFLOP/s (a bound on what any form can gain: the device's peak over these)."
+      + ', '.join(f'{r["form"]} {r["tflop_per_s"]:.3g} TFLOP/s{of_peak(r)}' for r in flops)
+      + " (a bound on what any form can gain: the device's peak over these; float32 forms "
+      'against the TF32 peak, `DENSE_PEAK_TFLOPS`).'
     )
   kd = meta.get('hydra_kd_fashion_minutes')
   if kd:

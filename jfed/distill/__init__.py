@@ -58,6 +58,7 @@ from jfed.distill.pool import (
   pool_size,
 )
 from jfed.distill.stratification import (
+  MS_COMPUTE_DTYPES,
   MS_FUNCTIONS,
   MS_IMPLS,
   MS_LAYOUTS,

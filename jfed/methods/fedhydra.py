@@ -51,6 +51,7 @@ from jfed import typed_config as tc
 from jfed.api import RunContext
 from jfed.distill import (
   KEEP,
+  MS_COMPUTE_DTYPES,
   MS_FUNCTIONS,
   MS_IMPLS,
   MSConfig,
@@ -106,6 +107,9 @@ class FedHydraOwnConfig(NamedTuple):
   ms_batch: int = 256
   ms_impl: str = 'auto'
   ms_chunk: int = 0
+  # 'bfloat16': MS's generators and teachers compute in bf16 (float32 parameters, Adam state and
+  # losses); the paper's float32 is the default. For accelerators (issue 34).
+  ms_compute_dtype: str = 'float32'
   aggregation: str = 'sa'
   # 'paper': Ū_c as Eq. 6 (each client's class weights sum to 1, so SA logits are about 1/c of
   # a client's); 'classes': Ū_c × c (mean weight 1: the same relative weighting at the
@@ -214,7 +218,7 @@ def stratify(c: FedHydraConfig, ctx: RunContext, aux, r: int, local, teachers) -
   def compute() -> Stratification:
     impl = resolve_ms_impl(c.ms_impl)
     gen = make_generator(ctx.dataset.input_shape, c.nz, c.ngf, GENERATOR_KINDS[c.generator])
-    ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch)
+    ms_cfg = MSConfig(T_G=t_g, lr=c.ms_lr, batch_size=c.ms_batch, compute_dtype=c.ms_compute_dtype)
     kw = {'chunk_size': c.ms_chunk or None} if impl == 'batched' else {}
     t0 = time.perf_counter()
     res = MS_FUNCTIONS[impl](
@@ -329,6 +333,7 @@ class FedHydra(oneshot.DistillationAlgorithm):
     tc.require_choice(c.generator, GENERATOR_KINDS, f'{where}.generator')
     tc.require_choice(c.synthesis_keep, KEEP, f'{where}.synthesis_keep')
     tc.require_choice(c.ms_impl, MS_IMPLS, f'{where}.ms_impl')
+    tc.require_choice(c.ms_compute_dtype, MS_COMPUTE_DTYPES, f'{where}.ms_compute_dtype')
     tc.require_choice(c.sa_in_model_scale, SA_SCALES, f'{where}.sa_in_model_scale')
 
   def make_recipe(self) -> oneshot.Recipe:
