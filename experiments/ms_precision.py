@@ -54,6 +54,21 @@ def _ms_weights(workdir: pathlib.Path) -> dict:
     return {name: np.asarray(saved[name]).tolist() for name in ('U_r', 'U_c', 'seconds')}
 
 
+def _verdict(diffs: Sequence[float]) -> str:
+  """Whether the mean paired difference (fractions) is within BAR_POINTS, at two standard
+  errors: a seed-to-seed spread wider than the bar decides nothing."""
+  mean = 100 * abs(float(np.mean(diffs)))
+  two_se = 200 * float(np.std(diffs, ddof=1)) / np.sqrt(len(diffs)) if len(diffs) > 1 else np.inf
+  if mean + two_se <= BAR_POINTS:
+    return f'**within** the {BAR_POINTS} point bar (|mean| + 2 standard errors)'
+  if mean - two_se > BAR_POINTS:
+    return f'**not within** the {BAR_POINTS} point bar (|mean| - 2 standard errors)'
+  return (
+    f'**not decided**: |mean| ± 2 standard errors ({mean:.2f} ± {two_se:.2f}) spans the '
+    f'{BAR_POINTS} point bar'
+  )
+
+
 def render(config, results: dict, meta: dict) -> str:
   c = config.fedhydra
   lines = [
@@ -98,11 +113,11 @@ def render(config, results: dict, meta: dict) -> str:
       )
       for _, s in paired
     ]
-    verdict = 'within' if abs(float(np.mean(diffs))) * 100 <= BAR_POINTS else 'NOT within'
+    verdict = _verdict(diffs)
     lines += [
       '',
       f'- final accuracy, bfloat16 - float32, paired by seed: {mean_std(diffs)} points '
-      f'(n = {len(diffs)}): **{verdict}** the {BAR_POINTS} point bar.',
+      f'(n = {len(diffs)}): {verdict}.',
       f"- largest |U_r| or |U_c| difference between the dtypes' first-round MS: "
       f'{max(weights):.3g}.',
     ]

@@ -31,3 +31,16 @@ def test_the_table_pairs_each_seeds_runs_and_a_rerun_skips_them(tmp_path, capsys
   capsys.readouterr()
   again = ms_precision.run_table(config, tmp_path / 'out', [0, 1])
   assert again == table and 'seed=0' not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  'diffs,verdict',
+  [
+    ([0.001, -0.001, 0.002], '**within** the 0.5 point bar'),
+    ([0.03, 0.031, 0.029], '**not within** the 0.5 point bar'),
+    ([-0.0125, 0.05], '**not decided**: |mean| ± 2 standard errors (1.88 ± 6.25) spans'),
+    ([0.0], '**not decided**: |mean| ± 2 standard errors (0.00 ± inf) spans'),
+  ],
+)
+def test_the_bar_is_decided_at_two_standard_errors_of_the_paired_differences(diffs, verdict):
+  assert ms_precision._verdict(diffs).startswith(verdict)
