@@ -19,6 +19,7 @@ from jfed.methods.heterofl import (
   mask_logits,
   masked_classification_objective,
   model_shapes,
+  scale_hidden_layers,
 )
 from jfed.models import get_model
 from tests.support import override
@@ -165,6 +166,55 @@ def test_the_objective_context_reaches_every_client_the_same_way_in_every_strate
   assert not np.allclose(
     plain.model.params['Dense_0']['kernel'][0], results['loop'][0]['Dense_0']['kernel'][0]
   )
+
+
+@pytest.mark.parametrize(
+  'name,kw,output_layer',
+  [('cnn_mnist', {}, 'Dense_0'), ('resnet18', {'width_mult': 1 / 16}, 'Dense_0')],
+)
+def test_the_scaler_multiplies_every_hidden_conv_and_dense_map_but_the_output_layer(
+  name, kw, output_layer
+):
+  """The reference's Scaler divides the output of every hidden convolution and linear map by the
+  rate (`Scaler` after each `nn.Conv2d` / `nn.Linear` of its conv and resnet models), folded into
+  their kernels and biases: convolutions at any depth (ResNet's in its blocks) scale, BatchNorm
+  and the output layer do not."""
+  _, model = _init(name, **kw)
+  scaled = scale_hidden_layers(model.params, 3.0, output_layer)
+  leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
+  got = dict(
+    zip(
+      ['/'.join(str(k.key) for k in path) for path, _ in leaves],
+      jax.tree.leaves(scaled),
+    )
+  )
+  conv_leaves = 0
+  for path, leaf in leaves:
+    names = [str(k.key) for k in path]
+    module, param = names[-2], names[-1]
+    linear = module.split('_')[0] in ('Conv', 'Dense') and param in ('kernel', 'bias')
+    factor = 3.0 if linear and names[0] != output_layer else 1.0
+    conv_leaves += module.startswith('Conv') and factor == 3.0
+    np.testing.assert_array_equal(
+      got['/'.join(names)], np.asarray(leaf) * factor, err_msg=str(names)
+    )
+  assert conv_leaves >= (2 if name == 'cnn_mnist' else 17)
+
+
+def test_every_rate_gets_its_submodel_accuracy_when_two_client_specs_share_one():
+  """Two client specs at rate 1 before one at 0.5: the sub-model accuracies skip the repeated
+  rate and still score the one after it."""
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{'client_models': 'mlp;mlp:width_mult=1.0;mlp:width_mult=0.5', 'partition.num_clients': 3},
+  )
+  algorithm = driver.build_algorithm('heterofl', config)
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  assert aux.rates == [1.0, 1.0, 0.5]
+  ds = ctx.dataset
+  got = algorithm._submodel_accuracies(aux, algorithm.init(ctx, aux), ds.test_x, ds.test_y)
+  assert sorted(got) == ['0.5', '1']
 
 
 def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_input_statistics():
