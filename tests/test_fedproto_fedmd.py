@@ -33,6 +33,7 @@ from jfed.methods.fedproto import (
   aggregate_prototypes,
   fedproto_objective,
   nearest_prototype,
+  prototype_mse,
   with_class_sums,
   without_class_sums,
 )
@@ -257,6 +258,84 @@ def test_fedmd_digest_runs_in_train_mode_with_masked_batchnorm_and_its_dropout_k
   assert losses[0] != losses[1]
   one_row = l1_loss(jnp.asarray(target[:2]) + 1.0, jnp.asarray(target[:2]), jnp.array([1.0, 0.0]))
   np.testing.assert_allclose(one_row, 1.0, rtol=1e-6)
+
+
+def _log_softmax_ce(logits, y):
+  z = logits - logits.max(1, keepdims=True)
+  return np.log(np.exp(z).sum(1)) - z[np.arange(len(y)), y]
+
+
+def test_fedproto_objective_trains_with_masked_batchnorm_its_dropout_key_and_collects_real_rows():
+  """A FedProto client's step is a training pass: BatchNorm on the real rows' statistics (the
+  padded rows masked out), CE + ld · the prototype MSE over the real rows whose class has a
+  prototype (over rows · D), the class sums of the real rows' embeddings only, and dropout from
+  the step's key; a batch with one real row is that row's squared distance over D."""
+  module, model = _init('cnn_mnist')
+  x = _images(6, seed=5)
+  y = np.array([0, 1, 1, 2, 3, 3], np.int32)
+  weights = np.array([1, 1, 1, 1, 0, 0], np.float32)  # the last two rows are padding
+  rng = np.random.default_rng(2)
+  dim = 128  # cnn_mnist on 8x8: 2 x 2 x 32
+  protos = GlobalPrototypes(
+    rng.normal(size=(10, dim)).astype(np.float32), np.array([1, 1, 0, 1] + [0] * 6, np.int32)
+  )
+  stats = {
+    **model.batch_stats,
+    CLASS_SUMS: {'sums': np.zeros((10, dim), np.float32), 'counts': np.zeros(10, np.float32)},
+  }
+  objective = jax.jit(fedproto_objective(0.5), static_argnums=0)
+  loss, (_, correct, count, new_stats) = objective(
+    module, model.params, stats, x, y, weights, jax.random.PRNGKey(0), protos
+  )
+  logits, updates = module.apply(
+    model.variables(), x[:4], train=True, mutable=['batch_stats', 'intermediates']
+  )
+  logits, (features,) = np.asarray(logits), updates['intermediates']['features']
+  features = np.asarray(features, np.float64)
+  ce = _log_softmax_ce(logits.astype(np.float64), y[:4]).mean()
+  has = protos.support[y[:4]] > 0  # class 2 has no prototype
+  mse = (((features - protos.prototypes[y[:4]]) ** 2).sum(1) * has).sum() / (4 * dim)
+  np.testing.assert_allclose(loss, ce + 0.5 * mse, rtol=1e-5)
+  assert count == 4 and correct == int((logits.argmax(1) == y[:4]).sum())
+  own = {k: v for k, v in new_stats.items() if k != CLASS_SUMS}
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), own, updates['batch_stats']
+  )
+  onehot = np.eye(10)[y[:4]]
+  np.testing.assert_allclose(
+    new_stats[CLASS_SUMS]['sums'], onehot.T @ features, rtol=1e-5, atol=1e-5
+  )
+  np.testing.assert_array_equal(new_stats[CLASS_SUMS]['counts'], onehot.sum(0))
+  # dropout (VGG-9, rate 0.5) follows the step's key
+  vgg = get_model('vgg9', 10, SHAPE, width_mult=1 / 16, fc_width=16)
+  v = engine.init_model(vgg, SHAPE, jax.random.PRNGKey(0))
+  none = GlobalPrototypes(np.zeros((10, 16), np.float32), np.zeros(10, np.int32))
+  losses = [
+    float(objective(vgg, v.params, {}, x, y, weights, jax.random.PRNGKey(k), none)[0])
+    for k in (1, 2)
+  ]
+  logits = vgg.apply(v.variables(), x[:4], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
+  np.testing.assert_allclose(
+    losses[0], _log_softmax_ce(np.asarray(logits), y[:4]).mean(), rtol=1e-5
+  )
+  assert losses[0] != losses[1]
+  one_row = prototype_mse(
+    jnp.asarray(protos.prototypes[:2]) + 2.0, jnp.array([0, 1]), jnp.array([1.0, 0.0]), protos
+  )
+  np.testing.assert_allclose(one_row, 4.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
+    ({'fedproto.participation': 1.5}, r'^fedproto\.participation '),
+    ({'fedproto.ld': -1.0}, r'^fedproto\.ld must be >= 0, got -1\.0$'),
+    ({'fedproto.prototypes': 'bad'}, r"^fedproto\.prototypes is 'bad'; valid: "),
+  ],
+)
+def test_fedproto_refusals_name_the_section(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    driver.build_algorithm('fedproto', override(fedtsa_digits.get_config('smoke'), **overrides))
 
 
 def test_fedproto_refuses_unequal_embedding_widths_and_fedmd_bad_sizes():
