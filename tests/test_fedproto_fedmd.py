@@ -31,6 +31,7 @@ from jfed.methods.fedproto import (
   ClassMeans,
   GlobalPrototypes,
   aggregate_prototypes,
+  feature_dim,
   fedproto_objective,
   nearest_prototype,
   prototype_mse,
@@ -150,6 +151,20 @@ def test_local_prototypes_are_class_means_of_train_mode_embeddings_batch_by_batc
     for c in range(10):
       want = feats[labels == c].mean(0) if np.any(labels == c) else np.zeros(6)
       np.testing.assert_allclose(got[k, c], want, rtol=1e-4, atol=1e-5)
+
+
+def test_class_means_are_the_same_mapped_over_clients_as_looped():
+  """strategy='vmap' (accelerators) maps the class means over the clients, 'loop' (CPU) runs
+  them one by one: the same means."""
+  module, model = _init('mlp', width_mult=0.1)
+  x, y = _images(13, seed=3), np.random.default_rng(1).integers(0, 4, 13)
+  fed = federate(x, y, [np.arange(9), np.arange(9, 13)])
+  models = engine.replicate(model, 2)
+  dim = feature_dim(module, SHAPE)
+  looped = ClassMeans(module, 10, 4, 'loop')(models, fed, dim)
+  mapped = ClassMeans(module, 10, 4, 'vmap')(models, fed, dim)
+  assert np.any(looped) and looped.shape == (2, 10, dim)
+  np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)
 
 
 def test_class_sums_are_zeroed_per_client_of_the_group_and_stripped_after():
