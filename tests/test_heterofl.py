@@ -14,6 +14,8 @@ from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset
 from jfed.engine import submodels
 from jfed.errors import ConfigError
+from jfed.io.uploads import serialized_nbytes
+from jfed.keys import Purpose
 from jfed.methods.heterofl import (
   client_rates,
   mask_logits,
@@ -215,6 +217,39 @@ def test_every_rate_gets_its_submodel_accuracy_when_two_client_specs_share_one()
   ds = ctx.dataset
   got = algorithm._submodel_accuracies(aux, algorithm.init(ctx, aux), ds.test_x, ds.test_y)
   assert sorted(got) == ['0.5', '1']
+
+
+def test_setup_draws_the_global_model_from_the_first_model_init_key():
+  config = fedtsa_digits.get_config('smoke')
+  algorithm = driver.build_algorithm('heterofl', config)
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  want = engine.init_model(
+    get_model('mlp', 10, SHAPE), SHAPE, ctx.derive_key(Purpose.MODEL_INIT, 0)
+  )
+  jax.tree.map(np.testing.assert_array_equal, aux.init, want)
+
+
+def test_static_batchnorm_off_validates_uploads_with_their_running_statistics():
+  """With `static_bn=False` a client's upload keeps its BatchNorm running statistics, and the
+  server checks it against a template that has them (ResNet-18 sub-models; no training)."""
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{
+      'model': 'resnet18:width_mult=0.0625',
+      'client_models': 'resnet18:width_mult=0.0625;resnet18:width_mult=0.03125',
+      'partition.num_clients': 2,
+      'heterofl.static_bn': False,
+    },
+  )
+  algorithm = driver.build_algorithm('heterofl', config)
+  aux = algorithm.setup(driver.context_of_config(config))
+  assert all(t.batch_stats for t in aux.templates)
+  models = [engine.replicate(t, len(g.client_ids)) for t, g in zip(aux.templates, aux.groups)]
+  total = algorithm._receive(aux, models, [np.ones(len(g.client_ids)) for g in aux.groups])
+  assert total == sum(
+    serialized_nbytes(t) * len(g.client_ids) for t, g in zip(aux.templates, aux.groups)
+  )
 
 
 def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_input_statistics():
