@@ -14,7 +14,7 @@ from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset
 from jfed.engine import submodels
 from jfed.errors import ConfigError
-from jfed.io.uploads import serialized_nbytes
+from jfed.io.uploads import UploadError, serialized_nbytes
 from jfed.keys import Purpose
 from jfed.methods.heterofl import (
   client_rates,
@@ -250,6 +250,23 @@ def test_static_batchnorm_off_validates_uploads_with_their_running_statistics():
   assert total == sum(
     serialized_nbytes(t) * len(g.client_ids) for t, g in zip(aux.templates, aux.groups)
   )
+
+
+def test_a_participants_non_finite_upload_is_refused_by_client_id_and_a_sitting_out_one_unread():
+  config = override(fedtsa_digits.get_config('smoke'), **{'partition.num_clients': 4})
+  algorithm = driver.build_algorithm('heterofl', config)
+  aux = algorithm.setup(driver.context_of_config(config))
+  g = aux.groups[-1]
+  assert len(g.client_ids) == 2
+  models = [engine.replicate(t, len(grp.client_ids)) for t, grp in zip(aux.templates, aux.groups)]
+  poisoned = jax.tree.map(lambda a: a.at[1].set(jnp.nan), models[-1])  # the group's 2nd client
+  models[-1] = poisoned
+  weights = [np.ones(len(grp.client_ids)) for grp in aux.groups]
+  weights[-1] = np.array([1.0, 0.0])  # it sits the round out: its model is not read
+  algorithm._receive(aux, models, weights)
+  weights[-1] = np.array([1.0, 1.0])
+  with pytest.raises(UploadError, match=rf'\bclient {int(g.client_ids[1])}\b'):
+    algorithm._receive(aux, models, weights)
 
 
 def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_input_statistics():
