@@ -269,6 +269,71 @@ def test_a_participants_non_finite_upload_is_refused_by_client_id_and_a_sitting_
     algorithm._receive(aux, models, weights)
 
 
+def test_without_static_batchnorm_a_round_scatter_averages_the_clients_running_statistics(
+  monkeypatch,
+):
+  """`static_bn=False`: the new global running statistics are each entry's mean over the
+  participants whose sub-model holds it (the old value where none does), like the parameters.
+  Local training is replaced by random statistics (ResNet-18 at widths 1/16 and 1/32; three
+  clients, one sitting out)."""
+  from jfed.methods import common  # pylint: disable=g-import-not-at-top
+
+  config = override(
+    fedtsa_digits.get_config('smoke'),
+    **{
+      'model': 'resnet18:width_mult=0.0625',
+      'client_models': 'resnet18:width_mult=0.0625;resnet18:width_mult=0.03125',
+      'partition.num_clients': 3,
+      'heterofl.static_bn': False,
+      'heterofl.participation': 0.67,
+      'heterofl.eval_submodels': False,
+    },
+  )
+  algorithm = driver.build_algorithm('heterofl', config)
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  rng = np.random.default_rng(3)
+  uploads = []
+
+  def trained(trainers, groups, starts, epochs, key, label='', **kwargs):
+    models = [
+      s._replace(
+        batch_stats=jax.tree.map(lambda a: rng.random(a.shape, np.float32) + 1, s.batch_stats)
+      )
+      for s in starts
+    ]
+    uploads.append([(g, m) for g, m in zip(groups, models)])
+    metrics = [
+      engine.TrainMetrics(np.zeros((len(g.client_ids), 1)), np.zeros((len(g.client_ids), 1)))
+      for g in groups
+    ]
+    return models, metrics
+
+  monkeypatch.setattr(common, 'train_groups', trained)
+  state = algorithm.init(ctx, aux)
+  state = state._replace(batch_stats=jax.tree.map(lambda a: a + 0.5, state.batch_stats))
+  new, _ = algorithm.step(ctx, aux, state, 0)
+  (round_uploads,) = uploads
+  participants = [np.asarray(g.fed.sizes) > 0 for g, _ in round_uploads]
+  assert 0 < sum(int(p.sum()) for p in participants) < 3
+  old_leaves, treedef = jax.tree_util.tree_flatten(state.batch_stats)
+  want = []
+  for i, old in enumerate(old_leaves):
+    old = np.asarray(old, np.float64)
+    total, count = np.zeros_like(old), np.zeros_like(old)
+    for (g, m), took_part in zip(round_uploads, participants):
+      for j in np.flatnonzero(took_part):
+        leaf = np.asarray(jax.tree.leaves(m.batch_stats)[i][j], np.float64)
+        corner = tuple(slice(0, n) for n in leaf.shape)
+        total[corner] += leaf
+        count[corner] += 1
+    want.append(np.where(count > 0, total / np.maximum(count, 1), old))
+  got = jax.tree.leaves(new.batch_stats)
+  assert len(got) == len(want) > 10
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_static_batchnorm_statistics_are_the_mean_over_batches_of_the_batch_input_statistics():
   module, model = _init('cnn_mnist')
   x = np.random.default_rng(0).random((48, *SHAPE), dtype=np.float32)
