@@ -362,7 +362,11 @@ def test_rates_come_from_the_client_specs_and_bad_ones_are_refused():
     'mlp': 1.0,
     'mlp:width_mult=0.5': 0.5,
   }
-  with pytest.raises(ConfigError, match='width-scalable'):
+  with pytest.raises(
+    ConfigError,
+    match=r'^heterofl needs a width-scalable global model \(resnet18, mlp\); config.model is '
+    r"'cnn_mnist'$",
+  ):
     client_rates('cnn_mnist', ['cnn_mnist'])
   with pytest.raises(ConfigError, match='wider than the global'):
     client_rates('resnet18:width_mult=0.25', ['resnet18:width_mult=0.5'])
@@ -371,6 +375,62 @@ def test_rates_come_from_the_client_specs_and_bad_ones_are_refused():
   config = override(fedtsa_digits.get_config('smoke'), **{'heterofl.participation': 0.0})
   with pytest.raises(ConfigError, match=r'heterofl.participation must be in \(0, 1\]'):
     driver.build_algorithm('heterofl', config)
+
+
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
+    ({'heterofl.rounds': 0}, r'^heterofl\.rounds must be positive, got 0$'),
+    ({'heterofl.grad_clip': -1.0}, r'^heterofl\.grad_clip must be >= 0, got -1\.0$'),
+    # the client specs are checked when the run is built, before any data is read
+    ({'client_models': 'mlp;mlp:width_mult=2.0'}, 'is wider than the global model'),
+    ({'client_models': 'mlp:width_mult=0.5;resnet18'}, "client model 'resnet18' must be"),
+  ],
+)
+def test_heterofl_refusals_name_the_section_and_bad_client_models_are_refused_when_built(
+  overrides, message
+):
+  with pytest.raises(ConfigError, match=message):
+    driver.build_algorithm('heterofl', override(fedtsa_digits.get_config('smoke'), **overrides))
+
+
+def test_a_heterofl_clients_step_trains_with_masked_batchnorm_and_its_dropout_key():
+  """HeteroFL's local objective (any zoo model) is a training pass: BatchNorm on the real rows'
+  statistics (padded rows masked out) and dropout from the step's key; CE over the real rows of
+  the logits with the classes the client lacks set to 0 (the reference's masked_fill)."""
+  module, model = _init('cnn_mnist')
+  x = np.random.default_rng(5).random((6, *SHAPE), dtype=np.float32)
+  y = np.array([0, 1, 1, 2, 3, 3], np.int32)
+  weights = np.array([1, 1, 1, 1, 0, 0], np.float32)
+  held = np.array([1, 1, 1, 0] + [0] * 6, np.float32)  # class 3 only in the padding
+  objective = jax.jit(masked_classification_objective, static_argnums=0)
+  loss, (_, _, count, stats) = objective(
+    module, model.params, model.batch_stats, x, y, weights, jax.random.PRNGKey(0), held
+  )
+  logits, updates = module.apply(model.variables(), x[:4], train=True, mutable=['batch_stats'])
+  z = np.where(held > 0, np.asarray(logits, np.float64), 0.0)
+  z = z - z.max(1, keepdims=True)
+  ce = np.log(np.exp(z).sum(1)) - z[np.arange(4), y[:4]]
+  np.testing.assert_allclose(loss, ce.mean(), rtol=1e-5)
+  assert count == 4
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    stats,
+    updates['batch_stats'],
+  )
+  vgg = get_model('vgg9', 10, SHAPE, width_mult=1 / 16, fc_width=16)
+  v = engine.init_model(vgg, SHAPE, jax.random.PRNGKey(0))
+  ones = np.ones(10, np.float32)
+  losses = [
+    float(objective(vgg, v.params, {}, x, y, weights, jax.random.PRNGKey(k), ones)[0])
+    for k in (1, 2)
+  ]
+  logits = vgg.apply(v.variables(), x[:4], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
+  z = np.asarray(logits, np.float64)
+  z = z - z.max(1, keepdims=True)
+  want = (np.log(np.exp(z).sum(1)) - z[np.arange(4), y[:4]]).mean()
+  np.testing.assert_allclose(losses[0], want, rtol=1e-5)
+  assert losses[0] != losses[1]
 
 
 def _sown_batch_statistics(module, params, x, batch):
