@@ -399,6 +399,8 @@ def test_a_heterofl_clients_step_trains_with_masked_batchnorm_and_its_dropout_ke
   statistics (padded rows masked out) and dropout from the step's key; CE over the real rows of
   the logits with the classes the client lacks set to 0 (the reference's masked_fill)."""
   module, model = _init('cnn_mnist')
+  # running statistics away from their init, so that a lost batch_stats collection shows
+  model = model._replace(batch_stats=jax.tree.map(lambda a: a + 0.3, model.batch_stats))
   x = np.random.default_rng(5).random((6, *SHAPE), dtype=np.float32)
   y = np.array([0, 1, 1, 2, 3, 3], np.int32)
   weights = np.array([1, 1, 1, 1, 0, 0], np.float32)
