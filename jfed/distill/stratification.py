@@ -173,8 +173,8 @@ class MSConfig(NamedTuple):
 
 
 # The compute dtypes MS offers: the paper's float32, and bfloat16 for accelerators whose matrix
-# units run bf16 at several times their float32 rate (issue 34: MS in TFLOP/s against the
-# device's dense peak).
+# units run bf16 at several times their float32 rate
+# (experiments/bench/model_stratification.py compares each with the device's dense peak).
 MS_COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 

@@ -108,7 +108,7 @@ class FedHydraOwnConfig(NamedTuple):
   ms_impl: str = 'auto'
   ms_chunk: int = 0
   # 'bfloat16': MS's generators and teachers compute in bf16 (float32 parameters, Adam state and
-  # losses); the paper's float32 is the default. For accelerators (issue 34).
+  # losses); the paper's float32 is the default. For accelerators' bf16 matrix units.
   ms_compute_dtype: str = 'float32'
   aggregation: str = 'sa'
   # 'paper': Ū_c as Eq. 6 (each client's class weights sum to 1, so SA logits are about 1/c of
