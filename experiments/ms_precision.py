@@ -95,31 +95,24 @@ def render(config, results: dict, meta: dict) -> str:
     ms_s = mean_std(seed_values(results, CELL, dtype, 'ms_seconds'), scale=1.0, digits=1) or '—'
     run_s = mean_std(seed_values(results, CELL, dtype, 'seconds'), scale=1.0, digits=1) or '—'
     lines.append(f'| {dtype} | {cells[0]} | {cells[1]} | {ms_s} | {run_s} |')
+  f32, bf16 = DTYPES
   paired = [
-    (seeds[DTYPES[1]]['final_test_accuracy'] - seeds[DTYPES[0]]['final_test_accuracy'], seed)
-    for seed, seeds in sorted(results.get(CELL, {}).items())
-    if all(sweep.is_finished(seeds.get(d)) for d in DTYPES)
+    runs
+    for _, runs in sorted(results.get(CELL, {}).items())
+    if all(sweep.is_finished(runs.get(d)) for d in DTYPES)
   ]
   if paired:
-    diffs = [d for d, _ in paired]
-    weights = [
-      max(
-        float(
-          np.max(
-            np.abs(np.subtract(results[CELL][s][DTYPES[1]][k], results[CELL][s][DTYPES[0]][k]))
-          )
-        )
-        for k in ('U_r', 'U_c')
-      )
-      for _, s in paired
-    ]
-    verdict = _verdict(diffs)
+    diffs = [r[bf16]['final_test_accuracy'] - r[f32]['final_test_accuracy'] for r in paired]
+    weight_gap = max(
+      float(np.max(np.abs(np.subtract(r[bf16][k], r[f32][k]))))
+      for r in paired
+      for k in ('U_r', 'U_c')
+    )
     lines += [
       '',
       f'- final accuracy, bfloat16 - float32, paired by seed: {mean_std(diffs)} points '
-      f'(n = {len(diffs)}): {verdict}.',
-      f"- largest |U_r| or |U_c| difference between the dtypes' first-round MS: "
-      f'{max(weights):.3g}.',
+      f'(n = {len(diffs)}): {_verdict(diffs)}.',
+      f"- largest |U_r| or |U_c| difference between the dtypes' first-round MS: {weight_gap:.3g}.",
     ]
   return '\n'.join(lines) + '\n'
 

@@ -90,21 +90,21 @@ BATCHED_FORMS = {
   'batched_bf16': ('runs', 'auto', 'bfloat16'),
   'batched_clients_bf16': ('clients', 'auto', 'bfloat16'),
 }
-# Dense (no sparsity) peak TFLOP/s by compute dtype, from NVIDIA's H100 / H200 SXM datasheets
-# (float32: the CUDA cores; float32 matmuls on the tensor cores as TF32 reach 495): what a
-# form's TFLOP/s is compared with. Devices not listed get no fraction.
+# Dense (no sparsity) peak TFLOP/s by compute dtype, from NVIDIA's H100 / H200 SXM datasheets:
+# what a form's TFLOP/s is compared with. float32 is the tensor cores' TF32 peak, the precision
+# of XLA's default float32 matmuls on these GPUs (the CUDA cores' float32 peak is 67). Devices
+# not listed get no fraction.
 DENSE_PEAK_TFLOPS = {
-  'H100': {'float32': 67.0, 'tf32': 494.7, 'bfloat16': 989.4},
-  'H200': {'float32': 67.0, 'tf32': 494.7, 'bfloat16': 989.4},
+  'H100': {'float32': 494.7, 'bfloat16': 989.4},
+  'H200': {'float32': 494.7, 'bfloat16': 989.4},
 }
 
 
 def dense_peak_tflops(device_kind: str, dtype: str) -> Optional[float]:
-  """The device's dense peak for `dtype` ('float32' counts TF32, what XLA's default matmul
-  precision uses on these GPUs), or None for a device not in DENSE_PEAK_TFLOPS."""
+  """The device's dense peak for `dtype`, or None for a device not in DENSE_PEAK_TFLOPS."""
   for name, peaks in DENSE_PEAK_TFLOPS.items():
     if name in device_kind:
-      return peaks['tf32' if dtype == 'float32' else dtype]
+      return peaks[dtype]
   return None
 
 
