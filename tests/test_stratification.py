@@ -317,6 +317,54 @@ def test_fedhydra_names_round_one_files_plainly_and_later_rounds_by_number():
   assert fedhydra._file_name('model_stratification', 2, 'npz') == 'model_stratification_round2.npz'
 
 
+def test_fedhydra_saves_ms_in_global_client_order_and_names_each_client_in_the_heatmap(
+  tmp_path, monkeypatch
+):
+  """Teachers in another order than the clients and m != c: each `*_by_client` array puts
+  teacher i's row (client-major: losses, u) or column (class-major: U, U_r, U_c) at its
+  client id, and the heatmap gets U_r by client with 'client k (architecture)' labels."""
+  import types  # pylint: disable=g-import-not-at-top
+
+  m, c, t_g = 3, 4, 5
+  ids = np.array([2, 0, 1])
+  losses = np.random.default_rng(1).random((m, c, t_g)).astype(np.float32) + 0.5
+  ms = S.stratification_from_losses(losses)
+  ms = fedhydra.Stratification(*(np.asarray(a) for a in ms), seconds=np.float32(1.5))
+  ctx = types.SimpleNamespace(
+    output_path=lambda name: tmp_path / name,
+    dataset=types.SimpleNamespace(name='digits'),
+    run=types.SimpleNamespace(
+      partition=types.SimpleNamespace(scheme='dir'),
+      client_models='mlp:hidden=8;cnn_mnist',
+      model='mlp',
+    ),
+    num_clients=m,
+  )
+  drawn = {}
+  monkeypatch.setattr(
+    fedhydra.plots, 'plot_ms_heatmap', lambda path, w, **kw: drawn.update(path=path, w=w, **kw)
+  )
+  fedhydra._write_ms(ctx, 2, ms, ids, 'batched')
+  saved = np.load(tmp_path / 'model_stratification_round2.npz')
+  for name in ('losses', 'u'):  # client-major
+    want = np.zeros_like(getattr(ms, name))
+    for i, k in enumerate(ids):
+      want[k] = getattr(ms, name)[i]
+    np.testing.assert_array_equal(saved[f'{name}_by_client'], want, err_msg=name)
+  for name in ('U', 'U_r', 'U_c'):  # [classes, clients]
+    want = np.zeros_like(getattr(ms, name))
+    for i, k in enumerate(ids):
+      want[:, k] = getattr(ms, name)[:, i]
+    np.testing.assert_array_equal(saved[f'{name}_by_client'], want, err_msg=name)
+    np.testing.assert_array_equal(saved[name], getattr(ms, name))
+  np.testing.assert_array_equal(saved['teacher_client_ids'], ids)
+  assert str(saved['impl']) == 'batched' and saved['seconds'] == np.float32(1.5)
+  assert drawn['path'] == tmp_path / 'ms_heatmap_round2.png'
+  np.testing.assert_array_equal(drawn['w'], saved['U_r_by_client'])
+  assert drawn['client_names'] == ['client 0 (mlp)', 'client 1 (cnn_mnist)', 'client 2 (mlp)']
+  assert drawn['title'] == 'FedHydra MS weights U_r (round 2, digits, dir)'
+
+
 @pytest.mark.parametrize(
   'key, value',
   [
