@@ -172,7 +172,12 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'methods_common': (
     ['jfed/methods/common.py', 'jfed/methods/seed_batch.py'],
-    ['tests/test_oracle_fedavg.py', 'tests/test_seed_batch.py', 'tests/test_settings_refused.py'],
+    [
+      'tests/test_oracle_fedavg.py',
+      'tests/test_seed_batch.py',
+      'tests/test_settings_refused.py',
+      'tests/test_methods_common.py',
+    ],
   ),
 }
 

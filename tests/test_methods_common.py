@@ -1,0 +1,181 @@
+"""The shared method helpers of jfed.methods.common that the oracle tests reach only at one
+setting: client sampling's refusals, a round's participating group (its rows, order and
+padding) against a computation written here, and what a FedAvg round does with a client whose
+training diverges (tests/test_oracle_fedavg.py's tiny digits problem)."""
+
+import types
+
+import flax.serialization
+import jax
+import numpy as np
+import pytest
+
+from jfed.data.datasets import Dataset
+from jfed.data.federated import FederatedArrays
+from jfed.driver import build_algorithm, make_context, run
+from jfed.errors import ConfigError, NonFiniteError
+from jfed.methods import common
+from tests.test_oracle_fedavg import SIZES, _config, _dataset, _parts
+
+
+@pytest.mark.parametrize('participation', [0.0, -0.1, 1.01, 1.5, 2.0])
+def test_client_sampling_refuses_a_participation_outside_zero_to_one(participation):
+  with pytest.raises(
+    ConfigError, match=rf'^participation must be in \(0, 1\], got {participation}$'
+  ):
+    common.select_clients(jax.random.key(0), 10, participation)
+
+
+@pytest.mark.parametrize('participation, count', [(0.01, 1), (0.3, 3), (1.0, 10)])
+def test_client_sampling_draws_round_pn_distinct_sorted_clients(participation, count):
+  got = common.select_clients(jax.random.key(3), 10, participation)
+  assert len(got) == count == len(set(got.tolist()))
+  assert np.all(np.diff(got) > 0) and 0 <= got.min() and got.max() < 10
+
+
+def test_a_rounds_group_keeps_the_selected_rows_in_order_padded_to_whole_batches_of_the_largest():
+  """5 clients of one architecture with up to 7 samples, batch 3: a round of clients 1 and 4
+  keeps their rows (x, y, sizes) in the group's order, and pads the sample axis to 9 (whole
+  batches of the largest client of the full group), whoever takes part; the client axis is not
+  padded."""
+  rng = np.random.default_rng(0)
+  m, n_max, b = 5, 7, 3
+  sizes = np.array([7, 2, 5, 3, 6], np.int32)
+  x = rng.random((m, n_max, 4, 4, 1)).astype(np.float32)
+  y = rng.integers(0, 10, (m, n_max)).astype(np.int32)
+  ids = np.array([3, 1, 4, 0, 2])  # global ids in the group's order
+  full = common.ClientGroup('mlp', None, ids, FederatedArrays(x, y, sizes))
+  ctx = types.SimpleNamespace(run=types.SimpleNamespace(batch_size=b))
+
+  got = common.participating_group(ctx, full, np.array([1, 4]))
+
+  rows = [1, 2]  # where global ids 1 and 4 sit in the group
+  want_x = np.zeros((2, 9, 4, 4, 1), np.float32)
+  want_y = np.zeros((2, 9), np.int32)
+  for i, r in enumerate(rows):
+    want_x[i, :n_max], want_y[i, :n_max] = x[r], y[r]
+  np.testing.assert_array_equal(got.client_ids, [1, 4])
+  np.testing.assert_array_equal(got.fed.x, want_x)
+  np.testing.assert_array_equal(got.fed.y, want_y)
+  np.testing.assert_array_equal(got.fed.sizes, sizes[rows])
+  assert got.spec == 'mlp'
+  # every client taking part: the full group itself
+  assert common.participating_group(ctx, full, np.arange(5)) is full
+
+
+def _digits_with_nan_images(*clients: int):
+  """The oracle tests' tiny digits problem with every training image of `clients` made NaN, so
+  that their local training loss turns non-finite in the first step."""
+  d = _dataset()
+  x = np.array(d.train_x, np.float32)
+  for k in clients:
+    x[_parts(SIZES)[k]] = np.nan
+  return Dataset(d.name, x, d.train_y, d.test_x, d.test_y, d.num_classes)
+
+
+def _run_fedavg(config, dataset):
+  ctx = make_context(config, dataset, _parts(SIZES))
+  records = []
+  algorithm = build_algorithm('fedavg', config)
+  step = algorithm.step
+
+  def recording_step(ctx, aux, state, i):
+    state, recs = step(ctx, aux, state, i)
+    records.extend(recs)
+    return state, recs
+
+  algorithm.step = recording_step
+  return run(algorithm, ctx, progress=False), records
+
+
+def test_a_clean_round_stops_at_a_client_whose_training_diverges_naming_round_and_client():
+  config = _config(3, **{'fedavg.rounds': 1})
+  with pytest.raises(
+    NonFiniteError,
+    match=r'^round 1/1: the training loss of client\(s\) \[1\] \(mlp:width_mult=0.05\) became',
+  ):
+    _run_fedavg(config, _digits_with_nan_images(1))
+
+
+def test_under_an_attack_an_honest_client_whose_training_diverges_is_rejected_not_fatal():
+  """A poisoned global model can make honest training diverge: under a simulated attack that
+  client's upload is rejected (logged), and the round aggregates the others."""
+  config = _config(3, **{'fedavg.rounds': 1, 'attack.kind': 'sign_flip', 'attack.clients': '2'})
+  summary, (record,) = _run_fedavg(config, _digits_with_nan_images(1))
+  assert record['rejected_clients'] == [1] and record['rejected_uploads'] == 1
+  assert np.isfinite(record['train_loss']) and np.isfinite(summary['final_test_accuracy'])
+
+
+def test_a_round_whose_every_upload_is_rejected_records_no_training_loss():
+  config = _config(
+    3,
+    **{
+      'fedavg.rounds': 1,
+      'attack.kind': 'sign_flip',
+      'attack.clients': '2',
+      'server.allow_empty_rounds': True,
+    },
+  )
+  _, (record,) = _run_fedavg(config, _digits_with_nan_images(0, 1, 2))
+  assert record['rejected_clients'] == [0, 1, 2] and record['train_loss'] is None
+
+
+class _ReceivingServer:
+  """A server that records what a round hands it and keeps the global model."""
+
+  attack = types.SimpleNamespace(kind='none')
+
+  def __init__(self):
+    self.calls = []
+
+  def receive(self, group, stacked, reference, template, step, weights=None, **kwargs):
+    self.calls.append(dict(group=group, stacked=stacked, step=step, weights=weights, **kwargs))
+    return reference, {'upload_bytes': 7, 'rejected_uploads': 0}
+
+
+def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_counts_downloads():
+  """What `fedavg_round` forwards (DynaFed's uniform weights, HFLDD's declared sizes) and what its
+  record adds: every client's download of the global model, the mean of the clients' last
+  training losses, no dropped clients in a round where every client replied."""
+  config = _config(3)
+  ctx = make_context(config, _dataset(), _parts(SIZES))
+  (group,) = common.client_groups(ctx)
+  (trainer,) = common.make_trainers(ctx, [group])
+  (model,) = common.init_group_models(ctx, [group])
+  global_model = jax.tree.map(lambda a: a[0], model)
+  server = _ReceivingServer()
+  weights, declared = np.array([1.0, 2.0, 3.0]), np.array([5, 6, 7])
+  _, record = common.fedavg_round(
+    trainer,
+    group,
+    global_model,
+    1,
+    jax.random.key(0),
+    global_model,
+    server,
+    4,
+    weights=weights,
+    declared_sizes=declared,
+  )
+  (call,) = server.calls
+  assert call['group'] is group and call['step'] == 4
+  np.testing.assert_array_equal(call['weights'], weights)
+  np.testing.assert_array_equal(call['declared_sizes'], declared)
+  np.testing.assert_array_equal(call['taking_part'], [True, True, True])
+  # the three clients trained from the global model and uploaded different models
+  leaves = jax.tree.leaves(call['stacked'].params)
+  assert all(a.shape[0] == 3 for a in leaves)
+  assert not np.allclose(leaves[0][0], leaves[0][1])
+  each = len(
+    flax.serialization.msgpack_serialize(
+      {
+        'params': jax.tree.map(np.asarray, global_model.params),
+        'batch_stats': jax.tree.map(np.asarray, global_model.batch_stats),
+      }
+    )
+  )
+  assert record['download_bytes'] == 3 * each
+  assert (
+    record['clients'] == 3 and record['upload_bytes'] == 7 and np.isfinite(record['train_loss'])
+  )
+  assert 'dropped_clients' not in record
