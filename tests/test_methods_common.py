@@ -15,7 +15,16 @@ from jfed.data.federated import FederatedArrays
 from jfed.driver import build_algorithm, make_context, run
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.methods import common
-from tests.test_oracle_fedavg import SIZES, _config, _dataset, _parts
+from tests.test_oracle_fedavg import (
+  HETERO,
+  HETERO_SIZES,
+  NARROW,
+  SIZES,
+  WIDE,
+  _config,
+  _dataset,
+  _parts,
+)
 
 
 @pytest.mark.parametrize('participation', [0.0, -0.1, 1.01, 1.5, 2.0])
@@ -179,3 +188,13 @@ def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_c
     record['clients'] == 3 and record['upload_bytes'] == 7 and np.isfinite(record['train_loss'])
   )
   assert 'dropped_clients' not in record
+
+
+def test_the_runs_client_trainers_are_one_per_architecture_each_with_its_own_model():
+  config = _config(4, **HETERO)
+  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  trainers = common.client_trainers(ctx)
+  assert list(trainers) == [NARROW, WIDE]
+  for spec, trainer in trainers.items():
+    assert trainer.module == common.build_module(spec, ctx.dataset)
+  assert trainers[NARROW] is not trainers[WIDE]
