@@ -1,7 +1,10 @@
-"""The shared method helpers of jfed.methods.common that the oracle tests reach only at one
-setting: client sampling's refusals, a round's participating group (its rows, order and
-padding) against a computation written here, and what a FedAvg round does with a client whose
-training diverges (tests/test_oracle_fedavg.py's tiny digits problem)."""
+"""The shared helpers of jfed.methods.common that the oracle tests reach at one setting only,
+or not at all, each against a computation written here (NumPy forward passes of
+tests/oracle_numpy.py on tests/test_oracle_fedavg.py's tiny digits problem): client sampling's
+refusals; a round's participating group (rows, order, padding) and a sitting-out client's size;
+what a FedAvg round hands its server and records, and what it does with a client whose
+training diverges; one trainer per architecture; test accuracy and every client's own
+probabilities and accuracy by global client id."""
 
 import types
 
@@ -10,11 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+from jfed import engine
 from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays
 from jfed.driver import build_algorithm, make_context, run
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.methods import common
+from tests import oracle_numpy as onp
 from tests.test_oracle_fedavg import (
   HETERO,
   HETERO_SIZES,
@@ -198,3 +203,59 @@ def test_the_runs_client_trainers_are_one_per_architecture_each_with_its_own_mod
   for spec, trainer in trainers.items():
     assert trainer.module == common.build_module(spec, ctx.dataset)
   assert trainers[NARROW] is not trainers[WIDE]
+
+
+def _random_local_models(ctx, seed: int) -> common.LocalModels:
+  """Every client's model with its own random parameters (so that no two score alike), by
+  architecture group; clients 0, 2 narrow and 1, 3 wide under HETERO."""
+  groups = common.client_groups(ctx)
+  models = []
+  for g in groups:
+    stacked = [
+      engine.init_model(g.module, ctx.dataset.input_shape, jax.random.key(seed * 100 + int(k)))
+      for k in g.client_ids
+    ]
+    models.append(jax.tree.map(lambda *a: np.stack(a), *stacked))
+  return common.LocalModels(groups, models, 0)
+
+
+def test_a_models_test_accuracy_scores_the_whole_test_split():
+  config = _config(3)
+  ctx = make_context(config, _dataset(), _parts(SIZES))
+  module = common.build_module(NARROW, ctx.dataset)
+  model = engine.init_model(module, ctx.dataset.input_shape, jax.random.key(5))
+  want = onp.accuracy(
+    onp.mlp_forward(onp.to_numpy(model.params), _dataset().test_x), ctx.dataset.test_y
+  )
+  assert common.test_accuracy(ctx, module, model) == pytest.approx(want, abs=1e-9)
+  evaluator = engine.Evaluator(module, 7, 'loop')
+  assert common.test_accuracy(ctx, module, model, evaluator) == pytest.approx(want, abs=1e-9)
+
+
+def test_client_probabilities_and_accuracies_are_each_clients_own_model_by_global_id():
+  config = _config(4, **HETERO)
+  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  local = _random_local_models(ctx, 1)
+  x = _dataset().train_x[:9]
+  probs = common.client_probabilities(ctx, local, x)
+  accs = common.client_accuracies(ctx, local)
+  assert probs.shape == (4, 9, 10) and probs.dtype == np.float32
+  for g, models in zip(local.groups, local.models):
+    for i, k in enumerate(g.client_ids):
+      params = onp.to_numpy(onp.take_client(models.params, i))
+      np.testing.assert_allclose(
+        probs[k], onp.softmax(onp.mlp_forward(params, x)), rtol=1e-4, atol=1e-6, err_msg=str(k)
+      )
+      want = onp.accuracy(onp.mlp_forward(params, _dataset().test_x), ctx.dataset.test_y)
+      assert accs[k] == pytest.approx(want, abs=1e-9)
+  assert len(set(np.round(accs, 6).tolist())) > 1
+
+
+def test_a_client_sitting_out_keeps_its_rows_at_size_zero():
+  sizes = np.array([7, 2, 5], np.int32)
+  fed = FederatedArrays(np.ones((3, 7, 2)), np.ones((3, 7), np.int32), sizes)
+  group = common.ClientGroup('mlp', None, np.array([4, 0, 2]), fed)
+  got = common.sitting_out_as_size_zero(group, np.array([True, False, True]))
+  assert got.fed.sizes.dtype == np.int32
+  np.testing.assert_array_equal(got.fed.sizes, [7, 0, 5])
+  assert got.fed.x is fed.x and got.fed.y is fed.y and got.client_ids is group.client_ids
