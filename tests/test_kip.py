@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
+from jfed.engine import compiles
 from jfed.kip import (
   KIPConfig,
   centered_one_hot,
@@ -551,3 +552,54 @@ def test_integer_pixels_give_the_kernels_of_their_float_values(dtype):
     np.testing.assert_allclose(
       np.asarray(kernel(x, x[:2])), np.asarray(kernel(xf, xf[:2])), rtol=1e-6, err_msg=str(kernel)
     )
+
+
+def _np_first_loss(fx, fy, res, reg):
+  """KIP's first-step KRR loss over every real sample in raw pixels (NumPy, float64)."""
+  x, sup = fx.astype(np.float64), np.asarray(res.x, np.float64)
+  onehot = lambda y: np.eye(10)[y] - 0.1
+  kss, kts = np_fc_kernels(sup, sup, 1)[1], np_fc_kernels(x, sup, 1)[1]
+  kss = kss + reg * np.trace(kss) / len(sup) * np.eye(len(sup))
+  pred = kts @ np.linalg.solve(kss, onehot(np.asarray(res.y)))
+  return 0.5 * np.mean((pred - onehot(fy)) ** 2)
+
+
+def test_a_sweep_of_the_ridge_compiles_one_program_and_each_value_is_its_own_krr_loss():
+  """The regulariser is a value of the one-client program, not part of its key: three ridges
+  compile it once, and each run's first loss is the NumPy KRR loss at its own ridge."""
+  fx, fy, _ = _digits_clients([10], 12)
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
+    runs = {}
+    for reg in (1e-6, 1e-2, 1.0):
+      cfg = KIPConfig(
+        support_size=4, iterations=1, lr=0.0, target_batch=10, standardize=False, x64=True, reg=reg
+      )
+      runs[reg] = kip_distill(fx[0], fy[0], 10, cfg, jax.random.PRNGKey(8), 10)
+  assert compiled.counts()['jit(_distill_one_jit)'] == 1, compiled.summary()
+  for reg, res in runs.items():
+    want = _np_first_loss(fx[0, :10], fy[0, :10], res, reg)
+    np.testing.assert_allclose(float(res.loss[0]), want, rtol=2e-3, err_msg=str(reg))
+  assert len({float(r.loss[0]) for r in runs.values()}) == 3
+
+
+def test_a_sweep_of_lr_ridge_and_jitter_compiles_one_batched_program_equal_to_runs_made_alone():
+  fx, fy, sizes = _digits_clients([20, 12, 3], 20)
+  base = KIPConfig(support_size=6, iterations=4, target_batch=5)
+  values = [
+    base._replace(lr=0.004),
+    base._replace(lr=0.04, reg=1e-3),
+    base._replace(lr=0.01, dup_jitter=0.1),
+  ]
+  key = jax.random.PRNGKey(2)
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
+    swept = [kip_distill_batched(fx, fy, sizes, cfg, key, 10, mesh=None) for cfg in values]
+  assert compiled.counts()['jit(_batched_body)'] == 1, compiled.summary()
+  for cfg, got in zip(values, swept):
+    jax.clear_caches()
+    alone = kip_distill_batched(fx, fy, sizes, cfg, key, 10, mesh=None)
+    for field in ('x', 'y_matrix', 'loss', 'acc'):
+      np.testing.assert_array_equal(getattr(got, field), getattr(alone, field), err_msg=field)
+  # each value reached the program: the three sweeps' supports differ
+  assert not np.allclose(swept[0].x, swept[1].x) and not np.allclose(swept[0].x, swept[2].x)

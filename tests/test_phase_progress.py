@@ -78,13 +78,14 @@ def test_a_kip_solve_logs_its_start_and_then_iterations(info, fast_clock):
 
 def test_a_kip_program_has_no_host_callback_without_info_lines():
   """Without INFO it is the program it was (JAX's persistent cache stores it)."""
-  cfg = KIPConfig(support_size=4, iterations=3, target_batch=4)
+  cfg, scalars = kip.split_scalars(KIPConfig(support_size=4, iterations=3, target_batch=4))
   args = (
     np.zeros((2, 8, 4), np.float32),
     np.zeros((2, 8), np.int32),
     np.full(2, 8, np.int32),
     np.arange(2, dtype=np.int32),
     jax.random.PRNGKey(0),
+    scalars,
   )
   quiet = kip._batched_program(cfg, 3, None, False).lower(*args).as_text()
   talking = kip._batched_program(cfg, 3, None, True).lower(*args).as_text()

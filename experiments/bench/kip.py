@@ -76,15 +76,17 @@ def _ready(tree):
 
 
 def time_batched(x, y, sizes, config, key):
-  from jfed.kip.kip import _batched_program
+  from jfed.kip.kip import _batched_program, split_scalars
 
-  prog = _batched_program(config, NUM_CLASSES, None)
+  static, scalars = split_scalars(config)
+  prog = _batched_program(static, NUM_CLASSES, None)
   args = (
     jnp.asarray(x),
     jnp.asarray(y),
     jnp.asarray(sizes),
     jnp.arange(len(sizes), dtype=jnp.int32),
     key,
+    scalars,
   )
   t0 = time.perf_counter()
   compiled = prog.lower(*args).compile()
@@ -106,13 +108,20 @@ def time_loop(x, y, sizes, config, key):
 
 
 def time_reference(config, shape, key, samples=10_000):
-  from jfed.kip.kip import _distill_one_jit, _x64_scope
+  from jfed.kip.kip import _distill_one_jit, _x64_scope, split_scalars
 
   x, y, sizes = make_clients(1, samples, shape, seed=1)
+  static, scalars = split_scalars(config)
   with _x64_scope(config):
-    args = (jnp.asarray(x[0]), jnp.asarray(y[0]), jnp.asarray(int(sizes[0]), jnp.int32), key)
+    args = (
+      jnp.asarray(x[0]),
+      jnp.asarray(y[0]),
+      jnp.asarray(int(sizes[0]), jnp.int32),
+      key,
+      scalars,
+    )
     t0 = time.perf_counter()
-    compiled = _distill_one_jit.lower(*args, config, NUM_CLASSES).compile()
+    compiled = _distill_one_jit.lower(*args, static, NUM_CLASSES).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     res = _ready(compiled(*args))

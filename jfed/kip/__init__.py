@@ -11,6 +11,7 @@ from jfed.kip.kernels import (
 from jfed.kip.kip import (
   KIPConfig,
   KIPResult,
+  KIPScalars,
   centered_one_hot,
   client_mesh,
   init_support,
@@ -21,4 +22,5 @@ from jfed.kip.kip import (
   krr_loss,
   krr_predict,
   sample_target_indices,
+  split_scalars,
 )

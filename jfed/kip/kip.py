@@ -39,6 +39,10 @@ Note that with `support_size >= size` every target sample is (up to jitter) a su
 the KRR loss is ≈ 0 from the start and KIP barely changes the images (HFLDD's MNIST setting has
 ~400 samples per client and 400 distilled images).
 
+Sweeps. `lr`, `reg` and `dup_jitter` change no shape: the jitted programs take them as values
+(`KIPScalars`) and are keyed on the rest of the config (`split_scalars`), so a sweep over any
+of them (a regulariser study, a learning-rate search) compiles one program for all its values.
+
 Precision: float32 by default (fast on GPU; all kernel matmuls use `Precision.HIGHEST`); the
 notebook runs in float64 — `KIPConfig(x64=True)` does the same inside a `jax.enable_x64`
 scope. `reg` keeps the Cholesky factorisation well defined; in float32 a very ill-conditioned
@@ -100,6 +104,22 @@ class KIPConfig(NamedTuple):
   standardize: bool = True
   dup_jitter: float = 1e-2
   x64: bool = False
+
+
+class KIPScalars(NamedTuple):
+  """The settings of `KIPConfig` that a jitted program takes as values (float32, or float64
+  under `x64`), not as part of its static key."""
+
+  lr: Any
+  reg: Any
+  dup_jitter: Any
+
+
+def split_scalars(config: KIPConfig) -> Tuple[KIPConfig, KIPScalars]:
+  """(the static key of `config`'s programs: its scalar settings zeroed, those settings)."""
+  dtype = np.float64 if config.x64 else np.float32
+  scalars = KIPScalars(*(np.asarray(getattr(config, f), dtype) for f in KIPScalars._fields))
+  return config._replace(**dict.fromkeys(KIPScalars._fields, 0.0)), scalars
 
 
 class KIPResult(NamedTuple):
@@ -289,12 +309,14 @@ def _distill_one(
   y: Array,
   size: Array,
   key: Array,
+  scalars: KIPScalars,
   *,
   config: KIPConfig,
   num_classes: int,
   progress: bool,
 ) -> KIPResult:
   """Traceable single-client KIP (x: [n_max, ...] padded, y: [n_max] int, size: scalar).
+  `config` is the static part (`split_scalars`): lr, reg and dup_jitter come from `scalars`.
   `progress`: each iteration reports to the active `jfed.engine.progress` phase."""
   dtype = jnp.float64 if config.x64 else jnp.float32
   x = x.astype(dtype)
@@ -315,15 +337,15 @@ def _distill_one(
   idx = init_support(k_init, y, size, S, num_classes)
   x_sup = xs[idx]
   repeated = (jnp.arange(S) >= size).reshape((S,) + (1,) * (x.ndim - 1))
-  noise = config.dup_jitter * jax.random.normal(k_jit, x_sup.shape, dtype)
+  noise = scalars.dup_jitter * jax.random.normal(k_jit, x_sup.shape, dtype)
   x_sup = jnp.where(repeated, x_sup + noise, x_sup)
   params = (x_sup, y_all[idx])
 
-  tx = optax.adam(config.lr)
+  tx = optax.adam(scalars.lr)
   opt_state = tx.init(params)
 
   def loss_fn(p, xt, yt):
-    return krr_loss(p[0], p[1], xt, yt, kernel_fn, config.reg, config.learn_labels)
+    return krr_loss(p[0], p[1], xt, yt, kernel_fn, scalars.reg, config.learn_labels)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -356,10 +378,12 @@ def _distill_one(
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'num_classes'))
-def _distill_one_jit(x, y, size, key, config, num_classes):
+def _distill_one_jit(x, y, size, key, scalars, config, num_classes):
   # one client's solve reports nothing: its program then has no host callback, which JAX's
   # persistent compilation cache would not store
-  return _distill_one(x, y, size, key, config=config, num_classes=num_classes, progress=False)
+  return _distill_one(
+    x, y, size, key, scalars, config=config, num_classes=num_classes, progress=False
+  )
 
 
 def _x64_scope(config: KIPConfig):
@@ -404,13 +428,15 @@ def kip_distill(
     size = int(size)
   if client_index is not None:
     key = jax.random.fold_in(key, client_index)
+  static, scalars = split_scalars(config)
   with _x64_scope(config):
     res = _distill_one_jit(
       jnp.asarray(x_client),
       jnp.asarray(y_client, jnp.int32),
       jnp.asarray(size, jnp.int32),
       key,
-      config,
+      scalars,
+      static,
       int(num_classes),
     )
   return res
@@ -440,16 +466,18 @@ def kip_distill_loop(
   ]
 
 
-def _batched_body(fx, fy, sizes, idx, key, config, num_classes, progress=False):
+def _batched_body(fx, fy, sizes, idx, key, scalars, config, num_classes, progress=False):
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
   fn = functools.partial(_distill_one, config=config, num_classes=num_classes, progress=progress)
-  return jax.vmap(fn)(fx, fy, sizes, keys)
+  return jax.vmap(fn, in_axes=(0, 0, 0, 0, None))(fx, fy, sizes, keys, scalars)
 
 
 @functools.lru_cache(maxsize=None)
 def _batched_program(
   config: KIPConfig, num_classes: int, mesh: Optional[Mesh], progress: bool = False
 ):
+  """The all-clients program of a static config (`split_scalars`), called with
+  (fed_x, fed_y, sizes, indices, key, scalars)."""
   body = functools.partial(_batched_body, config=config, num_classes=num_classes, progress=progress)
   if mesh is None:
     return jax.jit(body)
@@ -457,7 +485,7 @@ def _batched_program(
   rep = NamedSharding(mesh, P())
   return jax.jit(
     body,
-    in_shardings=(shard, shard, shard, shard, rep),
+    in_shardings=(shard, shard, shard, shard, rep, rep),
     out_shardings=shard,
   )
 
@@ -520,7 +548,8 @@ def kip_distill_batched(
   # Iteration progress only where INFO lines show (a program with a host callback is not
   # written to JAX's persistent compilation cache).
   report = info_enabled()
-  prog = _batched_program(config, int(num_classes), mesh, report)
+  static, scalars = split_scalars(config)
+  prog = _batched_program(static, int(num_classes), mesh, report)
   phase = (
     PhaseProgress(f'KIP solve of {m} clients', config.iterations, unit='iteration')
     if report
@@ -530,8 +559,8 @@ def kip_distill_batched(
     args = (jnp.asarray(fed_x), jnp.asarray(fed_y, jnp.int32), jnp.asarray(sizes), jnp.asarray(idx))
     if mesh is not None:
       args = sharding.place(mesh, args, P('clients'))
-      key = sharding.place(mesh, key, P())
-    res = prog(*args, key)
+      key, scalars = sharding.place(mesh, (key, scalars), P())
+    res = prog(*args, key, scalars)
     if phase is not None:
       jax.block_until_ready(res)  # the phase's callbacks arrive while it runs
   if multihost.spans_processes(mesh):  # every process continues with all clients' sets
