@@ -17,6 +17,7 @@ from jfed import engine
 from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays
 from jfed.driver import build_algorithm, make_context, run
+from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.methods import common
 from tests import oracle_numpy as onp
@@ -259,3 +260,28 @@ def test_a_client_sitting_out_keeps_its_rows_at_size_zero():
   assert got.fed.sizes.dtype == np.int32
   np.testing.assert_array_equal(got.fed.sizes, [7, 0, 5])
   assert got.fed.x is fed.x and got.fed.y is fed.y and got.client_ids is group.client_ids
+
+
+def test_runs_sharing_client_programs_compile_the_client_step_once_and_equal_runs_made_alone():
+  """A sweep's runs (`sharing_client_programs`): three FedAvg runs at two learning rates and two
+  seeds compile the clients' step once and give what each gives alone; another momentum is
+  another program."""
+  configs = [
+    _config(3, **{'fedavg.rounds': 2}),
+    _config(3, **{'fedavg.rounds': 2, 'optimizer.lr': 0.03}),
+    _config(3, **{'fedavg.rounds': 2, 'optimizer.lr': 0.03, 'seed': 1}),
+  ]
+  alone = [_run_fedavg(c, _dataset()) for c in configs]
+  store = {}
+  with common.sharing_client_programs(store), compiles.count_compilations() as compiled:
+    shared = [_run_fedavg(c, _dataset()) for c in configs]
+  assert compiled.counts()['jit(_loop_client_step)'] == 1, compiled.summary()
+  assert len(store) == 1
+  for (summary_a, records_a), (summary_s, records_s) in zip(alone, shared):
+    assert records_s == records_a
+    assert summary_s['final_test_accuracy'] == summary_a['final_test_accuracy']
+  assert [r['train_loss'] for _, (r, _) in alone][0] != [r['train_loss'] for _, (r, _) in alone][1]
+  with common.sharing_client_programs(store):
+    _run_fedavg(_config(3, **{'fedavg.rounds': 1, 'optimizer.momentum': 0.5}), _dataset())
+  assert len(store) == 2
+  assert common._shared_trainers is None  # the block's end stops the sharing

@@ -1,7 +1,9 @@
 """Blocks shared by methods: client groups, local training, the FedAvg round, the server side of
 model uploads (attack simulation, validation, aggregation), evaluation."""
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import contextlib
+import copy
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
 import flax.linen as nn
@@ -143,6 +145,66 @@ def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[Mo
   return models
 
 
+# The trainers that runs share inside `sharing_client_programs` (None: every run builds its own).
+_shared_trainers: Optional[Dict[Any, GroupTrainer]] = None
+
+
+@contextlib.contextmanager
+def sharing_client_programs(store: Dict[Any, Any]) -> Iterator[None]:
+  """Runs inside the block take their client trainers from `store`, so their compiled programs
+  serve every later run whose trainer differs in nothing but a constant learning rate (another
+  seed, another method with the same clients, a learning-rate sweep).
+
+  A GroupTrainer's programs belong to the instance, so each run used to compile its client step
+  anew. A constant learning rate lives in the optimiser state (`optax.inject_hyperparams`), not
+  in the programs, so a shared trainer takes each run's rate from the state that run's own
+  optimiser initialises. `store` keeps the trainers as long as its owner keeps it (a sweep: for
+  its lifetime).
+
+  Args:
+    store: The trainers by what their programs depend on; starts empty.
+
+  Yields:
+    Nothing; the block's runs share `store`'s trainers.
+  """
+  global _shared_trainers
+  previous, _shared_trainers = _shared_trainers, store
+  try:
+    yield
+  finally:
+    _shared_trainers = previous
+
+
+def _group_trainer(
+  module: nn.Module,
+  spec: engine.OptimizerSpec,
+  tx,
+  total_steps: int,
+  batch_size: int,
+  prox_mu: float,
+  strategy: str,
+  mesh,
+) -> GroupTrainer:
+  """A trainer of `module` with this run's optimiser `tx`: a new one, or inside
+  `sharing_client_programs` a copy of the shared one that carries this run's `tx`."""
+  fresh = lambda: GroupTrainer(
+    module, tx, batch_size, prox_mu=prox_mu, strategy=strategy, mesh=mesh
+  )
+  if _shared_trainers is None:
+    return fresh()
+  programs_of = spec._replace(lr=0.0) if spec.schedule == 'constant' else spec
+  key = (module, programs_of, int(total_steps), int(batch_size), float(prox_mu), strategy, mesh)
+  try:
+    shared = _shared_trainers.get(key)
+  except TypeError:  # an unhashable module field: nothing to share it by
+    return fresh()
+  if shared is None:
+    shared = _shared_trainers[key] = fresh()
+  trainer = copy.copy(shared)  # the shared programs, with this run's optimiser for its state
+  trainer.tx = tx
+  return trainer
+
+
 def make_trainers(
   ctx: RunContext,
   groups: Sequence[ClientGroup],
@@ -185,8 +247,8 @@ def make_trainers(
     if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
       by_spec[g.spec] = ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
     else:
-      by_spec[g.spec] = GroupTrainer(
-        g.module, tx, cfg.batch_size, prox_mu=prox_mu, strategy=cfg.strategy, mesh=ctx.mesh
+      by_spec[g.spec] = _group_trainer(
+        g.module, spec, tx, total_steps, cfg.batch_size, prox_mu, cfg.strategy, ctx.mesh
       )
   return [by_spec[g.spec] for g in groups]
 
