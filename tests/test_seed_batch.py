@@ -308,3 +308,9 @@ def test_pretrain_cell_trains_the_seeds_whose_unfinished_runs_read_missing_model
   asked.clear()
   seed_batch.pretrain_cell([plan(0), plan(1, ('fedavg', 'feddf'))])  # one seed alone: its run
   assert asked == []
+  # runs without a local_models_dir train their own clients: nothing to train ahead
+  no_cache = [plan(s) for s in range(3)]
+  for runs in no_cache:
+    runs[0].config.local_models_dir = ''
+  seed_batch.pretrain_cell(no_cache)
+  assert asked == []
