@@ -314,3 +314,26 @@ def test_pretrain_cell_trains_the_seeds_whose_unfinished_runs_read_missing_model
     runs[0].config.local_models_dir = ''
   seed_batch.pretrain_cell(no_cache)
   assert asked == []
+
+
+def test_pretrain_cell_trains_each_cell_apart_with_the_dataset_given_and_returns_every_batch(
+  tmp_path, monkeypatch
+):
+  """Seeds 0-1 at one learning rate and 2-3 at another are two cells: two batches, each with the
+  dataset handed in, and the result holds both batches' models."""
+  asked = []
+
+  def fake(configs, epochs, dataset=None):
+    asked.append(([c.seed for c in configs], epochs, dataset))
+    return [f'trained {c.seed}' for c in configs]
+
+  monkeypatch.setattr(seed_batch, 'pretrain_local_models', fake)
+  dataset = object()
+  seeds = []
+  for seed in range(4):
+    c = tiny_config(seed, tmp_path / f'seed{seed}', **{'optimizer.lr': 0.1 if seed < 2 else 0.05})
+    seeds.append([seed_batch.PlannedRun('fedavg', c, tmp_path / f'seed{seed}' / 'fedavg')])
+  done = seed_batch.pretrain_cell(seeds, dataset)
+  assert sorted((s, e) for s, e, _ in asked) == [([0, 1], EPOCHS), ([2, 3], EPOCHS)]
+  assert all(d is dataset for _, _, d in asked)
+  assert sorted(done) == [f'trained {s}' for s in range(4)]
