@@ -6,6 +6,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -196,6 +197,11 @@ def test_local_epochs_of_the_methods_that_share_local_models():
   c.fedavg.reuse_local_models = False
   assert seed_batch.local_epochs_of('fedavg', c) is None  # FedAvg trains its own clients
   assert seed_batch.local_epochs_of('fedprox', c) is None
+  c.local.epochs = 5  # the per-client baseline reads the shared models of its own epochs
+  assert seed_batch.local_epochs_of('local', c) == 5
+  # a FedAvg section that does not name reuse_local_models trains its own clients
+  c.fedavg = ml_collections.ConfigDict({'local_epochs': 2})
+  assert seed_batch.local_epochs_of('fedavg', c) is None
 
 
 def test_merged_group_pads_each_seed_to_the_longest_client():
