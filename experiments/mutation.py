@@ -177,8 +177,6 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
       'tests/test_seed_batch.py',
       'tests/test_settings_refused.py',
       'tests/test_methods_common.py',
-      # the server's attack simulation, validation and robust rules (Server.receive)
-      'tests/test_robust_aggregation.py',
     ],
   ),
 }
