@@ -285,3 +285,43 @@ def test_runs_sharing_client_programs_compile_the_client_step_once_and_equal_run
     _run_fedavg(_config(3, **{'fedavg.rounds': 1, 'optimizer.momentum': 0.5}), _dataset())
   assert len(store) == 2
   assert common._shared_trainers is None  # the block's end stops the sharing
+
+
+def _server_round(declared_sizes=None):
+  """Three clients' uploads (their init plus a random update each) received by the server of a
+  sign-flip attack on client 1 with strength 2, client 2 sitting out: (aggregate, record, the
+  global model, the uploads as NumPy trees, the clients' sizes)."""
+  config = _config(3, **{'attack.kind': 'sign_flip', 'attack.clients': '1', 'attack.strength': 2.0})
+  ctx = make_context(config, _dataset(), _parts(SIZES))
+  (group,) = common.client_groups(ctx)
+  (models,) = common.init_group_models(ctx, [group])
+  reference = jax.tree.map(lambda a: a[0], models)
+  rng = np.random.default_rng(4)
+  stacked = jax.tree.map(lambda a: a + rng.normal(0, 0.1, a.shape).astype(a.dtype), models)
+  server = common.make_server(ctx)
+  aggregate, record = server.receive(
+    group,
+    stacked,
+    reference,
+    reference,
+    0,
+    taking_part=np.array([True, True, False]),
+    declared_sizes=declared_sizes,
+  )
+  uploads = [onp.to_numpy(onp.take_client(stacked.params, k)) for k in range(3)]
+  return aggregate, record, onp.to_numpy(reference.params), uploads, np.asarray(group.fed.sizes)
+
+
+def test_the_server_flips_the_attackers_upload_and_averages_the_clients_taking_part():
+  aggregate, record, ref, uploads, sizes = _server_round()
+  flipped = onp.tree_map(lambda r, u: r - 2.0 * (u - r), ref, uploads[1])
+  want = onp.weighted_average([uploads[0], flipped], [sizes[0], sizes[1]])
+  onp.assert_tree_close(onp.to_numpy(aggregate.params), want, rtol=1e-5, atol=1e-6)
+  assert record['rejected_uploads'] == 0 and 'rejected_clients' not in record
+
+
+def test_the_server_rejects_an_upload_claiming_more_samples_than_declared():
+  sizes = np.asarray(_server_round()[4])
+  aggregate, record, ref, uploads, _ = _server_round(np.array([sizes[0], 1, sizes[2]]))
+  assert record['rejected_clients'] == [1] and record['rejected_uploads'] == 1
+  onp.assert_tree_close(onp.to_numpy(aggregate.params), uploads[0], rtol=1e-5, atol=1e-6)
