@@ -3,8 +3,9 @@ or not at all, each against a computation written here (NumPy forward passes of
 tests/oracle_numpy.py on tests/test_oracle_fedavg.py's tiny digits problem): client sampling's
 refusals; a round's participating group (rows, order, padding) and a sitting-out client's size;
 what a FedAvg round hands its server and records, and what it does with a client whose
-training diverges; one trainer per architecture; test accuracy and every client's own
-probabilities and accuracy by global client id."""
+training diverges; the server under an attack with a client sitting out and declared sizes;
+one trainer per architecture, and trainers shared by a sweep's runs; test accuracy and every
+client's own probabilities and accuracy by global client id."""
 
 import types
 
