@@ -20,6 +20,7 @@ from jfed.data.federated import FederatedArrays
 from jfed.driver import build_algorithm, make_context, run
 from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
+from jfed.io import UploadError
 from jfed.methods import common
 from tests import oracle_numpy as onp
 from tests.test_oracle_fedavg import (
@@ -288,11 +289,14 @@ def test_runs_sharing_client_programs_compile_the_client_step_once_and_equal_run
   assert common._shared_trainers is None  # the block's end stops the sharing
 
 
-def _server_round(declared_sizes=None):
+def _server_round(declared_sizes=None, **overrides):
   """Three clients' uploads (their init plus a random update each) received by the server of a
   sign-flip attack on client 1 with strength 2, client 2 sitting out: (aggregate, record, the
   global model, the uploads as NumPy trees, the clients' sizes)."""
-  config = _config(3, **{'attack.kind': 'sign_flip', 'attack.clients': '1', 'attack.strength': 2.0})
+  config = _config(
+    3,
+    **{'attack.kind': 'sign_flip', 'attack.clients': '1', 'attack.strength': 2.0, **overrides},
+  )
   ctx = make_context(config, _dataset(), _parts(SIZES))
   (group,) = common.client_groups(ctx)
   (models,) = common.init_group_models(ctx, [group])
@@ -326,3 +330,9 @@ def test_the_server_rejects_an_upload_claiming_more_samples_than_declared():
   aggregate, record, ref, uploads, _ = _server_round(np.array([sizes[0], 1, sizes[2]]))
   assert record['rejected_clients'] == [1] and record['rejected_uploads'] == 1
   onp.assert_tree_close(onp.to_numpy(aggregate.params), uploads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_server_set_to_fail_stops_at_an_invalid_upload_naming_the_client():
+  sizes = np.asarray(_server_round()[4])
+  with pytest.raises(UploadError, match=r'client 1'):
+    _server_round(np.array([sizes[0], 1, sizes[2]]), **{'server.on_invalid_upload': 'fail'})
