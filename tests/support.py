@@ -4,11 +4,15 @@ import json
 import os
 import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
+from jfed import engine
 from jfed.driver import RunCheckpointer
 from jfed.methods import common
+from jfed.models import get_model
 
 HFLDD_CLIENTS = 20
 # The DDPM of the tests (jfed.diffusion.train.DDPMConfig's fields), trained on 40 images of 8x8x1
@@ -202,3 +206,19 @@ def record_training_labels(monkeypatch):
 
   monkeypatch.setattr(common, 'train_groups', recording)
   return labels
+
+
+def dropout_losses_and_logits(objective, x, y, weights, *extra):
+  """A local objective on a VGG-9 with live dropout (rate 0.5; 8x8x1 images, 10 classes): its
+  loss at step keys 1 and 2, and flax's own train-mode logits of the real rows (the weighted
+  ones, first) under dropout key 1, for the test to score as the objective should."""
+  shape = x.shape[1:]
+  vgg = get_model('vgg9', 10, shape, width_mult=1 / 16, fc_width=16)
+  v = engine.init_model(vgg, shape, jax.random.PRNGKey(0))
+  losses = [
+    float(objective(vgg, v.params, {}, x, y, weights, jax.random.PRNGKey(k), *extra)[0])
+    for k in (1, 2)
+  ]
+  real = int(np.sum(weights > 0))
+  logits = vgg.apply(v.variables(), x[:real], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
+  return losses, np.asarray(logits)

@@ -26,7 +26,7 @@ from jfed.methods.heterofl import (
 )
 from jfed.models import get_model
 from tests import oracle_numpy as onp
-from tests.support import override
+from tests.support import dropout_losses_and_logits, override
 
 SHAPE = (8, 8, 1)
 
@@ -418,14 +418,7 @@ def test_a_heterofl_clients_step_trains_with_masked_batchnorm_and_its_dropout_ke
     stats,
     updates['batch_stats'],
   )
-  vgg = get_model('vgg9', 10, SHAPE, width_mult=1 / 16, fc_width=16)
-  v = engine.init_model(vgg, SHAPE, jax.random.PRNGKey(0))
-  ones = np.ones(10, np.float32)
-  losses = [
-    float(objective(vgg, v.params, {}, x, y, weights, jax.random.PRNGKey(k), ones)[0])
-    for k in (1, 2)
-  ]
-  logits = vgg.apply(v.variables(), x[:4], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
+  losses, logits = dropout_losses_and_logits(objective, x, y, weights, np.ones(10, np.float32))
   np.testing.assert_allclose(losses[0], onp.cross_entropy(logits, y[:4]), rtol=1e-5)
   assert losses[0] != losses[1]
 

@@ -17,7 +17,7 @@ import pytest
 from jfed import engine
 from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays
-from jfed.driver import build_algorithm, make_context, run
+from jfed.driver import make_context
 from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import UploadError
@@ -32,6 +32,7 @@ from tests.test_oracle_fedavg import (
   _config,
   _dataset,
   _parts,
+  _run,
 )
 
 
@@ -91,18 +92,9 @@ def _digits_with_nan_images(*clients: int):
 
 
 def _run_fedavg(config, dataset):
-  ctx = make_context(config, dataset, _parts(SIZES))
-  records = []
-  algorithm = build_algorithm('fedavg', config)
-  step = algorithm.step
-
-  def recording_step(ctx, aux, state, i):
-    state, recs = step(ctx, aux, state, i)
-    records.extend(recs)
-    return state, recs
-
-  algorithm.step = recording_step
-  return run(algorithm, ctx, progress=False), records
+  """(summary, every step's records in order) of FedAvg on `dataset`."""
+  summary, recorder, _ = _run('fedavg', config, dataset=dataset)
+  return summary, [r for step in recorder.records for r in step]
 
 
 def test_a_clean_round_stops_at_a_client_whose_training_diverges_naming_round_and_client():

@@ -109,13 +109,14 @@ class _Recorder:
     algorithm.setup, algorithm.step = recording_setup, recording_step
 
 
-def _run(method: str, config, sizes=SIZES, local_models=None):
-  """(summary, recorder, ctx) of `method` run in memory on the tiny problem. `local_models`
-  ([stacked ModelState] per architecture) seeds the run's one-shot local-models stage: the
-  server stage then starts from these given client models."""
+def _run(method: str, config, sizes=SIZES, local_models=None, dataset=None):
+  """(summary, recorder, ctx) of `method` run in memory on the tiny problem (or on `dataset`,
+  the tiny problem's images changed). `local_models` ([stacked ModelState] per architecture)
+  seeds the run's one-shot local-models stage: the server stage then starts from these given
+  client models."""
   algorithm = build_algorithm(method, config)
   recorder = _Recorder(algorithm)
-  ctx = make_context(config, _dataset(), _parts(sizes))
+  ctx = make_context(config, _dataset() if dataset is None else dataset, _parts(sizes))
   if local_models is not None:
     epochs = config[method].local_epochs
     ctx.stage('local_models', epochs, None, lambda: local_models)
