@@ -14,15 +14,18 @@ import jax
 import numpy as np
 import pytest
 
-from jfed import engine
+from experiments.configs import fedmho_digits
+from jfed import driver, engine
+from jfed.data import load_dataset
 from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays
 from jfed.driver import make_context
-from jfed.engine import compiles
+from jfed.engine import compiles, optim
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import UploadError
-from jfed.methods import common
+from jfed.methods import common, generative
 from tests import oracle_numpy as onp
+from tests.support import comparable_summary, override, smoke_config
 from tests.test_oracle_fedavg import (
   HETERO,
   HETERO_SIZES,
@@ -279,6 +282,57 @@ def test_runs_sharing_client_programs_compile_the_client_step_once_and_equal_run
     _run_fedavg(_config(3, **{'fedavg.rounds': 1, 'optimizer.momentum': 0.5}), _dataset())
   assert len(store) == 2
   assert common._shared_trainers is None  # the block's end stops the sharing
+
+
+@pytest.mark.parametrize('method', ['fedproto', 'fedmd', 'heterofl'])
+def test_a_methods_second_seed_compiles_no_client_step_when_runs_share_programs(method):
+  """The methods that train with their own objective (FedProto's prototype loss, FedMD's digest,
+  HeteroFL's masked CE per width) share their trainers too: inside `sharing_client_programs`
+  the second seed compiles no client step and adds no trainer, and both seeds give what they
+  give alone."""
+  configs = [override(smoke_config(method), seed=seed) for seed in (0, 1)]
+  ds = load_dataset('digits')
+  alone = [comparable_summary(driver.run_in_memory(method, c, ds)) for c in configs]
+  store = {}
+  with common.sharing_client_programs(store):
+    first = driver.run_in_memory(method, configs[0], ds)
+    kept = dict(store)
+    with compiles.count_compilations() as compiled:
+      second = driver.run_in_memory(method, configs[1], ds)
+  assert kept and store == kept
+  assert not [n for n in compiled.names if 'client_step' in n], compiled.summary()
+  assert [comparable_summary(first), comparable_summary(second)] == alone
+  assert alone[0] != alone[1]
+
+
+def test_cvae_trainers_of_another_seed_share_the_programs_and_carry_their_own_learning_rates():
+  """FedMHO's CVAE clients (CVAE-small at its own rate): another seed's trainers are copies of
+  the shared ones (the same compiled step), each with its own group's optimiser; another loss
+  is another program."""
+  ds = load_dataset('digits')
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    **{'client_models': 'mlp;cvae:size=small;cvae:size=large', 'dataset.holdout_size': 0},
+  )
+  n = config.partition.num_clients
+  parts = np.array_split(np.arange(10 * n), n)
+  settings = generative.CVAESettings(1, 'adam', 1e-3, 16, 'bce', 1.0, small_lr=5e-2)
+  store, trainers = {}, []
+  with common.sharing_client_programs(store):
+    for seed in (0, 1):
+      ctx = make_context(override(config, seed=seed), ds, parts)
+      groups = generative.cvae_groups(ctx)
+      trainers.append(generative.cvae_trainers(ctx, groups, settings))
+    shared = len(store)
+    other = generative.cvae_trainers(ctx, groups, settings._replace(beta=2.0))
+  first, second = trainers
+  assert len(first) == shared == 2
+  for a, b, c in zip(first, second, other):
+    assert a is not b and a._loop_step is b._loop_step
+    assert c._loop_step is not a._loop_step
+  lrs = [float(optim.learning_rate_of(t.tx.init({'w': np.zeros(2)}))) for t in second]
+  assert lrs == pytest.approx([generative.group_lr(g.module, settings) for g in groups])
+  assert {g.module.size for g in groups} == {'small', 'large'}
 
 
 def _server_round(declared_sizes=None, **overrides):

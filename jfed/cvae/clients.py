@@ -63,6 +63,7 @@ def build_cvae(kwargs: dict, num_classes: int, input_shape: Sequence[int]) -> CV
   )
 
 
+@functools.lru_cache(maxsize=None)  # one objective per loss: runs share its trainer's programs
 def cvae_objective(recon: str = 'bce', beta: float = 1.0):
   """The engine's `LocalObjective` of a CVAE client: Eq. 3 on the batch's real samples.
 

@@ -175,25 +175,53 @@ def sharing_client_programs(store: Dict[Any, Any]) -> Iterator[None]:
     _shared_trainers = previous
 
 
-def _group_trainer(
+def group_trainer(
+  ctx: RunContext,
   module: nn.Module,
   spec: engine.OptimizerSpec,
-  tx,
-  total_steps: int,
   batch_size: int,
-  prox_mu: float,
-  strategy: str,
-  mesh,
+  *,
+  objective: engine.LocalObjective = engine.classification_objective,
+  prox_mu: float = 0.0,
+  total_steps: int = 0,
 ) -> GroupTrainer:
-  """A trainer of `module` with this run's optimiser `tx`: a new one, or inside
-  `sharing_client_programs` a copy of the shared one that carries this run's `tx`."""
+  """A local trainer of `module` with the optimiser of `spec`: a new one, or inside
+  `sharing_client_programs` a copy of the shared one that carries this run's optimiser.
+
+  Every method builds its local trainers here, so a sweep's runs share the programs of any
+  method whose objective is the same object from run to run (a module-level function, or one
+  its factory caches by its arguments).
+
+  Args:
+    ctx: The run (its strategy and device mesh).
+    module: The clients' flax module.
+    spec: The optimiser.
+    batch_size: The local batch size.
+    objective: The local loss (`jfed.engine.training.LocalObjective`).
+    prox_mu: FedProx's proximal weight (0: plain local training).
+    total_steps: The optimiser steps a schedule spans.
+
+  Returns:
+    The trainer.
+  """
+  tx = engine.build_optimizer(spec, total_steps)
+  strategy, mesh = ctx.run.strategy, ctx.mesh
   fresh = lambda: GroupTrainer(
-    module, tx, batch_size, prox_mu=prox_mu, strategy=strategy, mesh=mesh
+    module, tx, batch_size, prox_mu=prox_mu, strategy=strategy, mesh=mesh, objective=objective
   )
   if _shared_trainers is None:
     return fresh()
   programs_of = spec._replace(lr=0.0) if spec.schedule == 'constant' else spec
-  key = (module, programs_of, int(total_steps), int(batch_size), float(prox_mu), strategy, mesh)
+  key = (
+    module,
+    programs_of,
+    objective,
+    int(total_steps),
+    int(batch_size),
+    float(prox_mu),
+    strategy,
+    mesh,
+  )
   try:
     shared = _shared_trainers.get(key)
   except TypeError:  # an unhashable module field: nothing to share it by
@@ -247,8 +275,8 @@ def make_trainers(
     if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
       by_spec[g.spec] = ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
     else:
-      by_spec[g.spec] = _group_trainer(
-        g.module, spec, tx, total_steps, cfg.batch_size, prox_mu, cfg.strategy, ctx.mesh
+      by_spec[g.spec] = group_trainer(
+        ctx, g.module, spec, cfg.batch_size, prox_mu=prox_mu, total_steps=total_steps
       )
   return [by_spec[g.spec] for g in groups]
 

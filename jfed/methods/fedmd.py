@@ -173,10 +173,10 @@ class FedMD(Algorithm):
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
 
-  def _tx(self, ctx: RunContext):
+  def _optimizer(self, ctx: RunContext) -> engine.OptimizerSpec:
     if self.config.optimizer == 'adam':
-      return engine.make_optimizer('adam', self.config.lr)
-    return engine.build_optimizer(ctx.run.optimizer)
+      return engine.OptimizerSpec('adam', self.config.lr)
+    return ctx.run.optimizer
 
   def setup(self, ctx: RunContext) -> FedMDAux:
     c, cfg, ds = self.config, ctx.run, ctx.dataset
@@ -187,7 +187,7 @@ class FedMD(Algorithm):
         f'{ds.num_classes} classes of {ds.name}'
       )
     groups = common.client_groups(ctx)
-    tx = self._tx(ctx)
+    spec = self._optimizer(ctx)
     trainers: Dict[Tuple[str, int, str], GroupTrainer] = {}
 
     def trainer(g: common.ClientGroup, batch: int, kind: str) -> GroupTrainer:
@@ -195,9 +195,7 @@ class FedMD(Algorithm):
       key = (g.spec, batch, kind)
       if key not in trainers:
         objective = digest_objective if kind == 'digest' else engine.classification_objective
-        trainers[key] = GroupTrainer(
-          g.module, tx, batch, strategy=cfg.strategy, mesh=ctx.mesh, objective=objective
-        )
+        trainers[key] = common.group_trainer(ctx, g.module, spec, batch, objective=objective)
       return trainers[key]
 
     revisit = [trainer(g, c.revisit_batch, 'ce') for g in groups]

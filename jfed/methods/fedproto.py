@@ -48,6 +48,7 @@ order, no dropout). Differences from the reference: the last batch is padded, no
 Config (`config.fedproto`): the fields of `FedProtoConfig`.
 """
 
+import functools
 from typing import Any, Dict, List, NamedTuple, Tuple
 
 import jax
@@ -114,6 +115,7 @@ def prototype_mse(features, labels, weights, protos: GlobalPrototypes):
   return jnp.sum(jnp.where(has, sq, 0.0)) / (count * features.shape[-1])
 
 
+@functools.lru_cache(maxsize=None)  # one objective per ld: runs share its trainer's programs
 def fedproto_objective(ld: float):
   """The engine's `LocalObjective` of a FedProto client: CE + ld · `prototype_mse`; `context`
   is the client's copy of the `GlobalPrototypes`. When the model's batch_stats carry
@@ -361,13 +363,10 @@ class FedProto(Algorithm):
       jnp.zeros((ds.num_classes, dim), jnp.float32), jnp.zeros((ds.num_classes,), jnp.int32)
     )
     objective = fedproto_objective(self.config.ld)
-    tx = engine.build_optimizer(cfg.optimizer)
     return FedProtoAux(
       groups=groups,
       trainers=[
-        GroupTrainer(
-          g.module, tx, cfg.batch_size, strategy=cfg.strategy, mesh=ctx.mesh, objective=objective
-        )
+        common.group_trainer(ctx, g.module, cfg.optimizer, cfg.batch_size, objective=objective)
         for g in groups
       ],
       evaluators=[engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups],

@@ -20,7 +20,7 @@ from jfed.cvae import clients as cvae_clients
 from jfed.cvae import generation_counts, kmeans_filter
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.data import class_count_table
-from jfed.engine import GroupTrainer, ModelState
+from jfed.engine import ModelState
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import synthetic as synthetic_io
 from jfed.keys import Purpose, ServerRoundPurpose
@@ -94,19 +94,17 @@ def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAE
   Returns:
     One trainer per group.
   """
-  txs = [engine.make_optimizer(s.optimizer, group_lr(g.module, s)) for g in groups]
+  specs = [engine.OptimizerSpec(s.optimizer, group_lr(g.module, s)) for g in groups]
   if ctx.client_transport is not None:
     recipe = {'kind': 'cvae', 'upload': 'decoder', **s._asdict()}
     return [
-      ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
-      for g, tx in zip(groups, txs)
+      ctx.client_transport.trainer(g.spec, engine.build_optimizer(spec), recipe, ctx.client_sizes)
+      for g, spec in zip(groups, specs)
     ]
   objective = cvae_clients.cvae_objective(s.recon, s.beta)
   return [
-    GroupTrainer(
-      g.module, tx, s.batch, strategy=ctx.run.strategy, mesh=ctx.mesh, objective=objective
-    )
-    for g, tx in zip(groups, txs)
+    common.group_trainer(ctx, g.module, spec, s.batch, objective=objective)
+    for g, spec in zip(groups, specs)
   ]
 
 

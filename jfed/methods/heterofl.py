@@ -177,6 +177,7 @@ def scale_hidden_layers(params: Any, factor: float, output_layer: str) -> Any:
   return jax.tree_util.tree_map_with_path(scale, params)
 
 
+@functools.lru_cache(maxsize=None)  # one objective per width: runs share its trainer's programs
 def scaled_objective(rate: float, output_layer: str):
   """The local objective of a client of width `rate`: `masked_classification_objective` with
   the Scaler (every hidden linear map's output divided by `rate`)."""
@@ -244,7 +245,7 @@ class HeteroFL(Algorithm):
       engine.init_model(module, ds.input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
     )
     output_layer = submodels.output_layer_name(init.params, ds.num_classes)
-    tx = engine.build_optimizer(cfg.optimizer._replace(schedule='constant', grad_clip=c.grad_clip))
+    spec = cfg.optimizer._replace(schedule='constant', grad_clip=c.grad_clip)
     held = class_count_table(ds.train_y, ctx.parts, ds.num_classes) > 0
     ce_masks = held if c.masked_ce else np.ones_like(held)
     slicers, templates = [], []
@@ -260,12 +261,11 @@ class HeteroFL(Algorithm):
       groups=groups,
       rates=[rates[g.spec] for g in groups],
       trainers=[
-        GroupTrainer(
+        common.group_trainer(
+          ctx,
           g.module,
-          tx,
+          spec,
           cfg.batch_size,
-          strategy=cfg.strategy,
-          mesh=ctx.mesh,
           objective=(
             scaled_objective(rates[g.spec], output_layer)
             if c.scaler
