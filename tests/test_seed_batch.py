@@ -174,6 +174,50 @@ def test_a_seed_whose_cache_exists_is_not_retrained(tmp_path, digits, monkeypatc
   assert all(d.trained for d in seed_batch.pretrain_local_models(configs, 1, dataset=digits))
 
 
+def test_without_a_dataset_the_seeds_train_on_the_first_configs_dataset_from_its_data_dir(
+  tmp_path, digits, monkeypatch
+):
+  data_dir = str(tmp_path / 'data')
+  configs = [tiny_config(s, tmp_path / f'seed{s}', **{'dataset.data_dir': data_dir}) for s in SEEDS]
+  loads, given = [], []
+  monkeypatch.setattr(
+    seed_batch, 'load_dataset', lambda name, data_dir: loads.append((name, data_dir)) or digits
+  )
+  context_of_config = seed_batch.api.context_of_config
+  monkeypatch.setattr(
+    seed_batch.api,
+    'context_of_config',
+    lambda config, dataset: given.append(dataset) or context_of_config(config, dataset),
+  )
+  assert all(d.trained for d in seed_batch.pretrain_local_models(configs, 1))
+  assert loads == [('digits', data_dir)]
+  assert len(given) == len(SEEDS) and all(d is digits for d in given)
+
+
+def test_seeds_pretrained_for_some_clients_equal_their_own_runs_of_those_clients(
+  tmp_path, digits, monkeypatch
+):
+  """FedMHO's classifier clients are some of the clients: the seeds' cache holds the models
+  their runs train for exactly those clients."""
+  ids = [0, 2]
+  batched = [tiny_config(s, tmp_path / f'batched{s}') for s in SEEDS]
+  alone = [tiny_config(s, tmp_path / f'alone{s}') for s in SEEDS]
+  seed_batch.pretrain_local_models(batched, 1, client_ids=ids, dataset=digits)
+  want = [common.local_models(driver.context_of_config(c, digits), 1, ids).models for c in alone]
+  monkeypatch.setattr(common, 'train_groups', None)  # the cache must serve them
+  for c, w in zip(batched, want):
+    got = common.local_models(driver.context_of_config(c, digits), 1, ids).models
+    assert jax.tree.leaves(got)[0].shape[0] == len(ids)
+    assert_models_equal(got, w, exact=True)
+
+
+@pytest.mark.parametrize('epochs', [0, -1])
+def test_pretraining_refuses_local_epochs_below_one(tmp_path, epochs):
+  configs = [tiny_config(s, tmp_path / f'seed{s}') for s in SEEDS]
+  with pytest.raises(ConfigError, match=rf'^local epochs must be positive, got {epochs}$'):
+    seed_batch.pretrain_local_models(configs, epochs)
+
+
 def test_configs_that_are_not_one_cell_are_refused(tmp_path):
   a, b = tiny_config(0, tmp_path / 'a'), tiny_config(1, tmp_path / 'b')
   b.optimizer.lr = 0.5
