@@ -159,6 +159,99 @@ def test_bad_configs_are_refused_with_the_key(method, overrides, message):
     driver.build_algorithm(method, _config('smoke', **overrides))
 
 
+# The bounds every generator-distillation method checks (the shared validation of
+# jfed/methods/oneshot.py), then each method's own; a message names the key and the value.
+_POSITIVE = {
+  'dense': (
+    'rounds',
+    'local_epochs',
+    'epochs',
+    'kd_batch',
+    'g_steps',
+    'synthesis_batch',
+    'nz',
+    'ngf',
+    'kd_lr',
+    'kd_T',
+    'lr_g',
+  ),
+  'coboosting': (
+    'rounds',
+    'local_epochs',
+    'epochs',
+    'kd_batch',
+    'g_steps',
+    'synthesis_batch',
+    'nz',
+    'ngf',
+    'kd_lr',
+    'kd_T',
+    'lr_g',
+    'adv_T',
+    'ods_T',
+    'wdc',
+  ),
+}
+_NON_NEGATIVE = {
+  'dense': ('kd_weight_decay', 'bn', 'oh', 'adv'),
+  'coboosting': (
+    'kd_weight_decay',
+    'kd_grad_clip',
+    'bn',
+    'oh',
+    'adv',
+    'hs',
+    'g_grad_clip',
+    'mu',
+    'wa_steps',
+    'odseta',
+  ),
+}
+_CHOICES = {
+  'init': 'random, fedavg',
+  'kd_augment': 'auto, none, flip, crop_flip',
+  'kd_optimizer': 'sgd, adam',
+}
+
+
+def _refusal(method, key, value):
+  with pytest.raises(ConfigError) as refused:
+    driver.build_algorithm(method, _config('smoke', **{f'{method}.{key}': value}))
+  return str(refused.value)
+
+
+@pytest.mark.parametrize('method', ['dense', 'coboosting'])
+def test_every_bound_of_a_generator_distillation_is_refused_naming_its_key_and_value(method):
+  section = _config('smoke')[method]
+  typed = lambda key, v: float(v) if isinstance(section[key], float) else v  # as parsed
+  for key in _POSITIVE[method]:
+    assert _refusal(method, key, 0) == f'{method}.{key} must be positive, got {typed(key, 0)}'
+  assert _refusal(method, 'kd_lr', -0.5) == f'{method}.kd_lr must be positive, got -0.5'
+  for key in _NON_NEGATIVE[method]:
+    assert _refusal(method, key, -1) == f'{method}.{key} must be >= 0, got {typed(key, -1)}'
+  for value in (1.0, -0.1):
+    assert _refusal(method, 'kd_momentum', value) == (
+      f'{method}.kd_momentum must be in [0, 1), got {value}'
+    )
+  for key, valid in _CHOICES.items():
+    assert _refusal(method, key, 'x') == f"{method}.{key} is 'x'; valid: {valid}", key
+  message = _refusal(method, 'server_model', ' Transformer:width=2')
+  assert message.startswith(
+    f"{method}.server_model: unknown model 'Transformer' in ' Transformer:width=2'; valid: "
+  )
+  assert 'cnn_mnist, ' in message and 'resnet18' in message
+  # the bounds themselves are allowed
+  for key in ('kd_momentum', 'kd_weight_decay', 'bn'):
+    driver.build_algorithm(method, _config('smoke', **{f'{method}.{key}': 0.0}))
+  driver.build_algorithm(method, _config('smoke', **{f'{method}.server_model': ' MLP '}))
+
+
+def test_coboosting_refuses_a_kd_schedule_it_does_not_know_with_the_valid_ones():
+  assert _refusal('coboosting', 'kd_schedule', 'x') == (
+    "coboosting.kd_schedule is 'x'; valid: constant, cosine, cosine_epochs"
+  )
+
+
 def test_steps_are_rounds_times_epochs():
   config = _config('smoke,rounds=3')
   for method, per_round in (('dense', 2), ('feddf', 2), ('ot', 1)):
