@@ -166,6 +166,9 @@ def test_a_seed_whose_cache_exists_is_not_retrained(tmp_path, digits, monkeypatc
   monkeypatch.setattr(seed_batch, 'train_seeds', spy)
   done = seed_batch.pretrain_local_models(configs, EPOCHS, dataset=digits)
   assert [d.trained for d in done] == [False, True, True]
+  assert [(d.seed, d.directory) for d in done] == [
+    (s, str(tmp_path / f'seed{s}')) for s in (0, 1, 2)
+  ]
   assert trained_seeds == [[1, 2]]
   assert sorted(p.stat().st_mtime_ns for p in (tmp_path / 'seed0').rglob('*')) == written
   assert seed_batch.pretrain_local_models(configs, EPOCHS, dataset=digits)[2].trained is False
@@ -223,6 +226,10 @@ def test_configs_that_are_not_one_cell_are_refused(tmp_path):
   b.optimizer.lr = 0.5
   with pytest.raises(ConfigError, match=r'seed 1 is not of the cell of seed 0: optimizer.lr'):
     seed_batch.check_one_cell([a, b])
+  with pytest.raises(
+    ConfigError, match=r'^pretrain_local_models needs the config of at least one seed$'
+  ):
+    seed_batch.check_one_cell([])
   with pytest.raises(ConfigError, match='the seeds of a cell must differ'):
     seed_batch.check_one_cell([a, tiny_config(0, tmp_path / 'c')])
   with pytest.raises(ConfigError, match='distinct local_models_dir'):
