@@ -252,6 +252,100 @@ def test_coboosting_refuses_a_kd_schedule_it_does_not_know_with_the_valid_ones()
   )
 
 
+def _settings(method, **overrides):
+  """The Settings a method's run builds, on digits (8x8x1), 3 clients, clients mapped by scan."""
+  config = _config('smoke', **{'strategy': 'scan', 'dataset.holdout_size': 0, **overrides})
+  ds = load_dataset('digits')
+  parts = np.array_split(np.arange(90), 3)
+  algorithm = driver.build_algorithm(method, config)
+  return algorithm.recipe.settings(driver.make_context(config, ds, parts))
+
+
+def test_dense_settings_carry_every_key_of_its_config_where_the_paper_puts_it():
+  """Each key of config.dense reaches the field the shared loop reads (values all distinct)."""
+  s = _settings(
+    'dense',
+    **{
+      'dense.rounds': 2,
+      'dense.local_epochs': 3,
+      'dense.epochs': 4,
+      'dense.server_model': 'mlp',
+      'dense.init': 'fedavg',
+      'dense.lr_g': 0.0042,
+      'dense.nz': 9,
+      'dense.ngf': 5,
+      'dense.kd_momentum': 0.55,
+      'dense.pool_quantize': False,
+      'dense.g_steps': 6,
+      'dense.synthesis_batch': 12,
+      'dense.bn': 0.3,
+      'dense.oh': 0.6,
+      'dense.adv': 0.9,
+      'dense.kd_T': 7.5,
+      'dense.kd_optimizer': 'adam',
+      'dense.kd_lr': 0.123,
+      'dense.kd_weight_decay': 0.0007,
+      'dense.kd_batch': 14,
+      'dense.kd_augment': 'crop_flip',
+    },
+  )
+  assert (s.rounds, s.local_epochs, s.epochs, s.server_model, s.init) == (2, 3, 4, 'mlp', 'fedavg')
+  assert (s.kd_batch, s.kd_data, s.nz, s.ngf, s.pool_quantize) == (14, 'pool', 9, 5, False)
+  assert (s.keep_generator, s.generator, s.steps_per_epoch) == (False, 'dense', 0)
+  g = s.synthesis
+  assert (g.g_steps, g.batch_size, g.lr_g, g.bn, g.oh, g.adv) == (6, 12, 0.0042, 0.3, 0.6, 0.9)
+  assert (g.crop_padding, g.strategy) == (1, 'vmap')  # 8 px: RandomCrop(1); scan maps as vmap
+  k = s.kd
+  assert (k.loss, k.T, k.t_squared, k.aggregation) == ('kl', 7.5, True, 'mean')
+  assert (k.augment, k.crop_padding, k.strategy) == ('crop_flip', 1, 'vmap')
+  assert tuple(s.opt) == ('adam', 0.123, 0.55, 0.0007, 0.0, 0.9, 0.999, 'constant')
+  # the official code's BN hooks never attach: 'code' drops the BN term
+  assert _settings('dense', **{'dense.bn_loss_mode': 'code', 'dense.bn': 0.3}).synthesis.bn == 0.0
+  # no server model: the run's model; 'auto' augmentation on digits: HFlip only
+  s = _settings('dense', strategy='loop')
+  assert s.server_model == 'cnn_mnist' and s.kd.augment == 'flip' and s.kd.strategy == 'loop'
+
+
+def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_it():
+  s = _settings(
+    'coboosting',
+    **{
+      'coboosting.g_steps': 6,
+      'coboosting.synthesis_batch': 12,
+      'coboosting.lr_g': 0.0042,
+      'coboosting.bn': 0.3,
+      'coboosting.oh': 0.6,
+      'coboosting.adv': 0.9,
+      'coboosting.hs': 1.5,
+      'coboosting.adv_T': 2.5,
+      'coboosting.g_grad_clip': 7.0,
+      'coboosting.synthesis_augment': True,
+      'coboosting.odseta': 0.2,
+      'coboosting.ods_T': 3.5,
+      'coboosting.kd_T': 6.5,
+      'coboosting.kd_lr': 0.02,
+      'coboosting.kd_momentum': 0.45,
+      'coboosting.kd_weight_decay': 0.003,
+      'coboosting.kd_grad_clip': 8.0,
+      'coboosting.kd_schedule': 'cosine',
+      'coboosting.kd_batch': 24,
+    },
+  )
+  g = s.synthesis
+  assert (g.g_steps, g.batch_size, g.lr_g, g.bn, g.oh, g.adv) == (6, 12, 0.0042, 0.3, 0.6, 0.9)
+  assert (g.hs, g.adv_T, g.grad_clip, g.augment) == (1.5, 2.5, 7.0, True)
+  # jfed's images are already normalised: no second (x - 0.5) / 0.5 before the teachers
+  assert (g.input_mean, g.input_std, g.crop_padding, g.strategy) == (None, None, 1, 'vmap')
+  k = s.kd
+  assert (k.loss, k.T, k.t_squared, k.aggregation, k.ods_T) == ('kl', 6.5, True, 'weighted', 3.5)
+  assert k.ods_eta == pytest.approx(0.2 * 0.5)  # 8/255 of [0, 1] is 2 x that in Normalize(0.5)
+  assert (k.augment, k.crop_padding, k.strategy) == ('flip', 1, 'vmap')
+  assert tuple(s.opt) == ('sgd', 0.02, 0.45, 0.003, 8.0, 0.9, 0.999, 'cosine')
+  assert s.kd_batch == 24
+  # a zero clip is no clip
+  assert _settings('coboosting', **{'coboosting.g_grad_clip': 0.0}).synthesis.grad_clip is None
+
+
 def test_steps_are_rounds_times_epochs():
   config = _config('smoke,rounds=3')
   for method, per_round in (('dense', 2), ('feddf', 2), ('ot', 1)):
