@@ -99,7 +99,13 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'synthesis': (
     ['jfed/distill/synthesis.py', 'jfed/distill/generator.py', 'jfed/distill/pool.py'],
-    ['tests/test_oracle_distill.py', 'tests/test_oneshot_methods.py', 'tests/test_kd_block.py'],
+    [
+      'tests/test_oracle_distill.py',
+      'tests/test_oneshot_methods.py',
+      'tests/test_kd_block.py',
+      # the pool, the generator and the synthesis loop's scan form against NumPy and Python
+      'tests/test_distill_losses.py',
+    ],
   ),
   'diffaugment': (
     ['jfed/distill/diffaugment.py'],

@@ -400,6 +400,67 @@ def test_pool_ring_and_quantise():
   assert idx.shape == (3, 2) and mask.sum() == 5 and sorted(idx[mask].tolist()) == list(range(5))
 
 
+def test_a_float_pool_stores_exactly_and_unlabelled_images_get_minus_one():
+  p = pool.pool_init(4, (1, 2, 1))
+  assert p.images.dtype == jnp.float32 and not p.quantized and p.capacity == 4
+  np.testing.assert_array_equal(np.asarray(p.labels), [-1] * 4)
+  assert int(p.count) == 0 and int(pool.pool_size(p)) == 0
+  x = jnp.asarray([[[[0.1234567], [1.5]]], [[[-0.25], [0.5]]]], jnp.float32)  # kept as is
+  p = pool.pool_add(p, x)
+  got, labels = pool.pool_gather(p, jnp.arange(2))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(labels), [-1, -1])
+  assert int(p.count) == 2 and int(pool.pool_size(p)) == 2
+  with pytest.raises(ValueError, match=r'^batch of 5 exceeds pool capacity 4$'):
+    pool.pool_add(p, jnp.zeros((5, 1, 2, 1)))
+  assert int(pool.pool_add(p, jnp.zeros((4, 1, 2, 1))).count) == 6  # a whole capacity at once
+  q = pool.pool_add(pool.pool_init(2, (1, 1, 1), quantize=True), jnp.asarray([[[[0.999]]]]))
+  assert int(q.images[0, 0, 0, 0]) == 254  # floor(0.999 * 255), not rounded
+  np.testing.assert_array_equal(np.asarray(q.labels), [-1, -1])
+
+
+def test_pool_sample_draws_only_from_the_filled_part_with_the_images_labels():
+  p = pool.pool_init(10, (1, 1, 1))
+  p = pool.pool_add(p, jnp.asarray([0.25, 0.5, 0.75]).reshape(3, 1, 1, 1), jnp.asarray([7, 8, 9]))
+  x, labels = jax.jit(pool.pool_sample, static_argnums=2)(p, jax.random.PRNGKey(0), 300)
+  x, labels = np.asarray(x).ravel(), np.asarray(labels)
+  assert x.shape == (300,) and set(x.tolist()) == {0.25, 0.5, 0.75}
+  np.testing.assert_array_equal(labels, (x * 4).astype(int) + 6)  # each image with its label
+
+
+def test_epoch_batches_are_a_permutation_of_the_pool_from_the_seed_padded_or_dropped():
+  p = pool.pool_add(pool.pool_init(8, (1, 1, 1)), jnp.zeros((5, 1, 1, 1)))
+  perm = np.random.default_rng(3).permutation(5)
+  idx, mask = pool.epoch_batches(p, 3, 2)
+  np.testing.assert_array_equal(idx.ravel()[:5], perm)
+  np.testing.assert_array_equal(mask.ravel(), [True] * 5 + [False])
+  assert idx.dtype == np.int32 and idx.ravel()[5] == 0
+  same, _ = pool.epoch_batches(p, np.random.default_rng(3), 2)  # a generator draws the same
+  np.testing.assert_array_equal(same, idx)
+  idx, mask = pool.epoch_batches(p, 3, 2, drop_last=True)
+  assert idx.shape == (2, 2) and mask.all()
+  np.testing.assert_array_equal(idx.ravel(), perm[:4])
+
+
+def test_augment_flips_without_cropping_and_crops_with_every_offset_of_its_padding():
+  x = jnp.arange(64 * 3 * 3).reshape(64, 3, 3, 1).astype(jnp.float32)
+  y = np.asarray(pool.augment(jax.random.PRNGKey(2), x, crop_padding=0, flip=True))
+  mirrored = np.asarray(x)[:, :, ::-1]
+  flipped = [bool(np.array_equal(a, m)) for a, m in zip(y, mirrored)]
+  assert all(f or np.array_equal(a, b) for f, a, b in zip(flipped, y, np.asarray(x)))
+  assert 10 < sum(flipped) < 54  # p = 0.5
+  y = np.asarray(pool.augment(jax.random.PRNGKey(3), x, crop_padding=1, flip=False))
+  padded = np.pad(np.asarray(x), ((0, 0), (1, 1), (1, 1), (0, 0)))
+  offsets = set()
+  for img, pad in zip(y, padded):
+    found = [
+      (i, j) for i in range(3) for j in range(3) if np.array_equal(pad[i : i + 3, j : j + 3], img)
+    ]
+    assert len(found) == 1
+    offsets.add(found[0])
+  assert offsets == {(i, j) for i in range(3) for j in range(3)}
+
+
 def test_augment_crop_flip():
   x = jnp.arange(2 * 4 * 4).reshape(2, 4, 4, 1).astype(jnp.float32)
   y = pool.augment(jax.random.PRNGKey(0), x, crop_padding=0, flip=False)

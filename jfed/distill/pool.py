@@ -153,38 +153,6 @@ def _crop(x: jnp.ndarray, oy: jnp.ndarray, ox: jnp.ndarray, padding: int) -> jnp
   return jax.vmap(crop)(xp, oy, ox)
 
 
-def random_crop(key: jax.Array, x: jnp.ndarray, padding: int = 4) -> jnp.ndarray:
-  """Per-sample RandomCrop(H×W, padding, zero fill) on NHWC; differentiable w.r.t. x.
-
-  Args:
-    key: PRNG key of the offsets.
-    x: Images [B, H, W, C].
-    padding: Zero padding on each side; 0 returns x unchanged.
-
-  Returns:
-    The cropped images, shape of x.
-  """
-  if padding <= 0:
-    return x
-  off = jax.random.randint(key, (2, x.shape[0]), 0, 2 * padding + 1)
-  return _crop(x, off[0], off[1], padding)
-
-
-def random_hflip(key: jax.Array, x: jnp.ndarray, p: float = 0.5) -> jnp.ndarray:
-  """Per-sample random horizontal flip on NHWC.
-
-  Args:
-    key: PRNG key of the coin flips.
-    x: Images [B, H, W, C].
-    p: Probability that an image is flipped.
-
-  Returns:
-    The images, shape of x.
-  """
-  flip = jax.random.bernoulli(key, p, (x.shape[0],))
-  return jnp.where(flip[:, None, None, None], x[:, :, ::-1, :], x)
-
-
 def augment(
   key: jax.Array, x: jnp.ndarray, crop_padding: int = 4, flip: bool = True
 ) -> jnp.ndarray:
