@@ -167,7 +167,11 @@ def test_a_round_whose_uploads_were_all_rejected_fails_unless_allowed():
   group = common.ClientGroup('mlp', None, ids, FederatedArrays(None, None, np.full(2, 20)))
   stacked = ModelState({'w': jnp.asarray([[np.nan, 0.0], [1.0, np.inf]], jnp.float32)}, {})
   reference = ModelState({'w': jnp.asarray([7.0, 8.0], jnp.float32)}, {})
-  message = r'^round 4: all 2 uploads \(clients \[3, 5\]\) were rejected.*allow_empty_rounds=True'
+  message = (
+    r'^round 4: all 2 uploads \(clients \[3, 5\]\) were rejected, so nothing was aggregated '
+    r"\(the last: upload of client 5: params\['w'\] has non-finite values\); "
+    r'set server.allow_empty_rounds=True'
+  )
   with pytest.raises(JfedError, match=message):
     _server(False).receive(group, stacked, reference, reference, 3)
   model, record = _server(True).receive(group, stacked, reference, reference, 3)
