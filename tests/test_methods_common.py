@@ -335,6 +335,55 @@ def test_cvae_trainers_of_another_seed_share_the_programs_and_carry_their_own_le
   assert {g.module.size for g in groups} == {'small', 'large'}
 
 
+def test_a_shared_trainer_is_one_per_module_optimiser_objective_batch_prox_weight_and_schedule():
+  """Whatever shapes a trainer's programs keys its sharing: runs that differ in any of them get
+  their own trainer, with their own settings; a constant learning rate does not."""
+  ctx = make_context(_config(3), _dataset(), _parts(SIZES))
+  (group,) = common.client_groups(ctx)
+  spec = engine.OptimizerSpec('sgd', 0.1, momentum=0.9)
+  other = common.build_module(WIDE, ctx.dataset)
+  store = {}
+  with common.sharing_client_programs(store):
+    base = common.group_trainer(ctx, group.module, spec, 8)
+    variants = {
+      'lr': common.group_trainer(ctx, group.module, spec._replace(lr=0.5), 8),
+      'module': common.group_trainer(ctx, other, spec, 8),
+      'weight decay': common.group_trainer(ctx, group.module, spec._replace(weight_decay=0.1), 8),
+      'objective': common.group_trainer(
+        ctx, group.module, spec, 8, objective=lambda *a: engine.classification_objective(*a)
+      ),
+      'batch': common.group_trainer(ctx, group.module, spec, 4),
+      'prox': common.group_trainer(ctx, group.module, spec, 8, prox_mu=0.01),
+      'schedule': common.group_trainer(
+        ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=5
+      ),
+    }
+    cosine_longer = common.group_trainer(
+      ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=6
+    )
+    cosine_faster = common.group_trainer(  # a schedule's rate is in the program
+      ctx, group.module, spec._replace(schedule='cosine', lr=0.5), 8, total_steps=5
+    )
+  assert variants['lr']._loop_step is base._loop_step  # the rate lives in the optimiser state
+  for name, trainer in variants.items():
+    if name != 'lr':
+      assert trainer._loop_step is not base._loop_step, name
+  assert cosine_longer._loop_step is not variants['schedule']._loop_step  # steps shape the rate
+  assert cosine_faster._loop_step is not variants['schedule']._loop_step
+  assert len(store) == 9  # base, module, decay, objective, batch, prox, three schedules
+  assert variants['objective'].objective is not engine.classification_objective
+  assert base.objective is engine.classification_objective
+  assert (variants['batch'].batch_size, variants['prox'].prox_mu) == (4, 0.01)
+  assert variants['module'].module is other and base.module is group.module
+  assert (base.strategy, base.mesh) == (engine.resolve_strategy(ctx.run.strategy), ctx.mesh)
+  params = {'w': np.zeros(2, np.float32)}
+  lr = lambda t: float(optim.learning_rate_of(t.tx.init(params)))
+  assert (lr(base), lr(variants['lr'])) == (pytest.approx(0.1), pytest.approx(0.5))
+  assert common._shared_trainers is None
+  alone = common.group_trainer(ctx, group.module, spec, 8)  # outside the block: a new one
+  assert alone._loop_step is not base._loop_step
+
+
 def _server_round(declared_sizes=None, **overrides):
   """Three clients' uploads (their init plus a random update each) received by the server of a
   sign-flip attack on client 1 with strength 2, client 2 sitting out: (aggregate, record, the
