@@ -21,8 +21,9 @@ from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays
 from jfed.driver import make_context
 from jfed.engine import compiles, optim
-from jfed.errors import ConfigError, NonFiniteError
+from jfed.errors import ConfigError, JfedError, NonFiniteError
 from jfed.io import UploadError
+from jfed.keys import Purpose
 from jfed.methods import common, generative
 from tests import oracle_numpy as onp
 from tests.support import comparable_summary, override, smoke_config
@@ -384,7 +385,7 @@ def test_a_shared_trainer_is_one_per_module_optimiser_objective_batch_prox_weigh
   assert alone._loop_step is not base._loop_step
 
 
-def _server_round(declared_sizes=None, **overrides):
+def _server_round(declared_sizes=None, weights=None, taking_part=(True, True, False), **overrides):
   """Three clients' uploads (their init plus a random update each) received by the server of a
   sign-flip attack on client 1 with strength 2, client 2 sitting out: (aggregate, record, the
   global model, the uploads as NumPy trees, the clients' sizes)."""
@@ -405,7 +406,8 @@ def _server_round(declared_sizes=None, **overrides):
     reference,
     reference,
     0,
-    taking_part=np.array([True, True, False]),
+    weights=weights,
+    taking_part=np.array(taking_part),
     declared_sizes=declared_sizes,
   )
   uploads = [onp.to_numpy(onp.take_client(stacked.params, k)) for k in range(3)]
@@ -425,6 +427,63 @@ def test_the_server_rejects_an_upload_claiming_more_samples_than_declared():
   aggregate, record, ref, uploads, _ = _server_round(np.array([sizes[0], 1, sizes[2]]))
   assert record['rejected_clients'] == [1] and record['rejected_uploads'] == 1
   onp.assert_tree_close(onp.to_numpy(aggregate.params), uploads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_server_averages_with_the_weights_it_is_given_and_counts_the_bytes_received():
+  """Weights other than the sizes (FedAvg's callers may pass them) weight the mean; the record
+  counts one serialised upload per client taking part."""
+  aggregate, record, _, uploads, _ = _server_round(
+    weights=np.array([1.0, 3.0, 5.0]), **{'attack.kind': 'none'}
+  )
+  want = onp.weighted_average([uploads[0], uploads[1]], [1.0, 3.0])
+  onp.assert_tree_close(onp.to_numpy(aggregate.params), want, rtol=1e-5, atol=1e-6)
+  one = {'params': jax.tree.map(lambda a: np.asarray(a, np.float32), uploads[0]), 'batch_stats': {}}
+  assert record['upload_bytes'] == 2 * len(flax.serialization.msgpack_serialize(one))
+
+
+def test_the_server_clips_each_update_around_the_global_model_before_averaging():
+  aggregate, _, ref, uploads, sizes = _server_round(
+    **{'attack.kind': 'none', 'aggregation.clip_norm': 0.05}
+  )
+  flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
+  clipped = []
+  for u in uploads[:2]:
+    norm = np.linalg.norm(flat(u) - flat(ref))
+    assert norm > 0.05  # the bound bites
+    clipped.append(onp.tree_map(lambda r, x: r + (x - r) * (0.05 / norm), ref, u))
+  want = onp.weighted_average(clipped, sizes[:2])
+  onp.assert_tree_close(onp.to_numpy(aggregate.params), want, rtol=1e-4, atol=1e-6)
+
+
+def test_an_empty_round_of_one_rejected_upload_names_that_client():
+  sizes = np.asarray(_server_round()[4])
+  message = (
+    r'^round 1: the only upload \(client 1\) was rejected, so nothing was aggregated '
+    r'\(the last: .*client 1.*\); set server.allow_empty_rounds=True to keep the global model '
+    r'in such a round$'
+  )
+  with pytest.raises(JfedError, match=message):
+    _server_round(np.array([sizes[0], 1, sizes[2]]), taking_part=(False, True, False))
+
+
+def test_the_attackers_are_drawn_from_the_attack_key_of_the_run():
+  """jfed.keys: the attackers come from fold_in(ATTACK, 0), the server's attack draws from
+  fold_in(ATTACK, 1): another seed, other attackers; a list names them."""
+  drawn = {}
+  for seed in (0, 1, 2):
+    config = _config(10, seed=seed, **{'attack.kind': 'noise', 'attack.fraction': 0.4})
+    ctx = make_context(config, _dataset(), _parts([6] * 10))
+    order = np.asarray(jax.random.permutation(ctx.derive_key(Purpose.ATTACK, 0), 10))
+    other = np.asarray(jax.random.permutation(ctx.derive_key(Purpose.ATTACK, 1), 10))
+    if seed == 0:  # the attacks' key would draw other attackers
+      assert sorted(order[:4]) != sorted(other[:4])
+    drawn[seed] = common.attackers(ctx).tolist()
+    assert drawn[seed] == sorted(order[:4].tolist())
+    bits = lambda key: np.asarray(jax.random.bits(key, (4,))).tolist()
+    assert bits(common.make_server(ctx).attack_key) == bits(ctx.derive_key(Purpose.ATTACK, 1))
+  assert len({tuple(v) for v in drawn.values()}) == 3
+  listed = _config(10, **{'attack.kind': 'noise', 'attack.clients': '7,2'})
+  assert common.attackers(make_context(listed, _dataset(), _parts([6] * 10))).tolist() == [2, 7]
 
 
 def test_a_server_set_to_fail_stops_at_an_invalid_upload_naming_the_client():

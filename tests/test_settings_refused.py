@@ -170,7 +170,7 @@ def test_a_round_whose_uploads_were_all_rejected_fails_unless_allowed():
   message = (
     r'^round 4: all 2 uploads \(clients \[3, 5\]\) were rejected, so nothing was aggregated '
     r"\(the last: upload of client 5: params\['w'\] has non-finite values\); "
-    r'set server.allow_empty_rounds=True'
+    r'set server.allow_empty_rounds=True to keep the global model in such a round$'
   )
   with pytest.raises(JfedError, match=message):
     _server(False).receive(group, stacked, reference, reference, 3)
