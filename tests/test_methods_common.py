@@ -40,6 +40,51 @@ from tests.test_oracle_fedavg import (
 )
 
 
+@pytest.mark.parametrize(
+  'spec, name, kwargs',
+  [
+    ('mlp', 'mlp', {}),
+    (' resnet18: width_mult =0.5,depth=2 ', 'resnet18', {'width_mult': 0.5, 'depth': 2}),
+    ('cvae:size=small, latent = 20,', 'cvae', {'size': 'small', 'latent': 20}),
+    (
+      'vgg9:fc_width=512,width_mult=1e-1,conv_impl= matmul ',
+      'vgg9',
+      {'fc_width': 512, 'width_mult': 0.1, 'conv_impl': 'matmul'},
+    ),
+    ('cnn_mnist:', 'cnn_mnist', {}),
+  ],
+)
+def test_a_model_spec_is_a_name_and_typed_keyword_values(spec, name, kwargs):
+  got_name, got = common.parse_model_spec(spec)
+  assert got_name == name and got == kwargs
+  assert [type(v) for v in got.values()] == [type(v) for v in kwargs.values()]
+
+
+@pytest.mark.parametrize('spec', ['mlp:width_mult', 'resnet18:width_mult=0.5,depth'])
+def test_a_model_spec_without_a_value_is_refused_naming_it(spec):
+  with pytest.raises(ValueError) as refused:
+    common.parse_model_spec(spec)
+  assert str(refused.value) == f'Malformed model spec {spec!r}: expected name:key=value,...'
+
+
+def test_client_model_specs_cycle_the_list_over_the_clients_and_default_to_the_model():
+  def specs(client_models, n=5, model=NARROW):
+    config = _config(n, model=model, client_models=client_models)
+    return common.client_model_specs(make_context(config, _dataset(), _parts([6] * n)))
+
+  assert specs('') == [NARROW] * 5 == specs(' ; ')
+  assert specs(f' {WIDE} ;{NARROW};') == [WIDE, NARROW, WIDE, NARROW, WIDE]
+  ctx = make_context(_config(3, client_models=f'{WIDE};{NARROW}'), _dataset(), _parts([6] * 3))
+  with pytest.raises(ConfigError) as refused:
+    common.single_architecture(ctx)
+  assert str(refused.value) == (
+    f"Parameter averaging needs one architecture; clients use ['{NARROW}', '{WIDE}']"
+  )
+  assert common.single_architecture(make_context(_config(3), _dataset(), _parts([6] * 3))) == NARROW
+  module = common.build_module(WIDE, _dataset())
+  assert module.hidden == (20, 20) and module.num_classes == 10
+
+
 @pytest.mark.parametrize('participation', [0.0, -0.1, 1.01, 1.5, 2.0])
 def test_client_sampling_refuses_a_participation_outside_zero_to_one(participation):
   with pytest.raises(
