@@ -531,6 +531,28 @@ def test_the_attackers_are_drawn_from_the_attack_key_of_the_run():
   assert common.attackers(make_context(listed, _dataset(), _parts([6] * 10))).tolist() == [2, 7]
 
 
+def test_one_shot_uploads_are_validated_per_client_and_counted_per_group():
+  """Two architectures (clients 0, 2 narrow; 1, 3 wide): the bytes are every client's own
+  serialised model; a non-finite or misshapen model is refused naming its global client id."""
+  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  groups = common.client_groups(ctx)
+  models = common.init_group_models(ctx, groups)
+  templates = [engine.take(m, 0) for m in models]
+  one = lambda m, k: len(
+    flax.serialization.msgpack_serialize(
+      flax.serialization.to_state_dict(jax.tree.map(lambda a: np.asarray(a[k]), m))
+    )
+  )
+  want = sum(one(m, k) for m, g in zip(models, groups) for k in range(len(g.client_ids)))
+  assert [g.client_ids.tolist() for g in groups] == [[0, 2], [1, 3]]
+  assert common.receive_uploads(groups, models, templates) == want
+  nan = jax.tree.map(lambda a: a.at[1].set(np.nan) if a.ndim > 1 else a, models[1])
+  with pytest.raises(UploadError, match=r'^upload of client 3: .*non-finite'):
+    common.receive_uploads(groups, [models[0], nan], templates)
+  with pytest.raises(UploadError, match=r'^upload of client 0: '):
+    common.receive_uploads(groups, [models[1], models[1]], [templates[0], templates[1]])
+
+
 def test_a_server_set_to_fail_stops_at_an_invalid_upload_naming_the_client():
   sizes = np.asarray(_server_round()[4])
   with pytest.raises(UploadError, match=r'client 1'):
