@@ -237,6 +237,25 @@ def test_configs_that_are_not_one_cell_are_refused(tmp_path):
   with pytest.raises(ConfigError, match=r'local_models_dir is not set for seed\(s\) \[1\]'):
     seed_batch.check_one_cell([a, tiny_config(1, '')])
   seed_batch.check_one_cell([a, tiny_config(1, tmp_path / 'b')])  # seed and dirs may differ
+  # where the curves go may differ; a top-level *_dir too; a nested one (the data) may not
+  seed_batch.check_one_cell(
+    [a, tiny_config(1, tmp_path / 'b', **{'logging.wandb': True, 'local_cvaes_dir': 'x'})]
+  )
+  nested = tiny_config(1, tmp_path / 'b', **{'dataset.data_dir': '/elsewhere'})
+  with pytest.raises(
+    ConfigError,
+    match=r"^seed 1 is not of the cell of seed 0: dataset.data_dir = '/elsewhere', not ''",
+  ):
+    seed_batch.check_one_cell([a, nested])
+  # a key that only one seed's config has
+  extra = tiny_config(1, tmp_path / 'b')
+  extra.fedavg.new_key = 3
+  message = r"^seed 1 is not of the cell of seed 0: fedavg.new_key = 3, not '<unset>' \(the seeds"
+  with pytest.raises(ConfigError, match=message):
+    seed_batch.check_one_cell([a, extra])
+  message = r"^seed 0 is not of the cell of seed 1: fedavg.new_key = '<unset>', not 3 \(the seeds"
+  with pytest.raises(ConfigError, match=message):
+    seed_batch.check_one_cell([extra, a])
 
 
 def test_local_epochs_of_the_methods_that_share_local_models():
