@@ -14,7 +14,7 @@ from experiments import fedhydra_tables, fedmho_tables
 from experiments.configs import fedhydra_digits, fedmho_digits
 from jfed import driver, engine
 from jfed.data import federate, load_dataset
-from jfed.errors import ConfigError
+from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose
 from jfed.methods import common, seed_batch
 from tests.support import override
@@ -212,6 +212,31 @@ def test_seeds_pretrained_for_some_clients_equal_their_own_runs_of_those_clients
     got = common.local_models(driver.context_of_config(c, digits), 1, ids).models
     assert jax.tree.leaves(got)[0].shape[0] == len(ids)
     assert_models_equal(got, w, exact=True)
+
+
+def test_train_seeds_names_the_seed_and_clients_whose_training_diverges(tmp_path, digits):
+  nan = digits._replace(train_x=np.full_like(digits.train_x, np.nan))
+  contexts = [
+    driver.context_of_config(tiny_config(s, tmp_path / f's{s}'), d)
+    for s, d in zip(SEEDS, (digits, nan))
+  ]
+  message = (
+    r'^local training of seed 1: the training loss of client\(s\) \[0, 1, 2\] \(mlp\) became '
+    r'non-finite; lower the learning rate or check the data$'
+  )
+  with pytest.raises(NonFiniteError, match=message):
+    seed_batch.train_seeds(contexts, 1)
+
+
+def test_train_seeds_refuses_seeds_of_other_architectures(tmp_path, digits):
+  contexts = [
+    driver.context_of_config(tiny_config(0, tmp_path / 'a'), digits),
+    driver.context_of_config(tiny_config(1, tmp_path / 'b', model='cnn_mnist'), digits),
+  ]
+  with pytest.raises(
+    ConfigError, match=r'^the seeds of a cell must have the same client architectures$'
+  ):
+    seed_batch.train_seeds(contexts, 1)
 
 
 @pytest.mark.parametrize('epochs', [0, -1])
