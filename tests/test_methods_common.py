@@ -150,9 +150,40 @@ def test_a_clean_round_stops_at_a_client_whose_training_diverges_naming_round_an
   config = _config(3, **{'fedavg.rounds': 1})
   with pytest.raises(
     NonFiniteError,
-    match=r'^round 1/1: the training loss of client\(s\) \[1\] \(mlp:width_mult=0.05\) became',
+    match=r'^round 1/1: the training loss of client\(s\) \[1\] \(mlp:width_mult=0.05\) became '
+    r'non-finite; lower the learning rate or check the data$',
   ):
     _run_fedavg(config, _digits_with_nan_images(1))
+
+
+def test_train_groups_names_only_clients_with_data_whose_loss_is_not_finite():
+  """Client 1 holds no samples (no loss to speak of), client 2's images are NaN: 'raise' names
+  client 2 under the caller's label; 'warn' returns every model, client 2's not finite."""
+  d = _dataset()
+  parts = _parts((23, 0, 12))
+  x = np.array(d.train_x, np.float32)
+  x[parts[2]] = np.nan
+  nan = Dataset(d.name, x, d.train_y, d.test_x, d.test_y, d.num_classes)
+  ctx = make_context(_config(3), nan, parts)
+  groups = common.client_groups(ctx)
+  trainers = common.make_trainers(ctx, groups)
+  models = common.init_group_models(ctx, groups)
+  key = jax.random.PRNGKey(0)
+  message = (
+    r'^pretraining: the training loss of client\(s\) \[2\] \(mlp:width_mult=0.05\) became '
+    r'non-finite; lower the learning rate or check the data$'
+  )
+  with pytest.raises(NonFiniteError, match=message):
+    common.train_groups(trainers, groups, models, 1, key, label='pretraining')
+  (trained,), (metrics,) = common.train_groups(
+    trainers, groups, models, 1, key, label='pretraining', diverged='warn'
+  )
+  finite = [
+    bool(np.all(np.isfinite(onp.take_client(trained.params, k)['Dense_0']['kernel'])))
+    for k in range(3)
+  ]
+  assert finite == [True, True, False]
+  assert np.asarray(metrics.loss).shape[0] == 3
 
 
 def test_under_an_attack_an_honest_client_whose_training_diverges_is_rejected_not_fatal():
