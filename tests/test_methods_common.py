@@ -100,6 +100,29 @@ def test_client_sampling_draws_round_pn_distinct_sorted_clients(participation, c
   assert np.all(np.diff(got) > 0) and 0 <= got.min() and got.max() < 10
 
 
+def test_client_groups_follow_the_ids_given_by_architecture_and_flip_only_the_attackers_labels():
+  """Clients 0, 2 narrow and 1, 3 wide; asked for [3, 2, 1], the wide group comes first (3's
+  architecture), each keeps the order given, and under a label-flipping attack on client 1 only
+  its real labels become C - 1 - y."""
+  config = _config(4, **HETERO, **{'attack.kind': 'label_flip', 'attack.clients': '1'})
+  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  groups = common.client_groups(ctx, [3, 2, 1])
+  assert [(g.spec, g.client_ids.tolist()) for g in groups] == [(WIDE, [3, 1]), (NARROW, [2])]
+  assert groups[0].module.hidden == (20, 20) and groups[1].module.hidden == (10, 10)
+  y = _dataset().train_y
+  parts = _parts(HETERO_SIZES)
+  for g in groups:
+    for row, k in enumerate(g.client_ids):
+      n = HETERO_SIZES[k]
+      want = 9 - y[parts[k]] if k == 1 else y[parts[k]]
+      np.testing.assert_array_equal(np.asarray(g.fed.y)[row, :n], want)
+      np.testing.assert_array_equal(np.asarray(g.fed.x)[row, :n], _dataset().train_x[parts[k]])
+      assert int(g.fed.sizes[row]) == n
+  plain = common.client_groups(make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES)))
+  assert [g.client_ids.tolist() for g in plain] == [[0, 2], [1, 3]]
+  np.testing.assert_array_equal(np.asarray(plain[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
+
+
 def test_a_rounds_group_keeps_the_selected_rows_in_order_padded_to_whole_batches_of_the_largest():
   """5 clients of one architecture with up to 7 samples, batch 3: a round of clients 1 and 4
   keeps their rows (x, y, sizes) in the group's order, and pads the sample axis to 9 (whole
