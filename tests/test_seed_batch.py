@@ -1,8 +1,10 @@
 """The local models of several seeds trained as one client group (jfed/methods/seed_batch.py):
 equal to each seed's own run, and what breaks that equality is noticed."""
 
+import io
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -220,12 +222,32 @@ def test_train_seeds_names_the_seed_and_clients_whose_training_diverges(tmp_path
     driver.context_of_config(tiny_config(s, tmp_path / f's{s}'), d)
     for s, d in zip(SEEDS, (digits, nan))
   ]
+  contexts[1].parts = [contexts[1].parts[0][:1]] + list(contexts[1].parts[1:])  # one sample
   message = (
     r'^local training of seed 1: the training loss of client\(s\) \[0, 1, 2\] \(mlp\) became '
     r'non-finite; lower the learning rate or check the data$'
   )
   with pytest.raises(NonFiniteError, match=message):
     seed_batch.train_seeds(contexts, 1)
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_train_seeds_shows_the_progress_of_each_architectures_epochs(tmp_path, digits, monkeypatch):
+  terminal = _Terminal()
+  monkeypatch.setattr(sys, 'stderr', terminal)
+  contexts = [driver.context_of_config(tiny_config(s, tmp_path / f's{s}'), digits) for s in SEEDS]
+  seed_batch.train_seeds(contexts, 2)
+  lines = [line.strip() for line in terminal.getvalue().replace('\n', '\r').split('\r')]
+  for epoch in (1, 2):
+    assert any(
+      line.startswith(f'local training of seeds [0, 1] [mlp x6] {epoch}/2 epochs')
+      and 'epoch/s' in line
+      for line in lines
+    ), lines
 
 
 def test_train_seeds_refuses_seeds_of_other_architectures(tmp_path, digits):
