@@ -7,7 +7,10 @@ training diverges; the server under an attack with a client sitting out and decl
 one trainer per architecture, and trainers shared by a sweep's runs; test accuracy and every
 client's own probabilities and accuracy by global client id."""
 
+import io
+import sys
 import types
+from unittest import mock
 
 import flax.serialization
 import jax
@@ -179,6 +182,48 @@ def test_a_clean_round_stops_at_a_client_whose_training_diverges_naming_round_an
     _run_fedavg(config, _digits_with_nan_images(1))
 
 
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+class _Transport:
+  """A stand-in for the Flower bridge: records what each client trainer is built from."""
+
+  def __init__(self):
+    self.calls = []
+
+  def trainer(self, spec, tx, recipe, sizes):
+    self.calls.append((spec, tx, recipe, sizes))
+    return f'remote {spec}'
+
+
+def test_trainers_on_a_client_transport_are_built_from_the_recipe_once_per_architecture():
+  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  groups = common.client_groups(ctx)
+  ctx.client_transport = _Transport()
+  spec = engine.OptimizerSpec('sgd', 0.2, momentum=0.5, schedule='cosine')
+  got = common.make_trainers(ctx, groups + groups[:1], prox_mu=0.03, optimizer=spec, total_steps=9)
+  assert got == [f'remote {NARROW}', f'remote {WIDE}', f'remote {NARROW}']
+  assert [c[0] for c in ctx.client_transport.calls] == [NARROW, WIDE]
+  for _, tx, recipe, sizes in ctx.client_transport.calls:
+    assert recipe == {
+      'kind': 'classifier',
+      'prox_mu': 0.03,
+      'optimizer': spec._asdict(),
+      'optimizer_steps': 9,
+    }
+    np.testing.assert_array_equal(sizes, HETERO_SIZES)
+    state = tx.init({'w': np.zeros(2, np.float32)})
+    assert float(optim.learning_rate_of(state)) == pytest.approx(0.2)  # step 0 of the cosine
+  section = {'name': 'adam', 'lr': 0.004}  # a config section, as the bridge's recipe carries
+  ctx.client_transport = _Transport()
+  common.make_trainers(ctx, groups[:1], optimizer=section)
+  assert (
+    ctx.client_transport.calls[0][2]['optimizer'] == engine.OptimizerSpec('adam', 0.004)._asdict()
+  )
+
+
 def test_train_groups_names_only_clients_with_data_whose_loss_is_not_finite():
   """Client 1 holds no samples (no loss to speak of), client 2's images are NaN: 'raise' names
   client 2 under the caller's label; 'warn' returns every model, client 2's not finite."""
@@ -196,8 +241,14 @@ def test_train_groups_names_only_clients_with_data_whose_loss_is_not_finite():
     r'^pretraining: the training loss of client\(s\) \[2\] \(mlp:width_mult=0.05\) became '
     r'non-finite; lower the learning rate or check the data$'
   )
-  with pytest.raises(NonFiniteError, match=message):
+  terminal = _Terminal()
+  with pytest.raises(NonFiniteError, match=message), mock.patch.object(sys, 'stderr', terminal):
     common.train_groups(trainers, groups, models, 1, key, label='pretraining')
+  lines = terminal.getvalue().replace('\n', '\r').split('\r')
+  assert any(
+    l.strip().startswith('pretraining [mlp:width_mult=0.05 x3] 1/1 epochs') and 'epoch/s' in l
+    for l in lines
+  ), lines
   (trained,), (metrics,) = common.train_groups(
     trainers, groups, models, 1, key, label='pretraining', diverged='warn'
   )
