@@ -126,6 +126,30 @@ def test_client_groups_follow_the_ids_given_by_architecture_and_flip_only_the_at
   np.testing.assert_array_equal(np.asarray(plain[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
 
 
+def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_clients_are_asked():
+  """An architecture's initial model is drawn from MODEL_INIT and its place among all the run's
+  architectures (jfed.keys), so the wide clients start alike alone or with the narrow ones."""
+  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  both = common.init_group_models(ctx, common.client_groups(ctx))
+  (wide,) = common.init_group_models(ctx, common.client_groups(ctx, [3, 1]))
+  for models, index, module, count in (
+    (both[0], 0, NARROW, 2),
+    (both[1], 1, WIDE, 2),
+    (wide, 1, WIDE, 2),
+  ):
+    variables = common.build_module(module, ctx.dataset).init(
+      ctx.derive_key(Purpose.MODEL_INIT, index), np.zeros((1, 8, 8, 1), np.float32), train=False
+    )
+    for k in range(count):
+      onp.assert_tree_close(
+        onp.to_numpy(onp.take_client(models.params, k)),
+        onp.to_numpy(variables['params']),
+        rtol=1e-6,
+        atol=1e-7,  # jitted init against flax's eager one: a last bit
+      )
+  assert jax.tree.leaves(both[1].params)[0].shape[0] == 2
+
+
 def test_a_rounds_group_keeps_the_selected_rows_in_order_padded_to_whole_batches_of_the_largest():
   """5 clients of one architecture with up to 7 samples, batch 3: a round of clients 1 and 4
   keeps their rows (x, y, sizes) in the group's order, and pads the sample axis to 9 (whole
