@@ -150,6 +150,28 @@ def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_cli
   assert jax.tree.leaves(both[1].params)[0].shape[0] == 2
 
 
+def test_local_models_train_with_the_trainers_given_and_count_every_upload(monkeypatch):
+  """A method's own trainers (built in its setup) train the local models, as the ones built
+  here would; none are built; the bytes are every client's serialised upload."""
+  config = _config(4, **HETERO)
+  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  trainers = common.client_trainers(ctx)
+  built = common.make_trainers
+  monkeypatch.setattr(common, 'make_trainers', None)
+  local = common.local_models(ctx, 1, trainers=trainers)
+  monkeypatch.setattr(common, 'make_trainers', built)
+  again = common.local_models(make_context(config, _dataset(), _parts(HETERO_SIZES)), 1)
+  for a, b in zip(local.models, again.models):
+    onp.assert_tree_close(onp.to_numpy(a.params), onp.to_numpy(b.params), rtol=0, atol=0)
+  size = lambda m: len(
+    flax.serialization.msgpack_serialize(
+      flax.serialization.to_state_dict(jax.tree.map(lambda a: np.asarray(a[0]), m))
+    )
+  )
+  assert local.upload_bytes == sum(2 * size(m) for m in local.models)
+  assert [g.client_ids.tolist() for g in local.groups] == [[0, 2], [1, 3]]
+
+
 def test_a_rounds_group_keeps_the_selected_rows_in_order_padded_to_whole_batches_of_the_largest():
   """5 clients of one architecture with up to 7 samples, batch 3: a round of clients 1 and 4
   keeps their rows (x, y, sizes) in the group's order, and pads the sample axis to 9 (whole
