@@ -330,9 +330,16 @@ def test_merged_group_pads_each_seed_to_the_longest_client():
     [common.ClientGroup('mlp', None, np.array([0, 1]), a), common.ClientGroup('mlp', None, [0], b)]
   )
   assert g.fed.x.shape == (3, 7, 1) and g.client_ids.tolist() == [0, 1, 0]
-  assert g.fed.sizes.tolist() == [3, 2, 7]
+  assert g.fed.sizes.tolist() == [3, 2, 7] and g.spec == 'mlp'
   np.testing.assert_array_equal(g.fed.x[0, :3, 0], [0, 1, 2])
   np.testing.assert_array_equal(g.fed.x[0, 3:], 0)
+  # a seed one sample shorter than the longest is padded too
+  c = federate(x, y, [np.arange(12, 18)])
+  g = seed_batch.merge_groups(
+    [common.ClientGroup('mlp', None, [0], c), common.ClientGroup('mlp', None, [0], b)]
+  )
+  assert g.fed.y.shape == (2, 7) and g.fed.sizes.tolist() == [6, 7]
+  np.testing.assert_array_equal(g.fed.y[0], [0, 1, 2, 0, 1, 2, 0])  # y = i % 3 for i = 12..17, 0
 
 
 def count_calls(monkeypatch, module, name):
