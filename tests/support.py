@@ -1,5 +1,6 @@
 """Helpers shared by the end-to-end tests."""
 
+import io
 import json
 import os
 import shutil
@@ -222,3 +223,14 @@ def dropout_losses_and_logits(objective, x, y, weights, *extra):
   real = int(np.sum(weights > 0))
   logits = vgg.apply(v.variables(), x[:real], train=True, rngs={'dropout': jax.random.PRNGKey(1)})
   return losses, np.asarray(logits)
+
+
+class Terminal(io.StringIO):
+  """A stderr that says it is a terminal, so `jfed.reporting.Progress` draws its line."""
+
+  def isatty(self):
+    return True
+
+  def lines(self):
+    """Every state the progress line(s) went through, stripped."""
+    return [l.strip() for l in self.getvalue().replace('\n', '\r').split('\r') if l.strip()]

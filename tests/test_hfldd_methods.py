@@ -3,7 +3,6 @@ outputs, Eq. 18 / 19 byte accounting, resume without distilling again, config ch
 loss (value and gradients against NumPy), DynaFed's DSA in matching and fine-tuning, its client
 optimiser, and the KIP label distribution."""
 
-import io
 import re
 import sys
 
@@ -26,6 +25,7 @@ from jfed.models.registry import get_model
 from tests.support import (
   HFLDD_CLIENTS,
   Interrupted,
+  Terminal,
   hfldd_tiny_config,
   interrupt_after,
   read_metrics,
@@ -603,11 +603,6 @@ def test_bn_passes_are_three_ema_updates_on_the_whole_synthetic_set(monkeypatch)
   assert (batch, passes) == (4, 3)
 
 
-class _Terminal(io.StringIO):
-  def isatty(self):
-    return True
-
-
 def test_matching_augments_with_the_configured_dsa_runs_a_bn_student_and_shows_progress(
   monkeypatch,
 ):
@@ -619,7 +614,7 @@ def test_matching_augments_with_the_configured_dsa_runs_a_bn_student_and_shows_p
     return loss(*args, augment=augment)
 
   monkeypatch.setattr(dynafed, 'trajectory_matching_loss', recording_loss)
-  terminal = _Terminal()
+  terminal = Terminal()
   monkeypatch.setattr(sys, 'stderr', terminal)
   cfg = dynafed.DynaFedConfig(ipc=1, syn_steps=1, expert_epochs=1, iterations=10, dsa='flip')
   module = _NormalisedLinear()  # BatchNorm: the student runs on batch statistics

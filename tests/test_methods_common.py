@@ -7,7 +7,6 @@ training diverges; the server under an attack with a client sitting out and decl
 one trainer per architecture, and trainers shared by a sweep's runs; test accuracy and every
 client's own probabilities and accuracy by global client id."""
 
-import io
 import sys
 import types
 from unittest import mock
@@ -29,7 +28,7 @@ from jfed.io import UploadError
 from jfed.keys import Purpose
 from jfed.methods import common, generative
 from tests import oracle_numpy as onp
-from tests.support import comparable_summary, override, smoke_config
+from tests.support import Terminal, comparable_summary, override, smoke_config
 from tests.test_oracle_fedavg import (
   HETERO,
   HETERO_SIZES,
@@ -228,11 +227,6 @@ def test_a_clean_round_stops_at_a_client_whose_training_diverges_naming_round_an
     _run_fedavg(config, _digits_with_nan_images(1))
 
 
-class _Terminal(io.StringIO):
-  def isatty(self):
-    return True
-
-
 class _Transport:
   """A stand-in for the Flower bridge: records what each client trainer is built from."""
 
@@ -287,12 +281,12 @@ def test_train_groups_names_only_clients_with_data_whose_loss_is_not_finite():
     r'^pretraining: the training loss of client\(s\) \[2\] \(mlp:width_mult=0.05\) became '
     r'non-finite; lower the learning rate or check the data$'
   )
-  terminal = _Terminal()
+  terminal = Terminal()
   with pytest.raises(NonFiniteError, match=message), mock.patch.object(sys, 'stderr', terminal):
     common.train_groups(trainers, groups, models, 1, key, label='pretraining')
-  lines = terminal.getvalue().replace('\n', '\r').split('\r')
+  lines = terminal.lines()
   assert any(
-    l.strip().startswith('pretraining [mlp:width_mult=0.05 x3] 1/1 epochs') and 'epoch/s' in l
+    l.startswith('pretraining [mlp:width_mult=0.05 x3] 1/1 epochs') and 'epoch/s' in l
     for l in lines
   ), lines
   (trained,), (metrics,) = common.train_groups(

@@ -1,7 +1,6 @@
 """The local models of several seeds trained as one client group (jfed/methods/seed_batch.py):
 equal to each seed's own run, and what breaks that equality is noticed."""
 
-import io
 import json
 import pathlib
 import sys
@@ -19,7 +18,7 @@ from jfed.data import federate, load_dataset
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose
 from jfed.methods import common, seed_batch
-from tests.support import override
+from tests.support import Terminal, override
 
 EPOCHS = 2
 SEEDS = (0, 1)
@@ -231,17 +230,12 @@ def test_train_seeds_names_the_seed_and_clients_whose_training_diverges(tmp_path
     seed_batch.train_seeds(contexts, 1)
 
 
-class _Terminal(io.StringIO):
-  def isatty(self):
-    return True
-
-
 def test_train_seeds_shows_the_progress_of_each_architectures_epochs(tmp_path, digits, monkeypatch):
-  terminal = _Terminal()
+  terminal = Terminal()
   monkeypatch.setattr(sys, 'stderr', terminal)
   contexts = [driver.context_of_config(tiny_config(s, tmp_path / f's{s}'), digits) for s in SEEDS]
   seed_batch.train_seeds(contexts, 2)
-  lines = [line.strip() for line in terminal.getvalue().replace('\n', '\r').split('\r')]
+  lines = terminal.lines()
   for epoch in (1, 2):
     assert any(
       line.startswith(f'local training of seeds [0, 1] [mlp x6] {epoch}/2 epochs')
