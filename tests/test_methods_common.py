@@ -42,6 +42,15 @@ from tests.test_oracle_fedavg import (
 )
 
 
+def _msgpack_bytes(state, client=None) -> int:
+  """Bytes of `state` (a ModelState, or client `client` of a stacked one) as flax's msgpack
+  serialises its NumPy state dict: what an upload or a download of it costs."""
+  if client is not None:
+    state = jax.tree.map(lambda a: a[client], state)
+  tree = flax.serialization.to_state_dict(jax.tree.map(np.asarray, state))
+  return len(flax.serialization.msgpack_serialize(tree))
+
+
 @pytest.mark.parametrize(
   'spec, name, kwargs',
   [
@@ -162,12 +171,7 @@ def test_local_models_train_with_the_trainers_given_and_count_every_upload(monke
   again = common.local_models(make_context(config, _dataset(), _parts(HETERO_SIZES)), 1)
   for a, b in zip(local.models, again.models):
     onp.assert_tree_close(onp.to_numpy(a.params), onp.to_numpy(b.params), rtol=0, atol=0)
-  size = lambda m: len(
-    flax.serialization.msgpack_serialize(
-      flax.serialization.to_state_dict(jax.tree.map(lambda a: np.asarray(a[0]), m))
-    )
-  )
-  assert local.upload_bytes == sum(2 * size(m) for m in local.models)
+  assert local.upload_bytes == sum(2 * _msgpack_bytes(m, 0) for m in local.models)
   assert [g.client_ids.tolist() for g in local.groups] == [[0, 2], [1, 3]]
 
 
@@ -369,15 +373,7 @@ def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_c
   leaves = jax.tree.leaves(call['stacked'].params)
   assert all(a.shape[0] == 3 for a in leaves)
   assert not np.allclose(leaves[0][0], leaves[0][1])
-  each = len(
-    flax.serialization.msgpack_serialize(
-      {
-        'params': jax.tree.map(np.asarray, global_model.params),
-        'batch_stats': jax.tree.map(np.asarray, global_model.batch_stats),
-      }
-    )
-  )
-  assert record['download_bytes'] == 3 * each
+  assert record['download_bytes'] == 3 * _msgpack_bytes(global_model)
   assert (
     record['clients'] == 3 and record['upload_bytes'] == 7 and np.isfinite(record['train_loss'])
   )
@@ -626,8 +622,8 @@ def test_the_server_averages_with_the_weights_it_is_given_and_counts_the_bytes_r
   )
   want = onp.weighted_average([uploads[0], uploads[1]], [1.0, 3.0])
   onp.assert_tree_close(onp.to_numpy(aggregate.params), want, rtol=1e-5, atol=1e-6)
-  one = {'params': jax.tree.map(lambda a: np.asarray(a, np.float32), uploads[0]), 'batch_stats': {}}
-  assert record['upload_bytes'] == 2 * len(flax.serialization.msgpack_serialize(one))
+  one = engine.ModelState(jax.tree.map(lambda a: np.asarray(a, np.float32), uploads[0]), {})
+  assert record['upload_bytes'] == 2 * _msgpack_bytes(one)
 
 
 def test_the_server_clips_each_update_around_the_global_model_before_averaging():
@@ -682,12 +678,7 @@ def test_one_shot_uploads_are_validated_per_client_and_counted_per_group():
   groups = common.client_groups(ctx)
   models = common.init_group_models(ctx, groups)
   templates = [engine.take(m, 0) for m in models]
-  one = lambda m, k: len(
-    flax.serialization.msgpack_serialize(
-      flax.serialization.to_state_dict(jax.tree.map(lambda a: np.asarray(a[k]), m))
-    )
-  )
-  want = sum(one(m, k) for m, g in zip(models, groups) for k in range(len(g.client_ids)))
+  want = sum(_msgpack_bytes(m, k) for m, g in zip(models, groups) for k in range(len(g.client_ids)))
   assert [g.client_ids.tolist() for g in groups] == [[0, 2], [1, 3]]
   assert common.receive_uploads(groups, models, templates) == want
   nan = jax.tree.map(lambda a: a.at[1].set(np.nan) if a.ndim > 1 else a, models[1])
