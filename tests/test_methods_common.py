@@ -166,7 +166,10 @@ def test_local_models_train_with_the_trainers_given_and_count_every_upload(monke
   trainers = common.client_trainers(ctx)
   built = common.make_trainers
   monkeypatch.setattr(common, 'make_trainers', None)
-  local = common.local_models(ctx, 1, trainers=trainers)
+  terminal = Terminal()
+  with mock.patch.object(sys, 'stderr', terminal):
+    local = common.local_models(ctx, 1, trainers=trainers)
+  assert any(l.startswith(f'local training [{WIDE} x2] 1/1 epochs') for l in terminal.lines())
   monkeypatch.setattr(common, 'make_trainers', built)
   again = common.local_models(make_context(config, _dataset(), _parts(HETERO_SIZES)), 1)
   for a, b in zip(local.models, again.models):
@@ -247,8 +250,8 @@ def test_trainers_on_a_client_transport_are_built_from_the_recipe_once_per_archi
   groups = common.client_groups(ctx)
   ctx.client_transport = _Transport()
   spec = engine.OptimizerSpec('sgd', 0.2, momentum=0.5, schedule='cosine')
-  got = common.make_trainers(ctx, groups + groups[:1], prox_mu=0.03, optimizer=spec, total_steps=9)
-  assert got == [f'remote {NARROW}', f'remote {WIDE}', f'remote {NARROW}']
+  got = common.make_trainers(ctx, groups[:1] + groups, prox_mu=0.03, optimizer=spec, total_steps=9)
+  assert got == [f'remote {NARROW}', f'remote {NARROW}', f'remote {WIDE}']
   assert [c[0] for c in ctx.client_transport.calls] == [NARROW, WIDE]
   for _, tx, recipe, sizes in ctx.client_transport.calls:
     assert recipe == {
