@@ -14,6 +14,7 @@ from unittest import mock
 import flax.serialization
 import jax
 import numpy as np
+import optax
 import pytest
 
 from experiments.configs import fedmho_digits
@@ -245,6 +246,24 @@ class _Transport:
     return f'remote {spec}'
 
 
+class _SilentClientTrainer:
+  """A Flower round's trainer whose client 1 did not reply (its loss never came back: NaN)."""
+
+  tx = optax.sgd(0.1)
+
+  def train(self, state, fed, epochs, key, **kwargs):
+    loss = np.array([[0.5], [np.nan], [0.4]])
+    return state, engine.TrainMetrics(loss, np.zeros_like(loss), np.array([True, False, True]))
+
+
+def test_a_client_that_did_not_reply_is_not_taken_for_one_that_diverged():
+  ctx = make_context(_config(3), _dataset(), _parts(SIZES))
+  groups = common.client_groups(ctx)
+  models = common.init_group_models(ctx, groups)
+  (trained,), _ = common.train_groups([_SilentClientTrainer()], groups, models, 1, None)
+  assert trained is not None
+
+
 def test_trainers_on_a_client_transport_are_built_from_the_recipe_once_per_architecture():
   ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
   groups = common.client_groups(ctx)
@@ -272,10 +291,10 @@ def test_trainers_on_a_client_transport_are_built_from_the_recipe_once_per_archi
 
 
 def test_train_groups_names_only_clients_with_data_whose_loss_is_not_finite():
-  """Client 1 holds no samples (no loss to speak of), client 2's images are NaN: 'raise' names
+  """Client 1 holds no samples (no loss to speak of), client 2's one image is NaN: 'raise' names
   client 2 under the caller's label; 'warn' returns every model, client 2's not finite."""
   d = _dataset()
-  parts = _parts((23, 0, 12))
+  parts = _parts((23, 0, 1))
   x = np.array(d.train_x, np.float32)
   x[parts[2]] = np.nan
   nan = Dataset(d.name, x, d.train_y, d.test_x, d.test_y, d.num_classes)
