@@ -7,6 +7,7 @@ training diverges; the server under an attack with a client sitting out and decl
 one trainer per architecture, and trainers shared by a sweep's runs; test accuracy and every
 client's own probabilities and accuracy by global client id."""
 
+import contextlib
 import sys
 import types
 from unittest import mock
@@ -157,6 +158,16 @@ def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_cli
         atol=1e-7,  # jitted init against flax's eager one: a last bit
       )
   assert jax.tree.leaves(both[1].params)[0].shape[0] == 2
+
+
+def test_a_groups_trainer_maps_its_clients_as_the_run_says_and_over_its_devices():
+  ctx = make_context(_config(4, strategy='scan', shard=True), _dataset(), _parts([6] * 4))
+  (group,) = common.client_groups(ctx)
+  assert ctx.mesh is not None  # the suite's four fake CPU devices
+  for store in (None, {}):
+    with common.sharing_client_programs(store) if store is not None else contextlib.nullcontext():
+      trainer = common.group_trainer(ctx, group.module, engine.OptimizerSpec('sgd', 0.1), 8)
+    assert (trainer.strategy, trainer.mesh) == ('scan', ctx.mesh)
 
 
 def test_local_models_train_with_the_trainers_given_and_count_every_upload(monkeypatch):
