@@ -134,6 +134,10 @@ def test_client_groups_follow_the_ids_given_by_architecture_and_flip_only_the_at
   plain = common.client_groups(make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES)))
   assert [g.client_ids.tolist() for g in plain] == [[0, 2], [1, 3]]
   np.testing.assert_array_equal(np.asarray(plain[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
+  # a model-poisoning attacker trains on its true labels
+  config = _config(4, **HETERO, **{'attack.kind': 'sign_flip', 'attack.clients': '1'})
+  poisoning = common.client_groups(make_context(config, _dataset(), _parts(HETERO_SIZES)))
+  np.testing.assert_array_equal(np.asarray(poisoning[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
 
 
 def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_clients_are_asked():
