@@ -161,51 +161,25 @@ def test_bad_configs_are_refused_with_the_key(method, overrides, message):
 
 # The bounds every generator-distillation method checks (the shared validation of
 # jfed/methods/oneshot.py), then each method's own; a message names the key and the value.
-_POSITIVE = {
-  'dense': (
-    'rounds',
-    'local_epochs',
-    'epochs',
-    'kd_batch',
-    'g_steps',
-    'synthesis_batch',
-    'nz',
-    'ngf',
-    'kd_lr',
-    'kd_T',
-    'lr_g',
-  ),
-  'coboosting': (
-    'rounds',
-    'local_epochs',
-    'epochs',
-    'kd_batch',
-    'g_steps',
-    'synthesis_batch',
-    'nz',
-    'ngf',
-    'kd_lr',
-    'kd_T',
-    'lr_g',
-    'adv_T',
-    'ods_T',
-    'wdc',
-  ),
-}
+_SHARED_POSITIVE = (
+  'rounds',
+  'local_epochs',
+  'epochs',
+  'kd_batch',
+  'g_steps',
+  'synthesis_batch',
+  'nz',
+  'ngf',
+  'kd_lr',
+  'kd_T',
+  'lr_g',
+)
+_POSITIVE = {'dense': _SHARED_POSITIVE, 'coboosting': _SHARED_POSITIVE + ('adv_T', 'ods_T', 'wdc')}
+_SHARED_NON_NEGATIVE = ('kd_weight_decay',)
 _NON_NEGATIVE = {
-  'dense': ('kd_weight_decay', 'bn', 'oh', 'adv'),
-  'coboosting': (
-    'kd_weight_decay',
-    'kd_grad_clip',
-    'bn',
-    'oh',
-    'adv',
-    'hs',
-    'g_grad_clip',
-    'mu',
-    'wa_steps',
-    'odseta',
-  ),
+  'dense': _SHARED_NON_NEGATIVE + ('bn', 'oh', 'adv'),
+  'coboosting': _SHARED_NON_NEGATIVE
+  + ('kd_grad_clip', 'bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu', 'wa_steps', 'odseta'),
 }
 _CHOICES = {
   'init': 'random, fedavg',
