@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jfed.driver import build_algorithm, make_context, run
+from jfed.driver import build_algorithm, run
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose
 from tests import oracle_numpy as onp
@@ -29,11 +29,10 @@ from tests.test_oracle_fedavg import (
   SIZES,
   WIDE,
   _config,
-  _dataset,
+  _context,
   _init_params,
   _oracle_local_models,
   _oracle_rounds,
-  _parts,
   _run,
   _test_accuracy,
 )
@@ -166,7 +165,7 @@ def test_one_shot_fedavg_bounds_the_updates_from_the_shared_init():
   # started from (the shared init, the global model of round 1): a bound between the two largest
   # ratios rejects exactly the client that moved farthest
   config = _config(3, **ONE_SHOT)
-  ctx = make_context(config, _dataset(), _parts(SIZES))
+  ctx = _context(config)
   start = _init_params(NARROW, ctx.derive_key(Purpose.MODEL_INIT, 0))
   clients = _oracle_local_models(ctx, [NARROW] * 3, 2)
   ratios = [
@@ -282,7 +281,7 @@ def test_fedavg_vote_resumes_from_its_checkpoint(tmp_path, monkeypatch):
   config = _config(3, **{'fedavg_vote.local_epochs': 1, **HETERO})
 
   def run_in(workdir):
-    ctx = make_context(config, _dataset(), _parts(SIZES), workdir)
+    ctx = _context(config, workdir=workdir)
     return run(build_algorithm('fedavg_vote', config), ctx, progress=False)
 
   whole = run_in(tmp_path / 'whole')

@@ -38,6 +38,7 @@ from tests.test_oracle_fedavg import (
   SIZES,
   WIDE,
   _config,
+  _context,
   _dataset,
   _parts,
   _run,
@@ -83,17 +84,17 @@ def test_a_model_spec_without_a_value_is_refused_naming_it(spec):
 def test_client_model_specs_cycle_the_list_over_the_clients_and_default_to_the_model():
   def specs(client_models, n=5, model=NARROW):
     config = _config(n, model=model, client_models=client_models)
-    return common.client_model_specs(make_context(config, _dataset(), _parts([6] * n)))
+    return common.client_model_specs(_context(config, [6] * n))
 
   assert specs('') == [NARROW] * 5 == specs(' ; ')
   assert specs(f' {WIDE} ;{NARROW};') == [WIDE, NARROW, WIDE, NARROW, WIDE]
-  ctx = make_context(_config(3, client_models=f'{WIDE};{NARROW}'), _dataset(), _parts([6] * 3))
+  ctx = _context(_config(3, client_models=f'{WIDE};{NARROW}'), [6] * 3)
   with pytest.raises(ConfigError) as refused:
     common.single_architecture(ctx)
   assert str(refused.value) == (
     f"Parameter averaging needs one architecture; clients use ['{NARROW}', '{WIDE}']"
   )
-  assert common.single_architecture(make_context(_config(3), _dataset(), _parts([6] * 3))) == NARROW
+  assert common.single_architecture(_context(_config(3), [6] * 3)) == NARROW
   module = common.build_module(WIDE, _dataset())
   assert module.hidden == (20, 20) and module.num_classes == 10
 
@@ -118,7 +119,7 @@ def test_client_groups_follow_the_ids_given_by_architecture_and_flip_only_the_at
   architecture), each keeps the order given, and under a label-flipping attack on client 1 only
   its real labels become C - 1 - y."""
   config = _config(4, **HETERO, **{'attack.kind': 'label_flip', 'attack.clients': '1'})
-  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(config, HETERO_SIZES)
   groups = common.client_groups(ctx, [3, 2, 1])
   assert [(g.spec, g.client_ids.tolist()) for g in groups] == [(WIDE, [3, 1]), (NARROW, [2])]
   assert groups[0].module.hidden == (20, 20) and groups[1].module.hidden == (10, 10)
@@ -131,19 +132,19 @@ def test_client_groups_follow_the_ids_given_by_architecture_and_flip_only_the_at
       np.testing.assert_array_equal(np.asarray(g.fed.y)[row, :n], want)
       np.testing.assert_array_equal(np.asarray(g.fed.x)[row, :n], _dataset().train_x[parts[k]])
       assert int(g.fed.sizes[row]) == n
-  plain = common.client_groups(make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES)))
+  plain = common.client_groups(_context(_config(4, **HETERO), HETERO_SIZES))
   assert [g.client_ids.tolist() for g in plain] == [[0, 2], [1, 3]]
   np.testing.assert_array_equal(np.asarray(plain[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
   # a model-poisoning attacker trains on its true labels
   config = _config(4, **HETERO, **{'attack.kind': 'sign_flip', 'attack.clients': '1'})
-  poisoning = common.client_groups(make_context(config, _dataset(), _parts(HETERO_SIZES)))
+  poisoning = common.client_groups(_context(config, HETERO_SIZES))
   np.testing.assert_array_equal(np.asarray(poisoning[1].fed.y)[0, : HETERO_SIZES[1]], y[parts[1]])
 
 
 def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_clients_are_asked():
   """An architecture's initial model is drawn from MODEL_INIT and its place among all the run's
   architectures (jfed.keys), so the wide clients start alike alone or with the narrow ones."""
-  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(_config(4, **HETERO), HETERO_SIZES)
   both = common.init_group_models(ctx, common.client_groups(ctx))
   (wide,) = common.init_group_models(ctx, common.client_groups(ctx, [3, 1]))
   for models, index, module, count in (
@@ -165,7 +166,7 @@ def test_every_client_of_an_architecture_starts_from_its_one_model_whichever_cli
 
 
 def test_a_groups_trainer_maps_its_clients_as_the_run_says_and_over_its_devices():
-  ctx = make_context(_config(4, strategy='scan', shard=True), _dataset(), _parts([6] * 4))
+  ctx = _context(_config(4, strategy='scan', shard=True), [6] * 4)
   (group,) = common.client_groups(ctx)
   assert ctx.mesh is not None  # the suite's four fake CPU devices
   for store in (None, {}):
@@ -178,7 +179,7 @@ def test_local_models_train_with_the_trainers_given_and_count_every_upload(monke
   """A method's own trainers (built in its setup) train the local models, as the ones built
   here would; none are built; the bytes are every client's serialised upload."""
   config = _config(4, **HETERO)
-  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(config, HETERO_SIZES)
   trainers = common.client_trainers(ctx)
   built = common.make_trainers
   monkeypatch.setattr(common, 'make_trainers', None)
@@ -187,7 +188,7 @@ def test_local_models_train_with_the_trainers_given_and_count_every_upload(monke
     local = common.local_models(ctx, 1, trainers=trainers)
   assert any(l.startswith(f'local training [{WIDE} x2] 1/1 epochs') for l in terminal.lines())
   monkeypatch.setattr(common, 'make_trainers', built)
-  again = common.local_models(make_context(config, _dataset(), _parts(HETERO_SIZES)), 1)
+  again = common.local_models(_context(config, HETERO_SIZES), 1)
   for a, b in zip(local.models, again.models):
     onp.assert_tree_close(onp.to_numpy(a.params), onp.to_numpy(b.params), rtol=0, atol=0)
   assert local.upload_bytes == sum(2 * _msgpack_bytes(m, 0) for m in local.models)
@@ -272,7 +273,7 @@ class _SilentClientTrainer:
 
 
 def test_a_client_that_did_not_reply_is_not_taken_for_one_that_diverged():
-  ctx = make_context(_config(3), _dataset(), _parts(SIZES))
+  ctx = _context(_config(3), SIZES)
   groups = common.client_groups(ctx)
   models = common.init_group_models(ctx, groups)
   (trained,), _ = common.train_groups([_SilentClientTrainer()], groups, models, 1, None)
@@ -280,7 +281,7 @@ def test_a_client_that_did_not_reply_is_not_taken_for_one_that_diverged():
 
 
 def test_trainers_on_a_client_transport_are_built_from_the_recipe_once_per_architecture():
-  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(_config(4, **HETERO), HETERO_SIZES)
   groups = common.client_groups(ctx)
   ctx.client_transport = _Transport()
   spec = engine.OptimizerSpec('sgd', 0.2, momentum=0.5, schedule='cosine')
@@ -382,7 +383,7 @@ def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_c
   record adds: every client's download of the global model, the mean of the clients' last
   training losses, no dropped clients in a round where every client replied."""
   config = _config(3)
-  ctx = make_context(config, _dataset(), _parts(SIZES))
+  ctx = _context(config, SIZES)
   (group,) = common.client_groups(ctx)
   (trainer,) = common.make_trainers(ctx, [group])
   (model,) = common.init_group_models(ctx, [group])
@@ -419,7 +420,7 @@ def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_c
 
 def test_the_runs_client_trainers_are_one_per_architecture_each_with_its_own_model():
   config = _config(4, **HETERO)
-  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(config, HETERO_SIZES)
   trainers = common.client_trainers(ctx)
   assert list(trainers) == [NARROW, WIDE]
   for spec, trainer in trainers.items():
@@ -443,7 +444,7 @@ def _random_local_models(ctx, seed: int) -> common.LocalModels:
 
 def test_a_models_test_accuracy_scores_the_whole_test_split():
   config = _config(3)
-  ctx = make_context(config, _dataset(), _parts(SIZES))
+  ctx = _context(config, SIZES)
   module = common.build_module(NARROW, ctx.dataset)
   model = engine.init_model(module, ctx.dataset.input_shape, jax.random.key(5))
   want = onp.accuracy(
@@ -456,7 +457,7 @@ def test_a_models_test_accuracy_scores_the_whole_test_split():
 
 def test_client_probabilities_and_accuracies_are_each_clients_own_model_by_global_id():
   config = _config(4, **HETERO)
-  ctx = make_context(config, _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(config, HETERO_SIZES)
   local = _random_local_models(ctx, 1)
   x = _dataset().train_x[:9]
   probs = common.client_probabilities(ctx, local, x)
@@ -561,7 +562,7 @@ def test_cvae_trainers_of_another_seed_share_the_programs_and_carry_their_own_le
 def test_a_shared_trainer_is_one_per_module_optimiser_objective_batch_prox_weight_and_schedule():
   """Whatever shapes a trainer's programs keys its sharing: runs that differ in any of them get
   their own trainer, with their own settings; a constant learning rate does not."""
-  ctx = make_context(_config(3), _dataset(), _parts(SIZES))
+  ctx = _context(_config(3), SIZES)
   (group,) = common.client_groups(ctx)
   spec = engine.OptimizerSpec('sgd', 0.1, momentum=0.9)
   other = common.build_module(WIDE, ctx.dataset)
@@ -615,7 +616,7 @@ def _server_round(declared_sizes=None, weights=None, taking_part=(True, True, Fa
     3,
     **{'attack.kind': 'sign_flip', 'attack.clients': '1', 'attack.strength': 2.0, **overrides},
   )
-  ctx = make_context(config, _dataset(), _parts(SIZES))
+  ctx = _context(config, SIZES)
   (group,) = common.client_groups(ctx)
   (models,) = common.init_group_models(ctx, [group])
   reference = jax.tree.map(lambda a: a[0], models)
@@ -694,7 +695,7 @@ def test_the_attackers_are_drawn_from_the_attack_key_of_the_run():
   drawn = {}
   for seed in (0, 1, 2):
     config = _config(10, seed=seed, **{'attack.kind': 'noise', 'attack.fraction': 0.4})
-    ctx = make_context(config, _dataset(), _parts([6] * 10))
+    ctx = _context(config, [6] * 10)
     order = np.asarray(jax.random.permutation(ctx.derive_key(Purpose.ATTACK, 0), 10))
     other = np.asarray(jax.random.permutation(ctx.derive_key(Purpose.ATTACK, 1), 10))
     if seed == 0:  # the attacks' key would draw other attackers
@@ -705,13 +706,13 @@ def test_the_attackers_are_drawn_from_the_attack_key_of_the_run():
     assert bits(common.make_server(ctx).attack_key) == bits(ctx.derive_key(Purpose.ATTACK, 1))
   assert len({tuple(v) for v in drawn.values()}) == 3
   listed = _config(10, **{'attack.kind': 'noise', 'attack.clients': '7,2'})
-  assert common.attackers(make_context(listed, _dataset(), _parts([6] * 10))).tolist() == [2, 7]
+  assert common.attackers(_context(listed, [6] * 10)).tolist() == [2, 7]
 
 
 def test_one_shot_uploads_are_validated_per_client_and_counted_per_group():
   """Two architectures (clients 0, 2 narrow; 1, 3 wide): the bytes are every client's own
   serialised model; a non-finite or misshapen model is refused naming its global client id."""
-  ctx = make_context(_config(4, **HETERO), _dataset(), _parts(HETERO_SIZES))
+  ctx = _context(_config(4, **HETERO), HETERO_SIZES)
   groups = common.client_groups(ctx)
   models = common.init_group_models(ctx, groups)
   templates = [engine.take(m, 0) for m in models]

@@ -89,6 +89,11 @@ def _config(num_clients: int, **overrides):
   return override(c, **overrides)
 
 
+def _context(config, sizes: Sequence[int] = SIZES, workdir=None):
+  """The run context of `config` on the tiny problem, its clients of these sizes."""
+  return make_context(config, _dataset(), _parts(sizes), workdir)
+
+
 class _Recorder:
   """Keeps what the registered algorithm's setup and steps return while `run` drives it."""
 

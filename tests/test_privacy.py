@@ -25,13 +25,13 @@ import pytest
 from scipy.special import gammaln, logsumexp
 
 from jfed import engine
-from jfed.driver import build_algorithm, make_context, run
+from jfed.driver import build_algorithm, run
 from jfed.engine import privacy
 from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common
 from tests.support import Interrupted, comparable_summary, interrupt_after, read_metrics
-from tests.test_oracle_fedavg import NARROW, SIZES, _config, _dataset, _parts, _run
+from tests.test_oracle_fedavg import NARROW, _config, _context, _dataset, _run
 
 DELTA = 1e-5
 
@@ -68,7 +68,7 @@ def test_updates_above_the_clip_norm_are_scaled_to_it_and_the_others_kept():
 def _given_client_models(config, lengths, seed=0):
   """Client models init + Δ_k with ‖Δ_k‖ = lengths[k] (random directions), as the run's one-shot
   local-models stage; returns (stacked ModelState, init ModelState, [Δ_k flat])."""
-  ctx = make_context(config, _dataset(), _parts(SIZES))
+  ctx = _context(config)
   module = common.build_module(NARROW, _dataset())
   init = engine.init_model(module, _dataset().input_shape, ctx.derive_key(Purpose.MODEL_INIT, 0))
   flat, unravel = ravel_pytree(init)
@@ -261,7 +261,7 @@ def test_a_dp_run_records_epsilon_every_round_in_metrics_tensorboard_and_summary
       **_dp(noise_multiplier=z, clip_norm=0.5),
     },
   )
-  ctx = make_context(config, _dataset(), _parts(SIZES), tmp_path)
+  ctx = _context(config, workdir=tmp_path)
   summary = run(build_algorithm(method, config), ctx, progress=False)
   records = [r for r in read_metrics(tmp_path) if r['step'] > 0]
   want = [_direct_epsilon(2 / 3, z, r) for r in (1, 2)]
@@ -296,7 +296,7 @@ def test_without_dp_the_records_and_summary_carry_no_privacy_fields():
 def test_the_progress_line_names_epsilon(capsys):
   config = _config(3, **{'fedavg.rounds': 1, **_dp(noise_multiplier=2.0)})
   algorithm = build_algorithm('fedavg', config)
-  run(algorithm, make_context(config, _dataset(), _parts(SIZES)), progress=True)
+  run(algorithm, _context(config), progress=True)
   want = _direct_epsilon(1.0, 2.0, 1)
   assert f'fedavg round 1/1 (ε = {want:.3g} at δ = 1e-05): test accuracy' in capsys.readouterr().out
 
@@ -361,7 +361,7 @@ def test_an_adaptive_run_resumes_with_its_clip_norm(tmp_path, monkeypatch):
   config = _config(3, **{'fedavg.rounds': 3, **dp})
 
   def run_in(workdir):
-    ctx = make_context(config, _dataset(), _parts(SIZES), workdir)
+    ctx = _context(config, workdir=workdir)
     return run(build_algorithm('fedavg', config), ctx, progress=False)
 
   whole = run_in(tmp_path / 'whole')
