@@ -261,7 +261,6 @@ def make_trainers(
   spec = cfg.optimizer if optimizer is None else optimizer
   if not isinstance(spec, engine.OptimizerSpec):
     spec = engine.optimizer_spec(spec)
-  tx = engine.build_optimizer(spec, total_steps)
   recipe = {  # how a Flower SuperNode builds the same trainer
     'kind': 'classifier',
     'prox_mu': float(prox_mu),
@@ -273,6 +272,7 @@ def make_trainers(
     if g.spec in by_spec:
       continue
     if ctx.client_transport is not None:  # the clients train on Flower SuperNodes
+      tx = engine.build_optimizer(spec, total_steps)
       by_spec[g.spec] = ctx.client_transport.trainer(g.spec, tx, recipe, ctx.client_sizes)
     else:
       by_spec[g.spec] = group_trainer(
