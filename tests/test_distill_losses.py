@@ -358,7 +358,10 @@ def test_dense_generator_conv_forms_agree_and_a_bad_form_is_refused():
   @jax.jit  # run op by op, the init and both generators compiled ~100 one-primitive programs
   def run(key):
     st, z = generator.dense_generator_init(key, lax_gen, noise_batch=4)
-    return [generator.generate(g, st, z)[0] for g in (lax_gen, matmul_gen)]
+    variables = {'params': st.params, 'batch_stats': st.batch_stats}
+    return [
+      g.apply(variables, z, train=True, mutable=['batch_stats'])[0] for g in (lax_gen, matmul_gen)
+    ]
 
   want, got = run(jax.random.PRNGKey(0))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
@@ -373,7 +376,8 @@ def test_generator_shape_and_range(shape):
   @jax.jit
   def run(key):
     st, z = generator.dense_generator_init(key, g, noise_batch=6)
-    return generator.generate(g, st, z)[0], st
+    variables = {'params': st.params, 'batch_stats': st.batch_stats}
+    return g.apply(variables, z, train=True, mutable=['batch_stats'])[0], st
 
   x, st = run(jax.random.PRNGKey(0))
   assert x.shape == (6, *shape)
@@ -383,6 +387,20 @@ def test_generator_shape_and_range(shape):
   assert float(jnp.abs(st.params['conv3']['bias']).max()) == 0.0
   assert abs(float(jnp.std(st.params['conv1']['kernel'])) - 0.02) < 0.005
   assert st.params['l1']['kernel'].shape == (16, 2 * 8 * (shape[0] // 4) * (shape[1] // 4))
+
+
+@pytest.mark.parametrize('kind', ['dense', 'fedhydra'])
+def test_a_generator_refuses_images_whose_sides_four_does_not_divide_and_an_unknown_kind(kind):
+  """Both generators start from an (H/4, W/4) map (DENSE's, FedHydra's), so 6 or 10 px cannot be
+  made; the refusal names the generator and the shape, before any parameter exists."""
+  name = {'dense': 'DenseGenerator', 'fedhydra': 'FedHydraGenerator'}[kind]
+  z = jnp.zeros((1, 4))
+  for shape in [(6, 8, 1), (8, 10, 1)]:
+    g = generator.make_generator(shape, nz=4, ngf=2, kind=kind)
+    with pytest.raises(ValueError, match=rf'^{name} needs H, W divisible by 4, got \({shape[0]}, '):
+      g.init(jax.random.PRNGKey(0), z)
+  with pytest.raises(ValueError, match=r"^generator 'dcgan'; valid: \['dense', 'fedhydra'\]$"):
+    generator.make_generator((8, 8, 1), kind='dcgan')
 
 
 def test_pool_ring_and_quantise():

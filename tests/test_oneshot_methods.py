@@ -309,7 +309,7 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
   assert (g.g_steps, g.batch_size, g.lr_g, g.bn, g.oh, g.adv) == (6, 12, 0.0042, 0.3, 0.6, 0.9)
   assert (g.hs, g.adv_T, g.grad_clip, g.augment) == (1.5, 2.5, 7.0, True)
   # jfed's images are already normalised: no second (x - 0.5) / 0.5 before the teachers
-  assert (g.input_mean, g.input_std, g.crop_padding, g.strategy) == (None, None, 1, 'vmap')
+  assert (g.crop_padding, g.strategy) == (1, 'vmap')
   k = s.kd
   assert (k.loss, k.T, k.t_squared, k.aggregation, k.ods_T) == ('kl', 6.5, True, 'weighted', 3.5)
   assert k.ods_eta == pytest.approx(0.2 * 0.5)  # 8/255 of [0, 1] is 2 x that in Normalize(0.5)
@@ -550,7 +550,6 @@ def test_coboosting_synthesises_from_unaugmented_generator_output_as_its_referen
   ctx = driver.context_of_config(config)
   settings = driver.build_algorithm('coboosting', config).recipe.settings(ctx)
   assert settings.synthesis.augment is augment
-  assert settings.synthesis.input_mean is None  # the digits pipeline does not normalise
 
 
 def test_feddf_distils_on_an_out_of_domain_source_and_validates_on_held_out_training_images():
@@ -587,6 +586,18 @@ def test_feddf_distils_on_an_out_of_domain_source_and_validates_on_held_out_trai
   config.feddf.val_split = 'train'
   data = distillation_data(ctx, driver.build_algorithm('feddf', config).config)
   assert len(data.val_y) == 30 and drawn_from(np.asarray(data.val_x), clients.train_x)
+
+
+def test_fedhydra_kd_data_batch_distils_each_epoch_on_that_epochs_images_only(tmp_path):
+  """kd_data='batch': the pool holds one synthesis epoch (every generator step's batch), so each
+  epoch's KD is one shuffled pass over that epoch's images, not over every epoch's."""
+  config = _config('smoke', model='mlp', **{'fedhydra.kd_data': 'batch'})
+  _run('fedhydra', config, tmp_path)
+  records = _epochs(tmp_path)
+  per_epoch = config.fedhydra.synthesis_batch * config.fedhydra.T_G
+  steps = math.ceil(per_epoch / config.fedhydra.kd_batch)
+  assert len(records) > 1
+  assert [(r['pool_size'], r['kd_steps']) for r in records] == [(per_epoch, steps)] * len(records)
 
 
 def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(

@@ -16,7 +16,6 @@ from jfed.distill.generator import (
   DenseGenerator,
   FedHydraGenerator,
   dense_generator_init,
-  generate,
   make_generator,
 )
 from jfed.distill.kd import (

@@ -231,20 +231,3 @@ def dense_generator_init(key: jax.Array, generator: DenseGenerator, noise_batch:
   if noise_batch:
     return state, draw[off:].reshape(noise_batch, generator.nz)
   return state
-
-
-def generate(generator: DenseGenerator, state: ModelState, z: jnp.ndarray, train: bool = True):
-  """G(z). In train mode returns (images, new ModelState) with updated running statistics;
-  in eval mode returns (images, state).
-
-  Args:
-    generator: The generator module.
-    state: Its variables.
-    z: Noise [B, nz].
-    train: Train mode (BatchNorm on batch statistics, running statistics updated).
-  """
-  variables = {'params': state.params, 'batch_stats': state.batch_stats}
-  if train:
-    x, upd = generator.apply(variables, z, train=True, mutable=['batch_stats'])
-    return x, ModelState(state.params, upd['batch_stats'])
-  return generator.apply(variables, z, train=False), state

@@ -62,8 +62,6 @@ class SynthesisConfig(NamedTuple):
   crop_padding: int = 4
   flip: bool = True
   sort_targets: bool = True
-  input_mean: Optional[float] = None  # teachers/student see (x − mean) / std when set
-  input_std: Optional[float] = None
   strategy: str = 'auto'  # teacher client mapping (ensemble.resolve_strategy)
   loop: str = 'auto'  # 'scan' | 'python' | 'auto'
   keep: str = 'best'  # 'best': the lowest-loss batch (DENSE) | 'all': every step's G(z)
@@ -95,8 +93,9 @@ def dense_config(**kw) -> SynthesisConfig:
 def coboosting_config(**kw) -> SynthesisConfig:
   """Co-Boosting: hard-sample CE (hs=1), adv T=3 ×T² without mask, bn=0 (default `--bn 0`; BN loss
   averaged over models when on), generator grad clip 10, g_steps 30, batch 128, random
-  (unsorted) targets, per-model weighted teacher, inputs normalised with mean = std = 0.5,
-  un-augmented G(z) (`coboost.py:synthesize` feeds normalizer(G(z)) to the teachers)."""
+  (unsorted) targets, per-model weighted teacher, un-augmented G(z) (`coboost.py:synthesize`
+  feeds normalizer(G(z)) to the teachers; jfed's teachers take the [0, 1] images themselves,
+  jfed.methods.coboosting's docstring)."""
   base = dict(
     g_steps=30,
     batch_size=128,
@@ -110,8 +109,6 @@ def coboosting_config(**kw) -> SynthesisConfig:
     aggregation='weighted',
     grad_clip=10.0,
     sort_targets=False,
-    input_mean=0.5,
-    input_std=0.5,
     augment=False,
   )
   base.update(kw)
@@ -247,8 +244,6 @@ def _synthesis_step(
       {'params': gp, 'batch_stats': gen_bs}, z, train=True, mutable=['batch_stats']
     )
     xa = augment_images(k_aug, x, cfg.crop_padding, cfg.flip) if cfg.augment else x
-    if cfg.input_mean is not None:
-      xa = (xa - cfg.input_mean) / cfg.input_std
     groups = [TeacherGroup(mod, st) for mod, st in zip(teacher_modules, teacher_states)]
     per_client, bn_losses = teacher_outputs(groups, xa, cfg.bn > 0, strategy)
     t = aggregate_teachers(cfg, per_client, targets, agg)

@@ -137,8 +137,6 @@ def settings(c: CoBoostingConfig, ctx: RunContext) -> oneshot.Settings:
     adv_T=c.adv_T,
     grad_clip=c.g_grad_clip or None,
     augment=c.synthesis_augment,
-    input_mean=None,
-    input_std=None,
   )
   kd = oneshot.kd_config(
     c,

@@ -804,17 +804,10 @@ class DistillationAlgorithm(Algorithm):
   # -- one epoch -----------------------------------------------------------------------------
   def _kd_batches(self, aux: DistillAux, state: ServerState, rng: np.random.Generator):
     s = aux.settings
-    if s.kd_data == 'pool':
+    if s.kd_data in ('pool', 'batch'):
+      # kd_data='batch': the pool holds one epoch's images (`fresh_state`), the latest ones
       idx, mask = epoch_batches(state.pool, rng, s.kd_batch)
       return state.pool, idx, mask
-    if s.kd_data == 'batch':
-      n, cap = images_per_epoch(s.synthesis), state.pool.capacity
-      latest = (int(state.pool.count) - n + np.arange(n)) % cap
-      nb = -(-n // s.kd_batch)
-      idx = np.zeros(nb * s.kd_batch, np.int32)
-      mask = np.zeros(nb * s.kd_batch, bool)
-      idx[:n], mask[:n] = latest[rng.permutation(n)], True
-      return state.pool, idx.reshape(nb, -1), mask.reshape(nb, -1)
     pool = self.recipe.fixed_pool(aux)  # 'fixed'
     n = int(pool_size(pool))
     idx = np.stack(
