@@ -1,5 +1,7 @@
 """CVAE clients (FedMHO, FedCVAE): models, Eq. 3, the generation counts and the K-means filter."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +249,18 @@ def test_an_unknown_reconstruction_loss_is_refused_naming_the_choices():
   out = CVAEOutput(jnp.zeros((2, 3, 3, 1)), jnp.zeros((2, 5)), jnp.zeros((2, 5)))
   with pytest.raises(ValueError, match=r"^recon must be one of \('bce', 'mse'\), got 'l1'$"):
     cvae_loss(out, jnp.zeros((2, 3, 3, 1)), jnp.ones(2), recon='l1')
+  with pytest.raises(ValueError, match=r"^recon must be one of \('bce', 'mse'\), got 'l1'$"):
+    cvae_clients.cvae_objective(recon='l1')  # a client's objective, before any training
+
+
+def test_cvae_large_refuses_sides_that_four_does_not_divide():
+  for shape in [(6, 8, 1), (8, 10, 1)]:
+    model = CVAE(num_classes=3, image_shape=shape, size='large', latent=2)
+    x = jnp.zeros((1, *shape))
+    with pytest.raises(
+      ValueError, match=rf'^CVAE-large needs H and W divisible by 4, got \({shape[0]}, '
+    ):
+      model.init(jax.random.PRNGKey(0), x, jnp.zeros(1, jnp.int32), jax.random.PRNGKey(1))
 
 
 def test_cvae_small_learns_digits():
@@ -299,8 +313,12 @@ def test_generation_counts_follow_the_reference_weighting():
     c = rng.integers(0, 400, size=(5, 10))
     c[rng.random((5, 10)) < 0.3] = 0
     np.testing.assert_array_equal(generation_counts(c, 6000), _reference_counts(c.tolist(), 6000))
-  with pytest.raises(ValueError, match='non-negative'):
+  with pytest.raises(ValueError, match='^class counts must be non-negative$'):
     generation_counts(np.array([[-1, 2]]), 10)
+  for bad in (np.ones(4), np.ones((0, 4)), np.ones((1, 2, 2))):
+    message = f'class_counts must be [decoders, classes], got shape {bad.shape}'
+    with pytest.raises(ValueError, match=f'^{re.escape(message)}$'):
+      generation_counts(bad, 10)
 
 
 def test_kmeans_filter_keeps_exactly_the_rth_nearest_to_the_kmeans_centre():

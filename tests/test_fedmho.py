@@ -18,7 +18,7 @@ from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
 from jfed.keys import Purpose
-from jfed.methods import common, generative, get_method
+from jfed.methods import common, fedcvae, generative, get_method
 from jfed.methods.fedcvae import decoder_sample_counts
 from jfed.models import get_model
 from tests.support import override
@@ -374,6 +374,41 @@ def test_fedmho_needs_one_classifier_architecture_and_a_cvae_client(client_model
     )
 
 
+@pytest.mark.parametrize('method', ['fedcvae_ens', 'fedcvae_kd'])
+def test_fedcvae_refuses_a_classifier_client_naming_them(method):
+  config = override(
+    fedmho_digits.get_config('fedcvae_kd,smoke'), client_models='cvae:size=small;mlp;mlp'
+  )
+  with pytest.raises(ConfigError) as info:
+    get_method(method).from_config(config).setup(driver.context_of_config(config))
+  assert str(info.value) == (
+    f'{method}: every client must train a CVAE, but client_models gives classifiers to clients '
+    "[1, 2, 4, 5, 7, 8] (e.g. client_models = 'cvae:size=large;cvae:size=small')"
+  )
+
+
+def test_fedcvae_kd_refuses_a_server_decoder_of_another_latent_before_any_client_trains(
+  monkeypatch,
+):
+  """The server decoder is fed the users' z, so its latent must be theirs; the refusal comes
+  from the specs, not after the clients' training."""
+  monkeypatch.setattr(
+    generative, 'local_cvaes', lambda *a: pytest.fail('trained before the refusal')
+  )
+  config = override(
+    fedmho_digits.get_config('fedcvae_kd,smoke'),
+    client_models='cvae:size=small,latent=20;cvae:size=small,latent=8',
+    **{'fedcvae.server_decoder': 'cvae:size=v0,latent=20'},
+  )
+  ctx = driver.context_of_config(config)
+  with pytest.raises(ConfigError) as info:
+    get_method('fedcvae_kd').from_config(config).setup(ctx)
+  assert str(info.value) == (
+    "fedcvae.server_decoder 'cvae:size=v0,latent=20' has latent 20, but the users' decoders "
+    'have [8, 20]: the server decoder is fed their z'
+  )
+
+
 def _first_step_size(tx, params) -> float:
   """|update| of a first Adam step on gradients of ones: the learning rate (m̂ / √v̂ = 1)."""
   grads = jax.tree.map(np.ones_like, params)
@@ -530,6 +565,22 @@ def test_a_group_whose_every_cvae_diverged_generates_nothing(monkeypatch):
   assert set(synthetic.owners.tolist()) == {2, 5, 8}
   assert len(synthetic.labels) == int(generation_counts(counts, 300).sum())
   np.testing.assert_array_equal(synthetic.kept, np.arange(len(synthetic.labels)))
+
+
+def test_fedcvae_draws_every_sample_from_the_decoders_left_when_a_whole_group_diverged(
+  monkeypatch,
+):
+  """FedCVAE's server splits N_syn over the decoders it received (n_k / N of the remaining
+  clients): a group with none left draws nothing, the next group still draws its share."""
+  _diverge(monkeypatch, {0: [0, 1, 2]})
+  config = override(fedmho_digits.get_config('fedcvae_kd,smoke'), client_models=_TWO_CVAE_GROUPS)
+  ctx = driver.context_of_config(config)
+  cvaes = generative.local_cvaes(ctx, _ONE_EPOCH)
+  assert cvaes.excluded == [1, 4, 7] and len(cvaes.uploads[0].client_ids) == 0
+  c = get_method('fedcvae_ens').from_config(config).config
+  images, labels, z = fedcvae.synthesize(ctx, cvaes, c, 300)
+  assert images.shape == (300, *ctx.dataset.input_shape) and labels.shape == (300,)
+  assert z.shape == (300, cvaes.groups[1].module.latent)
 
 
 def test_every_decoder_of_three_groups_generates_its_own_clients_share_of_each_class():

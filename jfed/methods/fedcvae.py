@@ -379,14 +379,16 @@ class FedCVAEKD(Algorithm):
   def setup(self, ctx: RunContext) -> FedCVAEKDAux:
     c = self.config
     require_all_generative(ctx, self.name)
-    cvaes = train_local_cvaes(ctx, c)
     module = generative.build_cvae_spec(c.server_decoder, ctx.dataset)
-    latents = {g.module.latent for g in cvaes.groups}
+    # refused before any client trains: the server decoder is fed the users' z
+    specs = set(common.client_model_specs(ctx))
+    latents = {generative.build_cvae_spec(spec, ctx.dataset).latent for spec in specs}
     if latents != {module.latent}:
       raise ConfigError(
         f'{self.section}.server_decoder {c.server_decoder!r} has latent {module.latent}, but '
         f"the users' decoders have {sorted(latents)}: the server decoder is fed their z"
       )
+    cvaes = train_local_cvaes(ctx, c)
     # The targets at the server decoder's own resolution (v0: 32×32, as the reference's).
     images, labels, z = synthesize(
       ctx, cvaes, c, c.decoder_samples, tag=1, out_hw=module.native_shape[:2]
