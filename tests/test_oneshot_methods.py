@@ -10,6 +10,7 @@ FedDF's early stop (steps that record nothing) is resumed here. Most of the time
 compilation.
 """
 
+import logging
 import math
 import pathlib
 
@@ -34,7 +35,7 @@ from jfed.distill import (
 from jfed.engine import optim
 from jfed.errors import ConfigError
 from jfed.io import Checkpointer
-from jfed.methods import available_methods
+from jfed.methods import available_methods, common, oneshot
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
@@ -149,6 +150,12 @@ def test_python_ms_equals_the_scan_forms():
     ('feddf', {'feddf.kd_optimizer': 'rmsprop'}, 'feddf.kd_optimizer'),
     ('fedhydra', {'fedhydra.aggregation': 'median'}, 'fedhydra.aggregation'),
     ('fedhydra', {'fedhydra.kd_data': 'all'}, 'fedhydra.kd_data'),
+    # 'fixed' is FedDF's unlabelled set, which FedHydra has not
+    (
+      'fedhydra',
+      {'fedhydra.kd_data': 'fixed'},
+      "^fedhydra.kd_data is 'fixed'; valid: pool, batch$",
+    ),
     ('fedhydra', {'fedhydra.rounds': -1}, 'fedhydra.rounds must be positive'),
     ('ot', {'ot.method': 'greedy'}, 'ot.method'),
     ('ot', {'ot.anchor': 5}, 'ot.anchor'),
@@ -233,6 +240,28 @@ def _settings(method, **overrides):
   parts = np.array_split(np.arange(90), 3)
   algorithm = driver.build_algorithm(method, config)
   return algorithm.recipe.settings(driver.make_context(config, ds, parts))
+
+
+def test_a_later_rounds_uploads_start_from_the_global_model_with_the_trainers_given_or_built():
+  """Round 2's clients train from round 1's global model: refused without one; the run's
+  trainers (`client_trainers`, what a method keeps in setup) and trainers built for the round
+  train the same models."""
+  config = _config('smoke', model='mlp', **{'dataset.holdout_size': 0})
+  ds, parts = load_dataset('digits'), np.array_split(np.arange(90), 3)
+  ctx = driver.make_context(config, ds, parts)
+  message = '^round 2 of local training needs the global model of round 1$'
+  with pytest.raises(ValueError, match=message):
+    oneshot.round_uploads(ctx, 2, 1, 'mlp')
+  first = oneshot.round_uploads(ctx, 1, 1, 'mlp')
+  global_model = engine.weighted_average(first.models[0], first.groups[0].fed.sizes)
+  built = oneshot.round_uploads(ctx, 2, 1, 'mlp', global_model)
+  fresh = driver.make_context(config, ds, parts)
+  trainers = common.client_trainers(fresh)
+  given = oneshot.round_uploads(fresh, 2, 1, 'mlp', global_model, trainers=trainers)
+  jax.tree.map(np.testing.assert_allclose, built.models, given.models)
+  assert built.upload_bytes == given.upload_bytes > 0
+  moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), built.models, first.models)
+  assert max(jax.tree.leaves(moved)) > 0  # round 2 trained
 
 
 def test_dense_settings_carry_every_key_of_its_config_where_the_paper_puts_it():
@@ -468,6 +497,21 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   resumed = _run('dense', config, tmp_path / 'killed' / '2')
   assert read_metrics(tmp_path / 'killed' / '2') == read_metrics(tmp_path / 'whole')
   assert comparable_summary(resumed) == comparable_summary(whole)
+
+
+def test_a_fedavg_init_without_a_client_of_the_server_architecture_starts_at_random_and_warns(
+  tmp_path, caplog
+):
+  """init='fedavg' averages the uploads of the server's architecture; with none (MLP clients, a
+  CNNMnist student) the student starts from its random init, and the log says so."""
+  caplog.set_level(logging.WARNING, logger='absl')
+  config = _config(
+    'smoke', model='mlp', **{'dense.init': 'fedavg', 'dense.server_model': 'cnn_mnist'}
+  )
+  summary = _run('dense', config, tmp_path)
+  assert summary['server_model'] == 'cnn_mnist'
+  warnings = [r.getMessage() for r in caplog.records if 'random init' in r.getMessage()]
+  assert warnings == ['dense: no client has the server architecture cnn_mnist; random init']
 
 
 def test_feddf_early_stop_leaves_the_round_and_resumes_inside_it(tmp_path, monkeypatch):

@@ -96,7 +96,8 @@ from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common
 from jfed.models import available_models
 
-KD_DATA = ('pool', 'batch', 'fixed')
+# a config's choices; FedDF's recipe sets 'fixed' itself (its unlabelled set, `fixed_pool`)
+KD_DATA = ('pool', 'batch')
 INITS = ('random', 'fedavg')
 
 
