@@ -166,13 +166,3 @@ def test_each_distillation_family_declares_a_recipe_of_plain_functions():
     functions = recipe._replace(kd_agg_fixed_in_round=None)
     assert all(callable(f) for f in functions if f is not None)
     assert algorithm.recipe.settings(ctx).rounds == getattr(config, section).rounds
-
-
-def test_chain_runs_epoch_hooks_in_order_and_merges_their_records():
-  def add(n):
-    return lambda ctx, aux, rd, state, r, e: (state + [n], {f'hook{n}': len(state), 'last': n})
-
-  state, record = oneshot.chain(add(1), add(2))(None, None, None, [], 1, 0)
-  assert state == [1, 2]
-  assert record == {'hook1': 0, 'hook2': 1, 'last': 2}
-  assert oneshot.chain()(None, None, None, 'unchanged', 1, 0) == ('unchanged', {})

@@ -323,34 +323,16 @@ class DistillAux:
 # ---------------------------------------------------------------------------------------------
 # An epoch hook: (ctx, aux, rd, state, r, e) -> (state, record fields). Hooks run between
 # synthesis and distillation (`Recipe.before_kd`) and after the epoch's evaluation
-# (`Recipe.after_epoch`); `chain` composes several into one.
+# (`Recipe.after_epoch`).
 EpochHook = Callable[
   [RunContext, DistillAux, RoundData, ServerState, int, int], Tuple[ServerState, Dict[str, Any]]
 ]
 
 
-def chain(*hooks: EpochHook) -> EpochHook:
-  """One epoch hook that runs `hooks` in order (in the spirit of `optax.chain`): each receives
-  the state the previous one returned, and their record fields are merged. `chain()` changes
-  nothing.
-
-  Args:
-    *hooks: The epoch hooks, in the order they run.
-
-  Returns:
-    The composed hook.
-  """
-
-  def chained(
-    ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
-  ) -> Tuple[ServerState, Dict[str, Any]]:
-    record: Dict[str, Any] = {}
-    for hook in hooks:
-      state, fields = hook(ctx, aux, rd, state, r, e)
-      record.update(fields)
-    return state, record
-
-  return chained
+def _no_epoch_hook(
+  ctx: RunContext, aux: DistillAux, rd: RoundData, state: ServerState, r: int, e: int
+) -> Tuple[ServerState, Dict[str, Any]]:
+  return state, {}
 
 
 def _no_method_data(ctx: RunContext, settings: Settings) -> Any:
@@ -438,8 +420,8 @@ class Recipe(NamedTuple):
   kd_agg: Callable[[ServerState, RoundData], Any] = _no_weights
   kd_agg_fixed_in_round: bool = False
   fixed_pool: Callable[[DistillAux], Any] = _no_fixed_pool
-  before_kd: EpochHook = chain()
-  after_epoch: EpochHook = chain()
+  before_kd: EpochHook = _no_epoch_hook
+  after_epoch: EpochHook = _no_epoch_hook
   round_model: Callable[[ServerState], ModelState] = _student_model
   round_accuracy: Callable[[DistillAux, ServerState, float], float] = _last_accuracy
   summary: Callable[..., Dict[str, Any]] = _no_summary
