@@ -823,8 +823,9 @@ def test_dense_one_server_epoch(monkeypatch):
   assert_tree_close(states[1].student.model.batch_stats, to_numpy(stats))
 
 
-def test_coboosting_two_server_epochs(monkeypatch):
-  """Co-Boosting from given client models, two epochs: hard-sample synthesis ((1 − p_y) · CE)
+def test_coboosting_three_server_epochs(monkeypatch):
+  """Co-Boosting from given client models, three epochs (the third synthesises against weights
+  the second moved): hard-sample synthesis ((1 − p_y) · CE)
   against the per-client weighted ensemble, adversarial KL at T = 3 × 9 without a mask, the
   generator's gradient norm clipped to 10, un-augmented G(z); from epoch 2 on the ensemble
   weights take signed-gradient steps on CE over the labelled pool (w − mu · wdc^e · sign(g),
@@ -837,7 +838,7 @@ def test_coboosting_two_server_epochs(monkeypatch):
   # tolerance: weights that reach the [0, 1] bounds, a clipped generator gradient, a visible
   # ODS step.
   config = tiny_config(
-    coboosting=dict(SYNTHESIS, epochs=2, mu=0.2, wdc=0.9, g_grad_clip=0.05, odseta=0.5, kd_lr=0.1)
+    coboosting=dict(SYNTHESIS, epochs=3, mu=0.2, wdc=0.9, g_grad_clip=0.05, odseta=0.5, kd_lr=0.1)
   )
   _, ctx, aux, states, history = run_steps('coboosting', config)
   c = config.coboosting
@@ -846,8 +847,14 @@ def test_coboosting_two_server_epochs(monkeypatch):
   stats = to_torch(aux.random_student.batch_stats)
   opt = torch.optim.SGD(leaves(params), lr=c.kd_lr, momentum=0.9, weight_decay=c.kd_weight_decay)
   w = torch.full((3,), 1.0 / 3)
-  for e in range(2):
+  for e in range(c.epochs):
     state = states[e + 1]
+    if e > 0:  # each epoch from jfed's student (checked equal below): ODS's sign() amplifies
+      # float32 rounding from one epoch into the next
+      with torch.no_grad():
+        for t, a in zip(leaves(params), jax.tree.leaves(states[e].student.model.params)):
+          t.copy_(torch.tensor(np.asarray(a)))
+      stats = to_torch(states[e].student.model.batch_stats)
     best_x, labels = synthesis_oracle(ctx, aux, teachers, (params, stats), 1, e, 'coboosting', c, w)
     x, y = pool_images(state)
     np.testing.assert_array_equal(y[-len(labels) :], labels)
@@ -868,8 +875,9 @@ def test_coboosting_two_server_epochs(monkeypatch):
         w = torch.clamp(w0 + torch.clamp(w - w0, -1.0, 1.0), 0.0, 1.0)
       np.testing.assert_allclose(np.asarray(state.extra), w.numpy(), rtol=1e-6)
       assert history[e]['ensemble_weights'] == pytest.approx(w.numpy().tolist(), abs=1e-6)
-    lr = 0.5 * c.kd_lr * (1 + math.cos(math.pi * e / 2))
+    lr = 0.5 * c.kd_lr * (1 + math.cos(math.pi * e / c.epochs))
     params, stats = kd_oracle(ctx, teachers, (params, stats), opt, x, 1, e, lr, 'coboosting', c, w)
-    assert_tree_close(state.student.model.params, to_numpy(params))
+    # atol 1e-4: an ODS sign() of a near-zero input gradient may flip under float32 rounding
+    assert_tree_close(state.student.model.params, to_numpy(params), atol=1e-4)
     assert_tree_close(state.student.model.batch_stats, to_numpy(stats))
   assert not np.allclose(w.numpy(), 1.0 / 3)  # the weights moved
