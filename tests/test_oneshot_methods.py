@@ -399,6 +399,9 @@ def test_method_runs_end_to_end_and_learns(tmp_path, local_dir, method):
     per_epoch = 32 * (config.fedhydra.T_G if method == 'fedhydra' else 1)
     assert [r['pool_size'] for r in records] == [per_epoch * (e + 1) for e in range(epochs)]
     assert (tmp_path / 'synthetic_samples.png').exists()
+  if method == 'dense':
+    assert summary['bn_loss_mode'] == config.dense.bn_loss_mode
+    assert summary['pool_size'] == records[-1]['pool_size']
   if method == 'coboosting':
     w = np.asarray(summary['ensemble_weights'])
     assert w.shape == (5,) and np.all((w >= 0) & (w <= 1))
