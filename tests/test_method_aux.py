@@ -166,3 +166,9 @@ def test_each_distillation_family_declares_a_recipe_of_plain_functions():
     functions = recipe._replace(kd_agg_fixed_in_round=None)
     assert all(callable(f) for f in functions if f is not None)
     assert algorithm.recipe.settings(ctx).rounds == getattr(config, section).rounds
+
+
+def test_a_recipe_without_a_fixed_pool_says_so_when_asked_for_one():
+  """A method author's mistake (kd_data='fixed' in a recipe that has no set to read), named."""
+  with pytest.raises(ValueError, match="^kd_data='fixed' needs a recipe with a fixed_pool$"):
+    oneshot.Recipe(settings=None).fixed_pool(None)
