@@ -653,8 +653,8 @@ def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
   """FedHydra's KD computes each pool image's SA target once, when the image enters the pool
   (`oneshot.KDTargets`), instead of at every KD step: over two rounds (new teachers and MS
   weights in round 2) the records and the result are those of the per-step teachers
-  (`kd_step`), every stored image's target is computed once (plus the padding of a partly
-  filled block), and no step runs the teachers."""
+  (`kd_step`), every stored image's target is computed once, and no step runs the
+  teachers."""
   from jfed.methods import fedhydra, oneshot  # pylint: disable=g-import-not-at-top
 
   config = _config('smoke,rounds=2', model='mlp')
@@ -677,8 +677,9 @@ def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
   records = _epochs(tmp_path / 'stored')
   assert calls['kd_step'] == 0
   pool_per_round = max(r['pool_size'] for r in records)
-  block = config.fedhydra.kd_batch
-  assert pool_per_round <= calls['rows'] / 2 <= pool_per_round + len(records) * block
+  per_epoch = config.fedhydra.synthesis_batch * config.fedhydra.T_G
+  assert per_epoch % config.fedhydra.kd_batch == 0  # whole blocks: no slot computed twice
+  assert calls['rows'] == 2 * pool_per_round
   monkeypatch.setattr(
     fedhydra.FedHydra,
     'make_recipe',
