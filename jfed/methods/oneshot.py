@@ -887,8 +887,6 @@ class DistillationAlgorithm(Algorithm):
       if logits is None:
         logits = jnp.zeros((capacity, t.shape[-1]), t.dtype)
       logits = logits.at[idx].set(t)
-    if logits is None:  # an empty pool: no KD batch reads it
-      logits = jnp.zeros((capacity, aux.student_module.num_classes), jnp.float32)
     aux.kd_targets = KDTargets(r, count, logits)
     return logits
 
