@@ -19,7 +19,6 @@ from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
 from jfed.keys import Purpose
 from jfed.methods import common, fedcvae, generative, get_method
-from jfed.methods.fedcvae import decoder_sample_counts
 from jfed.models import get_model
 from tests.support import override
 
@@ -95,8 +94,12 @@ def test_decoder_uploads_are_validated_and_their_bytes_counted():
 
 def test_decoder_sample_counts_follow_the_reference():
   # int(share · N) per decoder, the last the remainder (`generate_dataset_from_user_decoders`).
-  np.testing.assert_array_equal(decoder_sample_counts([30, 50, 20], 1001, True), [300, 500, 201])
-  np.testing.assert_array_equal(decoder_sample_counts([30, 50, 20], 1001, False), [333, 333, 335])
+  np.testing.assert_array_equal(
+    fedcvae.decoder_sample_counts([30, 50, 20], 1001, True), [300, 500, 201]
+  )
+  np.testing.assert_array_equal(
+    fedcvae.decoder_sample_counts([30, 50, 20], 1001, False), [333, 333, 335]
+  )
 
 
 def test_decoded_labels_and_counts_are_what_was_asked():

@@ -337,7 +337,6 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
   g = s.synthesis
   assert (g.g_steps, g.batch_size, g.lr_g, g.bn, g.oh, g.adv) == (6, 12, 0.0042, 0.3, 0.6, 0.9)
   assert (g.hs, g.adv_T, g.grad_clip, g.augment) == (1.5, 2.5, 7.0, True)
-  # jfed's images are already normalised: no second (x - 0.5) / 0.5 before the teachers
   assert (g.crop_padding, g.strategy) == (1, 'vmap')
   k = s.kd
   assert (k.loss, k.T, k.t_squared, k.aggregation, k.ods_T) == ('kl', 6.5, True, 'weighted', 3.5)
