@@ -186,6 +186,50 @@ def test_mask_on_really_smaller_batch():
   )
 
 
+@pytest.mark.parametrize(
+  'shape,x_dtype,bn_dtype',
+  [
+    ((BATCH, 5, 5, 3), jnp.float32, None),
+    ((BATCH, 4), jnp.float32, None),
+    ((BATCH, 3, 3, 2), jnp.bfloat16, None),
+    ((BATCH, 3, 3, 2), jnp.bfloat16, jnp.bfloat16),
+  ],
+)
+def test_masked_batchnorm_equals_flax_with_an_elementwise_mask(shape, x_dtype, bn_dtype):
+  """The masked train path (per-row weights) against flax's nn.BatchNorm given the mask
+  broadcast to every element: output and its dtype, running statistics, both gradients."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(2.0, 3.0, shape), x_dtype)
+  mask = jnp.asarray(np.arange(BATCH) % 3 != 1)
+  variables = layers.BatchNorm(dtype=bn_dtype).init(jax.random.key(0), x, True)
+  params = jax.tree.map(lambda a: a + 0.1 * rng.normal(size=a.shape), variables['params'])
+  stats = jax.tree.map(lambda a: a + 0.3, variables['batch_stats'])
+
+  def jfed_bn(p, x):
+    y, upd = layers.BatchNorm(dtype=bn_dtype).apply(
+      {'params': p, 'batch_stats': stats}, x, True, mask, mutable=['batch_stats']
+    )
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, upd['batch_stats']['bn'])
+
+  def flax_bn(p, x):
+    bn = flax_nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5, dtype=bn_dtype)
+    full_mask = jnp.broadcast_to(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+    y, upd = bn.apply(
+      {'params': p['bn'], 'batch_stats': stats['bn']}, x, mask=full_mask, mutable=['batch_stats']
+    )
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, upd['batch_stats'])
+
+  (_, (y, new_stats)), grads = jax.value_and_grad(jfed_bn, (0, 1), has_aux=True)(params, x)
+  (_, (y_ref, ref_stats)), ref_grads = jax.value_and_grad(flax_bn, (0, 1), has_aux=True)(params, x)
+  assert y.dtype == y_ref.dtype
+  tol = 1e-5 if y.dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.float32(y), np.float32(y_ref), rtol=tol, atol=tol)
+  for name in ('mean', 'var'):
+    np.testing.assert_allclose(new_stats[name], ref_stats[name], rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-3, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- bn_inputs sow
 @pytest.mark.parametrize('name,shape', [('cnn_mnist', (28, 28, 1)), ('googlenet', (8, 8, 1))])
 def test_bn_inputs_sows_one_pair_per_bn_layer(name, shape):

@@ -270,7 +270,9 @@ class GroupTrainer:
     self._client_keys_each = jax.jit(client_step_keys_each)
 
   # -- the one step every strategy runs ------------------------------------------------------
-  def _client_step(self, ts: TrainState, x, y, order, size, client_key, step, anchor, context):
+  def _client_step(
+    self, ts: TrainState, x, y, order, size, client_key, step, anchor, context, may_be_empty=True
+  ):
     b = self.batch_size
     idx = lax.dynamic_slice(order, (step * b,), (b,))
     real = step * b + jnp.arange(b) < size
@@ -292,7 +294,8 @@ class GroupTrainer:
     new_ts = TrainState(
       ModelState(optax.apply_updates(ts.model.params, updates), new_stats), new_opt
     )
-    new_ts = _tree_where(count > 0, new_ts, ts)
+    if may_be_empty:  # a step past the client's data leaves it untouched
+      new_ts = _tree_where(count > 0, new_ts, ts)
     return new_ts, jnp.stack([loss * count, correct, count])
 
   def _client_epoch(self, ts, x, y, order, size, client_key, num_steps, anchor, context):
@@ -403,7 +406,11 @@ class GroupTrainer:
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
 
   def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor, context=None):
-    ts, st = self._client_step(ts, x, y, order, size, client_key, step, anchor, context)
+    # The loop runs only a client's own batches, each with a real sample, so it skips the
+    # guard against empty steps (a select over the whole state, about 4 % of VGG-9's step).
+    ts, st = self._client_step(
+      ts, x, y, order, size, client_key, step, anchor, context, may_be_empty=False
+    )
     return ts, acc + st, step + 1
 
   def _loop_epoch(

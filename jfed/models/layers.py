@@ -27,22 +27,55 @@ class BatchNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool, mask: Optional[jnp.ndarray] = None):
-    bn = nn.BatchNorm(
-      use_running_average=not train,
-      momentum=self.momentum,
-      epsilon=self.epsilon,
-      dtype=self.dtype,
-      name='bn',
-    )
     if self.is_mutable_collection('bn_inputs') and not self.is_initializing():
       axes = tuple(range(x.ndim - 1))
       mean = jnp.mean(x, axis=axes)
       var = jnp.mean(jnp.square(x - mean), axis=axes)
       self.sow('bn_inputs', 'stats', (mean, var))
-    if mask is None or not train:
+    if mask is None or not train or self.is_initializing():
+      bn = nn.BatchNorm(
+        use_running_average=not train,
+        momentum=self.momentum,
+        epsilon=self.epsilon,
+        dtype=self.dtype,
+        name='bn',
+      )
       return bn(x)
-    bn_mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x.shape)
-    return bn(x, mask=bn_mask)
+    return _RowWeightedBatchNorm(self.momentum, self.epsilon, self.dtype, name='bn')(
+      x, mask.astype(jnp.float32)
+    )
+
+
+class _RowWeightedBatchNorm(nn.Module):
+  """flax's train-mode `nn.BatchNorm` (fast variance, same variables) with the statistics taken
+  over the rows whose weight is 1: `nn.BatchNorm(mask=...)` with the mask per row.
+
+  flax takes a mask as large as the input, so XLA:CPU sums a broadcast mask and selects over
+  every element; weighting per-row sums costs a matrix-vector product instead (measured: about
+  a tenth of CNNMnist's training step on the CPU).
+  """
+
+  momentum: float
+  epsilon: float
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, weights):
+    features = (x.shape[-1],)
+    ra_mean = self.variable('batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features)
+    ra_var = self.variable('batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features)
+    stats_dtype = jnp.promote_types(self.dtype or x.dtype, jnp.float32)
+    xs = x.astype(stats_dtype).reshape(x.shape[0], -1, x.shape[-1])
+    count = jnp.sum(weights) * xs.shape[1]
+    mean = weights.astype(stats_dtype) @ jnp.sum(xs, 1) / count
+    mean2 = weights.astype(stats_dtype) @ jnp.sum(jnp.square(xs), 1) / count
+    var = jnp.maximum(0.0, mean2 - jnp.square(mean))
+    ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+    ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    scale = self.param('scale', nn.initializers.ones, features, jnp.float32)
+    bias = self.param('bias', nn.initializers.zeros, features, jnp.float32)
+    y = (x - mean) * (jax.lax.rsqrt(var + self.epsilon) * scale) + bias
+    return jnp.asarray(y, self.dtype or jnp.result_type(x, scale, bias))
 
 
 # ---------------------------------------------------------------------------------------------
