@@ -348,3 +348,19 @@ def test_the_pytorch_twins_have_the_jfed_parameter_counts():
     )
     twin = zoo.torch_model(torch, name)
     assert param_count(shapes['params']) == sum(p.numel() for p in twin.parameters()), name
+
+
+def test_the_step_profile_names_the_costliest_operations_of_a_client_step():
+  from experiments.bench import step_profile
+
+  row = step_profile.profile_model('mlp', steps=2, top=3)
+  assert row['device_ms'] > 0
+  assert len(row['top_ops']) == 3
+  assert [o['ms'] for o in row['top_ops']] == sorted(
+    (o['ms'] for o in row['top_ops']), reverse=True
+  )
+  assert any('MLP' in o['origin'] for o in row['top_ops'])
+  table = step_profile.report(
+    [row], {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0', 'cpu_count': 2}, steps=2
+  )
+  assert row['top_ops'][0]['op'] in table
