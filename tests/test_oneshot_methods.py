@@ -481,9 +481,22 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   and upload again, and a run killed right after round 1's last checkpoint resumes to the
   uninterrupted result."""
   config = _config('smoke,rounds=2', model='mlp')
+  grids = []
+  grid = plots.plot_image_grid
+
+  def record_grid(path, images, labels=None, **kwargs):
+    grids.append((pathlib.Path(path).name, np.asarray(images), labels))
+    return grid(path, images, labels, **kwargs)
+
   with monkeypatch.context() as m:
     snapshot_every_step(m, tmp_path / 'killed')
+    m.setattr(plots, 'plot_image_grid', record_grid)
     whole = _run('dense', config, tmp_path / 'whole')
+  # each round's last synthetic batch, every image tagged with the class it was generated for
+  assert [name for name, _, _ in grids] == ['synthetic_samples.png', 'synthetic_samples_round2.png']
+  for _, images, labels in grids:
+    labels = np.asarray(labels)
+    assert labels.shape == images.shape[:1] and set(labels.tolist()) <= set(range(10))
   records = _epochs(tmp_path / 'whole')
   assert [(r['round'], r['epoch'], r['step']) for r in records] == [
     (1, 1, 1),
