@@ -473,6 +473,31 @@ def test_heterogeneous_clients_distil_into_one_server_model(tmp_path):
   assert summary['final_test_accuracy'] > LEARNED, summary['final_test_accuracy']
 
 
+def test_the_sample_grid_shows_the_first_64_synthetic_images_with_their_labels(
+  tmp_path, monkeypatch
+):
+  """Round 1's grid is synthetic_samples.png, a later round's names its round; at most 64
+  images, each with its label; without a workdir nothing is drawn."""
+  drawn = []
+  monkeypatch.setattr(plots, 'plot_image_grid', lambda *a, **kw: drawn.append((a, kw)))
+  config = _config('smoke')
+  algorithm = driver.build_algorithm('dense', config)
+  x = np.random.default_rng(0).random((100, 8, 8, 1), np.float32)
+  y = np.arange(100) % 10
+  algorithm._save_samples(driver.context_of_config(config), (x, y), 1)
+  assert not drawn
+  ctx = driver.context_of_config(config, workdir=tmp_path)
+  for r in (1, 3):
+    algorithm._save_samples(ctx, (x, y), r)
+  for ((path, images, labels), kw), name, r in zip(
+    drawn, ('synthetic_samples.png', 'synthetic_samples_round3.png'), (1, 3)
+  ):
+    assert pathlib.Path(path) == tmp_path / name
+    np.testing.assert_array_equal(images, x[:64])
+    np.testing.assert_array_equal(labels, y[:64])
+    assert kw == {'title': f'last synthetic batch (round {r})'}
+
+
 def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_round_end(
   tmp_path, monkeypatch
 ):
