@@ -498,6 +498,25 @@ def test_the_sample_grid_shows_the_first_64_synthetic_images_with_their_labels(
     assert kw == {'title': f'last synthetic batch (round {r})'}
 
 
+def test_the_accuracy_plot_draws_one_curve_per_round_over_its_epochs(tmp_path, monkeypatch):
+  drawn = []
+  monkeypatch.setattr(plots, 'plot_accuracy_vs_epoch', lambda *a, **kw: drawn.append((a, kw)))
+  config = _config('smoke')
+  algorithm = driver.build_algorithm('dense', config)
+  epochs = [
+    {'round': r, 'epoch': e, 'test_accuracy': r + e / 10} for r in (2, 1) for e in (1, 2, 3)
+  ]
+  algorithm._plot_accuracy(driver.context_of_config(config), epochs)
+  assert not drawn
+  algorithm._plot_accuracy(driver.context_of_config(config, workdir=tmp_path), epochs)
+  (((path, curves), kw),) = drawn
+  assert pathlib.Path(path) == tmp_path / 'distillation_accuracy.png'
+  assert list(curves) == ['dense round 1', 'dense round 2']
+  for r in (1, 2):
+    assert curves[f'dense round {r}'] == ([1, 2, 3], [r + 0.1, r + 0.2, r + 0.3])
+  assert kw == {'title': 'dense on digits: test accuracy vs distillation epoch'}
+
+
 def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_round_end(
   tmp_path, monkeypatch
 ):
