@@ -353,6 +353,8 @@ def test_steps_are_rounds_times_epochs():
   for method, per_round in (('dense', 2), ('feddf', 2), ('ot', 1)):
     algorithm = driver.build_algorithm(method, config)
     assert algorithm.num_steps(None) == 3 * per_round
+  labels = [driver.build_algorithm('dense', config).step_label(i, 6) for i in (0, 3, 5)]
+  assert labels == ['round 1/3 epoch 1/2', 'round 2/3 epoch 2/2', 'round 3/3 epoch 2/2']
   config = _config('smoke', **{'feddf.total_steps': 7, 'feddf.eval_every': 3})
   assert driver.build_algorithm('feddf', config).num_steps(None) == math.ceil(7 / 3)
 
