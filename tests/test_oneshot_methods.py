@@ -355,6 +355,9 @@ def test_steps_are_rounds_times_epochs():
     assert algorithm.num_steps(None) == 3 * per_round
   labels = [driver.build_algorithm('dense', config).step_label(i, 6) for i in (0, 3, 5)]
   assert labels == ['round 1/3 epoch 1/2', 'round 2/3 epoch 2/2', 'round 3/3 epoch 2/2']
+  two_rounds = driver.build_algorithm('dense', _config('smoke,rounds=2'))
+  assert two_rounds.step_label(2, 4) == 'round 2/2 epoch 1/2'
+  assert driver.build_algorithm('dense', _config('smoke')).step_label(1, 2) == 'epoch 2/2'
   config = _config('smoke', **{'feddf.total_steps': 7, 'feddf.eval_every': 3})
   assert driver.build_algorithm('feddf', config).num_steps(None) == math.ceil(7 / 3)
 
