@@ -503,6 +503,18 @@ def test_the_sample_grid_shows_the_first_64_synthetic_images_with_their_labels(
     assert kw == {'title': f'last synthetic batch (round {r})'}
 
 
+def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
+  algorithm = driver.build_algorithm('dense', _config('smoke,rounds=2'))
+  history = [
+    {'step': 1, 'test_accuracy': 0.3},
+    {'step': 2, 'test_accuracy': 0.4, 'round_accuracy': 0.45},
+    {'step': 3, 'test_accuracy': 0.6},
+  ]
+  assert algorithm.final_accuracy(history) == 0.45
+  assert algorithm.final_accuracy(history[:1]) == 0.3  # no round ended yet
+  assert algorithm.final_accuracy([]) is None
+
+
 def test_the_accuracy_plot_draws_one_curve_per_round_over_its_epochs(tmp_path, monkeypatch):
   drawn = []
   monkeypatch.setattr(plots, 'plot_accuracy_vs_epoch', lambda *a, **kw: drawn.append((a, kw)))
