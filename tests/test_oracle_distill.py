@@ -27,6 +27,8 @@ References:
 """
 
 import math
+import pathlib
+import tempfile
 from typing import Any, List, Sequence
 
 import flax
@@ -792,6 +794,15 @@ def quantised(x):
   return np.floor(np.clip(x, 0.0, 1.0) * 255.0) / 255.0
 
 
+def summarize(algorithm, ctx, aux, states, history):
+  """The run's summary, with its figures drawn into a temporary workdir."""
+  with tempfile.TemporaryDirectory() as workdir:
+    with_workdir = driver.context_of_config(ctx.config, workdir=pathlib.Path(workdir))
+    summary = algorithm.summarize(with_workdir, aux, states[-1], history)
+    assert (pathlib.Path(workdir) / 'distillation_accuracy.png').exists()
+  return summary
+
+
 def pool_images(state):
   n = int(min(int(state.pool.count), state.pool.capacity))
   return np.asarray(state.pool.images[:n]).astype(np.float32) / 255.0, np.asarray(
@@ -807,7 +818,7 @@ def test_dense_one_server_epoch(monkeypatch):
   on KL_T=20 × T² against the unweighted mean of all clients' logits."""
   given_client_models(monkeypatch)
   config = tiny_config(dense=dict(SYNTHESIS, epochs=1, kd_lr=0.01, bn=0.5, oh=1.0, adv=2.0))
-  _, ctx, aux, states, _ = run_steps('dense', config)
+  algorithm, ctx, aux, states, history = run_steps('dense', config)
   teachers = client_models(aux.round_cache[1].local)
   student = (to_torch(aux.random_student.params), to_torch(aux.random_student.batch_stats))
   best_x, labels = synthesis_oracle(ctx, aux, teachers, student, 1, 0, 'dense', config.dense)
@@ -821,6 +832,33 @@ def test_dense_one_server_epoch(monkeypatch):
   )
   assert_tree_close(states[1].student.model.params, to_numpy(params))
   assert_tree_close(states[1].student.model.batch_stats, to_numpy(stats))
+  # the summary: the student's and every teacher's accuracy on the whole test split
+  test_x, test_y = ctx.dataset.test_x, np.asarray(ctx.dataset.test_y)
+  with torch.no_grad():
+    by_teacher = [
+      net(p, st, torch.tensor(np.asarray(test_x)), False)[0].numpy() for p, st in teachers
+    ]
+  teacher_ids = np.concatenate([g.client_ids for g in aux.round_cache[1].local.groups]).tolist()
+  client_logits = [by_teacher[teacher_ids.index(c)] for c in range(3)]  # in client order
+  student_accuracy = accuracy(params, stats, test_x, test_y)
+  assert summarize(algorithm, ctx, aux, states, history) == {
+    'last_epoch_test_accuracy': pytest.approx(student_accuracy, abs=1e-6),
+    'round_test_accuracy': [pytest.approx(student_accuracy, abs=1e-6)],
+    'rounds': 1,
+    'epochs': 1,
+    'local_epochs': config.dense.local_epochs,
+    'server_model': WIDE,
+    'client_models': [WIDE] * 3,
+    'client_test_accuracy': pytest.approx(
+      [np.mean(np.argmax(c, 1) == test_y) for c in client_logits]
+    ),
+    'teacher_ensemble_test_accuracy': pytest.approx(
+      np.mean(np.argmax(np.mean(client_logits, 0), 1) == test_y), abs=1e-6
+    ),
+    'upload_bytes_last_round': 0,  # given client models
+    'bn_loss_mode': config.dense.bn_loss_mode,
+    'pool_size': len(got_y),
+  }
 
 
 def test_coboosting_three_server_epochs(monkeypatch):
