@@ -111,8 +111,7 @@ def report(rows: list, env: dict, steps: int) -> str:
       '|---|---:|---|---|',
     ]
     lines += [
-      f'| {o["op"]} | {o["ms"]:.3f} | `{o["shape"]}` | {o["origin"][-80:]} |'
-      for o in r['top_ops']
+      f'| {o["op"]} | {o["ms"]:.3f} | `{o["shape"]}` | {o["origin"][-80:]} |' for o in r['top_ops']
     ]
   return '\n'.join(lines)
 
