@@ -35,6 +35,7 @@ from jfed.distill import (
 from jfed.engine import optim
 from jfed.errors import ConfigError
 from jfed.io import Checkpointer
+from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import available_methods, common, oneshot
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
@@ -501,6 +502,33 @@ def test_the_sample_grid_shows_the_first_64_synthetic_images_with_their_labels(
     np.testing.assert_array_equal(images, x[:64])
     np.testing.assert_array_equal(labels, y[:64])
     assert kw == {'title': f'last synthetic batch (round {r})'}
+
+
+def _key_bits(key) -> tuple:
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return tuple(np.asarray(key).ravel().tolist())
+
+
+def test_round_keys_take_the_documented_path_and_repeat_no_other_draw():
+  """jfed.keys: a round-level draw is derive_key(SERVER, 0, r, purpose) and epoch e of round r
+  draws from (SERVER, r, e), so no round key equals an epoch's, another round's or purpose's,
+  or the same path under another first purpose."""
+  ctx = driver.context_of_config(_config('smoke'))
+  rounds, purposes = (1, 2, 3), list(ServerRoundPurpose)
+  round_keys = [oneshot.round_key(ctx, r, q) for r in rounds for q in purposes]
+  documented = [ctx.derive_key(Purpose.SERVER, 0, r, q) for r in rounds for q in purposes]
+  assert [_key_bits(k) for k in round_keys] == [_key_bits(k) for k in documented]
+  others = [ctx.derive_key(Purpose.SERVER, r, e) for r in rounds for e in range(6)]
+  others += [
+    ctx.derive_key(p, 0, r, q)
+    for p in Purpose
+    if p != Purpose.SERVER
+    for r in rounds
+    for q in purposes
+  ]
+  bits = [_key_bits(k) for k in round_keys + others]
+  assert len(set(bits)) == len(bits)
 
 
 def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
