@@ -774,7 +774,12 @@ def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
 
   monkeypatch.setattr(oneshot, 'pool_teacher_logits', counted_rows)
   monkeypatch.setattr(kd, 'kd_step', counted_step)  # one call a step on the CPU
+  made, make_generator = [], oneshot.make_generator
+  monkeypatch.setattr(
+    oneshot, 'make_generator', lambda *a, **kw: made.append(a[3:]) or make_generator(*a, **kw)
+  )
   stored = _run('fedhydra', config, tmp_path / 'stored')
+  assert made == [('fedhydra',)]  # the paper's generator (§4.1.3), FedHydra's default
   records = _epochs(tmp_path / 'stored')
   assert calls['kd_step'] == 0
   pool_per_round = max(r['pool_size'] for r in records)
