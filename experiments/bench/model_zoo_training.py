@@ -24,7 +24,7 @@ the load average before and after each model's timings.
 
 import statistics
 import time
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import jax
 import numpy as np
@@ -151,19 +151,31 @@ def _torch_train(torch, global_model, xs, ys, steps: int, batch: int):
     raise RuntimeError('non-finite PyTorch training loss')
 
 
-def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax', loop_threads=None):
-  import optax
-
-  from jfed.engine.state import init_models, init_train_state
-  from jfed.engine.training import GroupTrainer
+def jfed_module(name: str, conv_impl: Optional[str] = None):
+  """The jfed module of `MODELS[name]`; `conv_impl` sets the convolutions' form of a model
+  that has them (None: the model's default)."""
   from jfed.methods.common import parse_model_spec
   from jfed.models import get_model
 
-  model_name, kw = parse_model_spec(case.spec)
-  if name in CONV_MODELS:
+  model_name, kw = parse_model_spec(MODELS[name].spec)
+  if conv_impl is not None and name in CONV_MODELS:
     kw['conv_impl'] = conv_impl
-  module = get_model(model_name, NUM_CLASSES, INPUT_SHAPE, **kw)
-  tx = optax.sgd(LR, momentum=MOMENTUM)
+  return get_model(model_name, NUM_CLASSES, INPUT_SHAPE, **kw)
+
+
+def client_optimizer():
+  """The clients' optimiser in every form: SGD(LR, momentum MOMENTUM), as PyTorch's side."""
+  import optax
+
+  return optax.sgd(LR, momentum=MOMENTUM)
+
+
+def _jfed_form(name: str, case: ModelCase, fed, conv_impl: str = 'lax', loop_threads=None):
+  from jfed.engine.state import init_models, init_train_state
+  from jfed.engine.training import GroupTrainer
+
+  module = jfed_module(name, conv_impl)
+  tx = client_optimizer()
   trainer = GroupTrainer(module, tx, case.batch, strategy='auto', loop_threads=loop_threads)
   state0 = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), CLIENTS))
   key = jax.random.key(0)

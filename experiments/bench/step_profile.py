@@ -6,8 +6,8 @@
 For each model of `model_zoo_training.MODELS` (the configs' CPU client models at the configs'
 batch sizes), the jitted client step the `loop` strategy runs (`GroupTrainer`, SGD lr 0.01
 momentum 0.9, forward + backward + optimiser) is called `steps` times under `jax.profiler`
-after a warm-up. Reported per step: the device time (XLA's thunk executor), the host call and
-the `top` operations by time, each with its output shape and the JAX operation it came from.
+after a warm-up. Reported per step: the device time (XLA's thunk executor) and the `top`
+operations by time, each with its output shape and the JAX operation it came from.
 
 Unlike `client_training`, which times whole epochs against PyTorch, this isolates the compiled
 step from the host loop and from the machine's load swings across minutes: run it on two
@@ -27,7 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench.machine import environment, load_average, log
-from experiments.bench.model_zoo_training import INPUT_SHAPE, MODELS, NUM_CLASSES
+from experiments.bench.model_zoo_training import (
+  INPUT_SHAPE,
+  MODELS,
+  NUM_CLASSES,
+  client_optimizer,
+  jfed_module,
+)
 
 
 def _events(trace_dir: str) -> list:
@@ -46,18 +52,13 @@ def _op_origins(hlo_text: str) -> dict:
 
 
 def profile_model(name: str, steps: int, top: int) -> dict:
-  """Device and host ms per step and the `top` costliest operations of `name`'s client step."""
-  import optax
-
+  """Device ms per step and the `top` costliest operations of `name`'s client step."""
   from jfed.engine.state import init_models, init_train_state
   from jfed.engine.training import GroupTrainer
-  from jfed.methods.common import parse_model_spec
-  from jfed.models import get_model
 
   case = MODELS[name]
-  model_name, kw = parse_model_spec(case.spec)
-  module = get_model(model_name, NUM_CLASSES, INPUT_SHAPE, **kw)
-  tx = optax.sgd(0.01, momentum=0.9)
+  module = jfed_module(name)
+  tx = client_optimizer()
   state = init_train_state(tx, init_models(module, INPUT_SHAPE, jax.random.key(0), 1))
   ts = jax.tree.map(lambda a: a[0], state)
   n = 4 * case.batch

@@ -41,14 +41,12 @@ class BatchNorm(nn.Module):
         name='bn',
       )
       return bn(x)
-    return _RowWeightedBatchNorm(self.momentum, self.epsilon, self.dtype, name='bn')(
-      x, mask.astype(jnp.float32)
-    )
+    return _RowWeightedBatchNorm(self.momentum, self.epsilon, self.dtype, name='bn')(x, mask)
 
 
 class _RowWeightedBatchNorm(nn.Module):
   """flax's train-mode `nn.BatchNorm` (fast variance, same variables) with the statistics taken
-  over the rows whose weight is 1: `nn.BatchNorm(mask=...)` with the mask per row.
+  over the rows `mask` ([B] bool) keeps: `nn.BatchNorm(mask=...)` with the mask per row.
 
   flax takes a mask as large as the input, so XLA:CPU sums a broadcast mask and selects over
   every element; weighting per-row sums costs a matrix-vector product instead (measured: about
@@ -60,15 +58,16 @@ class _RowWeightedBatchNorm(nn.Module):
   dtype: Any = None
 
   @nn.compact
-  def __call__(self, x, weights):
+  def __call__(self, x, mask):
     features = (x.shape[-1],)
     ra_mean = self.variable('batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features)
     ra_var = self.variable('batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features)
     stats_dtype = jnp.promote_types(self.dtype or x.dtype, jnp.float32)
+    weights = mask.astype(stats_dtype)
     xs = x.astype(stats_dtype).reshape(x.shape[0], -1, x.shape[-1])
     count = jnp.sum(weights) * xs.shape[1]
-    mean = weights.astype(stats_dtype) @ jnp.sum(xs, 1) / count
-    mean2 = weights.astype(stats_dtype) @ jnp.sum(jnp.square(xs), 1) / count
+    mean = weights @ jnp.sum(xs, 1) / count
+    mean2 = weights @ jnp.sum(jnp.square(xs), 1) / count
     var = jnp.maximum(0.0, mean2 - jnp.square(mean))
     ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
     ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
