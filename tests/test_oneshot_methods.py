@@ -505,9 +505,7 @@ def test_the_sample_grid_shows_the_first_64_synthetic_images_with_their_labels(
 
 
 def _key_bits(key) -> tuple:
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.key_data(key)
-  return tuple(np.asarray(key).ravel().tolist())
+  return tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
 
 
 def test_round_keys_take_the_documented_path_and_repeat_no_other_draw():

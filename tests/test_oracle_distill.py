@@ -326,6 +326,15 @@ def architecture_oracle(first: common.LocalModels, spec: str, student_aux, cfg, 
   )
 
 
+def logits_by_client(teachers, local: common.LocalModels, x) -> List[np.ndarray]:
+  """Each client's logits on `x` ([clients] of [N, classes], in client-id order) from the
+  oracle's `teachers` (`client_models(local)`: in the groups' concatenated order)."""
+  with torch.no_grad():
+    by_teacher = [net(p, st, torch.tensor(np.asarray(x)), False)[0].numpy() for p, st in teachers]
+  teacher_ids = np.concatenate([g.client_ids for g in local.groups]).tolist()
+  return [by_teacher[teacher_ids.index(c)] for c in range(len(teacher_ids))]
+
+
 def model_accuracy(model, x, y) -> float:
   """`accuracy` of an oracle's (params, stats) pair of numpy trees."""
   return accuracy(to_torch(model[0]), to_torch(model[1]), x, y)
@@ -560,11 +569,7 @@ def test_feddf_vote_is_the_argmax_of_the_prototypes_mean_logits(monkeypatch):
   ]
   assert algorithm.setup_records(ctx, aux) == [{'round': 1, 'clients': 3, 'upload_bytes': 0}]
   summary = algorithm.summarize(ctx, aux, states[-1], history)
-  with torch.no_grad():
-    x = torch.tensor(np.asarray(ctx.dataset.test_x))
-    by_teacher = [net(p, st, x, False)[0].numpy() for p, st in teachers]
-  teacher_ids = np.concatenate([g.client_ids for g in first.groups]).tolist()
-  client_logits = [by_teacher[teacher_ids.index(c)] for c in range(3)]  # in client order
+  client_logits = logits_by_client(teachers, first, ctx.dataset.test_x)
   assert summary == {
     'prototypes': [WIDE, NARROW],
     'prototype_test_accuracy': pytest.approx(per_prototype, abs=1e-6),
@@ -834,12 +839,7 @@ def test_dense_one_server_epoch(monkeypatch):
   assert_tree_close(states[1].student.model.batch_stats, to_numpy(stats))
   # the summary: the student's and every teacher's accuracy on the whole test split
   test_x, test_y = ctx.dataset.test_x, np.asarray(ctx.dataset.test_y)
-  with torch.no_grad():
-    by_teacher = [
-      net(p, st, torch.tensor(np.asarray(test_x)), False)[0].numpy() for p, st in teachers
-    ]
-  teacher_ids = np.concatenate([g.client_ids for g in aux.round_cache[1].local.groups]).tolist()
-  client_logits = [by_teacher[teacher_ids.index(c)] for c in range(3)]  # in client order
+  client_logits = logits_by_client(teachers, aux.round_cache[1].local, test_x)
   student_accuracy = accuracy(params, stats, test_x, test_y)
   assert summarize(algorithm, ctx, aux, states, history) == {
     'last_epoch_test_accuracy': pytest.approx(student_accuracy, abs=1e-6),
