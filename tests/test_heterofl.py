@@ -476,10 +476,8 @@ def test_static_batchnorm_of_a_round_comes_from_the_new_global_model_on_every_cl
   rng = np.random.default_rng(5)
 
   def trained(trainers, groups, starts, epochs, key, label='', **kwargs):
-    moved = [
-      s._replace(params=jax.tree.map(lambda a: a + rng.normal(0, 0.1, a.shape).astype(np.float32), s.params))
-      for s in starts
-    ]
+    move = lambda a: a + rng.normal(0, 0.1, a.shape).astype(np.float32)
+    moved = [s._replace(params=jax.tree.map(move, s.params)) for s in starts]
     metrics = [
       engine.TrainMetrics(np.zeros((len(g.client_ids), 1)), np.zeros((len(g.client_ids), 1)))
       for g in groups
