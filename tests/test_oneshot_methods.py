@@ -529,6 +529,22 @@ def test_round_keys_take_the_documented_path_and_repeat_no_other_draw():
   assert len(set(bits)) == len(bits)
 
 
+def test_the_random_student_is_drawn_once_per_run_from_round_zeros_student_key(monkeypatch):
+  """jfed.keys: the random server model (a student without a FedAvg start) is a run-level draw,
+  derive_key(SERVER, 0, 0, STUDENT), apart from every round's draws (rounds count from 1)."""
+  config = _config('smoke')
+  algorithm = driver.build_algorithm('dense', config)
+  monkeypatch.setattr(algorithm, 'round', lambda *a, **kw: None)  # no local training here
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  want = engine.init_model(
+    aux.student_module,
+    ctx.dataset.input_shape,
+    ctx.derive_key(Purpose.SERVER, 0, 0, ServerRoundPurpose.STUDENT),
+  )
+  jax.tree.map(np.testing.assert_array_equal, aux.random_student, want)
+
+
 def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
   algorithm = driver.build_algorithm('dense', _config('smoke,rounds=2'))
   history = [
