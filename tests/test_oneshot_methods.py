@@ -531,8 +531,9 @@ def test_round_keys_take_the_documented_path_and_repeat_no_other_draw():
 
 def test_the_random_student_is_drawn_once_per_run_from_round_zeros_student_key(monkeypatch):
   """jfed.keys: the random server model (a student without a FedAvg start) is a run-level draw,
-  derive_key(SERVER, 0, 0, STUDENT), apart from every round's draws (rounds count from 1)."""
-  config = _config('smoke')
+  derive_key(SERVER, 0, 0, STUDENT), apart from every round's draws (rounds count from 1).
+  The student is scored with the run's strategy ('vmap' here; 'auto' is 'loop' on a CPU)."""
+  config = _config('smoke', strategy='vmap')
   algorithm = driver.build_algorithm('dense', config)
   monkeypatch.setattr(algorithm, 'round', lambda *a, **kw: None)  # no local training here
   ctx = driver.context_of_config(config)
@@ -543,6 +544,7 @@ def test_the_random_student_is_drawn_once_per_run_from_round_zeros_student_key(m
     ctx.derive_key(Purpose.SERVER, 0, 0, ServerRoundPurpose.STUDENT),
   )
   jax.tree.map(np.testing.assert_array_equal, aux.random_student, want)
+  assert aux.evaluator.strategy == 'vmap'
 
 
 def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
