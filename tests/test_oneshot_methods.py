@@ -32,7 +32,7 @@ from jfed.distill import (
   plots,
   resolve_ms_impl,
 )
-from jfed.engine import optim
+from jfed.engine import compiles, optim
 from jfed.errors import ConfigError
 from jfed.io import Checkpointer
 from jfed.keys import Purpose, ServerRoundPurpose
@@ -584,7 +584,8 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   """Two rounds of two epochs (smoke budget, MLP clients: DENSE's learning with BN teachers is the
   end-to-end test's): steps count on across rounds, round 2's clients download the global model
   and upload again, and a run killed right after round 1's last checkpoint resumes to the
-  uninterrupted result."""
+  uninterrupted result. Both rounds' clients train with the trainers built in setup: their
+  step compiles once in the run."""
   config = _config('smoke,rounds=2', model='mlp')
   grids = []
   grid = plots.plot_image_grid
@@ -593,10 +594,11 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
     grids.append((pathlib.Path(path).name, np.asarray(images), labels))
     return grid(path, images, labels, **kwargs)
 
-  with monkeypatch.context() as m:
+  with monkeypatch.context() as m, compiles.count_compilations() as compiled:
     snapshot_every_step(m, tmp_path / 'killed')
     m.setattr(plots, 'plot_image_grid', record_grid)
     whole = _run('dense', config, tmp_path / 'whole')
+  assert compiled.counts()['jit(_loop_client_step)'] == 1
   # each round's last synthetic batch, every image tagged with the class it was generated for
   assert [name for name, _, _ in grids] == ['synthetic_samples.png', 'synthetic_samples_round2.png']
   for _, images, labels in grids:
