@@ -547,6 +547,29 @@ def test_the_random_student_is_drawn_once_per_run_from_round_zeros_student_key(m
   assert aux.evaluator.strategy == 'vmap'
 
 
+def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(monkeypatch):
+  """Round r > 1 (jfed.methods.oneshot's protocol, step 1): every client of the server's
+  architecture downloads the round before's global model and trains from it, not from its own
+  upload of that round."""
+  config = _config('smoke,rounds=2', model='mlp')
+  algorithm = driver.build_algorithm('dense', config)
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  global_model = jax.tree.map(lambda a: a + 1.5, aux.random_student)
+  started = []
+
+  def trained(trainers, groups, starts, epochs, key, **kwargs):
+    started.extend(starts)
+    return list(starts), []
+
+  monkeypatch.setattr(common, 'train_groups', trained)
+  algorithm.round(ctx, aux, 2, global_model)
+  (start,) = started
+  clients = config.partition.num_clients
+  for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(global_model)):
+    np.testing.assert_array_equal(got, np.broadcast_to(want, (clients, *np.shape(want))))
+
+
 def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
   algorithm = driver.build_algorithm('dense', _config('smoke,rounds=2'))
   history = [
