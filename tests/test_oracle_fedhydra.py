@@ -466,6 +466,6 @@ def test_the_ae_ablation_reaches_synthesis_and_distillation():
   # and no model stratification: nothing would read its weights (no uploads are needed)
   assert fedhydra.stratify(algo.config, ctx, None, 1, None, None) is None
   # a round without MS hands synthesis and the KD targets no weights: the plain mean
-  round_data = oneshot.RoundData(1, None, [], None)
+  round_data = oneshot.RoundData(None, [], None)
   assert fedhydra.synthesis_weights(None, round_data) is None
   assert fedhydra.kd_weights(None, round_data) is None

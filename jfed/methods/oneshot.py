@@ -277,9 +277,9 @@ class ServerState(NamedTuple):
 
 
 class RoundData(NamedTuple):
-  """What a round's uploads give the server: derived deterministically, cached in the aux."""
+  """What a round's uploads give the server: derived deterministically, cached in the aux
+  (by round: `DistillAux.round_cache`)."""
 
-  round: int
   local: common.LocalModels
   teachers: List[TeacherGroup]
   data: Any  # the method's `round_data` (FedHydra MS, Co-Boosting client ids, ...)
@@ -646,7 +646,7 @@ class DistillationAlgorithm(Algorithm):
       s = aux.settings
       local = round_uploads(ctx, r, s.local_epochs, s.server_model, global_model, aux.trainers)
       teachers = teacher_groups(local)
-      rd = RoundData(r, local, teachers, None)
+      rd = RoundData(local, teachers, None)
       rd = rd._replace(data=committed(self.recipe.round_data(ctx, aux, r, local, teachers)))
       aux.round_cache = {r: rd}  # only the current round is kept
     return aux.round_cache[r]
