@@ -671,7 +671,7 @@ class DistillationAlgorithm(Algorithm):
       # kd_data='batch' reads only the latest epoch's images: the ring buffer needs no more
       per_epoch = images_per_epoch(s.synthesis)
       capacity = per_epoch * (1 if s.kd_data == 'batch' else s.epochs)
-      pool = pool_init(max(1, capacity), shape, quantize=s.pool_quantize)
+      pool = pool_init(capacity, shape, quantize=s.pool_quantize)  # >= 1: validated sizes
     else:
       pool = pool_init(1, shape, quantize=False)
     if s.keep_generator:
