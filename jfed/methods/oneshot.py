@@ -672,8 +672,8 @@ class DistillationAlgorithm(Algorithm):
       per_epoch = images_per_epoch(s.synthesis)
       capacity = per_epoch * (1 if s.kd_data == 'batch' else s.epochs)
       pool = pool_init(capacity, shape, quantize=s.pool_quantize)  # >= 1: validated sizes
-    else:
-      pool = pool_init(1, shape, quantize=False)
+    else:  # no synthesis (FedDF): a placeholder the state's structure needs, never filled
+      pool = pool_init(1, shape)
     if s.keep_generator:
       gen = dense_generator_init(round_key(ctx, r, ServerRoundPurpose.GENERATOR), aux.generator)
     else:
