@@ -26,6 +26,7 @@ from jfed.data import load_dataset
 from jfed.distill import (
   MSConfig,
   TeacherGroup,
+  dense_generator_init,
   make_generator,
   model_stratification_loop,
   model_stratification_python,
@@ -568,6 +569,28 @@ def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(
   clients = config.partition.num_clients
   for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(global_model)):
     np.testing.assert_array_equal(got, np.broadcast_to(want, (clients, *np.shape(want))))
+
+
+def test_fedhydra_starts_each_rounds_kept_generator_from_that_rounds_generator_key(monkeypatch):
+  """FedHydra Algorithm 1 line 10: one generator per round, kept across its epochs; round r's
+  is DENSE's re-init from derive_key(SERVER, 0, r, GENERATOR) (jfed.keys). DENSE, which
+  re-initialises every epoch, keeps none."""
+  config = _config('smoke')
+  ctx = driver.context_of_config(config)
+  states, generators = {}, {}
+  for method in ('fedhydra', 'dense'):
+    algorithm = driver.build_algorithm(method, config)
+    monkeypatch.setattr(algorithm, 'round', lambda *a, **kw: None)  # no local training here
+    aux = algorithm.setup(ctx)
+    states[method] = [algorithm.init(ctx, aux)]
+    states[method].append(algorithm.fresh_state(ctx, aux, aux.random_student, 2))
+    generators[method] = aux.generator
+  for r, state in enumerate(states['fedhydra'], start=1):
+    key = ctx.derive_key(Purpose.SERVER, 0, r, ServerRoundPurpose.GENERATOR)
+    want = dense_generator_init(key, generators['fedhydra'])
+    assert jax.tree.leaves(want)
+    jax.tree.map(np.testing.assert_array_equal, state.generator, want)
+  assert all(jax.tree.leaves(s.generator) == [] for s in states['dense'])
 
 
 def test_the_result_is_the_last_rounds_student_else_the_last_test_accuracy():
