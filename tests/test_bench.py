@@ -360,7 +360,18 @@ def test_the_step_profile_names_the_costliest_operations_of_a_client_step():
     (o['ms'] for o in row['top_ops']), reverse=True
   )
   assert any('MLP' in o['origin'] for o in row['top_ops'])
+  # the MLP 784-200-200-10 at batch 64: each layer's forward and kernel-gradient matmuls, and
+  # the input gradients of all but the first layer; XLA adds the elementwise operations
+  layers = [(784, 200), (200, 200), (200, 10)]
+  matmuls = 2 * 64 * (2 * sum(i * o for i, o in layers) + sum(i * o for i, o in layers[1:]))
+  assert row['gflop'] == pytest.approx(matmuls / 1e9, rel=0.05)
+  assert row['gflops_per_s'] == pytest.approx(row['gflop'] / (row['device_ms'] / 1e3))
   table = step_profile.report(
-    [row], {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0', 'cpu_count': 2}, steps=2
+    [row],
+    {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0', 'cpu_count': 2},
+    steps=2,
+    matmul_rate=123.0,
   )
   assert row['top_ops'][0]['op'] in table
+  assert 'runs at 123 GFLOP/s' in table and f'{row["gflop"]:.3f} GFLOP' in table
+  assert step_profile.matmul_gflops(n=64, repeats=2) > 0

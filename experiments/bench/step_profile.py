@@ -6,8 +6,10 @@
 For each model of `model_zoo_training.MODELS` (the configs' CPU client models at the configs'
 batch sizes), the jitted client step the `loop` strategy runs (`GroupTrainer`, SGD lr 0.01
 momentum 0.9, forward + backward + optimiser) is called `steps` times under `jax.profiler`
-after a warm-up. Reported per step: the device time (XLA's thunk executor) and the `top`
-operations by time, each with its output shape and the JAX operation it came from.
+after a warm-up. Reported per step: the device time (XLA's thunk executor), the step's FLOPs
+(XLA's cost analysis) and the rate they run at, against a float32 matmul's rate on the same
+machine, and the `top` operations by time, each with its output shape and the JAX operation it
+came from.
 
 Unlike `client_training`, which times whole epochs against PyTorch, this isolates the compiled
 step from the host loop and from the machine's load swings across minutes: run it on two
@@ -21,6 +23,7 @@ import gzip
 import json
 import re
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +70,10 @@ def profile_model(name: str, steps: int, top: int) -> dict:
   trainer = GroupTrainer(module, tx, case.batch, strategy='loop')
   args = (ts, jnp.zeros(3), x, y, jnp.arange(n), jnp.int32(n), jax.random.key(1), jnp.int32(0))
   step = jax.jit(trainer._loop_client_step)
-  origins = _op_origins(step.lower(*args, None).compile().as_text())
+  compiled = step.lower(*args, None).compile()
+  origins = _op_origins(compiled.as_text())
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on older jax
 
   def run(k):
     out = None
@@ -85,10 +91,14 @@ def profile_model(name: str, steps: int, top: int) -> dict:
     by_name[e['name']] += e['dur']
   ops = [(k, v) for k, v in by_name.items() if k in origins]
   ops.sort(key=lambda kv: -kv[1])
+  device_ms = by_name['ThunkExecutor::Execute'] / steps / 1e3
+  gflop = float(cost.get('flops', 0.0)) / 1e9
   return {
     'model': case.spec,
     'batch': case.batch,
-    'device_ms': by_name['ThunkExecutor::Execute'] / steps / 1e3,
+    'device_ms': device_ms,
+    'gflop': gflop,  # XLA's count for the whole step (forward, backward, optimiser)
+    'gflops_per_s': gflop / (device_ms / 1e3) if device_ms > 0 else 0.0,
     'top_ops': [
       {'op': k, 'ms': v / steps / 1e3, 'shape': origins[k][0], 'origin': origins[k][1]}
       for k, v in ops[:top]
@@ -96,17 +106,35 @@ def profile_model(name: str, steps: int, top: int) -> dict:
   }
 
 
-def report(rows: list, env: dict, steps: int) -> str:
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+  """The best rate of an n x n float32 matmul through XLA on this machine, in GFLOP/s: what a
+  step made of matmuls could reach here."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+  matmul = jax.jit(jnp.matmul)
+  jax.block_until_ready(matmul(a, a))
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(a, a))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best / 1e9
+
+
+def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0) -> str:
   lines = [
     '### Client step profile (`python -m experiments.bench.step_profile`)',
     '',
     f'{env["backend"]} ({env["device_kind"]}), jax {env["jax_version"]}, {env["cpu_count"]} '
     f'CPUs; {steps} profiled steps per model after a warm-up; load average {load_average()}.',
   ]
+  if matmul_rate:
+    lines[-1] += f' A 2048x2048 float32 matmul through XLA runs at {matmul_rate:.0f} GFLOP/s.'
+
   for r in rows:
     lines += [
       '',
-      f'**`{r["model"]}`, batch {r["batch"]}: {r["device_ms"]:.2f} ms device time per step**',
+      f'**`{r["model"]}`, batch {r["batch"]}: {r["device_ms"]:.2f} ms device time per step**, '
+      f'{r["gflop"]:.3f} GFLOP (XLA cost analysis), {r["gflops_per_s"]:.0f} GFLOP/s',
       '',
       '| op | ms/step | output | from |',
       '|---|---:|---|---|',
@@ -128,7 +156,7 @@ def main(argv):
     log(f'profiling {name}')
     rows.append(profile_model(name, f.steps, f.top))
     log(f'  {rows[-1]["device_ms"]:.2f} ms device time per step')
-  table = report(rows, env, f.steps)
+  table = report(rows, env, f.steps, matmul_gflops())
   print(table)
   if f.out:
     with open(f.out, 'w') as out:
