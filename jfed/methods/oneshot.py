@@ -646,9 +646,8 @@ class DistillationAlgorithm(Algorithm):
       s = aux.settings
       local = round_uploads(ctx, r, s.local_epochs, s.server_model, global_model, aux.trainers)
       teachers = teacher_groups(local)
-      rd = RoundData(local, teachers, None)
-      rd = rd._replace(data=committed(self.recipe.round_data(ctx, aux, r, local, teachers)))
-      aux.round_cache = {r: rd}  # only the current round is kept
+      data = committed(self.recipe.round_data(ctx, aux, r, local, teachers))
+      aux.round_cache = {r: RoundData(local, teachers, data)}  # only the current round is kept
     return aux.round_cache[r]
 
   def fresh_state(
