@@ -271,6 +271,14 @@ def test_a_participants_non_finite_upload_is_refused_by_client_id_and_a_sitting_
     algorithm._receive(aux, models, weights)
 
 
+def _no_training_metrics(groups):
+  """Zero loss and accuracy for every client of `groups`: what a fake local training returns."""
+  return [
+    engine.TrainMetrics(np.zeros((len(g.client_ids), 1)), np.zeros((len(g.client_ids), 1)))
+    for g in groups
+  ]
+
+
 def test_without_static_batchnorm_a_round_scatter_averages_the_clients_running_statistics(
   monkeypatch,
 ):
@@ -303,11 +311,7 @@ def test_without_static_batchnorm_a_round_scatter_averages_the_clients_running_s
       for s in starts
     ]
     uploads.append([(g, m) for g, m in zip(groups, models)])
-    metrics = [
-      engine.TrainMetrics(np.zeros((len(g.client_ids), 1)), np.zeros((len(g.client_ids), 1)))
-      for g in groups
-    ]
-    return models, metrics
+    return models, _no_training_metrics(groups)
 
   monkeypatch.setattr(common, 'train_groups', trained)
   state = algorithm.init(ctx, aux)
@@ -478,11 +482,7 @@ def test_static_batchnorm_of_a_round_comes_from_the_new_global_model_on_every_cl
   def trained(trainers, groups, starts, epochs, key, label='', **kwargs):
     move = lambda a: a + rng.normal(0, 0.1, a.shape).astype(np.float32)
     moved = [s._replace(params=jax.tree.map(move, s.params)) for s in starts]
-    metrics = [
-      engine.TrainMetrics(np.zeros((len(g.client_ids), 1)), np.zeros((len(g.client_ids), 1)))
-      for g in groups
-    ]
-    return moved, metrics
+    return moved, _no_training_metrics(groups)
 
   monkeypatch.setattr(common, 'train_groups', trained)
   state = algorithm.init(ctx, aux)

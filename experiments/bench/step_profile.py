@@ -129,7 +129,6 @@ def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0) -> str:
   ]
   if matmul_rate:
     lines[-1] += f' A 2048x2048 float32 matmul through XLA runs at {matmul_rate:.0f} GFLOP/s.'
-
   for r in rows:
     lines += [
       '',
