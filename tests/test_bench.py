@@ -375,3 +375,22 @@ def test_the_step_profile_names_the_costliest_operations_of_a_client_step():
   assert row['top_ops'][0]['op'] in table
   assert 'runs at 123 GFLOP/s' in table and f'{row["gflop"]:.3f} GFLOP' in table
   assert step_profile.matmul_gflops(n=64, repeats=2) > 0
+  # every profiled operation falls in one kind: the kinds hold at least the top operations
+  assert sum(k['ops'] for k in row['kinds']) >= len(row['top_ops'])
+  assert sum(k['ms'] for k in row['kinds']) >= sum(o['ms'] for o in row['top_ops']) - 1e-9
+  assert 'kind of operation' in table and row['kinds'][0]['kind'] in table
+
+
+def test_the_step_profile_sorts_operations_into_kinds_by_name_and_origin():
+  from experiments.bench.step_profile import op_kind
+
+  assert op_kind('transpose_copy_fusion.32', '') == 'transpose_copy_fusion'
+  assert op_kind('ynn_fusion', 'jit(f)/jvp(ResNet)/Conv_0/conv_general_dilated') == (
+    'ynn_fusion (forward)'
+  )
+  assert op_kind('ynn_fusion.54', 'jit(f)/transpose(jvp(ResNet))/Conv_0/conv') == (
+    'ynn_fusion (backward)'
+  )
+  assert op_kind('ynn_fusion.23', '') == 'ynn_fusion (no JAX op name)'
+  assert op_kind('convolution.4', '') == 'convolution (no JAX op name)'
+  assert op_kind('add_maximum_fusion.7', 'jit(f)/jvp(ResNet)/max') == 'add_maximum_fusion'

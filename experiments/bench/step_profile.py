@@ -8,8 +8,10 @@ batch sizes), the jitted client step the `loop` strategy runs (`GroupTrainer`, S
 momentum 0.9, forward + backward + optimiser) is called `steps` times under `jax.profiler`
 after a warm-up. Reported per step: the device time (XLA's thunk executor), the step's FLOPs
 (XLA's cost analysis) and the rate they run at, against a float32 matmul's rate on the same
-machine, and the `top` operations by time, each with its output shape and the JAX operation it
-came from.
+machine, the `top` operations by time, each with its output shape and the JAX operation it
+came from, and the time by kind of operation (XLA's fusion kind; library fusions and
+convolutions split into forward, backward and unnamed, which in a convolution net are the kernel
+gradients).
 
 Unlike `client_training`, which times whole epochs against PyTorch, this isolates the compiled
 step from the host loop and from the machine's load swings across minutes: run it on two
@@ -54,6 +56,17 @@ def _op_origins(hlo_text: str) -> dict:
   return origins
 
 
+def op_kind(op: str, origin: str) -> str:
+  """An operation's kind: its name without XLA's `.N` suffix and, for library fusions and
+  convolutions, whether JAX's forward or its transpose (the backward) produced it."""
+  kind = re.sub(r'\.\d+$', '', op)
+  if not kind.startswith(('ynn_fusion', 'xnn_fusion', 'conv')):
+    return kind
+  if 'transpose(jvp(' in origin:
+    return f'{kind} (backward)'
+  return f'{kind} (forward)' if 'jvp(' in origin else f'{kind} (no JAX op name)'
+
+
 def profile_model(name: str, steps: int, top: int) -> dict:
   """Device ms per step and the `top` costliest operations of `name`'s client step."""
   from jfed.engine.state import init_models, init_train_state
@@ -91,6 +104,11 @@ def profile_model(name: str, steps: int, top: int) -> dict:
     by_name[e['name']] += e['dur']
   ops = [(k, v) for k, v in by_name.items() if k in origins]
   ops.sort(key=lambda kv: -kv[1])
+  kinds = collections.defaultdict(lambda: [0, 0.0])
+  for k, v in ops:
+    kind = kinds[op_kind(k, origins[k][1])]
+    kind[0] += 1
+    kind[1] += v / steps / 1e3
   device_ms = by_name['ThunkExecutor::Execute'] / steps / 1e3
   gflop = float(cost.get('flops', 0.0)) / 1e9
   return {
@@ -103,6 +121,9 @@ def profile_model(name: str, steps: int, top: int) -> dict:
       {'op': k, 'ms': v / steps / 1e3, 'shape': origins[k][0], 'origin': origins[k][1]}
       for k, v in ops[:top]
     ],
+    'kinds': sorted(
+      ({'kind': k, 'ops': n, 'ms': ms} for k, (n, ms) in kinds.items()), key=lambda d: -d['ms']
+    ),
   }
 
 
@@ -120,7 +141,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
   return 2 * n**3 / best / 1e9
 
 
-def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0) -> str:
+def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0, kinds: int = 10) -> str:
   lines = [
     '### Client step profile (`python -m experiments.bench.step_profile`)',
     '',
@@ -141,6 +162,12 @@ def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0) -> str:
     lines += [
       f'| {o["op"]} | {o["ms"]:.3f} | `{o["shape"]}` | {o["origin"][-80:]} |' for o in r['top_ops']
     ]
+    if r.get('kinds'):
+      lines += ['', '| kind of operation | ops | ms/step | share |', '|---|---:|---:|---:|']
+      lines += [
+        f'| {k["kind"]} | {k["ops"]} | {k["ms"]:.2f} | {k["ms"] / r["device_ms"]:.0%} |'
+        for k in r['kinds'][:kinds]
+      ]
   return '\n'.join(lines)
 
 
