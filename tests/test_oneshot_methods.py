@@ -571,6 +571,37 @@ def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(
     np.testing.assert_array_equal(got, np.broadcast_to(want, (clients, *np.shape(want))))
 
 
+def test_a_later_rounds_student_starts_from_the_global_model_of_the_round_before(monkeypatch):
+  """Round r > 1 of a method whose student starts at random (`init='random'`: DENSE,
+  Co-Boosting, FedHydra): the server state of round r starts from the round before's global
+  model `round_model(state)`, not from the run's random student."""
+  config = _config('smoke,rounds=2', model='mlp')
+  algorithm = driver.build_algorithm('dense', config)
+  ctx = driver.context_of_config(config)
+  aux = algorithm.setup(ctx)
+  assert aux.settings.init == 'random'
+  global_model = jax.tree.map(lambda a: a + 1.5, aux.random_student)
+  recipe = algorithm.recipe._replace(round_model=lambda state: global_model)
+  monkeypatch.setattr(algorithm, 'recipe', recipe)
+  monkeypatch.setattr(common, 'train_groups', lambda t, g, starts, *a, **kw: (list(starts), []))
+  state = algorithm.init(ctx, aux)
+  started = []
+
+  class Started(Exception):
+    pass
+
+  def fresh_state(ctx, aux, start, r):
+    started.append((start, r))
+    raise Started
+
+  monkeypatch.setattr(algorithm, 'fresh_state', fresh_state)
+  with pytest.raises(Started):
+    algorithm.step(ctx, aux, state, aux.settings.epochs)  # round 2, epoch 1
+  ((start, r),) = started
+  assert r == 2
+  jax.tree.map(np.testing.assert_array_equal, start, global_model)
+
+
 def test_fedhydra_starts_each_rounds_kept_generator_from_that_rounds_generator_key(monkeypatch):
   """FedHydra Algorithm 1 line 10: one generator per round, kept across its epochs; round r's
   is DENSE's re-init from derive_key(SERVER, 0, r, GENERATOR) (jfed.keys). DENSE, which
