@@ -660,8 +660,8 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
 ):
   """Two rounds of two epochs (smoke budget, MLP clients: DENSE's learning with BN teachers is the
   end-to-end test's): steps count on across rounds, round 2's clients download the global model
-  and upload again, and a run killed right after round 1's last checkpoint resumes to the
-  uninterrupted result. Both rounds' clients train with the trainers built in setup: their
+  and upload again, and a run killed right after round 1's last checkpoint, or inside round 2,
+  resumes to the uninterrupted result. Both rounds' clients train with the trainers built in setup: their
   step compiles once in the run."""
   config = _config('smoke,rounds=2', model='mlp')
   grids = []
@@ -693,9 +693,11 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   assert (tmp_path / 'whole' / 'round_models').exists()
   assert (tmp_path / 'whole' / 'synthetic_samples_round2.png').exists()
   assert records[2]['upload_bytes'] > 0 and records[2]['download_bytes'] > 0
-  resumed = _run('dense', config, tmp_path / 'killed' / '2')
-  assert read_metrics(tmp_path / 'killed' / '2') == read_metrics(tmp_path / 'whole')
-  assert comparable_summary(resumed) == comparable_summary(whole)
+  # killed at the round end, and inside round 2 (its data rebuilt from the run's stage cache)
+  for killed_after in (2, 3):
+    resumed = _run('dense', config, tmp_path / 'killed' / str(killed_after))
+    assert read_metrics(tmp_path / 'killed' / str(killed_after)) == read_metrics(tmp_path / 'whole')
+    assert comparable_summary(resumed) == comparable_summary(whole)
 
 
 def test_a_fedavg_init_without_a_client_of_the_server_architecture_starts_at_random_and_warns(
