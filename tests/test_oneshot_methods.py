@@ -13,6 +13,7 @@ compilation.
 import logging
 import math
 import pathlib
+import types
 
 import flax.linen as nn
 import jax
@@ -602,6 +603,59 @@ def test_a_later_rounds_student_starts_from_the_global_model_of_the_round_before
   jax.tree.map(np.testing.assert_array_equal, start, global_model)
 
 
+@pytest.mark.parametrize('pool_images', [4, 3])
+def test_a_fixed_kd_set_is_drawn_without_replacement_when_it_holds_a_batch(pool_images):
+  """kd_data='fixed' (FedDF's unlabelled set): each step's batch is kd_batch distinct images
+  when the set holds that many, drawn with replacement only from a smaller set; every mask
+  entry is a real sample, as bool as the pool's epoch masks."""
+  from jfed.distill.pool import pool_add, pool_init
+
+  algorithm = driver.build_algorithm('dense', _config('smoke'))
+  pool = pool_add(pool_init(pool_images, (2, 2, 1)), jnp.zeros((pool_images, 2, 2, 1)))
+  recipe = algorithm.recipe._replace(fixed_pool=lambda aux: pool)
+  algorithm.recipe = recipe
+  settings = types.SimpleNamespace(kd_data='fixed', kd_batch=4, steps_per_epoch=200)
+  got, idx, mask = algorithm._kd_batches(
+    types.SimpleNamespace(settings=settings), None, np.random.default_rng(0)
+  )
+  assert got is pool and idx.shape == mask.shape == (200, 4)
+  assert mask.dtype == bool and mask.all()
+  assert idx.min() >= 0 and idx.max() < pool_images
+  distinct = {len(set(row)) for row in idx.tolist()}
+  assert distinct == ({4} if pool_images == 4 else {1, 2, 3})
+
+
+def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(monkeypatch):
+  """FedHydra Algorithm 1 line 10 keeps one generator through a round's epochs: epoch e's
+  synthesis starts from the generator epoch e - 1 left. DENSE re-initialises it every epoch
+  (no state passed)."""
+  passed = {}
+  synthesize = oneshot.synthesize
+
+  def recording(*args, generator_state=None, **kwargs):
+    res = synthesize(*args, generator_state=generator_state, **kwargs)
+    passed[method].append((generator_state, res.generator))
+    return res
+
+  monkeypatch.setattr(oneshot, 'synthesize', recording)
+  config = _config('smoke', model='mlp')
+  ctx = driver.context_of_config(config)
+  first = {}
+  for method in ('fedhydra', 'dense'):
+    passed[method] = []
+    algorithm = driver.build_algorithm(method, config)
+    aux = algorithm.setup(ctx)
+    state = algorithm.init(ctx, aux)
+    first[method] = state.generator
+    for i in range(2):
+      state, _ = algorithm.step(ctx, aux, state, i)
+  (start_1, left_1), (start_2, _) = passed['fedhydra']
+  assert jax.tree.leaves(first['fedhydra'])
+  jax.tree.map(np.testing.assert_array_equal, start_1, first['fedhydra'])
+  jax.tree.map(np.testing.assert_array_equal, start_2, left_1)
+  assert [start for start, _ in passed['dense']] == [None, None]
+
+
 def test_fedhydra_starts_each_rounds_kept_generator_from_that_rounds_generator_key(monkeypatch):
   """FedHydra Algorithm 1 line 10: one generator per round, kept across its epochs; round r's
   is DENSE's re-init from derive_key(SERVER, 0, r, GENERATOR) (jfed.keys). DENSE, which
@@ -661,8 +715,8 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   """Two rounds of two epochs (smoke budget, MLP clients: DENSE's learning with BN teachers is the
   end-to-end test's): steps count on across rounds, round 2's clients download the global model
   and upload again, and a run killed right after round 1's last checkpoint, or inside round 2,
-  resumes to the uninterrupted result. Both rounds' clients train with the trainers built in setup: their
-  step compiles once in the run."""
+  resumes to the uninterrupted result. Both rounds' clients train with the trainers built in
+  setup: their step compiles once in the run."""
   config = _config('smoke,rounds=2', model='mlp')
   grids = []
   grid = plots.plot_image_grid
