@@ -656,6 +656,31 @@ def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(m
   assert [start for start, _ in passed['dense']] == [None, None]
 
 
+def test_an_epochs_record_reports_its_synthesis_last_iteration_losses(monkeypatch):
+  """The generator fields of an epoch's record: the synthesis' best loss, and its last
+  iteration's total loss and components (BN, one-hot CE, adversarial), as DENSE logs them."""
+  results = []
+  synthesize = oneshot.synthesize
+
+  def recording(*args, **kwargs):
+    results.append(synthesize(*args, **kwargs))
+    return results[-1]
+
+  monkeypatch.setattr(oneshot, 'synthesize', recording)
+  config = _config('smoke', model='mlp', **{'dense.g_steps': 3})
+  ctx = driver.context_of_config(config)
+  algorithm = driver.build_algorithm('dense', config)
+  aux = algorithm.setup(ctx)
+  _, (record,) = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
+  (res,) = results
+  losses, components = np.asarray(res.losses), np.asarray(res.components)
+  assert len(losses) == len(components) > 2  # so that [-1] differs from [1] and [-2]
+  assert record['gen_best_loss'] == float(res.best_loss)
+  assert record['gen_loss'] == float(losses[-1])
+  assert [record['gen_bn'], record['gen_oh'], record['gen_adv']] == components[-1].tolist()
+  assert len(set(map(tuple, components[-3:].tolist()))) == 3
+
+
 def test_fedhydra_starts_each_rounds_kept_generator_from_that_rounds_generator_key(monkeypatch):
   """FedHydra Algorithm 1 line 10: one generator per round, kept across its epochs; round r's
   is DENSE's re-init from derive_key(SERVER, 0, r, GENERATOR) (jfed.keys). DENSE, which
