@@ -628,13 +628,14 @@ def test_a_fixed_kd_set_is_drawn_without_replacement_when_it_holds_a_batch(pool_
 def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(monkeypatch):
   """FedHydra Algorithm 1 line 10 keeps one generator through a round's epochs: epoch e's
   synthesis starts from the generator epoch e - 1 left. DENSE re-initialises it every epoch
-  (no state passed)."""
-  passed = {}
+  (no state passed). The round's sample grid shows the last epoch's last G(z) batch, though
+  FedHydra's synthesis returns every iteration's images."""
+  passed, saved = {}, {}
   synthesize = oneshot.synthesize
 
   def recording(*args, generator_state=None, **kwargs):
     res = synthesize(*args, generator_state=generator_state, **kwargs)
-    passed[method].append((generator_state, res.generator))
+    passed[method].append((generator_state, res))
     return res
 
   monkeypatch.setattr(oneshot, 'synthesize', recording)
@@ -644,16 +645,24 @@ def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(m
   for method in ('fedhydra', 'dense'):
     passed[method] = []
     algorithm = driver.build_algorithm(method, config)
+    monkeypatch.setattr(
+      algorithm, '_save_samples', lambda ctx, images, r: saved.setdefault(r, images)
+    )
     aux = algorithm.setup(ctx)
     state = algorithm.init(ctx, aux)
     first[method] = state.generator
     for i in range(2):
       state, _ = algorithm.step(ctx, aux, state, i)
-  (start_1, left_1), (start_2, _) = passed['fedhydra']
+  (start_1, res_1), (start_2, res_2) = passed['fedhydra']
   assert jax.tree.leaves(first['fedhydra'])
   jax.tree.map(np.testing.assert_array_equal, start_1, first['fedhydra'])
-  jax.tree.map(np.testing.assert_array_equal, start_2, left_1)
+  jax.tree.map(np.testing.assert_array_equal, start_2, res_1.generator)
   assert [start for start, _ in passed['dense']] == [None, None]
+  batch = config.fedhydra.synthesis_batch
+  assert len(res_2.images) > batch  # every iteration's images: the grid takes the last batch
+  images, labels = saved[1]
+  np.testing.assert_array_equal(images, res_2.images[-batch:])
+  np.testing.assert_array_equal(labels, res_2.labels[-batch:])
 
 
 def test_an_epochs_record_reports_its_synthesis_last_iteration_losses(monkeypatch):
