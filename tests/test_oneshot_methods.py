@@ -612,8 +612,7 @@ def test_a_fixed_kd_set_is_drawn_without_replacement_when_it_holds_a_batch(pool_
 
   algorithm = driver.build_algorithm('dense', _config('smoke'))
   pool = pool_add(pool_init(pool_images, (2, 2, 1)), jnp.zeros((pool_images, 2, 2, 1)))
-  recipe = algorithm.recipe._replace(fixed_pool=lambda aux: pool)
-  algorithm.recipe = recipe
+  algorithm.recipe = algorithm.recipe._replace(fixed_pool=lambda aux: pool)
   settings = types.SimpleNamespace(kd_data='fixed', kd_batch=4, steps_per_epoch=200)
   got, idx, mask = algorithm._kd_batches(
     types.SimpleNamespace(settings=settings), None, np.random.default_rng(0)
@@ -625,25 +624,31 @@ def test_a_fixed_kd_set_is_drawn_without_replacement_when_it_holds_a_batch(pool_
   assert distinct == ({4} if pool_images == 4 else {1, 2, 3})
 
 
+def _record_syntheses(monkeypatch) -> list:
+  """Every call of the one-shot methods' synthesis from now on, as (the generator state it was
+  given, its result), in order."""
+  calls = []
+  synthesize = oneshot.synthesize
+
+  def recording(*args, generator_state=None, **kwargs):
+    calls.append((generator_state, synthesize(*args, generator_state=generator_state, **kwargs)))
+    return calls[-1][1]
+
+  monkeypatch.setattr(oneshot, 'synthesize', recording)
+  return calls
+
+
 def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(monkeypatch):
   """FedHydra Algorithm 1 line 10 keeps one generator through a round's epochs: epoch e's
   synthesis starts from the generator epoch e - 1 left. DENSE re-initialises it every epoch
   (no state passed). The round's sample grid shows the last epoch's last G(z) batch, though
   FedHydra's synthesis returns every iteration's images."""
-  passed, saved = {}, {}
-  synthesize = oneshot.synthesize
-
-  def recording(*args, generator_state=None, **kwargs):
-    res = synthesize(*args, generator_state=generator_state, **kwargs)
-    passed[method].append((generator_state, res))
-    return res
-
-  monkeypatch.setattr(oneshot, 'synthesize', recording)
+  calls, passed, saved = _record_syntheses(monkeypatch), {}, {}
   config = _config('smoke', model='mlp')
   ctx = driver.context_of_config(config)
   first = {}
   for method in ('fedhydra', 'dense'):
-    passed[method] = []
+    before = len(calls)
     algorithm = driver.build_algorithm(method, config)
     monkeypatch.setattr(
       algorithm, '_save_samples', lambda ctx, images, r: saved.setdefault(r, images)
@@ -653,6 +658,7 @@ def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(m
     first[method] = state.generator
     for i in range(2):
       state, _ = algorithm.step(ctx, aux, state, i)
+    passed[method] = calls[before:]
   (start_1, res_1), (start_2, res_2) = passed['fedhydra']
   assert jax.tree.leaves(first['fedhydra'])
   jax.tree.map(np.testing.assert_array_equal, start_1, first['fedhydra'])
@@ -668,20 +674,13 @@ def test_fedhydra_carries_its_generator_from_epoch_to_epoch_and_dense_does_not(m
 def test_an_epochs_record_reports_its_synthesis_last_iteration_losses(monkeypatch):
   """The generator fields of an epoch's record: the synthesis' best loss, and its last
   iteration's total loss and components (BN, one-hot CE, adversarial), as DENSE logs them."""
-  results = []
-  synthesize = oneshot.synthesize
-
-  def recording(*args, **kwargs):
-    results.append(synthesize(*args, **kwargs))
-    return results[-1]
-
-  monkeypatch.setattr(oneshot, 'synthesize', recording)
+  calls = _record_syntheses(monkeypatch)
   config = _config('smoke', model='mlp', **{'dense.g_steps': 3})
   ctx = driver.context_of_config(config)
   algorithm = driver.build_algorithm('dense', config)
   aux = algorithm.setup(ctx)
   _, (record,) = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
-  (res,) = results
+  ((_, res),) = calls
   losses, components = np.asarray(res.losses), np.asarray(res.components)
   assert len(losses) == len(components) > 2  # so that [-1] differs from [1] and [-2]
   assert record['gen_best_loss'] == float(res.best_loss)
@@ -783,8 +782,9 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   assert records[2]['upload_bytes'] > 0 and records[2]['download_bytes'] > 0
   # killed at the round end, and inside round 2 (its data rebuilt from the run's stage cache)
   for killed_after in (2, 3):
-    resumed = _run('dense', config, tmp_path / 'killed' / str(killed_after))
-    assert read_metrics(tmp_path / 'killed' / str(killed_after)) == read_metrics(tmp_path / 'whole')
+    killed = tmp_path / 'killed' / str(killed_after)
+    resumed = _run('dense', config, killed)
+    assert read_metrics(killed) == read_metrics(tmp_path / 'whole')
     assert comparable_summary(resumed) == comparable_summary(whole)
 
 
