@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import re
+import resource
 import tempfile
 import time
 
@@ -74,7 +75,8 @@ def pytest_addoption(parser):
     default=None,
     help='Append one JSON line per test to this file: wall and process CPU seconds, and the '
     "seconds and number of XLA compilations (JAX's backend_compile_duration events) it caused, "
-    'and the compile seconds of its 20 costliest program names. Where the cold suite spends its '
+    'the compile seconds of its 20 costliest program names, and the peak resident memory of '
+    'its process so far. Where the cold suite spends its '
     'time: run it with an empty JAX_COMPILATION_CACHE_DIR (the per-program log makes the run '
     'about a quarter slower).',
   )
@@ -133,6 +135,9 @@ def pytest_runtest_protocol(item, nextitem):
     'compile': _COMPILES['seconds'] - seconds,
     'compiles': _COMPILES['count'] - count,
     'programs': {name: round(t, 3) for name, t in _PROGRAMS.seconds.most_common(20)},
+    # the process's peak so far (Linux: KiB), and which xdist worker: where a peak is reached
+    'max_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main'),
   }
   with open(path, 'a') as f:  # one short line per write: xdist workers may share the file
     f.write(json.dumps(record) + '\n')
