@@ -851,6 +851,48 @@ def test_multi_round_feddf_starts_every_round_from_that_rounds_fedavg(tmp_path, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _mlp_logits(params, x):
+  """A 2NN's logits in NumPy: every Dense layer in order, ReLU between them."""
+  layers = sorted(params, key=lambda name: int(name.rpartition('_')[2]))
+  h = np.asarray(x, np.float64).reshape(len(x), -1)
+  for i, name in enumerate(layers):
+    h = h @ np.asarray(params[name]['kernel']) + np.asarray(params[name]['bias'])
+    h = np.maximum(h, 0.0) if i < len(layers) - 1 else h
+  return h
+
+
+def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_path, monkeypatch):
+  """With the teachers' logits stored once per round (no KD augmentation, eval-mode teachers),
+  every KD step of round r reads round r's teachers: FedDF's fixed set holds the same images
+  in both rounds, so a store kept across rounds would hand round 2 the logits of round 1's
+  teachers. Checked against the mean of the teachers' logits computed in NumPy."""
+  calls = []
+  run = oneshot.run_kd_steps
+
+  def record(kcfg, spec, modules, student_module, ts, t_states, agg, pool, idx, mask, *rest):
+    targets = rest[2] if len(rest) > 2 else None
+    calls.append((t_states, pool, targets))
+    return run(kcfg, spec, modules, student_module, ts, t_states, agg, pool, idx, mask, *rest)
+
+  monkeypatch.setattr(oneshot, 'run_kd_steps', record)
+  overrides = {'feddf.total_steps': 2, 'feddf.eval_every': 2, 'feddf.teacher_bn': 'running'}
+  _run('feddf', _config('smoke,rounds=2', model='mlp', **overrides), tmp_path)
+  assert len(calls) == 2  # one epoch a round
+  for t_states, pool, targets in calls:
+    assert targets is not None  # stored, not recomputed per step
+    (params,) = [s.params for s in t_states]  # one MLP group, stacked over its clients
+    n = int(pool.count)
+    images = np.asarray(pool.images)[:n]
+    clients = len(jax.tree.leaves(params)[0])
+    want = np.mean(
+      [_mlp_logits(jax.tree.map(lambda a, c=c: a[c], params), images) for c in range(clients)],
+      axis=0,
+    )
+    np.testing.assert_allclose(np.asarray(targets)[:n], want, rtol=1e-4, atol=1e-4)
+  # the two rounds' teachers differ, so a stale store would have failed above
+  assert not np.allclose(np.asarray(calls[0][2]), np.asarray(calls[1][2]), atol=1e-3)
+
+
 @pytest.mark.slow  # the quick budget's client models (shared with the end-to-end tests)
 def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   """`fedavg.reuse_local_models` (the Table 1/2 sweep): one-shot FedAvg is the size-weighted
