@@ -38,7 +38,7 @@ from jfed.engine import compiles, optim
 from jfed.errors import ConfigError
 from jfed.io import Checkpointer
 from jfed.keys import Purpose, ServerRoundPurpose
-from jfed.methods import available_methods, common, oneshot
+from jfed.methods import available_methods, common, feddf, oneshot
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
@@ -349,6 +349,32 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
   assert s.kd_batch == 24
   # a zero clip is no clip
   assert _settings('coboosting', **{'coboosting.g_grad_clip': 0.0}).synthesis.grad_clip is None
+
+
+def test_fedhydra_and_feddf_settings_take_the_reference_values_for_keys_they_lack():
+  """The shared defaults fill what a config has no key for: FedHydra's student is SGD at a
+  constant rate without clipping, momentum from its block; FedDF's is Adam (Lin et al.'s)
+  without momentum or weight decay, one epoch per `eval_every` steps of its fixed set, and no
+  generator."""
+  s = _settings(
+    'fedhydra',
+    **{'fedhydra.kd_lr': 0.03, 'fedhydra.kd_weight_decay': 0.002, 'fedhydra.kd_momentum': 0.8},
+  )
+  assert tuple(s.opt) == ('sgd', 0.03, 0.8, 0.002, 0.0, 0.9, 0.999, 'constant')
+  assert (s.kd_data, s.steps_per_epoch, s.keep_generator, s.generator) == (
+    'pool',
+    0,
+    True,
+    'fedhydra',
+  )
+  # FedDF builds a student per architecture (FedDFStudent): its recipe's settings
+  overrides = {'feddf.kd_lr': 0.004, 'feddf.total_steps': 10, 'feddf.eval_every': 4}
+  config = _config('smoke', **overrides)
+  ctx = driver.context_of_config(config)
+  s = feddf.recipe(driver.build_algorithm('feddf', config).config).settings(ctx)
+  assert tuple(s.opt) == ('adam', 0.004, 0.0, 0.0, 5.0, 0.9, 0.999, 'cosine')
+  assert (s.kd_data, s.epochs, s.steps_per_epoch) == ('fixed', 3, 4)
+  assert (s.synthesis, s.keep_generator) == (None, False)
 
 
 def test_steps_are_rounds_times_epochs():
