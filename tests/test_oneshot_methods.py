@@ -230,6 +230,36 @@ def test_every_bound_of_a_generator_distillation_is_refused_naming_its_key_and_v
   driver.build_algorithm(method, _config('smoke', **{f'{method}.server_model': ' MLP '}))
 
 
+# The shared bounds that FedHydra's and FedDF's configs hold (FedDF's student checks them)
+_OWN_SHARED = {
+  'fedhydra': (
+    ('rounds', 'local_epochs', 'epochs', 'kd_batch', 'T_G', 'synthesis_batch', 'nz', 'ngf'),
+    ('kd_lr', 'kd_T', 'lr_g'),
+    ('kd_weight_decay',),
+  ),
+  'feddf': (('rounds', 'local_epochs', 'kd_batch'), ('kd_lr', 'kd_T'), ('kd_grad_clip',)),
+}
+
+
+@pytest.mark.parametrize('method', ['fedhydra', 'feddf'])
+def test_the_shared_bounds_of_fedhydra_and_feddf_are_refused_naming_key_and_value(method):
+  ints, floats, non_negative = _OWN_SHARED[method]
+  for key in ints:
+    assert _refusal(method, key, 0) == f'{method}.{key} must be positive, got 0'
+  for key in floats:
+    assert _refusal(method, key, 0) == f'{method}.{key} must be positive, got 0.0'
+  for key in non_negative:
+    assert _refusal(method, key, -1) == f'{method}.{key} must be >= 0, got -1.0'
+  assert _refusal(method, 'init', 'x') == f"{method}.init is 'x'; valid: random, fedavg"
+  if method == 'feddf':
+    for key, valid in (('kd_optimizer', 'sgd, adam'), ('kd_schedule', 'constant, cosine')):
+      assert _refusal(method, key, 'x').startswith(f"{method}.{key} is 'x'; valid: {valid}")
+  else:
+    assert _refusal(method, 'kd_momentum', 1.0) == (
+      f'{method}.kd_momentum must be in [0, 1), got 1.0'
+    )
+
+
 def test_coboosting_refuses_a_kd_schedule_it_does_not_know_with_the_valid_ones():
   assert _refusal('coboosting', 'kd_schedule', 'x') == (
     "coboosting.kd_schedule is 'x'; valid: constant, cosine, cosine_epochs"
