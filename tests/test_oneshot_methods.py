@@ -264,6 +264,11 @@ def test_coboosting_refuses_a_kd_schedule_it_does_not_know_with_the_valid_ones()
   assert _refusal('coboosting', 'kd_schedule', 'x') == (
     "coboosting.kd_schedule is 'x'; valid: constant, cosine, cosine_epochs"
   )
+  # per step: the growing pool's epochs have ever more steps, so the run's total is unknown
+  assert _refusal('coboosting', 'kd_schedule', 'cosine').startswith(
+    "coboosting.kd_schedule 'cosine' counts KD steps, which a growing synthetic pool does not "
+    "fix in advance; use 'cosine_epochs'"
+  )
 
 
 def _settings(method, **overrides):
@@ -363,7 +368,7 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
       'coboosting.kd_momentum': 0.45,
       'coboosting.kd_weight_decay': 0.003,
       'coboosting.kd_grad_clip': 8.0,
-      'coboosting.kd_schedule': 'cosine',
+      'coboosting.kd_schedule': 'constant',
       'coboosting.kd_batch': 24,
     },
   )
@@ -375,7 +380,7 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
   assert (k.loss, k.T, k.t_squared, k.aggregation, k.ods_T) == ('kl', 6.5, True, 'weighted', 3.5)
   assert k.ods_eta == pytest.approx(0.2 * 0.5)  # 8/255 of [0, 1] is 2 x that in Normalize(0.5)
   assert (k.augment, k.crop_padding, k.strategy) == ('flip', 1, 'vmap')
-  assert tuple(s.opt) == ('sgd', 0.02, 0.45, 0.003, 8.0, 0.9, 0.999, 'cosine')
+  assert tuple(s.opt) == ('sgd', 0.02, 0.45, 0.003, 8.0, 0.9, 0.999, 'constant')
   assert s.kd_batch == 24
   # a zero clip is no clip
   assert _settings('coboosting', **{'coboosting.g_grad_clip': 0.0}).synthesis.grad_clip is None

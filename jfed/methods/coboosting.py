@@ -267,6 +267,14 @@ class CoBoosting(oneshot.DistillationAlgorithm):
       c, self.section, ('bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu', 'wa_steps', 'odseta')
     )
     tc.require_positive(c, self.section, ('adv_T', 'ods_T', 'wdc'))
+    # A per-step cosine needs the run's KD steps in advance; the synthetic pool grows every
+    # epoch, so its epochs have ever more steps and the shared loop cannot count them.
+    tc.require(
+      c.kd_schedule != 'cosine',
+      f"{self.section}.kd_schedule 'cosine' counts KD steps, which a growing synthetic pool does "
+      "not fix in advance; use 'cosine_epochs' (the reference's CosineAnnealingLR over the "
+      "epochs) or 'constant'",
+    )
 
   def make_recipe(self) -> oneshot.Recipe:
     return recipe(self.config)
