@@ -613,20 +613,26 @@ def test_the_random_student_is_drawn_once_per_run_from_round_zeros_student_key(m
 def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(monkeypatch):
   """Round r > 1 (jfed.methods.oneshot's protocol, step 1): every client of the server's
   architecture downloads the round before's global model and trains from it, not from its own
-  upload of that round."""
+  upload of that round, for the method's local epochs, with the run's trainers and a key of
+  its own round (round 1's is derive_key(LOCAL_TRAINING))."""
   config = _config('smoke,rounds=2', model='mlp')
   algorithm = driver.build_algorithm('dense', config)
   ctx = driver.context_of_config(config)
   aux = algorithm.setup(ctx)
   global_model = jax.tree.map(lambda a: a + 1.5, aux.random_student)
-  started = []
+  started, calls = [], []
 
   def trained(trainers, groups, starts, epochs, key, **kwargs):
     started.extend(starts)
+    calls.append((trainers, epochs, key, kwargs))
     return list(starts), []
 
   monkeypatch.setattr(common, 'train_groups', trained)
   algorithm.round(ctx, aux, 2, global_model)
+  ((trainers, epochs, key, kwargs),) = calls
+  assert trainers == [aux.trainers['mlp']] and epochs == config.dense.local_epochs
+  assert kwargs == {'label': 'round 2 local training'}
+  np.testing.assert_array_equal(key, ctx.derive_key(Purpose.LOCAL_TRAINING, 2))
   (start,) = started
   clients = config.partition.num_clients
   for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(global_model)):
