@@ -639,6 +639,40 @@ def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(
     np.testing.assert_array_equal(got, np.broadcast_to(want, (clients, *np.shape(want))))
 
 
+@pytest.mark.parametrize(
+  'method,overrides,slots_per_epoch,epochs,dtype',
+  [
+    # DENSE's best batch an epoch, every epoch kept, stored as uint8 (its default)
+    ('dense', {}, 'batch', 'epochs', np.uint8),
+    ('dense', {'dense.pool_quantize': False}, 'batch', 'epochs', np.float32),
+    # FedHydra keeps every synthesis iteration; kd_data='batch' reads the latest epoch alone
+    ('fedhydra', {'fedhydra.kd_data': 'batch'}, 'all', 1, np.uint8),
+    ('fedhydra', {}, 'all', 'epochs', np.uint8),
+  ],
+)
+def test_a_rounds_pool_holds_what_its_kd_reads_and_starts_empty(
+  method, overrides, slots_per_epoch, epochs, dtype
+):
+  """A round's fresh state: an empty pool sized for the images its KD reads (every epoch's,
+  or the latest epoch's for kd_data='batch'), quantised as configured, and not stopped."""
+  config = _config('smoke', model='mlp', **overrides)
+  algorithm = driver.build_algorithm(method, config)
+  ctx = driver.context_of_config(config)
+  c = config[method]
+  batch = c.synthesis_batch * (c.T_G if slots_per_epoch == 'all' else 1)
+  aux = types.SimpleNamespace(settings=algorithm.recipe.settings(ctx), generator=None)
+  aux.settings = aux.settings._replace(keep_generator=False)  # no generator to build here
+  algorithm.recipe = algorithm.recipe._replace(init_extra=lambda ctx, aux, student: ())
+  student = engine.init_model(
+    get_model('mlp', 10, ctx.dataset.input_shape), ctx.dataset.input_shape, jax.random.key(0)
+  )
+  state = algorithm.fresh_state(ctx, aux, student, 1)
+  capacity = batch * (c.epochs if epochs == 'epochs' else epochs)
+  assert state.pool.capacity == capacity and state.pool.images.dtype == dtype
+  assert int(state.pool.count) == 0 and not bool(state.stopped)
+  jax.tree.map(np.testing.assert_array_equal, state.student.model, student)
+
+
 def test_a_later_rounds_student_starts_from_the_global_model_of_the_round_before(monkeypatch):
   """Round r > 1 of a method whose student starts at random (`init='random'`: DENSE,
   Co-Boosting, FedHydra): the server state of round r starts from the round before's global
