@@ -944,16 +944,16 @@ def test_multi_round_feddf_starts_every_round_from_that_rounds_fedavg(tmp_path, 
 
   monkeypatch.setattr(oneshot, 'fedavg_of_matching', record_average)
   monkeypatch.setattr(oneshot.DistillationAlgorithm, 'fresh_state', record_start)
-  overrides = {'feddf.total_steps': 4, 'feddf.eval_every': 2}
+  overrides = {'feddf.total_steps': 6, 'feddf.eval_every': 3}
   config = _config('smoke,rounds=2', model='mlp', **overrides)
   _run('feddf', config, tmp_path)
   round2 = [student for r, student in starts if r == 2]
   assert len(averages) == 2 and round2  # one FedAvg per round, round 2's is its start
-  # each round's cosine runs over its 4 KD steps; an epoch records the rate of its last step
-  cosine = lambda step: 0.5 * config.feddf.kd_lr * (1 + math.cos(math.pi * step / 4))
+  # each round's cosine runs over its 6 KD steps; an epoch records the rate of its last step
+  cosine = lambda step: 0.5 * config.feddf.kd_lr * (1 + math.cos(math.pi * step / 6))
   records = _epochs(tmp_path)
-  assert [(r['round'], r['kd_steps']) for r in records] == [(1, 2), (1, 2), (2, 2), (2, 2)]
-  np.testing.assert_allclose([r['lr'] for r in records], [cosine(s) for s in (1, 3, 1, 3)])
+  assert [(r['round'], r['kd_steps']) for r in records] == [(1, 3), (1, 3), (2, 3), (2, 3)]
+  np.testing.assert_allclose([r['lr'] for r in records], [cosine(s) for s in (2, 5, 2, 5)])
   for got, want in zip(jax.tree.leaves(round2[0].params), jax.tree.leaves(averages[-1].params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
