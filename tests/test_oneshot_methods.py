@@ -927,7 +927,8 @@ def test_feddf_early_stop_leaves_the_round_and_resumes_inside_it(tmp_path, monke
 def test_multi_round_feddf_starts_every_round_from_that_rounds_fedavg(tmp_path, monkeypatch):
   """FedDF (Lin et al. Alg. 1): each round's student is the FedAvg of that round's uploads,
   not the previous round's global model (which made multi-round FedDF stall near its round-4
-  accuracy on Fashion-MNIST: the clients' progress reached the server only through the KD)."""
+  accuracy on Fashion-MNIST: the clients' progress reached the server only through the KD).
+  Its per-step cosine starts again every round; an epoch records its last step's rate."""
   from jfed.methods import oneshot  # pylint: disable=g-import-not-at-top
 
   averages, starts = [], []
