@@ -42,6 +42,7 @@ from jfed.methods import available_methods, common, feddf, oneshot
 from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
+from tests import oracle_numpy as onp
 from tests.support import comparable_summary, override, read_metrics, snapshot_every_step
 
 CHANCE = 0.1
@@ -640,18 +641,18 @@ def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(
 
 
 @pytest.mark.parametrize(
-  'method,overrides,slots_per_epoch,epochs,dtype',
+  'method,overrides,every_epoch,dtype',
   [
     # DENSE's best batch an epoch, every epoch kept, stored as uint8 (its default)
-    ('dense', {}, 'batch', 'epochs', np.uint8),
-    ('dense', {'dense.pool_quantize': False}, 'batch', 'epochs', np.float32),
+    ('dense', {}, True, np.uint8),
+    ('dense', {'dense.pool_quantize': False}, True, np.float32),
     # FedHydra keeps every synthesis iteration; kd_data='batch' reads the latest epoch alone
-    ('fedhydra', {'fedhydra.kd_data': 'batch'}, 'all', 1, np.uint8),
-    ('fedhydra', {}, 'all', 'epochs', np.uint8),
+    ('fedhydra', {'fedhydra.kd_data': 'batch'}, False, np.uint8),
+    ('fedhydra', {}, True, np.uint8),
   ],
 )
 def test_a_rounds_pool_holds_what_its_kd_reads_and_starts_empty(
-  method, overrides, slots_per_epoch, epochs, dtype
+  method, overrides, every_epoch, dtype
 ):
   """A round's fresh state: an empty pool sized for the images its KD reads (every epoch's,
   or the latest epoch's for kd_data='batch'), quantised as configured, and not stopped."""
@@ -659,7 +660,7 @@ def test_a_rounds_pool_holds_what_its_kd_reads_and_starts_empty(
   algorithm = driver.build_algorithm(method, config)
   ctx = driver.context_of_config(config)
   c = config[method]
-  batch = c.synthesis_batch * (c.T_G if slots_per_epoch == 'all' else 1)
+  per_epoch = c.synthesis_batch * (c.T_G if method == 'fedhydra' else 1)
   aux = types.SimpleNamespace(settings=algorithm.recipe.settings(ctx), generator=None)
   aux.settings = aux.settings._replace(keep_generator=False)  # no generator to build here
   algorithm.recipe = algorithm.recipe._replace(init_extra=lambda ctx, aux, student: ())
@@ -667,7 +668,7 @@ def test_a_rounds_pool_holds_what_its_kd_reads_and_starts_empty(
     get_model('mlp', 10, ctx.dataset.input_shape), ctx.dataset.input_shape, jax.random.key(0)
   )
   state = algorithm.fresh_state(ctx, aux, student, 1)
-  capacity = batch * (c.epochs if epochs == 'epochs' else epochs)
+  capacity = per_epoch * (c.epochs if every_epoch else 1)
   assert state.pool.capacity == capacity and state.pool.images.dtype == dtype
   assert int(state.pool.count) == 0 and not bool(state.stopped)
   jax.tree.map(np.testing.assert_array_equal, state.student.model, student)
@@ -959,16 +960,6 @@ def test_multi_round_feddf_starts_every_round_from_that_rounds_fedavg(tmp_path, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def _mlp_logits(params, x):
-  """A 2NN's logits in NumPy: every Dense layer in order, ReLU between them."""
-  layers = sorted(params, key=lambda name: int(name.rpartition('_')[2]))
-  h = np.asarray(x, np.float64).reshape(len(x), -1)
-  for i, name in enumerate(layers):
-    h = h @ np.asarray(params[name]['kernel']) + np.asarray(params[name]['bias'])
-    h = np.maximum(h, 0.0) if i < len(layers) - 1 else h
-  return h
-
-
 def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_path, monkeypatch):
   """With the teachers' logits stored once per round (no KD augmentation, eval-mode teachers),
   every KD step of round r reads round r's teachers: FedDF's fixed set holds the same images
@@ -990,11 +981,10 @@ def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_
     assert targets is not None  # stored, not recomputed per step
     (params,) = [s.params for s in t_states]  # one MLP group, stacked over its clients
     n = int(pool.count)
-    images = np.asarray(pool.images)[:n]
+    images = np.asarray(pool.images, np.float64)[:n]
     clients = len(jax.tree.leaves(params)[0])
     want = np.mean(
-      [_mlp_logits(jax.tree.map(lambda a, c=c: a[c], params), images) for c in range(clients)],
-      axis=0,
+      [onp.mlp_forward(onp.take_client(params, c), images) for c in range(clients)], axis=0
     )
     np.testing.assert_allclose(np.asarray(targets)[:n], want, rtol=1e-4, atol=1e-4)
   # the two rounds' teachers differ, so a stale store would have failed above
