@@ -75,6 +75,7 @@ def pytest_addoption(parser):
     default=None,
     help='Append one JSON line per test to this file: wall and process CPU seconds, and the '
     "seconds and number of XLA compilations (JAX's backend_compile_duration events) it caused, "
+    'the seconds it spent tracing and lowering programs, '
     'the compile seconds of its 20 costliest program names, and the peak resident memory of '
     'its process so far. Where the cold suite spends its '
     'time: run it with an empty JAX_COMPILATION_CACHE_DIR (the per-program log makes the run '
@@ -82,13 +83,20 @@ def pytest_addoption(parser):
   )
 
 
-_COMPILES = {'seconds': 0.0, 'count': 0}
+_COMPILES = {'seconds': 0.0, 'count': 0, 'trace': 0.0, 'lower': 0.0}
+# JAX's duration events of the two stages before XLA's: tracing to a jaxpr and lowering to MLIR.
+_STAGE_EVENTS = {
+  '/jax/core/compile/jaxpr_trace_duration': 'trace',
+  '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
+}
 
 
 def _count_compile(event: str, duration: float, **_) -> None:
   if event == '/jax/core/compile/backend_compile_duration':
     _COMPILES['seconds'] += duration
     _COMPILES['count'] += 1
+  elif event in _STAGE_EVENTS:
+    _COMPILES[_STAGE_EVENTS[event]] += duration
 
 
 class _CompiledPrograms(logging.Handler):
@@ -124,7 +132,7 @@ def pytest_runtest_protocol(item, nextitem):
   if not path:
     yield
     return
-  seconds, count = _COMPILES['seconds'], _COMPILES['count']
+  before = dict(_COMPILES)
   _PROGRAMS.seconds.clear()
   wall, cpu = time.perf_counter(), time.process_time()
   yield
@@ -132,8 +140,10 @@ def pytest_runtest_protocol(item, nextitem):
     'test': item.nodeid,
     'wall': time.perf_counter() - wall,
     'cpu': time.process_time() - cpu,
-    'compile': _COMPILES['seconds'] - seconds,
-    'compiles': _COMPILES['count'] - count,
+    'compile': _COMPILES['seconds'] - before['seconds'],
+    'compiles': _COMPILES['count'] - before['count'],
+    'trace': round(_COMPILES['trace'] - before['trace'], 3),
+    'lower': round(_COMPILES['lower'] - before['lower'], 3),
     'programs': {name: round(t, 3) for name, t in _PROGRAMS.seconds.most_common(20)},
     # the process's peak so far (Linux: KiB), and which xdist worker: where a peak is reached
     'max_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

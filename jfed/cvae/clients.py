@@ -21,6 +21,7 @@ import numpy as np
 from jfed.cvae.losses import RECON_LOSSES, cvae_loss
 from jfed.cvae.models import CVAE, resize_images
 from jfed.engine import ModelState
+from jfed.engine.state import RUN_ONCE
 from jfed.io import DecoderUpload, serialized_nbytes, validate_decoder_upload
 
 GENERATIVE_MODEL = 'cvae'
@@ -92,7 +93,7 @@ def cvae_objective(recon: str = 'bce', beta: float = 1.0):
   return objective
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=RUN_ONCE)
 def _init(module: CVAE, input_shape: Tuple[int, ...], key: jax.Array) -> ModelState:
   x = jnp.zeros((2, *input_shape), jnp.float32)
   labels = jnp.zeros((2,), jnp.int32)
