@@ -266,9 +266,10 @@ def test_coboosting_refuses_a_kd_schedule_it_does_not_know_with_the_valid_ones()
     "coboosting.kd_schedule is 'x'; valid: constant, cosine, cosine_epochs"
   )
   # per step: the growing pool's epochs have ever more steps, so the run's total is unknown
-  assert _refusal('coboosting', 'kd_schedule', 'cosine').startswith(
+  assert _refusal('coboosting', 'kd_schedule', 'cosine') == (
     "coboosting.kd_schedule 'cosine' counts KD steps, which a growing synthetic pool does not "
-    "fix in advance; use 'cosine_epochs'"
+    "fix in advance; use 'cosine_epochs' (the reference's CosineAnnealingLR over the epochs) or "
+    "'constant'"
   )
 
 
