@@ -274,7 +274,7 @@ def _synthesis_step(
   best_loss = jnp.where(better, loss, carry.best_loss)
   if cfg.grad_clip is not None:
     g_grads = grads[0] if cfg.optimize_z else grads
-    norm = optax.global_norm(g_grads)
+    norm = optax.tree_utils.tree_norm(g_grads)
     coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)  # torch clip_grad_norm_
     g_grads = jax.tree.map(lambda g: g * coef, g_grads)
     grads = (g_grads, grads[1]) if cfg.optimize_z else g_grads
