@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from experiments.bench import all as bench_all
-from experiments.bench import client_training, kip, model_stratification
+from experiments.bench import client_training, kip, model_stratification, suite_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = r'\d+\.\d+'
@@ -394,3 +394,57 @@ def test_the_step_profile_sorts_operations_into_kinds_by_name_and_origin():
   assert op_kind('ynn_fusion.23', '') == 'ynn_fusion (no JAX op name)'
   assert op_kind('convolution.4', '') == 'convolution (no JAX op name)'
   assert op_kind('add_maximum_fusion.7', 'jit(f)/jvp(ResNet)/max') == 'add_maximum_fusion'
+
+
+def test_the_suite_profile_sums_files_and_finds_each_workers_memory_peak(tmp_path):
+  """Five tests on two workers: gw0's peak (1,000 MB) is first reached at its third test,
+  which raised it most (+400 MB, then +100 MB at the second); files are ranked by their summed
+  wall seconds, tests by their own."""
+  rows = [
+    ('tests/test_a.py::v', 'gw0', 1.5, 0.5, 3, 500),
+    ('tests/test_a.py::w', 'gw0', 5.0, 2.0, 10, 600),
+    ('tests/test_b.py::x', 'gw0', 0.5, 0.0, 0, 1000),
+    ('tests/test_b.py::y', 'gw0', 1.0, 0.5, 2, 1000),
+    ('tests/test_c.py::z', 'gw1', 4.0, 1.0, 5, 700),
+  ]
+  path = tmp_path / 'profile.jsonl'
+  path.write_text(
+    '\n'.join(
+      json.dumps(
+        {
+          'test': t,
+          'worker': w,
+          'wall': wall,
+          'cpu': wall,
+          'compile': c,
+          'compiles': n,
+          'trace': 0.25,
+          'lower': 0.5,
+          'programs': {},
+          'max_rss_mb': mb,
+        }
+      )
+      for t, w, wall, c, n, mb in rows
+    )
+    + '\n\n'
+  )
+  text = suite_profile.summarize(suite_profile.read_profile(str(path)), files=5, tests=2)
+  lines = text.splitlines()
+  assert lines[0] == (
+    '5 tests, 12 test-seconds: 4 s compiling 20 programs, 2 s lowering, 1 s tracing'
+  )
+  assert lines[1:5] == [
+    'gw0: 8 test-seconds, peak 1000 MB at tests/test_b.py::x',
+    '  +400 MB tests/test_b.py::x',
+    '  +100 MB tests/test_a.py::w',
+    'gw1: 4 test-seconds, peak 700 MB at tests/test_c.py::z',
+  ]
+  assert lines[5:] == [
+    'costliest files (test-seconds; compile seconds; programs):',
+    '  tests/test_a.py: 6 s; 2 s; 13',
+    '  tests/test_c.py: 4 s; 1 s; 5',
+    '  tests/test_b.py: 2 s; 0 s; 2',
+    'slowest tests (seconds; compile seconds):',
+    '  5.0; 2.0  tests/test_a.py::w',
+    '  4.0; 1.0  tests/test_c.py::z',
+  ]
