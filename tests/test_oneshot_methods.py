@@ -641,6 +641,22 @@ def test_a_later_rounds_clients_start_from_the_global_model_of_the_round_before(
     np.testing.assert_array_equal(got, np.broadcast_to(want, (clients, *np.shape(want))))
 
 
+@pytest.mark.parametrize('method', ['feddf', 'dense'])
+def test_an_epoch_leaves_the_server_state_in_the_shapes_and_dtypes_of_the_rounds_start(method):
+  """The round's fresh state and the state after its first epoch have the same tree, shapes and
+  dtypes (FedDF's epoch writes its stop flag and best model): a checkpoint of any epoch restores
+  into the template the fresh state gives, and no program taking the state compiles again."""
+  config = _config('smoke', model='mlp')
+  ctx = driver.context_of_config(config)
+  algorithm = driver.build_algorithm(method, config)
+  aux = algorithm.setup(ctx)
+  state = algorithm.init(ctx, aux)
+  after, _ = algorithm.step(ctx, aux, state, 0)
+  spec = lambda tree: jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype), tree)
+  assert jax.tree.structure(after) == jax.tree.structure(state)
+  assert spec(after) == spec(state)
+
+
 @pytest.mark.parametrize(
   'method,overrides,every_epoch,dtype',
   [
