@@ -32,7 +32,8 @@ def _init(module, input_shape: tuple, key: jax.Array) -> ModelState:
 # One compiled program per (architecture, input shape): run op by op, a GoogLeNet init dispatches
 # and compiles hundreds of small programs (a minute on XLA:CPU). It runs once, so the backend's
 # optimisation passes only cost time: at level 0 its compilation is about 4x faster. The compiler
-# options of every program that runs once per model (`jax.jit(..., compiler_options=RUN_ONCE)`).
+# options of every program that runs once per model (`jax.jit(..., compiler_options=RUN_ONCE)`;
+# JAX refuses them on a jit that may be called under another trace, as the DDPM's init is).
 RUN_ONCE = {'xla_backend_optimization_level': 0}
 _init_one = jax.jit(_init, static_argnums=(0, 1), compiler_options=RUN_ONCE)
 _init_many = jax.jit(
