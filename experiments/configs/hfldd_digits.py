@@ -42,6 +42,14 @@ beside other jobs (2026-11-27):
   FedSeq 96.85 ± 0.70, FedAvg 95.00 ± 1.94, FedProx 94.91 ± 1.95, DynaFed 92.31 ± 1.25,
   centralized 97.87 ± 0.70; 80% at round 10.0 (HFLDD, 11.9 MiB) and 7.0 (FedSeq, 12.6 MiB).
 
+#C=2 at the `plateau` budget, 3 seeds, 77 min on the 2 cores beside a mutation run (2026-12-02):
+  python -m experiments.hfldd_compare --config=experiments/configs/hfldd_digits.py:c2,plateau \
+      --out=runs/hfldd_compare_digits_c2_plateau --targets=0.5,0.8
+  measured (docs/results/hfldd_compare_digits_c2_plateau/), final %: HFLDD 95.74 ± 0.70,
+  FedSeq 97.50 ± 0.73, FedAvg 92.22 ± 2.82, FedProx 90.93 ± 2.74, DynaFed 28.89 ± 1.27,
+  centralized 97.87 ± 0.70; 80% at round 9.0 (HFLDD, 5.6 MiB) and 35.7 (FedSeq, 64.2 MiB).
+  FedAvg and FedProx still rise there: FedAvg reaches 96.1% at 300 rounds (seed 0).
+
 Variants (comma-separated): `c2` (#C=2), `iid` (#C=10), `nodd` (HFLDD w/o DD: raw data to
 the heads), `plateau` (100 rounds for every method instead of 20: where FedAvg's IID curve
 reaches its plateau), `fmpublic` (public set = 100 Fashion-MNIST images resized to 8x8, the paper's
