@@ -107,7 +107,8 @@ def get_config(arg: str = ''):
   d = c.dynafed
   d.rounds, d.local_epochs = rounds, epochs
   d.participation, d.client_optimizer, d.client_lr = 0.4, 'adam', 1e-3  # the reference's
-  d.trajectory_rounds = 10  # of the 20 (plateau: 100) rounds (the reference: 24 of 200)
+  # of the 20 (plateau: 100, paper_rounds: 300) rounds (the reference: 24 of 200)
+  d.trajectory_rounds = 10
   d.ipc, d.syn_steps, d.expert_epochs, d.max_start_epoch = 15, 20, 3, 50
   d.iterations = 1000  # the reference: 3000
   d.finetune_epochs, d.finetune_batch = 20, 256
