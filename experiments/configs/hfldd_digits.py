@@ -49,7 +49,7 @@ beside other jobs (2026-11-27):
   FedSeq 97.50 ± 0.73, FedAvg 92.22 ± 2.82, FedProx 90.93 ± 2.74, DynaFed 28.89 ± 1.27,
   centralized 97.87 ± 0.70; 80% at round 9.0 (HFLDD, 5.6 MiB) and 35.7 (FedSeq, 64.2 MiB).
   FedAvg and FedProx still rise there: FedAvg reaches 96.1% at 300 rounds (seed 0).
-#C=2 at the paper's 300 rounds for every method, 3 seeds, 65 min on the 2 cores beside another
+#C=2 at the paper's 300 rounds for every method, 3 seeds, 83 min on the 2 cores beside another
 job (2026-12-02; DynaFed 45 of them):
   python -m experiments.hfldd_compare --config=experiments/configs/hfldd_digits.py:c2,paper_rounds \
       --out=runs/hfldd_compare_digits_c2_paper_rounds --targets=0.5,0.8
