@@ -88,11 +88,11 @@ Variants (comma-separated):
          81 min on 2 CPU cores; final % (3 seeds): FedAvg / FedProx 96.0-96.8, FedDF 93.0,
          FedTSA 89.9, FedMD 79.5, HeteroFL 63.7, FedProto 57.8
          (docs/results/fedtsa_tables_digits_plateau/). Table 4: the same command with
-         `--partitions=iid --degrees=1.0,0.5/1.0,0.6/0.8/1.0,0.1/0.4/0.7/1.0` (Table 3's IID
-         cell is the degree [0.6, 0.8, 1.0]), about 15 min per seed and degree; final % at
-         [1.0] / [0.1, 0.4, 0.7, 1.0] (3 seeds, 2026-12-02):
-         FedDF 97.6 / 95.4, FedTSA 97.1 / 95.0, HeteroFL 94.4 / 86.9, FedMD 90.3 / 87.2,
-         FedProto 87.9 / 85.4
+         `--partitions=iid --degrees=1.0,0.5/1.0,0.6/0.8/1.0,0.1/0.4/0.7/1.0,0.1/0.3/0.5/0.7/1.0`
+         (Table 3's IID cell is the degree [0.6, 0.8, 1.0]), 50-125 min per degree (3 seeds);
+         final % at [1.0] / [0.1, 0.3, 0.5, 0.7, 1.0] (3 seeds, 2026-12-02):
+         FedDF 97.6 / 91.9, FedTSA 97.1 / 93.8, HeteroFL 94.4 / 84.4, FedMD 90.3 / 86.8,
+         FedProto 87.9 / 84.3
 """
 
 from experiments.configs.common import (
