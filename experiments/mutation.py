@@ -46,6 +46,15 @@ flags.DEFINE_float(
   'loaded cores correct code timed out (34 of 129 mutants of centralized.py). Changing it re-runs '
   'the timed-out mutants of a resumed module.',
 )
+flags.DEFINE_string(
+  'select',
+  'not slow',
+  "pytest's -m expression for every test run: by default a module's fast tests only (its oracle "
+  "and unit tests), not the end-to-end 'learns' runs marked slow, which a survivor of a function "
+  "they call would otherwise run in full (FedHydra, DENSE and Co-Boosting's take about a minute "
+  "each). Changing it re-collects which tests call which function; the kept verdicts stay. '' "
+  'runs every test of the files, as before 2026-12-02.',
+)
 flags.DEFINE_string('out', 'docs/results/mutation', 'report folder')
 flags.DEFINE_bool(
   'rerun_survivors',
@@ -226,19 +235,38 @@ def scratch_copy(dest: pathlib.Path) -> None:
       shutil.copy2(src, dest / name)
 
 
-def configure(dest: pathlib.Path, paths: List[str], tests: List[str]) -> None:
+SELECTION_FILE = 'jfed_mutation_select.txt'
+
+
+def configure(
+  dest: pathlib.Path,
+  paths: List[str],
+  tests: List[str],
+  select: str = '',
+  timeout_multiplier: float = 60.0,
+) -> None:
+  """Appends the module's mutmut section to the scratch copy's pyproject.toml. A scratch copy
+  whose recorded test selection (`select`, pytest's -m) differs loses mutmut's record of which
+  tests call which function: kept, with a new selection, mutmut would clear every verdict; gone,
+  it collects the record again and keeps the verdicts of unchanged functions."""
   (dest / 'mutmut_preload.txt').write_text('\n'.join(PRELOAD) + '\n')
+  selection = dest / SELECTION_FILE
+  before = selection.read_text() if selection.exists() else ''
+  if before != select:
+    (dest / 'mutants' / 'mutmut-stats.json').unlink(missing_ok=True)
+  selection.write_text(select)
+  pytest_args = ['-p', 'no:cacheprovider'] + (['-m', select] if select else [])
   with open(dest / 'pyproject.toml', 'a') as f:
     f.write(
       '\n[tool.mutmut]\n'
       f'paths_to_mutate = {_toml_list(paths)}\n'
       f'tests_dir = {_toml_list(tests)}\n'
       'also_copy = ["jfed/", "experiments/", "tests/"]\n'
-      'pytest_add_cli_args = ["-p", "no:cacheprovider"]\n'
+      f'pytest_add_cli_args = {_toml_list(pytest_args)}\n'
       'process_isolation = "forkserver"\n'
       'forkserver_warmup = "import"\n'
       'preload_modules_file = "mutmut_preload.txt"\n'
-      f'timeout_multiplier = {FLAGS.timeout_multiplier}\n'
+      f'timeout_multiplier = {timeout_multiplier}\n'
     )
 
 
@@ -326,7 +354,7 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
   dest = pathlib.Path(FLAGS.scratch) / key
   dest.mkdir(parents=True, exist_ok=True)
   scratch_copy(dest)
-  configure(dest, paths, tests)
+  configure(dest, paths, tests, FLAGS.select, FLAGS.timeout_multiplier)
   state = pathlib.Path(FLAGS.state) / key
   restored = restore_verdicts(dest, state, paths)
   if restored:
@@ -368,6 +396,7 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
     'module': key,
     'files': paths,
     'tests': tests,
+    'select': FLAGS.select,
     'stats': stats,
     'score': (killed / tested) if tested else None,
     'survivors': survivors,
@@ -382,9 +411,11 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
   lines = [
     f'# Mutation testing: {key}',
     '',
-    f'Files: {", ".join(paths)}. Tests: {", ".join(tests)}.',
+    f'Files: {", ".join(paths)}. Tests: {", ".join(tests)}'
+    + (f' (pytest -m "{FLAGS.select}").' if FLAGS.select else ' (every test of the files).'),
     f'Command: `python -m experiments.mutation --modules={key} '
-    f'--max_children={FLAGS.max_children}` ({row["minutes"]:.0f} min on {row["machine"]}).',
+    f'--max_children={FLAGS.max_children} --select="{FLAGS.select}"` '
+    f'({row["minutes"]:.0f} min on {row["machine"]}).',
     '',
     f'mutmut stats: {json.dumps(stats)}',
     'Score (killed + timeout over mutants some test ran): '

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import tomllib
 
 from absl import app
 import pytest
@@ -108,3 +109,26 @@ def test_merge_only_refuses_a_module_the_folder_lacks(tmp_path):
   (tmp_path / 'summary.json').write_text('{}')
   with pytest.raises(app.UsageError, match='not in'):
     mutation.merge(tmp_path, {}, tmp_path, ['kip'])
+
+
+def test_the_test_selection_reaches_mutmut_and_a_new_one_recollects_which_tests_call_what(
+  tmp_path,
+):
+  stats = tmp_path / 'mutants' / 'mutmut-stats.json'
+  stats.parent.mkdir()
+
+  def configure(select):
+    (tmp_path / 'pyproject.toml').write_text('[project]\nname = "x"\n')
+    mutation.configure(tmp_path, ['jfed/methods/feddf.py'], ['tests/test_x.py'], select)
+    return tomllib.loads((tmp_path / 'pyproject.toml').read_text())['tool']['mutmut']
+
+  stats.write_text('{}')  # a scratch copy from before the selection existed ran every test
+  section = configure('not slow')
+  assert section['pytest_add_cli_args'] == ['-p', 'no:cacheprovider', '-m', 'not slow']
+  assert section['tests_dir'] == ['tests/test_x.py']
+  assert not stats.exists()
+  stats.write_text('{}')
+  configure('not slow')
+  assert stats.exists()  # the same selection keeps mutmut's record
+  assert configure('')['pytest_add_cli_args'] == ['-p', 'no:cacheprovider']
+  assert not stats.exists()
