@@ -977,6 +977,16 @@ def test_multi_round_feddf_starts_every_round_from_that_rounds_fedavg(tmp_path, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_a_multi_round_workdir_keeps_the_last_three_rounds_client_models(tmp_path):
+  """Round r's client models are a stage of the workdir, read by round r + 1 and by a run
+  resumed inside round r; the older rounds' are deleted, so that a run of many rounds (all
+  clients' models each round) does not fill the disk."""
+  config = _config('smoke,rounds=5', model='mlp', **{'feddf.total_steps': 1, 'feddf.eval_every': 1})
+  _run('feddf', config, tmp_path)
+  kept = sorted(int(p.name) for p in (tmp_path / 'round_models').iterdir() if p.name.isdigit())
+  assert kept == [3, 4, 5]  # round 1's models are the cached local models, not this stage
+
+
 def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_path, monkeypatch):
   """With the teachers' logits stored once per round (no KD augmentation, eval-mode teachers),
   every KD step of round r reads round r's teachers: FedDF's fixed set holds the same images
