@@ -17,7 +17,7 @@ from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_decoder_upload
-from jfed.keys import Purpose
+from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common, fedcvae, generative, get_method
 from jfed.models import get_model
 from tests.support import override
@@ -758,3 +758,150 @@ def test_a_server_epoch_draws_its_dropout_from_the_server_key_of_its_epoch():
     not np.array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(other.model.params), jax.tree.leaves(want.model.params))
   )
+
+
+def _record_grids(monkeypatch):
+  """Captures every sample grid a run plots: (file name, images, labels, title)."""
+  from jfed.distill import plots as distill_plots  # pylint: disable=g-import-not-at-top
+
+  grids = []
+  grid = distill_plots.plot_image_grid
+
+  def record(path, images, labels=None, **kwargs):
+    grids.append((pathlib.Path(path).name, np.asarray(images), np.asarray(labels), kwargs))
+    return grid(path, images, labels, **kwargs)
+
+  monkeypatch.setattr(distill_plots, 'plot_image_grid', record)
+  return grids
+
+
+def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_set(
+  tmp_path, monkeypatch
+):
+  """FedCVAE-Ens under FedMHO's protocol (the filter drops samples): the setup record and the
+  summary count the decoded and the kept samples, per class as written to synthetic.npz, the
+  server model falls back to the run's, one record per classifier epoch, and the grid shows
+  the kept set's first 64 samples."""
+  from tests.support import read_metrics  # pylint: disable=g-import-not-at-top
+
+  config = override(
+    fedmho_digits.get_config('fedcvae,smoke'),
+    **{
+      'fedcvae.server_model': '',
+      'partition.scheme': 'iid',
+      'partition.num_clients': 4,
+      'fedcvae.num_synthetic': 100,
+    },
+  )
+  grids = _record_grids(monkeypatch)
+  summary = driver.run_experiment('fedcvae_ens', config, tmp_path, progress=False)
+  saved = np.load(tmp_path / generative.SYNTHETIC_FILE)
+  kept_labels = saved['labels'][saved['kept']]
+  generated, kept = len(saved['labels']), len(kept_labels)
+  assert 0 < kept < generated  # the filter at clean_rate dropped some
+  records = read_metrics(tmp_path)
+  setup, epochs = records[0], records[1:]
+  assert {k: setup[k] for k in ('round', 'clients', 'synthetic_generated', 'synthetic_kept')} == {
+    'round': 1,
+    'clients': config.partition.num_clients,
+    'synthetic_generated': generated,
+    'synthetic_kept': kept,
+  }
+  assert setup['upload_bytes'] == summary['decoder_upload_bytes'] > 0
+  assert [r['epoch'] for r in epochs] == [1, 2]  # fedcvae.epochs
+  specs = [s.strip() for s in config.client_models.split(';')]
+  n = config.partition.num_clients
+  assert summary['client_models'] == [specs[i % len(specs)] for i in range(n)]
+  assert (summary['server_model'], summary['protocol']) == ('mlp', 'fedmho')
+  assert (summary['synthetic_generated'], summary['synthetic_kept']) == (generated, kept)
+  assert summary['synthetic_per_class'] == np.bincount(kept_labels, minlength=10).tolist()
+  assert summary['excluded_cvae_clients'] == []
+  ((name, images, labels, kwargs),) = grids
+  assert (name, kwargs.get('title')) == ('synthetic_samples.png', 'decoded samples')
+  np.testing.assert_array_equal(labels, kept_labels[:64])
+  np.testing.assert_allclose(images, saved['images'][saved['kept']][:64] / 255.0, atol=0.5 / 255)
+
+
+def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_samples(
+  tmp_path, monkeypatch
+):
+  """FedCVAE-KD: decoder-distillation epochs first, then classifier epochs; the setup record and
+  the summary count the decoder targets and the server decoder's samples, and the grid shows
+  the first 64 of those samples. The classifier's set is decoded in chunks of 1,000: at 1,001
+  samples every image keeps its label."""
+  from tests.support import read_metrics, smoke_config  # pylint: disable=g-import-not-at-top
+
+  config = override(
+    smoke_config('fedcvae_kd'),
+    **{
+      'fedcvae.server_model': '',
+      'partition.scheme': 'iid',
+      'partition.num_clients': 4,
+      'fedcvae.num_synthetic': 1001,
+    },
+  )
+  c = config.fedcvae
+  grids = _record_grids(monkeypatch)
+  sets = []
+  fusion_epoch = generative.fusion_epoch
+
+  def record_set(ctx, trainer, evaluator, state, data, batch, i):
+    sets.append((data.x.shape[0], data.y.shape[0]))
+    return fusion_epoch(ctx, trainer, evaluator, state, data, batch, i)
+
+  monkeypatch.setattr(generative, 'fusion_epoch', record_set)
+  summary = driver.run_experiment('fedcvae_kd', config, tmp_path, progress=False)
+  records = read_metrics(tmp_path)
+  setup, epochs = records[0], records[1:]
+  assert {k: setup[k] for k in ('round', 'clients', 'decoder_targets')} == {
+    'round': 1,
+    'clients': config.partition.num_clients,
+    'decoder_targets': c.decoder_samples,
+  }
+  assert setup['upload_bytes'] == summary['decoder_upload_bytes'] > 0
+  assert [('decoder_loss' in r, r['epoch']) for r in epochs] == [(True, 1)] * c.decoder_epochs + [
+    (False, c.decoder_epochs + e + 1) for e in range(c.epochs)
+  ]
+  for r in epochs[c.decoder_epochs :]:
+    assert 0.0 <= r['test_accuracy'] <= 1.0 and np.isfinite(r['train_loss'])
+  assert summary['final_test_accuracy'] == epochs[-1]['test_accuracy']
+  assert summary['server_decoder'] == c.server_decoder
+  assert (summary['server_model'], summary['decoder_targets']) == ('mlp', c.decoder_samples)
+  assert summary['synthetic_generated'] == c.num_synthetic
+  assert sets == [(c.num_synthetic, c.num_synthetic)] * c.epochs
+  assert summary['excluded_cvae_clients'] == []
+  specs = [s.strip() for s in config.client_models.split(';')]
+  n = config.partition.num_clients
+  assert summary['client_models'] == [specs[i % len(specs)] for i in range(n)]
+  ((name, images, labels, kwargs),) = grids
+  assert (name, kwargs.get('title')) == ('synthetic_samples.png', 'server decoder samples')
+  assert images.shape[0] == labels.shape[0] == 64 and set(labels.tolist()) <= set(range(10))
+
+
+def test_fedcvae_kd_draws_its_decoder_targets_at_the_server_decoders_resolution():
+  """The users' decoders (digits' 8x8) draw the distillation targets at the server decoder's
+  own size: FedCVAE's v0 decoder is 32x32, as the reference's. The server decoder starts from
+  the init keyed by the server's first round and its generator purpose (jfed.keys)."""
+  config = override(
+    fedmho_digits.get_config('fedcvae_kd,smoke'),
+    **{
+      'client_models': 'cvae:size=small,latent=10',
+      'fedcvae.server_decoder': fedmho_digits.FEDCVAE_V0,
+      'fedcvae.decoder_samples': 16,
+      'partition.scheme': 'iid',
+      'partition.num_clients': 2,
+    },
+  )
+  ctx = driver.context_of_config(config)
+  aux = driver.build_algorithm('fedcvae_kd', config).setup(ctx)
+  assert aux.targets.x.shape == (16, 32, 32, 1)
+  assert aux.targets.z.shape == (16, 10) and aux.targets.y.shape == (16,)
+  module = generative.build_cvae_spec(fedmho_digits.FEDCVAE_V0, ctx.dataset)
+  key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.GENERATOR)
+  full = cvae_clients.init_cvae(module, ctx.dataset.input_shape, key)
+  # v0's decoder has BatchNorm: its statistics start with it
+  want = (full.params['decoder'], cvae_clients.decoder_stats_of(full))
+  got = (aux.decoder_init.params, aux.decoder_init.batch_stats)
+  assert jax.tree.leaves(want[1]) and jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
