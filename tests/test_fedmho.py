@@ -809,6 +809,9 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_se
   }
   assert setup['upload_bytes'] == summary['decoder_upload_bytes'] > 0
   assert [r['epoch'] for r in epochs] == [1, 2]  # fedcvae.epochs
+  for r in epochs:
+    assert 0.0 <= r['test_accuracy'] <= 1.0 and np.isfinite(r['train_loss'])
+  assert summary['final_test_accuracy'] == epochs[-1]['test_accuracy']
   specs = [s.strip() for s in config.client_models.split(';')]
   n = config.partition.num_clients
   assert summary['client_models'] == [specs[i % len(specs)] for i in range(n)]
