@@ -775,13 +775,14 @@ def _record_grids(monkeypatch):
   return grids
 
 
-def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_set(
-  tmp_path, monkeypatch
+@pytest.mark.parametrize('protocol', ['fedmho', 'fed_cvae'])
+def test_fedcvae_ens_records_summary_and_grid_describe_its_synthetic_set(
+  tmp_path, monkeypatch, protocol
 ):
-  """FedCVAE-Ens under FedMHO's protocol (the filter drops samples): the setup record and the
-  summary count the decoded and the kept samples, per class as written to synthetic.npz, the
-  server model falls back to the run's, one record per classifier epoch, and the grid shows
-  the kept set's first 64 samples."""
+  """FedCVAE-Ens under FedMHO's protocol (the filter drops samples) and ceh-2000/fed_cvae's
+  (every one of num_synthetic samples kept): the setup record and the summary count the decoded
+  and the kept samples, per class as written to synthetic.npz, the server model falls back to
+  the run's, one record per classifier epoch, and the grid shows the kept set's first 64."""
   from tests.support import read_metrics  # pylint: disable=g-import-not-at-top
 
   config = override(
@@ -791,6 +792,7 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_se
       'partition.scheme': 'iid',
       'partition.num_clients': 4,
       'fedcvae.num_synthetic': 100,
+      'fedcvae.protocol': protocol,
     },
   )
   grids = _record_grids(monkeypatch)
@@ -798,7 +800,10 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_se
   saved = np.load(tmp_path / generative.SYNTHETIC_FILE)
   kept_labels = saved['labels'][saved['kept']]
   generated, kept = len(saved['labels']), len(kept_labels)
-  assert 0 < kept < generated  # the filter at clean_rate dropped some
+  if protocol == 'fedmho':
+    assert 0 < kept < generated  # the filter at clean_rate dropped some
+  else:
+    assert kept == generated == 100
   records = read_metrics(tmp_path)
   setup, epochs = records[0], records[1:]
   assert {k: setup[k] for k in ('round', 'clients', 'synthetic_generated', 'synthetic_kept')} == {
@@ -815,7 +820,7 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_filtered_synthetic_se
   specs = [s.strip() for s in config.client_models.split(';')]
   n = config.partition.num_clients
   assert summary['client_models'] == [specs[i % len(specs)] for i in range(n)]
-  assert (summary['server_model'], summary['protocol']) == ('mlp', 'fedmho')
+  assert (summary['server_model'], summary['protocol']) == ('mlp', protocol)
   assert (summary['synthetic_generated'], summary['synthetic_kept']) == (generated, kept)
   assert summary['synthetic_per_class'] == np.bincount(kept_labels, minlength=10).tolist()
   assert summary['excluded_cvae_clients'] == []

@@ -73,7 +73,6 @@ PROTOCOLS = ('fed_cvae', 'fedmho')
 
 
 class FedCVAEAux(NamedTuple):
-  module: Any
   trainer: FusionTrainer
   evaluator: engine.Evaluator
   cvaes: generative.LocalCVAEs
@@ -115,8 +114,8 @@ def synthesize(
 ):
   """`total` samples from the users' decoders as `generate_dataset_from_user_decoders` draws
   them: (images [N, H, W, C] in [0, 1] at `out_hw` (default: the dataset's size), labels [N],
-  latents [N, latent]); `tag` separates the draws of different uses (0: the Ens classifier set,
-  1: FedCVAE-KD's decoder targets).
+  latents [N, latent], None where the decoders' latent sizes differ); `tag` separates the draws
+  of different uses (0: the Ens classifier set, 1: FedCVAE-KD's decoder targets).
 
   Args:
     ctx: The run context (dataset, clients, run config, stage cache).
@@ -128,7 +127,8 @@ def synthesize(
     out_hw: The (H, W) of the returned images; None for the dataset's.
 
   Returns:
-    (images [N, H, W, C] in [0, 1], labels [N], latents [N, latent]).
+    (images [N, H, W, C] in [0, 1], labels [N], latents [N, latent] or None where the decoders'
+    latent sizes differ).
   """
   sizes = np.concatenate([u.label_counts.sum(1) for u in cvaes.uploads])
   # The reference's "last user" (the remainder) is the last in client order, not group order.
@@ -159,7 +159,10 @@ def synthesize(
     parts.append(cvae_clients.generate(g.module, u, np.asarray(labels, np.int32), real, z, out_hw))
     latents.append(np.asarray(z)[real])
   images, labels, _ = cvae_clients.concat_generated(parts)
-  return images, labels, np.concatenate(latents)
+  # FedCVAE-Ens's decoders may differ in latent size (CVAE-large and CVAE-small); only
+  # FedCVAE-KD reads the latents, and it refuses users of different latent sizes.
+  widths = {z.shape[1] for z in latents}
+  return images, labels, np.concatenate(latents) if len(widths) == 1 else None
 
 
 def require_all_generative(ctx: RunContext, method: str) -> None:
@@ -249,11 +252,11 @@ class FedCVAEEns(Algorithm):
       images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
       generative.save_synthetic(ctx, images, labels)
       generated = len(labels)
-    module, init, trainer, evaluator = server_classifier(ctx, c)
+    _, init, trainer, evaluator = server_classifier(ctx, c)
     data = engine.commit(
       SyntheticSet(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32), None)
     )
-    return FedCVAEAux(module, trainer, evaluator, cvaes, data, images, labels, init, generated)
+    return FedCVAEAux(trainer, evaluator, cvaes, data, images, labels, init, generated)
 
   def setup_records(self, ctx: RunContext, aux: FedCVAEAux):
     return [
@@ -334,7 +337,7 @@ class FedCVAEKDAux:
   def __init__(self, cvaes, targets, distiller, decoder_init, classifier, classifier_init):
     self.cvaes, self.targets, self.distiller = cvaes, targets, distiller
     self.decoder_init = decoder_init
-    self.module, self.trainer, self.evaluator = classifier
+    self.trainer, self.evaluator = classifier
     self.classifier_init = classifier_init
     self.classifier_data: Optional[Tuple[np.ndarray, np.ndarray]] = None
 
@@ -405,7 +408,7 @@ class FedCVAEKD(Algorithm):
     )
     distiller = decoder_kd.DecoderDistiller(module, engine.make_optimizer('adam', c.decoder_lr))
     _, init, trainer, evaluator = server_classifier(ctx, c)
-    return FedCVAEKDAux(cvaes, targets, distiller, decoder_init, (module, trainer, evaluator), init)
+    return FedCVAEKDAux(cvaes, targets, distiller, decoder_init, (trainer, evaluator), init)
 
   def setup_records(self, ctx: RunContext, aux: FedCVAEKDAux):
     return [
