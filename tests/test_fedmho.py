@@ -606,6 +606,35 @@ def test_every_decoder_of_three_groups_generates_its_own_clients_share_of_each_c
     np.testing.assert_array_equal(got, want[row], err_msg=f'client {k}')
 
 
+def test_fedcvae_draws_from_every_decoder_of_three_groups_its_clients_share(monkeypatch):
+  """ceh-2000/fed_cvae's split: decoder k draws int(n_k / N · N_syn) samples, the highest client
+  id the remainder. With three CVAE groups the third group's clients must read their own counts,
+  not the second group's."""
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    client_models='cvae:size=small;cvae:size=small,hidden=8;cvae:size=small,hidden=16',
+  )
+  ctx = driver.context_of_config(config)
+  cvaes = generative.local_cvaes(ctx, _ONE_EPOCH)
+  drawn = {}
+  generate = cvae_clients.generate
+
+  def record(module, upload, labels, real, z, out_hw):
+    drawn.update(zip(upload.client_ids.tolist(), np.asarray(real).sum(1).tolist()))
+    return generate(module, upload, labels, real, z, out_hw)
+
+  monkeypatch.setattr(cvae_clients, 'generate', record)
+  total = 301
+  images, labels, _ = fedcvae.synthesize(ctx, cvaes, fedcvae.FedCVAEConfig(), total)
+  ids = sorted(drawn)
+  assert len(cvaes.uploads) == 3 and ids == list(range(config.partition.num_clients))
+  sizes = np.array([len(ctx.parts[k]) for k in ids], np.float64)
+  want = [int(n / sizes.sum() * total) for n in sizes[:-1]]
+  want.append(total - sum(want))
+  assert [drawn[k] for k in ids] == want
+  assert len(images) == len(labels) == total
+
+
 def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
   _diverge(monkeypatch, {0: [0, 1, 2], 1: [0, 1, 2]})
   config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
