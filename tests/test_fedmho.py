@@ -100,6 +100,8 @@ def test_decoder_sample_counts_follow_the_reference():
   np.testing.assert_array_equal(
     fedcvae.decoder_sample_counts([30, 50, 20], 1001, False), [333, 333, 335]
   )
+  for weighted in (True, False):  # counts, to size arrays and slices with
+    assert fedcvae.decoder_sample_counts([30, 50, 20], 1001, weighted).dtype == np.int64
 
 
 def test_decoded_labels_and_counts_are_what_was_asked():
