@@ -637,6 +637,22 @@ def test_fedcvae_draws_from_every_decoder_of_three_groups_its_clients_share(monk
   assert len(images) == len(labels) == total
 
 
+def test_fedcvae_trains_its_cvae_clients_with_its_settings_and_an_unweighted_kl(monkeypatch):
+  """FedCVAE's clients train Eq. 3 with β = 1 (ceh-2000/fed_cvae's loss) at the section's
+  epochs, optimiser, rate, batch and reconstruction loss, CVAE-small at its own rate."""
+  seen = []
+  monkeypatch.setattr(generative, 'local_cvaes', lambda ctx, settings: seen.append(settings))
+  config = fedcvae.FedCVAEConfig(
+    cvae_epochs=3, cvae_optimizer='sgd', cvae_lr=0.02, cvae_batch=16, cvae_recon='mse'
+  )
+  fedcvae.train_local_cvaes(None, config._replace(cvae_small_lr=0.05))
+  assert seen == [
+    generative.CVAESettings(
+      epochs=3, optimizer='sgd', lr=0.02, batch=16, recon='mse', beta=1.0, small_lr=0.05
+    )
+  ]
+
+
 def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
   _diverge(monkeypatch, {0: [0, 1, 2], 1: [0, 1, 2]})
   config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
