@@ -935,8 +935,9 @@ def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_sa
 
 def test_fedcvae_kd_draws_its_decoder_targets_at_the_server_decoders_resolution():
   """The users' decoders (digits' 8x8) draw the distillation targets at the server decoder's
-  own size: FedCVAE's v0 decoder is 32x32, as the reference's. The server decoder starts from
-  the init keyed by the server's first round and its generator purpose (jfed.keys)."""
+  own size: FedCVAE's v0 decoder is 32x32, as the reference's. The server decoder and the
+  classifier start from the inits keyed by the server's first round and their purposes
+  (generator, student; jfed.keys)."""
   config = override(
     fedmho_digits.get_config('fedcvae_kd,smoke'),
     **{
@@ -959,4 +960,11 @@ def test_fedcvae_kd_draws_its_decoder_targets_at_the_server_decoders_resolution(
   got = (aux.decoder_init.params, aux.decoder_init.batch_stats)
   assert jax.tree.leaves(want[1]) and jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # the classifier starts from the init keyed by the server's first round and its student
+  classifier = common.build_module(config.fedcvae.server_model, ctx.dataset)
+  key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.STUDENT)
+  want = engine.init_model(classifier, ctx.dataset.input_shape, key)
+  assert jax.tree.structure(aux.classifier_init) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(aux.classifier_init), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
