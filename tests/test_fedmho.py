@@ -653,6 +653,30 @@ def test_fedcvae_trains_its_cvae_clients_with_its_settings_and_an_unweighted_kl(
   ]
 
 
+def test_local_cvaes_are_read_back_from_the_shared_directory_without_training(
+  tmp_path, monkeypatch
+):
+  """`local_cvaes_dir`: runs that share one set of CVAE clients train them once; a second run
+  (a new context, nothing in memory) restores every group's models from that directory."""
+  config = override(
+    fedmho_digits.get_config('smoke'),
+    client_models=_TWO_CVAE_GROUPS,
+    local_cvaes_dir=str(tmp_path / 'cvaes'),
+  )
+  first = generative.local_cvaes(driver.context_of_config(config), _ONE_EPOCH)
+  assert [p.name for p in (tmp_path / 'cvaes').iterdir() if p.name.isdigit()] == ['1']
+
+  def no_training(*args, **kwargs):
+    raise AssertionError('the CVAE clients were trained again')
+
+  monkeypatch.setattr(common, 'train_groups', no_training)
+  second = generative.local_cvaes(driver.context_of_config(config), _ONE_EPOCH)
+  for a, b in zip(first.uploads, second.uploads):
+    np.testing.assert_array_equal(a.client_ids, b.client_ids)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
   _diverge(monkeypatch, {0: [0, 1, 2], 1: [0, 1, 2]})
   config = override(fedmho_digits.get_config('smoke'), client_models=_TWO_CVAE_GROUPS)
