@@ -234,3 +234,19 @@ class Terminal(io.StringIO):
   def lines(self):
     """Every state the progress line(s) went through, stripped."""
     return [l.strip() for l in self.getvalue().replace('\n', '\r').split('\r') if l.strip()]
+
+
+def record_sample_grids(monkeypatch):
+  """Captures every sample grid a run plots (`jfed.distill.plots.plot_image_grid`, still drawn):
+  a list of (file name, images, labels, keyword arguments) that fills as the run goes."""
+  from jfed.distill import plots  # pylint: disable=g-import-not-at-top
+
+  grids = []
+  grid = plots.plot_image_grid
+
+  def record(path, images, labels=None, **kwargs):
+    grids.append((os.path.basename(path), np.asarray(images), np.asarray(labels), kwargs))
+    return grid(path, images, labels, **kwargs)
+
+  monkeypatch.setattr(plots, 'plot_image_grid', record)
+  return grids

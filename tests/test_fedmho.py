@@ -20,7 +20,7 @@ from jfed.io import DecoderUpload, UploadError, serialized_nbytes, validate_deco
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import common, fedcvae, generative, get_method
 from jfed.models import get_model
-from tests.support import override
+from tests.support import override, read_metrics, record_sample_grids, smoke_config
 
 
 def _cvae_group(sizes=(37, 12, 25)):
@@ -671,10 +671,7 @@ def test_local_cvaes_are_read_back_from_the_shared_directory_without_training(
 
   monkeypatch.setattr(common, 'train_groups', no_training)
   second = generative.local_cvaes(driver.context_of_config(config), _ONE_EPOCH)
-  for a, b in zip(first.uploads, second.uploads):
-    np.testing.assert_array_equal(a.client_ids, b.client_ids)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  jax.tree.map(np.testing.assert_array_equal, first.uploads, second.uploads)
 
 
 def test_a_run_whose_every_cvae_diverged_fails_naming_them(monkeypatch):
@@ -831,21 +828,6 @@ def test_a_server_epoch_draws_its_dropout_from_the_server_key_of_its_epoch():
   )
 
 
-def _record_grids(monkeypatch):
-  """Captures every sample grid a run plots: (file name, images, labels, title)."""
-  from jfed.distill import plots as distill_plots  # pylint: disable=g-import-not-at-top
-
-  grids = []
-  grid = distill_plots.plot_image_grid
-
-  def record(path, images, labels=None, **kwargs):
-    grids.append((pathlib.Path(path).name, np.asarray(images), np.asarray(labels), kwargs))
-    return grid(path, images, labels, **kwargs)
-
-  monkeypatch.setattr(distill_plots, 'plot_image_grid', record)
-  return grids
-
-
 @pytest.mark.parametrize('protocol', ['fedmho', 'fed_cvae'])
 def test_fedcvae_ens_records_summary_and_grid_describe_its_synthetic_set(
   tmp_path, monkeypatch, protocol
@@ -854,8 +836,6 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_synthetic_set(
   (every one of num_synthetic samples kept): the setup record and the summary count the decoded
   and the kept samples, per class as written to synthetic.npz, the server model falls back to
   the run's, one record per classifier epoch, and the grid shows the kept set's first 64."""
-  from tests.support import read_metrics  # pylint: disable=g-import-not-at-top
-
   config = override(
     fedmho_digits.get_config('fedcvae,smoke'),
     **{
@@ -866,7 +846,7 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_synthetic_set(
       'fedcvae.protocol': protocol,
     },
   )
-  grids = _record_grids(monkeypatch)
+  grids = record_sample_grids(monkeypatch)
   summary = driver.run_experiment('fedcvae_ens', config, tmp_path, progress=False)
   saved = np.load(tmp_path / generative.SYNTHETIC_FILE)
   kept_labels = saved['labels'][saved['kept']]
@@ -908,8 +888,6 @@ def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_sa
   the summary count the decoder targets and the server decoder's samples, and the grid shows
   the first 64 of those samples. The classifier's set is decoded in chunks of 1,000: at 1,001
   samples every image keeps its label."""
-  from tests.support import read_metrics, smoke_config  # pylint: disable=g-import-not-at-top
-
   config = override(
     smoke_config('fedcvae_kd'),
     **{
@@ -920,7 +898,7 @@ def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_sa
     },
   )
   c = config.fedcvae
-  grids = _record_grids(monkeypatch)
+  grids = record_sample_grids(monkeypatch)
   sets = []
   fusion_epoch = generative.fusion_epoch
 
@@ -982,13 +960,10 @@ def test_fedcvae_kd_draws_its_decoder_targets_at_the_server_decoders_resolution(
   # v0's decoder has BatchNorm: its statistics start with it
   want = (full.params['decoder'], cvae_clients.decoder_stats_of(full))
   got = (aux.decoder_init.params, aux.decoder_init.batch_stats)
-  assert jax.tree.leaves(want[1]) and jax.tree.structure(got) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert jax.tree.leaves(want[1])
+  jax.tree.map(np.testing.assert_array_equal, got, want)
   # the classifier starts from the init keyed by the server's first round and its student
   classifier = common.build_module(config.fedcvae.server_model, ctx.dataset)
   key = ctx.derive_key(Purpose.SERVER, 0, 1, ServerRoundPurpose.STUDENT)
   want = engine.init_model(classifier, ctx.dataset.input_shape, key)
-  assert jax.tree.structure(aux.classifier_init) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(aux.classifier_init), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  jax.tree.map(np.testing.assert_array_equal, aux.classifier_init, want)

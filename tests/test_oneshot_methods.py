@@ -43,7 +43,13 @@ from jfed.methods.ot import fusion_layers
 from jfed.models import get_model
 from jfed.models.layers import BatchNorm
 from tests import oracle_numpy as onp
-from tests.support import comparable_summary, override, read_metrics, snapshot_every_step
+from tests.support import (
+  comparable_summary,
+  override,
+  read_metrics,
+  record_sample_grids,
+  snapshot_every_step,
+)
 
 CHANCE = 0.1
 LEARNED = CHANCE + 0.1  # every method's final model must beat chance by this margin
@@ -870,22 +876,14 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   resumes to the uninterrupted result. Both rounds' clients train with the trainers built in
   setup: their step compiles once in the run."""
   config = _config('smoke,rounds=2', model='mlp')
-  grids = []
-  grid = plots.plot_image_grid
-
-  def record_grid(path, images, labels=None, **kwargs):
-    grids.append((pathlib.Path(path).name, np.asarray(images), labels))
-    return grid(path, images, labels, **kwargs)
-
   with monkeypatch.context() as m, compiles.count_compilations() as compiled:
     snapshot_every_step(m, tmp_path / 'killed')
-    m.setattr(plots, 'plot_image_grid', record_grid)
+    grids = record_sample_grids(m)
     whole = _run('dense', config, tmp_path / 'whole')
   assert compiled.counts()['jit(_loop_client_step)'] == 1
   # each round's last synthetic batch, every image tagged with the class it was generated for
-  assert [name for name, _, _ in grids] == ['synthetic_samples.png', 'synthetic_samples_round2.png']
-  for _, images, labels in grids:
-    labels = np.asarray(labels)
+  assert [name for name, *_ in grids] == ['synthetic_samples.png', 'synthetic_samples_round2.png']
+  for _, images, labels, _ in grids:
     assert labels.shape == images.shape[:1] and set(labels.tolist()) <= set(range(10))
   records = _epochs(tmp_path / 'whole')
   assert [(r['round'], r['epoch'], r['step']) for r in records] == [

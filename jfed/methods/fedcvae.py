@@ -185,7 +185,7 @@ def train_local_cvaes(ctx: RunContext, c: FedCVAEConfig) -> generative.LocalCVAE
 
 
 def server_classifier(ctx: RunContext, c: FedCVAEConfig):
-  """(module, its random init, its trainer (Adam `lr`, CE), its evaluator)."""
+  """(the server classifier's random init, its trainer (Adam `lr`, CE), its evaluator)."""
   module = common.build_module(c.server_model or ctx.run.model, ctx.dataset)
   init = engine.commit(
     engine.init_model(
@@ -196,7 +196,7 @@ def server_classifier(ctx: RunContext, c: FedCVAEConfig):
   )
   trainer = FusionTrainer(module, engine.make_optimizer('adam', c.lr), lam=1.0)
   evaluator = engine.Evaluator(module, ctx.run.eval_batch_size, ctx.run.strategy)
-  return module, init, trainer, evaluator
+  return init, trainer, evaluator
 
 
 def plot_samples(ctx: RunContext, images: np.ndarray, labels: np.ndarray, title: str) -> None:
@@ -252,7 +252,7 @@ class FedCVAEEns(Algorithm):
       images, labels, _ = synthesize(ctx, cvaes, c, c.num_synthetic)
       generative.save_synthetic(ctx, images, labels)
       generated = len(labels)
-    _, init, trainer, evaluator = server_classifier(ctx, c)
+    init, trainer, evaluator = server_classifier(ctx, c)
     data = engine.commit(
       SyntheticSet(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32), None)
     )
@@ -407,7 +407,7 @@ class FedCVAEKD(Algorithm):
       ModelState(full.params['decoder'], cvae_clients.decoder_stats_of(full))
     )
     distiller = decoder_kd.DecoderDistiller(module, engine.make_optimizer('adam', c.decoder_lr))
-    _, init, trainer, evaluator = server_classifier(ctx, c)
+    init, trainer, evaluator = server_classifier(ctx, c)
     return FedCVAEKDAux(cvaes, targets, distiller, decoder_init, (trainer, evaluator), init)
 
   def setup_records(self, ctx: RunContext, aux: FedCVAEKDAux):
