@@ -1,6 +1,7 @@
 """FedMHO / FedCVAE machinery: CVAE clients on the shared engine, their uploads, the server's
 sample counts, the prototype vote of one-shot FedAvg, and (slow) that FedMHO-MD learns."""
 
+import logging
 import pathlib
 
 import jax
@@ -534,10 +535,13 @@ _TWO_CVAE_GROUPS = 'mlp;cvae:size=small;cvae:size=small,hidden=8'
 _ONE_EPOCH = generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0)
 
 
-def test_a_cvae_client_whose_training_loss_goes_non_finite_is_excluded_not_fatal(monkeypatch):
+def test_a_cvae_client_whose_training_loss_goes_non_finite_is_excluded_not_fatal(
+  monkeypatch, caplog
+):
   """The training itself diverges (not the model after it): one client's images are NaN, so its
   loss is non-finite inside local CVAE training, which must warn and go on (`diverged='warn'`;
-  the default raises); the server excludes that client."""
+  the default raises); the server excludes that client, and the warning names it."""
+  caplog.set_level(logging.WARNING, logger='absl')
   real_groups = generative.cvae_groups
 
   def poisoned(ctx):
@@ -552,6 +556,8 @@ def test_a_cvae_client_whose_training_loss_goes_non_finite_is_excluded_not_fatal
   cvaes = generative.local_cvaes(ctx, generative.CVAESettings(1, 'adam', 1e-3, 32, 'bce', 1.0))
   group = cvaes.groups[0]
   assert cvaes.excluded == [int(group.client_ids[1])]
+  [warning] = [r.getMessage() for r in caplog.records if 'excluding diverged' in r.getMessage()]
+  assert warning.endswith(f'[{int(group.client_ids[1])}]'), warning
   np.testing.assert_array_equal(cvaes.uploads[0].client_ids, np.delete(group.client_ids, 1))
 
 
