@@ -85,6 +85,46 @@ def test_cvae_small_spec_has_the_reference_latent_and_table_2_flops():
   assert cvae_clients.build_cvae({'size': 'small', 'latent': 20}, 10, (28, 28, 1)).latent == 20
 
 
+def test_a_cvae_spec_reads_each_option_and_defaults_to_the_references_cvae_small():
+  """A bare 'cvae' is generative and is CVAE-small with the FedMHO reference's latent 2, hidden
+  256, full width; v0 defaults to latent 20; width_mult scales CVAE-large's conv channels (64,
+  128, 256) in its encoder and decoder, never below one channel."""
+  assert cvae_clients.is_generative('cvae') and cvae_clients.is_generative(' CVAE : size=large')
+  assert not cvae_clients.is_generative('mlp')
+  bare = cvae_clients.build_cvae({}, 10, (8, 8, 1))
+  assert (bare.size, bare.latent, bare.hidden, bare.width_mult) == ('small', 2, 256, 1.0)
+  assert cvae_clients.build_cvae({'size': 'v0'}, 10, (8, 8, 1)).latent == 20
+  assert cvae_clients.build_cvae({'size': 'large'}, 10, (8, 8, 1)).width_mult == 1.0
+
+  def channels(model):
+    params = _shapes(model, (8, 8, 1))['params']
+    encoder = [params['encoder'][f'Conv_{i}']['kernel'].shape[-1] for i in range(3)]
+    decoder = [params['decoder'][f'ConvTranspose_{i}']['kernel'].shape[-2] for i in range(3)]
+    return encoder, decoder
+
+  quarter = cvae_clients.build_cvae({'size': 'large', 'width_mult': 0.25}, 10, (8, 8, 1))
+  assert channels(quarter) == ([16, 32, 64], [64, 32, 16])
+  assert channels(CVAE(10, (8, 8, 1), 'large', width_mult=1 / 64)) == ([1, 2, 4], [4, 2, 1])
+
+
+@pytest.mark.parametrize('size', ['large', 'v0'])
+def test_cvae_transposed_convolutions_have_pytorchs_default_init(size):
+  """PyTorch's ConvTranspose2d draws its weight and bias from U(-b, b), b = 1/sqrt(fan_in), the
+  fan-in taken from the weight's dimension 1 (out_channels) times the kernel's area."""
+  model = CVAE(10, (8, 8, 1), size, width_mult=0.25 if size == 'large' else 1.0)
+  decoder = cvae_clients.init_cvae(model, (8, 8, 1), jax.random.PRNGKey(0)).params['decoder']
+  layers = sorted(k for k in decoder if k.startswith('ConvTranspose'))
+  assert len(layers) == (3 if size == 'large' else 4)
+  for name in layers:
+    kernel, bias = np.asarray(decoder[name]['kernel']), np.asarray(decoder[name]['bias'])
+    side, out = kernel.shape[0], kernel.shape[-1]
+    bound = 1 / np.sqrt(out * side * side)
+    for w in (kernel, bias):
+      assert np.abs(w).max() <= bound, name
+      if w.size >= 32:  # enough draws to span the interval
+        assert w.max() > 0.8 * bound and w.min() < -0.8 * bound, name
+
+
 @pytest.mark.parametrize('size', ['small', 'large'])
 @pytest.mark.parametrize('shape', [(8, 8, 1), (28, 28, 1), (32, 32, 3)])
 def test_cvae_shapes_and_decoder_alone(size, shape):
@@ -179,11 +219,13 @@ def test_fedcvae_v0_batchnorm_ignores_padding_and_uploads_its_statistics():
   )
   assert uploads.upload_bytes > params_only.upload_bytes
   z = jnp.zeros((2, 3, 10))
-  labels = jnp.zeros((2, 3), jnp.int32)
-  images = cvae_clients.decode_group(
-    model, uploads.decoders, uploads.decoder_stats, z, labels, None
-  )
-  assert images.shape == (2, 3, 8, 8, 1)
+  labels = np.zeros((2, 3), np.int32)
+  # generation as the methods draw it: every decoder with its own uploaded statistics
+  images, got_labels, owners = cvae_clients.generate(model, uploads, labels, labels == 0, z)
+  assert images.shape == (6, 8, 8, 1)
+  np.testing.assert_array_equal(owners, [0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(got_labels, 0)
+  images = images.reshape(2, 3, 8, 8, 1)
   want = jax.jit(
     lambda v, z, labels: jax.nn.sigmoid(model.apply(v, z, labels, method=CVAE.decode))
   )(
@@ -192,7 +234,7 @@ def test_fedcvae_v0_batchnorm_ignores_padding_and_uploads_its_statistics():
       'batch_stats': {'decoder': trained.batch_stats['decoder']},
     },
     z[0],
-    labels[0],
+    jnp.asarray(labels[0]),
   )
   np.testing.assert_allclose(
     np.asarray(images[0]), np.asarray(to_image_shape(model, want)), rtol=1e-5, atol=1e-6
@@ -307,7 +349,13 @@ def _reference_counts(class_counts, total):
 def test_generation_counts_follow_the_reference_weighting():
   counts = [[10, 0, 3, 0], [10, 5, 0, 0], [0, 0, 0, 0]]
   want = [[5, 0, 10, 3], [5, 10, 0, 3], [0, 0, 0, 3]]  # a class held by no decoder: uniform
-  np.testing.assert_array_equal(generation_counts(np.array(counts), 40), want)
+  got = generation_counts(np.array(counts), 40)
+  np.testing.assert_array_equal(got, want)
+  assert got.dtype.kind == 'i'  # sample counts
+  # a class of which one client holds a single sample: that client's weight is 1² / 1 = 1
+  np.testing.assert_array_equal(
+    generation_counts(np.array([[1, 4], [0, 2]]), 20), [[10, 8], [0, 2]]
+  )
   rng = np.random.default_rng(1)
   for _ in range(20):
     c = rng.integers(0, 400, size=(5, 10))
@@ -336,5 +384,19 @@ def test_kmeans_filter_keeps_exactly_the_rth_nearest_to_the_kmeans_centre():
     want = members[np.argsort(distance)[: int(0.8 * 25)]]
     np.testing.assert_array_equal(np.sort(want), kept[np.isin(kept, members)])
   np.testing.assert_array_equal(kmeans_keep(images, 1.0), np.arange(50))  # R_th = 1: no filter
-  with pytest.raises(ValueError, match='R_th'):
-    kmeans_keep(images, 0.0)
+  for ratio in (0.0, 1.5):
+    with pytest.raises(ValueError, match=re.escape(f'R_th must be in (0, 1], got {ratio}')):
+      kmeans_keep(images, ratio)
+  # nothing generated: nothing kept, as indices
+  empty = kmeans_filter(np.zeros((0, 4, 4, 1)), np.zeros(0, int), 0.8)
+  assert empty.shape == (0,) and empty.dtype.kind == 'i'
+
+
+def test_kmeans_keep_breaks_equal_distances_by_the_lower_index():
+  """Samples at the same distance from the centre are kept lowest index first (a stable order):
+  the same samples on every platform, whatever NumPy's default sort does with ties."""
+  rng = np.random.default_rng(3)
+  half = rng.integers(1, 3, 50).astype(np.float64)  # distances 1 and 2 from the mean 0
+  x = rng.permutation(np.concatenate([half, -half]))
+  order = sorted(range(100), key=lambda i: (abs(x[i]), i))  # by distance, then index
+  np.testing.assert_array_equal(kmeans_keep(x[:, None], 0.5), sorted(order[:50]))

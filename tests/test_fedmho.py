@@ -5,14 +5,15 @@ import logging
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from experiments.configs import fedmho_digits
 from jfed import driver, engine
+from jfed.cvae import CVAE, decoder_kd, generation_counts
 from jfed.cvae import clients as cvae_clients
-from jfed.cvae import decoder_kd, generation_counts
 from jfed.cvae.server import FusionTrainer, SyntheticSet
 from jfed.data import class_count_table, federate, load_dataset
 from jfed.engine import compiles
@@ -118,6 +119,9 @@ def test_decoded_labels_and_counts_are_what_was_asked():
   assert images.shape == (6, 8, 8, 1) and 0.0 <= images.min() and images.max() <= 1.0
   np.testing.assert_array_equal(y, [0, 0, 0, 2, 1, 1])
   np.testing.assert_array_equal(owner, [0, 0, 0, 0, 1, 1])
+  # rows padded to the longest one, and never wider: one sample in all is one column
+  labels, real = cvae_clients.labels_of_counts(np.array([[0, 1], [0, 0]]))
+  assert labels.tolist() == [[1], [0]] and real.tolist() == [[True], [False]]
 
 
 def test_fedavg_vote_is_the_argmax_of_the_mean_prototype_logits():
@@ -182,6 +186,10 @@ def test_decoder_distillation_loss_is_the_summed_bce_over_the_batch_and_falls():
   assert float(decoder_kd.decoder_recon_loss(logits, target, weights)) == pytest.approx(
     expected, rel=1e-5
   )
+  one = np.array([0, 1, 0, 0, 0], np.float32)  # a batch with a single real sample
+  assert float(decoder_kd.decoder_recon_loss(logits, target, one)) == pytest.approx(
+    bce[1].sum(), rel=1e-5
+  )
 
   ds = load_dataset('digits')
   teacher_module = cvae_clients.build_cvae({'size': 'small'}, 10, ds.input_shape)
@@ -202,6 +210,39 @@ def test_decoder_distillation_loss_is_the_summed_bce_over_the_batch_and_falls():
   entropy = -(t * np.log(t) + (1 - t) * np.log(1 - t)).reshape(len(t), -1).sum(1).mean()
   gaps = [loss - entropy for loss in losses]
   assert gaps[-1] < 0.5 * gaps[0], gaps
+
+
+def test_decoder_distillation_of_a_batchnorm_decoder_trains_on_the_real_rows_decodes_in_eval():
+  """FedCVAE's v0 server decoder (BatchNorm): a distillation step runs BatchNorm in train mode on
+  the batch's real rows only (a padded batch steps exactly as the real rows alone, and the
+  running statistics move); decoding runs in eval mode (a sample decodes the same alone or in a
+  batch)."""
+  module = CVAE(10, (8, 8, 1), 'v0', latent=4)
+  full = cvae_clients.init_cvae(module, (8, 8, 1), jax.random.PRNGKey(0))
+  decoder = engine.ModelState(full.params['decoder'], full.batch_stats['decoder'])
+  # SGD: Adam's first step is lr·sign(g), which float32 rounding flips where g is near 0
+  distiller = decoder_kd.DecoderDistiller(module, engine.make_optimizer('sgd', 0.1))
+  ts = distiller.init(decoder)
+  rng = np.random.default_rng(0)
+  data = decoder_kd.DecoderTargets(
+    jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+    jnp.arange(6) % 10,
+    jnp.asarray(rng.uniform(size=(6, *module.native_shape)), jnp.float32),
+  )
+  alone, alone_loss = distiller._step(ts, data, jnp.arange(6), jnp.ones(6, bool))
+  padded_idx, padded_mask = jnp.array([0, 1, 2, 3, 4, 5, 0, 0]), jnp.arange(8) < 6
+  padded, padded_loss = distiller._step(ts, data, padded_idx, padded_mask)
+  assert float(padded_loss) == pytest.approx(float(alone_loss), rel=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), alone.model, padded.model
+  )
+  moved = jax.tree.map(
+    lambda a, b: not np.allclose(a, b), alone.model.batch_stats, decoder.batch_stats
+  )
+  assert all(jax.tree.leaves(moved))  # train mode: the running statistics took a step
+  batch = distiller.decode(alone.model, data.z, data.y)
+  single = distiller.decode(alone.model, data.z[:1], data.y[:1])
+  np.testing.assert_allclose(single[0], batch[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
