@@ -389,6 +389,23 @@ def test_generator_shape_and_range(shape):
   assert st.params['l1']['kernel'].shape == (16, 2 * 8 * (shape[0] // 4) * (shape[1] // 4))
 
 
+def test_fedhydra_generator_upsamples_twice_from_a_quarter_size_map_then_keeps_the_size():
+  """FedHydraGenerator (FedHydra §4.1.3): Dense(nz → 2ngf·(H/4)·(W/4)), then ConvT k4 s2 2ngf→2ngf,
+  ConvT k4 s2 2ngf→ngf, ConvT k3 s1 ngf→C: 28 px from a 7×7 map."""
+  g = generator.make_generator((28, 28, 1), nz=8, ngf=4, kind='fedhydra')
+  z = jnp.zeros((2, 8))
+  variables = jax.eval_shape(lambda: g.init(jax.random.PRNGKey(0), z))
+  kernels = {k: v['kernel'].shape for k, v in variables['params'].items() if 'kernel' in v}
+  assert kernels == {
+    'fc': (8, 8 * 7 * 7),
+    'convt0': (4, 4, 8, 8),
+    'convt1': (4, 4, 8, 4),
+    'convt2': (3, 3, 4, 1),
+  }
+  out = jax.eval_shape(lambda v: g.apply(v, z, train=True, mutable=['batch_stats'])[0], variables)
+  assert out.shape == (2, 28, 28, 1)
+
+
 @pytest.mark.parametrize('kind', ['dense', 'fedhydra'])
 def test_a_generator_refuses_images_whose_sides_four_does_not_divide_and_an_unknown_kind(kind):
   """Both generators start from an (H/4, W/4) map (DENSE's, FedHydra's), so 6 or 10 px cannot be
@@ -435,6 +452,10 @@ def test_a_float_pool_stores_exactly_and_unlabelled_images_get_minus_one():
   q = pool.pool_add(pool.pool_init(2, (1, 1, 1), quantize=True), jnp.asarray([[[[0.999]]]]))
   assert int(q.images[0, 0, 0, 0]) == 254  # floor(0.999 * 255), not rounded
   np.testing.assert_array_equal(np.asarray(q.labels), [-1, -1])
+  # PNG quantisation clips to [0, 1] first: no wrap-around of out-of-range pixels
+  quantized = pool.quantize_uint8(jnp.asarray([-0.5, 0.0, 0.5, 1.0, 1.5]))
+  assert quantized.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(quantized), [0, 0, 127, 255, 255])
 
 
 def test_pool_sample_draws_only_from_the_filled_part_with_the_images_labels():
@@ -444,6 +465,9 @@ def test_pool_sample_draws_only_from_the_filled_part_with_the_images_labels():
   x, labels = np.asarray(x).ravel(), np.asarray(labels)
   assert x.shape == (300,) and set(x.tolist()) == {0.25, 0.5, 0.75}
   np.testing.assert_array_equal(labels, (x * 4).astype(int) + 6)  # each image with its label
+  one = pool.pool_add(pool.pool_init(10, (1, 1, 1)), jnp.full((1, 1, 1, 1), 0.5), jnp.asarray([3]))
+  x, labels = jax.jit(pool.pool_sample, static_argnums=2)(one, jax.random.PRNGKey(1), 50)
+  assert set(np.asarray(x).ravel().tolist()) == {0.5} and set(np.asarray(labels).tolist()) == {3}
 
 
 def test_epoch_batches_are_a_permutation_of_the_pool_from_the_seed_padded_or_dropped():
@@ -467,16 +491,18 @@ def test_augment_flips_without_cropping_and_crops_with_every_offset_of_its_paddi
   flipped = [bool(np.array_equal(a, m)) for a, m in zip(y, mirrored)]
   assert all(f or np.array_equal(a, b) for f, a, b in zip(flipped, y, np.asarray(x)))
   assert 10 < sum(flipped) < 54  # p = 0.5
-  y = np.asarray(pool.augment(jax.random.PRNGKey(3), x, crop_padding=1, flip=False))
-  padded = np.pad(np.asarray(x), ((0, 0), (1, 1), (1, 1), (0, 0)))
-  offsets = set()
-  for img, pad in zip(y, padded):
-    found = [
-      (i, j) for i in range(3) for j in range(3) if np.array_equal(pad[i : i + 3, j : j + 3], img)
-    ]
-    assert len(found) == 1
-    offsets.add(found[0])
-  assert offsets == {(i, j) for i in range(3) for j in range(3)}
+  for padding in (1, 2):  # offsets 0..2·padding on each axis, every one of them drawn
+    y = np.asarray(pool.augment(jax.random.PRNGKey(3), x + 1, crop_padding=padding, flip=False))
+    padded = np.pad(np.asarray(x + 1), ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    n = 2 * padding + 1
+    offsets = set()
+    for img, pad in zip(y, padded):
+      found = [
+        (i, j) for i in range(n) for j in range(n) if np.array_equal(pad[i : i + 3, j : j + 3], img)
+      ]
+      assert len(found) == 1
+      offsets.add(found[0])
+    assert {i for i, _ in offsets} == {j for _, j in offsets} == set(range(n))
 
 
 def test_augment_crop_flip():
@@ -506,6 +532,49 @@ def test_augment_crop_flip():
 
 
 # ----------------------------------------------------------------------------- synthesis
+
+
+def test_each_synthesis_recipe_alone_has_its_papers_and_reference_codes_settings():
+  """A recipe called without arguments (as `jfed.distill` offers it) is its method's published
+  setting. DENSE (Zhang et al., NeurIPS 2022; README of github.com/zj-jayzhang/DENSE): 30
+  generator steps of Adam(lr 1e-3, betas (0.5, 0.999)) on [G, z], batch 256, bn = oh = adv = 1,
+  the adversarial KL at T = 1 with the disagreement mask, sorted targets, RandomCrop + HFlip,
+  the plain teacher mean, the BN loss summed over models. Co-Boosting (Dai et al., ICLR 2024;
+  github.com/rong-dai/Co-Boosting, `coboost.py`): 30 steps, batch 128, `--bn 0` (averaged over
+  models when on), the hard-sample CE with hs = 1, T = 3 × T² without a mask, the weighted
+  ensemble, the generator's gradient norm clipped to 10, random targets, un-augmented G(z).
+  FedHydra (Bai et al., KDD 2025, §4.1.5, Algorithm 1, Eqs. 14-16): λ1 = λ2 = 1, T_G = 30, Adam
+  lr 1e-3 on θ_G only, L_BN over 1/m, SA, T = 1 without a mask, un-augmented, random targets."""
+  adam = dict(lr_g=1e-3, b1=0.5, b2=0.999)
+  want = {
+    'dense': dict(
+      adam, g_steps=30, batch_size=256, bn=1.0, oh=1.0, adv=1.0, oh_loss='ce', adv_T=1.0,
+      adv_mask=True, adv_t_squared=False, bn_model_reduction='sum', aggregation='mean',
+      optimize_z=True, grad_clip=None, augment=True, crop_padding=4, flip=True,
+      sort_targets=True, keep='best',
+    ),
+    'coboosting': dict(
+      adam, g_steps=30, batch_size=128, bn=0.0, oh=1.0, adv=1.0, oh_loss='hard_sample', hs=1.0,
+      adv_T=3.0, adv_mask=False, adv_t_squared=True, bn_model_reduction='mean',
+      aggregation='weighted', optimize_z=True, grad_clip=10.0, augment=False,
+      sort_targets=False, keep='best',
+    ),
+    'fedhydra': dict(
+      adam, g_steps=30, bn=1.0, oh=1.0, adv=1.0, oh_loss='ce', adv_T=1.0, adv_mask=False,
+      adv_t_squared=False, bn_model_reduction='mean', aggregation='sa', optimize_z=False,
+      grad_clip=None, augment=False, sort_targets=False,
+    ),
+  }  # fmt: skip
+  recipes = {
+    'dense': synthesis.dense_config(),
+    'coboosting': synthesis.coboosting_config(),
+    'fedhydra': synthesis.fedhydra_config(),
+  }
+  for name, cfg in recipes.items():
+    assert {k: getattr(cfg, k) for k in want[name]} == want[name], name
+  # FedHydra's λ1, λ2 are its first two arguments; keywords override any setting of a recipe
+  hydra = synthesis.fedhydra_config(0.3, 0.7, g_steps=5, augment=True)
+  assert (hydra.bn, hydra.adv, hydra.g_steps, hydra.augment) == (0.3, 0.7, 5, True)
 
 
 def test_synthesis_scan_equals_python_and_keeps_best():
@@ -708,16 +777,11 @@ def hydra_setup():
   return groups, synthesis.SAWeights(U_r, U_c), student, s_params, np_teachers, bn_losses
 
 
-def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
-  """One `synthesize` step with FedHydra's settings: the loss before the step, and each term, equal
-  Eq. 16 computed in NumPy on the generator's images: CE(SA, y) (Eqs. 12–13) + λ1 · (1/m) Σ_k L_BN,k
-  (Eq. 14, the MLP contributing 0) + λ2 · (−KL(SA ‖ F_g)) (Eq. 15, unmasked)."""
-  groups, sa, student, s_params, np_teachers, np_bn_losses = hydra_setup
-  lam1, lam2 = 0.7, 0.4
+def _hydra_generator():
+  """A generator and the state FedHydra continues (`generator_state`). A fresh DENSE init draws
+  nearly constant images, so its kernels are scaled for images that differ between samples."""
   gen = generator.make_generator(_HYDRA_SHAPE, nz=8, ngf=4)
 
-  # FedHydra continues one generator across epochs (`generator_state`); a fresh DENSE init draws
-  # nearly constant images, so scale its kernels for images that differ from sample to sample
   @jax.jit  # run op by op, the init compiled ~40 one-primitive programs
   def g0_init(key):
     g0, _ = generator.dense_generator_init(key, gen, noise_batch=8)
@@ -727,7 +791,76 @@ def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
       )
     )
 
-  g0 = g0_init(jax.random.PRNGKey(3))
+  return gen, g0_init(jax.random.PRNGKey(3))
+
+
+def _np_crop_flip(x, u, padding):
+  """kornia RandomCrop(padding, zero fill) + RandomHorizontalFlip(0.5) on NHWC from a uniform
+  draw u [3, B]: offsets floor(u[:2] · (2·padding + 1)), a flip where u[2] < 0.5."""
+  h, w = x.shape[1:3]
+  n = 2 * padding + 1
+  off = np.minimum(np.floor(u[:2] * n), n - 1).astype(int)
+  xp = np.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+  out = np.stack(
+    [xp[b, off[0, b] : off[0, b] + h, off[1, b] : off[1, b] + w] for b in range(len(x))]
+  )
+  return np.where((u[2] < 0.5)[:, None, None, None], out[:, :, ::-1], out), off
+
+
+@pytest.mark.parametrize('variant', ['no_adversary', 'masked', 'augmented', 'clipped'])
+def test_synthesis_terms_follow_the_adversary_its_mask_and_the_view(hydra_setup, variant):
+  """Eq. 16's NumPy terms under the settings the ablations and DENSE change. λ2 = 0 with a
+  student present: no adversarial term (0). The disagreement mask (DENSE's): the KL averaged
+  with zeros where the student agrees with the teacher. DENSE's RandomCrop(2) + HFlip view, from
+  the step's key (jfed's draw: the epoch key folded with 2, split per step): what the teachers
+  and the student see. A gradient clip (Co-Boosting's) on a generator trained without z
+  (FedHydra's): the terms before the step are unchanged and the step runs."""
+  groups, sa, student, s_params, np_teachers, np_bn_losses = hydra_setup
+  lam1, lam2 = 0.7, 0.0 if variant == 'no_adversary' else 0.4
+  gen, g0 = _hydra_generator()
+  extra = {
+    'masked': dict(adv_mask=True),
+    'augmented': dict(augment=True, crop_padding=2),
+    'clipped': dict(grad_clip=1e-3),
+  }
+  cfg = synthesis.fedhydra_config(
+    lam1, lam2, g_steps=1, batch_size=8, loop='python', **extra.get(variant, {})
+  )
+  key = jax.random.PRNGKey(7)
+  res = synthesis.synthesize(
+    gen, groups, student, ModelState(s_params, {}), _HYDRA_CLASSES, key, cfg, agg=sa,
+    generator_state=g0,
+  )  # fmt: skip
+  x, y = np.asarray(res.images, np.float64), np.asarray(res.labels)
+  view = x
+  if variant == 'augmented':
+    step_key = jax.random.split(jax.random.fold_in(key, 2), 1)[0]
+    u = np.asarray(jax.random.uniform(step_key, (3, 8)))
+    view, offsets = _np_crop_flip(x, u, 2)
+    assert {0, 4} & set(offsets.ravel().tolist())  # an offset padding 1 cannot draw
+    assert 0 < (u[2] < 0.5).sum() < 8
+  P = _np_sa(np_teachers(view), np.asarray(sa.U_r), np.asarray(sa.U_c), y)
+  ce = np_ce(P, y).mean()
+  bn = np_bn_losses(view).mean()
+  s = _np_linear(s_params, view)
+  kl = np_kl_elem(s, P, 1.0).sum(1)
+  disagree = np.argmax(P, 1) != np.argmax(s, 1)
+  adv = {'no_adversary': 0.0, 'masked': -(kl * disagree).mean()}.get(variant, -kl.mean())
+  np.testing.assert_allclose(res.components[0], [bn, ce, adv], rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(res.losses[0], ce + lam1 * bn + lam2 * adv, rtol=1e-4)
+  # each setting changes the numbers by more than the tolerance
+  assert 0 < disagree.sum() < len(y) and abs(kl.mean() - (kl * disagree).mean()) > 1e-3
+  if variant == 'augmented':
+    assert abs(np_ce(_np_sa(np_teachers(x), sa.U_r, sa.U_c, y), y).mean() - ce) > 1e-3
+
+
+def test_fedhydra_synthesis_loss_is_eq16_on_the_generated_batch(hydra_setup):
+  """One `synthesize` step with FedHydra's settings: the loss before the step, and each term, equal
+  Eq. 16 computed in NumPy on the generator's images: CE(SA, y) (Eqs. 12–13) + λ1 · (1/m) Σ_k L_BN,k
+  (Eq. 14, the MLP contributing 0) + λ2 · (−KL(SA ‖ F_g)) (Eq. 15, unmasked)."""
+  groups, sa, student, s_params, np_teachers, np_bn_losses = hydra_setup
+  lam1, lam2 = 0.7, 0.4
+  gen, g0 = _hydra_generator()
   cfg = synthesis.fedhydra_config(lam1, lam2, g_steps=1, batch_size=8, loop='python')
   res = synthesis.synthesize(
     gen,
