@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jfed.distill import ensemble, generator, kd, losses, plots, pool, synthesis
-from jfed.engine import optim
+from jfed.engine import compiles, optim
 from jfed.engine.state import ModelState
 from jfed.models.layers import BatchNorm
 from tests.support import shared_fixture_scope
@@ -365,6 +365,11 @@ def test_dense_generator_conv_forms_agree_and_a_bad_form_is_refused():
 
   want, got = run(jax.random.PRNGKey(0))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  assert (lax_gen.conv_impl, matmul_gen.conv_impl) == ('lax', 'matmul')
+  # the defaults are DENSE's and Co-Boosting's generator: nz 256, ngf 64
+  for kind in ('dense', 'fedhydra'):
+    default = generator.make_generator((32, 32, 3), kind=kind)
+    assert (default.nz, default.ngf, default.conv_impl) == (256, 64, 'auto')
   with pytest.raises(ValueError, match="conv_impl 'cudnn'; valid"):
     generator.make_generator((28, 28, 1), conv_impl='cudnn')
 
@@ -598,6 +603,39 @@ def test_synthesis_scan_equals_python_and_keeps_best():
   np.testing.assert_allclose(a.losses, comps.sum(1), rtol=1e-5)  # bn=oh=adv=1
   assert np.all(comps[:, 0] > 0)  # BN loss active (ConvNet has BN)
   assert a.images.shape == (6, 8, 8, 1) and float(a.images.min()) >= 0
+  # the trained generator comes back as a generator state (DENSE also trains z, kept apart)
+  fresh = jax.eval_shape(lambda: generator.dense_generator_init(jax.random.PRNGKey(0), gen))
+  for out in outs:
+    assert jax.tree.structure(out.generator.params) == jax.tree.structure(fresh.params)
+
+
+def test_synthesis_runs_the_loop_its_backend_wants_and_both_loops_weight_the_teachers():
+  """'auto' runs a Python loop of jitted steps on CPU (XLA:CPU runs convolutions inside a scan
+  slowly, docs/design.md) and one scanned program elsewhere; 'scan' and 'python' force either.
+  Both apply Co-Boosting's per-client teacher weights (here far from uniform) and continue a
+  given generator (FedHydra's kept generator) instead of a fresh one."""
+  net = ConvNet(nc=3, width=2)
+  stacked, singles = _stack_states(net, jax.random.PRNGKey(5), 2, shape=(8, 8, 1))
+  gen = generator.make_generator((8, 8, 1), nz=8, ngf=4)
+  cfg = synthesis.coboosting_config(g_steps=2, batch_size=6, strategy='vmap')
+  auto_loop = 'python' if jax.default_backend() == 'cpu' else 'scan'
+  kept = jax.jit(lambda k: generator.dense_generator_init(k, gen))(jax.random.PRNGKey(9))
+  runs, programs = {}, {}
+  for loop, w in [('auto', 0.9), ('scan', 0.9), ('python', 0.9), ('python', 0.5)]:
+    with compiles.count_compilations() as compiled:
+      runs[loop, w] = synthesis.synthesize(
+        gen, (net, stacked), net, singles[0], 3, jax.random.PRNGKey(6), cfg._replace(loop=loop),
+        agg=jnp.asarray([w, 1 - w]), generator_state=kept,
+      )  # fmt: skip
+    counts = compiled.counts()
+    programs[loop] = programs.get(loop, set()) | {
+      name for name in ('scan', 'python')
+      if counts.get({'scan': 'jit(_synthesize_scan)', 'python': 'jit(_synthesis_step)'}[name])
+    }  # fmt: skip
+  assert programs == {'auto': {auto_loop}, 'scan': {'scan'}, 'python': {'python'}}
+  for loop in ('auto', 'scan'):
+    np.testing.assert_allclose(runs[loop, 0.9].losses, runs['python', 0.9].losses, rtol=1e-4)
+  assert not np.allclose(runs['python', 0.9].losses, runs['python', 0.5].losses, rtol=1e-3)
 
 
 def test_synthetic_sample_grid_tiles_every_image_in_place(tmp_path):
@@ -805,6 +843,34 @@ def _np_crop_flip(x, u, padding):
     [xp[b, off[0, b] : off[0, b] + h, off[1, b] : off[1, b] + w] for b in range(len(x))]
   )
   return np.where((u[2] < 0.5)[:, None, None, None], out[:, :, ::-1], out), off
+
+
+def test_the_synthesis_teacher_is_each_aggregation_written_out():
+  """`aggregate_teachers` under each setting, against NumPy: DENSE's plain mean, Co-Boosting's
+  Σ_k w_k P_k / Σ_k w_k, FedHydra's SA (Eqs. 8-11) and SA without Eq. 8 ('sa_inter', the
+  ablation); an unknown name is refused naming it."""
+  rng = np.random.default_rng(6)
+  per_client = rng.normal(size=(3, 5, 4)).astype(np.float32)
+  y = np.array([0, 3, 1, 1, 2])
+  w = np.array([0.2, 0.5, 1.3], np.float32)
+  U = rng.uniform(0.1, 2.0, (4, 3))
+  U_r, U_c = (U / U.sum(1, keepdims=True)), (U / U.sum(0, keepdims=True))
+  want = {
+    'mean': per_client.mean(0),
+    'weighted': (w[:, None, None] * per_client).sum(0) / w.sum(),
+    'sa': _np_sa(per_client, U_r, U_c, y),
+    'sa_inter': _np_sa(per_client, U_r, np.ones_like(U_c), y),
+  }
+  agg = {'mean': None, 'weighted': w, 'sa': (U_r, U_c), 'sa_inter': (U_r, U_c)}
+  for name, expected in want.items():
+    cfg = synthesis.SynthesisConfig(aggregation=name)
+    got = synthesis.aggregate_teachers(cfg, jnp.asarray(per_client), jnp.asarray(y), agg[name])
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6, err_msg=name)
+  assert not np.allclose(want['sa'], want['sa_inter'])
+  with pytest.raises(ValueError, match=r"^unknown aggregation 'median'$"):
+    synthesis.aggregate_teachers(
+      synthesis.SynthesisConfig(aggregation='median'), jnp.asarray(per_client), y, None
+    )
 
 
 @pytest.mark.parametrize('variant', ['no_adversary', 'masked', 'augmented', 'clipped'])
