@@ -496,9 +496,11 @@ def test_augment_flips_without_cropping_and_crops_with_every_offset_of_its_paddi
   flipped = [bool(np.array_equal(a, m)) for a, m in zip(y, mirrored)]
   assert all(f or np.array_equal(a, b) for f, a, b in zip(flipped, y, np.asarray(x)))
   assert 10 < sum(flipped) < 54  # p = 0.5
+  shifted = x + 1  # no pixel equal to the zero padding
   for padding in (1, 2):  # offsets 0..2·padding on each axis, every one of them drawn
-    y = np.asarray(pool.augment(jax.random.PRNGKey(3), x + 1, crop_padding=padding, flip=False))
-    padded = np.pad(np.asarray(x + 1), ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    y = np.asarray(pool.augment(jax.random.PRNGKey(3), shifted, crop_padding=padding, flip=False))
+    pads = ((0, 0), (padding, padding), (padding, padding), (0, 0))
+    padded = np.pad(np.asarray(shifted), pads)
     n = 2 * padding + 1
     offsets = set()
     for img, pad in zip(y, padded):
@@ -620,6 +622,7 @@ def test_synthesis_runs_the_loop_its_backend_wants_and_both_loops_weight_the_tea
   cfg = synthesis.coboosting_config(g_steps=2, batch_size=6, strategy='vmap')
   auto_loop = 'python' if jax.default_backend() == 'cpu' else 'scan'
   kept = jax.jit(lambda k: generator.dense_generator_init(k, gen))(jax.random.PRNGKey(9))
+  drivers = {'jit(_synthesize_scan)': 'scan', 'jit(_synthesis_step)': 'python'}
   runs, programs = {}, {}
   for loop, w in [('auto', 0.9), ('scan', 0.9), ('python', 0.9), ('python', 0.5)]:
     with compiles.count_compilations() as compiled:
@@ -628,10 +631,8 @@ def test_synthesis_runs_the_loop_its_backend_wants_and_both_loops_weight_the_tea
         agg=jnp.asarray([w, 1 - w]), generator_state=kept,
       )  # fmt: skip
     counts = compiled.counts()
-    programs[loop] = programs.get(loop, set()) | {
-      name for name in ('scan', 'python')
-      if counts.get({'scan': 'jit(_synthesize_scan)', 'python': 'jit(_synthesis_step)'}[name])
-    }  # fmt: skip
+    ran = {kind for program, kind in drivers.items() if counts.get(program)}
+    programs[loop] = programs.get(loop, set()) | ran
   assert programs == {'auto': {auto_loop}, 'scan': {'scan'}, 'python': {'python'}}
   for loop in ('auto', 'scan'):
     np.testing.assert_allclose(runs[loop, 0.9].losses, runs['python', 0.9].losses, rtol=1e-4)
