@@ -14,7 +14,11 @@ the scientific stack (JAX must not be initialised before a fork).
         --out=docs/results/mutation
 
 Writes OUT/<module>.md (score, every surviving mutant's diff) and OUT/summary.md (a row per
-module, merged with the modules run before). Killed counts timeouts as killed (mutmut's score);
+module, merged with the modules run before). After a `--rerun_survivors` pass,
+
+    python -m experiments.mutation --check_triage --modules=all
+
+lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed. Killed counts timeouts as killed (mutmut's score);
 'no tests' are mutants of code no selected test runs. Cost on 2 CPU cores: about 10-20 s per
 mutant and worker; a module has 100-400 mutants.
 """
@@ -29,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from absl import app, flags
 
@@ -77,6 +81,13 @@ flags.DEFINE_list(
   'merge_only',
   None,
   "With --merge: take only these modules' rows (the other folder may hold older runs of the rest)",
+)
+flags.DEFINE_bool(
+  'check_triage',
+  False,
+  'Instead of running: for each of --modules, compare its kept verdicts (--state) with its '
+  "triage file (OUT/<module>_triage.md): the mutants its 'Killed ...' sections name that "
+  'still survive, after a --rerun_survivors pass the one thing left to explain',
 )
 flags.DEFINE_string(
   'scratch',
@@ -489,6 +500,69 @@ def merge(
     rows[key] = row
 
 
+# A triage names mutants as mutmut numbers them per function: `FedDF.step` 9, 12-14 and 20.
+_TRIAGE_NAMES = re.compile(r'`([A-Za-z_][\w.]*)` ((?:\d+(?:-\d+)?(?:,? (?:and )?)?)+)')
+
+
+def triage_claims(text: str) -> Set[Tuple[str, int]]:
+  """The (function, mutant number) pairs that a triage's sections headed 'Killed ...' name, the
+  function as written there (`Class.method` or `function`); a section of mutants killed by
+  tests outside the module's list names survivors by design and is left out. A heuristic: a
+  range that a sentence then splits, or numbers of an earlier pass, are taken as written."""
+  claims = set()
+  for section in re.split(r'^## ', text, flags=re.M)[1:]:
+    if not section.startswith('Killed') or 'outside' in section.split('\n', 1)[0]:
+      continue
+    for name, numbers in _TRIAGE_NAMES.findall(' '.join(section.split())):
+      for first, last in re.findall(r'(\d+)(?:-(\d+))?', numbers):
+        claims.update((name, n) for n in range(int(first), int(last or first) + 1))
+  return claims
+
+
+def _function_of(mutant: str) -> Tuple[str, int]:
+  """mutmut's key `pkg.module.xǁClassǁmethod__mutmut_7` as ('Class.method', 7)."""
+  name, number = mutant.rsplit('.', 1)[-1].rsplit('__mutmut_', 1)
+  name = name[2:] if name.startswith('x_') else name.removeprefix('x')
+  return name.strip('ǁ').replace('ǁ', '.'), int(number)
+
+
+def claimed_survivors(
+  claims: Set[Tuple[str, int]], verdicts: Dict[str, Optional[int]]
+) -> List[str]:
+  """The survivors (exit code 0) among `verdicts` that `claims` sorts as killed; a claim written
+  without its class matches that method of any class."""
+  found = []
+  for mutant, code in verdicts.items():
+    if code != 0:
+      continue
+    name, number = _function_of(mutant)
+    if (name, number) in claims or (name.rsplit('.', 1)[-1], number) in claims:
+      found.append(mutant)
+  return sorted(found)
+
+
+def check_triage(key: str, out: pathlib.Path, state: pathlib.Path) -> List[str]:
+  """Prints and returns `claimed_survivors` for a module's kept verdicts and its triage file."""
+  triage = out / f'{key}_triage.md'
+  if not triage.exists():
+    raise app.UsageError(f'--check_triage: no {triage}')
+  verdicts: Dict[str, Optional[int]] = {}
+  for name in _meta_files(MODULES[key][0]):
+    if (state / key / name).exists():
+      verdicts.update(json.loads((state / key / name).read_text())['exit_code_by_key'])
+  claims = triage_claims(triage.read_text())
+  found = claimed_survivors(claims, verdicts)
+  codes = list(verdicts.values())
+  print(
+    f'{key}: {len(claims)} mutants sorted as killed; verdicts {codes.count(1)} killed, '
+    f'{codes.count(0)} survived, {codes.count(None)} pending; sorted as killed yet surviving '
+    f"(each to read in the triage: killed since, or an older pass's number): {len(found)}",
+    *found,
+    sep='\n  ',
+  )
+  return found
+
+
 def main(argv):
   del argv
   # `timeout` and kill stop the runner with SIGTERM: unwind, so that mutmut is stopped and the
@@ -502,6 +576,10 @@ def main(argv):
   out.mkdir(parents=True, exist_ok=True)
   summary_path = out / 'summary.json'
   rows = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+  if FLAGS.check_triage:
+    for key in keys:
+      check_triage(key, out, pathlib.Path(FLAGS.state))
+    return
   if FLAGS.merge:
     merge(out, rows, pathlib.Path(FLAGS.merge), FLAGS.merge_only)
     write_summary(out, rows)

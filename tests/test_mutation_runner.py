@@ -132,3 +132,48 @@ def test_the_test_selection_reaches_mutmut_and_a_new_one_recollects_which_tests_
   assert stats.exists()  # the same selection keeps mutmut's record
   assert configure('')['pytest_add_cli_args'] == ['-p', 'no:cacheprovider']
   assert not stats.exists()
+
+
+def test_the_triage_check_lists_survivors_a_killed_section_names_and_nothing_else(tmp_path):
+  triage = """# m
+
+## Killed by new tests
+
+- `test_a`. Kills `FedDF.step` 9, 12-14 and 20, `_pool` 3.
+- `test_b`: kills `summarize` 2 and 4.
+
+## Killed by tests outside this module's list
+
+- `recipe` 6: a slow test.
+
+## Equivalent
+
+- `FedDF.step` 15, `_pool` 1.
+"""
+  claims = mutation.triage_claims(triage)
+  step = {('FedDF.step', n) for n in (9, 12, 13, 14, 20)}
+  assert claims == step | {('_pool', 3), ('summarize', 2), ('summarize', 4)}
+  verdicts = {
+    'jfed.methods.feddf.xǁFedDFǁstep__mutmut_13': 0,  # named killed, survives: listed
+    'jfed.methods.feddf.xǁFedDFǁstep__mutmut_14': 1,
+    'jfed.methods.feddf.xǁFedDFǁstep__mutmut_15': 0,  # equivalent
+    'jfed.methods.feddf.xǁFedDFVoteǁsummarize__mutmut_4': 0,  # a method named without its class
+    'jfed.methods.feddf.x__pool__mutmut_3': 0,
+    'jfed.methods.feddf.x__pool__mutmut_1': 0,
+    'jfed.methods.feddf.x_recipe__mutmut_6': 0,  # killed outside the list: expected to survive
+    'jfed.methods.feddf.xǁFedDFǁstep__mutmut_9': None,  # pending
+  }
+  assert mutation.claimed_survivors(claims, verdicts) == [
+    'jfed.methods.feddf.x__pool__mutmut_3',
+    'jfed.methods.feddf.xǁFedDFVoteǁsummarize__mutmut_4',
+    'jfed.methods.feddf.xǁFedDFǁstep__mutmut_13',
+  ]
+  out, state = tmp_path / 'out', tmp_path / 'state'
+  meta = state / 'feddf' / 'jfed' / 'methods' / 'feddf.py.meta'
+  meta.parent.mkdir(parents=True)
+  meta.write_text(json.dumps({'exit_code_by_key': verdicts}))
+  out.mkdir()
+  with pytest.raises(app.UsageError, match='feddf_triage.md'):
+    mutation.check_triage('feddf', out, state)
+  (out / 'feddf_triage.md').write_text(triage)
+  assert len(mutation.check_triage('feddf', out, state)) == 3
