@@ -18,9 +18,10 @@ module, merged with the modules run before). After a `--rerun_survivors` pass,
 
     python -m experiments.mutation --check_triage --modules=all
 
-lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed. Killed counts timeouts as killed (mutmut's score);
-'no tests' are mutants of code no selected test runs. Cost on 2 CPU cores: about 10-20 s per
-mutant and worker; a module has 100-400 mutants.
+lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed.
+Killed counts timeouts as killed (mutmut's score); 'no tests' are mutants of code no selected
+test runs. Cost on 2 CPU cores: about 10-20 s per mutant and worker; a module has 100-400
+mutants.
 """
 
 import json
