@@ -549,14 +549,17 @@ def check_triage(key: str, out: pathlib.Path, state: pathlib.Path) -> List[str]:
     raise app.UsageError(f'--check_triage: no {triage}')
   verdicts: Dict[str, Optional[int]] = {}
   for name in _meta_files(MODULES[key][0]):
-    if (state / key / name).exists():
-      verdicts.update(json.loads((state / key / name).read_text())['exit_code_by_key'])
+    kept = state / key / name
+    if kept.exists():
+      verdicts.update(json.loads(kept.read_text())['exit_code_by_key'])
   claims = triage_claims(triage.read_text())
   found = claimed_survivors(claims, verdicts)
   codes = list(verdicts.values())
+  other = len(codes) - codes.count(1) - codes.count(0) - codes.count(None)
   print(
     f'{key}: {len(claims)} mutants sorted as killed; verdicts {codes.count(1)} killed, '
-    f'{codes.count(0)} survived, {codes.count(None)} pending; sorted as killed yet surviving '
+    f'{codes.count(0)} survived, {codes.count(None)} pending, {other} other (timeout, crash); '
+    'sorted as killed yet surviving '
     f"(each to read in the triage: killed since, or an older pass's number): {len(found)}",
     *found,
     sep='\n  ',
@@ -574,13 +577,13 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'unknown --modules {unknown}; known: {", ".join(MODULES)}')
   out = pathlib.Path(FLAGS.out)
-  out.mkdir(parents=True, exist_ok=True)
-  summary_path = out / 'summary.json'
-  rows = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-  if FLAGS.check_triage:
+  if FLAGS.check_triage:  # reads the triages and kept verdicts only: writes nothing
     for key in keys:
       check_triage(key, out, pathlib.Path(FLAGS.state))
     return
+  out.mkdir(parents=True, exist_ok=True)
+  summary_path = out / 'summary.json'
+  rows = json.loads(summary_path.read_text()) if summary_path.exists() else {}
   if FLAGS.merge:
     merge(out, rows, pathlib.Path(FLAGS.merge), FLAGS.merge_only)
     write_summary(out, rows)
