@@ -928,6 +928,24 @@ def test_fedcvae_ens_records_summary_and_grid_describe_its_synthetic_set(
   np.testing.assert_allclose(images, saved['images'][saved['kept']][:64] / 255.0, atol=0.5 / 255)
 
 
+def test_fedcvae_ens_summary_counts_every_class_and_a_run_in_memory_draws_no_grid(monkeypatch):
+  """The summary's per-class counts have one entry per class of the task, 0 for a class the
+  kept set lacks (here the last), and a run without a workdir draws no sample grid."""
+  config = fedmho_digits.get_config('fedcvae,smoke')
+  ctx = driver.context_of_config(config)
+  grids = record_sample_grids(monkeypatch)
+  labels = np.array([0, 0, 3, 5, 8], np.int32)
+  cvaes = generative.LocalCVAEs(groups=[], models=[], uploads=[], excluded=[2])
+  aux = fedcvae.FedCVAEAux(
+    None, None, cvaes, None, np.zeros((5, *ctx.dataset.input_shape), np.float32), labels, None, 9
+  )
+  summary = get_method('fedcvae_ens').from_config(config).summarize(ctx, aux, None, [])
+  assert summary['synthetic_per_class'] == [2, 0, 0, 1, 0, 1, 0, 0, 1, 0]
+  assert (summary['synthetic_generated'], summary['synthetic_kept']) == (9, 5)
+  assert (summary['decoder_upload_bytes'], summary['excluded_cvae_clients']) == (0, [2])
+  assert grids == []
+
+
 def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_samples(
   tmp_path, monkeypatch
 ):
@@ -980,6 +998,13 @@ def test_fedcvae_kd_records_summary_and_grid_describe_its_decoder_targets_and_sa
   ((name, images, labels, kwargs),) = grids
   assert (name, kwargs.get('title')) == ('synthetic_samples.png', 'server decoder samples')
   assert images.shape[0] == labels.shape[0] == 64 and set(labels.tolist()) <= set(range(10))
+  # Killed after its last checkpoint, before summary.json: the resumed run has no step left, so
+  # its summary decodes the samples anew from the restored server decoder with the same key.
+  (tmp_path / 'summary.json').unlink()
+  again = driver.run_experiment('fedcvae_kd', config, tmp_path, progress=False)
+  assert again['synthetic_generated'] == c.num_synthetic and len(grids) == 2
+  np.testing.assert_array_equal(grids[1][2], labels)
+  np.testing.assert_allclose(grids[1][1], images, atol=1e-5)
 
 
 def test_fedcvae_kd_draws_its_decoder_targets_at_the_server_decoders_resolution():
