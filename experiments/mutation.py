@@ -18,7 +18,9 @@ module, merged with the modules run before). After a `--rerun_survivors` pass,
 
     python -m experiments.mutation --check_triage --modules=all
 
-lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed.
+lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed,
+and the functions whose source changed since its kept verdicts (their mutants, untested, are
+what the next run of the module tests).
 Killed counts timeouts as killed (mutmut's score); 'no tests' are mutants of code no selected
 test runs. Cost on 2 CPU cores: about 10-20 s per mutant and worker; a module has 100-400
 mutants.
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Set, Tuple
+import warnings
 
 from absl import app, flags
 
@@ -88,7 +91,8 @@ flags.DEFINE_bool(
   False,
   'Instead of running: for each of --modules, compare its kept verdicts (--state) with its '
   "triage file (OUT/<module>_triage.md): the mutants its 'Killed ...' sections name that "
-  'still survive, after a --rerun_survivors pass the one thing left to explain',
+  'still survive, after a --rerun_survivors pass the one thing left to explain; and the '
+  'functions changed since the kept verdicts, whose mutants no run has tested (needs mutmut)',
 )
 flags.DEFINE_string(
   'scratch',
@@ -520,11 +524,16 @@ def triage_claims(text: str) -> Set[Tuple[str, int]]:
   return claims
 
 
+def _readable(function: str) -> str:
+  """mutmut's function name `xǁClassǁmethod` or `x_function` as `Class.method` or `function`."""
+  name = function[2:] if function.startswith('x_') else function.removeprefix('x')
+  return name.strip('ǁ').replace('ǁ', '.')
+
+
 def _function_of(mutant: str) -> Tuple[str, int]:
   """mutmut's key `pkg.module.xǁClassǁmethod__mutmut_7` as ('Class.method', 7)."""
   name, number = mutant.rsplit('.', 1)[-1].rsplit('__mutmut_', 1)
-  name = name[2:] if name.startswith('x_') else name.removeprefix('x')
-  return name.strip('ǁ').replace('ǁ', '.'), int(number)
+  return _readable(name), int(number)
 
 
 def claimed_survivors(
@@ -540,6 +549,60 @@ def claimed_survivors(
     if (name, number) in claims or (name.rsplit('.', 1)[-1], number) in claims:
       found.append(mutant)
   return sorted(found)
+
+
+def changed_functions(
+  hashes: Dict[str, str], mutant_names: List[str], kept_hashes: Dict[str, str]
+) -> Tuple[List[str], int]:
+  """The functions whose mutmut hash differs from the kept one (or that are new), and how many
+  of `mutant_names` (mutmut's `function__mutmut_N`) they hold: `mutmut run` clears exactly
+  those verdicts, so this is the work left before the module's score describes its source."""
+  changed = sorted(f for f, h in hashes.items() if kept_hashes.get(f) != h)
+  names = set(changed)
+  return changed, sum(m.rsplit('__mutmut_', 1)[0] in names for m in mutant_names)
+
+
+def function_hashes(path: str, code: str) -> Tuple[Dict[str, str], List[str]]:
+  """mutmut's hash of each function of `code` (file `path`) and its mutants' names, computed by
+  mutmut itself as `mutmut run` does before it compares them with the kept ones."""
+  from mutmut.mutation import file_mutation  # pylint: disable=g-import-not-at-top
+
+  cwd = os.getcwd()
+  with tempfile.TemporaryDirectory() as config_dir, warnings.catch_warnings():
+    # mutmut reads its settings from the working directory's pyproject.toml, and needs one
+    warnings.simplefilter('ignore')  # its deprecation of paths_to_mutate, which configure writes
+    pathlib.Path(config_dir, 'pyproject.toml').write_text(
+      f'[tool.mutmut]\npaths_to_mutate = {_toml_list([path])}\n'
+    )
+    os.chdir(config_dir)
+    try:
+      mutated = file_mutation.mutate_file_contents(path, code)
+    finally:
+      os.chdir(cwd)
+  return dict(mutated.hash_by_function_name), list(mutated.mutant_names)
+
+
+def check_source(key: str, state: pathlib.Path) -> int:
+  """Prints, per file of a module, the functions changed since its kept verdicts; returns how
+  many mutants they hold (-1 where a file has no kept verdicts: run before they were kept)."""
+  total = 0
+  for path, name in zip(MODULES[key][0], _meta_files(MODULES[key][0])):
+    kept = state / key / name
+    if not kept.exists():
+      print(f'  {path}: no kept verdicts (run before they were kept), its changes unknown')
+      total = -1
+      continue
+    hashes, mutants = function_hashes(path, (ROOT / path).read_text())
+    changed, count = changed_functions(
+      hashes, mutants, json.loads(kept.read_text()).get('hash_by_function_name', {})
+    )
+    if changed:
+      print(
+        f'  {path}: {count} mutants untested, of what changed since: '
+        + ', '.join(map(_readable, changed))
+      )
+    total = total if total < 0 else total + count
+  return total
 
 
 def check_triage(key: str, out: pathlib.Path, state: pathlib.Path) -> List[str]:
@@ -580,6 +643,7 @@ def main(argv):
   if FLAGS.check_triage:  # reads the triages and kept verdicts only: writes nothing
     for key in keys:
       check_triage(key, out, pathlib.Path(FLAGS.state))
+      check_source(key, pathlib.Path(FLAGS.state))
     return
   out.mkdir(parents=True, exist_ok=True)
   summary_path = out / 'summary.json'

@@ -177,3 +177,22 @@ def test_the_triage_check_lists_survivors_a_killed_section_names_and_nothing_els
     mutation.check_triage('feddf', out, state)
   (out / 'feddf_triage.md').write_text(triage)
   assert len(mutation.check_triage('feddf', out, state)) == 3
+
+
+def test_changed_functions_are_those_whose_hash_moved_or_is_new_with_their_mutants():
+  kept = {'x_kept': 'a', 'xǁServerǁstep': 'b', 'x_removed': 'c'}
+  now = {'x_kept': 'a', 'xǁServerǁstep': 'B', 'x_added': 'd'}
+  mutants = ['x_kept__mutmut_1', 'xǁServerǁstep__mutmut_1', 'xǁServerǁstep__mutmut_2']
+  mutants += ['x_added__mutmut_1', 'x_kept_too__mutmut_1']  # a name sharing a prefix
+  assert mutation.changed_functions(now, mutants, kept) == (['x_added', 'xǁServerǁstep'], 3)
+
+
+def test_a_changed_function_gets_a_new_mutmut_hash_and_an_unchanged_one_keeps_it():
+  pytest.importorskip('mutmut')
+  before = 'def f(a):\n  return a + 1\n\n\ndef g(a):\n  return a * 2\n'
+  after = before.replace('a * 2', 'a * 3')
+  old, _ = mutation.function_hashes('jfed/tiny.py', before)
+  new, mutants = mutation.function_hashes('jfed/tiny.py', after)
+  changed, count = mutation.changed_functions(new, mutants, old)
+  assert changed == ['x_g'] and count == sum(m.startswith('x_g__') for m in mutants) > 0
+  assert mutation.changed_functions(old, mutants, old) == ([], 0)
