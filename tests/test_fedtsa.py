@@ -166,6 +166,23 @@ def test_a_cluster_none_of_whose_members_takes_part_keeps_its_model():
   )
 
 
+@pytest.mark.parametrize('reported_model', ['widest', 'client_weighted'])
+def test_a_rounds_test_accuracy_is_the_reported_models(reported_model):
+  """`reported_model`: a round's test accuracy is the rate-1.0 cluster's model's or the mean
+  over clients of their cluster's, both recorded beside it."""
+  algorithm, ctx, aux = _fedtsa_setup(
+    None, **{'fedtsa.stage2': False, 'fedtsa.reported_model': reported_model}
+  )
+  _, (record,) = algorithm.step(ctx, aux, algorithm.init(ctx, aux), 0)
+  per_cluster = record['cluster_test_accuracy']
+  sizes = np.array([len(g.client_ids) for g in aux.groups])
+  weighted = record['client_weighted_test_accuracy']
+  assert weighted == pytest.approx(np.dot(sizes, per_cluster) / sizes.sum(), abs=1e-12)
+  widest = per_cluster[int(np.argmax(aux.clusters.rates))]
+  assert widest != weighted  # the two can be told apart on this run
+  assert record['test_accuracy'] == (widest if reported_model == 'widest' else weighted)
+
+
 @pytest.mark.parametrize(
   'overrides, message',
   [
