@@ -192,6 +192,7 @@ def test_a_rounds_test_accuracy_is_the_reported_models(reported_model):
     ({'fedtsa.source': 'sd'}, 'source'),
     ({'fedtsa.device_rates': '1.0,0.5', 'fedtsa.device_shares': '1'}, 'equal length'),
     ({'fedtsa.prompt_template': 'a photo'}, 'prompt_template'),
+    ({'fedtsa.bn_stats': 'mean'}, "fedtsa.bn_stats is 'mean'"),
   ],
 )
 def test_bad_fedtsa_settings_are_refused_with_one_line(overrides, message):
