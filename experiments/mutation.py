@@ -587,39 +587,41 @@ def function_hashes(path: str, code: str) -> Tuple[Dict[str, str], List[str]]:
   return dict(mutated.hash_by_function_name), list(mutated.mutant_names)
 
 
-def check_source(key: str, state: pathlib.Path) -> int:
-  """Prints, per file of a module, the functions changed since its kept verdicts; returns how
-  many mutants they hold (-1 where a file has no kept verdicts: run before they were kept)."""
-  total = 0
+def kept_records(key: str, state: pathlib.Path) -> Dict[str, Optional[Dict]]:
+  """Each file of a module and its kept mutmut record (verdicts, function hashes), or None."""
+  records = {}
   for path, name in zip(MODULES[key][0], _meta_files(MODULES[key][0])):
     kept = state / key / name
-    if not kept.exists():
+    records[path] = json.loads(kept.read_text()) if kept.exists() else None
+  return records
+
+
+def check_source(records: Dict[str, Optional[Dict]]) -> None:
+  """Prints, per file of a module (`kept_records`), the functions changed since its kept
+  verdicts and how many mutants they hold."""
+  for path, record in records.items():
+    if record is None:
       print(f'  {path}: no kept verdicts (run before they were kept), its changes unknown')
-      total = -1
       continue
     hashes, mutants = function_hashes(path, (ROOT / path).read_text())
-    changed, count = changed_functions(
-      hashes, mutants, json.loads(kept.read_text()).get('hash_by_function_name', {})
-    )
+    changed, count = changed_functions(hashes, mutants, record.get('hash_by_function_name', {}))
     if changed:
       print(
         f'  {path}: {count} mutants untested, of what changed since: '
         + ', '.join(map(_readable, changed))
       )
-    total = total if total < 0 else total + count
-  return total
 
 
-def check_triage(key: str, out: pathlib.Path, state: pathlib.Path) -> List[str]:
-  """Prints and returns `claimed_survivors` for a module's kept verdicts and its triage file."""
+def check_triage(key: str, out: pathlib.Path, records: Dict[str, Optional[Dict]]) -> List[str]:
+  """Prints and returns `claimed_survivors` for a module's kept records (`kept_records`) and
+  its triage file."""
   triage = out / f'{key}_triage.md'
   if not triage.exists():
     raise app.UsageError(f'--check_triage: no {triage}')
   verdicts: Dict[str, Optional[int]] = {}
-  for name in _meta_files(MODULES[key][0]):
-    kept = state / key / name
-    if kept.exists():
-      verdicts.update(json.loads(kept.read_text())['exit_code_by_key'])
+  for record in records.values():
+    if record is not None:
+      verdicts.update(record['exit_code_by_key'])
   claims = triage_claims(triage.read_text())
   found = claimed_survivors(claims, verdicts)
   codes = list(verdicts.values())
@@ -647,8 +649,9 @@ def main(argv):
   out = pathlib.Path(FLAGS.out)
   if FLAGS.check_triage:  # reads the triages and kept verdicts only: writes nothing
     for key in keys:
-      check_triage(key, out, pathlib.Path(FLAGS.state))
-      check_source(key, pathlib.Path(FLAGS.state))
+      records = kept_records(key, pathlib.Path(FLAGS.state))
+      check_triage(key, out, records)
+      check_source(records)
     return
   out.mkdir(parents=True, exist_ok=True)
   summary_path = out / 'summary.json'

@@ -173,10 +173,12 @@ def test_the_triage_check_lists_survivors_a_killed_section_names_and_nothing_els
   meta.parent.mkdir(parents=True)
   meta.write_text(json.dumps({'exit_code_by_key': verdicts}))
   out.mkdir()
+  records = mutation.kept_records('feddf', state)
+  assert records == {'jfed/methods/feddf.py': {'exit_code_by_key': verdicts}}
   with pytest.raises(app.UsageError, match='feddf_triage.md'):
-    mutation.check_triage('feddf', out, state)
+    mutation.check_triage('feddf', out, records)
   (out / 'feddf_triage.md').write_text(triage)
-  assert len(mutation.check_triage('feddf', out, state)) == 3
+  assert len(mutation.check_triage('feddf', out, records)) == 3
 
 
 def test_changed_functions_are_those_whose_hash_moved_or_is_new_with_their_mutants():
