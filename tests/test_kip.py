@@ -26,6 +26,7 @@ from jfed.kip import (
   make_kernel_fn,
   rbf_kernel,
   sample_target_indices,
+  split_scalars,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -604,3 +605,20 @@ def test_a_sweep_of_lr_ridge_and_jitter_compiles_one_batched_program_equal_to_ru
       np.testing.assert_array_equal(getattr(got, field), getattr(alone, field), err_msg=field)
   # each value reached the program: the three sweeps' supports differ
   assert not np.allclose(swept[0].x, swept[1].x) and not np.allclose(swept[0].x, swept[2].x)
+
+
+@pytest.mark.parametrize('x64', [False, True])
+def test_split_scalars_carries_the_settings_in_the_runs_float_and_keys_programs_without_them(x64):
+  """`KIPScalars` holds lr, reg and dup_jitter as float32 arrays, or float64 under `x64`, with
+  the config's values (0.1 is not a float32 number: a float64 run keeps it exact); the static
+  part is the same for every value of the three, and keeps the other settings."""
+  cfg = KIPConfig(support_size=5, lr=0.1, reg=1e-3, dup_jitter=0.3, x64=x64)
+  static, scalars = split_scalars(cfg)
+  want = np.float64 if x64 else np.float32
+  for name, value in zip(scalars._fields, (0.1, 1e-3, 0.3)):
+    got = getattr(scalars, name)
+    assert isinstance(got, np.ndarray) and got.dtype == want and got.shape == (), name
+    assert got == want(value), name
+  other, _ = split_scalars(cfg._replace(lr=0.5, reg=1.0, dup_jitter=0.0))
+  assert static == other and hash(static) == hash(other)
+  assert static.support_size == 5 and static.x64 == x64
