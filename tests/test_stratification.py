@@ -431,3 +431,68 @@ def test_which_ms_form_runs_where_and_bad_choices_refused():
     S.resolve_ms_impl('gpu')
   with pytest.raises(ValueError, match=r"sa_in_model_scale 'rows'; valid"):
     fedhydra.sa_weights(np.ones((3, 2)), np.ones((3, 2)), 'rows')
+
+
+@pytest.mark.parametrize('impl', ['python', 'loop', 'batched'])
+def test_fedhydras_ms_and_synthesis_settings_reach_what_runs_them(impl, monkeypatch):
+  """Settings that move no oracle number still reach the code they configure: MS's compute
+  dtype and T_G / lr / batch, the chunk size (to the batched form only: the others take none),
+  synthesis' `every_term`; the round keeps its teachers' client ids and MS's arrays in float32."""
+  import types  # pylint: disable=g-import-not-at-top
+
+  from jfed.data.datasets import Dataset  # pylint: disable=g-import-not-at-top
+
+  m, c, t_g = 3, 3, 4
+  rng = np.random.default_rng(0)
+  x = rng.random((12, 8, 8, 1), np.float32)
+  y = np.tile(np.arange(c, dtype=np.int32), 4)
+  ds = Dataset('digits', x, y, x[:6], y[:6], c)
+  config = base_config()
+  config.partition.num_clients = m
+  config.fedhydra.update(
+    {
+      'ms_impl': impl,
+      'ms_chunk': 5,
+      'ms_compute_dtype': 'bfloat16',
+      'ms_T_G': t_g,
+      'ms_lr': 0.02,
+      'ms_batch': 7,
+      'synthesis_every_term': True,
+    }
+  )
+  ctx = driver.make_context(config, ds, [np.arange(4) + 4 * k for k in range(m)])
+  hydra = driver.build_algorithm('fedhydra', config).config
+  assert fedhydra.settings(hydra, ctx).synthesis.every_term is True
+  assert (
+    fedhydra.settings(hydra._replace(synthesis_every_term=False), ctx).synthesis.every_term is False
+  )
+
+  calls = []
+  losses = 1.0 + rng.random((m, c, t_g))  # float64: MS's arrays are stored as float32
+
+  def record(teachers, generator, num_classes, key, cfg, **kw):
+    calls.append((teachers, num_classes, cfg, kw))
+    return S.stratification_from_losses(losses)
+
+  monkeypatch.setitem(fedhydra.MS_FUNCTIONS, impl, record)
+  ids = np.array([2, 0, 1])
+  local = types.SimpleNamespace(groups=[types.SimpleNamespace(client_ids=ids)])
+  teachers = object()
+  got = fedhydra.stratify(hydra, ctx, None, 1, local, teachers)
+  [(got_teachers, num_classes, cfg, kw)] = calls
+  assert got_teachers is teachers and num_classes == c
+  assert cfg == S.MSConfig(T_G=t_g, lr=0.02, batch_size=7, compute_dtype='bfloat16')
+  assert kw == ({'chunk_size': 5} if impl == 'batched' else {})
+  np.testing.assert_array_equal(got.client_ids, ids)
+  for name in ('losses', 'u', 'U', 'U_r', 'U_c', 'seconds'):
+    assert np.asarray(getattr(got.ms, name)).dtype == np.float32, name
+  np.testing.assert_allclose(got.ms.losses, losses, rtol=1e-6)
+
+
+def test_cast_floats_casts_floating_leaves_and_keeps_integer_ones():
+  """MS's mixed precision casts what G and F_k compute with: float leaves to the compute dtype,
+  integer leaves (a step counter, say) as they are."""
+  tree = {'w': jnp.ones((2,), jnp.float32), 'n': jnp.arange(3, dtype=jnp.int32)}
+  cast = S._cast_floats(tree, jnp.bfloat16)
+  assert cast['w'].dtype == jnp.bfloat16 and cast['n'].dtype == jnp.int32
+  np.testing.assert_array_equal(cast['n'], [0, 1, 2])
