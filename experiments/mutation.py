@@ -106,7 +106,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   'aggregation': (
     ['jfed/engine/aggregation.py'],
-    ['tests/test_robust_aggregation.py', 'tests/test_oracle_fedavg.py'],
+    [
+      'tests/test_robust_aggregation.py',
+      'tests/test_oracle_fedavg.py',
+      'tests/test_settings_refused.py',
+    ],
   ),
   'fedavg': (['jfed/methods/fedavg.py'], ['tests/test_oracle_fedavg.py']),
   'centralized_local': (

@@ -1,5 +1,7 @@
 """Aggregators, server optimisers and attacks against their definitions (issue 10)."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from scipy import optimize, stats
 
 from jfed.engine import ModelState, attacks, server_optim
-from jfed.engine.aggregation import AggregationConfig, make_aggregator
+from jfed.engine.aggregation import AggregationConfig, make_aggregator, trimmed_mean_rows
 
 
 def _config(rule='mean', **kw):
@@ -324,3 +326,19 @@ def test_bfloat16_models_come_back_in_bfloat16(rule, clip_norm):
 )
 def test_aggregator_names_record_rule_and_clipping(rule, clip_norm, name):
   assert make_aggregator(_config(rule, clip_norm=clip_norm)).name == name
+
+
+def test_a_trimmed_mean_that_trims_none_of_its_uploads_says_so_with_its_numbers(caplog):
+  """Fewer uploads than the config check saw (rejected ones, a small FedTSA cluster) can leave a
+  trimmed mean trimming nothing: it is then the plain mean, and a warning names the fraction and
+  the count; one that trims says nothing."""
+  caplog.set_level(logging.WARNING, logger='absl')
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+  np.testing.assert_allclose(trimmed_mean_rows(x, 0.2), np.mean(np.asarray(x), 0), rtol=1e-6)
+  assert [r.getMessage() for r in caplog.records] == [
+    'trimmed mean with trim_fraction=0.2 trims none of 4 uploads: this aggregate is the plain mean'
+  ]
+  caplog.clear()
+  want = np.mean(np.sort(np.asarray(x), 0)[1:3], 0)
+  np.testing.assert_allclose(trimmed_mean_rows(x, 0.25), want, rtol=1e-6)
+  assert not caplog.records
