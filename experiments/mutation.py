@@ -112,7 +112,10 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
       'tests/test_settings_refused.py',
     ],
   ),
-  'fedavg': (['jfed/methods/fedavg.py'], ['tests/test_oracle_fedavg.py']),
+  'fedavg': (
+    ['jfed/methods/fedavg.py'],
+    ['tests/test_oracle_fedavg.py', 'tests/test_fedavg_mutants.py'],
+  ),
   'centralized_local': (
     ['jfed/methods/centralized.py', 'jfed/methods/local.py'],
     ['tests/test_oracle_fedavg.py'],
