@@ -1,6 +1,7 @@
 """FedHydra model stratification (U, U_r, U_c; batched MS == per-(k, j) loop) and SA (Eqs. 8–11)."""
 
 import os
+import types
 
 import flax.linen as nn
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from experiments.configs.common import base_config
 from jfed import driver
+from jfed.data.datasets import Dataset
 from jfed.distill import ensemble, generator
 from jfed.distill import stratification as S
 from jfed.engine.state import ModelState
@@ -323,8 +325,6 @@ def test_fedhydra_saves_ms_in_global_client_order_and_names_each_client_in_the_h
   """Teachers in another order than the clients and m != c: each `*_by_client` array puts
   teacher i's row (client-major: losses, u) or column (class-major: U, U_r, U_c) at its
   client id, and the heatmap gets U_r by client with 'client k (architecture)' labels."""
-  import types  # pylint: disable=g-import-not-at-top
-
   m, c, t_g = 3, 4, 5
   ids = np.array([2, 0, 1])
   losses = np.random.default_rng(1).random((m, c, t_g)).astype(np.float32) + 0.5
@@ -438,10 +438,6 @@ def test_fedhydras_ms_and_synthesis_settings_reach_what_runs_them(impl, monkeypa
   """Settings that move no oracle number still reach the code they configure: MS's compute
   dtype and T_G / lr / batch, the chunk size (to the batched form only: the others take none),
   synthesis' `every_term`; the round keeps its teachers' client ids and MS's arrays in float32."""
-  import types  # pylint: disable=g-import-not-at-top
-
-  from jfed.data.datasets import Dataset  # pylint: disable=g-import-not-at-top
-
   m, c, t_g = 3, 3, 4
   rng = np.random.default_rng(0)
   x = rng.random((12, 8, 8, 1), np.float32)
