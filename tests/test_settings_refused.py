@@ -43,7 +43,7 @@ def _refused(tmp_path, overrides, message, method='fedavg'):
       'fedavg',
       {'aggregation.rule': 'trimmed_mean', 'aggregation.trim_fraction': 0.1},
       r'^aggregation.trim_fraction=0.1 trims floor\(0.1\*5\)=0 of 5 clients\b.*'
-      r'use aggregation.trim_fraction >= 0.2',
+      r'use aggregation.trim_fraction >= 0.2$',
     ),
     (
       'fedavg',
@@ -63,7 +63,8 @@ def _refused(tmp_path, overrides, message, method='fedavg'):
     (
       'fedprox',
       {'aggregation.rule': 'trimmed_mean', 'fedprox.participation': 0.4},
-      r'trims floor\(0.1\*2\)=0 of 2 clients per round.*at least 3 clients',
+      r'trims floor\(0.1\*2\)=0 of 2 clients per round.*at least 3 clients per aggregation: use '
+      r'aggregation.rule=median or mean$',
     ),
   ],
   ids=['default_fraction', 'zero', 'participation', 'too_few_clients'],
@@ -78,7 +79,16 @@ def test_a_trimmed_mean_that_trims_nothing_is_refused(tmp_path, method, override
     (
       {'aggregation.rule': 'krum', 'aggregation.krum_byzantine': 2},
       r'^aggregation.krum_byzantine=2: Krum needs n >= 2f \+ 3 = 7 clients per aggregation, '
-      r'the config has 5 clients; use aggregation.krum_byzantine <= 1',
+      r'the config has 5 clients; use aggregation.krum_byzantine <= 1$',
+    ),
+    (  # 3 clients are enough for Krum at f = 0 only
+      {
+        'aggregation.rule': 'krum',
+        'aggregation.krum_byzantine': 1,
+        'partition.num_clients': 3,
+      },
+      r'^aggregation.krum_byzantine=1: Krum needs n >= 2f \+ 3 = 5 clients per aggregation, '
+      r'the config has 3 clients; use aggregation.krum_byzantine <= 0$',
     ),
     (
       {
@@ -95,7 +105,7 @@ def test_a_trimmed_mean_that_trims_nothing_is_refused(tmp_path, method, override
       r'use aggregation.krum_selected <= 5',
     ),
   ],
-  ids=['f_too_large', 'too_few_clients', 'selected_too_many'],
+  ids=['f_too_large', 'three_clients', 'too_few_clients', 'selected_too_many'],
 )
 def test_krum_sizes_are_checked_before_anything_is_written(tmp_path, overrides, message):
   _refused(tmp_path, overrides, message)
