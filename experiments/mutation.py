@@ -114,7 +114,7 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'fedavg': (
     ['jfed/methods/fedavg.py'],
-    ['tests/test_oracle_fedavg.py', 'tests/test_fedavg_mutants.py'],
+    ['tests/test_oracle_fedavg.py', 'tests/test_fedavg_mutants.py', 'tests/test_privacy.py'],
   ),
   'centralized_local': (
     ['jfed/methods/centralized.py', 'jfed/methods/local.py'],
