@@ -15,6 +15,7 @@ import json
 import math
 import re
 import types
+from typing import Any, NamedTuple
 
 import dp_accounting
 from dp_accounting import rdp
@@ -352,6 +353,8 @@ def test_an_adaptive_run_moves_its_clip_norm_by_the_noised_fraction_it_records()
   )
   assert second['dp_clip_norm'] < c0
   assert summary['dp']['update_noise_multiplier'] == pytest.approx((1 - (2 * 3.0) ** -2) ** -0.5)
+  assert summary['dp']['target_quantile'] == gamma
+  assert summary['dp']['count_noise_std'] == pytest.approx(3.0)  # σ_b = 1.0 · m
   assert summary['dp']['final_clip_norm'] == pytest.approx(
     second['dp_clip_norm'] * math.exp(-lr * (second['dp_unclipped_fraction'] - gamma)), rel=1e-6
   )
@@ -505,3 +508,42 @@ def test_local_dp_hands_the_server_the_noised_uploads_with_the_rounds_own_argume
   assert args[0] is group and args[2] is reference and args[3:5] == ('template', 5)
   assert args[5] is weights
   assert kwargs == {'taking_part': replied, 'declared_sizes': declared}
+
+
+class _RecordingServer(NamedTuple):
+  """A run's server that records what it receives and aggregates nothing."""
+
+  calls: list
+  aggregator: Any = None
+  attack: Any = None
+
+  def receive(self, *args, **kwargs):
+    self.calls.append((self.aggregator, args, kwargs))
+    return 'aggregate', {'rejected_uploads': 3}
+
+
+def test_central_dp_passes_the_rounds_arguments_on_and_noises_a_round_with_no_upload():
+  """Server-side DP swaps only the aggregation rule; when every upload was rejected (the rule
+  never ran), the round's model is the noise alone and its unclipped fraction is still released
+  for adaptive clipping."""
+  calls = []
+  dp = privacy.DpConfig(True, 0.5, 1.5, True, 0.5, 0.2, 0.05, DELTA, False)
+  noise = privacy.RoundNoise(
+    jax.random.PRNGKey(3), jnp.float32(1.5), jnp.float32(0.75), jnp.float32(0.2), jnp.float32(3)
+  )
+  dp_server = fedavg._DpServer(_RecordingServer(calls), fedavg.DpSetup(dp, 3, 1.0, 0.15), noise, {})
+  group = types.SimpleNamespace(client_ids=np.array([4, 7, 9]))
+  stacked = {'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
+  reference = {'w': jnp.ones((4,), jnp.float32)}
+  weights, replied = np.array([1.0, 2.0, 3.0]), np.array([True, False, True])
+  model, record = dp_server.receive(
+    group, stacked, reference, 'template', 5, weights, taking_part=replied, declared_sizes=None
+  )
+  [(aggregator, args, kwargs)] = calls
+  assert callable(aggregator.aggregate) and args[0] is group and args[1] is stacked
+  assert args[2] is reference and args[3:5] == ('template', 5) and args[5] is weights
+  assert kwargs == {'taking_part': replied, 'declared_sizes': None}
+  want_model, want_fraction = privacy.central_noise_only(reference, noise)
+  np.testing.assert_array_equal(model['w'], want_model['w'])
+  assert dp_server.released == {'unclipped_fraction': want_fraction}
+  assert record == {'rejected_uploads': 3}
