@@ -378,6 +378,19 @@ def test_recomputed_bn_statistics_are_the_static_bn_of_the_averaged_weights_on_t
   _assert_full_test_split(summary)
 
 
+def test_one_shot_fedavg_of_shared_local_models_recomputes_its_bn_statistics_too():
+  """`reuse_local_models` (one round over the shared one-shot uploads) takes the same
+  `bn_stats` path as a training round: the static BN of the averaged weights on the clients."""
+  overrides = {'fedavg.reuse_local_models': True, 'fedavg.bn_stats': 'recomputed'}
+  _, rec, ctx = _run('fedavg', _config(3, model='cnn_mnist', **overrides))
+  images = np.concatenate([_client_data(ctx, k)[0] for k in range(3)])
+  params = onp.to_numpy(rec.states[0].model.params)
+  want = onp.cnn_mnist_static_bn(params, images, BATCH)
+  onp.assert_tree_close(rec.states[0].model.batch_stats, want)
+  (record,) = rec.records[0]
+  assert record['reused_local_models'] and 'averaged_bn_test_accuracy' in record
+
+
 def test_recomputed_bn_statistics_are_refused_under_differential_privacy():
   config = _config(3, model='cnn_mnist', **{'fedavg.bn_stats': 'recomputed', 'dp.enabled': True})
   with pytest.raises(ConfigError, match="bn_stats='recomputed' reads the clients' raw images"):
