@@ -393,7 +393,11 @@ def test_one_shot_fedavg_of_shared_local_models_recomputes_its_bn_statistics_too
 
 def test_recomputed_bn_statistics_are_refused_under_differential_privacy():
   config = _config(3, model='cnn_mnist', **{'fedavg.bn_stats': 'recomputed', 'dp.enabled': True})
-  with pytest.raises(ConfigError, match="bn_stats='recomputed' reads the clients' raw images"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^fedavg.bn_stats='recomputed' reads the clients' raw images outside the DP mechanism: "
+    r"use 'averaged' with dp.enabled$",
+  ):
     build_algorithm('fedavg', config)
   with pytest.raises(ConfigError, match='fedprox.bn_stats'):
     build_algorithm('fedprox', _config(3, **{'fedprox.bn_stats': 'running'}))
