@@ -477,39 +477,6 @@ def test_the_dp_table_command_writes_its_table_and_plot(tmp_path):
     dp_table.run_table('digits', out, [0], ['z3'], smoke=True)
 
 
-def test_local_dp_hands_the_server_the_noised_uploads_with_the_rounds_own_arguments():
-  """Under local DP the run's server receives the clipped and noised uploads with everything
-  else the round passed: the aggregation weights, the clients that replied (Flower's
-  min-supernodes) and the sizes they declared. The DP server changes only the uploads."""
-  calls = []
-  server = types.SimpleNamespace(
-    receive=lambda *args, **kwargs: calls.append((args, kwargs)) or ('aggregate', {}),
-    attack=None,
-  )
-  dp = privacy.DpConfig(True, 0.5, 1.5, False, 0.5, 0.2, 0.05, DELTA, True)
-  noise = privacy.RoundNoise(
-    jax.random.PRNGKey(3), jnp.float32(1.5), jnp.float32(0.75), jnp.float32(0.0), jnp.float32(3)
-  )
-  dp_server = fedavg._DpServer(server, fedavg.DpSetup(dp, 3, 1.0, None), noise, {})
-  group = types.SimpleNamespace(client_ids=np.array([4, 7, 9]))
-  stacked = {'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
-  reference = {'w': jnp.ones((4,), jnp.float32)}
-  weights, replied, declared = np.array([1.0, 2.0, 3.0]), np.array([True, False, True]), None
-  got = dp_server.receive(
-    group, stacked, reference, 'template', 5, weights, taking_part=replied, declared_sizes=declared
-  )
-  assert got == ('aggregate', {})
-  [(args, kwargs)] = calls
-  noised = privacy.privatize_locally(
-    stacked, reference, noise.key, jnp.asarray([4, 7, 9]), noise.clip_norm, jnp.float32(0.5)
-  )
-  np.testing.assert_array_equal(args[1]['w'], noised['w'])
-  assert not np.allclose(args[1]['w'], stacked['w'])
-  assert args[0] is group and args[2] is reference and args[3:5] == ('template', 5)
-  assert args[5] is weights
-  assert kwargs == {'taking_part': replied, 'declared_sizes': declared}
-
-
 class _RecordingServer(NamedTuple):
   """A run's server that records what it receives and aggregates nothing."""
 
@@ -520,6 +487,36 @@ class _RecordingServer(NamedTuple):
   def receive(self, *args, **kwargs):
     self.calls.append((self.aggregator, args, kwargs))
     return 'aggregate', {'rejected_uploads': 3}
+
+
+def test_local_dp_hands_the_server_the_noised_uploads_with_the_rounds_own_arguments():
+  """Under local DP the run's server receives the clipped and noised uploads with everything
+  else the round passed: the aggregation weights, the clients that replied (Flower's
+  min-supernodes) and the sizes they declared. The DP server changes only the uploads."""
+  calls = []
+  dp = privacy.DpConfig(True, 0.5, 1.5, False, 0.5, 0.2, 0.05, DELTA, True)
+  noise = privacy.RoundNoise(
+    jax.random.PRNGKey(3), jnp.float32(1.5), jnp.float32(0.75), jnp.float32(0.0), jnp.float32(3)
+  )
+  dp_server = fedavg._DpServer(_RecordingServer(calls), fedavg.DpSetup(dp, 3, 1.0, None), noise, {})
+  group = types.SimpleNamespace(client_ids=np.array([4, 7, 9]))
+  stacked = {'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
+  reference = {'w': jnp.ones((4,), jnp.float32)}
+  weights, replied, declared = np.array([1.0, 2.0, 3.0]), np.array([True, False, True]), None
+  got = dp_server.receive(
+    group, stacked, reference, 'template', 5, weights, taking_part=replied, declared_sizes=declared
+  )
+  assert got == ('aggregate', {'rejected_uploads': 3})
+  [(aggregator, args, kwargs)] = calls
+  assert aggregator is None  # the run's own rule
+  noised = privacy.privatize_locally(
+    stacked, reference, noise.key, jnp.asarray([4, 7, 9]), noise.clip_norm, jnp.float32(0.5)
+  )
+  np.testing.assert_array_equal(args[1]['w'], noised['w'])
+  assert not np.allclose(args[1]['w'], stacked['w'])
+  assert args[0] is group and args[2] is reference and args[3:5] == ('template', 5)
+  assert args[5] is weights
+  assert kwargs == {'taking_part': replied, 'declared_sizes': declared}
 
 
 def test_central_dp_passes_the_rounds_arguments_on_and_noises_a_round_with_no_upload():
