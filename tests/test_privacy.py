@@ -489,58 +489,75 @@ class _RecordingServer(NamedTuple):
     return 'aggregate', {'rejected_uploads': 3}
 
 
+def _receive_through_dp_server(local: bool, count_std):
+  """One `_DpServer.receive` of three clients' uploads in front of a `_RecordingServer`: the DP
+  server, the recorded calls, the round's inputs and what `receive` returned."""
+  calls = []
+  dp = privacy.DpConfig(True, 0.5, 1.5, not local, 0.5, 0.2, 0.05, DELTA, local)
+  noise = privacy.RoundNoise(
+    jax.random.PRNGKey(3),
+    jnp.float32(1.5),
+    jnp.float32(0.75),
+    jnp.float32(count_std or 0.0),
+    jnp.float32(3),
+  )
+  dp_server = fedavg._DpServer(
+    _RecordingServer(calls), fedavg.DpSetup(dp, 3, 1.0, count_std), noise, {}
+  )
+  given = types.SimpleNamespace(
+    group=types.SimpleNamespace(client_ids=np.array([4, 7, 9])),
+    stacked={'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)},
+    reference={'w': jnp.ones((4,), jnp.float32)},
+    weights=np.array([1.0, 2.0, 3.0]),
+    replied=np.array([True, False, True]),
+  )
+  got = dp_server.receive(
+    given.group,
+    given.stacked,
+    given.reference,
+    'template',
+    5,
+    given.weights,
+    taking_part=given.replied,
+    declared_sizes=None,
+  )
+  return dp_server, calls, given, got
+
+
 def test_local_dp_hands_the_server_the_noised_uploads_with_the_rounds_own_arguments():
   """Under local DP the run's server receives the clipped and noised uploads with everything
   else the round passed: the aggregation weights, the clients that replied (Flower's
   min-supernodes) and the sizes they declared. The DP server changes only the uploads."""
-  calls = []
-  dp = privacy.DpConfig(True, 0.5, 1.5, False, 0.5, 0.2, 0.05, DELTA, True)
-  noise = privacy.RoundNoise(
-    jax.random.PRNGKey(3), jnp.float32(1.5), jnp.float32(0.75), jnp.float32(0.0), jnp.float32(3)
-  )
-  dp_server = fedavg._DpServer(_RecordingServer(calls), fedavg.DpSetup(dp, 3, 1.0, None), noise, {})
-  group = types.SimpleNamespace(client_ids=np.array([4, 7, 9]))
-  stacked = {'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
-  reference = {'w': jnp.ones((4,), jnp.float32)}
-  weights, replied, declared = np.array([1.0, 2.0, 3.0]), np.array([True, False, True]), None
-  got = dp_server.receive(
-    group, stacked, reference, 'template', 5, weights, taking_part=replied, declared_sizes=declared
-  )
+  dp_server, calls, given, got = _receive_through_dp_server(local=True, count_std=None)
   assert got == ('aggregate', {'rejected_uploads': 3})
   [(aggregator, args, kwargs)] = calls
   assert aggregator is None  # the run's own rule
+  noise = dp_server.noise
   noised = privacy.privatize_locally(
-    stacked, reference, noise.key, jnp.asarray([4, 7, 9]), noise.clip_norm, jnp.float32(0.5)
+    given.stacked,
+    given.reference,
+    noise.key,
+    jnp.asarray([4, 7, 9]),
+    noise.clip_norm,
+    jnp.float32(0.5),
   )
   np.testing.assert_array_equal(args[1]['w'], noised['w'])
-  assert not np.allclose(args[1]['w'], stacked['w'])
-  assert args[0] is group and args[2] is reference and args[3:5] == ('template', 5)
-  assert args[5] is weights
-  assert kwargs == {'taking_part': replied, 'declared_sizes': declared}
+  assert not np.allclose(args[1]['w'], given.stacked['w'])
+  assert args[0] is given.group and args[2] is given.reference and args[3:5] == ('template', 5)
+  assert args[5] is given.weights
+  assert kwargs == {'taking_part': given.replied, 'declared_sizes': None}
 
 
 def test_central_dp_passes_the_rounds_arguments_on_and_noises_a_round_with_no_upload():
   """Server-side DP swaps only the aggregation rule; when every upload was rejected (the rule
   never ran), the round's model is the noise alone and its unclipped fraction is still released
   for adaptive clipping."""
-  calls = []
-  dp = privacy.DpConfig(True, 0.5, 1.5, True, 0.5, 0.2, 0.05, DELTA, False)
-  noise = privacy.RoundNoise(
-    jax.random.PRNGKey(3), jnp.float32(1.5), jnp.float32(0.75), jnp.float32(0.2), jnp.float32(3)
-  )
-  dp_server = fedavg._DpServer(_RecordingServer(calls), fedavg.DpSetup(dp, 3, 1.0, 0.15), noise, {})
-  group = types.SimpleNamespace(client_ids=np.array([4, 7, 9]))
-  stacked = {'w': jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
-  reference = {'w': jnp.ones((4,), jnp.float32)}
-  weights, replied = np.array([1.0, 2.0, 3.0]), np.array([True, False, True])
-  model, record = dp_server.receive(
-    group, stacked, reference, 'template', 5, weights, taking_part=replied, declared_sizes=None
-  )
+  dp_server, calls, given, (model, record) = _receive_through_dp_server(local=False, count_std=0.2)
   [(aggregator, args, kwargs)] = calls
-  assert callable(aggregator.aggregate) and args[0] is group and args[1] is stacked
-  assert args[2] is reference and args[3:5] == ('template', 5) and args[5] is weights
-  assert kwargs == {'taking_part': replied, 'declared_sizes': None}
-  want_model, want_fraction = privacy.central_noise_only(reference, noise)
+  assert callable(aggregator.aggregate) and args[0] is given.group and args[1] is given.stacked
+  assert args[2] is given.reference and args[3:5] == ('template', 5) and args[5] is given.weights
+  assert kwargs == {'taking_part': given.replied, 'declared_sizes': None}
+  want_model, want_fraction = privacy.central_noise_only(given.reference, dp_server.noise)
   np.testing.assert_array_equal(model['w'], want_model['w'])
   assert dp_server.released == {'unclipped_fraction': want_fraction}
   assert record == {'rejected_uploads': 3}
