@@ -374,13 +374,16 @@ def test_models_with_different_numbers_of_classes_are_refused():
     F.align_to_anchor(other, anchor, ['fc'])
 
 
-def test_float32_models_come_back_float32():
-  # the plans and the alignment are computed in float64; the models keep their own dtype
+@pytest.mark.parametrize('x64', [False, True])
+def test_float32_models_come_back_float32(x64):
+  # the plans and the alignment are computed in float64; the models keep their own dtype, in an
+  # x64 scope too (where a float64 leaf would no longer be narrowed on its way back to JAX)
   st, perm = _cnn_and_permuted_copy()
-  aligned, stats = F.align_to_anchor(perm.params, st.params, CNN_LAYERS, perm.batch_stats)
-  fused, fused_stats = F.ot_fuse(
-    [st.params, perm.params], CNN_LAYERS, batch_stats_list=[st.batch_stats, perm.batch_stats]
-  )
+  with jax.enable_x64(x64):
+    aligned, stats = F.align_to_anchor(perm.params, st.params, CNN_LAYERS, perm.batch_stats)
+    fused, fused_stats = F.ot_fuse(
+      [st.params, perm.params], CNN_LAYERS, batch_stats_list=[st.batch_stats, perm.batch_stats]
+    )
   for tree in (aligned, stats, fused, fused_stats):
     assert {np.asarray(leaf).dtype for leaf in jax.tree.leaves(tree)} == {np.dtype(np.float32)}
 
