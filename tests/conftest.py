@@ -1,4 +1,5 @@
-"""Test session setup: four fake CPU devices and JAX's persistent compilation cache.
+"""Test session setup: each xdist worker on a core of its own, four fake CPU devices and JAX's
+persistent compilation cache.
 
 Four fake CPU devices, so sharded code (client training, KIP, model stratification) is exercised
 on any machine. Many tests compile the same small programs (the same model and step on digits)
@@ -27,7 +28,8 @@ def _pin_xdist_worker_to_one_core():
   on 2 cores time-slice each other's threads. The cold suite in two interleaved pairs on the
   idle 2 cores (2026-12-04): 5 min 51 s pinned / 6 min 5 s unpinned, 5 min 41 s / 5 min 52 s.
   Returns the core, or None where there is not one per worker (no xdist, `-n 1`, more workers
-  than cores). `JFED_TEST_PIN_CORES=0` in the environment leaves the workers unpinned."""
+  than cores). The processes a test starts share its core (the slow set passes so).
+  `JFED_TEST_PIN_CORES=0` in the environment leaves the workers unpinned."""
   worker = os.environ.get('PYTEST_XDIST_WORKER', '')
   count = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '0') or 0)
   if not worker.startswith('gw') or not hasattr(os, 'sched_setaffinity'):
