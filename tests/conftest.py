@@ -24,8 +24,8 @@ import time
 def _pin_xdist_worker_to_one_core():
   """With `-n auto`, pins test process i to the i-th core it may run on, before XLA starts.
 
-  Unpinned, each worker's XLA:CPU runtime sizes its thread pool to every core, so two workers
-  on 2 cores time-slice each other's threads. The cold suite in two interleaved pairs on the
+  Unpinned, each worker's XLA:CPU runtime sizes its thread pool to every core it may run on, so
+  the two workers' threads share both cores. The cold suite in two interleaved pairs on the
   idle 2 cores (2026-12-04): 5 min 51 s pinned / 6 min 5 s unpinned, 5 min 41 s / 5 min 52 s.
   Returns the core, or None where there is not one per worker (no xdist, `-n 1`, more workers
   than cores). The processes a test starts share its core (the slow set passes so).

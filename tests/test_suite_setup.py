@@ -8,7 +8,7 @@ from tests import conftest
 
 
 def _pins(monkeypatch, worker, count, cpus=(0, 2, 5)):
-  """The cores `_pin_xdist_worker_to_one_core` pins this process to (None: left unpinned)."""
+  """`_pin_xdist_worker_to_one_core`'s one call of `sched_setaffinity` as (pid, cores), or None."""
   pinned = []
   monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: set(cpus))
   monkeypatch.setattr(os, 'sched_setaffinity', lambda pid, mask: pinned.append((pid, set(mask))))
