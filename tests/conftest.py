@@ -22,20 +22,22 @@ import time
 
 
 def _pin_xdist_worker_to_one_core():
-  """With `-n auto`, pins test process i to the i-th core it may run on, before XLA starts.
+  """Pins xdist worker i to the i-th CPU it may run on, before XLA starts, where there are as
+  many workers as such CPUs (`-n auto` on a machine without SMT).
 
   Unpinned, each worker's XLA:CPU runtime sizes its thread pool to every core it may run on, so
   the two workers' threads share both cores. The cold suite in two interleaved pairs on the
   idle 2 cores (2026-12-04): 5 min 51 s pinned / 6 min 5 s unpinned, 5 min 41 s / 5 min 52 s.
-  Returns the core, or None where there is not one per worker (no xdist, `-n 1`, more workers
-  than cores). The processes a test starts share its core (the slow set passes so).
-  `JFED_TEST_PIN_CORES=0` in the environment leaves the workers unpinned."""
+  Returns the CPU, or None where workers and CPUs do not pair one to one (no xdist, `-n 1`, more
+  or fewer workers than CPUs: with SMT, `-n auto` counts physical cores, and two workers on
+  sibling threads of one core would be slower). The processes a test starts share its CPU (the
+  slow set passes so). `JFED_TEST_PIN_CORES=0` in the environment leaves the workers unpinned."""
   worker = os.environ.get('PYTEST_XDIST_WORKER', '')
   count = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '0') or 0)
   if not worker.startswith('gw') or not hasattr(os, 'sched_setaffinity'):
     return None
   cpus = sorted(os.sched_getaffinity(0))
-  if not 2 <= count <= len(cpus):
+  if count != len(cpus):
     return None
   core = cpus[int(worker[2:]) % len(cpus)]
   os.sched_setaffinity(0, {core})
