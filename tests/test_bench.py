@@ -49,6 +49,9 @@ def test_all_tiny_reports_every_benchmark_with_numbers(tmp_path):
   env = data['environment']
   assert env['backend'] == 'cpu' and env['load_average'] is not None
   assert f'jax {env["jax_version"]}' in md and 'load average' in md
+  # the suite's XLA_FLAGS (conftest) reach the subprocess and its report's header
+  assert env['xla_flags'] == os.environ['XLA_FLAGS'] != ''
+  assert f'- XLA_FLAGS: `{env["xla_flags"]}`' in md
 
   summary = _section(md, 'Summary')
   assert re.search(rf'\| client training \| jfed loop \(auto\), m=2.* \| {NUM} ms \|', summary)
@@ -354,7 +357,7 @@ def test_the_step_profile_names_the_costliest_operations_of_a_client_step():
   from experiments.bench import step_profile
 
   row = step_profile.profile_model('mlp', steps=2, top=3)
-  assert row['device_ms'] > 0
+  assert row['device_ms'] > 0 and row['wall_ms'] > 0
   assert len(row['top_ops']) == 3
   assert [o['ms'] for o in row['top_ops']] == sorted(
     (o['ms'] for o in row['top_ops']), reverse=True
@@ -366,13 +369,12 @@ def test_the_step_profile_names_the_costliest_operations_of_a_client_step():
   matmuls = 2 * 64 * (2 * sum(i * o for i, o in layers) + sum(i * o for i, o in layers[1:]))
   assert row['gflop'] == pytest.approx(matmuls / 1e9, rel=0.05)
   assert row['gflops_per_s'] == pytest.approx(row['gflop'] / (row['device_ms'] / 1e3))
-  table = step_profile.report(
-    [row],
-    {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0', 'cpu_count': 2},
-    steps=2,
-    matmul_rate=123.0,
-  )
-  assert row['top_ops'][0]['op'] in table
+  env = {'backend': 'cpu', 'device_kind': 'cpu', 'jax_version': '0', 'cpu_count': 2}
+  table = step_profile.report([row], env, steps=2, matmul_rate=123.0)
+  assert row['top_ops'][0]['op'] in table and 'XLA_FLAGS' not in table
+  assert f'wall time {row["wall_ms"]:.2f} ms per step' in table
+  flagged = step_profile.report([row], {**env, 'xla_flags': '--xla_a=1'}, steps=2)
+  assert 'XLA_FLAGS: `--xla_a=1`.' in flagged
   assert 'runs at 123 GFLOP/s' in table and f'{row["gflop"]:.3f} GFLOP' in table
   assert step_profile.matmul_gflops(n=64, repeats=2) > 0
   # every profiled operation falls in one kind: the kinds hold at least the top operations

@@ -287,6 +287,7 @@ def markdown(report: dict) -> str:
     f'optax {env["optax_version"]}, python {env["python_version"]}; PyTorch reference: {torch}',
     f'- load average (1 min): {env["load_average"]} at start, {report["load_average_end"]} at '
     'end, and per benchmark below',
+    f'- XLA_FLAGS: `{env["xla_flags"]}`' if env.get('xla_flags') else '- XLA_FLAGS: not set',
     '',
     '## Summary',
     '',

@@ -50,7 +50,11 @@ def import_torch(enabled: bool = True):
 
 
 def environment() -> dict:
-  """Backend, devices, versions, CPUs and load: the header of every benchmark report."""
+  """Backend, devices, versions, CPUs, load and XLA_FLAGS: the header of every benchmark report.
+
+  XLA_FLAGS is recorded because it can change XLA:CPU's kernels (YNNPACK, Eigen, oneDNN) and
+  with them every time in the report.
+  """
   import flax
   import jax
   import jaxlib
@@ -68,6 +72,7 @@ def environment() -> dict:
     'cpu_count': cpu_count(),
     'cpu_model': cpu_model(),
     'load_average': load_average(),
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
   }
 
 

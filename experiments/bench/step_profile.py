@@ -3,15 +3,18 @@
     python -m experiments.bench.step_profile [--models=cnn_mnist,vgg9,resnet18,mlp]
         [--steps=30] [--top=12] [--out=FILE.md]
 
-For each model of `model_zoo_training.MODELS` (the configs' CPU client models at the configs'
-batch sizes), the jitted client step the `loop` strategy runs (`GroupTrainer`, SGD lr 0.01
-momentum 0.9, forward + backward + optimiser) is called `steps` times under `jax.profiler`
-after a warm-up. Reported per step: the device time (XLA's thunk executor), the step's FLOPs
-(XLA's cost analysis) and the rate they run at, against a float32 matmul's rate on the same
-machine, the `top` operations by time, each with its output shape and the JAX operation it
-came from, and the time by kind of operation (XLA's fusion kind; library fusions and
-convolutions split into forward, backward and unnamed, which in a convolution net are the kernel
-gradients).
+For each model of `model_zoo_training.MODELS` (the configs' CPU client models at the configs' batch
+sizes), the jitted client step the `loop` strategy runs (`GroupTrainer`, SGD lr 0.01 momentum 0.9,
+forward + backward + optimiser) is called `steps` times under `jax.profiler` after a warm-up.
+Reported per step: the device time (XLA's thunk executor), the wall time of the same steps run again
+outside the profiler, the step's FLOPs (XLA's cost analysis) and the rate they run at, against a
+float32 matmul's rate on the same machine, the `top` operations by time, each with its output shape
+and the JAX operation it came from, and the time by kind of operation (XLA's fusion kind; library
+fusions and convolutions split into forward, backward and unnamed, which in a convolution net are
+the kernel gradients). The device time counts the operations XLA's thunk executor runs and waits
+for; where XLA hands convolutions to Eigen (YNNPACK's fusions switched off in XLA_FLAGS) it read
+54-66 % of the wall time (2026-12-04: ResNet-18, CNNMnist, VGG-9), so compare flag settings by wall
+time.
 
 Unlike `client_training`, which times whole epochs against PyTorch, this isolates the compiled
 step from the host loop and from the machine's load swings across minutes: run it on two
@@ -110,11 +113,17 @@ def profile_model(name: str, steps: int, top: int) -> dict:
     kind[0] += 1
     kind[1] += v / steps / 1e3
   device_ms = by_name['ThunkExecutor::Execute'] / steps / 1e3
+  wall_s = []
+  for _ in range(2):  # the better of two, outside the profiler
+    start = time.perf_counter()
+    run(steps)
+    wall_s.append(time.perf_counter() - start)
   gflop = float(cost.get('flops', 0.0)) / 1e9
   return {
     'model': case.spec,
     'batch': case.batch,
     'device_ms': device_ms,
+    'wall_ms': min(wall_s) / steps * 1e3,
     'gflop': gflop,  # XLA's count for the whole step (forward, backward, optimiser)
     'gflops_per_s': gflop / (device_ms / 1e3) if device_ms > 0 else 0.0,
     'top_ops': [
@@ -150,11 +159,14 @@ def report(rows: list, env: dict, steps: int, matmul_rate: float = 0.0, kinds: i
   ]
   if matmul_rate:
     lines[-1] += f' A 2048x2048 float32 matmul through XLA runs at {matmul_rate:.0f} GFLOP/s.'
+  if env.get('xla_flags'):
+    lines[-1] += f' XLA_FLAGS: `{env["xla_flags"]}`.'
   for r in rows:
     lines += [
       '',
       f'**`{r["model"]}`, batch {r["batch"]}: {r["device_ms"]:.2f} ms device time per step**, '
-      f'{r["gflop"]:.3f} GFLOP (XLA cost analysis), {r["gflops_per_s"]:.0f} GFLOP/s',
+      f'{r["gflop"]:.3f} GFLOP (XLA cost analysis), {r["gflops_per_s"]:.0f} GFLOP/s; '
+      f'wall time {r["wall_ms"]:.2f} ms per step',
       '',
       '| op | ms/step | output | from |',
       '|---|---:|---|---|',
@@ -181,7 +193,8 @@ def main(argv):
   for name in f.models:
     log(f'profiling {name}')
     rows.append(profile_model(name, f.steps, f.top))
-    log(f'  {rows[-1]["device_ms"]:.2f} ms device time per step')
+    row = rows[-1]
+    log(f'  {row["device_ms"]:.2f} ms device time, {row["wall_ms"]:.2f} ms wall time per step')
   table = report(rows, env, f.steps, matmul_gflops())
   print(table)
   if f.out:
