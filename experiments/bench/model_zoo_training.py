@@ -199,7 +199,8 @@ CONV_FORMS = ('lax', 'matmul')
 ONE_THREAD = 'lax 1 thread'
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+  """Seconds `fn()` takes."""
   t0 = time.perf_counter()
   fn()
   return time.perf_counter() - t0
@@ -237,13 +238,13 @@ def model_rows(
       ys = torch.from_numpy(fed.y.astype(np.int64))
       tmodel = torch_model(torch, name)
       forms['torch'] = lambda: _torch_train(torch, tmodel, xs, ys, steps, case.batch)
-    warm = {k: _timed(f) for k, f in forms.items()}
+    warm = {k: timed(f) for k, f in forms.items()}
     load_start = load_average()
     log(f'  {name} (batch {case.batch}): timing {", ".join(forms)} x {repeats} (load {load_start})')
     times = {k: [] for k in forms}
     for _ in range(repeats):
       for k, f in forms.items():
-        times[k].append(_timed(f))
+        times[k].append(timed(f))
     client_steps = CLIENTS * steps
     ms = {k: 1e3 * statistics.median(t) / client_steps for k, t in times.items()}
     jfed_ms = {k.split(':')[1]: v for k, v in ms.items() if k.startswith('jfed:')}

@@ -41,6 +41,7 @@ from experiments.bench.model_zoo_training import (
   NUM_CLASSES,
   client_optimizer,
   jfed_module,
+  timed,
 )
 
 
@@ -113,17 +114,13 @@ def profile_model(name: str, steps: int, top: int) -> dict:
     kind[0] += 1
     kind[1] += v / steps / 1e3
   device_ms = by_name['ThunkExecutor::Execute'] / steps / 1e3
-  wall_s = []
-  for _ in range(2):  # the better of two, outside the profiler
-    start = time.perf_counter()
-    run(steps)
-    wall_s.append(time.perf_counter() - start)
+  wall_s = min(timed(lambda: run(steps)) for _ in range(2))  # the better of two, unprofiled
   gflop = float(cost.get('flops', 0.0)) / 1e9
   return {
     'model': case.spec,
     'batch': case.batch,
     'device_ms': device_ms,
-    'wall_ms': min(wall_s) / steps * 1e3,
+    'wall_ms': wall_s / steps * 1e3,
     'gflop': gflop,  # XLA's count for the whole step (forward, backward, optimiser)
     'gflops_per_s': gflop / (device_ms / 1e3) if device_ms > 0 else 0.0,
     'top_ops': [
