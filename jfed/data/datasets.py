@@ -30,7 +30,7 @@ import gzip
 import os
 import pathlib
 import struct
-from typing import BinaryIO, Iterator, NamedTuple, Optional, Sequence
+from typing import BinaryIO, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 import zlib
 
 import numpy as np
@@ -577,6 +577,13 @@ def _find_idx_file(directory: pathlib.Path, split: str, kind: str) -> Optional[p
       f'{[m.name for m in matches]}. Keep only one split per directory.'
     )
   return matches[0] if matches else None
+
+
+def idx_files(name: str, data_dir: Optional[str] = None) -> Dict[Tuple[str, str], pathlib.Path]:
+  """The four IDX files `load_dataset(name, data_dir)` reads, by (split, kind), e.g.
+  ('train', 'images'); for tools that hand the same files to other code."""
+  directory = _find_idx_dir(name, data_dir)
+  return {key: _find_idx_file(directory, *key) for key in _IDX_STEMS}
 
 
 def _find_idx_dir(name: str, data_dir: Optional[str]) -> pathlib.Path:
