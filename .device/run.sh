@@ -7,7 +7,7 @@ t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JFED_DATA_DIR=$PWD/.data PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; python3 -c "import jax, flax, optax, ml_collections, ott, dp_accounting, experiments.fedhydra_tables; print('jax', jax.__version__, jax.devices())" || exit 1
-git init -q . && printf '/.data/\n/.whl/\n/.device/\n' >> .git/info/exclude
+git init -q . && printf '/.data/\n/.whl/\n/.device/\n/.ref/\n' >> .git/info/exclude
 mut=
 [ "${MUT_S:-465}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-465} nice -n 10 python3 -m experiments.mutation \
    --modules=${MUT_MODULES:-fedhydra,distill_losses} --max_children=${MUT_CHILDREN:-12} \

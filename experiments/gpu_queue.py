@@ -114,6 +114,35 @@ def _fedhydra(partition: str, seed: int, methods: str) -> Chunk:
   )
 
 
+# FedHydra's own chunks above keep the paper's unbounded KD pool and cannot finish in a call
+# (skipped in the ledger: 62 of 200 epochs in 470 s). These run it with the pool bounded to a
+# uniform reservoir (`fedhydra.pool_limit`, not the paper's; docs/fedhydra.md, "A bounded KD pool")
+# in groups of their own. The size, from the H100 chunk of 2026-11-26 (beside two other chunks):
+# setup 177 s, epoch 1 15 s (compiles), then per epoch 0.294 s + 6.67 µs per pooled image (a
+# least-squares fit of its 61 step times; the KD pass) + about 1.7 µs per pool slot (the
+# per-epoch checkpoint: 2.6 s of wall time an epoch beyond the step's for the 1.2 GB pool). At
+# N = 61,440 (8 epochs' 7,680 images; 240 KD steps of 256): 0.294 + 0.410 + 0.104 = 0.81 s an
+# epoch, 199 × 0.81 = 161 s, 177 + 15 + 161 = 353 s of the call's 470 (a quarter to spare).
+FEDHYDRA_POOL_LIMIT = 61440
+
+
+def _fedhydra_pool(partition: str, seed: int, limit: int = FEDHYDRA_POOL_LIMIT) -> Chunk:
+  cell = partition.replace('/', '')
+  group = f'fedhydra_t1t2_fmnist_{cell}_paper_pool{limit}'
+  common = (
+    f'--config={FEDHYDRA_CONFIG}',
+    f'--config.fedhydra.pool_limit={limit}',
+    f'--partitions={partition}',
+  )
+  return Chunk(
+    name=f'{group}_s{seed}_fedhydra',
+    group=group,
+    module='experiments.fedhydra_tables',
+    args=common + (f'--seeds={seed}', '--methods=fedhydra'),
+    merge_args=common + ('--methods=fedhydra',),
+  )
+
+
 def _fedmho(alpha: float, seed: int, runs: str) -> Chunk:
   # Alone: each chunk trains its clients at the paper's 200 local epochs, which beside two other
   # chunks ran at 0.45 epoch/s on an H100 (about 450 s before the server stage; 2026-11-27).
@@ -146,15 +175,47 @@ def _hfldd(seed: int, method: str) -> Chunk:
   )
 
 
+# The parity chunks (experiments/parity): jfed and the authors' code on the same partition and
+# seed at the paper's budget. The authors' checkouts travel in `.ref/<name>` (`.device/prepare.sh`
+# copies them there from PARITY_REFS) and run under the machine's python3, which has torch.
+PARITY_REF_ROOT = '.ref'
+PARITY_RUNS = (
+  # (reference, parity method, partition alpha, budget): FedHydra Table 1's Dir(0.5) cell at
+  # its §4.1.5 budget (E = 200, T_g = 200 epochs of T_G = 30 generator steps on 256 images)
+  ('dense', 'dense', 0.5, 'local_epochs=200,kd_epochs=200,g_steps=30,synthesis_batch=256'),
+)
+
+
+def _parity(reference: str, method: str, alpha: float, budget: str, seed: int) -> Chunk:
+  group = f'parity_{reference}_{method}_fmnist_dir{alpha}_paper'
+  return Chunk(
+    alone=True,  # two processes (the reference's torch and jfed) share the GPU in turn
+    name=f'{group}_s{seed}',
+    group=group,
+    module='experiments.parity',
+    args=(
+      f'--method={reference}:{method}',
+      f'--reference_dir={PARITY_REF_ROOT}/{reference}',
+      '--reference_python=python3',
+      f'--alpha={alpha}',
+      f'--seeds={seed}',
+      f'--budget={budget}',
+    ),
+  )
+
+
 def chunks() -> List[Chunk]:
-  """Every chunk in the order the queue runs them: issue 36's headline cells first (FedHydra
-  Table 1 Dir(0.5) and Table 2 2c/c, FedMHO Table 3 α = 0.5, HFLDD Table III #C = 1), seed 0 of
-  each before the other seeds. FedTSA's paper budget (ResNet-18, 100 rounds of 100 local epochs)
-  is not chunked: a round's state (ten ResNet-18s) is larger than what comes back from a call."""
-  out = []
+  """Every chunk in the order the queue runs them: the parity chunks of each seed first (jfed
+  against the authors' code at the paper's budget), then issue 36's headline cells (FedHydra
+  Table 1 Dir(0.5) and Table 2 2c/c, each followed by FedHydra with a bounded pool, FedMHO
+  Table 3 α = 0.5, HFLDD Table III #C = 1), seed 0 of each before the other seeds. FedTSA's
+  paper budget (ResNet-18, 100 rounds of 100 local epochs) is not chunked: a round's state (ten
+  ResNet-18s) is larger than what comes back from a call."""
+  out = [_parity(*run, seed) for seed in SEEDS for run in PARITY_RUNS]
   for seed in SEEDS:
-    out += [_fedhydra('dir0.5', seed, m) for m in FEDHYDRA_METHODS]
-    out += [_fedhydra('2c/c', seed, m) for m in FEDHYDRA_METHODS]
+    for partition in ('dir0.5', '2c/c'):
+      out += [_fedhydra(partition, seed, m) for m in FEDHYDRA_METHODS]
+      out.append(_fedhydra_pool(partition, seed))
     out += [_fedmho(0.5, seed, r) for r in FEDMHO_RUNS]
     out += [_hfldd(seed, m) for m in HFLDD_METHODS]
   return out

@@ -127,7 +127,13 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   'feddf': (['jfed/methods/feddf.py'], ['tests/test_oracle_distill.py']),
   'oneshot': (
     ['jfed/methods/oneshot.py', 'jfed/methods/dense.py', 'jfed/methods/coboosting.py'],
-    ['tests/test_oracle_distill.py', 'tests/test_oneshot_methods.py', 'tests/test_method_aux.py'],
+    [
+      'tests/test_oracle_distill.py',
+      'tests/test_oneshot_methods.py',
+      'tests/test_method_aux.py',
+      # the reservoir's KD targets and resume (fedhydra.pool_limit)
+      'tests/test_fedhydra_pool.py',
+    ],
   ),
   'synthesis': (
     ['jfed/distill/synthesis.py', 'jfed/distill/generator.py', 'jfed/distill/pool.py'],
@@ -137,6 +143,8 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
       'tests/test_kd_block.py',
       # the pool, the generator and the synthesis loop's scan form against NumPy and Python
       'tests/test_distill_losses.py',
+      # the reservoir (pool_reservoir_add): its size, uniformity and resume
+      'tests/test_fedhydra_pool.py',
     ],
   ),
   'diffaugment': (
@@ -155,7 +163,11 @@ MODULES: Dict[str, Tuple[List[str], List[str]]] = {
   ),
   'fedhydra': (
     ['jfed/methods/fedhydra.py', 'jfed/distill/stratification.py'],
-    ['tests/test_oracle_fedhydra.py', 'tests/test_stratification.py'],
+    [
+      'tests/test_oracle_fedhydra.py',
+      'tests/test_stratification.py',
+      'tests/test_fedhydra_pool.py',
+    ],
   ),
   # one module per file: each mutant re-runs whole setups (tens of seconds on 2 cores)
   'fedmho': (['jfed/methods/fedmho.py'], ['tests/test_oracle_fedmho.py', 'tests/test_fedmho.py']),

@@ -363,6 +363,10 @@ class RunConfig(NamedTuple):
   # the clients' optimiser; schedule: constant | cosine (centralized only)
   optimizer: OptimizerSpec = OptimizerSpec('sgd', 0.01, momentum=0.9)
   batch_size: int = 64
+  # the clients' BatchNorm/dropout mode in local training: 'train' (every epoch), or
+  # 'eval_after_first_epoch': eval mode from each local training's second epoch on, as DENSE's
+  # `LocalUpdate` runs (its per-epoch test leaves the model in eval mode; FedHydra's tables)
+  local_bn: str = 'train'
   eval_batch_size: int = 1000
   strategy: str = 'auto'  # the client map: one of jfed.engine.STRATEGIES
   shard: bool = False  # shard client groups over all devices ('clients' mesh axis)
@@ -432,6 +436,7 @@ def parse_run_config(config: ml_collections.ConfigDict) -> RunConfig:
     local_cvaes_dir=str(config.get('local_cvaes_dir') or ''),
     optimizer=optimizer_spec(config.get('optimizer')),
     batch_size=typed_config.convert(config.get('batch_size'), int, 'batch_size'),
+    local_bn=_optional(config, 'local_bn', 'train', str),
     eval_batch_size=typed_config.convert(config.get('eval_batch_size'), int, 'eval_batch_size'),
     strategy=_optional(config, 'strategy', 'auto', str),
     shard=_optional(config, 'shard', False, bool),

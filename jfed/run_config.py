@@ -17,7 +17,7 @@ from jfed.data.partitions import available_schemes
 from jfed.engine import aggregation, attacks
 from jfed.engine.aggregation import RULES
 from jfed.engine.optim import OPTIMIZERS
-from jfed.engine.training import STRATEGIES
+from jfed.engine.training import LOCAL_BN_MODES, STRATEGIES
 from jfed.errors import ConfigError
 from jfed.models import available_models
 
@@ -118,6 +118,7 @@ def validate_run_config(config: Any, method_section: Optional[str] = None) -> Ru
     value = getattr(run, name)
     tc.require(value > 0, f'{name} must be positive, got {value}')
   tc.require_choice(run.strategy, STRATEGIES, 'strategy')
+  tc.require_choice(run.local_bn, LOCAL_BN_MODES, 'local_bn')
   o = run.optimizer
   tc.require_choice(o.name, OPTIMIZERS, 'optimizer.name')
   # Client optimisers restart every round; `check_capabilities` refuses a schedule elsewhere.

@@ -26,10 +26,46 @@ def test_chunks_are_unique_and_name_real_commands_and_configs():
     for arg in c.args + c.merge_args:
       if arg.startswith('--config='):
         assert (ROOT / arg.split('=', 1)[1].split(':')[0]).is_file(), arg
-  # issue 36's order: the headline FedHydra Dir(0.5) cell of seed 0 first
-  assert chunks[0].group == 'fedhydra_t1t2_fmnist_dir0.5_paper' and chunks[0].name.endswith(
-    's0_dense'
-  )
+  # the parity chunks first (seed 0's before the others), then issue 36's order: the headline
+  # FedHydra Dir(0.5) cell of seed 0
+  parity = [c for c in chunks if c.module == 'experiments.parity']
+  assert parity and chunks[: len(parity)] == parity and parity[0].name.endswith('_s0')
+  first = chunks[len(parity)]
+  assert first.group == 'fedhydra_t1t2_fmnist_dir0.5_paper' and first.name.endswith('s0_dense')
+  # a parity chunk names a method the harness knows and a budget of its reference's keys
+  from experiments.parity import references
+  from experiments.parity.references import parse_budget
+
+  for c in parity:
+    args = dict(a.removeprefix('--').split('=', 1) for a in c.args)
+    ref, _ = references.find_method(args['method'])
+    parse_budget(ref.default_budget, args['budget'].split(','))
+    assert args['reference_dir'] == f'{q.PARITY_REF_ROOT}/{ref.name}' and c.alone
+
+
+def test_fedhydra_runs_with_a_bounded_pool_in_groups_of_its_own_beside_the_papers_chunks():
+  """Each FedHydra cell and seed has, after its paper chunks (which keep the paper's unbounded
+  pool, unchanged), one chunk of FedHydra with `fedhydra.pool_limit` in a group of its own."""
+  from experiments.configs import fedhydra_fashion_mnist
+
+  chunks = q.chunks()
+  names = [c.name for c in chunks]
+  bounded = [c for c in chunks if c.group.endswith(f'_paper_pool{q.FEDHYDRA_POOL_LIMIT}')]
+  assert len(bounded) == 2 * len(q.SEEDS)
+  key = 'fedhydra.pool_limit'
+  assert fedhydra_fashion_mnist.get_config('paper').fedhydra.pool_limit == 0  # the paper's
+  for c in bounded:
+    paper_group = c.group.removesuffix(f'_pool{q.FEDHYDRA_POOL_LIMIT}')
+    seed = c.name.rsplit('_s', 1)[1].split('_')[0]
+    paper = [n for n in names if n.startswith(f'{paper_group}_s{seed}_')]
+    assert len(paper) == len(q.FEDHYDRA_METHODS)
+    assert max(map(names.index, paper)) < names.index(c.name)
+    assert f'--config.{key}={q.FEDHYDRA_POOL_LIMIT}' in c.args
+    assert f'--config.{key}={q.FEDHYDRA_POOL_LIMIT}' in c.merge_args
+    assert '--methods=fedhydra' in c.args and f'--seeds={seed}' in c.args
+  # the paper's chunks keep the paper's config: no other chunk overrides a key
+  others = [c for c in chunks if c not in bounded]
+  assert not any(a.startswith('--config.') for c in others for a in c.args)
 
 
 def _fake_run(folder: pathlib.Path) -> None:

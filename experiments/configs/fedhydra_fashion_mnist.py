@@ -3,7 +3,11 @@ KDD 2025: Tables 1–3, Figs. 3, 5–7).
 
 Needs Debian's dataset-fashion-mnist (`sudo apt-get install dataset-fashion-mnist`).
 5 clients, DENSE CNNMnist (= FedHydra's two-layer CNN) clients and server, local SGD(0.01,
-momentum 0.9), batch 128 (paper B = 128).
+momentum 0.9), batch 128 (paper B = 128), and the clients in eval mode from their second local
+epoch on (`local_bn='eval_after_first_epoch'`), as DENSE's `LocalUpdate` trains them (its
+per-epoch test leaves the model in eval mode; FedHydra's precursor code is a DENSE fork): the
+parity run against DENSE's code found this set-up difference (docs/parity.md). Every number
+quoted below was measured before it, with `local_bn='train'` (`--config.local_bn=train`).
 
 One method:
   python -m experiments.main --method=fedhydra \
@@ -53,7 +57,10 @@ Budgets (get_config(arg), comma-separated):
             (`python -m experiments.gpu_queue`, NVIDIA H100, seed 0, Dir(0.5)): DENSE 57.27
             (best 58.36) in 310 s, Co-Boosting 73.55 (83.17) in 322 s, FedAvg / OT / FedDF
             57.35 / 58.92 / 58.92 in 96 s; FedHydra needs about 21 min (62 of 200 epochs in
-            470 s, 49.66 %): docs/results/gpu_queue/. The default budget with the paper's E = 200
+            470 s, 49.66 %): docs/results/gpu_queue/. With its KD pool bounded to a uniform
+            reservoir (`--config.fedhydra.pool_limit=61440`, not the paper's; docs/fedhydra.md,
+            "A bounded KD pool") it is sized to fit a call: the queue's `*_paper_pool61440`.
+            The default budget with the paper's E = 200
             (`--config.local.epochs=200 --config.<method>.local_epochs=200`, Dir(0.5), seeds
             0-2, H100): docs/results/fedhydra_tables_e200_dir0.5_h100.md (the averages gain
             about 7 points, FedHydra and Co-Boosting lose 14 and 17 at T_g = 30).
@@ -140,6 +147,7 @@ def get_config(arg: str = ''):
   c.model = 'cnn_mnist'
   c.batch_size = 128
   c.optimizer.lr, c.optimizer.momentum = 0.01, 0.9
+  c.local_bn = 'eval_after_first_epoch'  # DENSE's LocalUpdate (docs/parity.md)
   c.partition.scheme, c.partition.alpha = 'dirichlet', 0.5
   budget = 'paper' if 'paper' in args else 'smoke' if 'smoke' in args else 'cpu'
   set_budget(c, budget)

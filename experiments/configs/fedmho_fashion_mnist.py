@@ -27,7 +27,9 @@ Budgets (get_config(arg), comma-separated):
             FedCVAE-KD's server decoder a CVAE-small's at latent 20; DENSE / Co-Boosting 10 epochs
             of 10 generator steps, their VGG-9 student distilled with Adam 1e-3 (with the
             references' SGD it stayed at chance: measured 0.100 after 10 DENSE epochs); FedDF 200
-            steps per prototype. Measured: docs/results/fedmho_tables_cpu.md.
+            steps per prototype. Its 3-seed table of 2026-11-24 was removed as stale (measured
+            before issue 33's reference fixes); regenerate: python -m experiments.fedmho_tables
+            --config=experiments/configs/fedmho_fashion_mnist.py --out=runs/fedmho_tables_cpu.
   paper     Table 7: full VGG-9, 200 local epochs, CVAE-small 40 epochs, CVAE-large (FedCVAE)
             Adam 1e-3, 20 global epochs of Adam 5e-4, DENSE / Co-Boosting 200 epochs, FedDF
             10,000 steps (accelerator budget).

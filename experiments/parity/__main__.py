@@ -28,12 +28,14 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, List
 
 from absl import app, flags, logging
 import numpy as np
 
-from experiments.parity import references, stats
+from experiments.parity import references
+from experiments.parity.tables import read_json as _read_json
+from experiments.parity.tables import render
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('method', None, 'What to compare: REFERENCE:METHOD, e.g. dense:fedavg.')
@@ -54,6 +56,23 @@ flags.DEFINE_list(
 )
 flags.DEFINE_enum('side', 'both', ['both', 'reference', 'jfed', 'table'], 'What to run.')
 flags.DEFINE_integer('torch_threads', 2, 'OMP_NUM_THREADS of the reference process.')
+flags.DEFINE_integer(
+  'jfed_seed_offset',
+  0,
+  "Added to jfed's config seed (its init, data order and server keys), not to the partition's.",
+)
+flags.DEFINE_integer(
+  'reference_seed_offset',
+  0,
+  "Added to the seed the reference is given (its init and data order), not to the partition's: "
+  "a second reference run on the same clients measures the reference's own run-to-run spread.",
+)
+flags.DEFINE_string(
+  'publish',
+  None,
+  "Also copy the table and every seed's results (not partitions, models or logs) here, e.g. "
+  'docs/results/parity/<name>.',
+)
 
 # the file names torchvision's MNIST-style datasets look for under <root>/<Class>/raw
 TORCHVISION_NAMES = {
@@ -62,25 +81,6 @@ TORCHVISION_NAMES = {
   ('test', 'images'): 't10k-images-idx3-ubyte',
   ('test', 'labels'): 't10k-labels-idx1-ubyte',
 }
-
-
-def parse_budget(default: Dict[str, Any], pairs: List[str]) -> Dict[str, Any]:
-  """`default` with the `key=value` overrides, each converted to its default's type."""
-  budget = dict(default)
-  for pair in pairs:
-    key, sep, value = pair.partition('=')
-    if not sep or key not in budget:
-      raise app.UsageError(f'--budget: {pair!r} is not KEY=VALUE with KEY one of {sorted(budget)}')
-    kind = type(budget[key])
-    try:
-      budget[key] = kind(value)
-    except ValueError:
-      raise app.UsageError(f'--budget: {key} takes a {kind.__name__}, got {value!r}') from None
-  return budget
-
-
-def _read_json(path: pathlib.Path) -> Optional[Dict[str, Any]]:
-  return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -140,7 +140,9 @@ def run_reference(ref, method, out: pathlib.Path, seed: int, seed_dir: pathlib.P
     if result_path.is_file():
       continue
     raw = cwd / f'{stage}_recorded.json'
-    args = list(ref.stage_args(stage, ref.datasets[FLAGS.dataset], budget, seed, FLAGS.num_clients))
+    ref_seed = seed + FLAGS.reference_seed_offset
+    names = ref.datasets[FLAGS.dataset]
+    args = list(ref.stage_args(stage, names, budget, ref_seed, FLAGS.num_clients))
     cmd = [
       FLAGS.reference_python,
       str(ref.shim),
@@ -173,7 +175,7 @@ def run_jfed(method, seed: int, seed_dir: pathlib.Path, dataset, parts, budget) 
   if all(m in done for m in method.jfed_methods):
     return
   config = base_config()
-  config.seed = seed
+  config.seed = seed + FLAGS.jfed_seed_offset
   config.dataset.name = FLAGS.dataset
   config.dataset.data_dir = FLAGS.data_dir
   config.partition.num_clients = FLAGS.num_clients
@@ -209,7 +211,10 @@ def main(argv):
     raise app.UsageError(f'{ref.name} runs on {sorted(ref.datasets)}, not {FLAGS.dataset!r}')
   out = pathlib.Path(FLAGS.out).resolve()
   out.mkdir(parents=True, exist_ok=True)
-  budget = parse_budget(ref.default_budget, FLAGS.budget)
+  try:
+    budget = references.parse_budget(ref.default_budget, FLAGS.budget)
+  except ValueError as e:
+    raise app.UsageError(f'--budget: {e}') from None
   seeds = [int(s) for s in FLAGS.seeds]
   params_path = out / f'parity_{ref.name}_{FLAGS.method.partition(":")[2] or ref.name}.json'
   if FLAGS.side != 'table':
@@ -226,111 +231,22 @@ def main(argv):
         run_jfed(method, seed, seed_dir, dataset, parts, budget)
   text = render(out, ref, method, seeds, _read_json(params_path) or {})
   params_path.with_suffix('.md').write_text(text)
+  if FLAGS.publish:
+    publish(out, pathlib.Path(FLAGS.publish), params_path, seeds)
   print(text)
 
 
-# ---------------------------------------------------------------------------------------------
-# the table
-# ---------------------------------------------------------------------------------------------
-def seed_rows(out: pathlib.Path, ref, method, seeds: List[int]) -> Dict[int, Dict[str, Any]]:
-  """Per seed, name -> (jfed, reference), either None where that side has no such row; seeds
-  where a side has not finished are left out."""
-  from experiments.parity import jfed_side  # pylint: disable=g-import-not-at-top
-
-  rows: Dict[int, Dict[str, Any]] = {}
+def publish(out: pathlib.Path, dest: pathlib.Path, params_path: pathlib.Path, seeds) -> None:
+  """The table, its parameters and each seed's result files (small JSON) under `dest`."""
+  dest.mkdir(parents=True, exist_ok=True)
+  for path in (params_path, params_path.with_suffix('.md')):
+    (dest / path.name).write_bytes(path.read_bytes())
   for s in seeds:
-    d = out / f'seed{s}'
-    ours = _read_json(d / 'jfed.json')
-    stages = [_read_json(d / f'reference_{ref.name}_{st}.json') for st in method.stages]
-    if ours is None or any(r is None for r in stages):
-      continue
-    if not all(m in ours.get('methods', {}) for m in method.jfed_methods):
-      continue
-    ours['methods'] = {m: ours['methods'][m] for m in method.jfed_methods}
-    theirs: Dict[str, float] = {}
-    for r in stages:
-      theirs.update(r['rows'])
-    mine = jfed_side.rows(ours, dict(method.labels))
-    names = list(dict.fromkeys([*theirs, *mine]))
-    rows[s] = {n: (mine.get(n), theirs.get(n)) for n in names}
-  return rows
-
-
-def _cell(v: Optional[float]) -> str:
-  return '—' if v is None else f'{v:.2f}'
-
-
-def render(out: pathlib.Path, ref, method, seeds: List[int], params: Dict[str, Any]) -> str:
-  """The parity table of `out` as Markdown."""
-  flags_used = params.get('flags', {})
-  budget = params.get('budget', {})
-  rows = seed_rows(out, ref, method, seeds)
-  lines = [
-    f'# Parity: jfed against {ref.repository} ({flags_used.get("method")})',
-    '',
-    f'Dataset {flags_used.get("dataset")}, {flags_used.get("num_clients")} clients, partition '
-    f'`{flags_used.get("scheme")}` (alpha {flags_used.get("alpha")}) drawn by jfed and read by '
-    'both sides; every accuracy on the full test split, in %. Budget (both sides): '
-    + ', '.join(f'{k} {v}' for k, v in budget.items())
-    + '.',
-    '',
-    f'Regenerate: `python -m experiments.parity --side=table --method={flags_used.get("method")} '
-    '--out=<this folder>` (the flags used are in the parity_*.json beside this file).',
-    '',
-  ]
-  if not rows:
-    return '\n'.join(lines + ['No seed has both sides yet.', ''])
-  names = list(dict.fromkeys(n for row in rows.values() for n in row))
-  lines += [
-    '## Per seed',
-    '',
-    '| seed | row | jfed | reference | jfed − reference |',
-    '|---|---|---:|---:|---:|',
-  ]
-  for s, row in rows.items():
-    for name in names:
-      a, b = row.get(name, (None, None))
-      diff = f'{a - b:+.2f}' if a is not None and b is not None else ''
-      lines.append(f'| {s} | {name} | {_cell(a)} | {_cell(b)} | {diff} |')
-  lines += [
-    '',
-    f'## Over {len(rows)} seeds ({", ".join(str(s) for s in rows)})',
-    '',
-    f'Mean ± sample std. Paired by seed: "equivalent" when the equivalence test (two one-sided '
-    f'paired t-tests, TOST) at ±{stats.MARGIN:g} points rejects a larger difference at '
-    f'{stats.LEVEL:.0%}; "different" when the two-sided paired t-test rejects no difference at '
-    f'{stats.LEVEL:.0%}; "inconclusive" when neither does (more seeds are needed).',
-    '',
-    '| row | jfed | reference | mean difference | p (difference) | p (equivalence) | verdict |',
-    '|---|---:|---:|---:|---:|---:|---|',
-  ]
-  for name in names:
-    pairs = [row.get(name, (None, None)) for row in rows.values()]
-    a = [p[0] for p in pairs if p[0] is not None]
-    b = [p[1] for p in pairs if p[1] is not None]
-    if len(a) != len(pairs) or len(b) != len(pairs):
-      lines.append(f'| {name} | {stats.mean_std(a)} | {stats.mean_std(b)} | | | | one side only |')
-      continue
-    v = stats.paired_verdict(a, b)
-    lines.append(
-      f'| {name} | {stats.mean_std(a)} | {stats.mean_std(b)} | {v.mean_difference:+.2f} | '
-      f'{v.difference_p:.3f} | {v.equivalence_p:.3f} | {v.verdict} |'
-    )
-  curves = _curves(out, ref, list(rows))
-  if curves:
-    lines += ['', "## The reference clients' test accuracy by local epoch (plateau check)", '']
-    lines += curves
-  return '\n'.join(lines) + '\n'
-
-
-def _curves(out: pathlib.Path, ref, seeds: List[int]) -> List[str]:
-  lines = []
-  for s in seeds:
-    for path in sorted((out / f'seed{s}').glob(f'reference_{ref.name}_*.json')):
-      for k, c in enumerate(_read_json(path).get('client_curves', [])):
-        tail = ', '.join(f'{x:.1f}' for x in c[-5:])
-        lines.append(f'- seed {s}, client {k}: epoch 1 {c[0]:.1f}, last five epochs {tail}')
-  return lines
+    for path in sorted((out / f'seed{s}').glob('*.json')):
+      if path.name == 'partition.json':  # jfed redraws it from the seed
+        continue
+      (dest / f'seed{s}').mkdir(exist_ok=True)
+      (dest / f'seed{s}' / path.name).write_bytes(path.read_bytes())
 
 
 if __name__ == '__main__':

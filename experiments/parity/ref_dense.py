@@ -20,6 +20,8 @@ DEFAULT_BUDGET: Budget = {
   'local_epochs': 10,
   'local_lr': 0.01,
   'local_batch': 128,
+  # jfed's side: 'eval_after_first_epoch' is what the code does ('train': jfed's default)
+  'local_bn': 'eval_after_first_epoch',
   'kd_epochs': 30,  # README: 200
   'g_steps': 30,
   'synthesis_batch': 256,
@@ -92,6 +94,8 @@ def _local(b: Budget) -> Dict[str, Any]:
     'optimizer.momentum': 0.9,
     'optimizer.weight_decay': 0.0,
     'batch_size': b['local_batch'],
+    # LocalUpdate tests after every epoch, and `test` leaves the model in eval mode
+    'local_bn': b['local_bn'],
     'local.epochs': b['local_epochs'],
     'fedavg.rounds': 1,
     'fedavg.local_epochs': b['local_epochs'],

@@ -80,11 +80,27 @@ def local_rows(
   return rows
 
 
+def parse_budget(default: Budget, pairs: Sequence[str]) -> Budget:
+  """`default` with the `key=value` overrides, each converted to its default's type; ValueError
+  naming the pair otherwise."""
+  budget = dict(default)
+  for pair in pairs:
+    key, sep, value = pair.partition('=')
+    if not sep or key not in budget:
+      raise ValueError(f'{pair!r} is not KEY=VALUE with KEY one of {sorted(budget)}')
+    kind = type(budget[key])
+    try:
+      budget[key] = kind(value)
+    except ValueError:
+      raise ValueError(f'{key} takes a {kind.__name__}, got {value!r}') from None
+  return budget
+
+
 def registry() -> Dict[str, Reference]:
   """Every reference, by name (imported here so a reference module may import this one)."""
-  from experiments.parity import ref_dense  # pylint: disable=g-import-not-at-top
+  from experiments.parity import ref_coboosting, ref_dense, ref_fedcvae, ref_fedmho  # pylint: disable=g-import-not-at-top
 
-  refs = [ref_dense.REFERENCE]
+  refs = [r.REFERENCE for r in (ref_dense, ref_fedcvae, ref_coboosting, ref_fedmho)]
   return {r.name: r for r in refs}
 
 

@@ -53,6 +53,7 @@ from jfed.distill.pool import (
   pool_add,
   pool_gather,
   pool_init,
+  pool_reservoir_add,
   pool_sample,
   pool_size,
 )

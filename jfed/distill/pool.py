@@ -9,6 +9,10 @@ plus a counter, so adding a batch is a jittable scatter and the pool can live on
     pool = pool_add(pool, images, labels)                     # ring buffer once full
     x = pool_gather(pool, idx)                                # float32 in [0, 1]
 
+or, for a pool of bounded size, a uniform reservoir over the stream of added images:
+
+    pool, slots = pool_reservoir_add(pool, images, labels, key)  # Vitter's algorithm R
+
 `quantize=True` stores `floor(clip(x, 0, 1) · 255)` as uint8 (DENSE's `(imgs.clamp(0,1)*255)
 .astype('uint8')` before `Image.save`), and reads back /255.
 """
@@ -82,6 +86,47 @@ def pool_add(pool: ImagePool, images: jnp.ndarray, labels=None) -> ImagePool:
     labels=pool.labels.at[idx].set(jnp.asarray(labels, jnp.int32)),
     count=pool.count + n,
   )
+
+
+def pool_reservoir_add(pool: ImagePool, images: jnp.ndarray, labels, key: jax.Array):
+  """Add a batch to a uniform reservoir (jittable): Vitter's algorithm R over the stream of
+  every image ever added, `count` the images seen so far.
+
+  Image t of the stream (0-based) goes to slot t while t < capacity; after that it draws j
+  uniformly from [0, t] and replaces slot j if j < capacity, else is dropped. So after s images
+  the pool holds min(s, capacity) of them, every one kept with probability capacity / s, and
+  while the stream fits the pool does exactly what `pool_add` does. The batch is processed as
+  if its images came one after the other: where several draw the same slot, the last wins. The
+  draws depend only on `key` and `count`, so the same key on the same pool makes the same pool.
+
+  Args:
+    pool: The pool (its `count`: the images seen so far).
+    images: The batch [n, H, W, C], values in [0, 1]; n may exceed the capacity.
+    labels: Their generator target labels [n]; None stores -1.
+    key: PRNG key of the batch's draws.
+
+  Returns:
+    (pool, slots): the pool with the batch's kept images written and `count` increased by n;
+    the slot each image was written to, [n] int32 (the capacity where it was not kept).
+  """
+  n, capacity = images.shape[0], pool.capacity
+  t = pool.count + jnp.arange(n, dtype=jnp.int32)  # each image's index in the stream
+  draw = jax.random.randint(key, (n,), 0, t + 1, dtype=jnp.int32)  # uniform in [0, t]
+  slot = jnp.where(t < capacity, t, draw)
+  order = jnp.arange(n, dtype=jnp.int32)
+  # the last image of the batch that lands in each slot (-1: none); slot == capacity is dropped
+  last = jnp.full((capacity,), -1, jnp.int32).at[slot].max(order, mode='drop')
+  kept = (slot < capacity) & (last[jnp.minimum(slot, capacity - 1)] == order)
+  slots = jnp.where(kept, slot, capacity)
+  imgs = quantize_uint8(images) if pool.quantized else images.astype(pool.images.dtype)
+  if labels is None:
+    labels = jnp.full((n,), -1, jnp.int32)
+  pool = ImagePool(
+    images=pool.images.at[slots].set(imgs, mode='drop'),
+    labels=pool.labels.at[slots].set(jnp.asarray(labels, jnp.int32), mode='drop'),
+    count=pool.count + n,
+  )
+  return pool, slots
 
 
 def pool_size(pool: ImagePool) -> jnp.ndarray:

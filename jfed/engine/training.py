@@ -36,6 +36,7 @@ optimiser state untouched, so a padded client trains exactly as it would alone.
 """
 
 import concurrent.futures
+import copy
 import functools
 import math
 import os
@@ -214,6 +215,35 @@ def classification_objective(module, params, batch_stats, x, y, weights, key):
   return loss, (loss, correct, count, updates.get('batch_stats', batch_stats))
 
 
+# The clients' mode in local training (the run config's `local_bn`): 'train' every epoch, or
+# DENSE's LocalUpdate, eval mode from each local training's second epoch on.
+LOCAL_BN_MODES = ('train', 'eval_after_first_epoch')
+
+
+def eval_mode_objective(module, params, batch_stats, x, y, weights, key):
+  """`classification_objective` with the model in eval mode: BatchNorm normalises with its
+  running statistics and leaves them unchanged, dropout is off (PyTorch's `model.eval()` during
+  training; what DENSE's `LocalUpdate` does after its first epoch: `GroupTrainer`'s
+  `train_mode_epochs`).
+
+  Args:
+    module: The client's flax module.
+    params: Its parameters.
+    batch_stats: Its BatchNorm statistics (used, returned unchanged).
+    x: A batch of inputs, [B, H, W, C].
+    y: Integer labels [B] or label distributions [B, C].
+    weights: [B] sample weights (0 for padded rows).
+    key: Unused (no dropout in eval mode).
+
+  Returns:
+    As `LocalObjective`, with the batch statistics unchanged.
+  """
+  del key
+  logits = module.apply({'params': params, 'batch_stats': batch_stats}, x, train=False)
+  loss, correct, count = supervised_loss(logits, y, weights)
+  return loss, (loss, correct, count, batch_stats)
+
+
 def _tree_where(pred, new, old):
   return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
@@ -239,7 +269,29 @@ class GroupTrainer:
     mesh=None,
     objective: LocalObjective = classification_objective,
     loop_threads: Optional[int] = None,
+    train_mode_epochs: int = 0,
   ):
+    """Args:
+    module: the clients' flax module.
+    tx: their optimiser.
+    batch_size: the local batch size.
+    prox_mu: FedProx's proximal weight (0: plain local training).
+    strategy: the client map (`STRATEGIES`, or 'auto').
+    mesh: a 'clients' mesh to shard the group over, or None.
+    objective: the local loss (`LocalObjective`).
+    loop_threads: clients trained at once by the `loop` strategy (None: the backend's default).
+    train_mode_epochs: 0 (the default): every epoch in train mode. k > 0: the first k epochs of
+      each `train` call in train mode, the later ones in eval mode (`eval_mode_objective`:
+      running BatchNorm statistics, frozen; no dropout), as DENSE's `LocalUpdate` trains after
+      testing the model (`test` calls `model.eval()`) at the end of each epoch. Only with the
+      classification objective.
+    """
+    if train_mode_epochs < 0:
+      raise ValueError(f'train_mode_epochs must be >= 0, got {train_mode_epochs}')
+    if train_mode_epochs and objective is not classification_objective:
+      raise ValueError('train_mode_epochs > 0 needs the classification objective')
+    self.train_mode_epochs = int(train_mode_epochs)
+    self._eval_mode_trainer: Optional['GroupTrainer'] = None
     self.module = module
     self.objective = objective
     self.tx = tx
@@ -316,6 +368,7 @@ class GroupTrainer:
     progress: Optional[Callable[[int, int], None]] = None,
     client_ids=None,
     context: Any = None,
+    first_epoch: int = 0,
   ):
     """Trains every client of the group for `epochs` epochs over its own samples.
 
@@ -332,11 +385,17 @@ class GroupTrainer:
       client_ids: global ids of the group's clients (default 0..m-1).
       context: per-client values for the objective, a pytree stacked over the group's clients
         (leading axis m), or None (the objective is then called without `context`).
+      first_epoch: the index of the first epoch (its data order and keys): a call that goes on
+        from epoch k of another trains as the rest of one call would.
     Returns:
       (new stacked TrainState, TrainMetrics).
     """
     if self.prox_mu and anchor is None:
       raise ValueError('FedProx training (prox_mu > 0) needs the global parameters as anchor.')
+    if self.train_mode_epochs and epochs > self.train_mode_epochs:
+      return self._train_then_eval_mode(
+        state, fed, epochs, key, anchor, progress, client_ids, context, first_epoch
+      )
     m, n_max = fed.y.shape[:2]
     num_steps = max(1, math.ceil(int(np.max(fed.sizes)) / self.batch_size))
     if self.strategy == 'scan':
@@ -369,7 +428,7 @@ class GroupTrainer:
       if across_processes and anchor is not None:
         anchor = sharding.replicate_on_mesh(self.mesh, anchor)
     stats = []
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, first_epoch + epochs):
       if per_client_keys:
         epoch_keys = self._epoch_keys_each(key, epoch)
         orders = self._orders_each(epoch_keys, ids, sizes, n_max, padded_len)
@@ -393,7 +452,7 @@ class GroupTrainer:
         )
       stats.append(multihost.to_host(epoch_stats)[:m])
       if progress is not None:
-        progress(epoch + 1, epochs)
+        progress(epoch - first_epoch + 1, epochs)
     stats = np.stack(stats, axis=1) if stats else np.zeros((m, 0, 3))
     if self.strategy == 'loop' and across_processes:
       state, stats = _gather_process_blocks((state, stats), m)
@@ -404,6 +463,39 @@ class GroupTrainer:
       state = jax.tree.map(lambda a: a[:m], state)
     count = np.maximum(stats[..., 2], 1.0)
     return state, TrainMetrics(loss=stats[..., 0] / count, accuracy=stats[..., 1] / count)
+
+  def _train_then_eval_mode(
+    self, state, fed, epochs, key, anchor, progress, client_ids, context, first_epoch
+  ):
+    """`train` with `train_mode_epochs` epochs in train mode, then the rest in eval mode (one
+    optimiser state throughout, the epochs' data orders those of one call)."""
+    k = self.train_mode_epochs
+    if self._eval_mode_trainer is None:
+      self._eval_mode_trainer = GroupTrainer(
+        self.module,
+        self.tx,
+        self.batch_size,
+        prox_mu=self.prox_mu,
+        strategy=self.strategy,
+        mesh=self.mesh,
+        objective=eval_mode_objective,
+        loop_threads=self.loop_threads,
+      )
+    later = self._eval_mode_trainer
+    later.tx = self.tx  # a shared trainer's copy may carry another run's optimiser
+    common = dict(anchor=anchor, client_ids=client_ids, context=context)
+    first = None if progress is None else lambda done, _: progress(done, epochs)
+    rest = None if progress is None else lambda done, _: progress(k + done, epochs)
+    head = copy.copy(self)
+    head.train_mode_epochs = 0
+    state, m1 = head.train(state, fed, k, key, progress=first, first_epoch=first_epoch, **common)
+    state, m2 = later.train(
+      state, fed, epochs - k, key, progress=rest, first_epoch=first_epoch + k, **common
+    )
+    return state, TrainMetrics(
+      loss=np.concatenate([m1.loss, m2.loss], axis=1),
+      accuracy=np.concatenate([m1.accuracy, m2.accuracy], axis=1),
+    )
 
   def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor, context=None):
     # The loop runs only a client's own batches, each with a real sample, so it skips the

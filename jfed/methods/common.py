@@ -16,6 +16,7 @@ from jfed.api import RunContext
 from jfed.data import FederatedArrays, federate
 from jfed.engine import GroupTrainer, ModelState, attacks
 from jfed.engine.aggregation import Aggregator, make_aggregator
+from jfed.engine.training import LOCAL_BN_MODES
 from jfed.errors import ConfigError, JfedError, NonFiniteError
 from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
@@ -175,6 +176,17 @@ def sharing_client_programs(store: Dict[Any, Any]) -> Iterator[None]:
     _shared_trainers = previous
 
 
+def local_train_mode_epochs(local_bn: str, objective) -> int:
+  """`GroupTrainer`'s `train_mode_epochs` for the run's `local_bn`: 1 for DENSE's
+  'eval_after_first_epoch' with the classification objective, else 0 (train mode throughout;
+  other objectives, such as the CVAEs', keep it)."""
+  if local_bn not in LOCAL_BN_MODES:
+    raise ConfigError(f'local_bn must be one of {LOCAL_BN_MODES}, got {local_bn!r}')
+  if local_bn == 'eval_after_first_epoch' and objective is engine.classification_objective:
+    return 1
+  return 0
+
+
 def group_trainer(
   ctx: RunContext,
   module: nn.Module,
@@ -206,8 +218,16 @@ def group_trainer(
   """
   tx = engine.build_optimizer(spec, total_steps)
   strategy, mesh = ctx.run.strategy, ctx.mesh
+  train_mode_epochs = local_train_mode_epochs(ctx.run.local_bn, objective)
   fresh = lambda: GroupTrainer(
-    module, tx, batch_size, prox_mu=prox_mu, strategy=strategy, mesh=mesh, objective=objective
+    module,
+    tx,
+    batch_size,
+    prox_mu=prox_mu,
+    strategy=strategy,
+    mesh=mesh,
+    objective=objective,
+    train_mode_epochs=train_mode_epochs,
   )
   if _shared_trainers is None:
     return fresh()
@@ -221,6 +241,7 @@ def group_trainer(
     float(prox_mu),
     strategy,
     mesh,
+    train_mode_epochs,
   )
   try:
     shared = _shared_trainers.get(key)

@@ -26,6 +26,17 @@ distillation loop (`jfed.methods.oneshot`, whose docstring defines a round and a
    `kd_data='pool'` (default) distils on every image synthesised so far, one shuffled pass per
    epoch, as the DENSE-derived FL-SA code does; 'batch' takes the steps on this epoch's images
    only (Algorithm 1, lines 22–24, read literally).
+   `pool_limit=0` (default) keeps that pool unbounded, the paper's: at §4.1.5's budget it grows
+   by T_G · 256 = 7,680 images an epoch to 1.5 M images (1.2 GB as uint8), and epoch e's KD
+   pass takes 30·e steps. `pool_limit=N` bounds it to a uniform reservoir of N images (Vitter's
+   algorithm R over the stream of synthesised images, `jfed.distill.pool_reservoir_add`; its
+   draws from the epoch's key derive_key(SERVER, r, e), the reservoir and its count of images
+   seen are the checkpointed pool, so a resumed run makes the same draws). What that changes
+   from the paper: once more than N images have been synthesised, each KD epoch distils on a
+   uniform sample of N of them (each kept with probability N / seen) instead of all of them, so
+   an epoch takes ⌈N / kd_batch⌉ steps instead of a number growing with e: the same mixture of
+   early and late generator intermediates in expectation, far fewer student steps in all, and
+   the pool's memory and checkpoint bounded by N images. Needs kd_data='pool'.
    `generator='paper'` (default): §4.1.3's generator (`jfed.distill.FedHydraGenerator`,
    FC then 3 × [BN, LeakyReLU, ConvTranspose2d], Sigmoid), for MS and HASA; 'dense': DENSE's.
    `aggregation`: 'sa' (Eqs. 8–11), 'sa_inter' (without Eq. 8) or 'ae' (DENSE's average
@@ -122,6 +133,11 @@ class FedHydraOwnConfig(NamedTuple):
   kd_batch: int = 256
   kd_data: str = 'pool'
   kd_augment: str = 'none'
+  # 0: the KD pool keeps every synthesised image (the paper's unbounded pool); N > 0: a uniform
+  # reservoir of at most N images (Vitter's algorithm R over the stream of synthesised images;
+  # its draws from the run's keys), bounding the pool's memory and each KD epoch. Not the
+  # paper's: see the module docstring and docs/fedhydra.md, "A bounded KD pool".
+  pool_limit: int = 0
 
 
 # `config.fedhydra`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
@@ -288,9 +304,17 @@ def summary(c: FedHydraConfig, ctx: RunContext, aux, rd, state, history) -> Dict
     history: The records of every step of the run.
 
   Returns:
-    The aggregation, MS timing and per-client reliability.
+    The aggregation, the pool's limit and size, MS timing and per-client reliability.
   """
-  out = {'aggregation': c.aggregation, 'generator_reset': c.generator_reset}
+  pool = state.pool
+  out = {
+    'aggregation': c.aggregation,
+    'generator_reset': c.generator_reset,
+    'pool_limit': c.pool_limit,
+    'pool_capacity': int(pool.capacity),
+    # the pool's arrays, allocated whole when a round starts: its peak
+    'pool_bytes': int(pool.images.nbytes + pool.labels.nbytes),
+  }
   if rd.data is not None:
     ms, ids = rd.data.ms, np.asarray(rd.data.client_ids)
     out.update(
@@ -328,7 +352,11 @@ class FedHydra(oneshot.DistillationAlgorithm):
     super().validate(config)
     c, where = self.config, self.section
     tc.require_positive(c, where, ('adv_T', 'ms_T_G', 'ms_lr', 'ms_batch'))
-    tc.require_non_negative(c, where, ('lambda1', 'lambda2', 'beta', 'ms_chunk'))
+    tc.require_non_negative(c, where, ('lambda1', 'lambda2', 'beta', 'ms_chunk', 'pool_limit'))
+    tc.require(
+      not (c.pool_limit and c.kd_data == 'batch'),
+      f"{where}.pool_limit: a reservoir needs kd_data='pool' (kd_data='batch' keeps one epoch)",
+    )
     tc.require_choice(c.aggregation, AGGREGATIONS, f'{where}.aggregation')
     tc.require_choice(c.generator, GENERATOR_KINDS, f'{where}.generator')
     tc.require_choice(c.synthesis_keep, KEEP, f'{where}.synthesis_keep')

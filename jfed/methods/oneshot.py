@@ -27,7 +27,9 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
    generator every round.
 4. Epoch e (one driver step):
      a. synthesis (not FedDF): one `jfed.distill.synthesize` call (g_steps generator steps on
-        `synthesis_batch` images), its best batch and target labels are appended to the pool;
+        `synthesis_batch` images), its best batch and target labels are appended to the pool
+        (with `pool_limit` N > 0, FedHydra's: offered to a uniform reservoir of N images,
+        `jfed.distill.pool_reservoir_add`, its draws from the epoch's key);
      b. the recipe's `before_kd` hook (Co-Boosting: ensemble-weight update);
      c. distillation (`jfed.distill.kd_step`; on an accelerator `KD_BLOCK` steps per compiled
         call, `kd.run_kd_steps`): the student takes optimiser steps on KD batches
@@ -76,6 +78,7 @@ from jfed.distill import (
   make_generator,
   pool_add,
   pool_init,
+  pool_reservoir_add,
   pool_size,
   resolve_augment,
   student_state,
@@ -264,6 +267,7 @@ class Settings(NamedTuple):
   generator: str  # jfed.distill.GENERATORS: 'dense' | 'fedhydra'
   pool_quantize: bool
   steps_per_epoch: int  # kd_data='fixed': KD steps per epoch
+  pool_limit: int  # 0: the pool keeps every synthesised image; N > 0: a reservoir of N
 
 
 class ServerState(NamedTuple):
@@ -468,6 +472,7 @@ def base_settings(
     generator='dense',
     pool_quantize=get('pool_quantize', False),
     steps_per_epoch=0,
+    pool_limit=get('pool_limit', 0),
   )
   values.update(overrides)
   return Settings(**values)
@@ -506,6 +511,19 @@ def synthesis_common(config: Any, ctx: RunContext) -> dict:
     crop_padding=crop_padding(ctx.dataset.input_shape),
     strategy=teacher_strategy(ctx),
   )
+
+
+def _scattered_blocks(slots: np.ndarray, block: int, capacity: int) -> np.ndarray:
+  """Index blocks [k, block] that hold every one of `slots` at row slot % block, its row in its
+  aligned block, with as few blocks as the most frequent row needs; other rows hold `capacity`
+  (no slot: computed on the last slot's image, never written back)."""
+  rows = slots % block
+  order = np.argsort(rows, kind='stable')
+  rows, slots = rows[order], slots[order]
+  nth = np.arange(len(rows)) - np.searchsorted(rows, rows)  # the n-th slot at its row
+  out = np.full((int(nth.max()) + 1 if len(rows) else 0, block), capacity, np.int32)
+  out[nth, rows] = slots
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,6 +688,8 @@ class DistillationAlgorithm(Algorithm):
       # kd_data='batch' reads only the latest epoch's images: the ring buffer needs no more
       per_epoch = images_per_epoch(s.synthesis)
       capacity = per_epoch * (1 if s.kd_data == 'batch' else s.epochs)
+      if s.pool_limit:  # a reservoir: never more than pool_limit images
+        capacity = min(capacity, s.pool_limit)
       pool = pool_init(capacity, shape, quantize=s.pool_quantize)  # >= 1: validated sizes
     else:  # no synthesis (FedDF): a placeholder the state's structure needs, never filled
       pool = pool_init(1, shape)
@@ -804,6 +824,7 @@ class DistillationAlgorithm(Algorithm):
     key = ctx.derive_key(Purpose.SERVER, r, e)
     record: Dict[str, Any] = {}
     images = None
+    written = None  # a reservoir's (images seen before this epoch, slots written in it)
     if s.synthesis is not None:
       res = synthesize(
         aux.generator,
@@ -816,8 +837,16 @@ class DistillationAlgorithm(Algorithm):
         agg=self.recipe.synthesis_agg(state, rd),
         generator_state=state.generator if s.keep_generator else None,
       )
+      if s.pool_limit:
+        pool, slots = pool_reservoir_add(
+          state.pool, res.images, res.labels, jax.random.fold_in(key, 2)
+        )
+        slots = np.asarray(slots)
+        written = (int(state.pool.count), np.unique(slots[slots < pool.capacity]))
+      else:
+        pool = pool_add(state.pool, res.images, res.labels)
       state = state._replace(
-        pool=pool_add(state.pool, res.images, res.labels),
+        pool=pool,
         generator=res.generator if s.keep_generator else state.generator,
       )
       comps = np.asarray(res.components)[-1]
@@ -840,7 +869,7 @@ class DistillationAlgorithm(Algorithm):
     agg = self.recipe.kd_agg(state, rd)
     targets = None
     if self.recipe.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
-      targets = self._pool_targets(aux, r, pool, modules, t_states, agg)
+      targets = self._pool_targets(aux, r, pool, modules, t_states, agg, written)
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
     steps = idx.shape[0]
@@ -863,17 +892,32 @@ class DistillationAlgorithm(Algorithm):
     )
     return state._replace(student=ts), record, images
 
-  def _pool_targets(self, aux: DistillAux, r: int, pool, modules, t_states, agg):
+  def _pool_targets(self, aux: DistillAux, r: int, pool, modules, t_states, agg, written=None):
     """The teacher logits of every filled slot of `pool`, computing only the slots written
     since the last call of round r (all of them on a new round or after a resume).
 
     Slots are computed in aligned blocks of `kd_batch` (one compiled shape), so a slot's logits
     do not depend on when it was computed: a resumed run keeps the numbers of an uninterrupted
-    one.
+    one. `written`: a reservoir's (count before this epoch's images, the slots they went to);
+    None for the ring buffer, whose new images fill the slots after the cached count in order.
+    A reservoir's written slots lie scattered over the pool, so they are computed in blocks of
+    their own, each slot at its row of its aligned block (`_scattered_blocks`): the same
+    numbers for a few blocks instead of nearly every block of the pool.
     """
     count, capacity, block = int(pool.count), pool.capacity, aux.settings.kd_batch
     cached = aux.kd_targets
-    if cached is not None and cached.round == r and cached.count <= count:
+    valid = cached is not None and cached.round == r and cached.count <= count
+    if valid and written is not None:  # a reservoir on the pool the cache holds: its new slots
+      if cached.count == written[0]:
+        logits = cached.logits
+        for rows in _scattered_blocks(written[1], block, capacity):
+          idx = jnp.asarray(np.minimum(rows, capacity - 1), jnp.int32)
+          t = pool_teacher_logits(aux.settings.kd, modules, t_states, agg, pool, idx)
+          logits = logits.at[jnp.asarray(rows)].set(t, mode='drop')
+        aux.kd_targets = KDTargets(r, count, logits)
+        return logits
+      valid = False
+    if valid:
       new = min(count - cached.count, capacity)
       slots = (cached.count + np.arange(new)) % capacity
       logits = cached.logits

@@ -4,8 +4,8 @@ Executed by the reference's Python (torch, torchvision, kornia), never by jfed's
 nothing of jfed. The reference's files are not edited; this shim is the whole patch, applied
 when their modules load:
 
-- device: `Tensor.cuda` and `Module.cuda` return their receiver (the code calls `.cuda()`
-  everywhere and has no device flag);
+- device: where torch sees no GPU, `Tensor.cuda` and `Module.cuda` return their receiver (the
+  code calls `.cuda()` everywhere and has no device flag); on a GPU the code runs as written;
 - data path: torchvision's MNIST/FashionMNIST get `--data_root` instead of the hard-coded
   '/dataset' (`helpers/datasets.py:load_data`);
 - partition: `helpers.datasets.partition_data` returns the client index lists of `--partition`
@@ -65,7 +65,10 @@ def _cpu_only(torch):
 
 
 def _redirect_data_root(data_root):
-  from torchvision import datasets  # pylint: disable=g-import-not-at-top
+  try:
+    from torchvision import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:  # a reference that reads no torchvision dataset
+    return
 
   for cls in (datasets.MNIST, datasets.FashionMNIST):
     original = cls.__init__
@@ -92,7 +95,8 @@ def main():
   import torch  # pylint: disable=g-import-not-at-top
 
   _old_torch_names(torch)
-  _cpu_only(torch)
+  if not torch.cuda.is_available():
+    _cpu_only(torch)
   _redirect_data_root(ours.data_root)
   sys.path.insert(0, ours.ref_dir)
 
