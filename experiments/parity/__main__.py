@@ -28,7 +28,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Any, List
+from typing import List
 
 from absl import app, flags, logging
 import numpy as np
@@ -36,6 +36,7 @@ import numpy as np
 from experiments.parity import references
 from experiments.parity.tables import read_json as _read_json
 from experiments.parity.tables import render
+from jfed.workdir import atomic_write_bytes, atomic_write_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('method', None, 'What to compare: REFERENCE:METHOD, e.g. dense:fedavg.')
@@ -83,16 +84,15 @@ TORCHVISION_NAMES = {
 }
 
 
-def _write_json(path: pathlib.Path, value: Any) -> None:
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(json.dumps(value, indent=1))
-  os.replace(tmp, path)
-
-
 def load_dataset():
   from jfed.data import load_dataset as load  # pylint: disable=g-import-not-at-top
 
   return load(FLAGS.dataset, FLAGS.data_dir or None)
+
+
+def write_json(path: pathlib.Path, value) -> None:
+  """`value` as JSON, its keys in their order (the tables keep the order of the rows)."""
+  atomic_write_text(path, json.dumps(value, indent=1))
 
 
 def write_partition(seed_dir: pathlib.Path, labels: np.ndarray, seed: int) -> List[np.ndarray]:
@@ -108,7 +108,7 @@ def write_partition(seed_dir: pathlib.Path, labels: np.ndarray, seed: int) -> Li
       raise SystemExit(f'error: {path} holds another partition: use a new --out')
   else:
     seed_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(path, [p.tolist() for p in parts])
+    write_json(path, [p.tolist() for p in parts])
   return parts
 
 
@@ -125,8 +125,7 @@ def torchvision_root(out: pathlib.Path, folder: str) -> pathlib.Path:
       opener = gzip.open if src.suffix == '.gz' else open
       with opener(src, 'rb') as f:
         data = f.read()
-      dst.with_suffix('.tmp').write_bytes(data)
-      os.replace(dst.with_suffix('.tmp'), dst)
+      atomic_write_bytes(dst, data)
   return root
 
 
@@ -162,7 +161,7 @@ def run_reference(ref, method, out: pathlib.Path, seed: int, seed_dir: pathlib.P
       raise SystemExit(f'error: the reference exited with {rc}; see {cwd / f"{stage}.log"}')
     result = ref.read(stage, json.loads(raw.read_text()), FLAGS.num_clients, budget)
     result.update(seconds=time.time() - start, args=args)
-    _write_json(result_path, result)
+    write_json(result_path, result)
 
 
 def run_jfed(method, seed: int, seed_dir: pathlib.Path, dataset, parts, budget) -> None:
@@ -195,7 +194,7 @@ def run_jfed(method, seed: int, seed_dir: pathlib.Path, dataset, parts, budget) 
     method.jfed_local,
   )
   result['seconds'] = time.time() - start
-  _write_json(path, result)
+  write_json(path, result)
 
 
 def main(argv):
@@ -218,7 +217,7 @@ def main(argv):
   seeds = [int(s) for s in FLAGS.seeds]
   params_path = out / f'parity_{ref.name}_{FLAGS.method.partition(":")[2] or ref.name}.json'
   if FLAGS.side != 'table':
-    _write_json(params_path, {'flags': FLAGS.flag_values_dict(), 'budget': budget})
+    write_json(params_path, {'flags': FLAGS.flag_values_dict(), 'budget': budget})
     if FLAGS.side in ('both', 'reference') and not FLAGS.reference_dir:
       raise app.UsageError('--reference_dir is required to run the reference')
     dataset = load_dataset()

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Sequence
 import ml_collections
 import numpy as np
 
+from experiments.parity import references
 from jfed import driver, engine
 from jfed.api import make_context
 from jfed.data import Dataset
@@ -85,10 +86,13 @@ def rows(result: Dict[str, Any], labels: Dict[str, str]) -> Dict[str, float]:
   """The parity table's rows of one seed's `run_methods` result (names as the references')."""
   out: Dict[str, float] = {}
   if 'client_accuracy' in result:
-    out.update({f'client {k}': float(a) for k, a in enumerate(result['client_accuracy'])})
-    out['mean of the clients'] = float(np.mean(result['client_accuracy']))
-    out['teacher ensemble (mean logits)'] = float(result['ensemble_accuracy'])
-    out['FedAvg, uniform average'] = float(result['uniform_average_accuracy'])
+    out.update(
+      references.local_rows(
+        result['client_accuracy'],
+        result['ensemble_accuracy'],
+        result['uniform_average_accuracy'],
+      )
+    )
   for method, summary in result.get('methods', {}).items():
     label = labels.get(method, method)
     if method == 'fedavg':  # one round: final and best are one number
