@@ -49,7 +49,8 @@ import numpy as np
 import optax
 
 from jfed import driver, engine
-from jfed.data import class_count_table, load_dataset
+from jfed.api import load_run_dataset
+from jfed.data import class_count_table
 from jfed.data.datasets import Dataset
 from jfed.distill import TeacherGroup, stratified_aggregation
 from jfed.distill.ensemble import teacher_outputs
@@ -428,7 +429,7 @@ def main(argv):
       partition_config(base, partition)
     except ConfigError as e:
       raise app.UsageError(str(e)) from None
-  dataset = load_dataset(base.dataset.name, base.dataset.get('data_dir') or None)
+  dataset = load_run_dataset(base)
   if FLAGS.train_size:
     dataset = dataset._replace(
       train_x=dataset.train_x[: FLAGS.train_size], train_y=dataset.train_y[: FLAGS.train_size]

@@ -180,13 +180,30 @@ def _hfldd(seed: int, method: str) -> Chunk:
 # copies them there from PARITY_REFS) and run under the machine's python3, which has torch.
 PARITY_REF_ROOT = '.ref'
 PARITY_RUNS = (
-  # (reference, parity method, partition alpha, budget): FedHydra Table 1's Dir(0.5) cell at
-  # its §4.1.5 budget (E = 200, T_g = 200 epochs of T_G = 30 generator steps on 256 images)
-  ('dense', 'dense', 0.5, 'local_epochs=200,kd_epochs=200,g_steps=30,synthesis_batch=256'),
+  # (reference, parity method, partition alpha, budget, the harness's other flags)
+  # FedHydra Table 1's Dir(0.5) cell at its §4.1.5 budget (E = 200, T_g = 200 epochs of
+  # T_G = 30 generator steps on 256 images)
+  ('dense', 'dense', 0.5, 'local_epochs=200,kd_epochs=200,g_steps=30,synthesis_batch=256', ()),
+  # fl_pretrain.sh / co_boosting.sh: 100 local epochs, 200 distillation epochs (the code's set-up:
+  # 32x32, [-1, 1], through the adapter's options)
+  ('coboosting', 'coboosting', 0.5, 'local_epochs=100,kd_epochs=200', ()),
+  # FedMHO Table 7 (Fashion-MNIST): 200 local epochs, 40 CVAE epochs at the code's Adam 5e-2,
+  # 20 server epochs, 10 clients on FedDF's split
+  (
+    'fedmho',
+    'all',
+    0.5,
+    'local_epochs=200,cvae_epochs=40,cvae_lr=0.05,server_epochs=20',
+    ('--num_clients=10', '--scheme=feddf_dirichlet'),
+  ),
+  # the authors' Fashion-MNIST hyperparameters (onefedvae.txt: 25 CVAE epochs, 5,000 samples)
+  ('fedcvae', 'fedcvae_ens', 0.5, 'local_epochs=25', ('--scheme=fedcvae_dirichlet',)),
 )
 
 
-def _parity(reference: str, method: str, alpha: float, budget: str, seed: int) -> Chunk:
+def _parity(
+  reference: str, method: str, alpha: float, budget: str, flags: Sequence[str], seed: int
+) -> Chunk:
   group = f'parity_{reference}_{method}_fmnist_dir{alpha}_paper'
   return Chunk(
     alone=True,  # two processes (the reference's torch and jfed) share the GPU in turn
@@ -200,6 +217,7 @@ def _parity(reference: str, method: str, alpha: float, budget: str, seed: int) -
       f'--alpha={alpha}',
       f'--seeds={seed}',
       f'--budget={budget}',
+      *flags,
     ),
   )
 

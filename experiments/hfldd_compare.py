@@ -122,11 +122,11 @@ def round_transfers(cumulative: List[int]):
 
 def model_and_data_sizes(config):
   """(|w|, C, values per image) of the config's model and dataset, for the paper's formulas."""
-  from jfed.data import load_dataset
+  from jfed.api import load_run_dataset
   from jfed.methods.common import build_module
   from jfed.models.registry import param_count
 
-  ds = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  ds = load_run_dataset(config)
   module = build_module(config.model, ds)
   shapes = jax.eval_shape(
     lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, *ds.input_shape)), train=False)

@@ -16,6 +16,8 @@ and the seeded client partition.
 """
 
 import dataclasses
+import hashlib
+import json
 import pathlib
 from typing import (
   Any,
@@ -37,10 +39,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from jfed import typed_config
-from jfed.data import Dataset, load_dataset, make_partition
+from jfed import __version__, typed_config
+from jfed.data import Dataset, make_partition
 from jfed.data.partitions import partition_arguments
 from jfed.data.public import hold_out_train, holdout_size
+from jfed.data.transforms import configure, load_configured
 from jfed.engine import multihost
 from jfed.engine.aggregation import AggregationConfig
 from jfed.engine.attacks import AttackConfig
@@ -52,7 +55,7 @@ from jfed.errors import ConfigError
 from jfed.io import Checkpointer
 from jfed.io.scalars import LoggingConfig
 from jfed.keys import Purpose
-from jfed.workdir import jsonable
+from jfed.workdir import array_fingerprint, atomic_write_text, jsonable
 
 Record = Dict[str, Any]
 ConfigT = TypeVar('ConfigT')
@@ -66,6 +69,20 @@ BYTE_FIELDS = ('upload_bytes', 'download_bytes', 'peer_bytes')
 # ------------------------------------------------------------------------------------------------
 # what a method sees
 # ------------------------------------------------------------------------------------------------
+# The shared keys that cannot change a stage's result: where caches go, the evaluation batch,
+# the server's side of uploads (it acts after the stage), logging (`RunContext.producer`).
+_NOT_STAGE_INPUTS = (
+  'local_models_dir',
+  'local_cvaes_dir',
+  'eval_batch_size',
+  'aggregation',
+  'server',
+  'server_optimizer',
+  'logging',
+)
+_PRODUCER_FILE = 'producer.json'
+
+
 class RunContext:
   """Everything a method needs, built once by the driver.
 
@@ -100,6 +117,7 @@ class RunContext:
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     self.is_primary = multihost.is_primary()
     self._memo: Dict[Tuple[str, int], Any] = {}
+    self._data_digest: Optional[Tuple[str, str]] = None
 
   @property
   def num_clients(self) -> int:
@@ -120,6 +138,54 @@ class RunContext:
     processes other than the primary."""
     return None if self.workdir is None or not self.is_primary else self.workdir / name
 
+  def producer(self, name: str, settings: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """What a stage's result depends on, for a cache shared between runs: the stage, its own
+    `settings`, the data (fingerprint of the clients' training split and its normalisation),
+    the clients' index lists, and every shared key but those that cannot reach a stage (where
+    caches and files go, the evaluation batch, the server's handling of uploads, logging)."""
+    if self._data_digest is None:
+      d = self.dataset
+      lengths = np.asarray([len(p) for p in self.parts], np.int64)
+      self._data_digest = (
+        array_fingerprint(d.train_x, d.train_y),
+        array_fingerprint(lengths, *[np.asarray(p, np.int64) for p in self.parts]),
+      )
+    run = self.run._asdict()
+    for key in _NOT_STAGE_INPUTS:
+      run.pop(key)
+    run['dataset'] = {**run['dataset']._asdict(), 'data_dir': None}  # the fingerprint says
+    return jsonable(
+      {
+        'stage': name,
+        'settings': dict(settings or {}),
+        'data': {'fingerprint': self._data_digest[0], 'normalization': self.dataset.normalization},
+        'parts': self._data_digest[1],
+        'run': run,
+        'jfed_version': __version__,
+      }
+    )
+
+  def shared_cache_dir(
+    self, directory: str, name: str, settings: Optional[Mapping[str, Any]] = None
+  ) -> pathlib.Path:
+    """Where stage `name` of this run keeps its cache inside a shared `directory`
+    (`local_models_dir`, `local_cvaes_dir`): a folder named by the digest of its `producer`, so
+    runs that differ in anything the stage depends on (the seed, the partition, the data, the
+    clients' optimiser, ...) never read each other's results; its `producer.json` says what
+    made it."""
+    text = json.dumps(self.producer(name, settings), sort_keys=True, indent=1)
+    return pathlib.Path(directory) / hashlib.sha256(text.encode()).hexdigest()[:16]
+
+  def _open_shared_cache(
+    self, directory: str, name: str, settings: Optional[Mapping[str, Any]]
+  ) -> pathlib.Path:
+    path = self.shared_cache_dir(directory, name, settings)
+    if self.is_primary and not (path / _PRODUCER_FILE).exists():
+      path.mkdir(parents=True, exist_ok=True)
+      text = json.dumps(self.producer(name, settings), sort_keys=True, indent=1)
+      atomic_write_text(path / _PRODUCER_FILE, text + '\n')
+    return path
+
   def stage(
     self,
     name: str,
@@ -128,6 +194,7 @@ class RunContext:
     compute: Callable[[], Any],
     directory: Optional[str] = None,
     max_to_keep: int = 2,
+    settings: Optional[Mapping[str, Any]] = None,
   ) -> Any:
     """The result of a one-off stage, computed once per run and cached.
 
@@ -137,8 +204,11 @@ class RunContext:
         result with another tag is not reused.
       template: a pytree with the result's structure, shapes and dtypes (restore target).
       compute: produces the result when no cached one exists.
-      directory: read (and write) the cache there instead, e.g. `local_models_dir`.
+      directory: a cache shared between runs (e.g. `local_models_dir`) to read and write
+        instead, in the subfolder of this run's `shared_cache_dir`.
       max_to_keep: tags kept.
+      settings: the stage's own settings that its result depends on beyond the run's shared
+        keys (`producer`); they key a shared `directory`'s subfolder.
 
     Returns:
       The result, from the cache when the workdir (or `directory`) holds it.
@@ -150,7 +220,8 @@ class RunContext:
       result = compute()
     else:
       ckpt = Checkpointer(
-        pathlib.Path(directory) if directory else self.workdir / name, max_to_keep=max_to_keep
+        self._open_shared_cache(directory, name, settings) if directory else self.workdir / name,
+        max_to_keep=max_to_keep,
       )
       try:
         result = None
@@ -333,6 +404,12 @@ class DatasetSpec(NamedTuple):
   # training samples held out of every client (seeded), the source 'holdout' of the servers'
   # public, distillation and generator data; every method of a comparison sets the same size
   holdout_size: int = 0
+  # every split resized to image_size × image_size at load (bilinear, antialiased: torchvision's
+  # Resize); 0 keeps the files' size. Co-Boosting's and FedCVAE's codes resize to 32
+  image_size: int = 0
+  # 'none' | 'half': what every classifier applies to its input first, the data staying in
+  # [0, 1] (`jfed.data.transforms.NORMALIZATIONS`); 'half' is the [-1, 1] of Co-Boosting's code
+  normalization: str = 'none'
 
 
 class PartitionSpec(NamedTuple):
@@ -428,6 +505,8 @@ def parse_run_config(config: ml_collections.ConfigDict) -> RunConfig:
       typed_config.convert(dataset.get('name'), str, 'dataset.name'),
       str(dataset.get('data_dir') or ''),
       typed_config.convert(dataset.get('holdout_size', 0), int, 'dataset.holdout_size'),
+      typed_config.convert(dataset.get('image_size', 0), int, 'dataset.image_size'),
+      typed_config.convert(dataset.get('normalization', 'none'), str, 'dataset.normalization'),
     ),
     partition=partition,
     model=typed_config.convert(config.get('model'), str, 'model'),
@@ -462,6 +541,20 @@ def partition_clients(config: ml_collections.ConfigDict, labels: np.ndarray) -> 
   p = config.partition
   kwargs = {name: p[name] for name in partition_arguments(p.scheme) if name in p}
   return make_partition(labels, p.num_clients, p.scheme, config.seed, **kwargs)
+
+
+def _setup(config: ml_collections.ConfigDict) -> Tuple[int, str]:
+  """The config's `dataset.image_size` and `dataset.normalization` (their defaults if unset)."""
+  d = config.dataset
+  return int(d.get('image_size', 0) or 0), str(d.get('normalization', 'none') or 'none')
+
+
+def load_run_dataset(config: ml_collections.ConfigDict) -> Dataset:
+  """The config's dataset as its run sees it: `dataset.name` from `dataset.data_dir`, resized to
+  `dataset.image_size` with `dataset.normalization` recorded (cached)."""
+  return load_configured(
+    str(config.dataset.name), config.dataset.get('data_dir') or None, *_setup(config)
+  )
 
 
 def hold_out(config: ml_collections.ConfigDict, dataset: Dataset) -> Dataset:
@@ -509,6 +602,9 @@ def context_of_config(
 ) -> RunContext:
   """The run's context from its config alone: the dataset (loaded unless given), the seeded
   partition, and `make_context`'s keywords (workdir, client_transport)."""
-  dataset = dataset or load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  if dataset is None:
+    dataset = load_run_dataset(config)
+  else:  # a dataset loaded elsewhere, at the config's size and normalisation
+    dataset = configure(dataset, *_setup(config))
   dataset = hold_out(config, dataset)
   return make_context(config, dataset, partition_clients(config, dataset.train_y), **context)

@@ -39,6 +39,7 @@ from jfed.api import (  # the names a method stands on, re-exported for the driv
   RunSummary,
   context_of_config,
   hold_out,
+  load_run_dataset,
   make_context,
   partition_clients,
 )
@@ -46,7 +47,6 @@ from jfed.data import (
   Dataset,
   class_count_table,
   format_count_table,
-  load_dataset,
   unassigned_count,
 )
 from jfed.data.plots import plot_partition_bubbles
@@ -401,7 +401,7 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool, client_labe
     identity['client_label_counts'] = np.asarray(client_label_counts).tolist()
   identity = jsonable(identity)
   wd.check_identity(identity)
-  dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+  dataset = load_run_dataset(config)
   identity['dataset'] = {
     'name': dataset.name,
     'fingerprint': array_fingerprint(

@@ -14,6 +14,7 @@ from jfed import typed_config as tc
 from jfed.api import Algorithm, RunConfig, parse_run_config
 from jfed.cvae.clients import GENERATIVE_MODEL
 from jfed.data.partitions import available_schemes
+from jfed.data.transforms import NORMALIZATIONS
 from jfed.engine import aggregation, attacks
 from jfed.engine.aggregation import RULES
 from jfed.engine.optim import OPTIMIZERS
@@ -104,6 +105,9 @@ def validate_run_config(config: Any, method_section: Optional[str] = None) -> Ru
   )
   holdout = run.dataset.holdout_size
   tc.require(holdout >= 0, f'dataset.holdout_size must be >= 0, got {holdout}')
+  size = run.dataset.image_size
+  tc.require(size >= 0, f"dataset.image_size must be >= 0 (0: the files' size), got {size}")
+  tc.require_choice(run.dataset.normalization, NORMALIZATIONS, 'dataset.normalization')
   p = run.partition
   tc.require_choice(p.scheme, available_schemes(), 'partition.scheme')
   tc.require(p.num_clients >= 1, f'partition.num_clients must be positive, got {p.num_clients}')

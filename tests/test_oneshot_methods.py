@@ -156,6 +156,11 @@ def test_python_ms_equals_the_scan_forms():
     ('dense', {'dense.server_model': 'transformer'}, 'dense.server_model'),
     ('coboosting', {'coboosting.kd_schedule': 'cosine_steps'}, 'valid: constant, cosine'),
     ('coboosting', {'coboosting.kd_batch': 0}, 'coboosting.kd_batch must be positive'),
+    (
+      'coboosting',
+      {'coboosting.weight_update_order': 'after'},
+      "^coboosting.weight_update_order is 'after'; valid: before_batch, after_batch$",
+    ),
     ('feddf', {'feddf.eval_every': 0}, 'feddf.eval_every must be positive'),
     ('feddf', {'feddf.kd_optimizer': 'rmsprop'}, 'feddf.kd_optimizer'),
     ('fedhydra', {'fedhydra.aggregation': 'median'}, 'fedhydra.aggregation'),

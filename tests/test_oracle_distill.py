@@ -693,6 +693,12 @@ def crop_flip(x, u, padding):
   return torch.where(flip, x.flip(2), x)
 
 
+def normalized(x, half: bool):
+  """Co-Boosting's `Normalize((0.5,), (0.5,))` (`registry.py` `NORMALIZE_DICT`) where `half`
+  (`dataset.normalization='half'`): the reference's teachers and student read [−1, 1] inputs."""
+  return (x - 0.5) / 0.5 if half else x
+
+
 def ensemble(per_client, weights):
   if weights is None:
     return per_client.mean(0)
@@ -700,11 +706,12 @@ def ensemble(per_client, weights):
   return (w * per_client).sum(0) / (w.sum(0))
 
 
-def synthesis_oracle(ctx, aux, teachers, student, r, e, kind, c, weights=None):
+def synthesis_oracle(ctx, aux, teachers, student, r, e, kind, c, weights=None, half=False):
   """One generator epoch: DENSE `AdvSynthesizer.synthesize` / Co-Boosting `coboost.synthesize`.
   Fresh generator and z (jfed's draw), Adam([G, z], betas (0.5, 0.999)); per step the total
-  loss before the step; the lowest-loss G(z) is kept. `c`: the method's config section.
-  Returns (best images, targets)."""
+  loss before the step; the lowest-loss G(z) is kept. `c`: the method's config section; `half`:
+  the models read normalizer(G(z)), and the kept batch is G(z) (`coboost.py` un-normalises it
+  before the pool). Returns (best images, targets)."""
   batch = c.synthesis_batch
   key = jax.random.fold_in(ctx.derive_key(Purpose.SERVER, r, e), 0)
   g0, z0 = dense_generator_init(key, aux.generator, noise_batch=batch)
@@ -721,6 +728,7 @@ def synthesis_oracle(ctx, aux, teachers, student, r, e, kind, c, weights=None):
     if kind == 'dense':  # Co-Boosting feeds the un-augmented G(z)
       u = np.asarray(jax.random.uniform(keys[i], (3, batch)))
       xa = crop_flip(x, u, 1)
+    xa = normalized(xa, half)
     outs = [net(tp, ts, xa, False) for tp, ts in teachers]
     t = ensemble(torch.stack([o[0] for o in outs]), weights)
     s = net(sp, ss, xa, False)[0]
@@ -751,12 +759,13 @@ def synthesis_oracle(ctx, aux, teachers, student, r, e, kind, c, weights=None):
   return best_x.numpy(), y.numpy()
 
 
-def kd_oracle(ctx, teachers, student, opt, pool_x, r, e, lr, kind, c, weights=None):
+def kd_oracle(ctx, teachers, student, opt, pool_x, r, e, lr, kind, c, weights=None, half=False):
   """One KD pass over the whole pool (DENSE `kd_train`, Co-Boosting `cb_kd_train`): shuffled
   batches, the HFlip KD view, (Co-Boosting) the ODS step on the weighted teacher, KL at T
   × T² 'batchmean' against the (weighted) teacher, SGD(momentum) on the student in train mode.
   `c`: the method's config section (Co-Boosting's ODS step `odseta` is in its reference's
-  normalised units: × 0.5 in [0, 1] units)."""
+  normalised units: with `half` the pool images are normalised first, as the reference's loader
+  does, and moved by odseta; without, moved by odseta × 0.5 in [0, 1] units)."""
   params, stats = student
   for group in opt.param_groups:
     group['lr'] = lr
@@ -768,7 +777,7 @@ def kd_oracle(ctx, teachers, student, opt, pool_x, r, e, lr, kind, c, weights=No
     key = jax.random.fold_in(kd_key, b)
     x = pool[perm[b * c.kd_batch : (b + 1) * c.kd_batch]]
     u = np.asarray(jax.random.uniform(jax.random.fold_in(key, 0), (3, c.kd_batch)))
-    x = crop_flip(x, u, 0)
+    x = normalized(crop_flip(x, u, 0), half)
 
     def teacher(xx):
       return ensemble(torch.stack([net(tp, ts, xx, False)[0] for tp, ts in teachers]), weights)
@@ -781,7 +790,7 @@ def kd_oracle(ctx, teachers, student, opt, pool_x, r, e, lr, kind, c, weights=No
       )
       xx = x.clone().requires_grad_(True)
       (direction * F.softmax(teacher(xx) / c.ods_T, 1)).sum().backward()
-      x = (x + c.odseta * 0.5 * xx.grad.sign()).detach()
+      x = (x + c.odseta * (1.0 if half else 0.5) * xx.grad.sign()).detach()
     with torch.no_grad():
       t = teacher(x)
     out, mean, var = net(params, stats, x, True)
@@ -861,23 +870,43 @@ def test_dense_one_server_epoch(monkeypatch):
   }
 
 
-def test_coboosting_three_server_epochs(monkeypatch):
+@pytest.mark.parametrize(
+  'order,normalization',
+  [('before_batch', 'none'), ('after_batch', 'none'), ('before_batch', 'half')],
+)
+def test_coboosting_three_server_epochs(monkeypatch, order, normalization):
   """Co-Boosting from given client models, three epochs (the third synthesises against weights
   the second moved): hard-sample synthesis ((1 − p_y) · CE)
   against the per-client weighted ensemble, adversarial KL at T = 3 × 9 without a mask, the
   generator's gradient norm clipped to 10, un-augmented G(z); from epoch 2 on the ensemble
   weights take signed-gradient steps on CE over the labelled pool (w − mu · wdc^e · sign(g),
-  clipped to [0, 1] within ±1 of the epoch's start); the KD view of EVERY KD batch (not the
+  clipped to [0, 1] within ±1 of the epoch's start), the pool of the earlier epochs
+  ('before_batch': `coboost.py:synthesize` updates before `data_pool.add`) or with this
+  epoch's batch too ('after_batch'); the KD view of EVERY KD batch (not the
   stored pool) is moved by ODS along sign ∇_x Σ r ⊙ softmax(t_w(x)/4); the student takes
   SGD(momentum 0.9, wd 1e-4, grad clip 10) steps on KL_T=4 × 16 against the weighted teacher
-  with the learning rate of CosineAnnealingLR over the epochs."""
+  with the learning rate of CosineAnnealingLR over the epochs. `dataset.normalization='half'`:
+  the oracle works as the reference does, in [−1, 1] (normalizer(G(z)) before the models, the
+  pool normalised when read, the ODS step of odseta on the normalised image), jfed in [0, 1]
+  with models that normalise their input."""
   given_client_models(monkeypatch)
+  half = normalization == 'half'
   # Larger steps than the defaults, so that every mechanism moves the numbers by more than the
   # tolerance: weights that reach the [0, 1] bounds, a clipped generator gradient, a visible
   # ODS step.
   config = tiny_config(
-    coboosting=dict(SYNTHESIS, epochs=3, mu=0.2, wdc=0.9, g_grad_clip=0.05, odseta=0.5, kd_lr=0.1)
+    coboosting=dict(
+      SYNTHESIS,
+      epochs=3,
+      mu=0.2,
+      wdc=0.9,
+      g_grad_clip=0.05,
+      odseta=0.5,
+      kd_lr=0.1,
+      weight_update_order=order,
+    )
   )
+  config.dataset.normalization = normalization
   _, ctx, aux, states, history = run_steps('coboosting', config)
   c = config.coboosting
   teachers = client_models(aux.round_cache[1].local)
@@ -893,17 +922,22 @@ def test_coboosting_three_server_epochs(monkeypatch):
         for t, a in zip(leaves(params), jax.tree.leaves(states[e].student.model.params)):
           t.copy_(torch.tensor(np.asarray(a)))
       stats = to_torch(states[e].student.model.batch_stats)
-    best_x, labels = synthesis_oracle(ctx, aux, teachers, (params, stats), 1, e, 'coboosting', c, w)
+    best_x, labels = synthesis_oracle(
+      ctx, aux, teachers, (params, stats), 1, e, 'coboosting', c, w, half
+    )
     x, y = pool_images(state)
     np.testing.assert_array_equal(y[-len(labels) :], labels)
     np.testing.assert_allclose(x[-len(labels) :], quantised(best_x), atol=1.0 / 255 + 1e-6)
-    if e > 0:  # the ensemble-weight update over the whole labelled pool
+    if e > 0:  # the ensemble-weight update over the labelled pool
       w0 = w.clone()
+      n = len(x) - len(labels) if order == 'before_batch' else len(x)
       rng = np.random.default_rng((int(config.seed), 1, e, 7))
-      perm = rng.permutation(len(x))
+      perm = rng.permutation(n)
       with torch.no_grad():
-        per_client = torch.stack([net(tp, ts, torch.tensor(x), False)[0] for tp, ts in teachers])
-      for b in range(len(x) // c.kd_batch):
+        per_client = torch.stack(
+          [net(tp, ts, normalized(torch.tensor(x[:n]), half), False)[0] for tp, ts in teachers]
+        )
+      for b in range(n // c.kd_batch):
         idx = perm[b * c.kd_batch : (b + 1) * c.kd_batch]
         wv = w.clone().requires_grad_(True)
         F.cross_entropy(
@@ -914,7 +948,9 @@ def test_coboosting_three_server_epochs(monkeypatch):
       np.testing.assert_allclose(np.asarray(state.extra), w.numpy(), rtol=1e-6)
       assert history[e]['ensemble_weights'] == pytest.approx(w.numpy().tolist(), abs=1e-6)
     lr = 0.5 * c.kd_lr * (1 + math.cos(math.pi * e / c.epochs))
-    params, stats = kd_oracle(ctx, teachers, (params, stats), opt, x, 1, e, lr, 'coboosting', c, w)
+    params, stats = kd_oracle(
+      ctx, teachers, (params, stats), opt, x, 1, e, lr, 'coboosting', c, w, half
+    )
     # atol 1e-4: an ODS sign() of a near-zero input gradient may flip under float32 rounding
     assert_tree_close(state.student.model.params, to_numpy(params), atol=1e-4)
     assert_tree_close(state.student.model.batch_stats, to_numpy(stats))

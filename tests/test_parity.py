@@ -127,6 +127,31 @@ def test_dense_flags_carry_the_budget():
   assert over['local.epochs'] == over['fedavg.local_epochs'] == over['dense.local_epochs'] == 7
 
 
+def test_coboosting_overrides_take_the_codes_set_up_and_name_keys_the_config_has():
+  """Both Co-Boosting parity methods read the code's loaders: 32×32 (`registry.py`
+  `T.Resize((32, 32))`) in [−1, 1] (`NORMALIZE_DICT` mean = std = 0.5); Co-Boosting updates its
+  ensemble weights before the epoch's batch joins the pool (`coboost.py`). The keys are applied
+  as the harness applies them (`section.field`), those three to keys the config already has,
+  and the run config and the method accept the result."""
+  from experiments.configs.common import base_config
+  from experiments.parity import ref_coboosting
+  from jfed import api, driver
+
+  config = base_config()
+  assert {'image_size', 'normalization'} <= set(config.dataset)
+  assert 'weight_update_order' in config.coboosting
+  for name in ('fedavg', 'coboosting'):
+    over = ref_coboosting.REFERENCE.methods[name].jfed_overrides(ref_coboosting.DEFAULT_BUDGET)
+    assert over['dataset.image_size'] == 32 and over['dataset.normalization'] == 'half', name
+    for key, value in over.items():
+      section, _, field = key.rpartition('.')
+      (config[section] if section else config)[field] = value
+  assert config.coboosting.weight_update_order == 'before_batch'
+  run = api.parse_run_config(config).dataset
+  assert (run.image_size, run.normalization) == (32, 'half')
+  driver.build_algorithm('coboosting', config)
+
+
 def test_methods_are_named_reference_colon_method():
   ref, method = references.find_method('dense:fedavg')
   assert ref.name == 'dense' and method.jfed_methods == ('fedavg',)

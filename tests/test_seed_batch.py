@@ -185,7 +185,9 @@ def test_without_a_dataset_the_seeds_train_on_the_first_configs_dataset_from_its
   configs = [tiny_config(s, tmp_path / f'seed{s}', **{'dataset.data_dir': data_dir}) for s in SEEDS]
   loads, given = [], []
   monkeypatch.setattr(
-    seed_batch, 'load_dataset', lambda name, data_dir: loads.append((name, data_dir)) or digits
+    seed_batch.api,
+    'load_run_dataset',
+    lambda config: loads.append((config.dataset.name, config.dataset.data_dir)) or digits,
   )
   context_of_config = seed_batch.api.context_of_config
   monkeypatch.setattr(
@@ -441,7 +443,7 @@ def test_pretrain_cell_trains_the_seeds_whose_unfinished_runs_read_missing_model
 
 
 def test_pretrain_cell_trains_each_cell_apart_with_the_dataset_given_and_returns_every_batch(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, digits
 ):
   """Seeds 0-1 at one learning rate and 2-3 at another are two cells: two batches, each with the
   dataset handed in, and the result holds both batches' models."""
@@ -452,7 +454,7 @@ def test_pretrain_cell_trains_each_cell_apart_with_the_dataset_given_and_returns
     return [f'trained {c.seed}' for c in configs]
 
   monkeypatch.setattr(seed_batch, 'pretrain_local_models', fake)
-  dataset = object()
+  dataset = digits
   seeds = []
   for seed in range(4):
     c = tiny_config(seed, tmp_path / f'seed{seed}', **{'optimizer.lr': 0.1 if seed < 2 else 0.05})

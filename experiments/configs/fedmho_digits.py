@@ -46,8 +46,9 @@ Variants (comma-separated):
   fedcvae_kd as fedcvae with CVAE-small at latent 20, the CVAE-large's (FedCVAE-KD's server
              decoder, FedCVAE's v0 at latent 20, is fed every user's latents)
   fedcvae_v0 every client FedCVAE's own CVAE (v0, 32×32 with BatchNorm, latent 10 as the
-             reference's MNIST/Fashion-MNIST setting), a v0 server decoder for fedcvae_kd, and
-             ceh-2000/fed_cvae's server (`fedcvae.protocol='fed_cvae'`)
+             reference's MNIST/Fashion-MNIST setting), each from its own init, a v0 server
+             decoder for fedcvae_kd, and ceh-2000/fed_cvae's server (`fedcvae.protocol=
+             'fed_cvae'`) and classifier (`fedcvae_classifier`, on the 8×8 digits)
   baselines  VGG-9 and FedMHO's small CNN alternating (Table 1's FedAvg/FedDF/DENSE/Co-Boosting);
              the DENSE / Co-Boosting / FedDF server model is the VGG-9
   plateau    issue 36's mechanism budget: every classifier client (FedMHO's VGG-9, the baselines'
@@ -117,6 +118,7 @@ def get_config(arg: str = ''):
   c.fedcvae.update(
     {
       'protocol': 'fedmho',  # FedMHO's FEDCVAE row: its generation, filter and server
+      'same_init': True,  # and its one initial CVAE per architecture
       'cvae_epochs': m.cvae_epochs,
       'cvae_batch': m.cvae_batch,
       'num_synthetic': m.num_synthetic,
@@ -156,7 +158,11 @@ def get_config(arg: str = ''):
   if 'fedcvae_v0' in args:
     c.client_models = FEDCVAE_V0
     c.fedcvae.server_decoder = FEDCVAE_V0
-    c.fedcvae.protocol = 'fed_cvae'
+    # ceh-2000/fed_cvae's server, its classifier, and every user's CVAE from its own init (the
+    # images stay 8×8: the reference resizes to 32×32, dataset.image_size, a run-level key)
+    c.fedcvae.update(
+      {'protocol': 'fed_cvae', 'server_model': 'fedcvae_classifier', 'same_init': False}
+    )
   if 'baselines' in args:
     c.client_models = BASELINE_CLIENTS
   for a in args:

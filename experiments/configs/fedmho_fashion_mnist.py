@@ -69,11 +69,13 @@ def get_config(arg: str = ''):
     {'local_epochs': local_epochs, 'cvae_epochs': 40 if paper else 5, 'epochs': 20 if paper else 5}
   )
   # The FEDCVAE row as FedMHO's reference runs it: FedMHO's generation, filter and server (the
-  # same server steps as FedMHO's rows); CVAE-large at Adam 1e-3, CVAE-small at Table 7's 5e-2.
+  # same server steps as FedMHO's rows); CVAE-large at Adam 1e-3, CVAE-small at Table 7's 5e-2;
+  # one initial CVAE per architecture (FedMHO's master sends one model per arch).
   m = c.fedmho
   c.fedcvae.update(
     {
       'protocol': 'fedmho',
+      'same_init': True,
       'cvae_epochs': m.cvae_epochs,
       'cvae_lr': 1e-3,
       'cvae_small_lr': m.cvae_lr,

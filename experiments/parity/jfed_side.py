@@ -16,6 +16,7 @@ from experiments.parity import references
 from jfed import driver, engine
 from jfed.api import make_context
 from jfed.data import Dataset
+from jfed.data.transforms import configure
 from jfed.methods import common
 
 
@@ -53,7 +54,8 @@ def run_methods(
 
   Args:
     config: the whole run config (its partition section is ignored: `parts` is the split).
-    dataset: the loaded dataset, nothing held out.
+    dataset: the loaded dataset, nothing held out, at its files' size (the config's
+      `dataset.image_size` and `dataset.normalization` are applied here).
     parts: one index array into `dataset.train_x` per client.
     methods: registered jfed methods run after the local models, e.g. ('fedavg', 'dense').
     local_epochs: the clients' local epochs.
@@ -66,6 +68,8 @@ def run_methods(
   """
   config = ml_collections.ConfigDict(config)
   config.local_models_dir = str(local_models_dir)
+  # The reference's own set-up (resizing keeps the index lists valid)
+  dataset = configure(dataset, config.dataset.image_size, config.dataset.normalization)
   ctx = make_context(config, dataset, [np.asarray(p, np.int64) for p in parts])
   out: Dict[str, Any] = local_results(ctx, local_epochs) if with_local else {}
   summaries: Dict[str, Dict[str, Any]] = dict(done or {})

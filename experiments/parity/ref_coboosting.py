@@ -13,13 +13,20 @@ Both stages run in one working directory: `datafree_kd.py` loads the client mode
 `fl_pretrain.py` saved, by the identity `--fl_model` that names them (`fl_model` below).
 The partition arguments of `fl_pretrain.py` only name that file: the split is jfed's.
 
-Set-up differences jfed cannot switch off (its side runs on jfed's own data pipeline):
-- the reference resizes MNIST / FMNIST to 32x32 (`registry.py:98-107`, bilinear PIL `Resize`)
-  and normalises to [-1, 1] (`NORMALIZE_DICT`, mean = std = 0.5); jfed feeds the 28x28 images in
-  [0, 1] (`jfed/data/datasets.py`), so the CNNCifar there flattens 3x3x128 = 1152 features, not
-  4x4x128 = 2048, and the generator makes 28x28 images (32x32 in `datafree_kd.py:225`);
-- the released `cnn` takes 3-channel inputs; the shim gives it a 1-channel first convolution
-  (shims/coboosting_shim.py), which is what jfed's 'cnn_cifar' builds for a 1-channel dataset.
+The code's set-up, on jfed's side as options (both methods: the clients of `fl_pretrain.py` read
+the same loaders):
+- the reference resizes MNIST / FMNIST to 32x32 (`registry.py:82-107`, bilinear PIL `Resize`)
+  and normalises to [-1, 1] (`NORMALIZE_DICT`, mean = std = 0.5; the generator's output is
+  normalised before the models, `coboost.py:94`, and the KD loader normalises the pool):
+  `dataset.image_size=32` and `dataset.normalization='half'` (the data and G(z) stay in [0, 1],
+  the models normalise), so CNNCifar flattens 4x4x128 = 2048 features and the generator makes
+  32x32 images (`datafree_kd.py:201-202,225`), as the code's;
+- the ensemble weights are updated over the pool before the epoch's batch joins it
+  (`coboost.py:135-157`, before `data_pool.add` at line 162): `coboosting.weight_update_order=
+  'before_batch'`.
+Left as it is: the released `cnn` takes 3-channel inputs; the shim gives it a 1-channel first
+convolution (shims/coboosting_shim.py), which is what jfed's 'cnn_cifar' builds for a 1-channel
+dataset.
 """
 
 from typing import Any, Dict, Mapping
@@ -60,6 +67,8 @@ JFED_MODEL = 'cnn_cifar'  # the same CNNCifar (jfed/models/cnn.py)
 BETA, SIGMA = 0.5, 0.0  # fl_pretrain.py's defaults: they only name the saved file here
 LOCAL_GRAD_CLIP = 10.0  # fl_pretrain.py:23,64 (max_norm = 10)
 KD_GRAD_CLIP = G_GRAD_CLIP = 10.0  # datafree_kd.py:334, coboost.py:123
+IMAGE_SIZE = 32  # registry.py:84,89 (mnist), 99,104 (fmnist): T.Resize((32, 32))
+NORMALIZATION = 'half'  # registry.py:18-19 NORMALIZE_DICT: mean = std = 0.5 (mnist, fmnist)
 
 
 def fl_model(names: Mapping[str, str], b: Budget, seed: int, clients: int) -> str:
@@ -147,6 +156,8 @@ def read(stage: str, recorded: Mapping[str, Any], clients: int, b: Budget) -> Di
 
 def _local(b: Budget) -> Dict[str, Any]:
   return {
+    'dataset.image_size': IMAGE_SIZE,
+    'dataset.normalization': NORMALIZATION,
     'model': JFED_MODEL,
     'optimizer.name': 'sgd',
     'optimizer.lr': b['local_lr'],
@@ -185,6 +196,7 @@ def _coboosting(b: Budget) -> Dict[str, Any]:
     c + 'mu': b['mu'],
     c + 'wdc': b['wdc'],
     c + 'wa_steps': b['wa_steps'],
+    c + 'weight_update_order': 'before_batch',  # coboost.py: the update before data_pool.add
     c + 'odseta': b['odseta'] / 255,  # datafree_kd.py:144
     c + 'ods_T': 4.0,  # datafree_kd.py:314
     c + 'kd_T': b['kd_T'],

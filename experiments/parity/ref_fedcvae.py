@@ -36,11 +36,12 @@ DEFAULT_BUDGET: Budget = {
 BATCH = 32
 SERVER_LR = 1e-3
 BETA = 1.0
-# jfed has no model of fed_cvae's `models/classifier.py:Classifier` (Conv5×5 32, MaxPool2,
-# Conv5×5 64, MaxPool2, Linear 512, ReLU, Linear; no nonlinearity after the convs; 32×32
-# inputs); the nearest registered one: DENSE's CNNMnist (Conv5×5 pad 2, BN, ReLU, MaxPool2 ×2,
-# 16 and 32 channels) with a ReLU Linear(512) before the classifier.
-SERVER_MODEL = 'cnn_mnist:embed_dim=512'
+# fed_cvae's `models/classifier.py:Classifier` (Conv5×5 32, MaxPool2, Conv5×5 64, MaxPool2,
+# Linear 1600→512, ReLU, Linear; no nonlinearity after the convs): jfed's `fedcvae_classifier`.
+SERVER_MODEL = 'fedcvae_classifier'
+# The code resizes every split to 32×32 (`data.py:64,93`, `Resize(32)` on the tensors): the
+# classifier trains on 32×32 decoded images and is tested at 32×32.
+IMAGE_SIZE = 32
 # the shim's phases of the code's server tests: before the users train, after each classifier
 # epoch (the shim's), at the end (`Server.test`)
 PHASES = ('init', 'epoch', 'final')
@@ -99,6 +100,7 @@ def read(stage: str, recorded: Mapping[str, Any], clients: int, b: Budget) -> Di
 def _ens(b: Budget) -> Dict[str, Any]:
   return {
     'model': SERVER_MODEL,
+    'dataset.image_size': IMAGE_SIZE,
     'client_models': f'cvae:size=v0,latent={int(b["z_dim"])}',
     'batch_size': BATCH,
     'fedcvae.protocol': 'fed_cvae',
@@ -110,6 +112,7 @@ def _ens(b: Budget) -> Dict[str, Any]:
     'fedcvae.num_synthetic': b['classifier_samples'],
     'fedcvae.z_bound': b['z_bound'],
     'fedcvae.weight_by_share': True,
+    'fedcvae.same_init': False,  # every user its own CVAE (`--should_initialize_same_exp=0`)
     'fedcvae.server_model': SERVER_MODEL,
     'fedcvae.epochs': b['classifier_epochs'],
     'fedcvae.lr': SERVER_LR,

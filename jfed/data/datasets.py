@@ -180,6 +180,9 @@ class Dataset(NamedTuple):
       `jfed.data.public.hold_out_train`): the server's public or distillation data; None when
       nothing is held out.
     holdout_y: their labels.
+    normalization: what every classifier built for it applies to its input first
+      (`jfed.data.transforms.NORMALIZATIONS`; `dataset.normalization`): the arrays stay in
+      [0, 1], so generated images are normalised exactly as the real ones.
   """
 
   name: str
@@ -190,6 +193,7 @@ class Dataset(NamedTuple):
   num_classes: int
   holdout_x: Optional[np.ndarray] = None
   holdout_y: Optional[np.ndarray] = None
+  normalization: str = 'none'
 
   @property
   def input_shape(self) -> tuple:

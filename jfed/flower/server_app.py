@@ -23,7 +23,7 @@ import pathlib
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from jfed.data import load_dataset
+from jfed.api import load_run_dataset
 from jfed.driver import run_experiment
 from jfed.flower.settings import config_record, load_config, require_own_data, run_settings
 from jfed.flower.transport import FlowerTransport
@@ -50,7 +50,7 @@ def server_main(grid: Grid, context: Context) -> None:
   if settings.own_data:
     # The nodes' files must have the dataset's image shape and classes: the server's dataset,
     # whose test split it scores on, says which.
-    dataset = load_dataset(config.dataset.name, config.dataset.get('data_dir') or None)
+    dataset = load_run_dataset(config)
     counts = transport.describe(
       config.partition.num_clients, dataset.input_shape, dataset.num_classes
     )

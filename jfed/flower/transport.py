@@ -807,6 +807,7 @@ class NodeTrainer:
       classes,
       empty_x,  # nothing to hold out: the server holds any public data
       empty_y,
+      str(config.dataset.get('normalization', 'none') or 'none'),
     )
     self.ctx = make_context(config, dataset, parts)
     self._data_spec = (shape, classes)

@@ -8,17 +8,30 @@ Per distillation epoch e:
    clipped to 10; t = Σ_k w_k f_k / Σ_k w_k, the per-model weighted ensemble.
 2. ensemble-weight update (skipped at e = 0; `wa_steps` passes over the labelled pool): per pool
    batch g = ∇_w CE(t_w(x), y), w ← w − mu·wdc^e·sign(g), w ← clip(w₀ + clip(w − w₀, −1, 1), 0, 1)
-   with w₀ the weights at the start of the epoch (`coboosting_weight_update`).
+   with w₀ the weights at the start of the epoch (`coboosting_weight_update`). The pool it passes
+   over is `weight_update_order`'s: 'before_batch' (the default, the reference's
+   `coboost.py:synthesize`, which updates the weights before `data_pool.add` of the epoch's best
+   batch) the pool of epochs 0..e−1, 'after_batch' (jfed's former order) the pool with epoch e's
+   batch; synthesis of epoch e uses the weights of epoch e − 1 either way.
 3. KD over the whole pool with ODS: per batch x ← x + η·sign(∇_x Σ r ⊙ softmax(t_w(x)/4)),
    r ~ U(−1, 1)^{B×C}; loss KL_{T=4} 'batchmean' × T² against t_w; SGD(0.01, momentum 0.9,
    wd 1e-4), CosineAnnealingLR over the epochs ('cosine_epochs'), student gradient norm clipped
    to 10.
 
-Difference from the reference, by construction: Co-Boosting normalises inputs with
-mean = std = 0.5, but jfed clients train on raw [0, 1] inputs (DENSE convention, no Normalize),
-so teachers, student and generator all work in [0, 1]. The ODS step `odseta` is given in the
-reference's normalised units (8/255) and applied as odseta · 0.5 in [0, 1] units (the same
-perturbation of the same image).
+Input scale: Co-Boosting normalises inputs with mean = std = 0.5 (`registry.py`
+`NORMALIZE_DICT`); the generator makes [0, 1] images (Sigmoid) that it normalises before the
+teachers and un-normalises before the (PNG, uint8) pool, whose images the KD loader normalises
+again, and ODS perturbs those normalised pool images by `odseta` = 8/255 (`datafree_kd.py`,
+`cb_kd_train`). jfed's images (data, G(z), pool) stay in [0, 1] under either
+`dataset.normalization`: with 'none' (the default) the models read them as they are, with 'half'
+every classifier applies (x − 0.5) / 0.5 first, as the reference's transform does. ODS moves the
+[0, 1] image by odseta · 0.5 (`NORMALISED_STD`): with 'half' this is exactly the reference's step
+of odseta on the normalised image (x_n = 2x − 1: ∇_x = 2 ∇_{x_n} has the same sign, and a step
+of odseta/2 in x is a step of odseta in x_n); with 'none' it is the same perturbation of the same
+image in pixel terms. So the factor does not depend on the normalisation. The rest holds no scale:
+the pool quantises [0, 1] images either way (the reference un-normalises first), hard-sample
+mining and the adversarial KL read logits, and the BN-statistics loss compares each teacher's BN
+inputs, which come after the model's normalisation on both sides.
 
 Config (`config.coboosting`): the fields of `CoBoostingConfig`.
 """
@@ -39,6 +52,7 @@ from jfed.distill import (
   cross_entropy,
   epoch_batches,
   gather_batch,
+  images_per_epoch,
   teacher_groups,
   teacher_outputs,
 )
@@ -46,6 +60,7 @@ from jfed.methods import oneshot
 from jfed.methods.registry import register_method
 
 NORMALISED_STD = 0.5  # Co-Boosting's Normalize(0.5, 0.5): 1 unit in [0, 1] = 2 normalised units
+WEIGHT_UPDATE_ORDERS = ('before_batch', 'after_batch')
 
 
 class CoBoostingOwnConfig(NamedTuple):
@@ -73,6 +88,10 @@ class CoBoostingOwnConfig(NamedTuple):
   # Crop/flip G(z) before the teachers in synthesis. The reference (`coboost.py:synthesize`)
   # feeds normalizer(G(z)) unaugmented: False, the default, is the reference.
   synthesis_augment: bool = False
+  # The pool the epoch's ensemble-weight update passes over (`update_weights`): 'before_batch',
+  # the default, is the reference (`coboost.py:synthesize` updates before `data_pool.add`);
+  # 'after_batch' also passes over the batch synthesised this epoch (jfed's former order).
+  weight_update_order: str = 'before_batch'
 
 
 # `config.coboosting`: the shared blocks of jfed/methods/oneshot.py, then its own keys.
@@ -185,15 +204,35 @@ def teacher_ids(ctx: RunContext, aux, r: int, local, teachers) -> np.ndarray:
   return oneshot.teacher_client_ids(local)
 
 
+def pool_before_epoch(pool, added: int):
+  """The pool as it was before the epoch's `added` images were appended: a Co-Boosting pool
+  holds every epoch's batch (capacity epochs × batch, `DistillationAlgorithm.fresh_state`), so
+  `pool_add` wrote them to the slots [count − added, count) and the older ones fill the slots
+  below.
+
+  Args:
+    pool: The pool after the epoch's `pool_add`.
+    added: The images the epoch added.
+
+  Returns:
+    The same arrays with `count` less `added`.
+  """
+  count = int(pool.count)
+  if count > pool.capacity or added > count:
+    raise ValueError(f'a pool of {count} images in {pool.capacity} slots has no epoch of {added}')
+  return pool._replace(count=jnp.asarray(count - added, pool.count.dtype))
+
+
 def update_weights(c: CoBoostingConfig, ctx: RunContext, aux, rd, state, r: int, e: int):
-  """From the second epoch on, `wa_steps` passes of ensemble-weight updates over the pool.
+  """From the second epoch on, `wa_steps` passes of ensemble-weight updates over the pool
+  (without the epoch's batch under `weight_update_order='before_batch'`, the reference's).
 
   Args:
     c: Co-Boosting's config.
     ctx: The run context (dataset, clients, run config, stage cache).
     aux: The run-level state built in `setup`.
     rd: The round's uploads, teachers and client ids.
-    state: The server state after synthesis.
+    state: The server state after synthesis (its pool holds the epoch's batch).
     r: The round, from 1.
     e: The epoch within the round, from 0.
 
@@ -205,9 +244,12 @@ def update_weights(c: CoBoostingConfig, ctx: RunContext, aux, rd, state, r: int,
   modules = tuple(t.module for t in rd.teachers)
   t_states = tuple(t.states for t in rd.teachers)
   w = w_orig = state.extra
+  pool = state.pool
+  if c.weight_update_order == 'before_batch':
+    pool = pool_before_epoch(pool, images_per_epoch(aux.settings.synthesis))
   rng = np.random.default_rng((int(ctx.run.seed), r, e, 7))
   for _ in range(c.wa_steps):
-    idx, mask = epoch_batches(state.pool, rng, aux.settings.kd_batch)
+    idx, mask = epoch_batches(pool, rng, aux.settings.kd_batch)
     for b in range(idx.shape[0]):
       w = weight_step(
         aux.settings.kd.strategy,
@@ -215,7 +257,7 @@ def update_weights(c: CoBoostingConfig, ctx: RunContext, aux, rd, state, r: int,
         t_states,
         w,
         w_orig,
-        *gather_batch(state.pool, jnp.asarray(idx[b])),
+        *gather_batch(pool, jnp.asarray(idx[b])),
         jnp.asarray(mask[b]),
         c.mu,
         c.wdc,
@@ -267,6 +309,9 @@ class CoBoosting(oneshot.DistillationAlgorithm):
       c, self.section, ('bn', 'oh', 'adv', 'hs', 'g_grad_clip', 'mu', 'wa_steps', 'odseta')
     )
     tc.require_positive(c, self.section, ('adv_T', 'ods_T', 'wdc'))
+    tc.require_choice(
+      c.weight_update_order, WEIGHT_UPDATE_ORDERS, f'{self.section}.weight_update_order'
+    )
     # A per-step cosine needs the run's KD steps in advance; the synthetic pool grows every
     # epoch, so its epochs have ever more steps and the shared loop cannot count them.
     tc.require(

@@ -14,6 +14,7 @@ import numpy as np
 from jfed import engine
 from jfed.api import RunContext
 from jfed.data import FederatedArrays, federate
+from jfed.data.transforms import NORMALIZATIONS
 from jfed.engine import GroupTrainer, ModelState, attacks
 from jfed.engine.aggregation import Aggregator, make_aggregator
 from jfed.engine.training import LOCAL_BN_MODES
@@ -21,6 +22,7 @@ from jfed.errors import ConfigError, JfedError, NonFiniteError
 from jfed.io import ModelUpload, UploadError, serialized_nbytes, validate_model_upload
 from jfed.keys import Purpose
 from jfed.models import get_model
+from jfed.models.normalized import InputNormalized
 from jfed.reporting import Progress
 from jfed.run_config import (  # the shared sections' readers, where methods have found them
   clients_per_round,
@@ -54,9 +56,19 @@ def parse_model_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
   return name, kwargs
 
 
+def with_input_normalization(module: nn.Module, dataset) -> nn.Module:
+  """`module` normalising its input as `dataset.normalization` says (itself for 'none')."""
+  stats = NORMALIZATIONS[getattr(dataset, 'normalization', 'none')]
+  return module if stats is None else InputNormalized(module, *stats)
+
+
 def build_module(spec: str, dataset) -> nn.Module:
+  """The classifier of model spec `spec` ('name:key=value,...') for `dataset`'s shape, classes
+  and input normalisation."""
   name, kwargs = parse_model_spec(spec)
-  return get_model(name, dataset.num_classes, dataset.input_shape, **kwargs)
+  return with_input_normalization(
+    get_model(name, dataset.num_classes, dataset.input_shape, **kwargs), dataset
+  )
 
 
 def client_model_specs(ctx: RunContext) -> List[str]:
@@ -539,6 +551,12 @@ class LocalModels(NamedTuple):
   upload_bytes: int
 
 
+def local_models_settings(client_ids: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+  """The settings of the 'local_models' stage beyond the run's shared keys (what keys its
+  subfolder of a shared `local_models_dir`, `RunContext.shared_cache_dir`)."""
+  return {'client_ids': None if client_ids is None else sorted(int(k) for k in client_ids)}
+
+
 def local_models(
   ctx: RunContext,
   epochs: int,
@@ -586,7 +604,12 @@ def local_models(
     return list(models)
 
   models = ctx.stage(
-    'local_models', epochs, list(init), train, directory=ctx.run.local_models_dir or None
+    'local_models',
+    epochs,
+    list(init),
+    train,
+    directory=ctx.run.local_models_dir or None,
+    settings=local_models_settings(client_ids),
   )
   upload_bytes = receive_uploads(groups, models, [engine.take(m, 0) for m in init])
   return LocalModels(groups, list(models), upload_bytes)

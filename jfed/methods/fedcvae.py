@@ -6,6 +6,9 @@ from the uploaded decoders and trains a classifier from scratch on it, in one ro
 Clients: every client's spec must be `cvae[:size=..]` (FedMHO Table 1: CVAE-large and
 CVAE-small); each trains Eq. 3 for `cvae_epochs` (`jfed.methods.generative`) and uploads its
 decoder and class counts (its data share n_k / N follows from the counts of all uploads).
+`same_init` False (default): every client's CVAE starts from its own random init, as the
+reference's users (`--should_initialize_same_exp=0`); True: the clients of a spec from one init
+(FedMHO's reference; `generative.init_cvaes` gives the keys).
 
 Server (setup): decoder k generates n_k = int(share_k · N_syn) samples (`weight_by_share`,
 reference default; else N_syn / K), the last client (highest id) the remainder; labels
@@ -67,6 +70,10 @@ class FedCVAEConfig(NamedTuple):
   protocol: str = 'fed_cvae'
   clean_rate: float = 0.8
   cvae_small_lr: float = 0.0  # > 0: CVAE-small clients' own Adam lr (FedMHO's reference: 5e-2)
+  # False: every client's CVAE from its own init (ceh-2000/fed_cvae's default
+  # --should_initialize_same_exp=0); True: the clients of a CVAE spec from one init (FedMHO's
+  # reference, one initial model per architecture; jfed's old behaviour)
+  same_init: bool = False
 
 
 PROTOCOLS = ('fed_cvae', 'fedmho')
@@ -179,7 +186,14 @@ def train_local_cvaes(ctx: RunContext, c: FedCVAEConfig) -> generative.LocalCVAE
   return generative.local_cvaes(
     ctx,
     generative.CVAESettings(
-      c.cvae_epochs, c.cvae_optimizer, c.cvae_lr, c.cvae_batch, c.cvae_recon, 1.0, c.cvae_small_lr
+      c.cvae_epochs,
+      c.cvae_optimizer,
+      c.cvae_lr,
+      c.cvae_batch,
+      c.cvae_recon,
+      1.0,
+      c.cvae_small_lr,
+      c.same_init,
     ),
   )
 

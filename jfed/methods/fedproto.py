@@ -304,7 +304,9 @@ class FedProto(Algorithm):
     if self.config.embed_dim:
       kwargs['embed_dim'] = self.config.embed_dim
     try:
-      return get_model(name, dataset.num_classes, dataset.input_shape, **kwargs)
+      return common.with_input_normalization(
+        get_model(name, dataset.num_classes, dataset.input_shape, **kwargs), dataset
+      )
     except TypeError as e:
       raise ConfigError(
         f'fedproto.embed_dim={self.config.embed_dim}: model {spec!r} has no embed_dim option ({e})'
@@ -323,10 +325,13 @@ class FedProto(Algorithm):
       module = plain[spec]
       if dims[spec] == width:
         return module
-      if hasattr(module, 'widths'):  # ResNet: the pooled last stage is the feature
-        return module.clone(widths=tuple(module.widths[:-1]) + (width,))
-      if getattr(module, 'hidden', ()):  # MLP / CNN with FC layers: the last hidden layer
-        return module.clone(hidden=tuple(module.hidden[:-1]) + (width,))
+      inner = getattr(module, 'inner', module)  # under `dataset.normalization`'s wrapper
+      if hasattr(inner, 'widths'):  # ResNet: the pooled last stage is the feature
+        widened = inner.clone(widths=tuple(inner.widths[:-1]) + (width,))
+        return common.with_input_normalization(widened, dataset)
+      if getattr(inner, 'hidden', ()):  # MLP / CNN with FC layers: the last hidden layer
+        widened = inner.clone(hidden=tuple(inner.hidden[:-1]) + (width,))
+        return common.with_input_normalization(widened, dataset)
       raise ConfigError(
         f'fedproto.widest_features: model {spec!r} has no layer to widen to the feature width '
         f'{width} of the other clients; set fedproto.embed_dim > 0'

@@ -37,6 +37,9 @@ class CVAESettings(NamedTuple):
   recon: str  # 'bce' | 'mse'
   beta: float
   small_lr: float = 0.0  # CVAE-small groups' lr (0: `lr`); FedMHO's reference: 5e-2 vs 1e-3
+  # True: the clients of a CVAE spec start from one init (FedMHO's reference: one initial model
+  # per architecture); False: each client its own (ceh-2000/fed_cvae's users, `init_cvaes`)
+  same_init: bool = True
 
 
 def group_lr(module, s: CVAESettings) -> float:
@@ -68,17 +71,45 @@ def cvae_groups(ctx: RunContext) -> List[common.ClientGroup]:
   return common.client_groups(ctx, split_clients(ctx)[1], build=build_cvae_spec)
 
 
-def init_cvaes(ctx: RunContext, groups: Sequence[common.ClientGroup]) -> List[ModelState]:
-  """Every CVAE of a group starts from one init (keyed by the spec's index among all specs)."""
+def init_cvaes(
+  ctx: RunContext, groups: Sequence[common.ClientGroup], same_init: bool = True
+) -> List[ModelState]:
+  """The CVAE clients' initial models, stacked per group.
+
+  The key of a spec is derive_key(MODEL_INIT, the spec's index among all specs). `same_init`:
+  every CVAE of the group starts from that key's init (FedMHO's reference sends one initial
+  model per architecture); else client k starts from the init of fold_in(that key, k), k its
+  global id (ceh-2000/fed_cvae builds every user's CVAE from its own draw,
+  `--should_initialize_same_exp=0`).
+
+  Args:
+    ctx: The run context (dataset, clients, run config, stage cache).
+    groups: The CVAE client groups.
+    same_init: One init per group (True) or one per client (False).
+
+  Returns:
+    One ModelState per group, its leaves stacked over the group's clients.
+  """
   all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+  shape = ctx.dataset.input_shape
   out = []
   for g in groups:
     key = ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
     try:
-      init = cvae_clients.init_cvae(g.module, ctx.dataset.input_shape, key)
+      if same_init:
+        init = engine.replicate(
+          engine.commit(cvae_clients.init_cvae(g.module, shape, key)), len(g.client_ids)
+        )
+      else:
+        init = engine.stack(
+          [
+            cvae_clients.init_cvae(g.module, shape, jax.random.fold_in(key, int(k)))
+            for k in g.client_ids
+          ]
+        )
     except ValueError as e:  # e.g. CVAE-large on images whose sides are not multiples of 4
       raise ConfigError(f'client model {g.spec!r}: {e}') from None
-    out.append(engine.replicate(engine.commit(init), len(g.client_ids)))
+    out.append(engine.commit(init))
   return out
 
 
@@ -96,7 +127,9 @@ def cvae_trainers(ctx: RunContext, groups: Sequence[common.ClientGroup], s: CVAE
   """
   specs = [engine.OptimizerSpec(s.optimizer, group_lr(g.module, s)) for g in groups]
   if ctx.client_transport is not None:
-    recipe = {'kind': 'cvae', 'upload': 'decoder', **s._asdict()}
+    # the nodes train from the server's initial models (`init_cvaes`): same_init is not theirs
+    settings = {k: v for k, v in s._asdict().items() if k != 'same_init'}
+    recipe = {'kind': 'cvae', 'upload': 'decoder', **settings}
     return [
       ctx.client_transport.trainer(g.spec, engine.build_optimizer(spec), recipe, ctx.client_sizes)
       for g, spec in zip(groups, specs)
@@ -131,9 +164,12 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
 
   A client whose CVAE diverged (a non-finite decoder; Table 7's Adam 5e-2 does this now and then
   on Fashion-MNIST) sends nothing the server can use: it is excluded, with a warning, instead of
-  failing the run, and the others' uploads are received as usual."""
+  failing the run, and the others' uploads are received as usual.
+
+  The stage is cached under 'local_cvaes' in the workdir, or in `local_cvaes_dir` in the
+  subfolder of the run and of `s` (`RunContext.shared_cache_dir`), tagged by the epochs."""
   groups = cvae_groups(ctx)
-  init = init_cvaes(ctx, groups)
+  init = init_cvaes(ctx, groups, s.same_init)
 
   def train():
     trainers = cvae_trainers(ctx, groups, s)
@@ -158,6 +194,7 @@ def local_cvaes(ctx: RunContext, s: CVAESettings) -> LocalCVAEs:
     list(init),
     train,
     directory=ctx.run.local_cvaes_dir or None,
+    settings=s._asdict(),
   )
   uploads, excluded = [], []
   for g, m, i in zip(groups, models, init):

@@ -30,7 +30,8 @@ epoch e = i mod epochs (0-based) of round r = i div epochs + 1.
         `synthesis_batch` images), its best batch and target labels are appended to the pool
         (with `pool_limit` N > 0, FedHydra's: offered to a uniform reservoir of N images,
         `jfed.distill.pool_reservoir_add`, its draws from the epoch's key);
-     b. the recipe's `before_kd` hook (Co-Boosting: ensemble-weight update);
+     b. the recipe's `before_kd` hook (Co-Boosting: ensemble-weight update, by default over the
+        pool without the batch just added, `coboosting.weight_update_order`);
      c. distillation (`jfed.distill.kd_step`; on an accelerator `KD_BLOCK` steps per compiled
         call, `kd.run_kd_steps`): the student takes optimiser steps on KD batches
         — the whole pool in shuffled batches (`kd_data='pool'`, DENSE), only the batch

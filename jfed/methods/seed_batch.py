@@ -27,7 +27,7 @@ import numpy as np
 
 from jfed import api, engine
 from jfed.api import RunContext
-from jfed.data import Dataset, FederatedArrays, load_dataset
+from jfed.data import Dataset, FederatedArrays
 from jfed.engine import ModelState
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.io import saved_steps
@@ -220,10 +220,11 @@ def train_seeds(
   return out
 
 
-def cached(directory: str, epochs: int) -> bool:
-  """Whether a `local_models_dir` holds the local models of `epochs` local epochs (the tag
-  `common.local_models` restores)."""
-  return int(epochs) in saved_steps(directory)
+def cached(ctx: RunContext, epochs: int, client_ids: Optional[Sequence[int]] = None) -> bool:
+  """Whether the run's `local_models_dir` holds its local models of `epochs` local epochs (the
+  subfolder and tag `common.local_models` restores)."""
+  settings = common.local_models_settings(client_ids)
+  return int(epochs) in saved_steps(ctx.shared_cache_dir(ctx.run.local_models_dir, STAGE, settings))
 
 
 def pretrain_local_models(
@@ -250,16 +251,20 @@ def pretrain_local_models(
   check_one_cell(configs)
   if int(epochs) < 1:
     raise ConfigError(f'local epochs must be positive, got {epochs}')
-  pending = [i for i, c in enumerate(configs) if not cached(c.local_models_dir, epochs)]
+  dataset = dataset or api.load_run_dataset(configs[0])
+  all_contexts = [api.context_of_config(c, dataset) for c in configs]
+  pending = [i for i, ctx in enumerate(all_contexts) if not cached(ctx, epochs, client_ids)]
   if pending:
-    if dataset is None:
-      c = configs[0]
-      dataset = load_dataset(c.dataset.name, c.dataset.get('data_dir') or None)
-    contexts = [api.context_of_config(configs[i], dataset) for i in pending]
+    contexts = [all_contexts[i] for i in pending]
     for ctx, models in zip(contexts, train_seeds(contexts, epochs, client_ids)):
       template = common.init_group_models(ctx, common.client_groups(ctx, client_ids))
       ctx.stage(
-        STAGE, epochs, list(template), lambda m=models: m, directory=ctx.run.local_models_dir
+        STAGE,
+        epochs,
+        list(template),
+        lambda m=models: m,
+        directory=ctx.run.local_models_dir,
+        settings=common.local_models_settings(client_ids),
       )
   return [
     SeedLocalModels(int(c.seed), str(c.local_models_dir), i in pending)
@@ -305,7 +310,8 @@ def pretrain_cell(
       wanted.setdefault((epochs, _cell_signature(config)), []).append(config)
   done: List[SeedLocalModels] = []
   for (epochs, _), configs in wanted.items():
-    pending = [c for c in configs if not cached(c.local_models_dir, epochs)]
+    dataset = dataset or api.load_run_dataset(configs[0])
+    pending = [c for c in configs if not cached(api.context_of_config(c, dataset), epochs)]
     if len(pending) >= 2:
       done += pretrain_local_models(pending, epochs, dataset=dataset)
   return done

@@ -202,6 +202,34 @@ class FedMHOCNN(nn.Module):
     return jax.nn.softmax(x) if self.softmax_output else x
 
 
+class FedCVAEClassifier(nn.Module):
+  """FedCVAE's server classifier (ceh-2000/fed_cvae:models/classifier.py:Classifier):
+  Conv5x5(32) MaxPool2 -> Conv5x5(64) MaxPool2 -> Flatten -> Linear(512) ReLU -> Linear, with no
+  nonlinearity after the convolutions and no BatchNorm or dropout, as the reference.
+
+  Unpadded convs: the reference's 32x32 inputs (it resizes every split) give 5*5*64 = 1600 FC
+  inputs and 876,938 parameters for 1 channel and 10 classes (as PyTorch); 28x28 gives 4*4*64.
+  The reference hard-codes Linear(1600, 512); here its input width follows the image size.
+  Deviation for small inputs: below 16x16 (8x8 digits) the convs use padding 2, as `LeNet`
+  (8x8 -> 2x2x64 FC inputs).
+  """
+
+  num_classes: int
+  channels: Tuple[int, int] = (32, 64)
+  hidden: int = 512
+
+  MIN_VALID_SIZE = 16
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask  # no BatchNorm or dropout
+    pad = _valid_or_same(x, 5, self.MIN_VALID_SIZE)
+    for ch in self.channels:
+      x = pool2_or_skip(conv(x, ch, 5, padding=pad), 'max')
+    x = nn.relu(dense(flatten(x), self.hidden))
+    return dense(sow_features(self, x), self.num_classes)
+
+
 class MLP(nn.Module):
   """FedAvg's '2NN': Flatten -> [Linear(200) ReLU] x2 -> Linear (199,210 params on MNIST).
   `embed_dim` > 0 (default 0: none) adds one more Linear(embed_dim) ReLU before the classifier
@@ -269,6 +297,19 @@ def fedmho_cnn(num_classes, input_shape, softmax_output: int = 1):
   """
   del input_shape
   return FedMHOCNN(num_classes=num_classes, softmax_output=bool(softmax_output))
+
+
+@register_model('fedcvae_classifier')
+def fedcvae_classifier(num_classes, input_shape):
+  """FedCVAE's server classifier (see `FedCVAEClassifier`): the FedCVAE-Ens / -KD server model
+  of `github.com/ceh-2000/fed_cvae`.
+
+  Args:
+    num_classes: Number of output classes (logits per example).
+    input_shape: The (H, W, C) shape of one input image.
+  """
+  del input_shape
+  return FedCVAEClassifier(num_classes=num_classes)
 
 
 @register_model('cnn_cifar')
