@@ -115,6 +115,13 @@ def _gzip_bomb() -> bytes:
 MNIST = ('--config.dataset.name=mnist', '--config.dataset.data_dir={tmp}/mnist')
 
 
+def _floats_with_one_above_one(n: int) -> np.ndarray:
+  """n float images in [0, 1] but for one value of 1.01: a file of pixel values by its range."""
+  images = np.full((n, 28, 28), 0.5, np.float32)
+  images[0, 0, 0] = 1.01
+  return images
+
+
 def _with_mnist(**replace) -> Callable[[pathlib.Path], Cleanup]:
   def setup(tmp: pathlib.Path) -> Cleanup:
     _mnist_dir(tmp, **replace)
@@ -332,6 +339,39 @@ PROBES: List[Probe] = [
     'error',
     r't10k-images-idx3-ubyte.gz',
     _with_mnist(**{'t10k-images-idx3-ubyte': _idx(np.zeros((N_MNIST // 2, 32, 32), np.uint8))}),
+  ),
+  Probe(
+    'clip_norm_below_float32',
+    'aggregation.clip_norm=1e-30: every clipped update would vanish',
+    (*BASE, '--config.aggregation.clip_norm=1e-30'),
+    'error',
+    r'aggregation.clip_norm=1e-30 is below 1e-06',
+  ),
+  Probe(
+    'attack_clients_and_fraction',
+    'attack.clients and attack.fraction both set',
+    (
+      *BASE,
+      '--config.attack.kind=sign_flip',
+      '--config.attack.clients=0',
+      '--config.attack.fraction=0.4',
+    ),
+    'error',
+    r"attack.clients='0' and attack.fraction=0.4 both choose the attackers",
+  ),
+  Probe(
+    'mixed_scale_idx',
+    'training floats in [0, 1], test floats with one value of 1.01',
+    (*BASE, *MNIST),
+    'error',
+    r'train-images-idx3-ubyte.gz holds floats already scaled.*t10k-images-idx3-ubyte.gz holds '
+    r'float32 pixel values.*must share one scale',
+    _with_mnist(
+      **{
+        'train-images-idx3-ubyte': _idx(np.full((N_MNIST, 28, 28), 0.5, np.float32)),
+        't10k-images-idx3-ubyte': _idx(_floats_with_one_above_one(N_MNIST // 2)),
+      }
+    ),
   ),
   Probe(
     'bad_magic_idx',

@@ -16,7 +16,6 @@ from jfed.cvae.clients import GENERATIVE_MODEL
 from jfed.data.partitions import available_schemes
 from jfed.data.transforms import NORMALIZATIONS
 from jfed.engine import aggregation, attacks
-from jfed.engine.aggregation import RULES
 from jfed.engine.optim import OPTIMIZERS
 from jfed.engine.training import LOCAL_BN_MODES, STRATEGIES
 from jfed.errors import ConfigError
@@ -52,25 +51,12 @@ def _check_server(run: RunConfig, config: Any, method_section: Optional[str]) ->
   """The `aggregation`, `attack` and `server` sections: settings that would make the rule or the
   attack another than the one recorded are refused, with the number of uploads per aggregation
   of the method of `method_section`."""
-  a = run.aggregation
-  tc.require_choice(a.rule, RULES, 'aggregation.rule')
-  tc.require(
-    0.0 <= a.trim_fraction < 0.5,
-    f'aggregation.trim_fraction must be in [0, 0.5), got {a.trim_fraction}',
+  problem = aggregation.config_problem(
+    run.aggregation, *uploads_per_aggregation(config, method_section)
   )
-  tc.require_non_negative(a, 'aggregation', ('krum_byzantine', 'clip_norm'))
-  tc.require_positive(a, 'aggregation', ('krum_selected', 'geomed_iterations', 'geomed_smoothing'))
-  problem = aggregation.size_problem(a, *uploads_per_aggregation(config, method_section))
   tc.require(problem is None, problem)
-  t = run.attack
-  tc.require_choice(t.kind, attacks.ATTACKS, 'attack.kind')
-  problem = attacks.strength_problem(t.kind, t.strength)
+  problem = attacks.config_problem(run.attack, run.partition.num_clients)
   tc.require(problem is None, problem)
-  tc.require(0.0 <= t.fraction <= 1.0, f'attack.fraction must be in [0, 1], got {t.fraction}')
-  try:
-    attacks.parse_client_ids(t.clients, run.partition.num_clients)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   s = run.server
   tc.require_choice(s.on_invalid_upload, ON_INVALID, 'server.on_invalid_upload')
   tc.require_non_negative(s, 'server', ('max_update_norm_ratio',))

@@ -154,11 +154,40 @@ def test_float_images_already_in_unit_range_are_not_scaled_again(tmp_path, dtype
   raw = write_fake_mnist(tmp_path, n_train=4, n_test=4)
   scaled = raw['train-images-idx3-ubyte'].astype(dtype) / 255
   write_idx(tmp_path / 'train-images-idx3-ubyte.gz', scaled, dtype=dtype)
+  write_idx(
+    tmp_path / 't10k-images-idx3-ubyte.gz', raw['t10k-images-idx3-ubyte'] / 255, dtype=dtype
+  )
   ds = data.load_dataset('mnist', data_dir=str(tmp_path))
   np.testing.assert_array_equal(ds.train_x[..., 0], scaled.astype(np.float32))
-  # The uint8 test split keeps its 1/255 scaling: both splits end up in [0, 1].
-  expected_test = raw['t10k-images-idx3-ubyte'].astype(np.float32) / np.float32(255)
+  expected_test = (raw['t10k-images-idx3-ubyte'].astype(dtype) / 255).astype(np.float32)
   np.testing.assert_array_equal(ds.test_x[..., 0], expected_test)
+
+
+@pytest.mark.parametrize(
+  'test_images, test_kind',
+  [
+    ('floats_1.01', 'float32 pixel values in [0, 255] (max 1.01)'),
+    ('uint8', 'uint8 pixel values in [0, 255]'),
+  ],
+)
+def test_splits_of_two_scales_are_refused_naming_both_files(tmp_path, test_images, test_kind):
+  """Training floats in [0, 1] beside a test file that is not: scaling each file on its own
+  would divide the test split by 255 (accuracy at chance, no error)."""
+  raw = write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  write_idx(
+    tmp_path / 'train-images-idx3-ubyte.gz',
+    raw['train-images-idx3-ubyte'] / 255,
+    dtype=np.float32,
+  )
+  if test_images == 'floats_1.01':
+    test = (raw['t10k-images-idx3-ubyte'] / 255).astype(np.float32)
+    test[0, 0, 0] = 1.01
+    write_idx(tmp_path / 't10k-images-idx3-ubyte.gz', test, dtype=np.float32)
+  with pytest.raises(DataError, match='must share one scale') as info:
+    data.load_dataset('mnist', data_dir=str(tmp_path))
+  message = str(info.value)
+  assert 'train-images-idx3-ubyte.gz holds floats already scaled to [0, 1]' in message
+  assert f't10k-images-idx3-ubyte.gz holds {test_kind}' in message
 
 
 def test_uint8_images_that_are_all_dark_are_still_scaled(tmp_path):

@@ -71,8 +71,10 @@ def test_trimmed_mean_equals_scipys_trim_mean(beta):
 
 
 def test_trimmed_mean_that_drops_everyone_is_refused():
-  with pytest.raises(ValueError, match='drops every one'):
+  with pytest.raises(ValueError, match=r'trim_fraction must be in \[0, 0.5\), got 0.5'):
     _aggregate(_config('trimmed_mean', trim_fraction=0.5), FIVE[:2])
+  with pytest.raises(ValueError, match='drops every one'):  # the rows' function on its own
+    trimmed_mean_rows(jnp.asarray(FIVE[:2], jnp.float32), 0.5)
 
 
 def test_krum_picks_the_known_honest_client():
@@ -242,9 +244,13 @@ def test_attackers_are_seeded_or_named_and_labels_flip():
   assert len(a) == 4 and len(set(a.tolist())) == 4
   np.testing.assert_array_equal(a, attacks.attacker_ids(cfg, 20, jax.random.PRNGKey(1)))
   assert not np.array_equal(a, attacks.attacker_ids(cfg, 20, jax.random.PRNGKey(2)))
-  np.testing.assert_array_equal(
-    attacks.attacker_ids(cfg._replace(clients='3, 1'), 20, jax.random.PRNGKey(1)), [1, 3]
-  )
+  named = cfg._replace(clients='3, 1', fraction=0.0)
+  np.testing.assert_array_equal(attacks.attacker_ids(named, 20, jax.random.PRNGKey(1)), [1, 3])
+  # the library refuses what the command line refuses: a list and a fraction together
+  with pytest.raises(ValueError, match="attack.clients='3, 1' and attack.fraction=0.2 both"):
+    attacks.attacker_ids(cfg._replace(clients='3, 1'), 20, jax.random.PRNGKey(1))
+  with pytest.raises(ValueError, match='attack.strength=-1 is negative'):
+    attacks.attacker_ids(cfg._replace(strength=-1.0), 20, jax.random.PRNGKey(1))
   assert len(attacks.attacker_ids(cfg._replace(kind='none'), 20, jax.random.PRNGKey(1))) == 0
   with pytest.raises(ValueError, match="'20' is not a client id"):
     attacks.parse_client_ids('1,20', 20)
@@ -279,7 +285,7 @@ def test_krum_refuses_bad_counts_with_their_numbers():
 def test_unknown_rule_is_refused_with_the_valid_ones():
   with pytest.raises(
     ValueError,
-    match=r"unknown aggregation rule 'bogus'; valid: mean, median, trimmed_mean, krum, "
+    match=r"aggregation.rule is 'bogus'; valid: mean, median, trimmed_mean, krum, "
     r'geometric_median$',
   ):
     make_aggregator(_config('bogus'))
@@ -342,3 +348,17 @@ def test_a_trimmed_mean_that_trims_none_of_its_uploads_says_so_with_its_numbers(
   want = np.mean(np.sort(np.asarray(x), 0)[1:3], 0)
   np.testing.assert_allclose(trimmed_mean_rows(x, 0.25), want, rtol=1e-6)
   assert not caplog.records
+
+
+def test_the_library_refuses_what_the_command_line_refuses():
+  """`make_aggregator` runs the run-config checks (`aggregation.config_problem`): the no-op
+  trimmed mean and Krum without its guarantee (given the uploads per aggregation), and a clip
+  norm so small that every update vanishes in float32 (issue 85: 1e-30 froze training)."""
+  with pytest.raises(ValueError, match='trimmed mean would be the plain mean'):
+    make_aggregator(_config('trimmed_mean', trim_fraction=0.1), num_uploads=5)
+  with pytest.raises(ValueError, match='2f'):
+    make_aggregator(_config('krum', krum_byzantine=1), num_uploads=4)
+  with pytest.raises(ValueError, match=r'aggregation.clip_norm=1e-30 is below 1e-06'):
+    make_aggregator(_config('mean', clip_norm=1e-30))
+  assert make_aggregator(_config('trimmed_mean', trim_fraction=0.2), num_uploads=5).name
+  assert make_aggregator(_config('mean', clip_norm=1e-6)).name == 'mean+clip(1e-06)'

@@ -11,7 +11,8 @@ Sources:
   * 'mnist', 'fashion_mnist', 'kmnist', 'emnist': the original IDX files, read with a small
     NumPy parser (no TensorFlow, no torchvision). Headers are checked before any data is
     decompressed, and no more data is read than they promise. Float IDX images whose values
-    all lie in [0, 1] are taken as already scaled; all other images are scaled by 1/255.
+    all lie in [0, 1] are taken as already scaled; all other images are scaled by 1/255; the
+    train and test files must share one scale.
   * 'cifar10', 'cifar100' (fine labels), 'cifar100_coarse' (the 20 superclasses): the binary
     version of CIFAR, fixed-size records read with NumPy. The Python version is never read:
     loading it means unpickling, which can run arbitrary code.
@@ -700,8 +701,8 @@ def _load_idx_dataset(name: str, directory: str) -> Dataset:
   file must hold samples, images and labels of a split must agree in number, and train and
   test images in shape. Images of an integer type are 0-255 pixel values, scaled by 1/255.
   Float images whose values all lie in [0, 1] are taken as already scaled and kept as they
-  are; other float images must lie in [0, 255] and are scaled by 1/255 (each file is judged
-  on its own, so either kind of file may be paired with a uint8 one).
+  are; other float images must lie in [0, 255] and are scaled by 1/255. The two image files
+  must agree: both already scaled, or both pixel values (`_check_one_scale`).
   """
   directory = pathlib.Path(directory)
   transpose = name.startswith(_TRANSPOSED_PREFIXES)
@@ -716,6 +717,7 @@ def _load_idx_dataset(name: str, directory: str) -> Dataset:
       already_scaled[split] = _check_idx_images(arrays[split, kind], path)
     else:
       _check_idx_labels(arrays[split, kind], path, known_classes)
+  _check_one_scale(paths, arrays, already_scaled)
   train_y = arrays['train', 'labels'].astype(np.int32)
   test_y = arrays['test', 'labels'].astype(np.int32)
   # EMNIST 'letters' labels run 1..26, so class 0 stays empty; num_classes covers max label.
@@ -725,6 +727,29 @@ def _load_idx_dataset(name: str, directory: str) -> Dataset:
     for split in ('train', 'test')
   )
   return _freeze(Dataset(name, train_x, train_y, test_x, test_y, num_classes))
+
+
+def _check_one_scale(paths: dict, arrays: dict, already_scaled: dict) -> None:
+  """Raises DataError naming both image files unless they share one scale: a split of floats
+  already in [0, 1] beside one of pixel values would be scaled apart (a test file with one
+  value of 1.01 divided by 255 while the training floats are kept)."""
+  if already_scaled['train'] == already_scaled['test']:
+    return
+
+  def described(split: str) -> str:
+    images = arrays[split, 'images']
+    kind = (
+      'floats already scaled to [0, 1]'
+      if already_scaled[split]
+      else f'{images.dtype.name} pixel values in [0, 255]'
+    )
+    high = images.max() if images.size else 0
+    return f'{paths[split, "images"]} holds {kind} (max {high:g})'
+
+  raise DataError(
+    f'{described("train")} but {described("test")}; the splits of a dataset must share one '
+    'scale: write both as 0-255 pixel values or both as floats in [0, 1].'
+  )
 
 
 def _check_idx_headers(directory: pathlib.Path, paths: dict, headers: dict) -> None:

@@ -257,8 +257,64 @@ def _aggregate(rule, clip_norm: float, stacked: Any, weights: Any, reference: An
   return unravel(rule(x, jnp.asarray(weights, jnp.float32)).astype(dtype))
 
 
-def make_aggregator(config: AggregationConfig) -> Aggregator:
-  """The run's aggregator; the plain mean without clipping is `weighted_average` itself."""
+# Below this, a clipped update changes no float32 parameter of magnitude about 1 by more than
+# a few ulps (float32's eps is 1.2e-7): clipping would freeze training, not bound it.
+MIN_CLIP_NORM = 1e-6
+
+
+def config_problem(
+  config: AggregationConfig, n: Optional[int] = None, clients: str = ''
+) -> Optional[str]:
+  """Why `config` is not a working aggregation rule, or None: the one place of its rules, read by
+  the run-config checks and by `make_aggregator`.
+
+  Args:
+    config: The aggregation settings.
+    n: Uploads per aggregation, when known (`size_problem`'s checks run then).
+    clients: How the message names those uploads (default: 'n uploads').
+
+  Returns:
+    A one-line problem naming the key, or None.
+  """
+  c = config
+  if c.rule not in RULES:
+    return f'aggregation.rule is {c.rule!r}; valid: {", ".join(RULES)}'
+  if not 0.0 <= c.trim_fraction < 0.5:
+    return f'aggregation.trim_fraction must be in [0, 0.5), got {c.trim_fraction}'
+  for key in ('krum_byzantine', 'clip_norm'):
+    if getattr(c, key) < 0:
+      return f'aggregation.{key} must be >= 0, got {getattr(c, key)}'
+  for key in ('krum_selected', 'geomed_iterations', 'geomed_smoothing'):
+    if getattr(c, key) <= 0:
+      return f'aggregation.{key} must be positive, got {getattr(c, key)}'
+  if 0 < c.clip_norm < MIN_CLIP_NORM:
+    return (
+      f'aggregation.clip_norm={c.clip_norm:g} is below {MIN_CLIP_NORM:g}: every clipped update '
+      'would vanish in float32 and training would stop; use 0 (no clipping) or a norm of at '
+      f'least {MIN_CLIP_NORM:g}'
+    )
+  if n is not None:
+    return size_problem(c, n, clients or f'{n} uploads')
+  return None
+
+
+def make_aggregator(config: AggregationConfig, num_uploads: Optional[int] = None) -> Aggregator:
+  """The run's aggregator; the plain mean without clipping is `weighted_average` itself.
+
+  Args:
+    config: The aggregation settings.
+    num_uploads: Uploads per aggregation, when known: a rule that would do nothing or void its
+      guarantee with that many is refused too.
+
+  Returns:
+    The aggregator.
+
+  Raises:
+    ValueError: `config_problem`'s, the command line's refusals.
+  """
+  problem = config_problem(config, num_uploads)
+  if problem is not None:
+    raise ValueError(problem)
   name = config.rule + (f'+clip({config.clip_norm:g})' if config.clip_norm > 0 else '')
   if config.rule == 'mean' and config.clip_norm <= 0:
     return mean_aggregator()

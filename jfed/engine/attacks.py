@@ -76,6 +76,37 @@ def parse_client_ids(text: str, num_clients: int) -> np.ndarray:
   return np.unique(np.asarray(ids, np.int64))
 
 
+def config_problem(config: AttackConfig, num_clients: int) -> Optional[str]:
+  """Why `config` is not one well-defined attack, or None: the one place of its rules, read by
+  the run-config checks and by `attacker_ids`.
+
+  Args:
+    config: The attack settings.
+    num_clients: Number of clients in the run.
+
+  Returns:
+    A one-line problem naming the key, or None.
+  """
+  t = config
+  if t.kind not in ATTACKS:
+    return f'attack.kind is {t.kind!r}; valid: {", ".join(ATTACKS)}'
+  problem = strength_problem(t.kind, t.strength)
+  if problem is not None:
+    return problem
+  if not 0.0 <= t.fraction <= 1.0:
+    return f'attack.fraction must be in [0, 1], got {t.fraction}'
+  try:
+    parse_client_ids(t.clients, num_clients)
+  except ValueError as e:
+    return str(e)
+  if t.clients.strip() and t.fraction > 0:
+    return (
+      f'attack.clients={t.clients!r} and attack.fraction={t.fraction:g} both choose the '
+      'attackers; set one of them (attack.fraction=0 with a list of clients)'
+    )
+  return None
+
+
 def attacker_ids(config: AttackConfig, num_clients: int, key: jax.Array) -> np.ndarray:
   """The attacking clients' ids (sorted), fixed for the run.
 
@@ -86,7 +117,13 @@ def attacker_ids(config: AttackConfig, num_clients: int, key: jax.Array) -> np.n
 
   Returns:
     The attackers' ids, sorted int64 (empty without an attack).
+
+  Raises:
+    ValueError: `config_problem`'s, the command line's refusals.
   """
+  problem = config_problem(config, num_clients)
+  if problem is not None:
+    raise ValueError(problem)
   if config.kind == 'none':
     return np.zeros((0,), np.int64)
   if config.clients.strip():
