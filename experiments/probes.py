@@ -175,6 +175,21 @@ def _interrupted_run(steps_to_damage: Sequence[str]) -> Callable[[pathlib.Path],
   return setup
 
 
+def _finished_run_with(truncated: str, keep_summary: bool) -> Callable[[pathlib.Path], Cleanup]:
+  """A finished 2-round run with the first half of its file `truncated` (and its summary
+  removed unless `keep_summary`, so the run must resume from its checkpoints)."""
+
+  def setup(tmp: pathlib.Path) -> Cleanup:
+    _run_quietly(_main(*TWO_ROUNDS), tmp)
+    path = tmp / 'w' / truncated
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])
+    if not keep_summary:
+      (tmp / 'w' / 'summary.json').unlink()
+    return None
+
+  return setup
+
+
 def _stale_lock(tmp: pathlib.Path) -> Cleanup:
   (tmp / 'w').mkdir()
   (tmp / 'w' / '.lock').write_text(f'pid {DEAD_PID} on {HOST}\n')
@@ -339,6 +354,22 @@ PROBES: List[Probe] = [
     'error',
     r't10k-images-idx3-ubyte.gz',
     _with_mnist(**{'t10k-images-idx3-ubyte': _idx(np.zeros((N_MNIST // 2, 32, 32), np.uint8))}),
+  ),
+  Probe(
+    'truncated_identity',
+    'identity.json cut in half, the same config: resumes by config.json',
+    TWO_ROUNDS,
+    'success',
+    r'identity.json is damaged; workdir .* resumes by its config.json',
+    _finished_run_with('identity.json', keep_summary=False),
+  ),
+  Probe(
+    'truncated_summary',
+    'summary.json cut in half',
+    TWO_ROUNDS,
+    'error',
+    r'summary.json is damaged .*delete it and run again',
+    _finished_run_with('summary.json', keep_summary=True),
   ),
   Probe(
     'clip_norm_below_float32',

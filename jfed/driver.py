@@ -190,7 +190,13 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   summary_path = None if workdir is None else workdir / 'summary.json'
   complete = summary_path is not None and summary_path.exists()
   if complete:
-    summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+    try:
+      summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+      raise WorkdirError(
+        f'{summary_path} is damaged ({type(e).__name__}: {e}); delete it and run again: the '
+        'run resumes from its last checkpoint and writes it anew'
+      ) from None
     complete = summary.steps == n
   # Every process must agree on whether to run (it will meet the others in collectives).
   if bool(multihost.broadcast_from_primary(np.int32(complete))):

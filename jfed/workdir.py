@@ -29,6 +29,7 @@ import sys
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
+from absl import logging
 import numpy as np
 
 from jfed.errors import WorkdirBusy, WorkdirError
@@ -215,24 +216,47 @@ class Workdir:
     `identity` may be partial (before the data are loaded): only its keys are compared.
     """
     old = self.read_identity()
-    if old is None:
-      if self.has_progress():
-        raise WorkdirError(
-          f'workdir {self.path} holds results of an unknown run (no '
-          f'{IDENTITY_FILE}); use a new --workdir or delete it'
-        )
-      return
     if not self.has_progress():
       return
+    if old is None or 'unreadable' in old:
+      old = self._identity_from_config(identity, old)
+      if old is None:
+        return
     old = {k: v for k, v in old.items() if k in identity}
     diff = identity_differences(old, jsonable(identity))
     if diff:
       shown = ', '.join(diff[:8]) + (f' and {len(diff) - 8} more' if len(diff) > 8 else '')
+      held = f'of {old["method"]!r}' if 'method' in old else '(by its config.json)'
       raise WorkdirError(
-        f'workdir {self.path} holds a run of {old.get("method")!r} that '
-        f'differs in {shown}; use a new --workdir (or delete {self.path}) '
-        'to start this one'
+        f'workdir {self.path} holds a run {held} that differs in {shown}; use a new --workdir '
+        f'(or delete {self.path}) to start this one'
       )
+
+  def _identity_from_config(
+    self, identity: Dict[str, Any], old: Optional[Dict[str, Any]]
+  ) -> Optional[Dict[str, Any]]:
+    """For a workdir with progress whose identity.json is missing or damaged: the identity its
+    config.json still records, to compare with `identity`; None when config.json holds this
+    run's config, so the run resumes and `write_identity` rebuilds the file (the checkpoints'
+    own shapes and manifests still guard the restore)."""
+    damaged = f'{self.path / IDENTITY_FILE} is damaged' if old else f'{IDENTITY_FILE} is missing'
+    try:
+      config = json.loads((self.path / 'config.json').read_text())
+    except (OSError, ValueError):
+      raise WorkdirError(
+        f'workdir {self.path} holds results of an unknown run ({damaged} and config.json '
+        'cannot be read); use a new --workdir or delete it to start over'
+      ) from None
+    config = {k: v for k, v in config.items() if k != 'logging'} if isinstance(config, dict) else {}
+    if 'config' in identity and config == jsonable(identity['config']):
+      logging.warning(
+        '%s; workdir %s resumes by its config.json (the same config): %s is written again',
+        damaged,
+        self.path,
+        IDENTITY_FILE,
+      )
+      return None
+    return {'config': config}
 
   def write_identity(self, identity: Dict[str, Any], config_json: str) -> None:
     write_json(self.path / IDENTITY_FILE, identity)

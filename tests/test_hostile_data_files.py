@@ -2,6 +2,7 @@
 no further than its header promises, or (float images already in [0, 1]) taken as they are."""
 
 import gzip
+import os
 import struct
 import tracemalloc
 
@@ -197,3 +198,19 @@ def test_uint8_images_that_are_all_dark_are_still_scaled(tmp_path):
   write_idx(tmp_path / 'train-images-idx3-ubyte.gz', dark)
   ds = data.load_dataset('mnist', data_dir=str(tmp_path))
   np.testing.assert_array_equal(ds.train_x, np.full((4, 28, 28, 1), np.float32(1) / 255))
+
+
+@pytest.mark.parametrize('kind', ['fifo', 'device'])
+def test_a_data_path_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
+  """A FIFO (a read would block) or /dev/zero (endless) in place of an IDX file is named for
+  what it is, not reported as a missing dataset."""
+  write_fake_mnist(tmp_path, n_train=4, n_test=4)
+  path = tmp_path / 'train-images-idx3-ubyte.gz'
+  path.unlink()
+  if kind == 'fifo':
+    os.mkfifo(path)
+  else:
+    path.symlink_to('/dev/zero')
+  expected = 'a FIFO' if kind == 'fifo' else 'a character device'
+  with pytest.raises(DataError, match=f'train-images-idx3-ubyte.gz is {expected}, not a regular'):
+    data.load_dataset('mnist', data_dir=str(tmp_path))

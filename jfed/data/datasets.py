@@ -30,6 +30,7 @@ import functools
 import gzip
 import os
 import pathlib
+import stat
 import struct
 from typing import BinaryIO, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 import zlib
@@ -559,6 +560,21 @@ def _search_dirs(name: str, data_dir: Optional[str]) -> list:
   return list(dict.fromkeys(dirs))
 
 
+def _file_kind(path: pathlib.Path) -> str:
+  """What `path` is when it is not a regular file, in words (after symlinks)."""
+  mode = path.stat().st_mode
+  for test, kind in (
+    (stat.S_ISDIR, 'a directory'),
+    (stat.S_ISFIFO, 'a FIFO'),
+    (stat.S_ISCHR, 'a character device'),
+    (stat.S_ISBLK, 'a block device'),
+    (stat.S_ISSOCK, 'a socket'),
+  ):
+    if test(mode):
+      return kind
+  return 'not a regular file'
+
+
 def _find_idx_file(directory: pathlib.Path, split: str, kind: str) -> Optional[pathlib.Path]:
   """The IDX file for (split, kind) in `directory`, by MNIST name or a `*-<MNIST name>` one."""
   stems = _IDX_STEMS[(split, kind)]
@@ -566,6 +582,11 @@ def _find_idx_file(directory: pathlib.Path, split: str, kind: str) -> Optional[p
     for candidate in (directory / f'{stem}.gz', directory / stem):
       if candidate.is_file():
         return candidate
+      if candidate.exists():
+        raise DataError(
+          f'{candidate} is {_file_kind(candidate)}, not a regular file: give the {split} '
+          f'{kind} as an IDX file (or its .gz).'
+        )
   # Prefixed names such as EMNIST's 'emnist-balanced-train-images-idx3-ubyte.gz'.
   matches = sorted(
     {
