@@ -286,7 +286,9 @@ def test_a_dp_run_records_epsilon_every_round_in_metrics_tensorboard_and_summary
   }
   assert dp['epsilon'] == pytest.approx(want[1], rel=1e-12)
   assert dp['sampling_rate'] == pytest.approx(2 / 3) and dp['clients_per_round'] == 2
-  assert dp['rounds'] == 2 and dp['accountant'].startswith('RDP (dp-accounting ')
+  assert dp['rounds'] == 2 and dp['accountant'].startswith('RDP (dp_epsilon) and PLD')
+  assert dp['epsilon_pld'] < dp['epsilon'] and dp['sampling'].startswith('poisson')
+  assert [r['dp_epsilon_pld'] for r in records][-1] == dp['epsilon_pld']
 
 
 def test_without_dp_the_records_and_summary_carry_no_privacy_fields():
@@ -561,3 +563,94 @@ def test_central_dp_passes_the_rounds_arguments_on_and_noises_a_round_with_no_up
   np.testing.assert_array_equal(model['w'], want_model['w'])
   assert dp_server.released == {'unclipped_fraction': want_fraction}
   assert record == {'rejected_uploads': 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# (issue 81) the sampling the accountant assumes, PLD beside RDP, settings that promise nothing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_poisson_sampling_includes_each_client_at_rate_q_independently():
+  """Cohort sizes over 4,000 draws of N = 20 at q = 0.3 are Binomial(N, q) (mean and variance
+  within 4 standard errors) and every client's inclusion rate is q (each within 4 s.e.)."""
+  n, q, draws = 20, 0.3, 4000
+  chosen = np.zeros((draws, n), bool)
+  for t in range(draws):
+    ids = common.poisson_clients(jax.random.PRNGKey(t), n, q)
+    assert np.all(np.diff(ids) > 0)
+    chosen[t, ids] = True
+  sizes = chosen.sum(1)
+  mean_se = math.sqrt(n * q * (1 - q) / draws)
+  assert abs(sizes.mean() - n * q) < 4 * mean_se
+  var = n * q * (1 - q)
+  assert abs(sizes.var(ddof=1) - var) < 4 * var * math.sqrt(2 / (draws - 1))
+  per_client_se = math.sqrt(q * (1 - q) / draws)
+  assert np.all(np.abs(chosen.mean(0) - q) < 4 * per_client_se)
+  assert (sizes == 0).any() or n * math.log(1 - q) < math.log(1 / draws)
+
+
+def test_a_dp_round_with_no_client_releases_the_noise_alone(monkeypatch):
+  """Poisson cohorts vary: a round of none trains nobody and the model moves by the noise of
+  std z·C/m only (DP-FedAvg's fixed denominator), recorded as 0 clients."""
+  real, calls = common.poisson_clients, []
+
+  def none_in_round_2(key, n, rate):
+    calls.append(key)
+    return np.zeros(0, np.int64) if len(calls) == 2 else real(key, n, rate)
+
+  monkeypatch.setattr(common, 'poisson_clients', none_in_round_2)
+  z, c = 1.5, 0.5
+  config = _config(
+    3, **{'fedavg.rounds': 2, 'fedavg.participation': 2 / 3, **_dp(noise_multiplier=z, clip_norm=c)}
+  )
+  _, rec, _ = _run('fedavg', config)
+  assert rec.records[1][0]['clients'] == 0 and rec.records[1][0]['upload_bytes'] == 0
+  before, after = (ravel_pytree(s.model.params)[0] for s in rec.states)
+  noise = np.asarray(after - before)
+  assert noise.std() == pytest.approx(z * c / 2, rel=0.1)  # m = round(2/3 · 3) = 2
+
+
+def test_pld_epsilon_of_unsampled_gaussians_is_the_analytic_gaussian_mechanism():
+  """q = 1: k rounds of noise multiplier z are one Gaussian mechanism of z/√k, whose exact
+  (ε, δ) curve is Balle and Wang's (ICML 2018, Thm. 8): δ(ε) = Φ(1/(2s) − εs) − e^ε Φ(−1/(2s)
+  − εs) with s = z/√k; ε solved from it by bisection. dp-accounting's PLD is pessimistic by
+  its discretisation only; RDP is looser."""
+  from scipy.stats import norm  # pylint: disable=g-import-not-at-top
+
+  z, k, delta = 2.0, 30, 1e-5
+  s = z / math.sqrt(k)
+
+  def delta_of(eps):
+    return norm.cdf(1 / (2 * s) - eps * s) - math.exp(eps) * norm.cdf(-1 / (2 * s) - eps * s)
+
+  lo, hi = 0.0, 100.0
+  for _ in range(200):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
+  exact = hi
+  pld = privacy.central_epsilon(1.0, z, k, delta, accountant='pld')
+  assert exact <= pld <= exact * 1.01
+  assert privacy.central_epsilon(1.0, z, k, delta) > pld
+
+
+def test_the_sampled_gaussians_pld_epsilon_is_below_its_rdp_one():
+  # σ = 3, 512 steps, q = 0.1, δ = 1e-6: the figure issue 81 cites (PLD ≈ 3.77), RDP 4.05
+  pld = privacy.central_epsilon(0.1, 3.0, 512, 1e-6, accountant='pld')
+  assert pld == pytest.approx(3.77, abs=0.01)
+  assert pld < privacy.central_epsilon(0.1, 3.0, 512, 1e-6) == pytest.approx(4.05, abs=0.01)
+
+
+def test_settings_that_promise_nothing_are_refused_in_one_line():
+  # δ ≥ 1/N: publishing one client's data outright meets it
+  with pytest.raises(ConfigError, match=r'dp.delta=0.5 is at least 1/N = 1/3'):
+    build_algorithm('fedavg', _config(3, **_dp(delta=0.5)))
+  # an accountant that cannot give a number: one ConfigError, no OverflowError traceback
+  with pytest.raises(ConfigError, match='accountant cannot compute ε|gives ε'):
+    privacy.central_epsilon(0.5, 1e300, 3, 1e-5)
+
+
+def test_a_weak_epsilon_is_flagged_in_the_summary_and_on_the_console(caplog):
+  config = _config(3, **{'fedavg.rounds': 2, **_dp(noise_multiplier=0.3, clip_norm=0.5)})
+  summary, _, _ = _run('fedavg', config)
+  assert summary['dp']['epsilon'] > privacy.WEAK_EPSILON and summary['dp']['epsilon_above_10']
+  assert any('this run has little privacy' in r.getMessage() for r in caplog.records)

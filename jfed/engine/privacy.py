@@ -19,12 +19,15 @@ ICLR 2018). Each round t the server
    multiplier z = (z_Δ^-2 + (2σ_b)^-2)^-1/2 (their Theorem 1): given the configured z, the sum
    gets z_Δ = (z^-2 − (2σ_b)^-2)^-1/2 (`update_noise_multiplier`), which needs z < 2σ_b.
 
-The clients of a round are a uniform sample of m of the N clients (`common.select_clients`);
-the accountant (`central_epsilon`) treats them as Poisson-sampled at rate q = m/N, as TF
-Privacy's DP-SGD tutorials do for their fixed-size batches (strictly, the ε reported is that of
-Poisson sampling, which DP-FedAvg's analysis assumes). It is dp-accounting's Rényi-DP accountant
-of the sampled Gaussian mechanism (Mironov, Talwar and Zhang 2019), composed over the rounds
-run, read at δ.
+Under the server-side mechanism with participation below 1, the clients of a round are
+Poisson-sampled, as DP-FedAvg's analysis assumes: each client independently with probability
+q = m/N (`common.poisson_clients`), so a cohort has m clients on average, the mean keeps the
+fixed denominator m, and a round may have no client at all (it then releases the noise alone,
+`central_noise_only`). The accountant (`central_epsilon`) is of exactly that sampling:
+dp-accounting's Rényi-DP accountant of the Poisson-subsampled Gaussian (Mironov, Talwar and
+Zhang 2019), composed over the rounds run, read at δ (`dp_epsilon`); its privacy-loss-
+distribution accountant (tighter) gives `dp_epsilon_pld` beside it. (Before 2026-12-07 the
+clients were a fixed-size uniform sample while ε was Poisson's: the reported ε was too small.)
 
 Local DP (`local=True`): every client clips its own update to C and adds N(0, (z·C)² I) before it
 uploads (`privatize_locally`), so the server (and anyone who sees an upload) never sees a clean
@@ -49,6 +52,8 @@ import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 
+from jfed.errors import ConfigError
+
 
 class DpConfig(NamedTuple):
   """The `dp` config section."""
@@ -64,13 +69,16 @@ class DpConfig(NamedTuple):
   local: bool  # each client clips and noises its own update before uploading
 
 
-def config_problem(dp: DpConfig, clients_per_round: int, aggregation: Any) -> Optional[str]:
+def config_problem(
+  dp: DpConfig, clients_per_round: int, aggregation: Any, num_clients: int = 0
+) -> Optional[str]:
   """Why `dp` cannot run with m = `clients_per_round` and the run's `aggregation` section (one
   line naming the key), or None when it can (or DP is off).
 
   Args:
     dp: The DP settings.
     clients_per_round: m.
+    num_clients: N (δ must be below 1/N); 0 skips that check.
     aggregation: The run's aggregation settings (server-side DP needs rule 'mean' and no
       clip_norm).
 
@@ -89,6 +97,11 @@ def config_problem(dp: DpConfig, clients_per_round: int, aggregation: Any) -> Op
     return f'dp.clip_norm must be positive, got {dp.clip_norm}'
   if not 0.0 < dp.delta < 1.0:
     return f'dp.delta must be in (0, 1), got {dp.delta}'
+  if num_clients and dp.delta >= 1.0 / num_clients:
+    return (
+      f'dp.delta={dp.delta:g} is at least 1/N = 1/{num_clients}: a mechanism that publishes one '
+      f"client's data outright meets it; use dp.delta < {1.0 / num_clients:g} (1e-5 or less)"
+    )
   if dp.adaptive:
     if dp.local:
       return 'dp.adaptive needs the server-side mechanism: set dp.local=False or dp.adaptive=False'
@@ -317,6 +330,11 @@ def _dp_accounting() -> Any:
   return dp_accounting
 
 
+ACCOUNTANTS = ('rdp', 'pld')
+# ε above this is flagged on the console and in the summary: it bounds little in practice
+WEAK_EPSILON = 10.0
+
+
 @functools.lru_cache(maxsize=4096)  # a run asks for each round's ε more than once
 def central_epsilon(
   sampling_rate: float,
@@ -324,6 +342,7 @@ def central_epsilon(
   rounds: int,
   delta: float,
   count_std: Optional[float] = None,
+  accountant: str = 'rdp',
 ) -> float:
   """ε after `rounds` rounds of the server-side mechanism at δ: RDP of the Poisson-subsampled
   Gaussian (rate q = m/N) composed `rounds` times, by dp-accounting. With adaptive clipping
@@ -336,13 +355,16 @@ def central_epsilon(
     rounds: Number of rounds.
     delta: δ.
     count_std: σ_b of adaptive clipping; None without it.
+    accountant: 'rdp' (Rényi DP) or 'pld' (privacy loss distributions, tighter).
 
   Returns:
     ε.
   """
   dp_accounting = _dp_accounting()
   gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-  if count_std is not None:
+  # The PLD accountant takes one mechanism under sampling: the two Gaussians compose into the
+  # one of multiplier z exactly (Andrew et al.'s Theorem 1), which it is given instead.
+  if count_std is not None and accountant == 'rdp':
     gaussian = dp_accounting.ComposedDpEvent(
       [
         dp_accounting.GaussianDpEvent(update_noise_multiplier(noise_multiplier, count_std)),
@@ -350,11 +372,13 @@ def central_epsilon(
       ]
     )
   event = dp_accounting.PoissonSampledDpEvent(sampling_rate, gaussian)
-  return _rdp_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta)
+  return _epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, accountant)
 
 
 @functools.lru_cache(maxsize=4096)
-def local_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
+def local_epsilon(
+  noise_multiplier: float, rounds: int, delta: float, accountant: str = 'rdp'
+) -> float:
   """One client's ε after uploading in `rounds` rounds with local DP at δ: the Gaussian
   mechanism of noise std z·C on an update that can move by 2C (noise multiplier z/2), composed
   `rounds` times without amplification by sampling.
@@ -363,13 +387,14 @@ def local_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
     noise_multiplier: z.
     rounds: Rounds the client uploads in.
     delta: δ.
+    accountant: 'rdp' or 'pld'.
 
   Returns:
     ε.
   """
   dp_accounting = _dp_accounting()
   event = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
-  return _rdp_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta)
+  return _epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, accountant)
 
 
 class _SkippedOrders(logging.Filter):
@@ -381,22 +406,39 @@ class _SkippedOrders(logging.Filter):
     return 'failed to converge' not in record.getMessage()
 
 
-def _rdp_epsilon(event: Any, delta: float) -> float:
-  accountant = _dp_accounting().rdp.RdpAccountant()
+def _epsilon(event: Any, delta: float, accountant: str) -> float:
+  """ε of `event` at δ by dp-accounting's RDP or PLD accountant; ConfigError (one line) when the
+  accountant cannot give a finite number for the settings (e.g. a noise multiplier of 1e300)."""
+  if accountant not in ACCOUNTANTS:
+    raise ValueError(f'accountant must be one of {ACCOUNTANTS}, got {accountant!r}')
+  dp_accounting = _dp_accounting()
   quiet = _SkippedOrders()
   absl_logger = logging.getLogger('absl')
   absl_logger.addFilter(quiet)
   try:
-    accountant.compose(event)
-    epsilon = float(accountant.get_epsilon(delta))
+    if accountant == 'rdp':
+      engine = dp_accounting.rdp.RdpAccountant()
+    else:
+      engine = dp_accounting.pld.PLDAccountant()
+    engine.compose(event)
+    epsilon = float(engine.get_epsilon(delta))
+  except (OverflowError, ZeroDivisionError, ValueError, FloatingPointError) as e:
+    raise ConfigError(
+      f'the {accountant.upper()} accountant cannot compute ε for these dp settings '
+      f'({type(e).__name__}: {e}); use a noise multiplier between 0.1 and 1000'
+    ) from None
   finally:
     absl_logger.removeFilter(quiet)
   if not math.isfinite(epsilon):  # never for z > 0; a record must stay a finite number
-    raise ValueError(f'the RDP accountant gives ε = {epsilon} for {event}')
+    raise ConfigError(
+      f'the {accountant.upper()} accountant gives ε = {epsilon} for these dp settings; raise '
+      'dp.noise_multiplier'
+    )
   return epsilon
 
 
 def accountant_name() -> str:
   from importlib import metadata  # pylint: disable=g-import-not-at-top
 
-  return f'RDP (dp-accounting {metadata.version("dp-accounting")})'
+  version = metadata.version('dp-accounting')
+  return f'RDP (dp_epsilon) and PLD (dp_epsilon_pld), dp-accounting {version}'

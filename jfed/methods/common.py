@@ -106,6 +106,22 @@ def select_clients(key: jax.Array, num_clients: int, participation: float) -> np
   return np.sort(np.asarray(jax.random.choice(key, num_clients, (count,), replace=False)))
 
 
+def poisson_clients(key: jax.Array, num_clients: int, rate: float) -> np.ndarray:
+  """Poisson sampling: each client independently with probability `rate` (the cohort
+  DP-FedAvg's accountant assumes); the sorted ids, as many as come, none included.
+
+  Args:
+    key: The PRNG key of the draw (one per round).
+    num_clients: N.
+    rate: q, in (0, 1].
+
+  Returns:
+    The sampled client ids, sorted int64.
+  """
+  drawn = np.asarray(jax.random.uniform(key, (num_clients,)))
+  return np.flatnonzero(drawn < rate).astype(np.int64)
+
+
 def client_groups(
   ctx: RunContext, client_ids: Optional[Sequence[int]] = None, build=None
 ) -> List[ClientGroup]:

@@ -22,10 +22,12 @@ round of local training per partition in `experiments.fedhydra_tables`.
 
 `dp.enabled` makes them DP-FedAvg / DP-FedProx (`jfed.engine.privacy`): the server clips every
 upload's update to `dp.clip_norm` (fixed, or adaptive toward `dp.target_quantile` of the norms),
-adds Gaussian noise of std z·C to their sum and divides by the clients per round; or, with
-`dp.local`, every client clips and noises its own update before it uploads. Each round records
-the ε spent so far at `dp.delta` (`dp_epsilon`, from dp-accounting's RDP accountant) and the
-clip norm it used; the summary's `dp` gives the final ε with δ, z, C and the sampling rate q.
+adds Gaussian noise of std z·C to their sum and divides by the expected clients per round m,
+its rounds Poisson-sampling their clients at q = m/N as its accountant assumes (a round may have
+none); or, with `dp.local`, every client clips and noises its own update before it uploads. Each
+round records the ε spent so far at `dp.delta` (`dp_epsilon` from dp-accounting's RDP
+accountant, `dp_epsilon_pld` from its PLD one) and the clip norm it used; the summary's `dp`
+gives the final ε with δ, z, C, the sampling and its rate q.
 
 `fedavg_vote` is one-shot FedAvg for heterogeneous clients as FedMHO (Yao et al., WWW 2026, §5.1.2)
 runs it:
@@ -39,6 +41,7 @@ their mean (the reference's `avg_perfs_lst`) are recorded beside it.
 import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,13 +107,28 @@ class DpSetup(NamedTuple):
   def update_noise_multiplier(self) -> float:
     return privacy.update_noise_multiplier(self.config.noise_multiplier, self.count_std)
 
-  def epsilon(self, rounds: int) -> float:
+  @property
+  def poisson(self) -> bool:
+    """Whether rounds Poisson-sample their clients (server-side DP below full participation):
+    the sampling its accountant assumes."""
+    return not self.config.local and self.sampling_rate < 1.0
+
+  @property
+  def sampling(self) -> str:
+    """How the rounds draw their clients, in words (the summary's `dp.sampling`)."""
+    if self.poisson:
+      return f'poisson (each client with probability {self.sampling_rate:g})'
+    if self.sampling_rate >= 1.0:
+      return 'every client every round'
+    return 'fixed-size uniform (local DP: no amplification by sampling is claimed)'
+
+  def epsilon(self, rounds: int, accountant: str = 'rdp') -> float:
     """ε after `rounds` rounds at `dp.delta` (per client under local DP)."""
     c = self.config
     if c.local:
-      return privacy.local_epsilon(c.noise_multiplier, rounds, c.delta)
+      return privacy.local_epsilon(c.noise_multiplier, rounds, c.delta, accountant)
     return privacy.central_epsilon(
-      self.sampling_rate, c.noise_multiplier, rounds, c.delta, self.count_std
+      self.sampling_rate, c.noise_multiplier, rounds, c.delta, self.count_std, accountant
     )
 
 
@@ -181,8 +199,9 @@ class FedAvg(Algorithm):
       f"{self.section}.bn_stats='recomputed' reads the clients' raw images outside the DP "
       "mechanism: use 'averaged' with dp.enabled",
     )
+    n = run.partition.num_clients
     problem = privacy.config_problem(
-      run.dp, common.clients_per_round(run.partition.num_clients, c.participation), run.aggregation
+      run.dp, common.clients_per_round(n, c.participation), run.aggregation, n
     )
     tc.require(problem is None, problem)
     so = run.server_optimizer
@@ -268,7 +287,11 @@ class FedAvg(Algorithm):
       return state.dp_clip_norm, {}
     dp, clip = aux.dp, server.noise.clip_norm
     # the driver's progress line prints it too (`step_label`)
-    record = {'dp_epsilon': dp.epsilon(i + 1), 'dp_clip_norm': float(clip)}
+    record = {
+      'dp_epsilon': dp.epsilon(i + 1),
+      'dp_epsilon_pld': dp.epsilon(i + 1, 'pld'),
+      'dp_clip_norm': float(clip),
+    }
     if not dp.config.adaptive:
       return None, record
     fraction = server.released['unclipped_fraction']
@@ -303,22 +326,29 @@ class FedAvg(Algorithm):
         'reused_local_models': True,
       }
     else:
-      selected = common.select_clients(
-        ctx.derive_key(Purpose.SAMPLING, i), ctx.num_clients, c.participation
-      )
-      group = common.participating_group(ctx, aux.full_group, selected)
-      aggregate, record = common.fedavg_round(
-        aux.trainer,
-        group,
-        state.model,
-        c.local_epochs,
-        ctx.derive_key(Purpose.ROUNDS, i),
-        aux.init,
-        server,
-        i,
-        prox_mu=self.prox_mu,
-        label=f'round {i + 1}/{c.rounds}',
-      )
+      key = ctx.derive_key(Purpose.SAMPLING, i)
+      if aux.dp is not None and aux.dp.poisson:
+        selected = common.poisson_clients(key, ctx.num_clients, aux.dp.sampling_rate)
+      else:
+        selected = common.select_clients(key, ctx.num_clients, c.participation)
+      if len(selected):
+        aggregate, record = common.fedavg_round(
+          aux.trainer,
+          common.participating_group(ctx, aux.full_group, selected),
+          state.model,
+          c.local_epochs,
+          ctx.derive_key(Purpose.ROUNDS, i),
+          aux.init,
+          server,
+          i,
+          prox_mu=self.prox_mu,
+          label=f'round {i + 1}/{c.rounds}',
+        )
+      else:  # a Poisson cohort of none: the round releases the noise alone
+        aggregate, server.released['unclipped_fraction'] = privacy.central_noise_only(
+          state.model, server.noise
+        )
+        record = {'clients': 0, 'upload_bytes': 0, 'download_bytes': 0}
     clip, dp_record = self._dp_round(aux, state, server, i)
     model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
     test_x, test_y = ctx.dataset.test_x, ctx.dataset.test_y
@@ -354,9 +384,21 @@ class FedAvg(Algorithm):
   def _dp_summary(self, dp: DpSetup, state: FedAvgState, history) -> Dict[str, Any]:
     c = dp.config
     epsilons = [r['dp_epsilon'] for r in history if 'dp_epsilon' in r]
+    if epsilons[-1] > privacy.WEAK_EPSILON:
+      logging.warning(
+        'dp: ε = %.3g at δ = %g after %d rounds is above %g: this run has little privacy',
+        epsilons[-1],
+        c.delta,
+        len(epsilons),
+        privacy.WEAK_EPSILON,
+      )
     out = {
       'mechanism': 'local' if c.local else 'central',
       'epsilon': epsilons[-1],
+      'epsilon_pld': dp.epsilon(len(epsilons), 'pld'),
+      'epsilon_above_10': epsilons[-1] > privacy.WEAK_EPSILON,
+      # how the rounds drew their clients: what the accountant assumes
+      'sampling': dp.sampling,
       'delta': c.delta,
       'noise_multiplier': c.noise_multiplier,
       'clip_norm': c.clip_norm,
