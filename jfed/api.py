@@ -476,6 +476,7 @@ class RunConfig(NamedTuple):
     count_noise_fraction=0.05,
     delta=1e-5,
     local=False,
+    reproducible_noise=False,
   )
   # not part of the workdir's identity: a resumed run may change them
   logging: LoggingConfig = LoggingConfig(tensorboard=True, wandb=False, wandb_project='jfed')

@@ -40,6 +40,8 @@ DELTA = 1e-5
 
 def _dp(**dp):
   """The tiny problem's config with DP on; `dp` sets keys of the dp section."""
+  # reproducible noise (from the seed) unless a test asks for the default, the OS's randomness
+  dp = {'reproducible_noise': True, **dp}
   overrides = {'dp.enabled': True, **{f'dp.{k}': v for k, v in dp.items()}}
   return overrides
 
@@ -654,3 +656,21 @@ def test_a_weak_epsilon_is_flagged_in_the_summary_and_on_the_console(caplog):
   summary, _, _ = _run('fedavg', config)
   assert summary['dp']['epsilon'] > privacy.WEAK_EPSILON and summary['dp']['epsilon_above_10']
   assert any('this run has little privacy' in r.getMessage() for r in caplog.records)
+
+
+def test_the_default_noise_comes_from_the_os_and_a_seeded_one_is_refused_under_flower():
+  """Two runs of one config differ by their noise (nobody can regenerate it from the config);
+  `dp.reproducible_noise` repeats them, and is refused where a transport carries the config."""
+  config = _config(3, **{'fedavg.rounds': 1, **_dp(noise_multiplier=1.0, reproducible_noise=False)})
+  first, second = (
+    ravel_pytree(_run('fedavg', config)[1].states[-1].model.params)[0] for _ in range(2)
+  )
+  assert not np.allclose(first, second)
+  seeded = _config(3, **{'fedavg.rounds': 1, **_dp(noise_multiplier=1.0)})
+  again = [ravel_pytree(_run('fedavg', seeded)[1].states[-1].model.params)[0] for _ in range(2)]
+  np.testing.assert_array_equal(*again)
+  algorithm = build_algorithm('fedavg', seeded)
+  ctx = _context(seeded)
+  ctx.client_transport = object()
+  with pytest.raises(ConfigError, match='dp.reproducible_noise derives the noise from the config'):
+    algorithm.setup(ctx)

@@ -46,11 +46,13 @@ the model is one flat vector, BatchNorm statistics included, as `jfed.engine.agg
 import functools
 import logging
 import math
+import os
 from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
+import numpy as np
 
 from jfed.errors import ConfigError
 
@@ -67,6 +69,10 @@ class DpConfig(NamedTuple):
   count_noise_fraction: float  # σ_b / m: the unclipped count's noise std per expected client
   delta: float  # the δ at which ε is reported
   local: bool  # each client clips and noises its own update before uploading
+  # False: the noise key comes from the operating system's randomness (nobody can regenerate
+  # the noise from the config, which travels to every Flower node); True: derived from the seed
+  # and the round, so a simulation repeats exactly (refused under the Flower bridge)
+  reproducible_noise: bool = False
 
 
 def config_problem(
@@ -130,6 +136,15 @@ def config_problem(
         f'got {aggregation.clip_norm}'
       )
   return None
+
+
+def fresh_noise_key() -> jax.Array:
+  """A PRNG key of 64 bits from the operating system (`os.urandom`), the same on every process
+  of a run (the primary's, broadcast): noise no participant can regenerate from the config."""
+  from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
+
+  data = np.frombuffer(os.urandom(8), np.uint32).copy()
+  return jnp.asarray(multihost.broadcast_from_primary(data), jnp.uint32)  # a raw PRNGKey
 
 
 def count_noise_std(dp: DpConfig, clients_per_round: int) -> float:

@@ -51,6 +51,7 @@ from jfed import typed_config as tc
 from jfed.api import Algorithm, RunContext, parse_run_config
 from jfed.engine import GroupTrainer, ModelState, privacy, server_optim
 from jfed.engine.aggregation import Aggregator
+from jfed.errors import ConfigError
 from jfed.keys import Purpose
 from jfed.methods import common
 from jfed.methods.registry import register_method
@@ -245,6 +246,11 @@ class FedAvg(Algorithm):
     self._dp = None
     if not dp.enabled:
       return None
+    if dp.reproducible_noise and ctx.client_transport is not None:
+      raise ConfigError(
+        'dp.reproducible_noise derives the noise from the config, which every Flower node '
+        'receives: a node could subtract it; it is for simulations only'
+      )
     m = common.clients_per_round(ctx.num_clients, self.config.participation)
     count_std = privacy.count_noise_std(dp, m) if dp.adaptive else None
     self._dp = DpSetup(dp, m, m / ctx.num_clients, count_std)
@@ -270,8 +276,13 @@ class FedAvg(Algorithm):
     dp = aux.dp
     clip = dp.config.clip_norm if state.dp_clip_norm is None else state.dp_clip_norm
     clip = jnp.asarray(clip, jnp.float32)
+    key = (
+      ctx.derive_key(Purpose.PRIVACY, i)
+      if dp.config.reproducible_noise
+      else privacy.fresh_noise_key()
+    )
     noise = privacy.RoundNoise(
-      ctx.derive_key(Purpose.PRIVACY, i),
+      key,
       clip,
       jnp.float32(dp.update_noise_multiplier) * clip,
       jnp.float32(dp.count_std or 0.0),
