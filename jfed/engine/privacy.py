@@ -39,6 +39,9 @@ the clipping and noise run on the uploads as the server process receives them (b
 simulation and validation), so the trust model is modelled, not enforced (under the Flower
 bridge too: the noise is added where the server receives the uploads, not on the node).
 
+The noise keys come from the operating system (`fresh_noise_key`) unless `reproducible_noise`
+derives them from the seed and the round (simulations only: the config reaches every Flower node).
+
 Everything here is a pure function of arrays (the method threads the keys and the clip norm);
 the model is one flat vector, BatchNorm statistics included, as `jfed.engine.aggregation` sees it.
 """
