@@ -477,6 +477,7 @@ class RunConfig(NamedTuple):
     delta=1e-5,
     local=False,
     reproducible_noise=False,
+    max_epsilon=0.0,
   )
   # not part of the workdir's identity: a resumed run may change them
   logging: LoggingConfig = LoggingConfig(tensorboard=True, wandb=False, wandb_project='jfed')

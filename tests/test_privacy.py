@@ -674,3 +674,23 @@ def test_the_default_noise_comes_from_the_os_and_a_seeded_one_is_refused_under_f
   ctx.client_transport = object()
   with pytest.raises(ConfigError, match='dp.reproducible_noise derives the noise from the config'):
     algorithm.setup(ctx)
+
+
+def test_a_privacy_budget_stops_the_run_after_its_last_round_within_it():
+  z, q = 1.5, 2 / 3
+  budget = (_direct_epsilon(q, z, 3) + _direct_epsilon(q, z, 4)) / 2  # between rounds 3 and 4
+  config = _config(
+    3,
+    **{
+      'fedavg.rounds': 6,
+      'fedavg.participation': q,
+      **_dp(noise_multiplier=z, clip_norm=0.5, max_epsilon=budget),
+    },
+  )
+  summary, rec, _ = _run('fedavg', config)
+  assert len(rec.records) == 3 and summary['dp']['stopped_by_max_epsilon']
+  assert summary['dp']['epsilon'] == pytest.approx(_direct_epsilon(q, z, 3), rel=1e-12)
+  assert summary['dp']['epsilon'] <= budget < _direct_epsilon(q, z, 4)
+  tiny = _config(3, **{'fedavg.participation': q, **_dp(noise_multiplier=z, max_epsilon=1e-3)})
+  with pytest.raises(ConfigError, match=r'dp.max_epsilon=0.001 is exceeded by one round'):
+    _run('fedavg', tiny)

@@ -76,6 +76,8 @@ class DpConfig(NamedTuple):
   # the noise from the config, which travels to every Flower node); True: derived from the seed
   # and the round, so a simulation repeats exactly (refused under the Flower bridge)
   reproducible_noise: bool = False
+  # > 0: the run stops after the last round whose ε (RDP, at δ) stays within it; 0: no budget
+  max_epsilon: float = 0.0
 
 
 def config_problem(
@@ -106,6 +108,8 @@ def config_problem(
     return f'dp.clip_norm must be positive, got {dp.clip_norm}'
   if not 0.0 < dp.delta < 1.0:
     return f'dp.delta must be in (0, 1), got {dp.delta}'
+  if dp.max_epsilon < 0:
+    return f'dp.max_epsilon must be >= 0 (0: no budget), got {dp.max_epsilon}'
   if num_clients and dp.delta >= 1.0 / num_clients:
     return (
       f'dp.delta={dp.delta:g} is at least 1/N = 1/{num_clients}: a mechanism that publishes one '
@@ -139,6 +143,28 @@ def config_problem(
         f'got {aggregation.clip_norm}'
       )
   return None
+
+
+def rounds_within_budget(epsilon_after, rounds: int, max_epsilon: float) -> int:
+  """The most rounds r <= `rounds` with `epsilon_after(r)` <= `max_epsilon` (ε grows with r:
+  a bisection); 0 when even one round exceeds it.
+
+  Args:
+    epsilon_after: r -> ε after r rounds.
+    rounds: The rounds configured.
+    max_epsilon: The budget.
+
+  Returns:
+    The rounds the budget allows.
+  """
+  lo, hi = 0, int(rounds)  # epsilon_after(lo) <= budget (vacuously at 0) < epsilon_after(hi + 1)
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if epsilon_after(mid) <= max_epsilon:
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
 
 
 def fresh_noise_key() -> jax.Array:

@@ -220,7 +220,26 @@ class FedAvg(Algorithm):
       )
 
   def num_steps(self, ctx: RunContext) -> int:
-    return self.config.rounds
+    """The configured rounds, or under `dp.max_epsilon` the rounds whose ε stays within it."""
+    dp = self._dp_setup(ctx)
+    if dp is None or not dp.config.max_epsilon:
+      return self.config.rounds
+    rounds = privacy.rounds_within_budget(dp.epsilon, self.config.rounds, dp.config.max_epsilon)
+    if rounds == 0:
+      raise ConfigError(
+        f'dp.max_epsilon={dp.config.max_epsilon:g} is exceeded by one round (ε = '
+        f'{dp.epsilon(1):.3g} at δ = {dp.config.delta:g}): raise the budget or '
+        'dp.noise_multiplier'
+      )
+    if rounds < self.config.rounds:
+      logging.warning(
+        'dp.max_epsilon=%g: the run stops after %d of %d rounds (ε = %.3g)',
+        dp.config.max_epsilon,
+        rounds,
+        self.config.rounds,
+        dp.epsilon(rounds),
+      )
+    return rounds
 
   def setup(self, ctx: RunContext) -> FedAvgAux:
     spec = common.single_architecture(ctx)
@@ -416,6 +435,8 @@ class FedAvg(Algorithm):
       'sampling_rate': dp.sampling_rate,
       'clients_per_round': dp.clients_per_round,
       'rounds': len(epsilons),
+      'max_epsilon': c.max_epsilon,
+      'stopped_by_max_epsilon': len(epsilons) < self.config.rounds,
       'accountant': privacy.accountant_name(),
     }
     if c.adaptive:
