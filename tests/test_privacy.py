@@ -694,3 +694,47 @@ def test_a_privacy_budget_stops_the_run_after_its_last_round_within_it():
   tiny = _config(3, **{'fedavg.participation': q, **_dp(noise_multiplier=z, max_epsilon=1e-3)})
   with pytest.raises(ConfigError, match=r'dp.max_epsilon=0.001 is exceeded by one round'):
     _run('fedavg', tiny)
+
+
+def test_padding_a_poisson_cohort_to_its_bucket_changes_nothing(monkeypatch):
+  """Cohorts are padded to a bucket of rows (one compiled shape per bucket, not per size) with
+  clients that sit out: the run equals one without padding, and the records count only the
+  sampled clients."""
+  config = _config(
+    6,
+    **{
+      'fedavg.rounds': 3,
+      'fedavg.participation': 0.5,
+      **_dp(noise_multiplier=1.0, clip_norm=0.5),
+    },
+  )
+  padded = []
+  real = common.padded_cohort
+
+  def spy(selected, n, rate):
+    ids, padding = real(selected, n, rate)
+    padded.append((len(selected), len(ids)))
+    return ids, padding
+
+  monkeypatch.setattr(common, 'padded_cohort', spy)
+  sizes = (23, 41, 12, 17, 30, 9)
+  _, with_padding, _ = _run('fedavg', config, sizes)
+  assert any(rows > size for size, rows in padded)
+  assert [r[0]['clients'] for r in with_padding.records] == [size for size, _ in padded] + [0] * (
+    3 - len(padded)
+  )
+  monkeypatch.setattr(common, 'padded_cohort', lambda s, n, q: (s, np.zeros(len(s), bool)))
+  _, without, _ = _run('fedavg', config, sizes)
+  np.testing.assert_array_equal(
+    ravel_pytree(with_padding.states[-1].model.params)[0],
+    ravel_pytree(without.states[-1].model.params)[0],
+  )
+
+
+def test_a_cohorts_bucket_covers_it_with_clients_outside_it():
+  selected = np.array([3, 7, 9])
+  ids, padding = common.padded_cohort(selected, 100, 0.5)
+  assert len(ids) == 10 and np.all(np.diff(ids) > 0)  # ⌈2·sd⌉ = ⌈2·5⌉ = 10
+  np.testing.assert_array_equal(ids[~padding], selected)
+  assert not np.isin(ids[padding], selected).any()
+  assert len(common.padded_cohort(np.arange(95), 100, 0.5)[0]) == 100  # never beyond N

@@ -3,6 +3,7 @@ model uploads (attack simulation, validation, aggregation), evaluation."""
 
 import contextlib
 import copy
+import math
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
@@ -120,6 +121,29 @@ def poisson_clients(key: jax.Array, num_clients: int, rate: float) -> np.ndarray
   """
   drawn = np.asarray(jax.random.uniform(key, (num_clients,)))
   return np.flatnonzero(drawn < rate).astype(np.int64)
+
+
+def padded_cohort(
+  selected: np.ndarray, num_clients: int, rate: float
+) -> Tuple[np.ndarray, np.ndarray]:
+  """A Poisson cohort padded to a bucket of rows, so a round's programs compile once per bucket
+  instead of once per cohort size: the cohort's size rounded up to a multiple of
+  max(8, ⌈2·sd⌉) (sd of Binomial(N, q)), filled with clients outside it, who sit out (size 0,
+  no upload: `fedavg_round`'s `sitting_out`).
+
+  Args:
+    selected: The sampled client ids (`poisson_clients`), at least one.
+    num_clients: N.
+    rate: q.
+
+  Returns:
+    (the ids of the padded cohort, sorted; [rows] bool, True for the padding).
+  """
+  step = max(8, math.ceil(2 * math.sqrt(num_clients * rate * (1 - rate))))
+  rows = min(num_clients, -(-len(selected) // step) * step)
+  others = np.setdiff1d(np.arange(num_clients), selected)[: rows - len(selected)]
+  ids = np.union1d(selected, others).astype(np.int64)
+  return ids, np.isin(ids, others)
 
 
 def client_groups(
@@ -692,6 +716,7 @@ def fedavg_round(
   prox_mu: float = 0.0,
   label: str = 'local training',
   declared_sizes: Optional[np.ndarray] = None,
+  sitting_out: Optional[np.ndarray] = None,
 ) -> Tuple[ModelState, Dict[str, Any]]:
   """One FedAvg round: replicate the global model, train the group, and let the server receive
   the uploads (attack, validation) and aggregate them (weighted by client size unless
@@ -711,12 +736,18 @@ def fedavg_round(
     label: What the training is called in logs and errors.
     declared_sizes: The client sizes the clients report (an attack may lie); None for the
       true sizes.
+    sitting_out: [K] bool, rows that only pad the group to a compiled shape (`padded_cohort`):
+      they train nothing (size 0, `sitting_out_as_size_zero`), upload nothing and are not
+      counted; None for none.
 
   Returns:
     The round's aggregate and its record fields (train_loss, clients, upload_bytes,
     download_bytes: the new global model goes back to the same clients, rejected_uploads).
   """
   n = len(group.client_ids)
+  padding = np.zeros(n, bool) if sitting_out is None else np.asarray(sitting_out, bool)
+  if padding.any():
+    group = sitting_out_as_size_zero(group, ~padding)
   starts = engine.replicate(global_model, n)
   anchors = [global_model.params] if prox_mu else None
   # Under a simulated attack, a poisoned global model can make honest training diverge: that is
@@ -736,14 +767,14 @@ def fedavg_round(
     template,
     step,
     weights,
-    taking_part=replied,
+    taking_part=replied & ~padding,
     declared_sizes=declared_sizes,
   )
-  dropped = [int(c) for c in np.asarray(group.client_ids)[~replied]]
+  dropped = [int(c) for c in np.asarray(group.client_ids)[~replied & ~padding]]
   return new_model, {
-    'train_loss': _finite_mean(np.asarray(metrics.loss)[replied, -1]),
-    'clients': int(replied.sum()),
-    'download_bytes': serialized_nbytes(template) * n,
+    'train_loss': _finite_mean(np.asarray(metrics.loss)[replied & ~padding, -1]),
+    'clients': int((replied & ~padding).sum()),
+    'download_bytes': serialized_nbytes(template) * int((~padding).sum()),
     **received,
     **({'dropped_clients': dropped} if dropped else {}),
   }

@@ -357,8 +357,11 @@ class FedAvg(Algorithm):
       }
     else:
       key = ctx.derive_key(Purpose.SAMPLING, i)
+      padding = None
       if aux.dp is not None and aux.dp.poisson:
         selected = common.poisson_clients(key, ctx.num_clients, aux.dp.sampling_rate)
+        if len(selected) and ctx.client_transport is None:  # in process: one shape per bucket
+          selected, padding = common.padded_cohort(selected, ctx.num_clients, aux.dp.sampling_rate)
       else:
         selected = common.select_clients(key, ctx.num_clients, c.participation)
       if len(selected):
@@ -373,6 +376,7 @@ class FedAvg(Algorithm):
           i,
           prox_mu=self.prox_mu,
           label=f'round {i + 1}/{c.rounds}',
+          sitting_out=padding,
         )
       else:  # a Poisson cohort of none: the round releases the noise alone
         aggregate, server.released['unclipped_fraction'] = privacy.central_noise_only(
