@@ -720,9 +720,8 @@ def test_padding_a_poisson_cohort_to_its_bucket_changes_nothing(monkeypatch):
   sizes = (23, 41, 12, 17, 30, 9)
   _, with_padding, _ = _run('fedavg', config, sizes)
   assert any(rows > size for size, rows in padded)
-  assert [r[0]['clients'] for r in with_padding.records] == [size for size, _ in padded] + [0] * (
-    3 - len(padded)
-  )
+  counts = [r[0]['clients'] for r in with_padding.records]
+  assert [c for c in counts if c] == [size for size, _ in padded]  # empty rounds pad nothing
   monkeypatch.setattr(common, 'padded_cohort', lambda s, n, q: (s, np.zeros(len(s), bool)))
   _, without, _ = _run('fedavg', config, sizes)
   np.testing.assert_array_equal(
