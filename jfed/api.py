@@ -172,7 +172,16 @@ class RunContext:
     (`local_models_dir`, `local_cvaes_dir`): a folder named by the digest of its `producer`, so
     runs that differ in anything the stage depends on (the seed, the partition, the data, the
     clients' optimiser, ...) never read each other's results; its `producer.json` says what
-    made it."""
+    made it.
+
+    Args:
+      directory: the shared cache directory.
+      name: the stage.
+      settings: the stage's own settings (`producer`).
+
+    Returns:
+      The subfolder of this run's producer (not created here).
+    """
     text = json.dumps(self.producer(name, settings), sort_keys=True, indent=1)
     return pathlib.Path(directory) / hashlib.sha256(text.encode()).hexdigest()[:16]
 

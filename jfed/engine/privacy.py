@@ -57,6 +57,7 @@ from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
+from jfed.engine import multihost
 from jfed.errors import ConfigError
 
 
@@ -170,8 +171,6 @@ def rounds_within_budget(epsilon_after, rounds: int, max_epsilon: float) -> int:
 def fresh_noise_key() -> jax.Array:
   """A PRNG key of 64 bits from the operating system (`os.urandom`), the same on every process
   of a run (the primary's, broadcast): noise no participant can regenerate from the config."""
-  from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
-
   data = np.frombuffer(os.urandom(8), np.uint32).copy()
   return jnp.asarray(multihost.broadcast_from_primary(data), jnp.uint32)  # a raw PRNGKey
 

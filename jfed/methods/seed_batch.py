@@ -222,7 +222,16 @@ def train_seeds(
 
 def cached(ctx: RunContext, epochs: int, client_ids: Optional[Sequence[int]] = None) -> bool:
   """Whether the run's `local_models_dir` holds its local models of `epochs` local epochs (the
-  subfolder and tag `common.local_models` restores)."""
+  subfolder and tag `common.local_models` restores).
+
+  Args:
+    ctx: the run's context (its producer names the subfolder).
+    epochs: the local epochs (the tag).
+    client_ids: the clients, as the methods pass them to `common.local_models`.
+
+  Returns:
+    Whether they are cached.
+  """
   settings = common.local_models_settings(client_ids)
   return int(epochs) in saved_steps(ctx.shared_cache_dir(ctx.run.local_models_dir, STAGE, settings))
 
