@@ -35,7 +35,6 @@ are not edited; this shim is the whole patch, applied before their modules load:
   so the run's random stream is untouched.
 """
 
-import argparse
 import atexit
 import json
 import logging
@@ -43,31 +42,24 @@ import os
 import runpy
 import sys
 import time
-import types
+
+from shim_common import parse_harness_flags, stub_module
 
 GDATA = '/gdata/'
 GRAY_DATASETS = ('mnist', 'fmnist')
-
-
-def _stub_module(name, **attrs):
-  module = types.ModuleType(name)
-  for key, value in attrs.items():
-    setattr(module, key, value)
-  sys.modules[name] = module
-  return module
 
 
 def _install_stubs(torch):
   try:
     import termcolor  # noqa: F401  # pylint: disable=unused-import,g-import-not-at-top
   except ImportError:
-    _stub_module('termcolor', colored=lambda text, *args, **kwargs: text)
+    stub_module('termcolor', colored=lambda text, *args, **kwargs: text)
   try:
     import torchvision.models.utils  # noqa: F401  # pylint: disable=unused-import,g-import-not-at-top
   except ImportError:
     import torch.hub  # pylint: disable=g-import-not-at-top
 
-    _stub_module(
+    stub_module(
       'torchvision.models.utils', load_state_dict_from_url=torch.hub.load_state_dict_from_url
     )
 
@@ -136,14 +128,7 @@ def _reference_flag(args, name, default=None):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--ref_dir', required=True)
-  parser.add_argument('--partition', required=True)
-  parser.add_argument('--data_root', required=True)
-  parser.add_argument('--result', required=True)
-  ours, rest = parser.parse_known_args()
-  if rest[:1] == ['--']:
-    rest = rest[1:]
+  ours, rest = parse_harness_flags()
   if not rest or not rest[0].endswith('.py'):
     raise SystemExit('usage: coboosting_shim.py OUR_FLAGS -- SCRIPT.py [its flags]')
   script, reference_args = rest[0], rest[1:]

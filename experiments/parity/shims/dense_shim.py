@@ -21,7 +21,6 @@ Budget flags (`--local_ep`, `--epochs`, `--g_steps`, ...) and `--seed` go to the
 unchanged, after `--`.
 """
 
-import argparse
 import atexit
 import json
 import os
@@ -30,23 +29,17 @@ import sys
 import time
 import types
 
-
-def _stub_module(name, **attrs):
-  module = types.ModuleType(name)
-  for key, value in attrs.items():
-    setattr(module, key, value)
-  sys.modules[name] = module
-  return module
+from shim_common import parse_harness_flags, stub_module
 
 
 def _install_stubs():
   noop = lambda *args, **kwargs: None
   plot = types.SimpleNamespace(line_series=noop)
-  _stub_module('wandb', init=noop, log=noop, plot=plot, finish=noop)
+  stub_module('wandb', init=noop, log=noop, plot=plot, finish=noop)
   try:
     import ipdb  # noqa: F401  # pylint: disable=unused-import,g-import-not-at-top
   except ImportError:
-    _stub_module('ipdb', set_trace=noop)
+    stub_module('ipdb', set_trace=noop)
 
 
 def _old_torch_names(torch):
@@ -54,7 +47,7 @@ def _old_torch_names(torch):
   import collections.abc  # pylint: disable=g-import-not-at-top
 
   if '_six' not in dir(torch):
-    six = _stub_module('torch._six', container_abcs=collections.abc, string_classes=(str,))
+    six = stub_module('torch._six', container_abcs=collections.abc, string_classes=(str,))
     six.int_classes = int
     torch._six = six  # pylint: disable=protected-access
 
@@ -80,15 +73,7 @@ def _redirect_data_root(data_root):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--ref_dir', required=True)
-  parser.add_argument('--partition', required=True)
-  parser.add_argument('--data_root', required=True)
-  parser.add_argument('--result', required=True)
-  parser.add_argument('--script', default='loop_df_fl.py')
-  ours, reference_args = parser.parse_known_args()
-  if reference_args[:1] == ['--']:
-    reference_args = reference_args[1:]
+  ours, reference_args = parse_harness_flags('loop_df_fl.py')
 
   _install_stubs()
   import numpy as np  # pylint: disable=g-import-not-at-top

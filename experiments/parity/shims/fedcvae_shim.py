@@ -30,27 +30,17 @@ Budget flags (`--local_epochs`, `--classifier_epochs`, ...) and `--seed` / `--da
 the reference unchanged, after `--`.
 """
 
-import argparse
 import atexit
-import importlib.machinery
 import json
 import os
 import random
 import runpy
 import sys
 import time
-import types
+
+from shim_common import parse_harness_flags, stub_module
 
 RECORD = {'scalars': [], 'users': [], 'phase': 'init'}
-
-
-def _stub_module(name, **attrs):
-  module = types.ModuleType(name)
-  module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-  for key, value in attrs.items():
-    setattr(module, key, value)
-  sys.modules[name] = module
-  return module
 
 
 def _importable(name):
@@ -115,20 +105,20 @@ def _noop_attribute(name):
 def _install_stubs():
   noop = _noop
   if not _importable('matplotlib.pyplot'):
-    pyplot = _stub_module('matplotlib.pyplot', __getattr__=_noop_attribute)
-    _stub_module('matplotlib', pyplot=pyplot)
+    pyplot = stub_module('matplotlib.pyplot', __getattr__=_noop_attribute)
+    stub_module('matplotlib', pyplot=pyplot)
   for name in ('seaborn', 'pandas'):
     if not _importable(name):
-      _stub_module(name, __getattr__=_noop_attribute)
+      stub_module(name, __getattr__=_noop_attribute)
   if not _importable('torchsummary'):
-    _stub_module('torchsummary', summary=noop)
+    stub_module('torchsummary', summary=noop)
   if not _importable('sklearn.preprocessing'):
-    preprocessing = _stub_module('sklearn.preprocessing', OneHotEncoder=OneHotEncoder)
-    _stub_module('sklearn', preprocessing=preprocessing)
+    preprocessing = stub_module('sklearn.preprocessing', OneHotEncoder=OneHotEncoder)
+    stub_module('sklearn', preprocessing=preprocessing)
   try:
     import ipdb  # noqa: F401  # pylint: disable=unused-import,g-import-not-at-top
   except ImportError:
-    _stub_module('ipdb', set_trace=noop)
+    stub_module('ipdb', set_trace=noop)
 
 
 def _cpu_only(torch):
@@ -138,7 +128,7 @@ def _cpu_only(torch):
 def _tensorboard_recorder(torch):
   import torch.utils  # pylint: disable=g-import-not-at-top
 
-  module = _stub_module('torch.utils.tensorboard', SummaryWriter=SummaryWriter)
+  module = stub_module('torch.utils.tensorboard', SummaryWriter=SummaryWriter)
   torch.utils.tensorboard = module
 
 
@@ -222,15 +212,7 @@ def _test_every_classifier_epoch(server_cls, torch, np):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--ref_dir', required=True)
-  parser.add_argument('--partition', required=True)
-  parser.add_argument('--data_root', required=True)
-  parser.add_argument('--result', required=True)
-  parser.add_argument('--script', default='main.py')
-  ours, reference_args = parser.parse_known_args()
-  if reference_args[:1] == ['--']:
-    reference_args = reference_args[1:]
+  ours, reference_args = parse_harness_flags('main.py')
 
   import numpy as np  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top

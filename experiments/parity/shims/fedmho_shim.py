@@ -54,29 +54,16 @@ import builtins
 import collections
 import copy
 import hashlib
-import importlib.machinery
 import json
 import os
 import random
 import sys
 import time
-import types
+
+from shim_common import parse_harness_flags, stub_package
 
 CACHE_VERSION = 1
 SERVER_FLAGS = ('--is_md', '--is_sd')  # the flags FedMHO, -MD and -SD differ in
-
-
-def _stub_module(name, **attrs):
-  module = types.ModuleType(name)
-  module.__path__ = []  # a package, so that `import a.b` of a stub works
-  module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-  for key, value in attrs.items():
-    setattr(module, key, value)
-  sys.modules[name] = module
-  if '.' in name:
-    parent, _, child = name.rpartition('.')
-    setattr(sys.modules[parent], child, module)
-  return module
 
 
 def _missing(name):
@@ -113,17 +100,17 @@ def _install_stubs(np):
   noop = lambda *args, **kwargs: None  # noqa: E731
   for name in ('lmdb', 'cv2', 'bit2byte', 'msgpack'):
     if _missing(name):
-      _stub_module(name)
+      stub_package(name)
   if _missing('msgpack_numpy'):
-    _stub_module('msgpack_numpy', patch=noop)
+    stub_package('msgpack_numpy', patch=noop)
   if _missing('skimage.feature'):
-    _stub_module('skimage')
-    _stub_module('skimage.feature', hog=noop)
+    stub_package('skimage')
+    stub_package('skimage.feature', hog=noop)
   if _missing('matplotlib.pyplot'):
-    _stub_module('matplotlib', use=noop)
-    pyplot = _stub_module('matplotlib.pyplot')
+    stub_package('matplotlib', use=noop)
+    pyplot = stub_package('matplotlib.pyplot')
     pyplot.__getattr__ = _no_op_attribute
-    _stub_module('matplotlib.lines', Line2D=_NoOp)
+    stub_package('matplotlib.lines', Line2D=_NoOp)
   if _missing('sklearn.cluster'):
 
     class KMeans:
@@ -140,8 +127,8 @@ def _install_stubs(np):
         self.labels_ = np.zeros(len(x), np.int32)
         return self
 
-    _stub_module('sklearn')
-    _stub_module('sklearn.cluster', KMeans=KMeans)
+    stub_package('sklearn')
+    stub_package('sklearn.cluster', KMeans=KMeans)
 
 
 def _cpu_only(torch):
@@ -266,14 +253,7 @@ def _cache_key(reference_args, cvae_lr, partition_path):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--ref_dir', required=True)
-  parser.add_argument('--partition', required=True)
-  parser.add_argument('--data_root', required=True)
-  parser.add_argument('--result', required=True)
-  ours, rest = parser.parse_known_args()
-  if rest[:1] == ['--']:
-    rest = rest[1:]
+  ours, rest = parse_harness_flags()
   shim_parser = argparse.ArgumentParser(allow_abbrev=False)
   shim_parser.add_argument('--shim_server_epochs', type=int, default=0)
   shim_parser.add_argument('--shim_cvae_lr', type=float, default=0.0)
