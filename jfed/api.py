@@ -182,16 +182,21 @@ class RunContext:
     Returns:
       The subfolder of this run's producer (not created here).
     """
+    return self._shared_cache(directory, name, settings)[0]
+
+  def _shared_cache(
+    self, directory: str, name: str, settings: Optional[Mapping[str, Any]]
+  ) -> Tuple[pathlib.Path, str]:
+    """`shared_cache_dir` and the producer.json text its name is the digest of."""
     text = json.dumps(self.producer(name, settings), sort_keys=True, indent=1)
-    return pathlib.Path(directory) / hashlib.sha256(text.encode()).hexdigest()[:16]
+    return pathlib.Path(directory) / hashlib.sha256(text.encode()).hexdigest()[:16], text
 
   def _open_shared_cache(
     self, directory: str, name: str, settings: Optional[Mapping[str, Any]]
   ) -> pathlib.Path:
-    path = self.shared_cache_dir(directory, name, settings)
+    path, text = self._shared_cache(directory, name, settings)
     if self.is_primary and not (path / _PRODUCER_FILE).exists():
       path.mkdir(parents=True, exist_ok=True)
-      text = json.dumps(self.producer(name, settings), sort_keys=True, indent=1)
       atomic_write_text(path / _PRODUCER_FILE, text + '\n')
     return path
 
