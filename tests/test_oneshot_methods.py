@@ -10,6 +10,7 @@ FedDF's early stop (steps that record nothing) is resumed here. Most of the time
 compilation.
 """
 
+import json
 import logging
 import math
 import pathlib
@@ -1021,6 +1022,11 @@ def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_
   assert not np.allclose(np.asarray(calls[0][2]), np.asarray(calls[1][2]), atol=1e-3)
 
 
+def _made_by(producer_file, stage, seed, model):
+  made = json.loads(producer_file.read_text())
+  return made['stage'] == stage and made['run']['seed'] == seed and made['run']['model'] == model
+
+
 @pytest.mark.slow  # the quick budget's client models (shared with the end-to-end tests)
 def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   """`fedavg.reuse_local_models` (the Table 1/2 sweep): one-shot FedAvg is the size-weighted
@@ -1034,7 +1040,13 @@ def test_oneshot_fedavg_averages_the_shared_local_models(tmp_path, local_dir):
   parts = driver.partition_clients(config, ds.train_y)
   module = get_model(config.model, ds.num_classes, ds.input_shape)
   template = engine.init_models(module, ds.input_shape, jax.random.PRNGKey(0), len(parts))
-  step, (models,), _ = Checkpointer(pathlib.Path(local_dir)).restore_latest([template])
+  # the run's models sit in local_dir's subfolder of their producer (this seed and model)
+  (folder,) = [
+    f.parent
+    for f in pathlib.Path(local_dir).glob('*/producer.json')
+    if _made_by(f, stage='local_models', seed=config.seed, model=config.model)
+  ]
+  step, (models,), _ = Checkpointer(folder).restore_latest([template])
   assert step == config.fedavg.local_epochs
   average = engine.weighted_average(models, np.array([len(p) for p in parts]))
   want = engine.Evaluator(module, 256).accuracy(average, ds.test_x, ds.test_y)
