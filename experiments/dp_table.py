@@ -70,7 +70,7 @@ def define_flags() -> None:
 
 def setup(dataset: str, smoke: bool = False):
   """The base config of a dataset's table (DP off; each row sets `dp`)."""
-  from experiments.configs.common import base_config  # pylint: disable=g-import-not-at-top
+  from jfed.configs.base import base_config  # pylint: disable=g-import-not-at-top
 
   c = base_config()
   c.dataset.name = dataset

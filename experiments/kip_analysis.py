@@ -37,7 +37,7 @@ from absl import flags, logging
 import numpy as np
 
 from experiments import sweep
-from experiments.configs import hfldd_digits, hfldd_fashion_mnist
+from jfed.configs import hfldd_digits, hfldd_fashion_mnist
 from experiments.seed_tables import mean_std, report_date, value_stats
 
 FLAGS = flags.FLAGS

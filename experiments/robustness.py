@@ -147,7 +147,7 @@ def run_sweep(
   `config`: the base config, or its 'FILE:words'; `clip_norm`: the clipped mean's norm per
   dataset (default: the config file's CLIP_NORM); `label`: the config's FILE:words for
   results.json (default: `config` when it is that string)."""
-  from experiments.configs import robustness as default  # pylint: disable=g-import-not-at-top
+  from jfed.configs import robustness as default  # pylint: disable=g-import-not-at-top
   from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
   from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
   from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top

@@ -271,7 +271,7 @@ def run_command(main: Callable[[List[str]], None], define: Callable[[], None]) -
 
   from absl import app  # pylint: disable=g-import-not-at-top
 
-  from experiments import console  # pylint: disable=g-import-not-at-top
+  from jfed import console  # pylint: disable=g-import-not-at-top
   from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
 
   def guarded(argv: List[str]) -> None:

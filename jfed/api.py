@@ -47,6 +47,7 @@ from jfed.data.transforms import configure, load_configured
 from jfed.engine import multihost
 from jfed.engine.aggregation import AggregationConfig
 from jfed.engine.attacks import AttackConfig
+from jfed.engine.evaluation import TrainedModel
 from jfed.engine.optim import OptimizerSpec, optimizer_spec
 from jfed.engine.privacy import DpConfig
 from jfed.engine.server_optim import ServerOptimizerConfig
@@ -323,6 +324,21 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
 
   def step_label(self, i: int, n: int) -> str:
     return f'{self.step_name} {i + 1}/{n}'
+
+  def trained_model(self, ctx: RunContext, aux: AuxT, state: StateT) -> Optional[TrainedModel]:
+    """The server model a finished run leaves (`jfed.run(...).model`).
+
+    Args:
+      ctx: The run context.
+      aux: The run-level state built in `setup`.
+      state: The final state.
+
+    Returns:
+      The model, or None where the method ends with client models only (Local, FedProto,
+      FedMD, ...) or with several server models.
+    """
+    del ctx, aux, state
+    return None
 
   def final_accuracy(self, history: Sequence[Record]) -> Optional[float]:
     """The run's result: by default the last recorded test accuracy."""

@@ -23,7 +23,7 @@ import math
 import pathlib
 import platform
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ from jfed.data import (
 from jfed.data.plots import plot_partition_bubbles
 from jfed.data.public import holdout_size
 from jfed.engine import multihost
+from jfed.engine.evaluation import TrainedModel
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
 from jfed.io.scalars import ScalarLoggers, logging_config
@@ -67,14 +68,17 @@ __all__ = [
   'RunCheckpointer',
   'RunContext',
   'RunSummary',
+  'Finished',
   'build_algorithm',
   'context_of_config',
+  'experiment_to_end',
   'hold_out',
   'make_context',
   'partition_clients',
   'run',
   'run_experiment',
   'run_in_memory',
+  'run_to_end',
 ]
 
 
@@ -167,6 +171,16 @@ class _Metrics:
       atomic_write_text(self.path, ''.join(dumps(r) + '\n' for r in history))
 
 
+class Finished(NamedTuple):
+  """What `run_to_end` leaves: the summary, the method's final state, every record, and the
+  server model where the method has one (`Algorithm.trained_model`)."""
+
+  summary: RunSummary
+  state: Any
+  history: List[Record]
+  model: Optional[TrainedModel]
+
+
 def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSummary:
   """Runs `algorithm` to completion, resuming from `ctx.workdir`'s checkpoints if any.
 
@@ -178,6 +192,25 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   Returns:
     The run's typed summary (also written to workdir/summary.json).
   """
+  return _run(algorithm, ctx, progress, keep_state=False).summary
+
+
+def run_to_end(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> Finished:
+  """`run`, keeping the final state, the history and the server model (the Python API's path).
+  A workdir whose run is complete is not run again: its last checkpoint is read back.
+
+  Args:
+    algorithm: The method, its config already validated.
+    ctx: The run context.
+    progress: Whether to print a line per step.
+
+  Returns:
+    The summary, final state, history and server model.
+  """
+  return _run(algorithm, ctx, progress, keep_state=True)
+
+
+def _run(algorithm: Algorithm, ctx: RunContext, progress: bool, keep_state: bool) -> Finished:
   invocation_start = time.perf_counter()
   talk = progress and ctx.is_primary
   say = (lambda msg: print(msg, flush=True)) if talk else (lambda msg: None)
@@ -209,10 +242,20 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
       f'{algorithm.name} in {workdir} is already complete ({n} {algorithm.step_name}s); '
       'summary.json kept'
     )
+    state = history = model = None
+    if keep_state:
+      aux = algorithm.setup(ctx)
+      ckpt = RunCheckpointer(workdir / 'checkpoints')
+      try:
+        _, state, history = ckpt.restore_latest(algorithm.init(ctx, aux), with_history=True)
+      finally:
+        ckpt.close()
+      model = algorithm.trained_model(ctx, aux, state)
     # this invocation's time, not the one that finished the run (summary.json keeps that)
-    return dataclasses.replace(
+    summary = dataclasses.replace(
       summary, seconds_this_invocation=time.perf_counter() - invocation_start
     )
+    return Finished(summary, state, history, model)
 
   t0 = time.perf_counter()
   aux = algorithm.setup(ctx)
@@ -310,7 +353,8 @@ def run(algorithm: Algorithm, ctx: RunContext, progress: bool = True) -> RunSumm
   if writes:
     write_json(workdir / 'summary.json', summary.as_dict())
     _plot_accuracy(workdir / 'accuracy.png', summary, history)
-  return summary
+  model = algorithm.trained_model(ctx, aux, state) if keep_state else None
+  return Finished(summary, state if keep_state else None, history, model)
 
 
 def _plot_accuracy(path: pathlib.Path, summary: RunSummary, history: Sequence[Record]) -> None:
@@ -366,10 +410,35 @@ def run_experiment(
   Returns:
     The run's typed summary.
   """
+  return _experiment(
+    method, config, workdir, progress, client_transport, client_label_counts, keep_state=False
+  ).summary
+
+
+def experiment_to_end(
+  method: str, config: ml_collections.ConfigDict, workdir, progress: bool = True
+) -> Finished:
+  """`run_experiment` keeping the final state, history and model (`run_to_end`).
+
+  Args:
+    method: The registered method name.
+    config: The whole run config.
+    workdir: The directory of the run's outputs and checkpoints.
+    progress: Whether to print a line per step.
+
+  Returns:
+    The summary, final state, history and server model.
+  """
+  return _experiment(method, config, workdir, progress, None, None, keep_state=True)
+
+
+def _experiment(
+  method, config, workdir, progress, client_transport, client_label_counts, keep_state
+) -> Finished:
   algorithm = build_algorithm(method, config)
   logging_config(config)  # e.g. W&B on but not installed: refused before anything is written
   if not multihost.is_primary():
-    return _run_secondary(algorithm, config, workdir)
+    return Finished(_run_secondary(algorithm, config, workdir), None, [], None)
   wd = Workdir(workdir)
   with contextlib.ExitStack() as stack:
     try:
@@ -381,7 +450,7 @@ def run_experiment(
       raise
     multihost.agree(True, _SETUP)
     ctx = make_context(config, dataset, parts, wd.path, client_transport)
-    return run(algorithm, ctx, progress)
+    return _run(algorithm, ctx, progress, keep_state)
 
 
 def declared_parts(sizes: Sequence[int]) -> List[np.ndarray]:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
+from jfed.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed import engine
 from jfed.driver import RunCheckpointer
 from jfed.methods import common

@@ -4,7 +4,7 @@ recomputed and the test batch's BatchNorm statistics."""
 import pytest
 
 from experiments import bn_check
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.errors import ConfigError
 

@@ -19,7 +19,7 @@ import threading
 import jax.numpy as jnp
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.errors import WorkdirError
 from jfed.io import checkpoint

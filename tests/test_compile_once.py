@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill import MSConfig, TeacherGroup, make_generator, model_stratification_python

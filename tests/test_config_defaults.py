@@ -5,7 +5,7 @@ shared keys parse back to `RunConfig()`."""
 import typing
 from typing import Any, List, NamedTuple
 
-from experiments.configs import common
+from jfed.configs import base as common
 from jfed import api, typed_config
 from jfed.methods import fedcvae, oneshot, registry
 

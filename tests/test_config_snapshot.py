@@ -10,7 +10,7 @@ import json
 import pathlib
 from typing import Dict
 
-from experiments.configs import common
+from jfed.configs import base as common
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'config_snapshot.json'
 CONFIG_DIR = pathlib.Path(common.__file__).parent
@@ -31,9 +31,9 @@ def _canonical(config) -> str:
 def snapshot() -> Dict[str, str]:
   out = {'common.base_config()': _canonical(common.base_config())}
   for path in sorted(CONFIG_DIR.glob('*.py')):
-    if path.stem in ('__init__', 'common'):
+    if path.stem in ('__init__', 'base'):
       continue
-    module = importlib.import_module(f'experiments.configs.{path.stem}')
+    module = importlib.import_module(f'jfed.configs.{path.stem}')
     words = [VALUES.get(w, w) for w in getattr(module, 'VARIANTS', ())]
     for arg in ['', *words, ','.join(words)]:
       out[f'{path.stem}.get_config({arg!r})'] = _canonical(module.get_config(arg))

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from experiments.configs import common
+from jfed.configs import base as common
 from jfed.errors import ConfigError
 
 CONFIG_DIR = pathlib.Path(common.__file__).parent
@@ -26,7 +26,7 @@ ONESHOT_SECTIONS = ('dense', 'coboosting', 'feddf', 'ot', 'fedhydra')
 
 
 def load(name: str):
-  return importlib.import_module(f'experiments.configs.{name}')
+  return importlib.import_module(f'jfed.configs.{name}')
 
 
 def test_config_modules_found():

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from experiments import console, sweep
+from experiments import sweep
+from jfed import console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -269,6 +269,7 @@ def test_unknown_name_lists_valid_names():
 
 
 def test_tfds_not_prepared(tmp_path):
+  pytest.importorskip('tensorflow_datasets')
   with pytest.raises(data.DatasetNotFoundError, match='array_record'):
     data.load_dataset('tfds:mnist', data_dir=str(tmp_path))
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import common as configs
+from jfed.configs import base as common as configs
 from jfed import driver
 from jfed.api import context_of_config, load_run_dataset
 from jfed.data import load_dataset

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver, engine
 from jfed import typed_config as tc
 from jfed.data import load_dataset

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.configs import fedmho_digits, fedmho_fashion_mnist
+from jfed.configs import fedmho_digits, fedmho_fashion_mnist
 from experiments.parity import ref_fedcvae
 from jfed import driver
 from jfed.methods import common, fedcvae, fedmho, generative

@@ -6,7 +6,7 @@ keyed by what the local models depend on."""
 import pytest
 
 from experiments import fedhydra_mechanism as study
-from experiments.configs import fedhydra_digits, fedhydra_fashion_mnist
+from jfed.configs import fedhydra_digits, fedhydra_fashion_mnist
 from jfed.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import fedhydra_digits
+from jfed.configs import fedhydra_digits
 from jfed import driver
 from jfed.distill import pool as P
 from jfed.errors import ConfigError

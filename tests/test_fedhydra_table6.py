@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import fedhydra_table6
-from experiments.configs import fedhydra_digits
+from jfed.configs import fedhydra_digits
 from jfed.engine import compiles
 from jfed.errors import ConfigError
 

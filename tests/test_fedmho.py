@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments.configs import fedmho_digits
+from jfed.configs import fedmho_digits
 from jfed import driver, engine
 from jfed.cvae import CVAE, decoder_kd, generation_counts
 from jfed.cvae import clients as cvae_clients

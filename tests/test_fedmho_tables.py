@@ -7,7 +7,7 @@ import types
 import pytest
 
 from experiments import client_curve, fedmho_tables
-from experiments.configs import fedmho_digits
+from jfed.configs import fedmho_digits
 
 META = {'backend': 'cpu', 'jax_version': '0.0.0', 'date': '2000-01-01', 'seeds': [0, 1, 2]}
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import fedtsa_digits
+from jfed.configs import fedtsa_digits
 from jfed import driver, engine
 from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset

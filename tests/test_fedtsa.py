@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import fedtsa_digits, fedtsa_fashion_mnist
+from jfed.configs import fedtsa_digits, fedtsa_fashion_mnist
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill.losses import consensus_logits, mutual_learning_loss

@@ -29,7 +29,7 @@ def test_the_client_app_module_imports_no_jax():
   )
   run = subprocess.run(
     [sys.executable, '-c', code],
-    cwd=ROOT / 'experiments' / 'flower_app',  # where Flower imports the App's components
+    cwd=ROOT / 'jfed' / 'flower' / 'app',  # where Flower imports the App's components
     env={**os.environ, 'PYTHONPATH': str(ROOT)},
     capture_output=True,
     text=True,

@@ -46,7 +46,7 @@ def test_chunks_are_unique_and_name_real_commands_and_configs():
 def test_fedhydra_runs_with_a_bounded_pool_in_groups_of_its_own_beside_the_papers_chunks():
   """Each FedHydra cell and seed has, after its paper chunks (which keep the paper's unbounded
   pool, unchanged), one chunk of FedHydra with `fedhydra.pool_limit` in a group of its own."""
-  from experiments.configs import fedhydra_fashion_mnist
+  from jfed.configs import fedhydra_fashion_mnist
 
   chunks = q.chunks()
   names = [c.name for c in chunks]

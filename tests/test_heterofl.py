@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments.configs import fedtsa_digits
+from jfed.configs import fedtsa_digits
 from jfed import driver, engine
 from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset

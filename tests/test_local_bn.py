@@ -141,7 +141,7 @@ def test_the_option_is_refused_where_it_cannot_apply():
 
 
 def test_the_command_line_refuses_an_unknown_mode(tmp_path):
-  from experiments.configs import digits
+  from jfed.configs import digits
   from jfed.run_config import validate_run_config
 
   c = digits.get_config('smoke')

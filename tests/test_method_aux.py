@@ -8,7 +8,7 @@ from typing import List
 
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.engine import GroupTrainer
 from jfed.methods import coboosting, common, dense, feddf, fedhydra, oneshot

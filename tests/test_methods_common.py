@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments.configs import fedmho_digits
+from jfed.configs import fedmho_digits
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.data.datasets import Dataset

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments import ms_precision
-from experiments.configs import fedhydra_digits
+from jfed.configs import fedhydra_digits
 from tests.support import override
 
 

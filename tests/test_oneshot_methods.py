@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import fedhydra_digits
+from jfed.configs import fedhydra_digits
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill import (

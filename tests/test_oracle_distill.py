@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs.common import base_config
+from jfed.configs.base import base_config
 from jfed import driver, engine
 from jfed.data import load_dataset
 from jfed.distill import dense_generator_init

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from experiments.configs.common import base_config
+from jfed.configs.base import base_config
 from jfed import engine
 from jfed.data import load_dataset
 from jfed.data.datasets import Dataset

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 
-from experiments.configs import fedmho_digits
+from jfed.configs import fedmho_digits
 from jfed import driver, engine
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import get_method

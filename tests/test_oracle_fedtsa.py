@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.configs.common import base_config
+from jfed.configs.base import base_config
 from jfed import engine
 from jfed.data import load_dataset
 from jfed.data.batches import epoch_order

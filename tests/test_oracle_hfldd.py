@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 
-from experiments.configs.common import base_config
+from jfed.configs.base import base_config
 from jfed import driver
 from jfed.clustering import fedseq_clusters, fedseq_confidence
 from jfed.data.datasets import Dataset

@@ -133,7 +133,7 @@ def test_coboosting_overrides_take_the_codes_set_up_and_name_keys_the_config_has
   ensemble weights before the epoch's batch joins the pool (`coboost.py`). The keys are applied
   as the harness applies them (`section.field`), those three to keys the config already has,
   and the run config and the method accept the result."""
-  from experiments.configs.common import base_config
+  from jfed.configs.base import base_config
   from experiments.parity import ref_coboosting
   from jfed import api, driver
 
@@ -301,7 +301,7 @@ def test_the_shim_feeds_the_partition_and_records_every_test(tmp_path):
 
 
 def test_jfed_side_reports_clients_ensemble_and_both_averages(tmp_path):
-  from experiments.configs import digits
+  from jfed.configs import digits
   from jfed.data import load_dataset, make_partition
 
   config = override(

@@ -5,7 +5,7 @@ held out of every client, or from another dataset."""
 import numpy as np
 import pytest
 
-from experiments.configs import digits as digits_config
+from jfed.configs import digits as digits_config
 from jfed import driver
 from jfed.data import load_dataset
 from jfed.data.public import check_holdout_fits, hold_out_train, public_data

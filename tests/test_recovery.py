@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.errors import WorkdirError
 from tests.support import override

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import robustness
-from experiments.configs import robustness as robustness_config
+from jfed.configs import robustness as robustness_config
 from jfed import driver
 from jfed.data import FederatedArrays, load_dataset
 from jfed.engine import ModelState, aggregation, attacks

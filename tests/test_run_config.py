@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
-from experiments.configs import common as configs
+from jfed.configs import base as common as configs
 from jfed import engine
 from jfed.api import RunConfig, parse_run_config
 from jfed.errors import ConfigError

@@ -5,7 +5,7 @@ cases: tests/test_driver.py.)"""
 import numpy as np
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import engine
 from jfed.driver import run_experiment
 from jfed.errors import ConfigError

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.data import FederatedArrays
 from jfed.engine import ModelState, aggregation, attacks

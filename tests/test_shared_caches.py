@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.configs import common as configs
+from jfed.configs import base as common as configs
 from jfed.api import context_of_config
 from jfed.data import load_dataset
 from jfed.methods import common

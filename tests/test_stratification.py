@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.configs.common import base_config
+from jfed.configs.base import base_config
 from jfed import driver
 from jfed.data.datasets import Dataset
 from jfed.distill import ensemble, generator

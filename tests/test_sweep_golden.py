@@ -78,7 +78,7 @@ def synthetic(
 
 def robustness_tables() -> str:
   from experiments import robustness  # pylint: disable=g-import-not-at-top
-  from experiments.configs import robustness as config  # pylint: disable=g-import-not-at-top
+  from jfed.configs import robustness as config  # pylint: disable=g-import-not-at-top
 
   plan = {
     'rules': list(robustness.RULES),
@@ -94,7 +94,7 @@ def robustness_tables() -> str:
 
 def fedmho_tables() -> str:
   from experiments import fedmho_tables as t  # pylint: disable=g-import-not-at-top
-  from experiments.configs import fedmho_fashion_mnist  # pylint: disable=g-import-not-at-top
+  from jfed.configs import fedmho_fashion_mnist  # pylint: disable=g-import-not-at-top
 
   alphas = [0.5, 0.1]
   runs = list(t.RUNS)
@@ -120,7 +120,7 @@ def fedmho_tables() -> str:
 
 def fedtsa_tables() -> str:
   from experiments import fedtsa_tables as t  # pylint: disable=g-import-not-at-top
-  from experiments.configs import fedtsa_digits  # pylint: disable=g-import-not-at-top
+  from jfed.configs import fedtsa_digits  # pylint: disable=g-import-not-at-top
 
   degrees = ['1.0/0.5', '0.6/0.8/1.0']
   plan = {
@@ -136,7 +136,7 @@ def fedtsa_tables() -> str:
 
 def fedhydra_tables() -> Dict[str, str]:
   from experiments import fedhydra_tables as t  # pylint: disable=g-import-not-at-top
-  from experiments.configs import (  # pylint: disable=g-import-not-at-top
+  from jfed.configs import (  # pylint: disable=g-import-not-at-top
     fedhydra_digits,
     fedhydra_fashion_mnist,
   )
@@ -166,7 +166,7 @@ def fedhydra_tables() -> Dict[str, str]:
 
 def hfldd_sweeps_tables() -> Dict[str, str]:
   from experiments import hfldd_sweeps as t  # pylint: disable=g-import-not-at-top
-  from experiments.configs import hfldd_digits  # pylint: disable=g-import-not-at-top
+  from jfed.configs import hfldd_digits  # pylint: disable=g-import-not-at-top
 
   out = {}
   for sweep, values in (('k', [2, 5]), ('distilled_size', [10, 50])):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import fedhydra_tables, fedmho_tables, fedtsa_tables, hfldd_compare, seed_tables
-from experiments.configs import fedhydra_digits, fedmho_digits, fedtsa_digits
+from jfed.configs import fedhydra_digits, fedmho_digits, fedtsa_digits
 from jfed.errors import ConfigError
 from tests.support import hfldd_tiny_config
 

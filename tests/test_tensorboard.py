@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.configs import digits
+from jfed.configs import digits
 from jfed import driver
 from jfed.errors import ConfigError
 from jfed.io.scalars import record_scalars

@@ -62,7 +62,7 @@ class Sizes(NamedTuple):
 def _configs(sizes: Sizes, root: pathlib.Path) -> list:
   import importlib  # pylint: disable=g-import-not-at-top
 
-  module = importlib.import_module(f'experiments.configs.{sizes.config}')
+  module = importlib.import_module(f'jfed.configs.{sizes.config}')
   out = []
   for seed in sizes.seeds:
     c = module.get_config('')

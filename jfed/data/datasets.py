@@ -944,8 +944,12 @@ def _records_to_arrays(records: Sequence[dict], transpose: bool, what: str):
 @functools.lru_cache(maxsize=None)
 def _load_tfds(tfds_name: str, data_dir: Optional[str]) -> Dataset:
   """Reads a TFDS dataset prepared as array_record, through `tfds.data_source` (no TF)."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise DatasetNotFoundError(
+      f'tfds:{tfds_name} needs TensorFlow Datasets: pip install "jfed[tfds]"'
+    ) from None
   try:
     sources = tfds.data_source(
       tfds_name, split=['train', 'test'], data_dir=data_dir, download=False

@@ -1,7 +1,7 @@
 """Client groups, client-map strategies, sharding, evaluation and aggregation."""
 
 from jfed.engine.aggregation import weighted_average
-from jfed.engine.evaluation import BatchNormStatistics, Evaluator
+from jfed.engine.evaluation import BatchNormStatistics, Evaluator, TrainedModel
 from jfed.engine.optim import OptimizerSpec, build_optimizer, make_optimizer, optimizer_spec
 from jfed.engine.sharding import client_mesh
 from jfed.engine.state import (

@@ -1,5 +1,8 @@
 """Batched evaluation of one model or many models (a stacked group) at once."""
 
+import functools
+from typing import Any, NamedTuple
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -98,6 +101,44 @@ class Evaluator:
       Accuracies [M].
     """
     return np.mean(np.argmax(self.group_logits(models, x), -1) == np.asarray(y)[None], axis=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _evaluator(module, batch_size: int) -> 'Evaluator':
+  """One Evaluator (and so one compiled program) per architecture and batch size."""
+  return Evaluator(module, batch_size)
+
+
+class TrainedModel(NamedTuple):
+  """A run's server model: its flax module and variables (`jfed.run(...).model`).
+
+  `logits`, `predict` and `accuracy` evaluate it in eval mode (BatchNorm's running statistics),
+  as the run scored it; `module.apply(model.state.variables(), x, train=False)` is the same.
+  """
+
+  module: Any
+  state: ModelState
+
+  def logits(self, x, batch_size: int = 1000) -> np.ndarray:
+    """Logits [N, C] of images `x` [N, H, W, C] (in [0, 1], as the datasets hold them)."""
+    return _evaluator(self.module, batch_size).logits(self.state, x)
+
+  def predict(self, x, batch_size: int = 1000) -> np.ndarray:
+    """Predicted labels [N]."""
+    return np.argmax(self.logits(x, batch_size), -1)
+
+  def accuracy(self, x, y, batch_size: int = 1000) -> float:
+    """Top-1 accuracy.
+
+    Args:
+      x: Images [N, H, W, C].
+      y: Labels [N].
+      batch_size: Images per evaluation call.
+
+    Returns:
+      The fraction of correct predictions.
+    """
+    return float(np.mean(self.predict(x, batch_size) == np.asarray(y)))
 
 
 class BatchNormStatistics:

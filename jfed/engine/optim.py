@@ -17,7 +17,7 @@ growing pool) builds with 'constant' and sets every step's rate itself:
 """
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 import optax
@@ -40,6 +40,9 @@ class OptimizerSpec(NamedTuple):
   b1: float = 0.9
   b2: float = 0.999
   schedule: str = 'constant'
+  # A user's own optax transformation (`jfed.run(..., client_optimizer=...)`): used as given,
+  # in place of every field above; it is compared and hashed by identity.
+  transform: Optional[optax.GradientTransformation] = None
 
 
 def optimizer_spec(section: Any, where: str = 'optimizer') -> OptimizerSpec:
@@ -51,6 +54,8 @@ def optimizer_spec(section: Any, where: str = 'optimizer') -> OptimizerSpec:
   hints = {'name': str, 'schedule': str}
   values = {}
   for name in OptimizerSpec._fields:
+    if name == 'transform':  # not a config key: only `jfed.run` sets it
+      continue
     if name in section:
       values[name] = tc.convert(section[name], hints.get(name, float), f'{where}.{name}')
     elif name not in OptimizerSpec._field_defaults:
@@ -174,6 +179,8 @@ def build_optimizer(
   Returns:
     The optax transformation, its learning rate an injected hyperparameter.
   """
+  if spec.transform is not None:
+    return spec.transform
   return make_optimizer(
     spec.name,
     spec.lr,

@@ -22,7 +22,7 @@ from jfed.errors import ConfigError
 from jfed.flower import own_data
 from jfed.flower.settings import load_config, require_own_data, require_supported
 
-APP_DIR = pathlib.Path(__file__).resolve().parents[2] / 'experiments' / 'flower_app'
+APP_DIR = pathlib.Path(__file__).resolve().parent / 'app'
 FEDERATION = 'jfed-local'
 
 
@@ -173,7 +173,7 @@ def run_local_deployment(
     f'[superlink]\ndefault = "{FEDERATION}"\n\n'
     f'[superlink.{FEDERATION}]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
   )
-  root = str(APP_DIR.parents[1])
+  root = str(APP_DIR.parents[2])  # the folder jfed is imported from
   env = dict(
     os.environ,
     FLWR_HOME=str(home),

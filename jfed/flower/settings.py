@@ -81,7 +81,7 @@ class RunSettings(NamedTuple):
 
 
 def run_settings(context: Any) -> RunSettings:
-  """The run config of the Flower App (experiments/flower_app/pyproject.toml), checked.
+  """The run config of the Flower App (jfed/flower/app/pyproject.toml), checked.
 
   Args:
     context: The Flower Context of the ServerApp or ClientApp.

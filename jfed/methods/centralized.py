@@ -39,6 +39,21 @@ class Centralized(Algorithm):
   def validate(self, config) -> None:
     tc.require_positive(self.config, self.section, ('epochs',))
 
+  def trained_model(
+    self, ctx: RunContext, aux: CentralizedAux, state: TrainState
+  ) -> engine.TrainedModel:
+    """The model trained on all the data.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.evaluator.module, engine.take(state.model, 0))
+
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.epochs
 

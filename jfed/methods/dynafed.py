@@ -483,6 +483,21 @@ class DynaFed(Algorithm):
       'expert_epochs rounds after its start on the trajectory',
     )
 
+  def trained_model(
+    self, ctx: RunContext, aux: DynaFedAux, state: DynaFedState
+  ) -> engine.TrainedModel:
+    """The global model (after its fine-tuning).
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.evaluator.module, state.model)
+
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
 

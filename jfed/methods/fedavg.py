@@ -219,6 +219,21 @@ class FedAvg(Algorithm):
         f'{c.participation}',
       )
 
+  def trained_model(
+    self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState
+  ) -> engine.TrainedModel:
+    """The global model.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.full_group.module, state.model)
+
   def num_steps(self, ctx: RunContext) -> int:
     """The configured rounds, or under `dp.max_epsilon` the rounds whose ε stays within it."""
     dp = self._dp_setup(ctx)

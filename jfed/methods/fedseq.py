@@ -121,6 +121,21 @@ class FedSeq(Algorithm):
     tc.require_choice(c.measure, MEASURES, f'{where}.measure')
     check_holdout_fits(config, c.public, c.public_size, f'{where}.public')
 
+  def trained_model(
+    self, ctx: RunContext, aux: FedSeqAux, state: ModelState
+  ) -> engine.TrainedModel:
+    """The global model.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.evaluator.module, state)
+
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
 

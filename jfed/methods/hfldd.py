@@ -321,6 +321,19 @@ class HFLDD(Algorithm):
       tc.require_non_negative(k, f'{where}.kip', ('depth', 'reg'))
       tc.require_choice(k.kernel, KERNELS, f'{where}.kip.kernel')
 
+  def trained_model(self, ctx: RunContext, aux: HFLDDAux, state: ModelState) -> engine.TrainedModel:
+    """The global model.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.evaluator.module, state)
+
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds
 

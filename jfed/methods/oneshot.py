@@ -600,6 +600,21 @@ class DistillationAlgorithm(Algorithm):
   def epochs_per_round(self) -> int:
     return self.config.epochs
 
+  def trained_model(
+    self, ctx: RunContext, aux: DistillAux, state: ServerState
+  ) -> engine.TrainedModel:
+    """The distilled student.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    return engine.TrainedModel(aux.student_module, state.student.model)
+
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds * self.epochs_per_round()
 

@@ -76,7 +76,16 @@ def heterogeneity_rates(word: str) -> List[float]:
 
 def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: int) -> str:
   """client_models for `n` clients split as evenly as the rates allow (the first rates take
-  the remainder), fastest first: the baselines' clients of a 'rates=' degree."""
+  the remainder), fastest first: the baselines' clients of a 'rates=' degree.
+
+  Args:
+    model_at: the model spec of a pruning rate.
+    rates: the rates, fastest first.
+    n: the clients.
+
+  Returns:
+    The ';'-separated client_models.
+  """
   counts = [n // len(rates) + (i < n % len(rates)) for i in range(len(rates))]
   return ';'.join(model_at(r) for r, k in zip(rates, counts) for _ in range(k))
 
@@ -85,8 +94,8 @@ def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: 
 # jfed.api.partition_clients, each scheme the ones `partition_arguments` names).
 PARTITION_ARGUMENTS = {'alpha': 0.5, 'min_size': 10, 'k': 2}
 # OptimizerSpec fields the base config leaves out, so `optimizer_spec` fills them with its own
-# defaults (no clipping; Adam's betas 0.9 / 0.999).
-OPTIMIZER_LEFT_OUT = ('grad_clip', 'b1', 'b2')
+# defaults (no clipping; Adam's betas 0.9 / 0.999; no own optax transformation).
+OPTIMIZER_LEFT_OUT = ('grad_clip', 'b1', 'b2', 'transform')
 
 
 def section_of(defaults: Any) -> ml_collections.ConfigDict:

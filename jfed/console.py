@@ -8,12 +8,19 @@ import os
 
 from absl import flags, logging
 
-OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JFED = os.path.dirname(os.path.abspath(__file__))
+# jfed's package, and beside it in a checkout the experiments' scripts (not site-packages: an
+# installed jfed's neighbours are the libraries)
+OWN_CODE = tuple(
+  d + os.sep
+  for d in (_JFED, os.path.join(os.path.dirname(_JFED), 'experiments'))
+  if os.path.isdir(d)
+)
 
 
 def jfed_record(record: std_logging.LogRecord) -> bool:
   """Whether a log record is worth the console by default: any warning or error, and the INFO
-  lines of jfed and the experiments."""
+  lines of jfed and the experiments' scripts."""
   return record.levelno >= std_logging.WARNING or record.pathname.startswith(OWN_CODE)
 
 
