@@ -37,8 +37,8 @@ from absl import flags, logging
 import numpy as np
 
 from experiments import sweep
-from jfed.configs import hfldd_digits, hfldd_fashion_mnist
 from experiments.seed_tables import mean_std, report_date, value_stats
+from jfed.configs import hfldd_digits, hfldd_fashion_mnist
 
 FLAGS = flags.FLAGS
 

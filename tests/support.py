@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jfed.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed import engine
+from jfed.configs import digits, fedhydra_digits, fedmho_digits, fedtsa_digits, hfldd_digits
 from jfed.driver import RunCheckpointer
 from jfed.methods import common
 from jfed.models import get_model

@@ -4,8 +4,8 @@ recomputed and the test batch's BatchNorm statistics."""
 import pytest
 
 from experiments import bn_check
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.errors import ConfigError
 
 

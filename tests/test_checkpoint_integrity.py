@@ -19,8 +19,8 @@ import threading
 import jax.numpy as jnp
 import pytest
 
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.errors import WorkdirError
 from jfed.io import checkpoint
 from jfed.io.checkpoint import Checkpointer

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import digits
 from jfed import driver, engine
+from jfed.configs import digits
 from jfed.data import load_dataset
 from jfed.distill import MSConfig, TeacherGroup, make_generator, model_stratification_python
 from jfed.distill.synthesis import SynthesisConfig, fedhydra_config, synthesize

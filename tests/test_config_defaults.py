@@ -5,8 +5,8 @@ shared keys parse back to `RunConfig()`."""
 import typing
 from typing import Any, List, NamedTuple
 
-from jfed.configs import base as common
 from jfed import api, typed_config
+from jfed.configs import base as common
 from jfed.methods import fedcvae, oneshot, registry
 
 

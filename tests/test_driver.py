@@ -15,9 +15,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jfed.configs import digits
 from jfed import driver, engine
 from jfed import typed_config as tc
+from jfed.configs import digits
 from jfed.data import load_dataset
 from jfed.engine import compiles
 from jfed.errors import ConfigError, NonFiniteError, WorkdirBusy, WorkdirError

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from jfed.configs import fedmho_digits, fedmho_fashion_mnist
 from experiments.parity import ref_fedcvae
 from jfed import driver
+from jfed.configs import fedmho_digits, fedmho_fashion_mnist
 from jfed.methods import common, fedcvae, fedmho, generative
 from jfed.models import get_model, param_count
 from tests import oracle_numpy as onp

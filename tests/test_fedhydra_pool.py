@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import fedhydra_digits
 from jfed import driver
+from jfed.configs import fedhydra_digits
 from jfed.distill import pool as P
 from jfed.errors import ConfigError
 from jfed.methods import oneshot

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from jfed.configs import fedmho_digits
 from jfed import driver, engine
+from jfed.configs import fedmho_digits
 from jfed.cvae import CVAE, decoder_kd, generation_counts
 from jfed.cvae import clients as cvae_clients
 from jfed.cvae.server import FusionTrainer, SyntheticSet

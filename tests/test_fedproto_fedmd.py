@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import fedtsa_digits
 from jfed import driver, engine
+from jfed.configs import fedtsa_digits
 from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset
 from jfed.data.public import PublicData

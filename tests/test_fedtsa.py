@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import fedtsa_digits, fedtsa_fashion_mnist
 from jfed import driver, engine
+from jfed.configs import fedtsa_digits, fedtsa_fashion_mnist
 from jfed.data import load_dataset
 from jfed.distill.losses import consensus_logits, mutual_learning_loss
 from jfed.distill.mutual import MutualLearner, MutualLearningConfig

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from jfed.configs import fedtsa_digits
 from jfed import driver, engine
+from jfed.configs import fedtsa_digits
 from jfed.data import federate, load_dataset
 from jfed.data.datasets import Dataset
 from jfed.engine import submodels

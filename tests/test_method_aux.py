@@ -8,8 +8,8 @@ from typing import List
 
 import pytest
 
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.engine import GroupTrainer
 from jfed.methods import coboosting, common, dense, feddf, fedhydra, oneshot
 from tests.support import override, smoke_config

@@ -18,8 +18,8 @@ import numpy as np
 import optax
 import pytest
 
-from jfed.configs import fedmho_digits
 from jfed import driver, engine
+from jfed.configs import fedmho_digits
 from jfed.data import load_dataset
 from jfed.data.datasets import Dataset
 from jfed.data.federated import FederatedArrays

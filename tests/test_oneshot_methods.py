@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import fedhydra_digits
 from jfed import driver, engine
+from jfed.configs import fedhydra_digits
 from jfed.data import load_dataset
 from jfed.distill import (
   MSConfig,

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs.base import base_config
 from jfed import driver, engine
+from jfed.configs.base import base_config
 from jfed.data import load_dataset
 from jfed.distill import dense_generator_init
 from jfed.engine import ModelState

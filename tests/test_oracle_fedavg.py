@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from jfed.configs.base import base_config
 from jfed import engine
+from jfed.configs.base import base_config
 from jfed.data import load_dataset
 from jfed.data.datasets import Dataset
 from jfed.driver import build_algorithm, make_context, run

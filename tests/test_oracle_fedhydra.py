@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs.base import base_config
 from jfed import driver
+from jfed.configs.base import base_config
 from jfed.data.datasets import Dataset
 from jfed.distill import dense_generator_init, make_generator
 from jfed.keys import Purpose, ServerRoundPurpose

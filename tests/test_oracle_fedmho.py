@@ -35,8 +35,8 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 
-from jfed.configs import fedmho_digits
 from jfed import driver, engine
+from jfed.configs import fedmho_digits
 from jfed.keys import Purpose, ServerRoundPurpose
 from jfed.methods import get_method
 from tests import oracle_numpy as onp

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import pytest
 
-from jfed.configs.base import base_config
 from jfed import engine
+from jfed.configs.base import base_config
 from jfed.data import load_dataset
 from jfed.data.batches import epoch_order
 from jfed.data.datasets import Dataset

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 
-from jfed.configs.base import base_config
 from jfed import driver
 from jfed.clustering import fedseq_clusters, fedseq_confidence
+from jfed.configs.base import base_config
 from jfed.data.datasets import Dataset
 from jfed.keys import Purpose
 from jfed.kip import fc_ntk_kernel, krr_loss

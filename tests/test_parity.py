@@ -133,9 +133,9 @@ def test_coboosting_overrides_take_the_codes_set_up_and_name_keys_the_config_has
   ensemble weights before the epoch's batch joins the pool (`coboost.py`). The keys are applied
   as the harness applies them (`section.field`), those three to keys the config already has,
   and the run config and the method accept the result."""
-  from jfed.configs.base import base_config
   from experiments.parity import ref_coboosting
   from jfed import api, driver
+  from jfed.configs.base import base_config
 
   config = base_config()
   assert {'image_size', 'normalization'} <= set(config.dataset)

@@ -5,8 +5,8 @@ held out of every client, or from another dataset."""
 import numpy as np
 import pytest
 
-from jfed.configs import digits as digits_config
 from jfed import driver
+from jfed.configs import digits as digits_config
 from jfed.data import load_dataset
 from jfed.data.public import check_holdout_fits, hold_out_train, public_data
 from jfed.errors import ConfigError

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.errors import WorkdirError
 from tests.support import override
 

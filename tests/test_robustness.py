@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from experiments import robustness
-from jfed.configs import robustness as robustness_config
 from jfed import driver
+from jfed.configs import robustness as robustness_config
 from jfed.data import FederatedArrays, load_dataset
 from jfed.engine import ModelState, aggregation, attacks
 from jfed.errors import ConfigError

@@ -5,8 +5,8 @@ cases: tests/test_driver.py.)"""
 import numpy as np
 import pytest
 
-from jfed.configs import digits
 from jfed import engine
+from jfed.configs import digits
 from jfed.driver import run_experiment
 from jfed.errors import ConfigError
 from jfed.io import ModelUpload, UploadError, validate_model_upload

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from experiments import fedhydra_tables, fedmho_tables
-from jfed.configs import fedhydra_digits, fedmho_digits
 from jfed import driver, engine
+from jfed.configs import fedhydra_digits, fedmho_digits
 from jfed.data import federate, load_dataset
 from jfed.errors import ConfigError, NonFiniteError
 from jfed.keys import Purpose

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.data import FederatedArrays
 from jfed.engine import ModelState, aggregation, attacks
 from jfed.errors import ConfigError, JfedError

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs.base import base_config
 from jfed import driver
+from jfed.configs.base import base_config
 from jfed.data.datasets import Dataset
 from jfed.distill import ensemble, generator
 from jfed.distill import stratification as S

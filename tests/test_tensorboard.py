@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jfed.configs import digits
 from jfed import driver
+from jfed.configs import digits
 from jfed.errors import ConfigError
 from jfed.io.scalars import record_scalars
 from tests.support import Interrupted, override

@@ -165,8 +165,8 @@ def run_reference(ref, method, out: pathlib.Path, seed: int, seed_dir: pathlib.P
 
 
 def run_jfed(method, seed: int, seed_dir: pathlib.Path, dataset, parts, budget) -> None:
-  from jfed.configs.base import base_config  # pylint: disable=g-import-not-at-top
   from experiments.parity import jfed_side  # pylint: disable=g-import-not-at-top
+  from jfed.configs.base import base_config  # pylint: disable=g-import-not-at-top
 
   path = seed_dir / 'jfed.json'
   previous = _read_json(path) or {}
