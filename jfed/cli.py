@@ -14,10 +14,10 @@ workdir, which all processes share. While the processes gather, each says how lo
 waited; one that has not met all the others within --init_timeout_s ends with an `error:` line.
 
 --config takes a config file or the name of one of jfed's own (`--config=digits:smoke` is
-jfed/configs/digits.py with the variant argument 'smoke'). Config values can be overridden on the command line, e.g. --config.fedavg.rounds=5.
-`--method=?` lists the methods. Expected failures (bad config, missing or corrupt data, a busy or
-unwritable workdir, training that turns non-finite) end in one `error: ...` line and exit
-status 1; `--traceback` shows the stack instead.
+jfed/configs/digits.py with the variant argument 'smoke'). Config values can be overridden on
+the command line, e.g. --config.fedavg.rounds=5. `--method=?` lists the methods. Expected
+failures (bad config, missing or corrupt data, a busy or unwritable workdir, training that turns
+non-finite) end in one `error: ...` line and exit status 1; `--traceback` shows the stack instead.
 """
 
 import os

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfed.configs import base as common as configs
 from jfed import driver
 from jfed.api import context_of_config, load_run_dataset
+from jfed.configs import base as configs
 from jfed.data import load_dataset
 from jfed.data.transforms import configure
 from jfed.errors import ConfigError

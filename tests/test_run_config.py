@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
-from jfed.configs import base as common as configs
 from jfed import engine
 from jfed.api import RunConfig, parse_run_config
+from jfed.configs import base as configs
 from jfed.errors import ConfigError
 
 METHODS = pathlib.Path(__file__).resolve().parent.parent / 'jfed' / 'methods'

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jfed.configs import base as common as configs
 from jfed.api import context_of_config
+from jfed.configs import base as configs
 from jfed.data import load_dataset
 from jfed.methods import common
 from tests.support import override

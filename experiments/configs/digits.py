@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/digits.py` from a checkout: the config is jfed/configs/digits.py
-(`--config=digits` names it from an installed jfed)."""
+"""The config jfed/configs/digits.py by its checkout path
+(`--config=digits` names it too)."""
 
 from jfed.configs.digits import get_config
 

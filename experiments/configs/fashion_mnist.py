@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fashion_mnist.py` from a checkout: the config is jfed/configs/fashion_mnist.py
-(`--config=fashion_mnist` names it from an installed jfed)."""
+"""The config jfed/configs/fashion_mnist.py by its checkout path
+(`--config=fashion_mnist` names it too)."""
 
 from jfed.configs.fashion_mnist import get_config
 

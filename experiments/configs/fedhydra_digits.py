@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fedhydra_digits.py` from a checkout: the config is jfed/configs/fedhydra_digits.py
-(`--config=fedhydra_digits` names it from an installed jfed)."""
+"""The config jfed/configs/fedhydra_digits.py by its checkout path
+(`--config=fedhydra_digits` names it too)."""
 
 from jfed.configs.fedhydra_digits import get_config
 

@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fedhydra_fashion_mnist.py` from a checkout: the config is jfed/configs/fedhydra_fashion_mnist.py
-(`--config=fedhydra_fashion_mnist` names it from an installed jfed)."""
+"""The config jfed/configs/fedhydra_fashion_mnist.py by its checkout path
+(`--config=fedhydra_fashion_mnist` names it too)."""
 
 from jfed.configs.fedhydra_fashion_mnist import get_config
 

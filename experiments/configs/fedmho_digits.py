@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fedmho_digits.py` from a checkout: the config is jfed/configs/fedmho_digits.py
-(`--config=fedmho_digits` names it from an installed jfed)."""
+"""The config jfed/configs/fedmho_digits.py by its checkout path
+(`--config=fedmho_digits` names it too)."""
 
 from jfed.configs.fedmho_digits import get_config
 

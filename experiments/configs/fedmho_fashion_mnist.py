@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fedmho_fashion_mnist.py` from a checkout: the config is jfed/configs/fedmho_fashion_mnist.py
-(`--config=fedmho_fashion_mnist` names it from an installed jfed)."""
+"""The config jfed/configs/fedmho_fashion_mnist.py by its checkout path
+(`--config=fedmho_fashion_mnist` names it too)."""
 
 from jfed.configs.fedmho_fashion_mnist import get_config
 

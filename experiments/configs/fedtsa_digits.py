@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/fedtsa_digits.py` from a checkout: the config is jfed/configs/fedtsa_digits.py
-(`--config=fedtsa_digits` names it from an installed jfed)."""
+"""The config jfed/configs/fedtsa_digits.py by its checkout path
+(`--config=fedtsa_digits` names it too)."""
 
 from jfed.configs.fedtsa_digits import get_config
 

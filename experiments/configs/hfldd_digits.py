@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/hfldd_digits.py` from a checkout: the config is jfed/configs/hfldd_digits.py
-(`--config=hfldd_digits` names it from an installed jfed)."""
+"""The config jfed/configs/hfldd_digits.py by its checkout path
+(`--config=hfldd_digits` names it too)."""
 
 from jfed.configs.hfldd_digits import get_config
 

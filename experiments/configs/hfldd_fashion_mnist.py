@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/hfldd_fashion_mnist.py` from a checkout: the config is jfed/configs/hfldd_fashion_mnist.py
-(`--config=hfldd_fashion_mnist` names it from an installed jfed)."""
+"""The config jfed/configs/hfldd_fashion_mnist.py by its checkout path
+(`--config=hfldd_fashion_mnist` names it too)."""
 
 from jfed.configs.hfldd_fashion_mnist import get_config
 

@@ -1,5 +1,5 @@
-"""`--config=experiments/configs/robustness.py` from a checkout: the config is jfed/configs/robustness.py
-(`--config=robustness` names it from an installed jfed)."""
+"""The config jfed/configs/robustness.py by its checkout path
+(`--config=robustness` names it too)."""
 
 from jfed.configs.robustness import get_config
 
