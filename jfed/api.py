@@ -459,7 +459,7 @@ class RunConfig(NamedTuple):
   ml_collections config stays on the context (`ctx.config`) for the driver and the loggers.
   """
 
-  # The defaults are the base config's (experiments/configs/common.py generates it from them).
+  # The defaults are the base config's (jfed/configs/base.py generates it from them).
   seed: int = 0
   dataset: DatasetSpec = DatasetSpec()
   partition: PartitionSpec = PartitionSpec()

@@ -1,4 +1,4 @@
-"""Expected failures: `experiments/main.py` prints each as one `error: ...` line.
+"""Expected failures: the `jfed` command (jfed/cli.py) prints each as one `error: ...` line.
 
 Every class here is a ValueError too, so code that already catches ValueError for bad input keeps
 working.

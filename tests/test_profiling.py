@@ -122,7 +122,7 @@ TABLE4_DEGREES = (
 
 
 def _fedtsa_kde_settings():
-  """The clustering settings of FedTSA's config (experiments/configs/common.py)."""
+  """The clustering settings of FedTSA's config (jfed/configs/base.py)."""
   from jfed.configs import base as common  # pylint: disable=g-import-not-at-top
 
   c = common.base_config().fedtsa
