@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'jfed'
 # `run_config` checks the whole run config and needs the model names of every family.
 LAYERS = (
   ('jfed', 'errors'),
-  ('typed_config', 'keys', 'workdir', 'reporting'),
+  ('typed_config', 'keys', 'workdir', 'reporting', 'console'),
   ('io',),
   ('data',),
   ('models',),
@@ -24,8 +24,11 @@ LAYERS = (
   ('kip', 'clustering', 'distill', 'cvae', 'profiling', 'diffusion'),
   ('run_config',),
   ('methods',),
+  ('configs',),
   ('driver',),
+  ('runs',),
   ('flower',),
+  ('cli', '__main__'),
 )
 
 # Circles allowed: a registry that imports the modules registering into it.
@@ -46,6 +49,11 @@ ALLOWED_IN_FUNCTION = {
   # only when node config keep-process=false has it train in that process
   ('jfed.flower.client_app', 'jfed.flower.worker'),
 }
+
+
+# Modules whose jfed imports may all sit in functions: the command line imports JAX and the
+# methods only once its flags are parsed, so `--help` and a bad flag answer at once.
+LAZY_MODULES = {'jfed.cli'}
 
 
 class Edge(NamedTuple):
@@ -165,6 +173,8 @@ def test_no_jfed_import_inside_a_function():
   hidden = [
     f'{e.source}:{e.line} imports {e.target}'
     for e in import_edges()
-    if e.in_function and (e.source, e.target) not in ALLOWED_IN_FUNCTION
+    if e.in_function
+    and (e.source, e.target) not in ALLOWED_IN_FUNCTION
+    and e.source not in LAZY_MODULES
   ]
   assert hidden == []
