@@ -75,7 +75,9 @@ def parse(kind: Type[T], section: Any, where: str) -> T:
   values = {}
   for name in kind._fields:
     if name not in section:
-      raise ConfigError(f'{where}.{name} is missing from the config')
+      # A field without a default has no key in the base config (`base_config`): the run sets it.
+      required = '' if name in kind._field_defaults else f' (no default: set config.{where}.{name})'
+      raise ConfigError(f'{where}.{name} is missing from the config{required}')
     values[name] = convert(section[name], hints.get(name, Any), f'{where}.{name}')
   return kind(**values)
 

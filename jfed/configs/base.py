@@ -99,18 +99,29 @@ OPTIMIZER_LEFT_OUT = ('grad_clip', 'b1', 'b2', 'transform')
 
 
 def section_of(defaults: Any) -> ml_collections.ConfigDict:
-  """A NamedTuple of defaults as a config section (a nested NamedTuple as a nested section)."""
+  """A NamedTuple of defaults as a config section (a nested NamedTuple as a nested section).
+
+  Args:
+    defaults: a NamedTuple instance, or a NamedTuple type: then only its fields with a default
+      (a method of one's own may declare required fields, which `typed_config.parse` reports
+      as missing when a run leaves them unset).
+
+  Returns:
+    The section.
+  """
+  values = defaults._field_defaults if isinstance(defaults, type) else defaults._asdict()
   return ml_collections.ConfigDict(
-    {k: section_of(v) if hasattr(v, '_fields') else v for k, v in defaults._asdict().items()}
+    {k: section_of(v) if hasattr(v, '_fields') else v for k, v in values.items()}
   )
 
 
 def base_config() -> ml_collections.ConfigDict:
   """The config every experiment config starts from, generated from the typed configs' defaults.
 
-  The shared keys are `jfed.api.RunConfig()`'s; each registered method adds its `Config()` as
-  `config.<section>` (methods that share a section, such as FedCVAE-Ens and -KD, add the union
-  of their fields).
+  The shared keys are `jfed.api.RunConfig()`'s; each registered method adds its `Config`'s
+  defaults as `config.<section>` (methods that share a section, such as FedCVAE-Ens and -KD, add
+  the union of their fields). A field without a default gets no key: a run of that method must
+  set it (`typed_config.parse` names it otherwise).
 
   Returns:
     A new, unlocked ConfigDict.
@@ -124,7 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
     del c.optimizer[name]
   for method in registry.available_methods():
     cls = registry.get_method(method)
-    section = section_of(cls.Config())
+    section = section_of(cls.Config)
     if cls.section not in c:
       c[cls.section] = ml_collections.ConfigDict()
     for key, value in section.items():
