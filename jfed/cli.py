@@ -15,11 +15,15 @@ waited; one that has not met all the others within --init_timeout_s ends with an
 
 --config takes a config file or the name of one of jfed's own (`--config=digits:smoke` is
 jfed/configs/digits.py with the variant argument 'smoke'). Config values can be overridden on
-the command line, e.g. --config.fedavg.rounds=5. `--method=?` lists the methods. Expected
-failures (bad config, missing or corrupt data, a busy or unwritable workdir, training that turns
-non-finite) end in one `error: ...` line and exit status 1; `--traceback` shows the stack instead.
+the command line, e.g. --config.fedavg.rounds=5. `--method=?` lists the methods. Without
+--workdir the outputs go to runs/<method>_<dataset>, which the first line names. Expected
+failures (bad flags or config, missing or corrupt data, a busy or unwritable workdir, training
+that turns non-finite) end in one `error: ...` line and exit status 1; `--traceback` shows the
+stack instead. Only an interrupted run (Ctrl-C) ends with status 130, the shell's own for it.
+A run refused before it wrote anything removes the workdir it created.
 """
 
+import importlib.util
 import os
 import sys
 
@@ -89,7 +93,7 @@ def config_path(spec: str) -> str:
   if os.path.isfile(name) or '/' in name or name.endswith('.py'):
     return spec
   if name not in config_names():
-    _fail(f"config {name!r} is neither a file nor one of jfed's: {', '.join(config_names())}", 2)
+    _fail(f"config {name!r} is neither a file nor one of jfed's: {', '.join(config_names())}")
   return str(CONFIGS_DIR / f'{name}.py') + colon + arg
 
 
@@ -102,7 +106,7 @@ def _parse_flags(argv):
       argv[i] = '--config=' + spec
       path = spec.split(':', 1)[0]
       if not os.path.isfile(path):
-        _fail(f'config file {path} not found', 2)
+        _fail(f'config file {path} not found')
   try:
     rest = FLAGS(argv)
     if FLAGS.config is not None:  # applies the --config.key=value overrides
@@ -123,7 +127,50 @@ def _parse_flags(argv):
       if 'Traceback (most recent call last)' in message:  # an error inside get_config(arg)
         last = [l for l in message.splitlines() if l.strip()][-1]
         message = last.split(': ', 1)[1] if ': ' in last else last
-    _fail(' '.join(str(message).split()), 2)
+    _fail(' '.join(str(message).split()))
+
+
+def _variant_hint(method: str) -> str:
+  """For a config `method` refuses: '; ' and the --config values of its file's variants that
+  `method` accepts, or '' if none does or the refusal is an override's.
+
+  Only for a config file that declares `EXPERIMENTS`, the variant words that choose an
+  experiment (as opposed to modifiers such as 'smoke'): its default may suit one method only
+  (fashion_mnist.py's 'centralized' sets a cosine schedule that every federated method refuses),
+  and the refusal alone does not say which variant to pick. Each such word is tried with the
+  command's other words.
+  """
+  from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
+
+  spec = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')), None)
+  if spec is None:
+    return ''
+  name, colon, arg = spec.partition(':')
+  try:
+    path = config_path(spec).partition(':')[0]
+    loader = importlib.util.spec_from_file_location('_jfed_config_variants', path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    experiments = tuple(getattr(module, 'EXPERIMENTS', ()))
+    if not experiments:
+      return ''
+    try:  # the file's config without the command's --config.key=value overrides
+      build_algorithm(method, module.get_config(arg) if colon else module.get_config())
+      return ''  # accepted: an override is what the method refuses
+    except ValueError:
+      pass
+    others = [w.strip() for w in arg.split(',') if w.strip() and w.strip() not in experiments]
+    accepted = []
+    for word in experiments:
+      variant = ','.join([word, *others])
+      try:
+        build_algorithm(method, module.get_config(variant))
+      except ValueError:
+        continue
+      accepted.append(f'--config={name}:{variant}')
+  except Exception:  # pylint: disable=broad-except  # a hint must not hide the error itself
+    return ''
+  return f'; {method} runs with {" or ".join(accepted)}' if accepted else ''
 
 
 def main(argv):
@@ -134,26 +181,24 @@ def main(argv):
   if method in (None, '', '?', 'list', 'help'):
     print('methods: ' + ', '.join(available_methods()))
     if method is None:
-      _fail('--method is required (--method=? lists the methods)', 2)
+      _fail('--method is required (--method=? lists the methods)')
     return
   if FLAGS.config is None:
-    _fail('--config is required, e.g. --config=digits', 2)
+    _fail('--config is required, e.g. --config=digits')
   console.console_logging()
   try:
     from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
     from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
-    from jfed.errors import JfedError  # pylint: disable=g-import-not-at-top
+    from jfed.errors import ConfigError, JfedError  # pylint: disable=g-import-not-at-top
 
     launch = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
     multi_process = FLAGS.distributed or any(v is not None for v in launch)
     if FLAGS['init_timeout_s'].present and not multi_process:
-      _fail(
-        '--init_timeout_s applies only to a multi-process run (--coordinator or --distributed)', 2
-      )
+      _fail('--init_timeout_s applies only to a multi-process run (--coordinator or --distributed)')
     if FLAGS.flower_supernodes and FLAGS.coordinator:
-      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one', 2)
+      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one')
     if FLAGS.flower_data_dirs and not FLAGS.flower_supernodes:
-      _fail('--flower_data_dirs needs --flower_supernodes (one directory per SuperNode)', 2)
+      _fail('--flower_data_dirs needs --flower_supernodes (one directory per SuperNode)')
     if multi_process:
       multihost.initialize(
         FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout_s
@@ -165,6 +210,8 @@ def main(argv):
       use_persistent_cache(FLAGS.compilation_cache)
     config = FLAGS.config
     workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
+    if not FLAGS.workdir and multihost.is_primary():  # another command may land in it too
+      print(f'workdir: {workdir} (default; --workdir=DIR to choose)', flush=True)
     if FLAGS.flower_supernodes:
       from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
 
@@ -190,6 +237,8 @@ def main(argv):
       raise
     name = getattr(e, 'filename', None)
     message = str(e) if not name or str(name) in str(e) else f'{name}: {e}'
+    if isinstance(e, ConfigError):
+      message += _variant_hint(method)
     _fail(message or type(e).__name__)
   if not multihost.is_primary():
     return

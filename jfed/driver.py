@@ -446,6 +446,8 @@ def _experiment(
       stack.enter_context(wd.lock())
       dataset, parts = _claim_workdir(wd, method, config, progress, client_label_counts)
     except BaseException:
+      stack.close()  # the lock file goes first, so a workdir this run created may be left empty
+      wd.remove_if_unused()
       multihost.agree(False, _SETUP)
       raise
     multihost.agree(True, _SETUP)

@@ -1,7 +1,10 @@
 """A run's directory: atomic files, one run at a time, and an identity that results cannot mix.
 
 - Every file a run rewrites goes through `atomic_write_text` (temporary file + rename), so a kill
-  leaves either the old or the new content, never a torn one.
+  leaves either the old or the new content, never a torn one; its mode is the umask's, as for
+  any file open() creates.
+- A run refused before it wrote anything removes the directories `Workdir.prepare` created
+  (`remove_if_unused`), never one that existed before or holds anything.
 - `Workdir.lock()` holds an exclusive `flock` on `<workdir>/.lock` for the whole run: a second
   run on the same workdir is refused at once, naming the holder. The kernel drops the lock when
   its process dies, so the lock file of a killed run is taken over, with a one-line warning
@@ -25,6 +28,7 @@ import math
 import os
 import pathlib
 import re
+import secrets
 import sys
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
@@ -62,14 +66,28 @@ def dumps(obj: Any, **kwargs) -> str:
   return json.dumps(jsonable(obj), allow_nan=False, **kwargs)
 
 
+def _create_temporary(path: pathlib.Path) -> Tuple[int, str]:
+  """A new file beside `path`, open for writing, with the mode open() gives a new file: 0666
+  less the umask (mkstemp's 0600 kept collaborators on a shared file system from reading the
+  results; the kernel applies the umask, which a process cannot read without changing it)."""
+  for _ in range(100):
+    tmp = str(path.parent / f'.{path.name}.{secrets.token_hex(4)}.tmp')
+    try:
+      return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+    except FileExistsError:
+      continue
+  raise FileExistsError(errno.EEXIST, 'no unused temporary file name', str(path.parent))
+
+
 def atomic_write_bytes(path, data: bytes) -> None:
   """Writes `data` to `path` via a temporary file in the same directory and a rename, so that
-  an interrupted write never leaves a truncated file behind. An OSError names `path` (a full
-  disk's write error names no file)."""
+  an interrupted write never leaves a truncated file behind. The file gets the mode open() gives
+  a new file (0644 under umask 022). An OSError names `path` (a full disk's write error names no
+  file)."""
   path = pathlib.Path(path)
   tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    fd, tmp = _create_temporary(path)
     with os.fdopen(fd, 'wb') as f:
       f.write(data)
       f.flush()
@@ -123,17 +141,33 @@ class Workdir:
 
   def __init__(self, path):
     self.path = pathlib.Path(path)
+    self._created: List[pathlib.Path] = []  # by `prepare`, the workdir first, then its parents
 
   def prepare(self) -> None:
     """Creates the directory; a clear WorkdirError if it is a file or cannot be written."""
     if self.path.exists() and not self.path.is_dir():
       raise WorkdirError(f'workdir {self.path} exists and is not a directory')
+    missing = self.path
+    while not missing.exists() and missing != missing.parent:
+      self._created.append(missing)
+      missing = missing.parent
     try:
       self.path.mkdir(parents=True, exist_ok=True)
       probe = tempfile.NamedTemporaryFile(dir=self.path, prefix='.probe')
       probe.close()
     except OSError as e:
       raise WorkdirError(f'workdir {self.path} cannot be written: {e.strerror or e}') from None
+
+  def remove_if_unused(self) -> None:
+    """Removes the directories `prepare` created while they are empty: a run refused before it
+    wrote anything leaves no empty workdir behind. A directory that existed before, or that
+    holds anything (rmdir refuses), is kept."""
+    for d in self._created:
+      try:
+        d.rmdir()
+      except OSError:
+        return
+    self._created = []
 
   @contextlib.contextmanager
   def lock(self) -> Iterator[None]:
@@ -228,7 +262,7 @@ class Workdir:
       shown = ', '.join(diff[:8]) + (f' and {len(diff) - 8} more' if len(diff) > 8 else '')
       held = f'of {old["method"]!r}' if 'method' in old else '(by its config.json)'
       raise WorkdirError(
-        f'workdir {self.path} holds a run {held} that differs in {shown}; use a new --workdir '
+        f'workdir {self.path} holds a run {held} that differs in {shown}; use a new --workdir=DIR '
         f'(or delete {self.path}) to start this one'
       )
 
@@ -245,7 +279,7 @@ class Workdir:
     except (OSError, ValueError):
       raise WorkdirError(
         f'workdir {self.path} holds results of an unknown run ({damaged} and config.json '
-        'cannot be read); use a new --workdir or delete it to start over'
+        'cannot be read); use a new --workdir=DIR or delete it to start over'
       ) from None
     config = {k: v for k, v in config.items() if k != 'logging'} if isinstance(config, dict) else {}
     if 'config' in identity and config == jsonable(identity['config']):

@@ -139,7 +139,7 @@ def test_an_initialization_timeout_that_is_not_positive_is_refused(timeout_s):
 
 def test_an_initialization_timeout_without_a_multi_process_run_is_refused(tmp_path):
   proc = _main(tmp_path, '--init_timeout_s=10')
-  line = _error_line(proc, status=2)  # a usage error, like the command line's others
+  line = _error_line(proc)  # a usage error: status 1, like every `error:` line
   assert '--init_timeout_s' in line and '--coordinator' in line, line
   assert not (tmp_path / 'run').exists()
 
@@ -152,13 +152,13 @@ def test_flower_and_a_coordinator_are_refused_before_waiting_for_any_peer(tmp_pa
     '--num_processes=2',
     '--process_id=1',
   )
-  assert 'choose one' in _error_line(proc, status=2)
+  assert 'choose one' in _error_line(proc)
   assert 'waiting' not in proc.stderr
 
 
 def test_own_data_directories_without_flower_supernodes_are_refused(tmp_path):
   proc = _main(tmp_path, '--flower_data_dirs=a,b')
-  assert '--flower_data_dirs needs --flower_supernodes' in _error_line(proc, status=2)
+  assert '--flower_data_dirs needs --flower_supernodes' in _error_line(proc)
   assert not (tmp_path / 'run').exists()
 
 
