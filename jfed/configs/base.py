@@ -92,7 +92,15 @@ def equal_share_models(model_at: Callable[[float], str], rates: List[float], n: 
 
 # Base config keys that no typed config declares: the partition schemes' own arguments (read by
 # jfed.api.partition_clients, each scheme the ones `partition_arguments` names).
-PARTITION_ARGUMENTS = {'alpha': 0.5, 'min_size': 10, 'k': 2}
+PARTITION_ARGUMENTS = {
+  'alpha': 0.5,
+  'min_size': 10,
+  'k': 2,
+  # the client sizes of the cross-device schemes (client_dirichlet, unbalanced_iid)
+  'size_distribution': 'lognormal',
+  'size_sigma': 1.0,
+  'size_exponent': 1.5,
+}
 # OptimizerSpec fields the base config leaves out, so `optimizer_spec` fills them with its own
 # defaults (no clipping; Adam's betas 0.9 / 0.999; no own optax transformation).
 OPTIMIZER_LEFT_OUT = ('grad_clip', 'b1', 'b2', 'transform')

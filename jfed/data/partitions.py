@@ -5,7 +5,10 @@ Each scheme reproduces the partition code of the paper whose numbers we compare 
 `github.com/epfml/federated-learning-public-code` (`codes/FedDF-code/pcode/datasets/`) for FedDF
 and FedMHO, and `github.com/ceh-2000/fed_cvae` (`data.py`) for FedCVAE. The same heterogeneity
 knob means different things in DENSE, FedDF and FedCVAE, so "Dirichlet alpha=0.5" is only
-comparable within one scheme.
+comparable within one scheme. Two cross-device schemes follow FedLab's procedures instead and
+never redraw, so they scale to 10,000 clients and more: `client_dirichlet` (each client draws
+its own class mix) and `unbalanced_iid` (log-normal or power-law client sizes, IID within a
+client).
 
 All functions take the label vector, draw every random number from
 `np.random.default_rng(seed)` (one generator per call, so a partition is a pure function of
@@ -387,6 +390,183 @@ def partition_fedcvae_dirichlet(
   return _finish([np.concatenate(p) for p in parts], rng)
 
 
+SIZE_DISTRIBUTIONS = ('equal', 'lognormal', 'powerlaw')
+
+
+def _client_sizes(
+  num_clients: int,
+  num_samples: int,
+  distribution: str,
+  sigma: float,
+  exponent: float,
+  rng: np.random.Generator,
+) -> np.ndarray:
+  """Client sizes summing to num_samples, each at least 1.
+
+  'equal': sizes differ by at most one. Otherwise every client gets one sample and the other
+  N - n are shared in proportion to per-client weights w_i (largest-remainder rounding), so
+  size_i - 1 is w_i times a common scale, up to rounding: 'lognormal' draws log w_i ~ N(0,
+  sigma^2), 'powerlaw' draws Pareto weights, P(w > x) = x^-exponent for x >= 1.
+  """
+  if distribution not in SIZE_DISTRIBUTIONS:
+    raise PartitionError(
+      f'size_distribution is {distribution!r}; valid: {", ".join(SIZE_DISTRIBUTIONS)}.'
+    )
+  if distribution == 'equal':
+    return num_samples // num_clients + (np.arange(num_clients) < num_samples % num_clients)
+  if distribution == 'lognormal':
+    if not sigma >= 0:  # Also rejects NaN.
+      raise PartitionError(f'size_sigma must be >= 0, got {sigma}.')
+    log_w = sigma * rng.standard_normal(num_clients)
+  else:
+    if not exponent > 0:
+      raise PartitionError(f'size_exponent must be > 0, got {exponent}.')
+    log_w = rng.standard_exponential(num_clients) / exponent  # exp(E / a) is Pareto(a)
+  # In log space first: a small exponent gives weights that overflow a float64.
+  weights = np.exp(log_w - log_w.max())
+  spare = num_samples - num_clients
+  quota = spare * weights / weights.sum()
+  sizes = np.floor(quota).astype(np.int64)
+  sizes[np.argsort(sizes - quota, kind='stable')[: spare - sizes.sum()]] += 1
+  return sizes + 1
+
+
+def _split_by_owner(
+  indices: np.ndarray, owners: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> list:
+  """Per client, the `indices` whose owner it is, in random order (one sort for all clients)."""
+  order = np.lexsort((rng.random(len(indices)), owners))
+  counts = np.bincount(owners, minlength=num_clients)
+  return np.split(indices[order].astype(np.int64), np.cumsum(counts)[:-1])
+
+
+def partition_unbalanced_iid(
+  labels,
+  num_clients: int,
+  seed: int,
+  size_distribution: str = 'lognormal',
+  size_sigma: float = 1.0,
+  size_exponent: float = 1.5,
+) -> list:
+  """IID within each client, unequal client sizes, as natural clients of a cross-device population.
+
+  Sizes: every client holds at least one sample; the remaining N - n are shared in proportion
+  to per-client weights w_i with largest-remainder rounding, so every sample is used and
+  size_i - 1 = w_i * (N - n) / sum(w) up to rounding. 'lognormal' draws log w_i ~ N(0,
+  size_sigma^2) as FedLab's `lognormal_unbalance_partition` does (FedLab: "FedLab: A Flexible
+  Federated Learning Framework", Zeng, Liang, Hu, Wang and Xu, JMLR 24(100), 2023;
+  `github.com/SMILELab-FL/FedLab`, `fedlab/utils/dataset/functional.py`; FedLab floors the
+  sizes and has no minimum). 'powerlaw' draws Pareto weights, P(w > x) = x^-size_exponent for
+  x >= 1 (density proportional to x^-(size_exponent + 1); its mean is infinite for
+  size_exponent <= 1): the power-law device sizes of FedProx's synthetic data ("Federated
+  Optimization in Heterogeneous Networks", Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith,
+  MLSys 2020) in a parameterisation of ours. 'equal' gives sizes that differ by at most one
+  (then this is `partition_iid`'s law). The samples are shuffled once and cut at the sizes.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    seed: Seed of the generator every random draw comes from.
+    size_distribution: 'lognormal', 'powerlaw' or 'equal'.
+    size_sigma: Standard deviation of log w for 'lognormal' (0: equal sizes up to rounding).
+    size_exponent: Pareto tail exponent of w for 'powerlaw'; smaller is more unequal.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client, each non-empty.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  rng = np.random.default_rng(seed)
+  sizes = _client_sizes(num_clients, len(labels), size_distribution, size_sigma, size_exponent, rng)
+  order = rng.permutation(len(labels)).astype(np.int64)
+  return np.split(order, np.cumsum(sizes)[:-1])
+
+
+def partition_client_dirichlet(
+  labels,
+  num_clients: int,
+  alpha: float,
+  seed: int,
+  size_distribution: str = 'lognormal',
+  size_sigma: float = 1.0,
+  size_exponent: float = 1.5,
+  num_classes: Optional[int] = None,
+) -> list:
+  """Per-client Dirichlet label skew: each client draws its own class mix; never redraws.
+
+  The per-client prior of Hsu, Qi and Brown ("Measuring the Effects of Non-Identical Data
+  Distribution for Federated Visual Classification", arXiv 1909.06335, 2019) and FedDyn
+  ("Federated Learning Based on Dynamic Regularization", Acar, Zhao, Matas, Mattina, Whatmough
+  and Saligrama, ICLR 2021), as FedLab implements it (`client_inner_dirichlet_partition` in
+  `github.com/SMILELab-FL/FedLab`, `fedlab/utils/dataset/functional.py`). Unlike NIID-Bench's
+  per-class split (`partition_dirichlet`), nothing is redrawn, so it scales to cross-device
+  populations (10,000 clients in well under a second).
+
+  1. Sizes s_i from `size_distribution` (see `partition_unbalanced_iid`; they sum to N and
+     are each >= 1).
+  2. Class mix p_i ~ Dir(alpha * 1_C) per client (Hsu et al.'s Dir(alpha' * prior) with a
+     uniform prior is this with alpha = alpha' / C), and wanted counts ~ Multinomial(s_i, p_i).
+  3. The clients, in a random order, take their wanted counts from the shuffled class pools
+     without replacement; where a pool runs dry the later clients get what is left of it.
+  4. Fallback: each client short of s_i draws the missing samples from Multinomial over the
+     classes that still have samples, with its p_i renormalised to them (what FedLab's
+     redraw-until-a-class-has-samples loop amounts to; the remaining pools' proportions for
+     a client whose p_i is zero on all of them), and step 3 repeats. Every pass either fills
+     every client or empties a class, so at most C passes; as the sizes sum to N, every
+     sample ends up with exactly one client.
+
+  FedLab draws sample by sample from uniformly random clients instead of whole counts per
+  client in a random order; both give each client Multinomial(s_i, p_i) counts until pools
+  run dry.
+
+  Args:
+    labels: Integer class label of every training sample, shape [N].
+    num_clients: Number of clients n.
+    alpha: Dirichlet concentration of each client's class mix; smaller is more skewed.
+    seed: Seed of the generator every random draw comes from.
+    size_distribution: 'lognormal', 'powerlaw' or 'equal' (Hsu et al.'s and FedDyn's equal
+      sizes).
+    size_sigma: Standard deviation of log w for 'lognormal'.
+    size_exponent: Pareto tail exponent of w for 'powerlaw'.
+    num_classes: C; None takes max(labels) + 1.
+
+  Returns:
+    A list of n int64 arrays of sample indices, one per client, each non-empty.
+  """
+  labels = _as_labels(labels)
+  _check_num_clients(num_clients, len(labels))
+  _check_alpha(alpha)
+  num_classes = _num_classes(labels, num_classes)
+  rng = np.random.default_rng(seed)
+  sizes = _client_sizes(num_clients, len(labels), size_distribution, size_sigma, size_exponent, rng)
+  props = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)
+  order = rng.permutation(num_clients)
+  left = np.bincount(labels, minlength=num_classes)
+  granted = np.zeros((num_clients, num_classes), np.int64)
+  want = rng.multinomial(sizes, props)
+  for _ in range(num_classes + 1):
+    # Served in `order`: a client gets what the clients before it left of each pool.
+    queued = want[order]
+    before = np.cumsum(queued, axis=0) - queued
+    got = np.clip(left - before, 0, queued)
+    granted[order] += got
+    left -= got.sum(axis=0)
+    short = sizes - granted.sum(axis=1)
+    if not short.any():
+      break
+    mix = props * (left > 0)
+    total = mix.sum(axis=1, keepdims=True)
+    mix = np.where(total > 0, mix / np.where(total > 0, total, 1.0), left / left.sum())
+    want = rng.multinomial(short, mix)
+  assert not (sizes - granted.sum(axis=1)).any()
+  pieces, owners = [], []
+  for c in range(num_classes):
+    take = granted[:, c]
+    pieces.append(rng.permutation(np.flatnonzero(labels == c))[: take.sum()])
+    owners.append(np.repeat(np.arange(num_clients), take))
+  return _split_by_owner(np.concatenate(pieces), np.concatenate(owners), num_clients, rng)
+
+
 _SCHEMES: dict = {
   'iid': partition_iid,
   'dirichlet': partition_dirichlet,
@@ -394,6 +574,8 @@ _SCHEMES: dict = {
   'disjoint': partition_disjoint,
   'feddf_dirichlet': partition_feddf_dirichlet,
   'fedcvae_dirichlet': partition_fedcvae_dirichlet,
+  'client_dirichlet': partition_client_dirichlet,
+  'unbalanced_iid': partition_unbalanced_iid,
 }
 
 
@@ -405,6 +587,8 @@ _SCHEME_ARGUMENTS = {
   'dirichlet': ('alpha', 'min_size'),
   'feddf_dirichlet': ('alpha',),
   'fedcvae_dirichlet': ('alpha',),
+  'client_dirichlet': ('alpha', 'size_distribution', 'size_sigma', 'size_exponent'),
+  'unbalanced_iid': ('size_distribution', 'size_sigma', 'size_exponent'),
 }
 
 
@@ -482,17 +666,73 @@ def class_count_table(labels, parts: Sequence, num_classes: int) -> np.ndarray:
   return table
 
 
+# Up to this many clients partition.txt lists every client; above it a summary and the first and
+# last `TABLE_EDGE_ROWS` rows.
+FULL_TABLE_MAX_CLIENTS = 100
+TABLE_EDGE_ROWS = 5
+# The quantiles of the summary, with their column names.
+SUMMARY_QUANTILES = (
+  ('min', 0.0),
+  ('p10', 0.1),
+  ('p25', 0.25),
+  ('median', 0.5),
+  ('p75', 0.75),
+  ('p90', 0.9),
+  ('max', 1.0),
+)
+
+
+def _aligned(rows: Sequence) -> list:
+  """The rows of cells as lines, each column right-aligned to its widest cell."""
+  widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+  return ['  '.join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+
+
 def format_count_table(table) -> str:
-  """Plain-text class-count table, one row per client, with row and column totals."""
+  """Plain-text class-count table with row and column totals.
+
+  Up to `FULL_TABLE_MAX_CLIENTS` clients, one row per client. Above, a file of one line per
+  client would run to 10,000 lines at cross-device scale, so the text starts with a summary
+  instead: the client and sample counts, the quantiles (numpy's default, linear) of the
+  samples per client and of the classes per client (classes with a nonzero count), then the
+  table's first and last `TABLE_EDGE_ROWS` client rows around a '...' line, and the total per
+  class as the last line, as in the full table.
+  """
   table = np.asarray(table, dtype=np.int64)
-  num_classes = table.shape[1]
+  num_clients, num_classes = table.shape
   header = ['client'] + [f'c{c}' for c in range(num_classes)] + ['total']
-  rows = [[str(i)] + [str(v) for v in row] + [str(row.sum())] for i, row in enumerate(table)]
-  rows.append(['total'] + [str(v) for v in table.sum(axis=0)] + [str(table.sum())])
-  widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
+  shown = np.arange(num_clients)
+  if num_clients > FULL_TABLE_MAX_CLIENTS:
+    shown = np.r_[shown[:TABLE_EDGE_ROWS], shown[-TABLE_EDGE_ROWS:]]
+  rows = [[str(i)] + [str(v) for v in table[i]] + [str(table[i].sum())] for i in shown]
+  total = ['total'] + [str(v) for v in table.sum(axis=0)] + [str(table.sum())]
+  lines = _aligned([header] + rows + [total])
+  rule = '-' * len(lines[0])
+  if num_clients <= FULL_TABLE_MAX_CLIENTS:
+    return '\n'.join([lines[0], rule] + lines[1:-1] + [rule, lines[-1]])
+  body = lines[1 : 1 + TABLE_EDGE_ROWS] + ['...'] + lines[1 + TABLE_EDGE_ROWS : -1]
+  return '\n'.join(
+    _count_summary(table)
+    + ['', f'the first and last {TABLE_EDGE_ROWS} of the {num_clients} clients:', lines[0], rule]
+    + body
+    + [rule, lines[-1]]
+  )
 
-  def fmt(row):
-    return '  '.join(cell.rjust(w) for cell, w in zip(row, widths))
 
-  rule = '-' * len(fmt(header))
-  return '\n'.join([fmt(header), rule] + [fmt(r) for r in rows[:-1]] + [rule, fmt(rows[-1])])
+def _count_summary(table: np.ndarray) -> list:
+  """The summary lines of a large count table: counts, then the per-client quantiles."""
+  num_clients, num_classes = table.shape
+  sizes = table.sum(axis=1)
+  classes = np.count_nonzero(table, axis=1)
+  head = [
+    f'{num_clients} clients, {int(sizes.sum())} samples, {num_classes} classes; '
+    f'{int(np.count_nonzero(sizes == 0))} clients empty (summary: more than '
+    f'{FULL_TABLE_MAX_CLIENTS} clients)',
+    '',
+  ]
+  names = [name for name, _ in SUMMARY_QUANTILES]
+  rows = [['per client'] + names + ['mean']]
+  for label, values in (('samples', sizes), ('classes', classes)):
+    q = np.quantile(values, [p for _, p in SUMMARY_QUANTILES])
+    rows.append([label] + [f'{v:g}' for v in q] + [f'{values.mean():.4g}'])
+  return head + _aligned(rows)

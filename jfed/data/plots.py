@@ -8,6 +8,14 @@ import numpy as np
 
 from jfed.errors import WorkdirError
 
+# Up to this many clients the bubble plot (one column per client) stays readable; above it a
+# bounded-size summary figure is drawn instead (`_plot_partition_summary`).
+BUBBLE_MAX_CLIENTS = 100
+# The summary figure's size in inches (at 120 dpi: 1,440 x 540 px), whatever the client count.
+SUMMARY_FIGSIZE = (12.0, 4.5)
+# Most client columns of the summary's heat map: more clients are averaged in bins.
+HEATMAP_MAX_COLUMNS = 400
+
 
 def plot_partition_bubbles(
   table, path, title: Optional[str] = None, annotate: bool = True, max_bubble_area: float = 900.0
@@ -18,6 +26,12 @@ def plot_partition_bubbles(
   `max_bubble_area` points^2), so label skew is visible at a glance. A Figure with an
   explicit Agg canvas is used instead of pyplot, so the global matplotlib backend of the
   calling process (e.g. a notebook) is left untouched.
+
+  Above `BUBBLE_MAX_CLIENTS` clients a bubble plot would be 0.6 inch per client (720,000 px
+  wide at 10,000 clients), so a summary of fixed size (`SUMMARY_FIGSIZE`) is drawn instead: a
+  heat map of the clients' class proportions, clients sorted by their largest class and its
+  share and averaged in at most `HEATMAP_MAX_COLUMNS` bins, beside a histogram of the client
+  sizes. `annotate` and `max_bubble_area` apply to the bubble plot only.
 
   Args:
     table: [clients, classes] counts, e.g. from `class_count_table`.
@@ -33,14 +47,10 @@ def plot_partition_bubbles(
   if table.ndim != 2:
     raise ValueError(f'table must be [clients, classes], got shape {table.shape}.')
   num_clients, num_classes = table.shape
+  if num_clients > BUBBLE_MAX_CLIENTS:
+    return _save(_plot_partition_summary(table, title), path)
   width, height = max(4.0, 0.6 * num_clients + 1.5), max(3.0, 0.4 * num_classes + 1.2)
-  # matplotlib on first use: a run that plots nothing (a refused config, a Flower ClientApp
-  # process) should not pay its import.
-  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
-  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
-
-  fig = mpl_figure.Figure(figsize=(width, height), dpi=120)
-  backend_agg.FigureCanvasAgg(fig)
+  fig = _figure(width, height)
   # Fixed margins in inches for the known labels (tick numbers, axis names, a title line):
   # `tight_layout` measured every count label and took two thirds of the figure's time.
   fig.subplots_adjust(
@@ -83,6 +93,83 @@ def plot_partition_bubbles(
   ax.set_axisbelow(True)
   if title:
     ax.set_title(title, fontsize=9)
+  return _save(fig, path)
+
+
+def _figure(width: float, height: float):
+  """A matplotlib Figure on its own Agg canvas (the process's pyplot backend is left alone)."""
+  # matplotlib on first use: a run that plots nothing (a refused config, a Flower ClientApp
+  # process) should not pay its import.
+  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
+
+  fig = mpl_figure.Figure(figsize=(width, height), dpi=120)
+  backend_agg.FigureCanvasAgg(fig)
+  return fig
+
+
+def _client_order(table) -> np.ndarray:
+  """The summary heat map's client order: by largest class, then that class's share (descending),
+  then size (descending), so clients of like mixes sit together."""
+  table = np.asarray(table, dtype=np.float64)
+  sizes = table.sum(axis=1)
+  shares = table / np.maximum(sizes, 1.0)[:, None]
+  top = shares.argmax(axis=1)
+  return np.lexsort((-sizes, -shares.max(axis=1), top))
+
+
+def _plot_partition_summary(table: np.ndarray, title: Optional[str]):
+  """The bounded-size figure of a large table: binned class-share heat map and size histogram."""
+  num_clients, num_classes = table.shape
+  order = _client_order(table)
+  sizes = table.sum(axis=1).astype(np.float64)
+  shares = table[order] / np.maximum(sizes[order], 1.0)[:, None]
+  bins = min(num_clients, HEATMAP_MAX_COLUMNS)
+  starts = np.linspace(0, num_clients, bins + 1).astype(np.int64)[:-1]
+  widths = np.diff(np.append(starts, num_clients))
+  binned = np.add.reduceat(shares, starts, axis=0) / widths[:, None]
+
+  fig = _figure(*SUMMARY_FIGSIZE)
+  # the third column only keeps the colour bar's labels off the histogram's
+  grid = fig.add_gridspec(1, 4, width_ratios=(2.2, 0.05, 0.2, 1.0), wspace=0.05)
+  ax = fig.add_subplot(grid[0, 0])
+  image = ax.imshow(
+    binned.T,
+    aspect='auto',
+    origin='lower',
+    interpolation='nearest',
+    cmap='viridis',
+    vmin=0.0,
+    vmax=1.0,
+    extent=(0, num_clients, -0.5, num_classes - 0.5),
+  )
+  ax.set_xlabel(
+    f'clients, sorted by largest class and its share ({num_clients}'
+    + (f'; {bins} bins of ~{num_clients / bins:.0f})' if bins < num_clients else ')'),
+    fontsize=8,
+  )
+  ax.set_ylabel('Class')
+  if num_classes <= 20:
+    ax.set_yticks(range(num_classes))
+  ax.set_title('share of each class in a client', fontsize=9)
+  fig.colorbar(image, cax=fig.add_subplot(grid[0, 1]))
+  hist = fig.add_subplot(grid[0, 3])
+  hist.hist(sizes, bins=50, color='tab:red', alpha=0.7)
+  hist.set_xlabel('client size (samples)', fontsize=8)
+  hist.set_ylabel('clients', fontsize=8)
+  hist.set_title(
+    f'sizes: min {sizes.min():.0f}, median {np.median(sizes):g}, max {sizes.max():.0f}', fontsize=9
+  )
+  if sizes.max() > 50 * max(np.median(sizes), 1.0):  # a heavy tail: counts on a log scale
+    hist.set_yscale('log')
+  if title:
+    fig.suptitle(title, fontsize=10)
+  fig.subplots_adjust(left=0.06, right=0.98, bottom=0.13, top=0.84 if title else 0.9)
+  return fig
+
+
+def _save(fig, path) -> str:
+  """Writes `fig` as the PNG `path` (parent directories created); the path as a string."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   # A temporary file and a rename: a run killed while drawing leaves no torn PNG behind, and a

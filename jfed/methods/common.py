@@ -88,6 +88,12 @@ def single_architecture(ctx: RunContext) -> str:
   return specs.pop()
 
 
+# How FedAvg and FedProx draw a round's clients (`fedavg.sampler`, `fedprox.sampler`): a fixed
+# number uniformly (`select_clients`), each client independently (`poisson_clients`), or a fixed
+# number with probability proportional to size (`size_weighted_clients`).
+CLIENT_SAMPLERS = ('uniform', 'poisson', 'size_weighted')
+
+
 def select_clients(key: jax.Array, num_clients: int, participation: float) -> np.ndarray:
   """Seeded client sampling: round(participation * n) clients (at least one), sorted.
 
@@ -121,6 +127,37 @@ def poisson_clients(key: jax.Array, num_clients: int, rate: float) -> np.ndarray
   """
   drawn = np.asarray(jax.random.uniform(key, (num_clients,)))
   return np.flatnonzero(drawn < rate).astype(np.int64)
+
+
+def size_weighted_clients(key: jax.Array, sizes, count: int) -> np.ndarray:
+  """`count` distinct clients, drawn one after another, each draw picking among the clients not
+  yet drawn with probability proportional to size (successive sampling, the
+  `np.random.choice(..., replace=False, p=sizes / sizes.sum())` of FedProx-style code), sorted.
+
+  Drawn in one pass by the Gumbel-top-k trick (the `count` largest log(size) + Gumbel noise),
+  which has the law of successive sampling ("Stochastic Beams and Where to Find Them: The
+  Gumbel-Top-k Trick for Sampling Sequences Without Replacement", Kool, van Hoof and Welling,
+  ICML 2019). A client's inclusion probability is not count * size / total: for count = 2
+  it is p_i + sum_{j != i} p_j p_i / (1 - p_j), with p = sizes / total.
+
+  Args:
+    key: The PRNG key of the draw (one per round).
+    sizes: [N] client sizes; a client of size 0 is never drawn.
+    count: How many clients, at most the number of non-empty ones.
+
+  Returns:
+    The sampled client ids, sorted int64.
+  """
+  sizes = np.asarray(sizes, np.float64)
+  nonempty = int(np.count_nonzero(sizes > 0))
+  if not 1 <= count <= nonempty:
+    raise ConfigError(
+      f'size-weighted sampling of {count} clients needs as many non-empty clients; '
+      f'{nonempty} of {len(sizes)} hold samples'
+    )
+  with np.errstate(divide='ignore'):
+    scores = np.log(sizes) + np.asarray(jax.random.gumbel(key, (len(sizes),)), np.float64)
+  return np.sort(np.argsort(-scores, kind='stable')[:count]).astype(np.int64)
 
 
 def padded_cohort(

@@ -8,6 +8,19 @@ models, and the server (`common.Server`) validates them and aggregates them by t
 steps on the pseudo-gradient θ_global − aggregate; the driver checkpoints the global model and
 the server optimiser's state after every round.
 
+`sampler` draws each round's clients (from the round's key, `Purpose.SAMPLING`, so a resumed run
+draws the same ones): 'uniform' (default) round(participation · N) clients uniformly without
+replacement; 'poisson' every client independently with probability q = participation (the cohort
+varies, a round may have none: the global model then stays as it is, server optimiser included);
+'size_weighted' round(participation · N) clients without replacement, each draw proportional to
+client size (`common.size_weighted_clients`), aggregated with equal weights as FedProx's
+Algorithm 2 does (Li et al., MLSys 2020): the sizes already weigh in through the sampling, and
+weighting by size again would count them twice. That mean is unbiased for sampling with
+replacement (Li et al., "On the Convergence of FedAvg on Non-IID Data", ICLR 2020, Scheme I) and
+close to it while the cohort size times the largest client's share of the data is small; at
+participation 1 it is the unweighted mean of every client. With `dp.enabled` the DP mechanism
+draws the clients (below).
+
 `bn_stats` (models with BatchNorm): 'averaged' (default) gives the global model the clients'
 running statistics averaged like its weights, as FedAvg code that averages a model's whole state
 does; 'recomputed' replaces them after every round by the statistics of the averaged weights on
@@ -63,6 +76,7 @@ class FedAvgConfig(NamedTuple):
   participation: float = 1.0
   reuse_local_models: bool = False
   bn_stats: str = 'averaged'  # or 'recomputed' (common.BN_STATS)
+  sampler: str = 'uniform'  # or 'poisson', 'size_weighted' (common.CLIENT_SAMPLERS)
 
 
 class FedProxConfig(NamedTuple):
@@ -71,6 +85,7 @@ class FedProxConfig(NamedTuple):
   participation: float = 1.0
   mu: float = 0.01
   bn_stats: str = 'averaged'  # or 'recomputed' (common.BN_STATS)
+  sampler: str = 'uniform'  # or 'poisson', 'size_weighted' (common.CLIENT_SAMPLERS)
 
 
 class FedAvgVoteConfig(NamedTuple):
@@ -194,7 +209,18 @@ class FedAvg(Algorithm):
     tc.require_positive(c, self.section, ('rounds', 'local_epochs'))
     tc.require_fraction(c.participation, f'{self.section}.participation')
     tc.require_choice(c.bn_stats, common.BN_STATS, f'{self.section}.bn_stats')
+    tc.require_choice(c.sampler, common.CLIENT_SAMPLERS, f'{self.section}.sampler')
     run = parse_run_config(config)
+    tc.require(
+      not (run.dp.enabled and c.sampler == 'size_weighted'),
+      f"{self.section}.sampler='size_weighted' is not the uniform Poisson sampling the DP "
+      "accountant assumes: use 'uniform' or 'poisson' with dp.enabled",
+    )
+    tc.require(
+      not (run.dp.enabled and run.dp.local and c.sampler == 'poisson'),
+      f"{self.section}.sampler='poisson': dp.local draws fixed-size uniform cohorts (it claims "
+      "no amplification by sampling): use 'uniform'",
+    )
     tc.require(
       not (run.dp.enabled and c.bn_stats == 'recomputed'),
       f"{self.section}.bn_stats='recomputed' reads the clients' raw images outside the DP "
@@ -344,6 +370,39 @@ class FedAvg(Algorithm):
     c = dp.config
     return privacy.next_clip_norm(clip, fraction, c.target_quantile, c.clip_lr), record
 
+  def cohort(
+    self, ctx: RunContext, aux: FedAvgAux, i: int
+  ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+    """Round i's clients as `sampler` (or, with `dp.enabled`, the DP mechanism) draws them.
+
+    Args:
+      ctx: The run context (its key for `Purpose.SAMPLING`, its clients' sizes).
+      aux: The run-level state built in `setup` (its DP setup).
+      i: The round, from 0.
+
+    Returns:
+      The selected client ids, sorted (possibly none for Poisson sampling); for an in-process
+      Poisson cohort the ids padded to a bucket of rows and [rows] bool marking the padding
+      (`common.padded_cohort`), else None; the aggregation weights per selected client, or
+      None for their sizes.
+    """
+    c = self.config
+    key = ctx.derive_key(Purpose.SAMPLING, i)
+    if aux.dp is not None:
+      rate = aux.dp.sampling_rate if aux.dp.poisson else None
+    else:
+      rate = c.participation if c.sampler == 'poisson' else None
+    if rate is not None:
+      selected = common.poisson_clients(key, ctx.num_clients, rate)
+      if len(selected) and ctx.client_transport is None:  # in process: one shape per bucket
+        return (*common.padded_cohort(selected, ctx.num_clients, rate), None)
+      return selected, None, None
+    if c.sampler == 'size_weighted' and aux.dp is None:
+      count = common.clients_per_round(ctx.num_clients, c.participation)
+      selected = common.size_weighted_clients(key, ctx.client_sizes, count)
+      return selected, None, np.ones(len(selected))
+    return common.select_clients(key, ctx.num_clients, c.participation), None, None
+
   def step(
     self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int
   ) -> Tuple[FedAvgState, List[Dict[str, Any]]]:
@@ -371,14 +430,7 @@ class FedAvg(Algorithm):
         'reused_local_models': True,
       }
     else:
-      key = ctx.derive_key(Purpose.SAMPLING, i)
-      padding = None
-      if aux.dp is not None and aux.dp.poisson:
-        selected = common.poisson_clients(key, ctx.num_clients, aux.dp.sampling_rate)
-        if len(selected) and ctx.client_transport is None:  # in process: one shape per bucket
-          selected, padding = common.padded_cohort(selected, ctx.num_clients, aux.dp.sampling_rate)
-      else:
-        selected = common.select_clients(key, ctx.num_clients, c.participation)
+      selected, padding, weights = self.cohort(ctx, aux, i)
       if len(selected):
         aggregate, record = common.fedavg_round(
           aux.trainer,
@@ -389,17 +441,25 @@ class FedAvg(Algorithm):
           aux.init,
           server,
           i,
+          weights=weights,
           prox_mu=self.prox_mu,
           label=f'round {i + 1}/{c.rounds}',
           sitting_out=padding,
         )
-      else:  # a Poisson cohort of none: the round releases the noise alone
+      elif aux.dp is not None:  # a Poisson cohort of none: the round releases the noise alone
         aggregate, server.released['unclipped_fraction'] = privacy.central_noise_only(
           state.model, server.noise
         )
         record = {'clients': 0, 'upload_bytes': 0, 'download_bytes': 0}
+      else:  # a Poisson cohort of none: nothing to aggregate
+        aggregate = None
+        record = {'clients': 0, 'upload_bytes': 0, 'download_bytes': 0}
     clip, dp_record = self._dp_round(aux, state, server, i)
-    model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
+    if aggregate is None:
+      # A zero pseudo-gradient would still move a server optimiser with momentum.
+      model, opt_state = state.model, state.server_opt_state
+    else:
+      model, opt_state = aux.server_update(state.server_opt_state, state.model, aggregate)
     test_x, test_y = ctx.dataset.test_x, ctx.dataset.test_y
     if aux.bn is not None and model.batch_stats:
       record['averaged_bn_test_accuracy'] = aux.evaluator.accuracy(model, test_x, test_y)
