@@ -3,19 +3,40 @@
 (Metrics and summaries are written by jfed.driver through jfed.workdir's atomic JSON.)
 """
 
+import contextlib
+import contextvars
 import math
 import sys
 import time
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence
 
 import jax
+
+# Whether progress lines are wanted: `jfed.run(progress=False)` turns them off for its run.
+_SHOW_PROGRESS = contextvars.ContextVar('jfed_show_progress', default=True)
+
+
+def progress_wanted() -> bool:
+  """False inside `progress_lines(False)`."""
+  return _SHOW_PROGRESS.get()
+
+
+@contextlib.contextmanager
+def progress_lines(show: bool) -> Iterator[None]:
+  """Within the block, every `Progress` prints (show=True) or stays silent."""
+  token = _SHOW_PROGRESS.set(show)
+  try:
+    yield
+  finally:
+    _SHOW_PROGRESS.reset(token)
 
 
 class Progress:
   """A progress line on stderr for long work: `label  done/total  rate  eta`.
 
   Rewrites one line on a terminal; elsewhere (CI logs, files) prints at most every `every_s`.
-  Silent in the processes of a multi-process run other than process 0, which speaks for all.
+  Silent in the processes of a multi-process run other than process 0, which speaks for all,
+  and inside `progress_lines(False)`.
   """
 
   def __init__(
@@ -25,7 +46,7 @@ class Progress:
     self.stream = stream or sys.stderr
     self.start = self.last = time.monotonic()
     self.tty = hasattr(self.stream, 'isatty') and self.stream.isatty()
-    self.silent = jax.process_index() != 0
+    self.silent = jax.process_index() != 0 or not progress_wanted()
 
   def update(self, done: int, extra: str = '') -> None:
     now = time.monotonic()

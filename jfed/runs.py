@@ -26,6 +26,7 @@ from jfed.configs import named_config
 from jfed.data import Dataset
 from jfed.engine.evaluation import TrainedModel
 from jfed.errors import ConfigError, DataError
+from jfed.reporting import progress_lines
 
 Arrays = Sequence[np.ndarray]
 
@@ -121,7 +122,7 @@ def run(
       (as the command line does); None runs in memory and writes nothing.
     client_optimizer: an optax transformation for every client's local training instead of the
       configured `optimizer` (in memory only: a workdir could not tell it apart on a resume).
-    progress: print a line per step.
+    progress: print a line per step and the progress of long work (local training, ...).
 
   Returns:
     The `RunResult`.
@@ -146,6 +147,11 @@ def run(
     shared = [k for k in ('local_models_dir', 'local_cvaes_dir') if config.get(k)]
     if shared:
       raise ConfigError(f'client_optimizer runs in memory only: unset {", ".join(shared)}')
+  with progress_lines(progress):
+    return _run(method, config, dataset, workdir, client_optimizer, progress)
+
+
+def _run(method, config, dataset, workdir, client_optimizer, progress) -> RunResult:
   if workdir is not None:
     if dataset is not None:
       raise ConfigError(

@@ -75,8 +75,10 @@ def parse(kind: Type[T], section: Any, where: str) -> T:
   values = {}
   for name in kind._fields:
     if name not in section:
-      # A field without a default has no key in the base config (`base_config`): the run sets it.
-      required = '' if name in kind._field_defaults else f' (no default: set config.{where}.{name})'
+      # A field left without a default by a type that gives others theirs (a user's method) has
+      # no key in the base config (`base_config`): the run must set it.
+      no_default = kind._field_defaults and name not in kind._field_defaults
+      required = f' (no default: set config.{where}.{name})' if no_default else ''
       raise ConfigError(f'{where}.{name} is missing from the config{required}')
     values[name] = convert(section[name], hints.get(name, Any), f'{where}.{name}')
   return kind(**values)

@@ -170,7 +170,7 @@ _DISK_FULL_AT_ROUND_2 = """
 import errno, sys
 import orbax.checkpoint._src.serialization.serialization as s
 from absl import app
-from experiments import main
+from jfed import cli as main
 from jfed import driver
 
 save = driver.RunCheckpointer.save

@@ -34,8 +34,9 @@ def digits():
   return load_dataset('digits')
 
 
-def test_run_returns_the_model_it_scored_and_every_record(digits):
+def test_run_returns_the_model_it_scored_and_every_record(digits, capsys):
   result = jfed.run('fedavg', _smoke(**{'fedavg.rounds': 2}))
+  assert capsys.readouterr() == ('', '')  # progress=False: no progress lines either
   assert [r['step'] for r in result.history] == [1, 2]
   accuracy = result.model.accuracy(digits.test_x, digits.test_y)
   assert accuracy == pytest.approx(result.summary['final_test_accuracy'], abs=1e-9)
@@ -108,3 +109,12 @@ def test_the_command_line_takes_a_config_by_name(tmp_path):
   bad = subprocess.run(command + ['--config=digitz'], capture_output=True, text=True, check=False)
   assert bad.returncode != 0
   assert bad.stderr.strip().splitlines()[-1].startswith("error: config 'digitz'")
+
+
+@pytest.mark.slow  # a smoke run of each (10-40 s apiece on 2 cores)
+@pytest.mark.parametrize('method', ['centralized', 'feddf', 'dense', 'hfldd', 'fedseq', 'dynafed'])
+def test_every_server_model_is_the_one_the_run_scored(method, digits):
+  result = jfed.run(method, _smoke())
+  assert result.model is not None
+  want = result.summary['final_test_accuracy']
+  assert result.model.accuracy(digits.test_x, digits.test_y) == pytest.approx(want, abs=1e-9)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 from absl import logging
 import jax
 
+from jfed.reporting import progress_wanted
+
 
 def info_enabled() -> bool:
   """Whether absl's INFO lines are shown (experiments.main's default, or --verbosity=0)."""
@@ -29,7 +31,7 @@ class PhaseProgress:
   def __init__(self, label: str, total: int, unit: str = 'step', every_s: float = 5.0):
     self.label, self.total, self.unit, self.every_s = label, int(total), unit, every_s
     self.start = self.last = time.monotonic()
-    self.silent = jax.process_index() != 0
+    self.silent = jax.process_index() != 0 or not progress_wanted()
     self._lock = threading.Lock()
     self._done = 0
     if not self.silent:

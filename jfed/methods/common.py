@@ -15,6 +15,7 @@ import numpy as np
 from jfed import engine
 from jfed.api import RunContext
 from jfed.data import FederatedArrays, federate
+from jfed.data.federated import cohort_length
 from jfed.data.transforms import NORMALIZATIONS
 from jfed.engine import GroupTrainer, ModelState, attacks
 from jfed.engine.aggregation import Aggregator, make_aggregator
@@ -705,10 +706,11 @@ def participating_group(
 ) -> ClientGroup:
   """The group of the selected clients (the full group when every client takes part).
 
-  Every round's group has the same shapes whichever clients it holds, so its programs compile
-  once: the data is padded to whole batches of the full group's largest client (the length to
-  which local training pads the clients' visiting orders otherwise depends on the largest
-  selected client). Padded samples never change what a client computes.
+  Only the cohort's samples are gathered (`FederatedArrays.take`), padded to whole batches of
+  the full group's largest client, so every round has the same shapes and its programs compile
+  once; a cohort far smaller than that client (a cross-device federation) is padded to its own
+  power-of-two bucket instead (`cohort_length`). Padded samples never change what a client
+  computes.
 
   Args:
     ctx: The run context (dataset, clients, run config, stage cache).
@@ -722,16 +724,8 @@ def participating_group(
     return full_group
   rows = np.flatnonzero(np.isin(full_group.client_ids, selected))
   fed, b = full_group.fed, int(ctx.run.batch_size)
-  n_max = fed.y.shape[1]
-  pad = [(0, 0), (0, -(-n_max // b) * b - n_max)]
-  return full_group._replace(
-    client_ids=full_group.client_ids[rows],
-    fed=FederatedArrays(
-      np.pad(fed.x[rows], pad + [(0, 0)] * (fed.x.ndim - 2)),
-      np.pad(fed.y[rows], pad + [(0, 0)] * (fed.y.ndim - 2)),
-      fed.sizes[rows],
-    ),
-  )
+  length = cohort_length(fed.sizes[rows], b, -(-fed.n_max // b) * b)
+  return full_group._replace(client_ids=full_group.client_ids[rows], fed=fed.take(rows, length))
 
 
 def _finite_mean(values: np.ndarray) -> Optional[float]:

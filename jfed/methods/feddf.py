@@ -54,6 +54,7 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 import jax.numpy as jnp
 import numpy as np
 
+from jfed import engine
 from jfed import typed_config as tc
 from jfed.api import Algorithm, RunContext
 from jfed.data.public import HOLDOUT, check_holdout_fits, check_source, public_data
@@ -302,6 +303,21 @@ class FedDFStudent(oneshot.DistillationAlgorithm):
         config, HOLDOUT, held_out_count(c), f'{self.section}.source_size + val_size from'
       )
 
+  def trained_model(self, ctx: RunContext, aux, state) -> engine.TrainedModel:
+    """The model the round hands on: the best-on-validation student (`best_model`), or the
+    last one's without a validation set.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state.
+
+    Returns:
+      Its module and variables.
+    """
+    model = best_model(state) if len(aux.data.val_y) else state.student.model
+    return engine.TrainedModel(aux.student_module, model)
+
   def epochs_per_round(self) -> int:
     return epochs_per_round(self.config)
 
@@ -340,6 +356,19 @@ class FedDF(Algorithm):
 
   def epochs_per_round(self) -> int:
     return self._student('').epochs_per_round()
+
+  def trained_model(self, ctx: RunContext, aux: FedDFAux, state) -> engine.TrainedModel:
+    """The student of `server_model` (the first architecture), whose accuracy the run reports.
+
+    Args:
+      ctx: The run context.
+      aux: `setup`'s result.
+      state: The final state, one per student.
+
+    Returns:
+      Its module and variables.
+    """
+    return aux.students[0].trained_model(ctx, aux.auxes[0], state[0])
 
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds * self.epochs_per_round()
