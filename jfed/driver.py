@@ -514,11 +514,19 @@ def _claim_workdir(wd: Workdir, method: str, config, progress: bool, client_labe
   if progress:
     print(
       f'{method} on {dataset.name} ({jax.default_backend()}): {len(parts)} clients, '
-      f'sizes {[len(p) for p in parts]}'
+      f'sizes {_described_sizes([len(p) for p in parts])}'
       + (f'; {unassigned} training samples assigned to no client' if unassigned else ''),
       flush=True,
     )
   return dataset, parts
+
+
+def _described_sizes(sizes: Sequence[int]) -> str:
+  """Every client's size up to 20 clients; beyond, their range and median (a line that stays
+  readable at 10,000 clients; partition.txt has the details)."""
+  if len(sizes) <= 20:
+    return str(list(sizes))
+  return f'{min(sizes)}..{max(sizes)} (median {int(np.median(sizes))})'
 
 
 # What the primary process does before the others may start (multihost.agree).

@@ -67,3 +67,21 @@ def test_a_round_of_100_clients_out_of_100000_one_sample_clients():
   assert time.perf_counter() - start < 120
   assert [r['clients'] for r in result.history] == [100, 100]
   assert result.summary['num_clients'] == n
+
+
+@pytest.mark.parametrize('poisson', ['sampler', 'dp'])
+def test_rules_that_count_their_uploads_refuse_a_poisson_cohort(poisson):
+  from jfed.driver import build_algorithm  # pylint: disable=g-import-not-at-top
+  from jfed.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  config = jfed.config('digits')
+  config.partition.num_clients = 50
+  config.fedavg.participation = 0.5
+  config.aggregation.rule = 'krum'
+  build_algorithm('fedavg', config)  # 25 uploads a round: Krum's n >= 2f + 3 holds
+  if poisson == 'dp':
+    config.dp.enabled = True
+  else:
+    config.fedavg.sampler = 'poisson'
+  with pytest.raises(ConfigError, match="a Poisson cohort's size varies"):
+    build_algorithm('fedavg', config)

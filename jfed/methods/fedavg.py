@@ -221,6 +221,13 @@ class FedAvg(Algorithm):
       f"{self.section}.sampler='poisson': dp.local draws fixed-size uniform cohorts (it claims "
       "no amplification by sampling): use 'uniform'",
     )
+    poisson = c.sampler == 'poisson' or (run.dp.enabled and not run.dp.local)
+    tc.require(
+      not (poisson and run.aggregation.rule in ('trimmed_mean', 'krum')),
+      f'aggregation.rule={run.aggregation.rule} needs a known number of uploads, but a Poisson '
+      f"cohort's size varies (it can be below what the rule needs): use {self.section}.sampler="
+      "'uniform' without dp.enabled, or aggregation.rule=median",
+    )
     tc.require(
       not (run.dp.enabled and c.bn_stats == 'recomputed'),
       f"{self.section}.bn_stats='recomputed' reads the clients' raw images outside the DP "
