@@ -15,11 +15,13 @@ from jfed.data.partitions import (
   class_count_table,
   format_count_table,
   make_partition,
+  partition_client_dirichlet,
   partition_dirichlet,
   partition_disjoint,
   partition_fedcvae_dirichlet,
   partition_feddf_dirichlet,
   partition_iid,
   partition_shards_k,
+  partition_unbalanced_iid,
   unassigned_count,
 )
