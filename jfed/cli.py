@@ -24,6 +24,7 @@ A run refused before it wrote anything removes the workdir it created.
 """
 
 import importlib.util
+import logging as std_logging
 import os
 import sys
 
@@ -108,9 +109,19 @@ def _parse_flags(argv):
       if not os.path.isfile(path):
         _fail(f'config file {path} not found')
   try:
-    rest = FLAGS(argv)
+    # ml_collections warns of a get_config that returned None before absl has a log format;
+    # the `error:` line below says it, once
+    quiet = std_logging.getLogger('absl')
+    level, quiet.level = quiet.level, std_logging.ERROR
+    try:
+      rest = FLAGS(argv)
+    finally:
+      quiet.setLevel(level)
     if FLAGS.config is not None:  # applies the --config.key=value overrides
       FLAGS.config.get('seed')
+    elif FLAGS['config'].present:
+      made = type(FLAGS['config'].value).__name__  # the object get_config returned (None)
+      _fail(f'{FLAGS["config"].config_filename}: get_config returned {made}, not a ConfigDict')
     return rest
   except Exception as e:  # pylint: disable=broad-except  # absl/ml_collections raise many types
     if '--traceback' in argv:

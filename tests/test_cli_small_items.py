@@ -180,3 +180,9 @@ def test_a_refused_run_removes_the_workdir_it_created_and_keeps_others(tmp_path)
       'existing/notes.txt',
     ]
   )
+
+
+def test_a_get_config_that_returns_nothing_is_named(tmp_path):
+  (tmp_path / 'forgot.py').write_text('def get_config(arg=""):\n  config = None\n')
+  proc = _jfed('--method=fedavg', f'--config={tmp_path / "forgot.py"}', cwd=tmp_path)
+  assert 'get_config returned NoneType, not a ConfigDict' in _error_line(proc)
