@@ -405,13 +405,16 @@ class GroupTrainer:
     padded_len = max(num_steps * self.batch_size, n_max)
     sizes = jnp.asarray(fed.sizes, jnp.int32)
     ids = jnp.asarray(np.arange(m) if client_ids is None else client_ids, jnp.int32)
-    x, y = jnp.asarray(fed.x), jnp.asarray(fed.y)
     if self.strategy == 'loop':
       # The loop's programs take one client's padded data: padding it to a power of two lets
       # groups and runs whose largest clients differ a little share one compiled step (padded
       # samples are never visited). Orders over the longer padding keep each client's order.
+      # Each client's data goes to the device when its turn comes (`_client_arrays`), so the
+      # group is never copied whole, nor padded whole.
       n_max = padded_len = loop_padded_length(padded_len)
-      x, y = _pad_samples(x, n_max), _pad_samples(y, n_max)
+      x = y = None
+    else:
+      x, y = jnp.asarray(fed.x), jnp.asarray(fed.y)
     across_processes = multihost.spans_processes(self.mesh)
     owned = range(m)  # the clients this process trains
     per_client_keys = is_key_per_client(key)
@@ -439,7 +442,7 @@ class GroupTrainer:
         keys = self._client_keys(epoch_key, ids)
       if self.strategy == 'loop':
         state, epoch_stats = self._loop_epoch(
-          state, x, y, orders, sizes, keys, fed.sizes, anchor, context, owned
+          state, fed, n_max, orders, sizes, keys, anchor, context, owned
         )
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
@@ -505,15 +508,15 @@ class GroupTrainer:
     )
     return ts, acc + st, step + 1
 
-  def _loop_epoch(
-    self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None, owned=None
-  ):
+  def _loop_epoch(self, state, fed, length, orders, sizes, keys, anchor, context=None, owned=None):
+    sizes_np = np.asarray(fed.sizes)
     owned = range(len(sizes_np)) if owned is None else owned
 
     def train_client(k):
-      ts, xk, yk, order, size, ck, acc, step = self._loop_take(state, x, y, orders, sizes, keys, k)
+      ts, order, size, ck, acc, step = self._loop_take(state, orders, sizes, keys, k)
       if k not in owned:  # another process trains it (see _process_block)
         return ts, acc
+      xk, yk = _client_arrays(fed, k, length)
       ctx_k = None if context is None else self._loop_take_context(context, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
@@ -558,11 +561,6 @@ def loop_padded_length(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _pad_samples(a: jax.Array, length: int) -> jax.Array:
-  extra = length - a.shape[1]
-  return a if extra == 0 else jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
-
-
 def client_step_keys(epoch_key: jax.Array, client_ids: jax.Array) -> jax.Array:
   """[clients] keys of an epoch; a step's key is fold_in(this, step) (see the module docstring)."""
   base = jax.random.fold_in(epoch_key, STEP_KEY_TAG)
@@ -590,11 +588,20 @@ def is_key_per_client(key: jax.Array) -> bool:
   return key.ndim == 2
 
 
-def _take_client(state, x, y, orders, sizes, keys, k):
+def _take_client(state, orders, sizes, keys, k):
   """Client k's slices plus zeroed metric sums and step index, in one dispatch."""
   ts = jax.tree.map(lambda a: a[k], state)
   zeros = jnp.zeros(3), jnp.zeros((), jnp.int32)
-  return (ts, x[k], y[k], orders[k], sizes[k], keys[k]) + zeros
+  return (ts, orders[k], sizes[k], keys[k]) + zeros
+
+
+def _client_arrays(fed, k: int, length: int):
+  """Client k's (x, y) on the device, zero-padded to `length` samples."""
+  x, y = (np.asarray(a) for a in fed.client(k))
+  pad = length - len(x)
+  x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
+  y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)]) if pad else y
+  return jnp.asarray(x), jnp.asarray(y)
 
 
 def _take_context(context, k):
