@@ -130,6 +130,16 @@ def _with_mnist(**replace) -> Callable[[pathlib.Path], Cleanup]:
   return setup
 
 
+def _config_file(text: str) -> Callable[[pathlib.Path], Cleanup]:
+  """A config file `config.py` in the probe's directory."""
+
+  def setup(tmp: pathlib.Path) -> Cleanup:
+    (tmp / 'config.py').write_text(text)
+    return None
+
+  return setup
+
+
 def _main(*args: str) -> List[str]:
   return [sys.executable, '-m', 'experiments.main', *args]
 
@@ -362,6 +372,14 @@ PROBES: List[Probe] = [
     'success',
     r'identity.json is damaged; workdir .* resumes by its config.json',
     _finished_run_with('identity.json', keep_summary=False),
+  ),
+  Probe(
+    'get_config_returns_none',
+    'a config file whose get_config forgets its return',
+    ('--method=fedavg', '--config={tmp}/config.py', '--workdir={tmp}/run'),
+    'error',
+    r'config.py: get_config returned NoneType, not a ConfigDict',
+    _config_file('def get_config(arg=""):\n  config = None\n'),
   ),
   Probe(
     'truncated_summary',
