@@ -10,7 +10,7 @@ from jfed.errors import ConfigError
 
 CONFIG_DIR = pathlib.Path(common.__file__).parent
 CONFIG_MODULES = sorted(
-  p.stem for p in CONFIG_DIR.glob('*.py') if p.stem not in ('__init__', 'common')
+  p.stem for p in CONFIG_DIR.glob('*.py') if p.stem not in ('__init__', 'base')
 )
 # Every config file's get_config(arg) goes through `common.variant_words`.
 CHECKED_MODULES = tuple(CONFIG_MODULES)

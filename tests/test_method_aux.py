@@ -143,7 +143,7 @@ def test_each_distillation_family_declares_a_recipe_of_plain_functions():
   """DENSE, Co-Boosting, FedDF's student and FedHydra are their module's `recipe(config)` run
   by the one shared step: their classes override no step of the loop, only say what they are."""
   config = override(smoke_config('fedhydra'), model='mlp')
-  allowed = {'validate', 'make_recipe', 'epochs_per_round'}
+  allowed = {'validate', 'make_recipe', 'epochs_per_round', 'trained_model'}
   ctx = driver.context_of_config(config)
   for cls, section in (
     (dense.Dense, 'dense'),

@@ -353,7 +353,17 @@ def test_dense_settings_carry_every_key_of_its_config_where_the_paper_puts_it():
   k = s.kd
   assert (k.loss, k.T, k.t_squared, k.aggregation) == ('kl', 7.5, True, 'mean')
   assert (k.augment, k.crop_padding, k.strategy) == ('crop_flip', 1, 'vmap')
-  assert tuple(s.opt) == ('adam', 0.123, 0.55, 0.0007, 0.0, 0.9, 0.999, 'constant')
+  assert tuple(s.opt) == (
+    'adam',
+    0.123,
+    0.55,
+    0.0007,
+    0.0,
+    0.9,
+    0.999,
+    'constant',
+    None,
+  )  # no own optax transformation
   # the official code's BN hooks never attach: 'code' drops the BN term
   assert _settings('dense', **{'dense.bn_loss_mode': 'code', 'dense.bn': 0.3}).synthesis.bn == 0.0
   # no server model: the run's model; 'auto' augmentation on digits: HFlip only
@@ -394,7 +404,17 @@ def test_coboosting_settings_carry_every_key_of_its_config_where_the_paper_puts_
   assert (k.loss, k.T, k.t_squared, k.aggregation, k.ods_T) == ('kl', 6.5, True, 'weighted', 3.5)
   assert k.ods_eta == pytest.approx(0.2 * 0.5)  # 8/255 of [0, 1] is 2 x that in Normalize(0.5)
   assert (k.augment, k.crop_padding, k.strategy) == ('flip', 1, 'vmap')
-  assert tuple(s.opt) == ('sgd', 0.02, 0.45, 0.003, 8.0, 0.9, 0.999, 'constant')
+  assert tuple(s.opt) == (
+    'sgd',
+    0.02,
+    0.45,
+    0.003,
+    8.0,
+    0.9,
+    0.999,
+    'constant',
+    None,
+  )  # no own optax transformation
   assert s.kd_batch == 24
   # a zero clip is no clip
   assert _settings('coboosting', **{'coboosting.g_grad_clip': 0.0}).synthesis.grad_clip is None
@@ -409,7 +429,17 @@ def test_fedhydra_and_feddf_settings_take_the_reference_values_for_keys_they_lac
     'fedhydra',
     **{'fedhydra.kd_lr': 0.03, 'fedhydra.kd_weight_decay': 0.002, 'fedhydra.kd_momentum': 0.8},
   )
-  assert tuple(s.opt) == ('sgd', 0.03, 0.8, 0.002, 0.0, 0.9, 0.999, 'constant')
+  assert tuple(s.opt) == (
+    'sgd',
+    0.03,
+    0.8,
+    0.002,
+    0.0,
+    0.9,
+    0.999,
+    'constant',
+    None,
+  )  # no own optax transformation
   assert (s.kd_data, s.steps_per_epoch, s.keep_generator, s.generator) == (
     'pool',
     0,
@@ -421,7 +451,17 @@ def test_fedhydra_and_feddf_settings_take_the_reference_values_for_keys_they_lac
   config = _config('smoke', **overrides)
   ctx = driver.context_of_config(config)
   s = feddf.recipe(driver.build_algorithm('feddf', config).config).settings(ctx)
-  assert tuple(s.opt) == ('adam', 0.004, 0.0, 0.0, 5.0, 0.9, 0.999, 'cosine')
+  assert tuple(s.opt) == (
+    'adam',
+    0.004,
+    0.0,
+    0.0,
+    5.0,
+    0.9,
+    0.999,
+    'cosine',
+    None,
+  )  # no own optax transformation
   assert (s.kd_data, s.epochs, s.steps_per_epoch) == ('fixed', 3, 4)
   assert (s.synthesis, s.keep_generator) == (None, False)
 

@@ -1,6 +1,9 @@
-"""The config jfed/configs/fedmho_fashion_mnist.py by its checkout path
-(`--config=fedmho_fashion_mnist` names it too)."""
+"""jfed/configs/fedmho_fashion_mnist.py, by its checkout path.
 
-from jfed.configs.fedmho_fashion_mnist import get_config
+`--config=fedmho_fashion_mnist` names it too. The module's names are copied here for the scripts
+that read them (VARIANTS, ...).
+"""
 
-__all__ = ['get_config']
+from jfed.configs import fedmho_fashion_mnist as _config
+
+globals().update({k: v for k, v in vars(_config).items() if not k.startswith('__')})

@@ -1,6 +1,9 @@
-"""The config jfed/configs/hfldd_digits.py by its checkout path
-(`--config=hfldd_digits` names it too)."""
+"""jfed/configs/hfldd_digits.py, by its checkout path.
 
-from jfed.configs.hfldd_digits import get_config
+`--config=hfldd_digits` names it too. The module's names are copied here for the scripts
+that read them (VARIANTS, ...).
+"""
 
-__all__ = ['get_config']
+from jfed.configs import hfldd_digits as _config
+
+globals().update({k: v for k, v in vars(_config).items() if not k.startswith('__')})

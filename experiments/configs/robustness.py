@@ -1,6 +1,9 @@
-"""The config jfed/configs/robustness.py by its checkout path
-(`--config=robustness` names it too)."""
+"""jfed/configs/robustness.py, by its checkout path.
 
-from jfed.configs.robustness import get_config
+`--config=robustness` names it too. The module's names are copied here for the scripts
+that read them (VARIANTS, ...).
+"""
 
-__all__ = ['get_config']
+from jfed.configs import robustness as _config
+
+globals().update({k: v for k, v in vars(_config).items() if not k.startswith('__')})
