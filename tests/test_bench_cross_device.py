@@ -180,13 +180,13 @@ def test_report_gives_the_ratios_and_the_errors():
 
 @pytest.mark.slow  # 30-60 s: Ray starts its processes and actors
 @pytest.mark.skipif(
-  not os.path.exists(cross_device.FLAGS['flower_python'].default),
+  not os.path.exists(cross_device.FLOWER_PYTHON),
   reason="no Flower simulation venv (experiments/bench/cross_device.py's --flower_python)",
 )
 def test_flower_side_runs_fedavg_in_the_simulation_engine(tiny_data):
   directory, _ = tiny_data
   spec = {**TINY, 'data': directory, 'lr': 0.01, 'momentum': 0.9}
-  spec.update(flower_python=cross_device.FLAGS['flower_python'].default, flower_cpus=2)
+  spec.update(flower_python=cross_device.FLOWER_PYTHON, flower_cpus=2)
   row = cross_device.run_system('flower', spec, timeout=600)
   assert 'error' not in row, json.dumps(row)
   assert len(row['round_seconds']) == 2 and all(s > 0 for s in row['round_seconds'])

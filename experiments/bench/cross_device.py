@@ -50,23 +50,31 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from absl import app, flags
 import numpy as np
 
-flags.DEFINE_string('out', 'runs/bench_cross_device', 'Output directory.')
-flags.DEFINE_list('clients', ['1000', '10000'], 'Federation sizes N.')
-flags.DEFINE_integer('cohort', 100, 'Clients per round.')
-flags.DEFINE_integer('rounds', 5, 'Rounds per run (the first compiles or warms up).')
-flags.DEFINE_list('systems', ['jfed', 'drjax', 'flower'], 'Systems to run, in this order.')
-flags.DEFINE_integer('eval_size', 1000, 'Test images the global model is evaluated on each round.')
-flags.DEFINE_integer('seed', 0, 'Seed of the partition and the cohorts.')
-flags.DEFINE_bool('synthetic', False, 'Synthetic data even where Fashion-MNIST is installed.')
-flags.DEFINE_integer('samples', 60000, 'Training samples of the synthetic data.')
-flags.DEFINE_string(
-  'flower_python',
-  '/work/scratch/flsimvenv/bin/python',
-  "Python of the virtual environment with flwr[simulation] and torch (Flower's side).",
-)
-flags.DEFINE_integer('flower_cpus', os.cpu_count() or 1, 'CPUs given to Ray (one actor each).')
-flags.DEFINE_integer('timeout', 3600, 'Seconds one system may run at one N.')
-flags.DEFINE_string('child', '', 'Internal: run one system (JSON spec) and print its result.')
+FLOWER_PYTHON = '/work/scratch/flsimvenv/bin/python'  # the venv with flwr[simulation], torch
+
+
+def _define_flags() -> None:
+  """The command's flags, defined only when it runs (tests import this module, and absl
+  refuses a flag defined twice in one process)."""
+  flags.DEFINE_string('out', 'runs/bench_cross_device', 'Output directory.')
+  flags.DEFINE_list('clients', ['1000', '10000'], 'Federation sizes N.')
+  flags.DEFINE_integer('cohort', 100, 'Clients per round.')
+  flags.DEFINE_integer('rounds', 5, 'Rounds per run (the first compiles or warms up).')
+  flags.DEFINE_list('systems', ['jfed', 'drjax', 'flower'], 'Systems to run, in this order.')
+  flags.DEFINE_integer('eval_size', 1000, 'Test images the global model is scored on each round.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the partition and the cohorts.')
+  flags.DEFINE_bool('synthetic', False, 'Synthetic data even where Fashion-MNIST is installed.')
+  flags.DEFINE_integer('samples', 60000, 'Training samples of the synthetic data.')
+  flags.DEFINE_string(
+    'flower_python',
+    FLOWER_PYTHON,
+    "Python of the virtual environment with flwr[simulation] and torch (Flower's side).",
+  )
+  flags.DEFINE_integer('flower_cpus', os.cpu_count() or 1, 'CPUs given to Ray (one actor each).')
+  flags.DEFINE_integer('timeout', 3600, 'Seconds one system may run at one N.')
+  flags.DEFINE_string('child', '', 'Internal: run one system (JSON spec) and print its result.')
+
+
 FLAGS = flags.FLAGS
 
 BATCH = 32
@@ -618,4 +626,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed.engine.evaluation import Evaluator, _pad_batches
-from jfed.engine.training import GroupTrainer
+from jfed.engine.training import GroupTrainer, _client_arrays
 
 
 class LegacyLoopTrainer(GroupTrainer):
@@ -29,10 +29,9 @@ class LegacyLoopTrainer(GroupTrainer):
     super().__init__(module, tx, batch_size, prox_mu=prox_mu, strategy='loop')
     self._legacy_step = jax.jit(self._client_step)
 
-  def _loop_epoch(
-    self, state, x, y, orders, sizes, keys, sizes_np, anchor, context=None, owned=None
-  ):
+  def _loop_epoch(self, state, fed, length, orders, sizes, keys, anchor, context=None, owned=None):
     del sizes  # the old code converted each client's size from the host copy
+    sizes_np = np.asarray(fed.sizes)
     if owned is not None and len(owned) != len(sizes_np):
       raise ValueError('the pre-issue-14 loop trains every client in one process')
     if context is not None:
@@ -40,7 +39,9 @@ class LegacyLoopTrainer(GroupTrainer):
     new_states, epoch_stats = [], []
     for k in range(len(sizes_np)):
       ts = jax.tree.map(lambda a, k=k: a[k], state)
-      xk, yk, order, size, ck = x[k], y[k], orders[k], jnp.int32(sizes_np[k]), keys[k]
+      # (the client's data as jfed's loop now sends it: one client at a time, from the host)
+      xk, yk = _client_arrays(fed, k, length)
+      order, size, ck = orders[k], jnp.int32(sizes_np[k]), keys[k]
       acc = jnp.zeros(3)
       for s in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
         ts, st = self._legacy_step(ts, xk, yk, order, size, ck, s, anchor, None)
