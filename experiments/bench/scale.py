@@ -100,15 +100,16 @@ def run_cell(cell: dict) -> dict:
     raw = d.train_x.nbytes + d.train_y.nbytes + d.test_x.nbytes + d.test_y.nbytes
   else:
     raw = sum(a.nbytes for a in dataset)
+  peak = _rss_mb()
   return {
     **cell,
     'dataset': config.dataset.name if dataset is None else 'synthetic',
     'backend': jax.default_backend(),
     'raw_mb': raw / 2**20,
     'baseline_mb': baseline,
-    'peak_mb': _rss_mb(),
-    'above_baseline_mb': _rss_mb() - baseline,
-    'ratio': (_rss_mb() - baseline) / (raw / 2**20),
+    'peak_mb': peak,
+    'above_baseline_mb': peak - baseline,
+    'ratio': (peak - baseline) / (raw / 2**20),
     'setup_s': wall - sum(rounds),
     'first_round_s': rounds[0],
     'round_s': float(np.median(rounds[1:])) if len(rounds) > 1 else rounds[0],

@@ -52,18 +52,19 @@ class FederatedArrays:
     sizes = np.array([len(p) for p in parts], dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     index = np.concatenate(parts) if len(parts) else np.zeros(0, np.int64)
-    return cls(None, None, sizes, source=(x, y, index, offsets, int(n_max)))
+    labels = np.asarray(y, np.int32)  # as the padded form holds them (a copy only if not int32)
+    return cls(None, None, sizes, source=(x, labels, index, offsets, int(n_max)))
 
   @property
   def x(self):
     if self._x is None and self._source is not None:
-      self._x = self._padded(self._source[0], range(self.num_clients), self.n_max, np.float32)
+      self._x = self._padded(self._source[0], range(self.num_clients), self.n_max)
     return self._x
 
   @property
   def y(self):
     if self._y is None and self._source is not None:
-      self._y = self._padded(self._source[1], range(self.num_clients), self.n_max, np.int32)
+      self._y = self._padded(self._source[1], range(self.num_clients), self.n_max)
     return self._y
 
   @property
@@ -71,14 +72,14 @@ class FederatedArrays:
     """The padded length of every client (the second axis of `x` and `y`)."""
     return self._source[4] if self._y is None and self._source is not None else self.y.shape[1]
 
-  def _padded(self, source: np.ndarray, rows, length: int, dtype) -> np.ndarray:
+  def _padded(self, source: np.ndarray, rows, length: int) -> np.ndarray:
     _, _, index, offsets, _ = self._source
     source = np.asarray(source)
     out = np.zeros((len(rows), length) + source.shape[1:], source.dtype)
     for j, k in enumerate(rows):
       picked = index[offsets[k] : offsets[k + 1]]
       out[j, : len(picked)] = source[picked]
-    return out.astype(np.int32) if dtype == np.int32 else out
+    return out
 
   @property
   def num_clients(self) -> int:
@@ -95,7 +96,7 @@ class FederatedArrays:
     if self._x is None and self._source is not None:
       x, y, index, offsets, _ = self._source
       picked = index[offsets[k] : offsets[k] + n]
-      return np.asarray(x)[picked], np.asarray(y)[picked].astype(np.int32)
+      return np.asarray(x)[picked], y[picked]
     return self.x[k, :n], self.y[k, :n]
 
   def take(self, rows: Sequence[int], length: Optional[int] = None) -> 'FederatedArrays':
@@ -105,8 +106,8 @@ class FederatedArrays:
     length = self.n_max if length is None else int(length)
     sizes = np.asarray(self.sizes)[rows]
     if self._x is None and self._source is not None:
-      x = self._padded(self._source[0], rows, length, np.float32)
-      y = self._padded(self._source[1], rows, length, np.int32)
+      x = self._padded(self._source[0], rows, length)
+      y = self._padded(self._source[1], rows, length)
       return FederatedArrays(x, y, sizes)
     pad = [(0, 0), (0, length - self.n_max)]
     x, y = self.x[rows], self.y[rows]

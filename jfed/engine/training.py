@@ -596,12 +596,9 @@ def _take_client(state, orders, sizes, keys, k):
 
 
 def _client_arrays(fed, k: int, length: int):
-  """Client k's (x, y) on the device, zero-padded to `length` samples."""
-  x, y = (np.asarray(a) for a in fed.client(k))
-  pad = length - len(x)
-  x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
-  y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)]) if pad else y
-  return jnp.asarray(x), jnp.asarray(y)
+  """Client k's (x, y) on the device, padded to `length` samples (`FederatedArrays.take`)."""
+  client = fed.take([k], length)
+  return jnp.asarray(client.x[0]), jnp.asarray(client.y[0])
 
 
 def _take_context(context, k):
