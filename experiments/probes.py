@@ -25,6 +25,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -169,6 +170,9 @@ def _flip_a_byte(path: pathlib.Path) -> None:
 TWO_ROUNDS = tuple(
   a if a != '--config.fedavg.rounds=1' else '--config.fedavg.rounds=2' for a in BASE
 )
+THREE_ROUNDS = tuple(
+  a if a != '--config.fedavg.rounds=1' else '--config.fedavg.rounds=3' for a in BASE
+)
 
 
 def _interrupted_run(steps_to_damage: Sequence[str]) -> Callable[[pathlib.Path], Cleanup]:
@@ -237,6 +241,60 @@ def _damaged_local_models(tmp: pathlib.Path) -> Cleanup:
   steps = [p for p in (tmp / 'cache').iterdir() if p.name.isdigit()]
   _flip_a_byte(_largest_data_file(steps[0]))
   return None
+
+
+def _unverified_checkpoint_of_huge_values(tmp: pathlib.Path) -> Cleanup:
+  """A 3-round run interrupted after round 2, whose checkpoint 2 has no checksums (an earlier
+  jfed, or a kill between orbax's commit and the checksums) and holds finite values that
+  training turns into NaN (every float × 1e30, as a flipped exponent bit could)."""
+  _run_quietly(_main(*THREE_ROUNDS), tmp)
+  (tmp / 'w' / 'summary.json').unlink()
+  shutil.rmtree(tmp / 'w' / 'checkpoints' / '3')  # as a kill right after round 2's checkpoint
+  code = (
+    'import sys, jax, orbax.checkpoint as ocp\n'
+    "m = ocp.CheckpointManager(sys.argv[1], item_names=('state', 'history'))\n"
+    'a = ocp.args\n'
+    'saved = m.restore(2, args=a.Composite(state=a.StandardRestore(), history=a.JsonRestore()))\n'
+    "state = jax.tree.map(lambda x: x * 1e30 if x.dtype.kind == 'f' else x, saved['state'])\n"
+    'm.delete(2)\n'
+    "h = a.JsonSave(saved['history'])\n"
+    'm.save(2, args=a.Composite(state=a.StandardSave(state), history=h))\n'
+    'm.wait_until_finished(); m.close()\n'
+  )
+  subprocess.run(
+    [sys.executable, '-c', code, str(tmp / 'w' / 'checkpoints')],
+    check=True,
+    capture_output=True,
+    env=_env(),
+    timeout=120,
+  )
+  return None
+
+
+def _dead_peer(victim: int) -> List[str]:
+  """Two processes of a 300-round run on one coordinator; `victim` is killed (SIGKILL) once the
+  first checkpoint is committed, and the command is the survivor's."""
+  survivor = 1 - victim
+
+  def command(rank: int) -> str:
+    args = _main(
+      *BASE[:-2],
+      '--config.fedavg.rounds=300',
+      '--config.shard=True',
+      '--workdir={tmp}/w',
+      '--coordinator=127.0.0.1:{port}',
+      '--num_processes=2',
+      f'--process_id={rank}',
+    )
+    return ' '.join(shlex.quote(a) for a in args)
+
+  script = (
+    'export XLA_FLAGS=--xla_force_host_platform_device_count=2; '
+    f'{command(victim)} >/dev/null 2>&1 & victim=$!; '
+    '(while [ ! -d {tmp}/w/checkpoints/1 ]; do sleep 0.5; done; kill -9 $victim) & '
+    f'exec {command(survivor)}'
+  )
+  return ['bash', '-c', script]
 
 
 LOCAL = (
@@ -663,6 +721,40 @@ PROBES: List[Probe] = [
     'error',
     r'is busy: a run \(pid \d+',
     _live_lock,
+  ),
+  Probe(
+    'dead_peer',
+    'process 1 of 2 killed (SIGKILL) after the first checkpoint; the command is process 0',
+    _dead_peer(victim=1),
+    'error',
+    r'^error: process 1 of the multi-process run stopped .*resume from checkpoint \d+ in ',
+    raw=True,
+    timeout_s=300,
+  ),
+  Probe(
+    'dead_coordinator',
+    'process 0 of 2 (the coordinator) killed after the first checkpoint; the command is process 1',
+    _dead_peer(victim=0),
+    'error',
+    r'^error: process 0 of the multi-process run \(its coordinator at .*resume from checkpoint',
+    raw=True,
+    timeout_s=300,
+  ),
+  Probe(
+    'unverified_checkpoint_diverges',
+    'resume from a checkpoint without checksums whose values training turns into NaN',
+    THREE_ROUNDS,
+    'error',
+    r'unverified checkpoint 2 .*set aside as .*2\.set-aside; run the same command again',
+    _unverified_checkpoint_of_huge_values,
+  ),
+  Probe(
+    'local_models_of_another_model',
+    "local_models_dir holding an MLP's client models, asked for CNNs: computed into their own key",
+    (*LOCAL[:2], '--config.model=cnn_mnist', *LOCAL[3:], '--workdir={tmp}/second'),
+    'success',
+    '',
+    lambda tmp: _run_quietly(_main(*LOCAL, '--workdir={tmp}/first'), tmp),
   ),
   Probe(
     'fuzzed_uploads',

@@ -31,7 +31,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jfed import console
+from jfed import console, supervise
 from jfed.configs import CONFIGS_DIR, config_names
 
 FLAGS = flags.FLAGS
@@ -196,50 +196,38 @@ def main(argv):
     return
   if FLAGS.config is None:
     _fail('--config is required, e.g. --config=digits')
+  from jfed.errors import ConfigError, JfedError  # pylint: disable=g-import-not-at-top
+
+  launch = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+  multi_process = FLAGS.distributed or any(v is not None for v in launch)
+  if FLAGS['init_timeout_s'].present and not multi_process:
+    _fail('--init_timeout_s applies only to a multi-process run (--coordinator or --distributed)')
+  if FLAGS.flower_supernodes and FLAGS.coordinator:
+    _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one')
+  if FLAGS.flower_data_dirs and not FLAGS.flower_supernodes:
+    _fail('--flower_data_dirs needs --flower_supernodes (one directory per SuperNode)')
+  workdir = FLAGS.workdir or f'runs/{method}_{FLAGS.config.dataset.name}'
+  if multi_process and not FLAGS.traceback and not supervise.is_supervised():
+    # JAX aborts a process whose peer died from C++; the parent turns that into one line
+    sys.exit(
+      supervise.run_supervised(
+        [sys.executable, '-m', 'jfed', *sys.argv[1:]],
+        workdir,
+        FLAGS.process_id,
+        FLAGS.num_processes,
+        FLAGS.coordinator,
+      )
+    )
+  if multi_process and supervise.is_supervised():
+    supervise.end_with_parent()
   console.console_logging()
   try:
-    from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
-    from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
-    from jfed.errors import ConfigError, JfedError  # pylint: disable=g-import-not-at-top
-
-    launch = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    multi_process = FLAGS.distributed or any(v is not None for v in launch)
-    if FLAGS['init_timeout_s'].present and not multi_process:
-      _fail('--init_timeout_s applies only to a multi-process run (--coordinator or --distributed)')
-    if FLAGS.flower_supernodes and FLAGS.coordinator:
-      _fail('--flower_supernodes and --coordinator are two ways to run one job; choose one')
-    if FLAGS.flower_data_dirs and not FLAGS.flower_supernodes:
-      _fail('--flower_data_dirs needs --flower_supernodes (one directory per SuperNode)')
-    if multi_process:
-      multihost.initialize(
-        FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout_s
-      )
-
-    if FLAGS.compilation_cache:
-      from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
-
-      use_persistent_cache(FLAGS.compilation_cache)
-    config = FLAGS.config
-    workdir = FLAGS.workdir or f'runs/{method}_{config.dataset.name}'
-    if not FLAGS.workdir and multihost.is_primary():  # another command may land in it too
-      print(f'workdir: {workdir} (default; --workdir=DIR to choose)', flush=True)
-    if FLAGS.flower_supernodes:
-      from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
-
-      spec = next(
-        config_path(a.split('=', 1)[1]) for a in sys.argv[1:] if a.startswith('--config=')
-      )
-      overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
-      summary = run_local_deployment(
-        method,
-        spec,
-        overrides,
-        workdir,
-        FLAGS.flower_supernodes,
-        data_dirs=FLAGS.flower_data_dirs,
-      )
-    else:
-      summary = run_experiment(method, config, workdir)
+    try:
+      summary = _run(method, workdir, multi_process)
+    except Exception as e:  # pylint: disable=broad-except  # re-raised unless a peer is gone
+      if multi_process and not FLAGS.traceback and supervise.peer_failure(e):
+        _peer_lost(e, workdir)
+      raise
   except KeyboardInterrupt:
     _fail('interrupted; run the same command again to resume', 130)
   except (JfedError, ValueError, OSError, EOFError) as e:
@@ -251,6 +239,8 @@ def main(argv):
     if isinstance(e, ConfigError):
       message += _variant_hint(method)
     _fail(message or type(e).__name__)
+  from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
+
   if not multihost.is_primary():
     return
   print(f'{method} done; outputs in {workdir}')
@@ -263,6 +253,42 @@ def main(argv):
   ):
     if k in summary:
       print(f'  {k}: {summary[k]}')
+
+
+def _peer_lost(error: BaseException, workdir: str) -> None:
+  """A collective that lost its peer: one line, and out at once (a normal exit waits JAX's
+  shutdown barrier out, about 80 s, and then aborts with a C++ stack all the same)."""
+  what = supervise.describe_stop([str(error)], FLAGS.process_id, FLAGS.num_processes, None)
+  sys.stdout.flush()
+  print(f'error: {what}; {supervise.resume_hint(workdir, FLAGS.num_processes)}', file=sys.stderr)
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
+
+
+def _run(method: str, workdir: str, multi_process: bool):
+  """Joins the processes of a multi-process run, then runs the job; returns its summary."""
+  from jfed.driver import run_experiment  # pylint: disable=g-import-not-at-top
+  from jfed.engine import multihost  # pylint: disable=g-import-not-at-top
+
+  if multi_process:
+    multihost.initialize(
+      FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, FLAGS.init_timeout_s
+    )
+  if FLAGS.compilation_cache:
+    from jfed.engine.compiles import use_persistent_cache  # pylint: disable=g-import-not-at-top
+
+    use_persistent_cache(FLAGS.compilation_cache)
+  if not FLAGS.workdir and multihost.is_primary():  # another command may land in it too
+    print(f'workdir: {workdir} (default; --workdir=DIR to choose)', flush=True)
+  if FLAGS.flower_supernodes:
+    from jfed.flower.deploy import run_local_deployment  # pylint: disable=g-import-not-at-top
+
+    spec = next(config_path(a.split('=', 1)[1]) for a in sys.argv[1:] if a.startswith('--config='))
+    overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
+    return run_local_deployment(
+      method, spec, overrides, workdir, FLAGS.flower_supernodes, data_dirs=FLAGS.flower_data_dirs
+    )
+  return run_experiment(method, FLAGS.config, workdir)
 
 
 def run() -> None:

@@ -284,18 +284,31 @@ def _run(algorithm: Algorithm, ctx: RunContext, progress: bool, keep_state: bool
     loggers = ScalarLoggers(log_options, workdir if writes else None, ctx.config, start)
     if not start:  # a resumed run's earlier records are in the event files already
       loggers.write(history)
+    # an unverified checkpoint (no checksums) may hold a flipped byte that only training shows
+    unverified = start if start and not ckpt.verified(start) else None
     for i in range(start, n):
       t_step = time.perf_counter()
       previous = state
-      state, records = algorithm.step(ctx, aux, state, i)
-      # A step that returns its input state's leaves and no records changed nothing: the last
-      # checkpoint already holds it, and a resume re-runs such steps in no time. FedDF's teachers
-      # made each of these checkpoints 1 GiB after its early stop at the paper's budget.
-      unchanged = not records and _same_leaves(state, previous)
       where = f'{algorithm.step_label(i, n)} of {algorithm.name}'
-      _check_finite_records(records, where)
-      if not (unchanged and i > start):  # an unchanged state was checked after step i - 1
-        _check_finite_state(state, where)
+      try:
+        state, records = algorithm.step(ctx, aux, state, i)
+        # A step that returns its input state's leaves and no records changed nothing: the last
+        # checkpoint already holds it, and a resume re-runs such steps in no time. FedDF's
+        # teachers made each of these checkpoints 1 GiB after its early stop at the paper's
+        # budget.
+        unchanged = not records and _same_leaves(state, previous)
+        _check_finite_records(records, where)
+        if not (unchanged and i > start):  # an unchanged state was checked after step i - 1
+          _check_finite_state(state, where)
+      except NonFiniteError as e:
+        if unverified is None or i != start:
+          raise
+        aside = ckpt.set_aside(unverified)
+        raise NonFiniteError(
+          f'{where} turned non-finite right after resuming from the unverified checkpoint '
+          f'{unverified} (it has no checksums, so a damaged byte cannot be ruled out): it was set '
+          f'aside as {aside}; run the same command again to resume from the one before it ({e})'
+        ) from e
       seconds = time.perf_counter() - t_step
       for r in records:
         history.append({'step': i + 1, **r, 'seconds': seconds})

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import threading
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from jfed import driver
 from jfed.configs import digits
-from jfed.errors import WorkdirError
+from jfed.errors import NonFiniteError, WorkdirError
 from jfed.io import checkpoint
 from jfed.io.checkpoint import Checkpointer
 from tests.support import comparable_summary, override, read_metrics, snapshot_every_step
@@ -258,15 +259,98 @@ def test_a_damaged_stage_cache_is_dropped_with_a_warning_naming_the_file(tmp_pat
   assert len(err) == 1 and damaged.name in err[0] and 'computing it again' in err[0], err
 
 
-def test_a_stage_cache_of_another_shape_is_an_error_and_kept(tmp_path):
+def test_a_stage_cache_of_another_shape_is_an_error_naming_its_directory_and_kept(tmp_path):
   _saved_stage(tmp_path / 'stage', {'w': jnp.arange(4096.0)})
   ckpt = Checkpointer(tmp_path / 'stage')
   try:
-    with pytest.raises(Exception):  # orbax's own error, as before
+    with pytest.raises(WorkdirError) as e:
       ckpt.restore_stage(1, {'w': jnp.zeros(7)})
+    assert f'cached stage 1 in {tmp_path / "stage"} is intact but holds something else' in str(
+      e.value
+    )
+    assert 'another directory' in str(e.value)
     assert ckpt.steps() == [1]
   finally:
     ckpt.close()
+
+
+def _unverified_steps(directory, values):
+  ckpt = Checkpointer(directory, max_to_keep=10)
+  try:
+    for step, value in enumerate(values, start=1):
+      ckpt.save(step, value)
+  finally:
+    ckpt.close()
+  for manifest in pathlib.Path(directory).glob(f'*/{checkpoint.CHECKSUMS}'):
+    manifest.unlink()
+
+
+def test_an_unverified_checkpoint_holding_nan_is_set_aside_for_the_previous_one(tmp_path, capsys):
+  nan = jnp.array([1.0, float('nan')])
+  _unverified_steps(tmp_path / 'c', [{'w': jnp.ones(2)}, {'w': jnp.full(2, 2.0)}, {'w': nan}])
+  ckpt = Checkpointer(tmp_path / 'c', max_to_keep=10)
+  try:
+    step, state, _ = ckpt.restore_latest({'w': jnp.zeros(2)})
+    assert step == 2 and state['w'].tolist() == [2.0, 2.0]
+    assert ckpt.steps() == [1, 2]
+  finally:
+    ckpt.close()
+  assert (tmp_path / 'c' / '3.set-aside').is_dir()  # kept for inspection, not removed
+  err = capsys.readouterr().err
+  assert "state['w']" in err and '3.set-aside' in err, err
+
+
+def test_a_resume_keeps_no_more_than_max_to_keep_checkpoints(tmp_path):
+  """A run killed between orbax's commit of a step and its removal of the oldest one leaves
+  one too many; the resumed run removes it at once, not when it ends."""
+  ckpt = Checkpointer(tmp_path / 'c', max_to_keep=10)
+  try:
+    for step in range(1, 5):
+      ckpt.save(step, {'w': jnp.full(2, float(step))})
+  finally:
+    ckpt.close()
+  ckpt = Checkpointer(tmp_path / 'c', max_to_keep=2)
+  try:
+    step, state, _ = ckpt.restore_latest({'w': jnp.zeros(2)})
+    assert step == 4 and ckpt.steps() == [3, 4]
+  finally:
+    ckpt.close()
+  assert sorted(p.name for p in (tmp_path / 'c').iterdir()) == ['3', '4']
+
+
+def test_training_that_turns_non_finite_right_after_an_unverified_checkpoint_sets_it_aside(
+  runs, tmp_path
+):
+  """A byte flipped in a checkpoint without checksums can hold finite numbers that only
+  training turns into NaN: the checkpoint is set aside and the next command resumes from the
+  one before it, ending as the uninterrupted run."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  whole, whole_dir, _ = runs
+  run = _killed_copy(runs, tmp_path)
+  manager = ocp.CheckpointManager(run / 'checkpoints', item_names=('state', 'history'))
+  try:
+    saved = manager.restore(
+      2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), history=ocp.args.JsonRestore())
+    )
+    state = jax.tree.map(lambda a: a * 1e30 if a.dtype.kind == 'f' else a, saved['state'])
+    manager.delete(2)
+    manager.save(
+      2,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(saved['history'])
+      ),
+      force=True,
+    )
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  with pytest.raises(NonFiniteError) as e:
+    driver.run_experiment('fedavg', _config(), run, progress=False)
+  assert 'unverified checkpoint 2' in str(e.value) and '2.set-aside' in str(e.value)
+  resumed = driver.run_experiment('fedavg', _config(), run, progress=False)
+  assert read_metrics(run) == read_metrics(whole_dir)
+  assert comparable_summary(resumed) == comparable_summary(whole)
 
 
 def test_a_damaged_stage_cache_of_a_run_is_recomputed(tmp_path, capsys):
@@ -295,7 +379,7 @@ def test_a_damaged_stage_cache_of_a_run_is_recomputed(tmp_path, capsys):
 _WRITE_LIMIT = """
 import gc, resource, sys
 import jax
-from jfed.errors import WorkdirError
+from jfed.errors import NonFiniteError, WorkdirError
 from jfed.io.checkpoint import Checkpointer
 
 # writes past 64 KiB fail with EFBIG inside orbax's writer tasks (Python ignores SIGXFSZ)

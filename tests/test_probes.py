@@ -26,7 +26,16 @@ def test_every_probe_has_a_unique_name_and_an_expected_ending():
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'name',
-  ['coordinator_without_port', 'gzip_bomb_idx', 'bad_magic_idx', 'stale_lock', 'live_lock'],
+  [
+    'coordinator_without_port',
+    'gzip_bomb_idx',
+    'bad_magic_idx',
+    'stale_lock',
+    'live_lock',
+    'dead_peer',
+    'dead_coordinator',
+    'unverified_checkpoint_diverges',
+  ],
 )
 def test_a_probe_ends_as_expected(name, tmp_path):
   (probe,) = [p for p in probes.PROBES if p.name == name]

@@ -53,6 +53,7 @@ class Checkpointer:
 
   def __init__(self, directory, max_to_keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
+    self.max_to_keep = max_to_keep
     self._manager = ocp.CheckpointManager(
       self.directory,
       item_names=('state', 'history'),
@@ -135,9 +136,13 @@ class Checkpointer:
       try:
         return self._restore_unverified(step, template)
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
-        if verified:
-          raise
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if verified:
+          raise WorkdirError(
+            f'the cached stage {step} in {self.directory} is intact but holds something else '
+            f"than this run's (another model or shapes: {reason}); point the cache option at "
+            'another directory, or delete that one to compute the stage again'
+          ) from e
     print(
       f'warning: the cached stage {step} in {self.directory} is damaged ({reason}); computing '
       'it again',
@@ -158,6 +163,11 @@ class Checkpointer:
     for step in reversed(steps):
       try:
         out = self.restore(step, template, with_history)
+        if not self.verified(step):
+          bad = _first_non_finite(out[0] if with_history else out)
+          if bad is not None:
+            aside = self.set_aside(step)
+            raise WorkdirError(f'it holds non-finite values at {bad}; set aside as {aside}')
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many types
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         errors.append(f'step {step}: {type(e).__name__}: {first_line}')
@@ -172,7 +182,7 @@ class Checkpointer:
       if errors:
         # The newer steps cannot be restored; remove them so that the resumed run can save
         # those steps again.
-        for newer in [s for s in steps if s > step]:
+        for newer in [s for s in self.steps() if s > step]:
           self._manager.delete(newer)
         print(
           f'warning: restored the older checkpoint {step} in {self.directory} and removed '
@@ -180,6 +190,7 @@ class Checkpointer:
           file=sys.stderr,
           flush=True,
         )
+      self._keep_newest(step)
       return step, state, history
     if steps:
       raise WorkdirError(
@@ -187,6 +198,31 @@ class Checkpointer:
         'delete that directory to start the stage again'
       )
     return None, template, []
+
+  def verified(self, step: int) -> bool:
+    """Whether `step` has the checksums jfed writes once orbax has committed it."""
+    return (self._step_dir(step) / CHECKSUMS).exists()
+
+  def set_aside(self, step: int) -> pathlib.Path:
+    """Moves `step` out of the manager's sight (kept for inspection, never restored again) and
+    returns where it went; process 0 moves it in a run of several processes."""
+    aside = self.directory / f'{step}.set-aside'
+    n = 1
+    while aside.exists():
+      n += 1
+      aside = self.directory / f'{step}.set-aside-{n}'
+    if jax.process_index() == 0:
+      os.replace(self._step_dir(step), aside)
+    self._manager.reload()
+    return aside
+
+  def _keep_newest(self, restored: int) -> None:
+    """Removes the steps beyond `max_to_keep` (a run killed between orbax's commit of a step
+    and its removal of the oldest one leaves one more), never the one just restored."""
+    older = [s for s in self.steps() if s < restored]
+    keep = max(self.max_to_keep - 1, 0)
+    for step in older[: max(len(older) - keep, 0)]:
+      self._manager.delete(step)
 
   def close(self) -> None:
     """Waits for orbax's writers to stop. After a failed save, the save's error is the one
@@ -254,6 +290,15 @@ class Checkpointer:
         raise WorkdirError(
           f'{path} does not match the SHA-256 digest written with it: the checkpoint is damaged'
         )
+
+
+def _first_non_finite(tree: Any) -> Optional[str]:
+  """The path of the first floating leaf of `tree` that holds a NaN or an infinity, or None."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, 'dtype') and np.issubdtype(leaf.dtype, np.inexact):
+      if not np.isfinite(np.asarray(leaf)).all():
+        return f'state{jax.tree_util.keystr(path)}'
+  return None
 
 
 def _files_of_step(step_dir: pathlib.Path) -> Iterator[pathlib.Path]:
