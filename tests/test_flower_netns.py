@@ -22,6 +22,8 @@ import pytest
 
 pytest.importorskip('flwr')
 
+from jfed.errors import ConfigError  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
 RECIPE = 'flower-recipe'  # every SuperNode rebuilds its clients from the config and seed
@@ -89,20 +91,42 @@ def test_the_readme_links_the_tested_recipes():
     assert recipe_block(body, name) == recipe_block(docs, name)
 
 
-def test_a_supernode_loads_the_config_the_server_sends_not_its_own_path(tmp_path):
-  from jfed.flower.settings import config_record, load_config, spec_of_record  # pylint: disable=g-import-not-at-top
+def test_a_supernode_takes_the_config_the_server_sends_as_data_not_code(tmp_path):
+  """The server sends the resolved values, which the node rebuilds on its own jfed's base
+  config; a message with a config file's source (code, as jfed sent before 2026-12-07) or a
+  key the node's jfed does not know is refused in one line."""
+  from jfed.flower.node_config import config_from_json  # pylint: disable=g-import-not-at-top
+  from jfed.flower.settings import (  # pylint: disable=g-import-not-at-top
+    config_json_of_record,
+    config_record,
+    load_config,
+  )
 
   source = pathlib.Path(SMOKE.partition(':')[0])
   server_copy = tmp_path / 'server' / 'my_digits.py'
   server_copy.parent.mkdir()
   shutil.copy(source, server_copy)
-  record = config_record(f'{server_copy}:smoke', ['--config.seed=7'])
-  server_copy.unlink()  # the node never reads the server's path
-  spec, overrides = spec_of_record(record)
-  assert not spec.startswith(str(tmp_path)) and spec.endswith('my_digits.py:smoke')
-  node = load_config(spec, overrides)
-  assert node.seed == 7
-  assert node.to_json() == load_config(SMOKE, ['--config.seed=7']).to_json()
+  server = load_config(f'{server_copy}:smoke', ['--config.seed=7', '--config.model=mlp'])
+  record = config_record(server)
+  server_copy.unlink()  # the node never reads the server's file
+  assert set(record) == {'config_json'} and 'def get_config' not in record['config_json']
+  node = config_from_json(config_json_of_record(record))
+  assert node.seed == 7 and node.model == 'mlp'
+  assert node.to_json(sort_keys=True) == server.to_json(sort_keys=True)
+
+  code = {'config_source': source.read_text(), 'config_name': 'x.py', 'config_arg': 'smoke'}
+  with pytest.raises(ConfigError, match='runs no code from messages'):
+    config_json_of_record(code)
+  sent = json.loads(record['config_json'])
+  sent['fedavg']['evil'] = "__import__('os').system('true')"
+  with pytest.raises(ConfigError, match='key fedavg.evil, which this node'):
+    config_from_json(json.dumps(sent))
+  sent = json.loads(record['config_json'])
+  sent['seed'] = 'seven'
+  with pytest.raises(ConfigError, match="seed='seven'; this node's jfed expects an integer"):
+    config_from_json(json.dumps(sent))
+  with pytest.raises(ConfigError, match='not JSON'):
+    config_from_json('{')
 
 
 def _ip(*args: str) -> None:

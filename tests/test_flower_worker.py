@@ -15,7 +15,7 @@ pytest.importorskip('flwr')
 
 from jfed.errors import ConfigError  # noqa: E402
 from jfed.flower import relay, transport  # noqa: E402
-from jfed.flower.settings import keeps_process, load_config  # noqa: E402
+from jfed.flower.settings import config_record, keeps_process, load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / 'experiments' / 'configs' / 'digits.py') + ':smoke'
@@ -82,7 +82,7 @@ def test_a_worker_serves_every_message_in_one_process_as_the_node_would():
   ctx = context_of_config(config)
   request = _request(ctx, config)
   owner = os.getpid()  # the worker ends with this test process
-  share = relay.NodeShare(SMOKE, tuple(OVERRIDES), 0, 2)
+  share = relay.NodeShare(config_record(config)['config_json'], 0, 2)
   path = relay.socket_path(share, owner)
   first = relay.forward(request.to_records(), share, owner)
   second = relay.forward(request.to_records(), share, owner)

@@ -16,7 +16,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from jfed.flower import relay
-from jfed.flower.settings import keeps_process, node_data_dir, run_settings, spec_of_record
+from jfed.flower.settings import config_json_of_record, keeps_process, node_data_dir
 
 client_app = ClientApp()
 _NODES: Dict[Any, Any] = {}  # NodeTrainers of this process, with keep-process=false
@@ -25,11 +25,7 @@ _NODES: Dict[Any, Any] = {}  # NodeTrainers of this process, with keep-process=f
 @client_app.train()
 def client_train(message: Message, context: Context) -> Message:
   start = time.perf_counter()
-  if 'config_source' in message.content['config']:
-    spec, overrides = spec_of_record(message.content['config'])
-  else:  # a request without it (a ServerApp of an earlier jfed): the run config's path
-    settings = run_settings(context)
-    spec, overrides = settings.config, settings.overrides
+  config_json = config_json_of_record(message.content['config'])
   data_dir = node_data_dir(context.node_config)
   if data_dir is None:
     partition_id = int(context.node_config['partition-id'])
@@ -37,7 +33,7 @@ def client_train(message: Message, context: Context) -> Message:
   else:  # the node's clients are its files (jfed/flower/own_data.py)
     data_dir = os.path.abspath(data_dir)
     partition_id, num_partitions = 0, 1
-  share = relay.NodeShare(spec, tuple(overrides), partition_id, num_partitions, data_dir)
+  share = relay.NodeShare(config_json, partition_id, num_partitions, data_dir)
   if keeps_process(context.node_config):
     # The SuperNode's process (this one's parent) owns the worker: it ends with it.
     return Message(relay.forward(message.content, share, os.getppid()), reply_to=message)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 from jfed.errors import ConfigError
 
@@ -33,8 +33,7 @@ class NodeShare(NamedTuple):
   """What a SuperNode's worker trains: its block of the seeded partition of the run config's
   data, or the clients of its own data directory."""
 
-  spec: str  # the node's run config file (PATH[:ARG])
-  overrides: Tuple[str, ...]  # the run's config overrides (`key=value` strings)
+  config_json: str  # the run's resolved config, as the server sent it (data, not code)
   partition_id: int = 0  # this SuperNode's partition, from 0
   num_partitions: int = 1  # the number of SuperNodes sharing the clients
   data_dir: Optional[str] = None  # the node's own data (node config `data-dir`), or None
@@ -84,7 +83,7 @@ def socket_path(share: NodeShare, owner: int) -> str:
   Returns:
     The Unix socket path of that worker (in the temporary directory).
   """
-  key = [share.spec, list(share.overrides), share.partition_id, share.num_partitions, owner]
+  key = [share.config_json, share.partition_id, share.num_partitions, owner]
   key = json.dumps(key if share.data_dir is None else key + [share.data_dir])
   digest = hashlib.sha256(key.encode()).hexdigest()[:20]
   # Unix socket paths are limited to ~100 bytes: a short name in the temporary directory.
@@ -129,8 +128,8 @@ def forward(content, share: NodeShare, owner: int):
 def _start(path: str, share: NodeShare, owner: int) -> socket.socket:
   log = open(path + '.log', 'ab')  # pylint: disable=consider-using-with
   command = [
-    sys.executable, '-m', 'jfed.flower.worker', '--socket', path, '--spec', share.spec,
-    '--overrides', json.dumps(list(share.overrides)), '--partition-id', str(share.partition_id),
+    sys.executable, '-m', 'jfed.flower.worker', '--socket', path,
+    '--config-json', share.config_json, '--partition-id', str(share.partition_id),
     '--num-partitions', str(share.num_partitions), '--owner', str(owner),
   ]  # fmt: skip
   if share.data_dir is not None:

@@ -43,7 +43,7 @@ def server_main(grid: Grid, context: Context) -> None:
     grid,
     settings.supernodes,
     timeout_s=settings.round_timeout_s,
-    run_record=config_record(spec, overrides),
+    run_record=config_record(config),
     min_nodes=settings.min_supernodes or None,
   )
   counts = None

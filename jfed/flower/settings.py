@@ -1,16 +1,13 @@
 """What the Flower ServerApp and ClientApp read from Flower's run config and messages: the
-method, the jfed config (its file's source travels in every message) and the node's options.
+method, the jfed config (its resolved values travel in every message, as JSON) and the node's
+options.
 
 No JAX and no Flower here: a SuperNode imports this in a fresh ClientApp process for every
 message, and `jfed.flower.deploy` checks a run with it before any Flower process starts.
 """
 
-import hashlib
 import json
-import pathlib
-import tempfile
-import time
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional
 
 from absl import flags
 from ml_collections import config_flags
@@ -171,37 +168,35 @@ def _flag(value: Any, what: str) -> bool:
   return bool(value)
 
 
-def config_record(spec: str, overrides) -> Dict[str, str]:
-  """The config as every message carries it: the file's source (so that a SuperNode on another
-  machine needs no copy at the same path), its name, its argument and the overrides."""
-  path, _, arg = spec.partition(':')
+def config_record(config: Any) -> Dict[str, str]:
+  """The config as every message carries it: the resolved values as JSON, data that the node
+  checks against its own jfed (`jfed.flower.node_config`), never a file's source to run.
+
+  Args:
+    config: The run's resolved ConfigDict.
+
+  Returns:
+    The message's config entries.
+  """
   try:
-    source = pathlib.Path(path).read_text()
-  except OSError as e:
-    raise ConfigError(f'config {path}: cannot be read on the server ({e.strerror})') from None
-  return {
-    'config_source': source,
-    'config_name': pathlib.Path(path).name,
-    'config_arg': arg,
-    'overrides': json.dumps(list(overrides)),
-  }
+    text = config.to_json(sort_keys=True)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'the config cannot travel to the SuperNodes as data: {e}') from None
+  return {'config_json': text}
 
 
-def spec_of_record(record) -> Tuple[str, list]:
-  """The `PATH[:ARG]` and overrides of a message's config record, its source written once per
-  content to this machine's temporary directory. The node runs that source, as it runs the
-  app's own code, which also comes from whoever submits the run."""
-  source = str(record['config_source'])
-  digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-  folder = pathlib.Path(tempfile.gettempdir()) / 'jfed-flower-configs' / digest
-  path = folder / pathlib.Path(str(record['config_name'])).name
-  if not path.exists():
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f'.{path.name}.{time.time_ns()}'
-    partial.write_text(source)
-    partial.replace(path)  # atomic: two ClientApp processes may write it at once
-  arg = str(record['config_arg'])
-  return str(path) + (f':{arg}' if arg else ''), json.loads(str(record['overrides']))
+def config_json_of_record(record) -> str:
+  """The config JSON of a message's config record; ConfigError (one line, on the node) for a
+  message that carries code instead (a config file's source, as jfed before 2026-12-07 sent)
+  or no config."""
+  if 'config_source' in record:
+    raise ConfigError(
+      "the server sent a config file's source to run; this node runs no code from messages "
+      '(the server runs an earlier jfed: install the same jfed on the server and the nodes)'
+    )
+  if 'config_json' not in record:
+    raise ConfigError('the message carries no config (a ServerApp of another jfed version?)')
+  return str(record['config_json'])
 
 
 def keeps_process(node_config) -> bool:

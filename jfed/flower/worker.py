@@ -6,15 +6,14 @@ jfed/flower/relay.py), until the SuperNode's process ends or `IDLE_S` pass witho
 """
 
 import argparse
-import json
 import os
 import socket
 import threading
 import time
 
 from jfed.driver import context_of_config
+from jfed.flower.node_config import config_from_json
 from jfed.flower.relay import NodeShare, alive, from_bytes, receive, send, to_bytes
-from jfed.flower.settings import load_config
 from jfed.flower.transport import NodeTrainer
 
 IDLE_S = 3600.0
@@ -31,7 +30,7 @@ def node_trainer(share: NodeShare) -> NodeTrainer:
   Returns:
     The node's trainer.
   """
-  config = load_config(share.spec, list(share.overrides))
+  config = config_from_json(share.config_json)
   if share.data_dir is not None:  # no dataset to load: the server sends its shape and classes
     return NodeTrainer.serving(config, share.data_dir)
   return NodeTrainer(context_of_config(config), share.partition_id, share.num_partitions)
@@ -94,17 +93,13 @@ def serve(path: str, share: NodeShare, owner: int) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--socket', required=True)
-  parser.add_argument('--spec', required=True)
-  parser.add_argument('--overrides', default='[]')
+  parser.add_argument('--config-json', required=True)
   parser.add_argument('--partition-id', type=int, required=True)
   parser.add_argument('--num-partitions', type=int, required=True)
   parser.add_argument('--owner', type=int, required=True)
   parser.add_argument('--data-dir', default=None)
   a = parser.parse_args()
-  overrides = tuple(json.loads(a.overrides))
-  serve(
-    a.socket, NodeShare(a.spec, overrides, a.partition_id, a.num_partitions, a.data_dir), a.owner
-  )
+  serve(a.socket, NodeShare(a.config_json, a.partition_id, a.num_partitions, a.data_dir), a.owner)
 
 
 if __name__ == '__main__':
