@@ -6,6 +6,7 @@ The request/reply encoding and a node's refusals are tested in this process."""
 import json
 import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -187,13 +188,70 @@ class _InProcessTransport(transport.FlowerTransport):
     return [_Reply(node.handle(content)) for node in self.node_trainers]
 
 
-def _smoke_context(**kwargs):
+def _smoke_context(*overrides, **kwargs):
   from jfed.driver import context_of_config  # pylint: disable=g-import-not-at-top
   from jfed.flower.settings import load_config  # pylint: disable=g-import-not-at-top
 
   # Four local epochs: at the smoke budget's one, two rounds of the MLP stay near chance.
-  config = load_config(SMOKE, ['--config.model=mlp', '--config.fedprox.local_epochs=4'])
+  config = load_config(SMOKE, ['--config.model=mlp', '--config.fedprox.local_epochs=4', *overrides])
   return config, context_of_config(config, **kwargs)
+
+
+class _WireTap(_InProcessTransport):
+  """Keeps every reply's arrays as they cross the wire (Flower records, decoded)."""
+
+  def __init__(self, node_trainers):
+    super().__init__(node_trainers)
+    self.replies = []
+
+  def _exchange(self, content):
+    replies = super()._exchange(content)
+    for r in replies:
+      if 'arrays' in r.content and 'metrics' in r.content:
+        ids = list(r.content['metrics']['client_ids'])
+        self.replies.append((content, ids, r.content['arrays'].to_numpy_ndarrays()))
+    return replies
+
+
+def test_local_dp_clips_and_noises_each_update_on_the_node_before_it_replies(monkeypatch):
+  """dp.local under the bridge: what crosses the wire is already clipped and noised (the
+  server never holds a clean update, and does not privatise it again)."""
+  from jfed.driver import build_algorithm, run  # pylint: disable=g-import-not-at-top
+  from jfed.engine import privacy  # pylint: disable=g-import-not-at-top
+
+  clip, z = 1e-3, 1.0
+  dp = ['--config.dp.enabled=True', '--config.dp.local=True', '--config.fedavg.rounds=1']
+  dp += [f'--config.dp.clip_norm={clip}', f'--config.dp.noise_multiplier={z}']
+  config, node_ctx = _smoke_context(*dp)
+  callers = []
+  privatize = privacy.privatize_locally
+
+  def counted(*args, **kwargs):
+    callers.append(sys._getframe(1).f_globals['__name__'])  # pylint: disable=protected-access
+    return privatize(*args, **kwargs)
+
+  monkeypatch.setattr(privacy, 'privatize_locally', counted)
+  tap = _WireTap([transport.NodeTrainer(node_ctx, p, 2) for p in range(2)])
+  _, ctx = _smoke_context(*dp, client_transport=tap)
+  run(build_algorithm('fedavg', config), ctx, progress=False)
+  assert callers and set(callers) == {'jfed.flower.transport'}  # the nodes, never the server
+
+  request, ids, arrays = tap.replies[0]
+  start = np.concatenate([a.ravel() for a in request['arrays'].to_numpy_ndarrays()])
+  # the same request without local DP: the node's clean training result
+  clean_request = transport.TrainRequest.from_records(request)
+  recipe = json.loads(clean_request.recipe)
+  del recipe['local_dp']
+  clean_request.recipe = json.dumps(recipe, sort_keys=True)
+  clean_reply = transport.NodeTrainer(node_ctx, 0, 2).train(clean_request)
+  clean = clean_reply['arrays'].to_numpy_ndarrays()
+  for row in range(len(ids)):
+    sent = np.concatenate([a[row].ravel() for a in arrays]) - start
+    trained = np.concatenate([a[row].ravel() for a in clean]) - start
+    # the clean update is far larger than C; what was sent is C-clipped plus N(0, (zC)^2 I)
+    assert np.linalg.norm(trained) > 100 * clip
+    assert np.std(sent) == pytest.approx(z * clip, rel=0.1)
+    assert abs(np.mean(sent)) < 0.1 * z * clip
 
 
 def test_fedprox_through_the_transport_gives_the_in_process_summary():

@@ -53,7 +53,7 @@ from jfed.api import make_context
 from jfed.cvae import clients as cvae_clients
 from jfed.data import Dataset
 from jfed.data.federated import federate
-from jfed.engine import sharding
+from jfed.engine import privacy, sharding
 from jfed.engine.state import TrainState
 from jfed.engine.training import TrainMetrics
 from jfed.errors import ConfigError
@@ -933,10 +933,20 @@ class NodeTrainer:
       anchor=anchor,
       client_ids=ids,
     )
-    sent = uploaded_leaves(state.model, recipe)
-    arrays = {
-      'arrays': [np.asarray(a) for a, keep in zip(jax.tree.leaves(state.model), sent) if keep]
-    }
+    model = state.model
+    if 'local_dp' in recipe:  # clipped and noised here: the server never sees a clean update
+      if not request.start_shared:
+        raise ConfigError('local DP clips each update against the round model: none was sent')
+      model = privacy.privatize_locally(
+        model,
+        jax.tree.unflatten(treedef, [jnp.asarray(a) for a in request.start]),
+        privacy.fresh_noise_key(),  # the node's own randomness: nobody else can regenerate it
+        jnp.asarray(ids),
+        jnp.float32(recipe['local_dp']['clip_norm']),
+        jnp.float32(recipe['local_dp']['noise_multiplier']),
+      )
+    sent = uploaded_leaves(model, recipe)
+    arrays = {'arrays': [np.asarray(a) for a, keep in zip(jax.tree.leaves(model), sent) if keep]}
     if kind == 'cvae':  # FedMHO's label histogram of the client's own samples
       classes = self.ctx.dataset.num_classes
       arrays['label_counts'] = [

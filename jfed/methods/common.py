@@ -378,6 +378,11 @@ def make_trainers(
     'optimizer': spec._asdict(),
     'optimizer_steps': int(total_steps),
   }
+  if cfg.dp.enabled and cfg.dp.local:  # a SuperNode privatises its clients' uploads itself
+    recipe['local_dp'] = {
+      'clip_norm': float(cfg.dp.clip_norm),
+      'noise_multiplier': float(cfg.dp.noise_multiplier),
+    }
   by_spec: Dict[str, GroupTrainer] = {}
   for g in groups:
     if g.spec in by_spec:

@@ -158,12 +158,17 @@ class _DpServer(NamedTuple):
   dp: DpSetup
   noise: privacy.RoundNoise
   released: Dict[str, Any]
+  # local DP under the Flower bridge: each SuperNode clipped and noised its clients' uploads
+  # before replying (`transport.NodeTrainer`), so the server never holds a clean update
+  privatized_on_nodes: bool = False
 
   @property
   def attack(self):
     return self.server.attack
 
   def receive(self, group, stacked, reference, template, step, weights=None, **kwargs):
+    if self.dp.config.local and self.privatized_on_nodes:
+      return self.server.receive(group, stacked, reference, template, step, weights, **kwargs)
     if self.dp.config.local:
       stacked = privacy.privatize_locally(
         stacked,
@@ -355,7 +360,7 @@ class FedAvg(Algorithm):
       jnp.float32(dp.count_std or 0.0),
       jnp.float32(dp.clients_per_round),
     )
-    return _DpServer(aux.server, dp, noise, {})
+    return _DpServer(aux.server, dp, noise, {}, ctx.client_transport is not None)
 
   def _dp_round(
     self, aux: FedAvgAux, state: FedAvgState, server: Any, i: int
