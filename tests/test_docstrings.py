@@ -5,7 +5,9 @@
    file reference-code.md), which a user of the library does not have.
 2. Every public function or method under jfed/ with three or more parameters (self and cls not
    counted) has a Google-style `Args:` section and, when its return annotation is not None, a
-   `Returns:` (or `Yields:`) section.
+   `Returns:` (or `Yields:`) section. An override is exempt when a base class of its (by name,
+   anywhere under jfed/) documents the method with the same parameter names: restating the
+   base's arguments on every method (the same `ctx:` line 58 times) said nothing new.
 
 Both checks are parametrised by file, so a failure names the file and the lines to fix.
 """
@@ -79,11 +81,54 @@ def _returns_value(fn: ast.FunctionDef) -> bool:
   return r is not None and not (isinstance(r, ast.Constant) and r.value is None)
 
 
-def undocumented(text: str) -> list[str]:
-  """Public functions of 3+ parameters whose docstring lacks `Args:` or `Returns:`."""
+def _param_names(fn: ast.FunctionDef) -> tuple[str, ...]:
+  a = fn.args
+  return tuple(x.arg for x in a.posonlyargs + a.args + a.kwonlyargs)
+
+
+def _base_names(cls: ast.ClassDef) -> list[str]:
+  return [b.id if isinstance(b, ast.Name) else getattr(b, 'attr', '') for b in cls.bases]
+
+
+def documented_methods(texts: list[str]) -> dict[str, tuple[list[str], dict]]:
+  """Per class name: its bases' names and {method: (parameter names, docstring has Args:)}."""
+  classes = {}
+  for text in texts:
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.ClassDef):
+        methods = {
+          f.name: (_param_names(f), bool(ARGS_SECTION.search(ast.get_docstring(f) or '')))
+          for f in node.body
+          if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+        classes[node.name] = (_base_names(node), methods)
+  return classes
+
+
+def _restates_a_base(fn: ast.FunctionDef, cls: ast.ClassDef, classes: dict) -> bool:
+  """Whether a base class of `cls` (transitively) documents `fn` with the same parameters."""
+  seen, todo = set(), _base_names(cls)
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in classes:
+      continue
+    seen.add(name)
+    bases, methods = classes[name]
+    params, has_args = methods.get(fn.name, ((), False))
+    if has_args and params == _param_names(fn):
+      return True
+    todo.extend(bases)
+  return False
+
+
+def undocumented(text: str, classes: dict | None = None) -> list[str]:
+  """Public functions of 3+ parameters whose docstring lacks `Args:` or `Returns:` (overrides
+  of a base method documented in `classes`, see `documented_methods`, excepted)."""
   problems = []
   for fn, cls in _public_functions(ast.parse(text)):
     if _n_params(fn, cls) < MIN_PARAMS:
+      continue
+    if cls is not None and classes and _restates_a_base(fn, cls, classes):
       continue
     doc = ast.get_docstring(fn) or ''
     missing = []
@@ -103,9 +148,12 @@ def test_no_private_citations(path):
   assert not found, f'{path} cites files a user does not have ({len(found)}): ' + '; '.join(found)
 
 
+CLASSES = documented_methods([(ROOT / p).read_text() for p in DOCUMENTED_FILES])
+
+
 @pytest.mark.parametrize('path', DOCUMENTED_FILES)
 def test_public_functions_document_args_and_returns(path):
-  problems = undocumented((ROOT / path).read_text())
+  problems = undocumented((ROOT / path).read_text(), CLASSES)
   assert not problems, f'{path} ({len(problems)}): ' + '; '.join(problems)
 
 
@@ -144,3 +192,40 @@ def g(a, b, c):
   """
 '''
   assert undocumented(code) == ['line 2: f lacks Returns:', 'line 12: C.m lacks Args:']
+
+
+def test_an_override_that_restates_its_base_method_is_exempt():
+  code = """
+class Base:
+  def step(self, ctx, aux, state, i) -> int:
+    \"\"\"Does a step.
+
+    Args:
+      ctx: a.
+      aux: b.
+      state: c.
+      i: d.
+
+    Returns:
+      e.
+    \"\"\"
+
+class Mid(Base):
+  pass
+
+class Child(Mid):
+  def step(self, ctx, aux, state, i) -> int:
+    \"\"\"Child's step: only what differs.\"\"\"
+
+  def other(self, ctx, aux, state) -> int:
+    \"\"\"Not the base's method: needs its sections.\"\"\"
+
+class Renamed(Base):
+  def step(self, ctx, aux, state, step) -> int:
+    \"\"\"Other parameter names: needs its sections.\"\"\"
+"""
+  classes = documented_methods([code])
+  assert undocumented(code, classes) == [
+    'line 23: Child.other lacks Args: and Returns:',
+    'line 27: Renamed.step lacks Args: and Returns:',
+  ]

@@ -42,16 +42,7 @@ class Centralized(Algorithm):
   def trained_model(
     self, ctx: RunContext, aux: CentralizedAux, state: TrainState
   ) -> engine.TrainedModel:
-    """The model trained on all the data.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The model trained on all the data."""
     return engine.TrainedModel(aux.evaluator.module, engine.take(state.model, 0))
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -78,17 +69,7 @@ class Centralized(Algorithm):
     return engine.init_train_state(aux.trainer.tx, init)
 
   def step(self, ctx: RunContext, aux: CentralizedAux, state: TrainState, i: int):
-    """One epoch of training on the pooled data of all clients.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The model's training state.
-      i: The epoch, from 0.
-
-    Returns:
-      The new state and the step's records.
-    """
+    """One epoch of training on the pooled data of all clients."""
     ds = ctx.dataset
     state, metrics = aux.trainer.train(
       state, aux.group.fed, 1, ctx.derive_key(Purpose.LOCAL_TRAINING, i), progress=None
@@ -105,15 +86,5 @@ class Centralized(Algorithm):
     ]
 
   def summarize(self, ctx, aux, state, history):
-    """The run summary.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final training state.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary."""
     return {'epochs': self.config.epochs}

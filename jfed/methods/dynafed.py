@@ -486,16 +486,7 @@ class DynaFed(Algorithm):
   def trained_model(
     self, ctx: RunContext, aux: DynaFedAux, state: DynaFedState
   ) -> engine.TrainedModel:
-    """The global model (after its fine-tuning).
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The global model (after its fine-tuning)."""
     return engine.TrainedModel(aux.evaluator.module, state.model)
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -547,15 +538,6 @@ class DynaFed(Algorithm):
   def step(self, ctx: RunContext, aux: DynaFedAux, state: DynaFedState, i: int):
     """One FedAvg round; after the trajectory's last round, distils the synthetic set once, and
     fine-tunes the global model on it every round.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global model, its trajectory and the synthetic set.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     cfg, ds = self.config, ctx.dataset
     T = cfg.trajectory_rounds
@@ -611,17 +593,7 @@ class DynaFed(Algorithm):
     return state, [{'round': i + 1, 'test_accuracy': accuracy, **round_record, **record}]
 
   def summarize(self, ctx, aux: DynaFedAux, state, history) -> Dict[str, Any]:
-    """The run summary: accuracies, communication and the synthetic set.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final server state.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: accuracies, communication and the synthetic set."""
     cfg = self.config
     transfers = comm.fedavg_transfers(
       comm.serialized_nbytes(aux.init),

@@ -260,16 +260,7 @@ class FedAvg(Algorithm):
   def trained_model(
     self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState
   ) -> engine.TrainedModel:
-    """The global model.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The global model."""
     return engine.TrainedModel(aux.full_group.module, state.model)
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -418,17 +409,7 @@ class FedAvg(Algorithm):
   def step(
     self, ctx: RunContext, aux: FedAvgAux, state: FedAvgState, i: int
   ) -> Tuple[FedAvgState, List[Dict[str, Any]]]:
-    """One FedAvg round: the selected clients train from the global model, the server aggregates.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global model and the server optimizer's state.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
-    """
+    """One FedAvg round: the selected clients train from the global model, the server aggregates."""
     c = self.config
     server = self._round_server(ctx, aux, state, i)
     if aux.local is not None:  # one-shot aggregate of the shared local models
@@ -481,17 +462,7 @@ class FedAvg(Algorithm):
     return FedAvgState(model, opt_state, clip), [record]
 
   def summarize(self, ctx, aux, state, history) -> Dict[str, Any]:
-    """The run summary: communication and final accuracy.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final server state.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: communication and final accuracy."""
     return {
       'rounds': self.config.rounds,
       'reused_local_models': self.reuse_local_models,

@@ -287,34 +287,14 @@ class FedCVAEEns(Algorithm):
     return engine.commit(aux.trainer.init(aux.init))
 
   def step(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, i: int):
-    """One epoch of training the server classifier on the decoded samples.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The server classifier's training state.
-      i: The classifier epoch, from 0.
-
-    Returns:
-      The new state and the step's records.
-    """
+    """One epoch of training the server classifier on the decoded samples."""
     state, loss, accuracy = generative.fusion_epoch(
       ctx, aux.trainer, aux.evaluator, state, aux.data, self.config.batch, i
     )
     return state, [{'epoch': i + 1, 'test_accuracy': accuracy, 'train_loss': loss}]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEAux, state: TrainState, history):
-    """The run summary; also plots the decoded samples.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final classifier state.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary; also plots the decoded samples."""
     plot_samples(ctx, aux.images, aux.labels, 'decoded samples')
     return {
       'server_model': self.config.server_model or ctx.run.model,
@@ -460,15 +440,6 @@ class FedCVAEKD(Algorithm):
   def step(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, i: int):
     """One epoch of distilling the clients' decoders into the server decoder, or (after
     `decoder_epochs`) of training the classifier on its samples.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The server decoder's and classifier's training states.
-      i: The step: decoder-distillation epochs first, then classifier epochs, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c = self.config
     if i < c.decoder_epochs:
@@ -488,17 +459,7 @@ class FedCVAEKD(Algorithm):
     return state._replace(classifier=classifier), [record]
 
   def summarize(self, ctx: RunContext, aux: FedCVAEKDAux, state: FedCVAEKDState, history):
-    """The run summary; also plots the server decoder's samples.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final decoder and classifier states.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary; also plots the server decoder's samples."""
     images, labels = self._classifier_data(ctx, aux, state.decoder.model)
     plot_samples(ctx, images, labels, 'server decoder samples')
     return {

@@ -306,14 +306,6 @@ class FedDFStudent(oneshot.DistillationAlgorithm):
   def trained_model(self, ctx: RunContext, aux, state) -> engine.TrainedModel:
     """The model the round hands on: the best-on-validation student (`best_model`), or the
     last one's without a validation set.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
     """
     model = best_model(state) if len(aux.data.val_y) else state.student.model
     return engine.TrainedModel(aux.student_module, model)
@@ -358,16 +350,7 @@ class FedDF(Algorithm):
     return self._student('').epochs_per_round()
 
   def trained_model(self, ctx: RunContext, aux: FedDFAux, state) -> engine.TrainedModel:
-    """The student of `server_model` (the first architecture), whose accuracy the run reports.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state, one per student.
-
-    Returns:
-      Its module and variables.
-    """
+    """The student of `server_model` (the first architecture), whose accuracy the run reports."""
     return aux.students[0].trained_model(ctx, aux.auxes[0], state[0])
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -389,14 +372,7 @@ class FedDF(Algorithm):
     return tuple(s.init(ctx, a) for s, a in zip(aux.students, aux.auxes))
 
   def step(self, ctx: RunContext, aux: FedDFAux, state, i: int):
-    """One distillation epoch of every student; a new round first trains the round's uploads.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: One server state per student architecture.
-      i: The step (round * epochs + epoch), from 0.
-    """
+    """One distillation epoch of every student; a new round first trains the round's uploads."""
     r, e = divmod(i, self.epochs_per_round())
     r += 1
     if e == 0 and r > 1:
@@ -441,17 +417,7 @@ class FedDF(Algorithm):
     return self._student('').final_accuracy(history)
 
   def summarize(self, ctx: RunContext, aux: FedDFAux, state, history) -> Dict[str, Any]:
-    """The run summary of the first student, with every student's accuracy.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final server states, one per student.
-      history: The records of every step of the run.
-
-    Returns:
-      The first student's summary plus every student's test accuracy.
-    """
+    """The run summary of the first student, with every student's accuracy."""
     out = aux.students[0].summarize(ctx, aux.auxes[0], state[0], history)
     out['architectures'] = self.config.architectures
     out['students'] = list(aux.architectures)
@@ -518,14 +484,7 @@ class FedDFVote(Algorithm):
     return tuple(a.init(ctx, x) for a, x in zip(aux.algorithms, aux.auxes))
 
   def step(self, ctx: RunContext, aux: FedDFVoteAux, state, i: int):
-    """One epoch of the current prototype's FedDF run, its records renamed per prototype.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: One server state per prototype run.
-      i: The step (prototype * epochs + epoch), from 0.
-    """
+    """One epoch of the current prototype's FedDF run, its records renamed per prototype."""
     p, e = divmod(i, self._epochs())
     new, records = aux.algorithms[p].step(ctx, aux.auxes[p], state[p], e)
     state = state[:p] + (new,) + state[p + 1 :]
@@ -552,17 +511,7 @@ class FedDFVote(Algorithm):
     }
 
   def summarize(self, ctx: RunContext, aux: FedDFVoteAux, state, history) -> Dict[str, Any]:
-    """The run summary: the accuracy of the prototypes' vote and of each prototype.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final server states, one per prototype.
-      history: The records of every step of the run.
-
-    Returns:
-      The vote's and each prototype's accuracies.
-    """
+    """The run summary: the accuracy of the prototypes' vote and of each prototype."""
     vote = self._vote(aux, state)
     local = aux.algorithms[0].round(ctx, aux.auxes[0], 1).local
     client_logits = common.client_test_logits(ctx, local)

@@ -271,15 +271,6 @@ class FedMD(Algorithm):
   ) -> Tuple[Tuple[ModelState, ...], List[Dict[str, Any]]]:
     """One FedMD round: consensus logits on an alignment subset, digest, then revisit of the private
     data.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The clients' models, one stacked ModelState per architecture.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c = self.config
     idx = self.alignment_indices(ctx, i)
@@ -345,17 +336,7 @@ class FedMD(Algorithm):
     return acc
 
   def summarize(self, ctx, aux: FedMDAux, state, history) -> Dict[str, Any]:
-    """The run summary: client models and final accuracies.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final clients' models.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: client models and final accuracies."""
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -391,15 +391,6 @@ class FedProto(Algorithm):
   ) -> Tuple[FedProtoState, List[Dict[str, Any]]]:
     """One FedProto round: local training with the prototype regulariser, then new global
     prototypes.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The clients' models and the global prototypes.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c = self.config
     selected = common.select_clients(
@@ -514,17 +505,7 @@ class FedProto(Algorithm):
     }
 
   def summarize(self, ctx, aux: FedProtoAux, state: FedProtoState, history) -> Dict[str, Any]:
-    """The run summary: client models and final accuracies.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final clients' models and global prototypes.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: client models and final accuracies."""
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -124,16 +124,7 @@ class FedSeq(Algorithm):
   def trained_model(
     self, ctx: RunContext, aux: FedSeqAux, state: ModelState
   ) -> engine.TrainedModel:
-    """The global model.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The global model."""
     return engine.TrainedModel(aux.evaluator.module, state)
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -197,15 +188,6 @@ class FedSeq(Algorithm):
   def step(self, ctx: RunContext, aux: FedSeqAux, state: ModelState, i: int):
     """One FedSeq round: each selected superclient trains its clients in sequence, then the server
     averages the superclients.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global model.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     cfg = self.config
     selected, orders = self._round_plan(ctx, aux, i)
@@ -244,17 +226,7 @@ class FedSeq(Algorithm):
     ]
 
   def summarize(self, ctx, aux: FedSeqAux, state, history) -> Dict[str, Any]:
-    """The run summary: the superclients and the communication of every round.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final global model.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: the superclients and the communication of every round."""
     transfers = list(aux.setup_transfers)
     for i in range(self.config.rounds):
       transfers += comm.fedseq_transfers(

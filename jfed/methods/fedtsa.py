@@ -504,15 +504,6 @@ class FedTSA(Algorithm):
   ) -> Tuple[Tuple[ModelState, ...], List[Dict[str, Any]]]:
     """One FedTSA round: each cluster's selected clients train and are aggregated (stage 1), then
     the cluster models learn from each other by distillation (stage 2).
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: One model per cluster (width).
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c = self.config
     selected = common.select_clients(
@@ -567,17 +558,7 @@ class FedTSA(Algorithm):
     return tuple(models), [record]
 
   def summarize(self, ctx, aux: FedTSAAux, state, history) -> Dict[str, Any]:
-    """The run summary: clusters, communication and final accuracies.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final models (one per client group).
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: clusters, communication and final accuracies."""
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,

@@ -309,15 +309,6 @@ class HeteroFL(Algorithm):
   ) -> Tuple[ModelState, List[Dict[str, Any]]]:
     """One HeteroFL round: each selected client trains its width's slice of the global model, then
     the slices are averaged where they overlap.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global (full-width) model.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c = self.config
     selected = common.select_clients(
@@ -383,17 +374,7 @@ class HeteroFL(Algorithm):
     return out
 
   def summarize(self, ctx, aux: HeteroFLAux, state, history) -> Dict[str, Any]:
-    """The run summary: client model rates and accuracies.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final global model.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: client model rates and accuracies."""
     rates = client_rates(ctx.run.model, common.client_model_specs(ctx))
     last = history[-1] if history else {}
     return {

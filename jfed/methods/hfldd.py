@@ -322,16 +322,7 @@ class HFLDD(Algorithm):
       tc.require_choice(k.kernel, KERNELS, f'{where}.kip.kernel')
 
   def trained_model(self, ctx: RunContext, aux: HFLDDAux, state: ModelState) -> engine.TrainedModel:
-    """The global model.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The global model."""
     return engine.TrainedModel(aux.evaluator.module, state)
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -416,17 +407,7 @@ class HFLDD(Algorithm):
     return aux.init
 
   def step(self, ctx: RunContext, aux: HFLDDAux, state: ModelState, i: int):
-    """One FedAvg round over the cluster heads' hybrid datasets.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global model.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
-    """
+    """One FedAvg round over the cluster heads' hybrid datasets."""
     cfg = self.config
     model, record = common.fedavg_round(
       aux.trainer,
@@ -444,17 +425,7 @@ class HFLDD(Algorithm):
     return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
 
   def summarize(self, ctx, aux: HFLDDAux, state, history) -> Dict[str, Any]:
-    """The run summary: the topology, upload sizes and accuracies.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final global model.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: the topology, upload sizes and accuracies."""
     topo = aux.topology
     return {
       'rounds': self.config.rounds,

@@ -72,17 +72,7 @@ class Local(Algorithm):
     return float(np.mean([r['test_accuracy'] for r in history]))
 
   def summarize(self, ctx, aux: LocalAux, state, history):
-    """The run summary: every client's test accuracy and their mean.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: Unused.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: every client's test accuracy and their mean."""
     return {
       'client_test_accuracy': aux.accuracies.tolist(),
       'mean_test_accuracy': float(np.mean(aux.accuracies)),

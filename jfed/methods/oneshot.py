@@ -603,16 +603,7 @@ class DistillationAlgorithm(Algorithm):
   def trained_model(
     self, ctx: RunContext, aux: DistillAux, state: ServerState
   ) -> engine.TrainedModel:
-    """The distilled student.
-
-    Args:
-      ctx: The run context.
-      aux: `setup`'s result.
-      state: The final state.
-
-    Returns:
-      Its module and variables.
-    """
+    """The distilled student."""
     return engine.TrainedModel(aux.student_module, state.student.model)
 
   def num_steps(self, ctx: RunContext) -> int:
@@ -729,17 +720,7 @@ class DistillationAlgorithm(Algorithm):
   def step(
     self, ctx: RunContext, aux: DistillAux, state: ServerState, i: int
   ) -> Tuple[ServerState, List[Dict[str, Any]]]:
-    """One distillation epoch; the first epoch of a round also builds the round's uploads.
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      state: The server state after step i - 1.
-      i: The step, from 0; round i // epochs + 1, epoch i % epochs.
-
-    Returns:
-      The new state and the epoch's record (empty after an early stop).
-    """
+    """One distillation epoch; the first epoch of a round also builds the round's uploads."""
     s = aux.settings
     r, e = i // s.epochs + 1, i % s.epochs
     record: Dict[str, Any] = {'round': r, 'epoch': e + 1}
@@ -785,17 +766,7 @@ class DistillationAlgorithm(Algorithm):
   def summarize(
     self, ctx: RunContext, aux: DistillAux, state: ServerState, history
   ) -> Dict[str, Any]:
-    """The run summary: accuracies of the student and of the ensemble, plots, sample images.
-
-    Args:
-      ctx: The run context (dataset, clients, key derivation, stage cache).
-      aux: The run-level state built in `setup` (settings, student module, evaluator, caches).
-      state: The final server state.
-      history: The per-epoch records of the whole run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary: accuracies of the student and of the ensemble, plots, sample images."""
     s = aux.settings
     rd = self.round(ctx, aux, s.rounds)
     epochs = [h for h in history if h.get('test_accuracy') is not None]

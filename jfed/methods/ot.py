@@ -137,15 +137,6 @@ class OT(Algorithm):
   def step(self, ctx: RunContext, aux: OTAux, state: ModelState, i: int):
     """One round: the clients train from the previous fused model (round 1: the shared initial
     model), then their models are aligned by optimal transport and averaged.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The global model.
-      i: The round, from 0.
-
-    Returns:
-      The new state and the step's records.
     """
     c, r = self.config, i + 1
     local = oneshot.round_uploads(
@@ -177,17 +168,7 @@ class OT(Algorithm):
     return fused, [record]
 
   def summarize(self, ctx: RunContext, aux: OTAux, state: ModelState, history):
-    """The run summary.
-
-    Args:
-      ctx: The run context (dataset, clients, run config, stage cache).
-      aux: The run-level state built in `setup`.
-      state: The final fused model.
-      history: The records of every step of the run.
-
-    Returns:
-      The summary fields.
-    """
+    """The run summary."""
     c = self.config
     local = oneshot.round_uploads(ctx, c.rounds, c.local_epochs, aux.spec)
     rounds = [h for h in history if h.get('test_accuracy') is not None]
