@@ -131,6 +131,21 @@ def _with_mnist(**replace) -> Callable[[pathlib.Path], Cleanup]:
   return setup
 
 
+def _data_file_replaced(kind: str) -> Callable[[pathlib.Path], Cleanup]:
+  """The MNIST directory with its training images replaced by a FIFO or a link to /dev/zero."""
+
+  def setup(tmp: pathlib.Path) -> Cleanup:
+    path = _mnist_dir(tmp) / 'train-images-idx3-ubyte.gz'
+    path.unlink()
+    if kind == 'fifo':
+      os.mkfifo(path)
+    else:
+      path.symlink_to('/dev/zero')
+    return None
+
+  return setup
+
+
 def _config_file(text: str) -> Callable[[pathlib.Path], Cleanup]:
   """A config file `config.py` in the probe's directory."""
 
@@ -721,6 +736,22 @@ PROBES: List[Probe] = [
     'error',
     r'is busy: a run \(pid \d+',
     _live_lock,
+  ),
+  Probe(
+    'fifo_data_file',
+    'a FIFO in place of the training images (a read would block)',
+    (*BASE, *MNIST),
+    'error',
+    r'train-images-idx3-ubyte.gz is a FIFO, not a regular file',
+    _data_file_replaced('fifo'),
+  ),
+  Probe(
+    'device_data_file',
+    'a link to /dev/zero in place of the training images (endless)',
+    (*BASE, *MNIST),
+    'error',
+    r'train-images-idx3-ubyte.gz is a character device, not a regular file',
+    _data_file_replaced('device'),
   ),
   Probe(
     'dead_peer',
