@@ -260,7 +260,7 @@ def _peer_lost(error: BaseException, workdir: str) -> None:
   shutdown barrier out, about 80 s, and then aborts with a C++ stack all the same)."""
   what = supervise.describe_stop([str(error)], FLAGS.process_id, FLAGS.num_processes, None)
   sys.stdout.flush()
-  print(f'error: {what}; {supervise.resume_hint(workdir, FLAGS.num_processes)}', file=sys.stderr)
+  print(supervise.error_line(what, workdir, FLAGS.num_processes), file=sys.stderr)
   sys.stderr.flush()
   os._exit(1)  # pylint: disable=protected-access
 

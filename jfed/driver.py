@@ -55,6 +55,7 @@ from jfed.engine import multihost
 from jfed.engine.evaluation import TrainedModel
 from jfed.errors import ConfigError, NonFiniteError, WorkdirError
 from jfed.io import Checkpointer
+from jfed.io.checkpoint import first_non_finite
 from jfed.io.scalars import ScalarLoggers, logging_config
 from jfed.methods.registry import get_method, registered_methods
 from jfed.reporting import plot_curves
@@ -125,25 +126,27 @@ def _all_finite(leaves: List[jax.Array]) -> jax.Array:
 
 
 def _check_finite_state(state: Any, where: str) -> None:
-  leaves = [
-    (path, leaf)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-    if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact)
-  ]
-  if not leaves:
-    return
   if jax.default_backend() == 'cpu':
     # Host arrays share the buffers of CPU device arrays: checking them costs no transfer and
     # no compilation (one program per state structure, otherwise).
-    finite = np.array([np.isfinite(np.asarray(leaf)).all() for _, leaf in leaves])
+    bad = first_non_finite(state)
   else:
+    leaves = [
+      (path, leaf)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+      if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if not leaves:
+      return
     try:
       finite = np.asarray(jax.device_get(_all_finite([leaf for _, leaf in leaves])))
     except ValueError:  # leaves committed to different devices cannot meet in one program
       finite = np.array(jax.device_get([jnp.all(jnp.isfinite(leaf)) for _, leaf in leaves]))
-  if not finite.all():  # one host transfer per step; name the first bad leaf
-    path = leaves[int(np.argmin(finite))][0]
-    raise NonFiniteError(f'state{jax.tree_util.keystr(path)} became non-finite at {where}')
+    # one host transfer per step; name the first bad leaf
+    first = leaves[int(np.argmin(finite))][0]
+    bad = None if finite.all() else f'state{jax.tree_util.keystr(first)}'
+  if bad is not None:
+    raise NonFiniteError(f'{bad} became non-finite at {where}')
 
 
 def _add_cumulative_bytes(history: List[Record]) -> None:

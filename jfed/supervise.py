@@ -81,6 +81,20 @@ def resume_hint(workdir: Optional[str], num_processes: Optional[int]) -> str:
   )
 
 
+def error_line(what: str, workdir: Optional[str], num_processes: Optional[int]) -> str:
+  """The one `error:` line of a stopped multi-process run.
+
+  Args:
+    what: Which process stopped (`describe_stop`'s clause, or why this one ended).
+    workdir: The run's workdir, whose newest checkpoint the line names.
+    num_processes: Processes of the run.
+
+  Returns:
+    The line, `error: ` first.
+  """
+  return f'error: {what}; {resume_hint(workdir, num_processes)}'
+
+
 def describe_stop(
   runtime_lines: Sequence[str],
   process_id: Optional[int],
@@ -229,8 +243,9 @@ def run_supervised(
     return status
   if status == -signal.SIGTERM and not stderr.fatal:
     return 128 + signal.SIGTERM
-  what = describe_stop(stderr.held, process_id, num_processes, coordinator)
-  if not stderr.fatal:  # killed by a signal with nothing logged
+  if stderr.fatal:
+    what = describe_stop(stderr.held, process_id, num_processes, coordinator)
+  else:  # killed by a signal with nothing logged
     what = f'this process (process {process_id}) was ended by signal {-status}'
-  print(f'error: {what}; {resume_hint(workdir, num_processes)}', file=sys.stderr, flush=True)
+  print(error_line(what, workdir, num_processes), file=sys.stderr, flush=True)
   return 1

@@ -910,6 +910,8 @@ class NodeTrainer:
       shape = self.ctx.dataset.input_shape
       self._templates[request.spec] = init(group.module, shape, jax.random.PRNGKey(0))
     treedef = jax.tree.structure(self._templates[request.spec])
+    if 'local_dp' in recipe and not request.start_shared:
+      raise ConfigError('local DP clips each update against the round model: none was sent')
     if request.start_shared:
       one = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in request.start])
       models = engine.replicate(one, len(ids))
@@ -935,11 +937,9 @@ class NodeTrainer:
     )
     model = state.model
     if 'local_dp' in recipe:  # clipped and noised here: the server never sees a clean update
-      if not request.start_shared:
-        raise ConfigError('local DP clips each update against the round model: none was sent')
       model = privacy.privatize_locally(
         model,
-        jax.tree.unflatten(treedef, [jnp.asarray(a) for a in request.start]),
+        one,
         privacy.fresh_noise_key(),  # the node's own randomness: nobody else can regenerate it
         jnp.asarray(ids),
         jnp.float32(recipe['local_dp']['clip_norm']),

@@ -129,7 +129,7 @@ class Checkpointer:
     """
     try:
       self._verify(step)
-      verified = (self._step_dir(step) / CHECKSUMS).exists()
+      verified = self.verified(step)
     except WorkdirError as e:
       reason, verified = str(e), None
     if verified is not None:
@@ -164,7 +164,7 @@ class Checkpointer:
       try:
         out = self.restore(step, template, with_history)
         if not self.verified(step):
-          bad = _first_non_finite(out[0] if with_history else out)
+          bad = first_non_finite(out[0] if with_history else out)
           if bad is not None:
             aside = self.set_aside(step)
             raise WorkdirError(f'it holds non-finite values at {bad}; set aside as {aside}')
@@ -292,10 +292,11 @@ class Checkpointer:
         )
 
 
-def _first_non_finite(tree: Any) -> Optional[str]:
-  """The path of the first floating leaf of `tree` that holds a NaN or an infinity, or None."""
+def first_non_finite(tree: Any) -> Optional[str]:
+  """The path (`state[...]`) of the first floating leaf of `tree` that holds a NaN or an
+  infinity, or None; checked on the host (a CPU device array shares its buffer)."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if hasattr(leaf, 'dtype') and np.issubdtype(leaf.dtype, np.inexact):
+    if hasattr(leaf, 'dtype') and jnp.issubdtype(leaf.dtype, jnp.inexact):
       if not np.isfinite(np.asarray(leaf)).all():
         return f'state{jax.tree_util.keystr(path)}'
   return None
