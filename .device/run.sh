@@ -29,8 +29,9 @@ if [ -n "$mut" ]; then
   wait $mut; pkill -f mutmut; sleep 2; tail -5 /tmp/mutation.log
   mkdir -p /tmp/mutation_out; cp /tmp/mutation.log /tmp/mutation_out/
   tar czf $OUT/mutation.tar.gz -C /tmp mutation_out
-  # the verdicts so far (experiments.mutation --state): unpacked here, a module stopped part-way
-  # resumes from them (`tar xzf mutation_state.tar.gz` in the repository's root)
-  tar czf $OUT/mutation_state.tar.gz docs/results/mutation/state
+  # the verdicts so far (experiments.mutation --state, runs/mutation/state: git ignores it, so
+  # the device call carries it): unpacked here, a module stopped part-way resumes from them
+  # (`tar xzf mutation_state.tar.gz` in the repository's root)
+  tar czf $OUT/mutation_state.tar.gz runs/mutation/state
 fi
 ls -la $OUT; echo "total $(( $(date +%s) - t0 )) s"

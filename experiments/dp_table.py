@@ -40,6 +40,7 @@ from experiments.seed_tables import (
   seed_errors,
   seed_values,
 )
+from jfed.figures import save_png
 
 FLAGS = flags.FLAGS
 
@@ -212,7 +213,7 @@ def plot(path: pathlib.Path, results: dict, rows: Sequence[str], title: str) -> 
   ax.legend(fontsize=8, loc='lower right')
   ax.set_title(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path)
+  save_png(fig, path)
 
 
 def run_table(

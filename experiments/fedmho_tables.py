@@ -74,6 +74,7 @@ from experiments.seed_tables import (
   percent_stats_each,
   pretrain_seeds,
 )
+from jfed.figures import save_png
 
 FLAGS = flags.FLAGS
 
@@ -415,7 +416,7 @@ def plot_table(
   ax.set_title('final accuracy, mean ± std over seeds' + (' (hollow: paper)' if paper else ''))
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  save_png(fig, path)
 
 
 # The client sets whose local models `pretrain_seeds` trains for all seeds at once: the

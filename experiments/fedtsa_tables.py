@@ -62,6 +62,7 @@ from experiments.seed_tables import (
   seed_values,
   step_accuracies,
 )
+from jfed.figures import save_png
 
 FLAGS = flags.FLAGS
 DEFAULT_DEGREE = '0.6/0.8/1.0'
@@ -400,7 +401,7 @@ def plot_table4(path: pathlib.Path, results: dict, runs: List[str], degrees: Lis
   ax.set_title('FedTSA Table 4: mean ± std over seeds')
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  save_png(fig, path)
 
 
 def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: List[str]):
@@ -423,7 +424,7 @@ def plot_table(path: pathlib.Path, results: dict, runs: List[str], partitions: L
   ax.set_title('FedTSA Table 3: final accuracy, mean ± std over seeds')
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  save_png(fig, path)
 
 
 def run_sweep(

@@ -21,11 +21,14 @@ no checkpoints), its log and its ledger entry. Back here:
     python -m experiments.gpu_queue --ingest=DIR    # DIR: the folder the archives came back to
     python -m experiments.gpu_queue --list          # done / partial / next, with measured costs
 
-`--ingest` unpacks each archive into docs/results/gpu_queue/<chunk>/, records the chunk in
-docs/results/gpu_queue/ledger.json and re-renders each table group that can merge its chunks
-(docs/results/gpu_queue/<group>/tables.md). A chunk stopped by the limit is 'partial': its
-finished runs are kept, `--list` shows how far its runs got, and `--next` runs it again, whole
-(checkpoints do not come back), so a chunk that cannot finish in one call must be cut smaller.
+`--ingest` unpacks each archive, keeps its curated part in docs/results/gpu_queue/<chunk>/ (the
+ledger entry and run/'s tables, figures and results.json, which the group's merge reads) and the
+raw rest (every run's metrics, summaries and figures, the log) in runs/gpu_queue/<chunk>/, out of
+git; it records the chunk in docs/results/gpu_queue/ledger.json and re-renders each table group
+that can merge its chunks (docs/results/gpu_queue/<group>/tables.md). A chunk stopped by the
+limit is 'partial': its finished runs are kept, `--list` shows how far its runs got, and
+`--next` runs it again, whole (checkpoints do not come back), so a chunk that cannot finish in
+one call must be cut smaller.
 FedMHO's chunks of one seed share their trained client sets on the machine that runs them
 (`--clients_root` beside the chunk folders): a call that runs FedAvg/FedDF's chunk, then
 DENSE's, trains the baselines' 200-epoch clients once.
@@ -51,6 +54,7 @@ from jfed.workdir import atomic_write_text
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'docs' / 'results' / 'gpu_queue'
+RAW = ROOT / 'runs' / 'gpu_queue'  # git ignores runs/
 LEDGER = 'ledger.json'
 # What comes back of a chunk's folder: results and curves, never checkpoints or arrays.
 KEPT_SUFFIXES = ('.md', '.json', '.jsonl', '.png', '.log')
@@ -517,6 +521,33 @@ def _extract(archive: pathlib.Path, dest: pathlib.Path) -> None:
     tar.extractall(dest)  # every member checked above
 
 
+def curated(relative: pathlib.PurePath) -> bool:
+  """Whether a chunk's file stays in docs/results: its ledger entry and run/'s own tables,
+  figures and results.json (what a table links to and the group's merge reads)."""
+  parts = relative.parts
+  if parts == ('entry.json',):
+    return True
+  return (
+    len(parts) == 2
+    and parts[0] == 'run'
+    and (parts[1] == 'results.json' or relative.suffix in ('.md', '.png'))
+  )
+
+
+def set_raw_aside(dest: pathlib.Path, raw: pathlib.Path) -> None:
+  """Moves what `curated` does not keep from the chunk folder `dest` to `raw` (replaced)."""
+  if raw.exists():
+    shutil.rmtree(raw)
+  for path in sorted(dest.rglob('*')):
+    relative = path.relative_to(dest)
+    if path.is_file() and not curated(relative):
+      (raw / relative).parent.mkdir(parents=True, exist_ok=True)
+      shutil.move(path, raw / relative)
+  for folder in sorted((p for p in dest.rglob('*') if p.is_dir()), reverse=True):
+    if not any(folder.iterdir()):
+      folder.rmdir()
+
+
 def render_group(group: str, members: Sequence[Chunk], results: pathlib.Path) -> Optional[str]:
   """Re-renders a group's merged table from its finished chunks, if its command can merge."""
   mergeable = [
@@ -542,8 +573,11 @@ def render_group(group: str, members: Sequence[Chunk], results: pathlib.Path) ->
   return str(out)
 
 
-def ingest(folder: pathlib.Path, results: pathlib.Path = RESULTS) -> List[str]:
-  """Merges every <chunk>.tar.gz in `folder` into `results`; returns the chunks ingested."""
+def ingest(
+  folder: pathlib.Path, results: pathlib.Path = RESULTS, raw: pathlib.Path = RAW
+) -> List[str]:
+  """Merges every <chunk>.tar.gz in `folder` into `results` (its raw part into `raw`); returns
+  the chunks ingested."""
   known = {c.name: c for c in chunks()}
   archives = sorted(folder.glob('*.tar.gz'))
   if not archives:
@@ -565,6 +599,7 @@ def ingest(folder: pathlib.Path, results: pathlib.Path = RESULTS) -> List[str]:
     _extract(archive, dest)
     entry = json.loads((dest / 'entry.json').read_text())
     entry['progress'] = entry.get('progress') or log_progress(dest / 'chunk.log')
+    set_raw_aside(dest, raw / name)
     ledger[name] = entry
     names.append(name)
   results.mkdir(parents=True, exist_ok=True)

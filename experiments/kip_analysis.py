@@ -39,6 +39,7 @@ import numpy as np
 from experiments import sweep
 from experiments.seed_tables import mean_std, report_date, value_stats
 from jfed.configs import hfldd_digits, hfldd_fashion_mnist
+from jfed.figures import save_png
 
 FLAGS = flags.FLAGS
 
@@ -493,7 +494,7 @@ def plot(path: pathlib.Path, results: Dict, plan: Dict, title: str) -> None:
     axes[0].legend(fontsize=7)
   fig.suptitle(f'{title}: mean over seeds (band: min-max)', fontsize=10)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)
 
 
 def run_analysis(

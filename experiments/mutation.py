@@ -5,8 +5,10 @@ For each module named, a scratch copy of the working tree (tracked and untracked
 files; `--scratch`/<module>, kept, so that a stopped run resumes where it stopped) gets a
 `[tool.mutmut]` section that mutates that module alone and runs the module's own fast tests
 (`MODULES`: its oracle test and its unit tests), then `mutmut run`. Each module's verdicts are
-also kept in the repository (`--state`), so that a run stopped on one machine (a lent GPU's
-CPUs, a session that ended) resumes on another. mutmut 3 runs, for each mutant, only the tests
+also kept outside the scratch copy (`--state`, by default runs/mutation/state, which git ignores),
+so that a stopped run resumes from them on the same machine or, copied, on another (a lent GPU's
+CPUs); the verdicts of every module's last run are in the results archive
+(docs/results/ARCHIVE.md). mutmut 3 runs, for each mutant, only the tests
 that call the mutated function; its workers come from a fork server that imports nothing but
 the scientific stack (JAX must not be initialised before a fork).
 
@@ -72,7 +74,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_string(
   'state',
-  'docs/results/mutation/state',
+  'runs/mutation/state',
   "where each module's verdicts are kept (<state>/<module>/<file>.meta, mutmut's own per-file "
   'record), saved every minute while mutmut runs and restored into a new scratch copy: a run '
   'stopped on one machine resumes on another (mutmut keeps the verdicts of the functions whose '

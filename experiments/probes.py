@@ -253,7 +253,10 @@ def _workdir_is_a_file(tmp: pathlib.Path) -> Cleanup:
 def _damaged_local_models(tmp: pathlib.Path) -> Cleanup:
   """Another run's `local_models_dir` cache, with a byte flipped."""
   _run_quietly(_main(*LOCAL, '--workdir={tmp}/first'), tmp)
-  steps = [p for p in (tmp / 'cache').iterdir() if p.name.isdigit()]
+  # <cache>/<producer key>/<step>: the stage cache is keyed by what made it (issue 85)
+  steps = [p for p in (tmp / 'cache').glob('*/*') if p.name.isdigit()]
+  if not steps:
+    raise OSError(f'the first run left no cached stage in {tmp / "cache"}')
   _flip_a_byte(_largest_data_file(steps[0]))
   return None
 
@@ -287,8 +290,14 @@ def _unverified_checkpoint_of_huge_values(tmp: pathlib.Path) -> Cleanup:
 
 
 def _dead_peer(victim: int) -> List[str]:
-  """Two processes of a 300-round run on one coordinator; `victim` is killed (SIGKILL) once the
-  first checkpoint is committed, and the command is the survivor's."""
+  """Two processes of a 300-round run on one coordinator; `victim` is killed (SIGKILL) once a
+  first checkpoint is committed, and the command is the survivor's.
+
+  The watcher looks for any committed step, not step 1: with `max_to_keep` 2 step 1 is gone
+  once step 3 is saved, and a watcher slowed by a loaded machine missed it once, leaving the
+  victim to run all 300 rounds. Its output goes to /dev/null so that it never holds the probe's
+  pipes, and it gives up after 240 s.
+  """
   survivor = 1 - victim
 
   def command(rank: int) -> str:
@@ -306,7 +315,10 @@ def _dead_peer(victim: int) -> List[str]:
   script = (
     'export XLA_FLAGS=--xla_force_host_platform_device_count=2; '
     f'{command(victim)} >/dev/null 2>&1 & victim=$!; '
-    '(while [ ! -d {tmp}/w/checkpoints/1 ]; do sleep 0.5; done; kill -9 $victim) & '
+    '(for _ in $(seq 1200); do '
+    "if ls {tmp}/w/checkpoints 2>/dev/null | grep -qx '[0-9][0-9]*'; "
+    'then kill -9 $victim; break; fi; '
+    'sleep 0.2; done) >/dev/null 2>&1 & '
     f'exec {command(survivor)}'
   )
   return ['bash', '-c', script]

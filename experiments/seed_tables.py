@@ -14,6 +14,8 @@ import warnings
 from absl import app
 import numpy as np
 
+from jfed.figures import save_png
+
 
 def load_config_module(path: str, name: str):
   """The config file at `path` as a module named `name`; ConfigError if there is no such file,
@@ -442,7 +444,7 @@ def plot_bands(
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=9)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)
 
 
 def plot_band_panels(
@@ -471,4 +473,4 @@ def plot_band_panels(
   axes[0].set_ylabel(ylabel)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)

@@ -44,6 +44,7 @@ from experiments.seed_tables import (
   value_stats,
   write_seed_results,
 )
+from jfed.figures import save_png
 
 Record = Dict[str, Any]
 Results = Dict[str, Dict[str, Dict[str, Record]]]
@@ -316,4 +317,4 @@ def plot_errorbar_panels(
     fig.axes[-1].legend(fontsize=7, loc='lower left')
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)

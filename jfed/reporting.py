@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Sequence
 
 import jax
 
+from jfed.figures import save_png
+
 # Whether progress lines are wanted: `jfed.run(progress=False)` turns them off for its run.
 _SHOW_PROGRESS = contextvars.ContextVar('jfed_show_progress', default=True)
 
@@ -114,7 +116,7 @@ def plot_curves(
   if series:
     ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -99,16 +99,25 @@ def test_ingest_records_the_ledger_and_the_next_chunk(tmp_path, monkeypatch):
   monkeypatch.setattr(q, 'chunks', lambda: [FAKE, other])
   folder, back, results = tmp_path / 'scratch' / FAKE.name, tmp_path / 'back', tmp_path / 'res'
   _fake_run(folder)
+  (folder / 'run' / 'tables.md').write_text('| table |\n')
   back.mkdir()
   q.pack(FAKE, folder, {'status': 'done', 'seconds': 12, 'device': 'Test GPU'}, back)
-  assert q.ingest(back, results) == [FAKE.name]
+  assert q.ingest(back, results, tmp_path / 'raw') == [FAKE.name]
   ledger = q.read_ledger(results)
   assert ledger[FAKE.name]['seconds'] == 12
-  assert (results / FAKE.name / 'run' / 'results.json').exists()
+  kept = sorted(p.relative_to(results).as_posix() for p in results.rglob('*') if p.is_file())
+  assert kept == [
+    f'{FAKE.name}/entry.json',
+    f'{FAKE.name}/run/results.json',
+    f'{FAKE.name}/run/tables.md',
+    'ledger.json',
+  ]
+  raw = tmp_path / 'raw' / FAKE.name
+  assert (raw / 'run' / 'seed0' / 'dir0.5' / 'dense' / 'metrics.jsonl').exists()
   assert [c.name for c in q.pending(q.chunks(), ledger)] == ['fake_s1']
   text = q.listing(q.chunks(), ledger)
   assert '| fake_s0 | done | 12 | Test GPU' in text and '| fake_s1 | not run (next)' in text
-  assert q.ingest(back, results) == []  # a done chunk is not overwritten
+  assert q.ingest(back, results, tmp_path / 'raw') == []  # a done chunk is not overwritten
 
 
 def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch, capsys):
@@ -121,12 +130,12 @@ def test_ingest_refuses_a_member_outside_the_chunk(tmp_path, monkeypatch, capsys
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
   with pytest.raises(app.UsageError, match='not a file inside the chunk'):
-    q.ingest(back, tmp_path / 'res')
+    q.ingest(back, tmp_path / 'res', tmp_path / 'raw')
   assert not (tmp_path / 'escaped.json').exists()
   # another archive beside the chunks (the device script's mutation.tar.gz) is left alone
   (back / 'mutation.tar.gz').write_bytes(b'')
   (back / f'{FAKE.name}.tar.gz').unlink()
-  assert q.ingest(back, tmp_path / 'res') == []
+  assert q.ingest(back, tmp_path / 'res', tmp_path / 'raw') == []
   assert "'mutation' is not a chunk of this queue, left alone" in capsys.readouterr().out
   assert not (tmp_path / 'res' / 'mutation').exists()
 
@@ -148,7 +157,7 @@ def test_a_chunk_stopped_before_its_first_step_shows_its_phase_progress(tmp_path
   assert q.log_progress(folder / 'chunk.log') == progress
   back.mkdir()
   q.pack(FAKE, folder, {'status': 'partial', 'seconds': '>135', 'progress': ''}, back)
-  q.ingest(back, results)
+  q.ingest(back, results, tmp_path / 'raw')
   assert q.read_ledger(results)[FAKE.name]['progress'] == progress
   assert progress in q.listing(q.chunks(), q.read_ledger(results))
 

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'jfed'
 # `run_config` checks the whole run config and needs the model names of every family.
 LAYERS = (
   ('jfed', 'errors'),
-  ('typed_config', 'keys', 'workdir', 'reporting', 'console', 'supervise'),
+  ('typed_config', 'keys', 'workdir', 'figures', 'reporting', 'console', 'supervise'),
   ('io',),
   ('data',),
   ('models',),

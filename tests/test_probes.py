@@ -32,8 +32,7 @@ def test_every_probe_has_a_unique_name_and_an_expected_ending():
     'bad_magic_idx',
     'stale_lock',
     'live_lock',
-    # 'dead_peer' hung once in the slow set beside other jobs (300 rounds outran the 300 s
-    # timeout, the killed process's run apparently going on); it passes run alone
+    'dead_peer',
     'dead_coordinator',
     'unverified_checkpoint_diverges',
   ],

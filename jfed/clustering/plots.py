@@ -9,10 +9,11 @@ pyplot backend/state.
 """
 
 import math
-import os
 from typing import Optional, Sequence
 
 import numpy as np
+
+from jfed.figures import save_png
 
 
 def topology_layout(
@@ -164,6 +165,5 @@ def plot_topology(
     title or f'HFLDD topology: {m} clients, {n} heterogeneous clusters, K={K}', fontsize=9
   )
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  save_png(fig, path)
   return path

@@ -1,12 +1,11 @@
 """Pictures of partitions, for reports and for eyeballing heterogeneity."""
 
-import os
-import pathlib
 from typing import Optional
 
 import numpy as np
 
 from jfed.errors import WorkdirError
+from jfed.figures import save_png
 
 # Up to this many clients the bubble plot (one column per client) stays readable; above it a
 # bounded-size summary figure is drawn instead (`_plot_partition_summary`).
@@ -170,15 +169,7 @@ def _plot_partition_summary(table: np.ndarray, title: Optional[str]):
 
 def _save(fig, path) -> str:
   """Writes `fig` as the PNG `path` (parent directories created); the path as a string."""
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # A temporary file and a rename: a run killed while drawing leaves no torn PNG behind, and a
-  # resumed run may keep the file it finds.
-  tmp = path.with_name(f'.{path.name}.tmp')
   try:
-    fig.savefig(tmp, format='png')
-    os.replace(tmp, path)
+    return save_png(fig, path)
   except OSError as e:
-    tmp.unlink(missing_ok=True)
     raise WorkdirError(f'cannot write {path}: {e.strerror or e}') from None
-  return str(path)

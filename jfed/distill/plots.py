@@ -9,6 +9,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from jfed.figures import save_png
+
 
 def _figure(size):
   from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -72,7 +74,7 @@ def plot_ms_heatmap(
   if title:
     ax.set_title(title, fontsize=9)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)
   return fig
 
 
@@ -120,7 +122,7 @@ def plot_accuracy_vs_epoch(
   if series or hlines:
     ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(str(path))
+  save_png(fig, path)
 
 
 def image_mosaic(images, columns: int = 8, pad: int = 1) -> np.ndarray:
@@ -190,4 +192,4 @@ def plot_image_grid(
       )
   if title:
     fig.suptitle(title, fontsize=9)
-  fig.savefig(str(path))
+  save_png(fig, path)

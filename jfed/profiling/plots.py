@@ -3,10 +3,9 @@ proxy-task durations, the cluster boundaries at its local minima, and every clie
 axis coloured by cluster, with each cluster's pruning rate in the legend. Agg canvas, no global
 pyplot state."""
 
-import os
-
 import numpy as np
 
+from jfed.figures import save_png
 from jfed.profiling.kde import KDEClusters
 
 
@@ -53,5 +52,4 @@ def plot_kde(clusters: KDEClusters, durations, path: str, dpi: int = 120) -> Non
   ax.set_xlabel('proxy-task duration (s)')
   ax.legend(fontsize=7, loc='upper right')
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  save_png(fig, path)
