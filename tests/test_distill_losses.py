@@ -984,24 +984,19 @@ def test_kd_step_minimises_eq19_and_dense_kl(hydra_setup, kcfg, stored_targets):
   lr = 0.5
   ts = kd.student_state(spec, ModelState(s_params, {}))
   agg = (jnp.asarray(sa.U_r), jnp.asarray(sa.U_c)) if kcfg.aggregation == 'sa' else None
-  modules, states = tuple(g.module for g in groups), tuple(g.states for g in groups)
+  programs = kd.KDPrograms(kcfg, spec, tuple(g.module for g in groups), student)
+  teachers = kd.Teachers(tuple(g.states for g in groups), agg)
   if stored_targets:  # the targets computed once per pool image, then the step without teachers
     add = jax.jit(pool.pool_add)  # run op by op: ~10 one-primitive programs
     stored = add(pool.pool_init(8, _HYDRA_SHAPE), jnp.asarray(x), jnp.asarray(y))
     assert kd.targets_depend_only_on_the_image(kcfg)
-    t = kd.pool_teacher_logits(kcfg, modules, states, agg, stored, jnp.arange(6))
-    new, loss = kd.kd_step_on_targets(
-      kcfg, spec, student, ts, jnp.asarray(x), t, jnp.asarray(mask), lr
-    )
+    t = kd.pool_teacher_logits(programs, teachers, stored, jnp.arange(6))
+    new, loss = kd.kd_step_on_targets(programs, ts, jnp.asarray(x), t, jnp.asarray(mask), lr)
   else:
     new, loss = kd.kd_step(
-      kcfg,
-      spec,
-      modules,
-      student,
+      programs,
       ts,
-      states,
-      agg,
+      teachers,
       jnp.asarray(x),
       jnp.asarray(y),
       jnp.asarray(mask),

@@ -14,6 +14,7 @@ import pytest
 
 from jfed import driver
 from jfed.configs import fedhydra_digits
+from jfed.distill import kd
 from jfed.distill import pool as P
 from jfed.errors import ConfigError
 from jfed.methods import oneshot
@@ -213,14 +214,14 @@ def _steps(config, check_targets=False):
         stored = aux.kd_targets
         rd = algorithm.round(ctx, aux, 1)
         aux.kd_targets = None
-        fresh = algorithm._pool_targets(  # pylint: disable=protected-access
-          aux,
-          1,
-          state.pool,
-          tuple(t.module for t in rd.teachers),
-          tuple(t.states for t in rd.teachers),
-          algorithm.recipe.kd_agg(state, rd),
+        s = aux.settings
+        programs = kd.KDPrograms(
+          s.kd, s.opt, tuple(t.module for t in rd.teachers), aux.student_module
         )
+        teachers = kd.Teachers(
+          tuple(t.states for t in rd.teachers), algorithm.recipe.kd_agg(state, rd)
+        )
+        fresh = algorithm._pool_targets(aux, 1, state.pool, programs, teachers)  # pylint: disable=protected-access
         held = int(P.pool_size(state.pool))
         np.testing.assert_array_equal(np.asarray(stored.logits)[:held], np.asarray(fresh)[:held])
         aux.kd_targets = stored

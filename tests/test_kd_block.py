@@ -65,18 +65,18 @@ def test_kd_blocks_train_the_student_the_loop_trains(kcfg):
   key = jax.random.PRNGKey(5)
   agg = _aggregation_inputs(kcfg.aggregation)
   lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
+  programs, teachers = kd.KDPrograms(kcfg, SPEC, modules, module), kd.Teachers(states, agg)
   looped, loop_losses = student, []
   for b in range(idx.shape[0]):
     looped, loss = kd.kd_step(
-      kcfg, SPEC, modules, module, looped, states, agg,
-      *kd.gather_batch(pool, jnp.asarray(idx[b])), jnp.asarray(mask[b]),
-      jax.random.fold_in(key, b), lrs[b],
+      programs, looped, teachers, *kd.gather_batch(pool, jnp.asarray(idx[b])),
+      jnp.asarray(mask[b]), jax.random.fold_in(key, b), lrs[b],
     )  # fmt: skip
     loop_losses.append(float(loss))
   blocked, block_losses = student, []
   for first in range(0, idx.shape[0], kd.KD_BLOCK):
     blocked, losses, steps = kd.kd_block(
-      kcfg, SPEC, modules, module, blocked, states, agg, pool, idx, mask, key, lrs, first
+      programs, blocked, teachers, pool, kd.KDEpoch(idx, mask, lrs), key, first
     )
     block_losses.extend(np.asarray(losses)[:steps].tolist())
   np.testing.assert_allclose(block_losses, loop_losses, rtol=2e-5)
@@ -87,18 +87,16 @@ def test_kd_blocks_train_the_student_the_loop_trains(kcfg):
 
 def test_kd_blocks_on_stored_targets_train_the_student_the_loop_trains():
   module, modules, states, student, pool, idx, mask = _setup(40)  # 7 steps: one partial block
-  kcfg = kd.KDConfig(loss='fedhydra', T=2.0)
-  targets = kd.pool_teacher_logits(kcfg, modules, states, None, pool, jnp.arange(pool.capacity))
+  programs = kd.KDPrograms(kd.KDConfig(loss='fedhydra', T=2.0), SPEC, modules, module)
+  targets = kd.pool_teacher_logits(programs, kd.Teachers(states), pool, jnp.arange(pool.capacity))
   lrs = np.full(idx.shape[0], 0.05, np.float32)
   looped, loop_losses = student, []
   for b in range(idx.shape[0]):
     x, t = kd.gather_batch_with_targets(pool, targets, jnp.asarray(idx[b]))
-    looped, loss = kd.kd_step_on_targets(
-      kcfg, SPEC, module, looped, x, t, jnp.asarray(mask[b]), lrs[b]
-    )
+    looped, loss = kd.kd_step_on_targets(programs, looped, x, t, jnp.asarray(mask[b]), lrs[b])
     loop_losses.append(float(loss))
   blocked, losses, steps = kd.kd_block_on_targets(
-    kcfg, SPEC, module, student, pool, targets, idx, mask, lrs, 0
+    programs, student, pool, targets, kd.KDEpoch(idx, mask, lrs), 0
   )
   assert steps == idx.shape[0] < kd.KD_BLOCK == len(losses)
   np.testing.assert_allclose(np.asarray(losses)[:steps], loop_losses, rtol=2e-5)
@@ -118,13 +116,13 @@ def test_an_epoch_of_kd_steps_is_the_same_per_call_and_in_blocks(stored, aggrega
   kcfg = kd.KDConfig(
     loss='fedhydra', T=2.0, augment='none' if stored else 'flip', aggregation=aggregation
   )
-  agg = _aggregation_inputs(aggregation)
+  programs = kd.KDPrograms(kcfg, SPEC, modules, module)
+  teachers = kd.Teachers(states, _aggregation_inputs(aggregation))
   targets = None
   if stored:
-    targets = kd.pool_teacher_logits(kcfg, modules, states, agg, pool, jnp.arange(pool.capacity))
-  lrs = np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32)
-  key = jax.random.PRNGKey(3)
-  args = (kcfg, SPEC, modules, module, student, states, agg, pool, idx, mask, key, lrs, targets)
+    targets = kd.pool_teacher_logits(programs, teachers, pool, jnp.arange(pool.capacity))
+  epoch = kd.KDEpoch(idx, mask, np.linspace(0.05, 0.01, idx.shape[0]).astype(np.float32))
+  args = (programs, student, teachers, pool, epoch, jax.random.PRNGKey(3), targets)
   per_call, per_call_losses = kd.run_kd_steps(*args, block=1)
   # the MLP student has no BatchNorm: its (empty) statistics keep their structure for a resume
   assert jax.tree.structure(per_call) == jax.tree.structure(student)
@@ -154,13 +152,13 @@ def test_a_padded_kd_step_is_the_step_on_its_real_samples(real):
   x[real:] = 50.0  # padding far from the real images: a leak moves the BN statistics
   t = rng.normal(size=(8, CLASSES)).astype(np.float32)
   kcfg, T = kd.KDConfig(loss='kl', T=4.0, t_squared=True), 4.0
+  programs = kd.KDPrograms(kcfg, SPEC, (), module)
   padded, padded_loss = kd.kd_step_on_targets(
-    kcfg, SPEC, module, student, jnp.asarray(x), jnp.asarray(t), jnp.arange(8) < real, 0.05
+    programs, student, jnp.asarray(x), jnp.asarray(t), jnp.arange(8) < real, 0.05
   )
   alone, alone_loss = kd.kd_step_on_targets(
-    kcfg, SPEC, module, student, jnp.asarray(x[:real]), jnp.asarray(t[:real]),
-    jnp.ones(real, bool), 0.05,
-  )  # fmt: skip
+    programs, student, jnp.asarray(x[:real]), jnp.asarray(t[:real]), jnp.ones(real, bool), 0.05
+  )
   _close(padded, alone)
   s, _ = module.apply(
     {'params': student.model.params, 'batch_stats': student.model.batch_stats},
@@ -224,8 +222,8 @@ def test_kd_views_crop_only_under_crop_flip_and_flip_otherwise():
 def test_an_epoch_without_steps_leaves_the_student_and_has_no_losses(block):
   module, modules, states, student, pool, idx, mask = _setup(40)
   ts, losses = kd.run_kd_steps(
-    kd.KDConfig(), SPEC, modules, module, student, states, None, pool, idx[:0], mask[:0],
-    jax.random.PRNGKey(0), np.zeros(0, np.float32), block=block,
+    kd.KDPrograms(kd.KDConfig(), SPEC, modules, module), student, kd.Teachers(states), pool,
+    kd.KDEpoch(idx[:0], mask[:0], np.zeros(0, np.float32)), jax.random.PRNGKey(0), block=block,
   )  # fmt: skip
   assert losses.shape == (0,) and losses.dtype == np.float32
   _close(ts, student)
@@ -241,7 +239,7 @@ def test_ods_leaves_a_pixel_no_teacher_sees_where_it_is():
   states = (stacked._replace(params=params),)
   kcfg = kd.KDConfig(loss='kl', T=2.0, augment='none', ods_eta=0.1)
   ts, loss = kd.kd_step(
-    kcfg, SPEC, modules, module, student, states, None,
+    kd.KDPrograms(kcfg, SPEC, modules, module), student, kd.Teachers(states),
     *kd.gather_batch(pool, jnp.asarray(idx[0])), jnp.asarray(mask[0]), jax.random.PRNGKey(2), 0.05,
   )  # fmt: skip
   assert np.isfinite(float(loss))

@@ -1039,10 +1039,9 @@ def test_stored_kd_targets_of_a_later_round_are_that_rounds_teachers_logits(tmp_
   calls = []
   run = oneshot.run_kd_steps
 
-  def record(kcfg, spec, modules, student_module, ts, t_states, agg, pool, idx, mask, *rest):
-    targets = rest[2] if len(rest) > 2 else None
-    calls.append((t_states, pool, targets))
-    return run(kcfg, spec, modules, student_module, ts, t_states, agg, pool, idx, mask, *rest)
+  def record(programs, ts, teachers, pool, epoch, key, targets=None, **kwargs):
+    calls.append((teachers.states, pool, targets))
+    return run(programs, ts, teachers, pool, epoch, key, targets, **kwargs)
 
   monkeypatch.setattr(oneshot, 'run_kd_steps', record)
   overrides = {'feddf.total_steps': 2, 'feddf.eval_every': 2, 'feddf.teacher_bn': 'running'}
@@ -1171,9 +1170,9 @@ def test_fedhydra_stored_teacher_targets_give_the_numbers_of_per_step_teachers(
 
   teacher_rows, per_step = oneshot.pool_teacher_logits, kd.kd_step
 
-  def counted_rows(kcfg, modules, states, agg, pool, idx):
+  def counted_rows(programs, teachers, pool, idx):
     calls['rows'] += int(idx.shape[0])
-    return teacher_rows(kcfg, modules, states, agg, pool, idx)
+    return teacher_rows(programs, teachers, pool, idx)
 
   def counted_step(*args):
     calls['kd_step'] += 1

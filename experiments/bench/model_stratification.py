@@ -195,6 +195,8 @@ def ms_step_gflop(sz, teachers, generator) -> float:
 def jfed_dense_epoch(sz, teachers, generator, c: int):
   from jfed.distill import (
     KDConfig,
+    KDPrograms,
+    Teachers,
     committed,
     dense_config,
     epoch_batches,
@@ -219,7 +221,8 @@ def jfed_dense_epoch(sz, teachers, generator, c: int):
   pool = committed(pool)
   teachers = teachers._replace(states=committed(teachers.states))
   ts = committed(student_state(ocfg, student))
-  modules, states = (teachers.module,), (teachers.states,)
+  programs = KDPrograms(kcfg, ocfg, (teachers.module,), student_module)
+  kd_teachers = Teachers((teachers.states,))
 
   def epoch():
     res = synthesize(generator, teachers, student_module, ts.model, c, jax.random.PRNGKey(3), syn)
@@ -228,13 +231,9 @@ def jfed_dense_epoch(sz, teachers, generator, c: int):
     t = ts
     for b in range(idx.shape[0]):
       t, _ = kd_step(
-        kcfg,
-        ocfg,
-        modules,
-        student_module,
+        programs,
         t,
-        states,
-        None,
+        kd_teachers,
         *gather_batch(p, jnp.asarray(idx[b])),
         jnp.asarray(mask[b]),
         jax.random.PRNGKey(b),
@@ -254,6 +253,9 @@ def jfed_hydra_kd(sz, teachers, c: int):
   from jfed.distill.kd import (
     KD_BLOCK,
     KDConfig,
+    KDEpoch,
+    KDPrograms,
+    Teachers,
     gather_batch_with_targets,
     kd_block,
     kd_block_on_targets,
@@ -276,13 +278,14 @@ def jfed_hydra_kd(sz, teachers, c: int):
   agg = committed((jnp.asarray(u / u.sum(1, keepdims=True)), jnp.asarray(u / u.sum(0))))
   teachers = teachers._replace(states=committed(teachers.states))
   ts = committed(student_state(ocfg, student))
-  modules, states = (teachers.module,), (teachers.states,)
+  programs = KDPrograms(kcfg, ocfg, (teachers.module,), student_module)
+  kd_teachers = Teachers((teachers.states,), agg)
   idx, mask = epoch_batches(pool, np.random.default_rng(1), sz.kd_batch)
 
   def targets():
     out = []
     for b in range(idx.shape[0]):
-      out.append(pool_teacher_logits(kcfg, modules, states, agg, pool, jnp.asarray(idx[b])))
+      out.append(pool_teacher_logits(programs, kd_teachers, pool, jnp.asarray(idx[b])))
     return jnp.zeros((sz.pool, c)).at[jnp.asarray(idx.reshape(-1))].set(jnp.concatenate(out))
 
   stored = targets()
@@ -292,35 +295,30 @@ def jfed_hydra_kd(sz, teachers, c: int):
     for b in range(idx.shape[0]):
       x, y = gather_batch(pool, jnp.asarray(idx[b]))
       t, _ = kd_step(
-        kcfg, ocfg, modules, student_module, t, states, agg, x, y, jnp.asarray(mask[b]),
-        jax.random.PRNGKey(b), 0.01,
-      )  # fmt: skip
+        programs, t, kd_teachers, x, y, jnp.asarray(mask[b]), jax.random.PRNGKey(b), 0.01
+      )
     return t.model.params
 
   def on_targets():
     t = ts
     for b in range(idx.shape[0]):
       x, tb = gather_batch_with_targets(pool, stored, jnp.asarray(idx[b]))
-      t, _ = kd_step_on_targets(kcfg, ocfg, student_module, t, x, tb, jnp.asarray(mask[b]), 0.01)
+      t, _ = kd_step_on_targets(programs, t, x, tb, jnp.asarray(mask[b]), 0.01)
     return t.model.params
 
-  lrs = np.full(idx.shape[0], 0.01, np.float32)
+  epoch = KDEpoch(idx, mask, np.full(idx.shape[0], 0.01, np.float32))
   key = jax.random.PRNGKey(0)
 
   def per_step_blocks():
     t = ts
     for first in range(0, idx.shape[0], KD_BLOCK):
-      t, _, _ = kd_block(
-        kcfg, ocfg, modules, student_module, t, states, agg, pool, idx, mask, key, lrs, first
-      )
+      t, _, _ = kd_block(programs, t, kd_teachers, pool, epoch, key, first)
     return t.model.params
 
   def on_targets_blocks():
     t = ts
     for first in range(0, idx.shape[0], KD_BLOCK):
-      t, _, _ = kd_block_on_targets(
-        kcfg, ocfg, student_module, t, pool, stored, idx, mask, lrs, first
-      )
+      t, _, _ = kd_block_on_targets(programs, t, pool, stored, epoch, first)
     return t.model.params
 
   return {

@@ -20,6 +20,9 @@ from jfed.distill.generator import (
 )
 from jfed.distill.kd import (
   KDConfig,
+  KDEpoch,
+  KDPrograms,
+  Teachers,
   committed,
   crop_padding,
   gather_batch,

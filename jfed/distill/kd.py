@@ -14,6 +14,7 @@ once per image (`pool_teacher_logits`) and steps with `kd_step_on_targets`, the 
 update without the teachers.
 """
 
+import dataclasses
 import functools
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -152,31 +153,47 @@ def gather_batch(pool: ImagePool, idx: jnp.ndarray):
   return pool_gather(pool, idx)
 
 
-def kd_step(
-  kcfg: KDConfig,
-  spec: OptimizerSpec,
-  teacher_modules,
-  student_module,
-  ts: TrainState,
-  teacher_states,
-  agg,
-  x,
-  y,
-  mask,
-  key,
-  lr,
-):
-  """One student step on the batch (x, y) (`gather_batch`; mask: real samples) with learning
-  rate `lr`.
+@dataclasses.dataclass(frozen=True)
+class KDPrograms:
+  """What a KD program is compiled for, one static (hashable) argument: the KD settings, the
+  student's optimiser, the teachers' flax modules (one per teacher group) and the student's."""
+
+  kcfg: KDConfig
+  spec: OptimizerSpec
+  teacher_modules: Tuple[Any, ...]
+  student_module: Any
+
+
+class Teachers(NamedTuple):
+  """The teachers' arrays a KD step reads: per teacher group its stacked ModelState, and what
+  the aggregation needs (see `teacher_logits`)."""
+
+  states: Tuple[ModelState, ...]
+  agg: Any = None
+
+
+class KDEpoch(NamedTuple):
+  """An epoch's KD batches, on the host: pool indices [steps, B], their mask [steps, B] (1 for
+  real samples, 0 for padding) and each step's learning rate [steps]."""
+
+  idx: np.ndarray
+  mask: np.ndarray
+  lrs: np.ndarray
+
+
+def _teacher_logits(programs: KDPrograms, teachers: Teachers, x, y):
+  return teacher_logits(
+    programs.kcfg, programs.teacher_modules, teachers.states, x, y, teachers.agg
+  )
+
+
+def kd_step(programs: KDPrograms, ts: TrainState, teachers: Teachers, x, y, mask, key, lr):
+  """One student step on a batch gathered from the pool (`gather_batch`).
 
   Args:
-    kcfg: The KD configuration (static).
-    spec: The student's optimiser settings.
-    teacher_modules: Per teacher group, the flax module (static).
-    student_module: The student's flax module (static).
+    programs: What the step is compiled for (static).
     ts: The student's TrainState.
-    teacher_states: Per teacher group, its stacked ModelState.
-    agg: What the teacher aggregation needs (see `teacher_logits`).
+    teachers: The teachers' states and aggregation inputs.
     x: Images [B, H, W, C].
     y: Their target labels [B].
     mask: [B], 1 for real samples and 0 for padding.
@@ -186,25 +203,25 @@ def kd_step(
   Returns:
     (new TrainState, mean loss over the real samples).
   """
+  kcfg = programs.kcfg
   k_aug, k_ods = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
   x = _kd_view(kcfg, k_aug, x)
   if kcfg.ods_eta > 0:
-    r = jax.random.uniform(k_ods, (x.shape[0], student_module.num_classes), minval=-1.0, maxval=1.0)
+    r = jax.random.uniform(
+      k_ods, (x.shape[0], programs.student_module.num_classes), minval=-1.0, maxval=1.0
+    )
     score = lambda xx: jnp.sum(
-      r
-      * jax.nn.softmax(
-        teacher_logits(kcfg, teacher_modules, teacher_states, xx, y, agg) / kcfg.ods_T
-      )
+      r * jax.nn.softmax(_teacher_logits(programs, teachers, xx, y) / kcfg.ods_T)
     )
     x = jax.lax.stop_gradient(x + kcfg.ods_eta * jnp.sign(jax.grad(score)(x)))
-  t = teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg)
-  return _student_step(kcfg, spec, student_module, ts, x, t, mask, lr)
+  t = _teacher_logits(programs, teachers, x, y)
+  return _student_step(programs, ts, x, t, mask, lr)
 
 
 # The step's body is also the body of `kd_block`'s loop; jitted, it keeps its name (the compile
 # counts of tests/test_driver.py name programs by it).
 _kd_update = kd_step
-kd_step = jax.jit(kd_step, static_argnums=(0, 1, 2, 3))
+kd_step = jax.jit(kd_step, static_argnums=0)
 
 # The steps of one compiled KD block (`kd_block`, `kd_block_on_targets`): an epoch's steps run
 # as ceil(steps / KD_BLOCK) calls of one program, the last block's unused steps skipped.
@@ -221,79 +238,60 @@ def kd_block_size(backend: Optional[str] = None) -> int:
 
 
 def run_kd_steps(
-  kcfg: KDConfig,
-  spec: OptimizerSpec,
-  teacher_modules,
-  student_module,
+  programs: KDPrograms,
   ts: TrainState,
-  teacher_states,
-  agg,
+  teachers: Teachers,
   pool: ImagePool,
-  idx,
-  mask,
+  epoch: KDEpoch,
   key,
-  lrs,
   targets=None,
   block: Optional[int] = None,
 ) -> Tuple[TrainState, np.ndarray]:
-  """An epoch's KD steps: step j on pool[idx[j]] with key fold_in(key, j) and learning rate
-  lrs[j]; with `targets` (`pool_teacher_logits` of every slot) the stored teacher logits
-  instead of the teachers. One call per step (`kd_step`), or `block` steps per call
-  (`kd_block`); by default `kd_block_size()`.
+  """An epoch's KD steps: step j on pool[epoch.idx[j]] with key fold_in(key, j) and learning
+  rate epoch.lrs[j]. One call per step (`kd_step`), or `block` steps per call (`kd_block`).
 
   Args:
-    kcfg: The KD configuration (static).
-    spec: The student's optimiser settings.
-    teacher_modules: Per teacher group, the flax module (static).
-    student_module: The student's flax module (static).
+    programs: What the steps are compiled for (static).
     ts: The student's TrainState.
-    teacher_states: Per teacher group, its stacked ModelState.
-    agg: What the teacher aggregation needs (see `teacher_logits`).
+    teachers: The teachers' states and aggregation inputs.
     pool: The image pool the batches are gathered from.
-    idx: The epoch's batches, pool indices [steps, B].
-    mask: [steps, B], 1 for real samples and 0 for padding.
+    epoch: The epoch's batches and learning rates.
     key: The epoch's KD key.
-    lrs: The learning rate of each step, [steps].
-    targets: The stored teacher logits of every pool slot [capacity, C], or None.
+    targets: The stored teacher logits of every pool slot [capacity, C]
+      (`pool_teacher_logits`), used instead of the teachers; or None.
     block: Steps per compiled call; None for `kd_block_size()`.
 
   Returns:
     (the trained TrainState, the loss of each step [steps], on the host).
   """
   block = kd_block_size() if block is None else block
-  steps, losses = idx.shape[0], []
+  steps, losses = epoch.idx.shape[0], []
   if block > 1:
     for first in range(0, steps, block):
       if targets is not None:
-        ts, loss, n = kd_block_on_targets(
-          kcfg, spec, student_module, ts, pool, targets, idx, mask, lrs, first, block
-        )
+        ts, loss, n = kd_block_on_targets(programs, ts, pool, targets, epoch, first, block)
       else:
-        ts, loss, n = kd_block(
-          kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, pool, idx,
-          mask, key, lrs, first, block,
-        )  # fmt: skip
+        ts, loss, n = kd_block(programs, ts, teachers, pool, epoch, key, first, block)
       losses.append((loss, n))
   else:
     for b in range(steps):
-      batch_idx, batch_mask = jnp.asarray(idx[b]), jnp.asarray(mask[b])
+      batch_idx, batch_mask = jnp.asarray(epoch.idx[b]), jnp.asarray(epoch.mask[b])
+      lr = epoch.lrs[b]
       if targets is not None:
         x, t = gather_batch_with_targets(pool, targets, batch_idx)
-        ts, loss = kd_step_on_targets(kcfg, spec, student_module, ts, x, t, batch_mask, lrs[b])
+        ts, loss = kd_step_on_targets(programs, ts, x, t, batch_mask, lr)
       else:
-        ts, loss = kd_step(
-          kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg,
-          *gather_batch(pool, batch_idx), batch_mask, jax.random.fold_in(key, b), lrs[b],
-        )  # fmt: skip
+        x, y = gather_batch(pool, batch_idx)
+        ts, loss = kd_step(programs, ts, teachers, x, y, batch_mask, jax.random.fold_in(key, b), lr)
       losses.append((loss, 1))
   out = [np.asarray(loss).reshape(-1)[:n] for loss, n in losses]  # one wait, at the end
   return ts, np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def _block_rows(idx, mask, first: int, lrs, size: int):
+def _block_rows(epoch: KDEpoch, first: int, size: int):
   """Rows `first` .. `first + size - 1` of an epoch's batches, padded to `size` steps: (idx,
   mask, step numbers, learning rates, active)."""
-  n = idx.shape[0]
+  n = epoch.idx.shape[0]
   rows = min(size, n - first)
   pad = size - rows
 
@@ -303,7 +301,8 @@ def _block_rows(idx, mask, first: int, lrs, size: int):
 
   steps = np.arange(first, first + size, dtype=np.int32)
   active = np.arange(size) < rows
-  return take(idx, 0), take(mask, False), steps, take(np.asarray(lrs, np.float32), 0.0), active
+  lrs = take(np.asarray(epoch.lrs, np.float32), 0.0)
+  return take(epoch.idx, 0), take(epoch.mask, False), steps, lrs, active
 
 
 def _scan_steps(update, ts, xs, active):
@@ -319,54 +318,38 @@ def _scan_steps(update, ts, xs, active):
 # The block's batches are gathered before the block (one cheap gather program per pool
 # capacity), so the block itself compiles once per (settings, architectures, batch shape), as
 # `kd_step` does, whatever the budget.
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _kd_block(
-  kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, xs, ys, mask, key,
-  steps, lrs, active,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnums=0)
+def _kd_block(programs: KDPrograms, ts, teachers: Teachers, rows, key, active):
+  """`_kd_update` over rows = (images, labels, masks, step numbers, learning rates)."""
+
   def update(ts, row):
     x, y, m, step, lr = row
-    return _kd_update(
-      kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, x, y, m,
-      jax.random.fold_in(key, step), lr,
-    )  # fmt: skip
+    return _kd_update(programs, ts, teachers, x, y, m, jax.random.fold_in(key, step), lr)
 
-  return _scan_steps(update, ts, (xs, ys, mask, steps, lrs), active)
+  return _scan_steps(update, ts, rows, active)
 
 
 def kd_block(
-  kcfg: KDConfig,
-  spec: OptimizerSpec,
-  teacher_modules,
-  student_module,
+  programs: KDPrograms,
   ts: TrainState,
-  teacher_states,
-  agg,
+  teachers: Teachers,
   pool: ImagePool,
-  idx,
-  mask,
+  epoch: KDEpoch,
   key,
-  lrs,
   first: int,
   size: int = KD_BLOCK,
 ) -> Tuple[TrainState, jnp.ndarray, int]:
-  """Steps `first` .. `first + size - 1` of an epoch's KD (`kd_step` on pool[idx[j]] with
-  key fold_in(key, j) and learning rate lrs[j]) as one compiled program: an epoch of many small
-  steps pays one dispatch per block instead of one per step.
+  """Steps `first` .. `first + size - 1` of an epoch's KD (`kd_step` on pool[epoch.idx[j]] with
+  key fold_in(key, j) and learning rate epoch.lrs[j]) as one compiled program: an epoch of many
+  small steps pays one dispatch per block instead of one per step.
 
   Args:
-    kcfg: The KD configuration (static).
-    spec: The student's optimiser settings.
-    teacher_modules: Per teacher group, the flax module (static).
-    student_module: The student's flax module (static).
+    programs: What the block is compiled for (static).
     ts: The student's TrainState.
-    teacher_states: Per teacher group, its stacked ModelState.
-    agg: What the teacher aggregation needs (see `teacher_logits`).
+    teachers: The teachers' states and aggregation inputs.
     pool: The image pool the batches are gathered from.
-    idx: The epoch's batches, pool indices [steps, B].
-    mask: [steps, B], 1 for real samples and 0 for padding.
+    epoch: The epoch's batches and learning rates.
     key: The epoch's KD key (step j's key is fold_in(key, j)).
-    lrs: The learning rate of each step of the epoch, [steps].
     first: The block's first step.
     size: The block's steps (one compiled program per size).
 
@@ -375,58 +358,49 @@ def kd_block(
     min(size, steps - first), the first slots; the losses stay on the device, so that blocks
     are dispatched without waiting).
   """
-  idx, mask, steps, lr, active = _block_rows(idx, mask, first, lrs, size)
+  idx, mask, steps, lr, active = _block_rows(epoch, first, size)
   xs, ys = gather_batch(pool, idx)
-  ts, losses = _kd_block(
-    kcfg, spec, teacher_modules, student_module, ts, teacher_states, agg, xs, ys, mask, key,
-    steps, lr, active,
-  )  # fmt: skip
+  ts, losses = _kd_block(programs, ts, teachers, (xs, ys, mask, steps, lr), key, active)
   return ts, losses, int(active.sum())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _kd_block_on_targets(kcfg, spec, student_module, ts, xs, t, mask, lrs, active):
+@functools.partial(jax.jit, static_argnums=0)
+def _kd_block_on_targets(programs: KDPrograms, ts, rows, active):
+  """`_student_step` over rows = (images, teacher logits, masks, learning rates)."""
+
   def update(ts, row):
     x, t, m, lr = row
-    return _student_step(kcfg, spec, student_module, ts, x, t, m, lr)
+    return _student_step(programs, ts, x, t, m, lr)
 
-  return _scan_steps(update, ts, (xs, t, mask, lrs), active)
+  return _scan_steps(update, ts, rows, active)
 
 
 def kd_block_on_targets(
-  kcfg: KDConfig,
-  spec: OptimizerSpec,
-  student_module,
+  programs: KDPrograms,
   ts: TrainState,
   pool: ImagePool,
   targets,
-  idx,
-  mask,
-  lrs,
+  epoch: KDEpoch,
   first: int,
   size: int = KD_BLOCK,
 ) -> Tuple[TrainState, jnp.ndarray, int]:
   """`kd_block` with the stored teacher logits (`kd_step_on_targets` per step).
 
   Args:
-    kcfg: The KD configuration (static).
-    spec: The student's optimiser settings.
-    student_module: The student's flax module (static).
+    programs: What the block is compiled for (static).
     ts: The student's TrainState.
     pool: The image pool the batches are gathered from.
     targets: The stored teacher logits of every pool slot, [capacity, C].
-    idx: The epoch's batches, pool indices [steps, B].
-    mask: [steps, B], 1 for real samples and 0 for padding.
-    lrs: The learning rate of each step of the epoch, [steps].
+    epoch: The epoch's batches and learning rates.
     first: The block's first step.
     size: The block's steps.
 
   Returns:
     As `kd_block`'s.
   """
-  idx, mask, _, lr, active = _block_rows(idx, mask, first, lrs, size)
+  idx, mask, _, lr, active = _block_rows(epoch, first, size)
   xs, t = gather_batch_with_targets(pool, targets, idx)
-  ts, losses = _kd_block_on_targets(kcfg, spec, student_module, ts, xs, t, mask, lr, active)
+  ts, losses = _kd_block_on_targets(programs, ts, (xs, t, mask, lr), active)
   return ts, losses, int(active.sum())
 
 
@@ -437,16 +411,14 @@ def targets_depend_only_on_the_image(kcfg: KDConfig) -> bool:
   return kcfg.augment == 'none' and kcfg.ods_eta == 0 and kcfg.teacher_bn == 'running'
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def pool_teacher_logits(kcfg: KDConfig, teacher_modules, teacher_states, agg, pool, idx):
+@functools.partial(jax.jit, static_argnums=0)
+def pool_teacher_logits(programs: KDPrograms, teachers: Teachers, pool: ImagePool, idx):
   """The aggregated teacher logits of the stored images pool[idx], as `kd_step` computes them
   (for `kd_step_on_targets`; valid when `targets_depend_only_on_the_image`).
 
   Args:
-    kcfg: The KD configuration (static).
-    teacher_modules: Per teacher group, the flax module (static).
-    teacher_states: Per teacher group, its stacked ModelState.
-    agg: What the teacher aggregation needs (see `teacher_logits`).
+    programs: What the teachers are compiled for (static).
+    teachers: The teachers' states and aggregation inputs.
     pool: The image pool.
     idx: Indices into the pool, shape [B].
 
@@ -454,7 +426,7 @@ def pool_teacher_logits(kcfg: KDConfig, teacher_modules, teacher_states, agg, po
     Teacher logits [B, num_classes].
   """
   x, y = pool_gather(pool, idx)
-  return teacher_logits(kcfg, teacher_modules, teacher_states, x, y, agg)
+  return _teacher_logits(programs, teachers, x, y)
 
 
 @jax.jit
@@ -473,16 +445,14 @@ def gather_batch_with_targets(pool: ImagePool, targets: jnp.ndarray, idx: jnp.nd
   return x, targets[idx]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def kd_step_on_targets(kcfg: KDConfig, spec: OptimizerSpec, student_module, ts, x, t, mask, lr):
-  """`kd_step` with the teacher logits t given (`pool_teacher_logits`): the same student step
+@functools.partial(jax.jit, static_argnums=0)
+def kd_step_on_targets(programs: KDPrograms, ts: TrainState, x, t, mask, lr):
+  """`kd_step` with the teacher logits given (`pool_teacher_logits`): the same student step
   without the teachers' forward pass, about 40 % of a FedHydra KD step with five CNNMnist
   teachers on CPU (`experiments.bench.model_stratification --stages=hydra_kd`).
 
   Args:
-    kcfg: The KD configuration (static).
-    spec: The student's optimiser settings.
-    student_module: The student's flax module (static).
+    programs: What the step is compiled for (static).
     ts: The student's TrainState.
     x: Images [B, H, W, C].
     t: Their teacher logits [B, C].
@@ -492,10 +462,11 @@ def kd_step_on_targets(kcfg: KDConfig, spec: OptimizerSpec, student_module, ts, 
   Returns:
     (new TrainState, mean loss over the real samples).
   """
-  return _student_step(kcfg, spec, student_module, ts, x, t, mask, lr)
+  return _student_step(programs, ts, x, t, mask, lr)
 
 
-def _student_step(kcfg: KDConfig, spec: OptimizerSpec, student_module, ts, x, t, mask, lr):
+def _student_step(programs: KDPrograms, ts: TrainState, x, t, mask, lr):
+  kcfg, student_module = programs.kcfg, programs.student_module
   t = jax.lax.stop_gradient(t)
   w = mask.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(w), 1.0)
@@ -513,7 +484,7 @@ def _student_step(kcfg: KDConfig, spec: OptimizerSpec, student_module, ts, x, t,
 
   (loss, new_bs), grads = jax.value_and_grad(objective, has_aux=True)(ts.model.params)
   opt_state = set_learning_rate(ts.opt_state, lr)
-  updates, opt_state = student_optimizer(spec).update(grads, opt_state, ts.model.params)
+  updates, opt_state = student_optimizer(programs.spec).update(grads, opt_state, ts.model.params)
   return TrainState(
     ModelState(optax.apply_updates(ts.model.params, updates), new_bs), opt_state
   ), loss

@@ -88,6 +88,9 @@ from jfed.distill import (
 from jfed.distill import plots as distill_plots
 from jfed.distill.kd import (
   KD_AUGMENT,
+  KDEpoch,
+  KDPrograms,
+  Teachers,
   pool_teacher_logits,
   run_kd_steps,
   targets_depend_only_on_the_image,
@@ -851,12 +854,11 @@ class DistillationAlgorithm(Algorithm):
     state, extra_record = self.recipe.before_kd(ctx, aux, rd, state, r, e)
     record.update(extra_record)
     pool, idx, mask = self._kd_batches(aux, state, np.random.default_rng((int(ctx.run.seed), r, e)))
-    modules = tuple(t.module for t in rd.teachers)
-    t_states = tuple(t.states for t in rd.teachers)
-    agg = self.recipe.kd_agg(state, rd)
+    programs = KDPrograms(s.kd, s.opt, tuple(t.module for t in rd.teachers), aux.student_module)
+    teachers = Teachers(tuple(t.states for t in rd.teachers), self.recipe.kd_agg(state, rd))
     targets = None
     if self.recipe.kd_agg_fixed_in_round and targets_depend_only_on_the_image(s.kd):
-      targets = self._pool_targets(aux, r, pool, modules, t_states, agg, written)
+      targets = self._pool_targets(aux, r, pool, programs, teachers, written)
     spe = max(1, s.steps_per_epoch)
     kd_key = jax.random.fold_in(key, 1)
     steps = idx.shape[0]
@@ -865,10 +867,8 @@ class DistillationAlgorithm(Algorithm):
     if s.opt.schedule == 'cosine':  # per step
       lrs = [scheduled_lr('cosine', s.opt.lr, e * spe + b, s.epochs * spe) for b in range(steps)]
       lr = lrs[-1] if steps else lr
-    ts, losses = run_kd_steps(
-      s.kd, s.opt, modules, aux.student_module, state.student, t_states, agg, pool, idx, mask,
-      kd_key, np.asarray(lrs, np.float32), targets,
-    )  # fmt: skip
+    epoch = KDEpoch(idx, mask, np.asarray(lrs, np.float32))
+    ts, losses = run_kd_steps(programs, state.student, teachers, pool, epoch, kd_key, targets)
     record.update(
       {
         'kd_loss': float(np.mean(losses)) if len(losses) else float('nan'),
@@ -879,7 +879,7 @@ class DistillationAlgorithm(Algorithm):
     )
     return state._replace(student=ts), record, images
 
-  def _pool_targets(self, aux: DistillAux, r: int, pool, modules, t_states, agg, written=None):
+  def _pool_targets(self, aux: DistillAux, r: int, pool, programs, teachers, written=None):
     """The teacher logits of every filled slot of `pool`, computing only the slots written
     since the last call of round r (all of them on a new round or after a resume).
 
@@ -899,7 +899,7 @@ class DistillationAlgorithm(Algorithm):
         logits = cached.logits
         for rows in _scattered_blocks(written[1], block, capacity):
           idx = jnp.asarray(np.minimum(rows, capacity - 1), jnp.int32)
-          t = pool_teacher_logits(aux.settings.kd, modules, t_states, agg, pool, idx)
+          t = pool_teacher_logits(programs, teachers, pool, idx)
           logits = logits.at[jnp.asarray(rows)].set(t, mode='drop')
         aux.kd_targets = KDTargets(r, count, logits)
         return logits
@@ -913,7 +913,7 @@ class DistillationAlgorithm(Algorithm):
       logits = None
     for start in np.unique(slots // block) * block:
       idx = jnp.asarray(np.minimum(start + np.arange(block), capacity - 1), jnp.int32)
-      t = pool_teacher_logits(aux.settings.kd, modules, t_states, agg, pool, idx)
+      t = pool_teacher_logits(programs, teachers, pool, idx)
       if logits is None:
         logits = jnp.zeros((capacity, t.shape[-1]), t.dtype)
       logits = logits.at[idx].set(t)
