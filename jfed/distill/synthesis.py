@@ -220,22 +220,30 @@ def _targets(cfg, k_y, num_classes):
   return jnp.sort(y) if cfg.sort_targets else y
 
 
-def _synthesis_step(
-  generator,
-  teacher_modules,
-  student_module,
-  cfg,
-  carry: _Carry,
-  k_aug,
-  z_fixed,
-  targets,
-  teacher_states,
-  student_state,
-  agg,
-  weights,
-):
-  """One generator step; `cfg` is `_program_config`'s, `weights` [3] the (bn, oh, adv) loss
-  weights."""
+class _Programs(NamedTuple):
+  """What a synthesis program is compiled for (static): the generator, the teachers' modules
+  (one per group), the student's (None: no adversarial term) and `_program_config`'s settings."""
+
+  generator: Any
+  teacher_modules: Any
+  student_module: Any
+  cfg: Any
+
+
+class _Models(NamedTuple):
+  """The arrays a generator step reads: the teachers' stacked states, the student's state, the
+  aggregation's inputs and the (bn, oh, adv) loss weights [3]."""
+
+  teacher_states: Any
+  student_state: Any
+  agg: Any
+  weights: Any
+
+
+def _synthesis_step(programs: _Programs, carry: _Carry, k_aug, z_fixed, targets, models: _Models):
+  """One generator step on the noise z_fixed (unless z is optimised) towards `targets`."""
+  generator, teacher_modules, student_module, cfg = programs
+  teacher_states, student_state, agg, weights = models
   strategy = cfg.strategy
 
   def loss_fn(ov, gen_bs):
@@ -298,38 +306,14 @@ def _finish(cfg, carry, z_fixed, targets, losses, comps, xs=None):
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _synthesize_scan(
-  generator,
-  teacher_modules,
-  student_module,
-  cfg,
-  num_classes,
-  key,
-  teacher_states,
-  student_state,
-  agg,
-  gen_state,
-  weights,
-):
-  carry, z, k_y, step_keys = _init(generator, cfg, key, gen_state)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _synthesize_scan(programs: _Programs, num_classes: int, key, models: _Models, gen_state):
+  cfg = programs.cfg
+  carry, z, k_y, step_keys = _init(programs.generator, cfg, key, gen_state)
   targets = _targets(cfg, k_y, num_classes)
 
   def body(c, k):
-    return _synthesis_step(
-      generator,
-      teacher_modules,
-      student_module,
-      cfg,
-      c,
-      k,
-      z,
-      targets,
-      teacher_states,
-      student_state,
-      agg,
-      weights,
-    )
+    return _synthesis_step(programs, c, k, z, targets, models)
 
   carry, (losses, comps, xs) = jax.lax.scan(body, carry, step_keys)
   return _finish(cfg, carry, z, targets, losses, comps, xs)
@@ -341,7 +325,7 @@ def _py_init(generator, cfg, num_classes, key, gen_state):
   return carry, z, _targets(cfg, k_y, num_classes), step_keys
 
 
-_py_step = jax.jit(_synthesis_step, static_argnums=(0, 1, 2, 3))
+_py_step = jax.jit(_synthesis_step, static_argnums=0)
 
 
 def synthesize(
@@ -384,37 +368,14 @@ def synthesize(
   loop = cfg.loop
   if loop == 'auto':
     loop = 'python' if jax.default_backend() == 'cpu' else 'scan'
+  programs = _Programs(generator, modules, student_module, cfg)
+  models = _Models(states, student_state, agg, weights)
   if loop == 'scan':
-    return _synthesize_scan(
-      generator,
-      modules,
-      student_module,
-      cfg,
-      num_classes,
-      key,
-      states,
-      student_state,
-      agg,
-      generator_state,
-      weights,
-    )
+    return _synthesize_scan(programs, num_classes, key, models, generator_state)
   carry, z, targets, step_keys = commit(_py_init(generator, cfg, num_classes, key, generator_state))
   losses, comps, xs = [], [], []
   for i in range(cfg.g_steps):
-    carry, (l, c, x) = _py_step(
-      generator,
-      modules,
-      student_module,
-      cfg,
-      carry,
-      step_keys[i],
-      z,
-      targets,
-      states,
-      student_state,
-      agg,
-      weights,
-    )
+    carry, (l, c, x) = _py_step(programs, carry, step_keys[i], z, targets, models)
     losses.append(l)
     comps.append(c)
     xs.append(x)

@@ -105,7 +105,7 @@ CoBoostingConfig = tc.concat(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask, mu, wdc, epoch):
+def weight_step(strategy, teacher_modules, teacher_states, weights, x, y, mask, step_size):
   """One Co-Boosting ensemble-weight step on a pool batch (x, y) (`gather_batch`, like the KD
   step: the pool's capacity stays out of the program) (as `github.com/rong-dai/Co-Boosting`
   does).
@@ -114,14 +114,13 @@ def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask
     strategy: How the teachers map over their clients (a `jfed.engine.training.STRATEGIES` value).
     teacher_modules: Per architecture, the teachers' flax module.
     teacher_states: Per architecture, the teachers' stacked models.
-    w: The current ensemble weights, [clients].
-    w_orig: The weights at the start of the epoch, [clients].
+    weights: (the current ensemble weights, the weights at the start of the epoch), each
+      [clients].
     x: A pool batch of images.
     y: Their labels (the generator's classes).
     mask: [B] bool, the real rows of the batch.
-    mu: The weight step size (decayed as mu · wdc^epoch).
-    wdc: The per-epoch decay factor of the step size.
-    epoch: The epoch (a float scalar).
+    step_size: (mu, wdc, epoch): the step size mu decayed as mu · wdc^epoch (epoch a float
+      scalar).
 
   Returns:
     The updated ensemble weights, [clients].
@@ -132,11 +131,12 @@ def weight_step(strategy, teacher_modules, teacher_states, w, w_orig, x, y, mask
   per_client = jax.lax.stop_gradient(per_client)
   real = mask.astype(jnp.float32)
 
-  def ce(weights):
-    t = combine_logits(per_client, weights, normalize=True)
+  def ce(w):
+    t = combine_logits(per_client, w, normalize=True)
     return jnp.sum(cross_entropy(t, y, 'none') * real) / jnp.maximum(jnp.sum(real), 1.0)
 
-  return coboosting_weight_update(w, w_orig, jax.grad(ce)(w), mu, wdc, epoch)
+  w, w_orig = weights
+  return coboosting_weight_update(w, w_orig, jax.grad(ce)(w), *step_size)
 
 
 def _by_client(w, client_ids) -> list:
@@ -255,13 +255,10 @@ def update_weights(c: CoBoostingConfig, ctx: RunContext, aux, rd, state, r: int,
         aux.settings.kd.strategy,
         modules,
         t_states,
-        w,
-        w_orig,
+        (w, w_orig),
         *gather_batch(pool, jnp.asarray(idx[b])),
         jnp.asarray(mask[b]),
-        c.mu,
-        c.wdc,
-        jnp.float32(e),
+        (c.mu, c.wdc, jnp.float32(e)),
       )
   return state._replace(extra=w), {'ensemble_weights': _by_client(w, rd.data)}
 
