@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:$PWD JFED_DATA_DIR=$PWD/.data PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc; python3 -c "import jax, flax, optax, ml_collections, ott, dp_accounting, experiments.fedhydra_tables; print('jax', jax.__version__, jax.devices())" || exit 1
 git init -q . && printf '/.data/\n/.whl/\n/.device/\n/.ref/\n' >> .git/info/exclude
 mut=
-[ "${MUT_S:-465}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-465} nice -n 10 python3 -m experiments.mutation \
+[ "${MUT_S:-465}" -gt 0 ] && (JAX_PLATFORMS=cpu timeout ${MUT_S:-465} nice -n 10 python3 -m experiments.dev.mutation \
    --modules=${MUT_MODULES:-fedhydra,distill_losses} --max_children=${MUT_CHILDREN:-12} \
    --out=/tmp/mutation_out > /tmp/mutation.log 2>&1) &
 [ "${MUT_S:-465}" -gt 0 ] && mut=$!
@@ -24,12 +24,12 @@ mut=
 [ "${MS_S:-0}" -gt 0 ] && timeout ${MS_S} python3 -m experiments.ms_precision \
    --config=experiments/configs/fedhydra_digits.py:quick --config.fedhydra.ms_impl=batched \
    --out=/tmp/ms_precision --doc=$OUT/ms_precision_digits_gpu.md > $OUT/ms_precision_gpu.log 2>&1
-python3 -m experiments.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-430} --out=$OUT
+python3 -m experiments.dev.gpu_queue --next --parallel=${PARALLEL:-3} --limit_s=${LIMIT_S:-430} --out=$OUT
 if [ -n "$mut" ]; then
   wait $mut; pkill -f mutmut; sleep 2; tail -5 /tmp/mutation.log
   mkdir -p /tmp/mutation_out; cp /tmp/mutation.log /tmp/mutation_out/
   tar czf $OUT/mutation.tar.gz -C /tmp mutation_out
-  # the verdicts so far (experiments.mutation --state, runs/mutation/state: git ignores it, so
+  # the verdicts so far (experiments.dev.mutation --state, runs/mutation/state: git ignores it, so
   # the device call carries it): unpacked here, a module stopped part-way resumes from them
   # (`tar xzf mutation_state.tar.gz` in the repository's root)
   tar czf $OUT/mutation_state.tar.gz runs/mutation/state

@@ -278,7 +278,7 @@ def budget_enough_lines(results: dict, methods: List[str], partitions: List[str]
         '',
         f'Not met: {", ".join(below)} end at or below the teacher-free baseline, so for them this '
         "budget is not yet a mechanism budget; the paper's own budget of Tables 1-2 "
-        '(Fashion-MNIST) is on the GPU queue (`python -m experiments.gpu_queue --list`).',
+        '(Fashion-MNIST) is on the GPU queue (`python -m experiments.dev.gpu_queue --list`).',
       ]
   return lines
 

@@ -24,7 +24,7 @@ DDPM_TINY = dict(timesteps=20, base_channels=8, steps=30, batch=16, lr=2e-3)
 DDPM_IMAGES = 40
 
 
-# Set by experiments.mutation for the pytest runs of mutmut.
+# Set by experiments.dev.mutation for the pytest runs of mutmut.
 MUTATION_ENV = 'JFED_MUTATION_TESTING'
 
 

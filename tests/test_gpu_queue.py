@@ -1,5 +1,5 @@
-"""The GPU queue (experiments/gpu_queue.py): chunks that name real commands, what comes back of a
-chunk (results, never checkpoints), the ledger, the time limit and hostile archives."""
+"""The GPU queue (experiments/dev/gpu_queue.py): chunks that name real commands, what comes back
+of a chunk (results, never checkpoints), the ledger, the time limit and hostile archives."""
 
 import importlib.util
 import io
@@ -11,7 +11,7 @@ import tarfile
 from absl import app
 import pytest
 
-from experiments import gpu_queue as q
+from experiments.dev import gpu_queue as q
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAKE = q.Chunk('fake_s0', 'fake', 'experiments.fedhydra_tables', ('--seeds=0',))

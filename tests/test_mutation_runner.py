@@ -1,13 +1,12 @@
-"""experiments.mutation's re-run of a triaged module: which mutants' verdicts it forgets."""
+"""experiments.dev.mutation's re-run of a triaged module: which mutants' verdicts it forgets."""
 
 import json
-import pathlib
 import tomllib
 
 from absl import app
 import pytest
 
-from experiments import mutation
+from experiments.dev import mutation
 
 
 def test_rerun_forgets_survivors_and_untested_mutants_only(tmp_path):
@@ -53,7 +52,7 @@ def test_verdicts_kept_in_the_repository_resume_a_new_scratch_copy(tmp_path):
 
 
 def test_every_file_of_the_method_layer_is_in_exactly_one_module():
-  root = pathlib.Path(mutation.__file__).resolve().parents[1]
+  root = mutation.ROOT
   files = set()
   for entry in mutation.MUTATED_PACKAGES:
     path = root / entry

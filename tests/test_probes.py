@@ -1,9 +1,9 @@
-"""experiments/probes.py: how a probe's ending is classified, and (slow) a handful of probes run
-as the whole list runs them (`python -m experiments.probes`)."""
+"""experiments/dev/probes.py: how a probe's ending is classified, and (slow) a handful of probes run
+as the whole list runs them (`python -m experiments.dev.probes`)."""
 
 import pytest
 
-from experiments import probes
+from experiments.dev import probes
 
 
 def test_endings_are_classified():

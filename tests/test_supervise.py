@@ -1,7 +1,7 @@
 """A multi-process run whose peer dies ends in one `error:` line naming the process that stopped
 and the checkpoint to resume from, with exit status 1 and none of JAX's C++ abort output
 (issue 85): the filter on runtime lines recorded from real failures, then two processes on
-digits with one of them killed are `experiments.probes`' dead_peer and dead_coordinator
+digits with one of them killed are `experiments.dev.probes`' dead_peer and dead_coordinator
 (tests/test_probes.py, the slow set)."""
 
 import io

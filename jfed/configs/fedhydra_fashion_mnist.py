@@ -54,7 +54,7 @@ Budgets (get_config(arg), comma-separated):
             sweep: the clients' 200 epochs 35 s, the three methods 88 s in all; FedAvg 57.63,
             OT 59.15, FedDF 59.59 (59.72), teacher ensemble 63.30
             (docs/results/fedhydra_paper_clients_dir0.5_h200.md). Through the GPU queue
-            (`python -m experiments.gpu_queue`, NVIDIA H100, seed 0, Dir(0.5)): DENSE 57.27
+            (`python -m experiments.dev.gpu_queue`, NVIDIA H100, seed 0, Dir(0.5)): DENSE 57.27
             (best 58.36) in 310 s, Co-Boosting 73.55 (83.17) in 322 s, FedAvg / OT / FedDF
             57.35 / 58.92 / 58.92 in 96 s; FedHydra needs about 21 min (62 of 200 epochs in
             470 s, 49.66 %): docs/results/gpu_queue/. With its KD pool bounded to a uniform

@@ -1,9 +1,9 @@
 """Re-checks the surviving mutants of a mutation report against today's tests, in minutes.
 
-    python -m experiments.mutation_recheck --report=docs/results/mutation/profiling.md \
+    python -m experiments.dev.mutation_recheck --report=docs/results/mutation/profiling.md \
         --tests=tests.test_profiling --names=kde_clusters,pruning_rates
 
-`experiments.mutation` (mutmut) takes about 10-20 s per mutant and worker; after new tests are
+`experiments.dev.mutation` (mutmut) takes about 10-20 s per mutant and worker; after new tests are
 written for its survivors, this applies each survivor's one-line change (the `-`/`+` lines of
 its diff in the report, matched without indentation inside the mutated function) to a copy of
 the module, imports the copy, points the test module's `--names` at the copy's functions and
@@ -26,11 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('report', None, 'A mutation report: experiments.mutation OUT/<module>.md.')
+flags.DEFINE_string('report', None, 'A mutation report: experiments.dev.mutation OUT/<module>.md.')
 flags.DEFINE_string('tests', None, 'The test module, dotted (e.g. tests.test_profiling).')
 flags.DEFINE_list('names', None, 'The names the test module imported from the mutated module.')
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MUTANT = re.compile(r'### (\S+)\n\n```diff\n(.*?)```', re.S)
 
 Case = Tuple[str, Callable, Dict[str, Any]]

@@ -12,13 +12,13 @@ CPUs); the verdicts of every module's last run are in the results archive
 that call the mutated function; its workers come from a fork server that imports nothing but
 the scientific stack (JAX must not be initialised before a fork).
 
-    python -m experiments.mutation --modules=aggregation,fedavg --max_children=2 \
+    python -m experiments.dev.mutation --modules=aggregation,fedavg --max_children=2 \
         --out=docs/results/mutation
 
 Writes OUT/<module>.md (score, every surviving mutant's diff) and OUT/summary.md (a row per
 module, merged with the modules run before). After a `--rerun_survivors` pass,
 
-    python -m experiments.mutation --check_triage --modules=all
+    python -m experiments.dev.mutation --check_triage --modules=all
 
 lists, per module, the survivors that its triage file (OUT/<module>_triage.md) sorts as killed,
 and the functions whose source changed since its kept verdicts (their mutants, untested, are
@@ -102,7 +102,7 @@ flags.DEFINE_string(
   "where each module's copy and mutmut's state live: a stopped run resumes from there",
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # module key -> (files to mutate, the tests that check them)
 MODULES: Dict[str, Tuple[List[str], List[str]]] = {
@@ -450,7 +450,7 @@ def run_module(key: str, out: pathlib.Path, previous: Optional[Dict] = None) -> 
     '',
     f'Files: {", ".join(paths)}. Tests: {", ".join(tests)}'
     + (f' (pytest -m "{FLAGS.select}").' if FLAGS.select else ' (every test of the files).'),
-    f'Command: `python -m experiments.mutation --modules={key} '
+    f'Command: `python -m experiments.dev.mutation --modules={key} '
     f'--max_children={FLAGS.max_children} --select="{FLAGS.select}"` '
     f'({row["minutes"]:.0f} min on {row["machine"]}).',
     '',
@@ -472,7 +472,7 @@ def write_summary(out: pathlib.Path, rows: Dict[str, Dict]) -> None:
   OUT/<module>_triage.md, linked where it exists)."""
   atomic_write_text(out / 'summary.json', json.dumps(rows, indent=2) + '\n')
   table = [
-    '# Mutation scores (mutmut; `python -m experiments.mutation`)',
+    '# Mutation scores (mutmut; `python -m experiments.dev.mutation`)',
     '',
     'Score: killed + timeout over the mutants some selected test ran. Survivors, each with',
     'its diff: `<module>.md`; their triage (killed by a new test, or why equivalent):',

@@ -9,7 +9,7 @@ docs/results/gpu_queue/, with its backend, device and measured time in the ledge
 On the GPU machine (the repository's working tree; Fashion-MNIST's IDX files under
 $JFED_DATA_DIR/fashion-mnist):
 
-    python -m experiments.gpu_queue --next --out=$OUT [--parallel=3] [--limit_s=480]
+    python -m experiments.dev.gpu_queue --next --out=$OUT [--parallel=3] [--limit_s=480]
 
 runs the first `--parallel` chunks the ledger does not hold as done, each in its own process
 (the GPU's memory split between them; a chunk marked `alone`, FedMHO's, runs by itself), then
@@ -18,8 +18,8 @@ all), stops any still running after `--limit_s` seconds, and writes OUT/<chunk>.
 chunk's results (tables, results.json, metrics.jsonl and summary.json of every run, figures;
 no checkpoints), its log and its ledger entry. Back here:
 
-    python -m experiments.gpu_queue --ingest=DIR    # DIR: the folder the archives came back to
-    python -m experiments.gpu_queue --list          # done / partial / next, with measured costs
+    python -m experiments.dev.gpu_queue --ingest=DIR    # DIR: the folder the archives came back to
+    python -m experiments.dev.gpu_queue --list          # done / partial / next, with measured costs
 
 `--ingest` unpacks each archive, keeps its curated part in docs/results/gpu_queue/<chunk>/ (the
 ledger entry and run/'s tables, figures and results.json, which the group's merge reads) and the
@@ -52,7 +52,7 @@ from absl import app, flags
 from jfed.workdir import atomic_write_text
 
 FLAGS = flags.FLAGS
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / 'docs' / 'results' / 'gpu_queue'
 RAW = ROOT / 'runs' / 'gpu_queue'  # git ignores runs/
 LEDGER = 'ledger.json'

@@ -1,6 +1,6 @@
 """Adversarial probes of the command line (issues 37 and 38), re-runnable.
 
-    nice python -m experiments.probes [--only=NAME,...] [--out=docs/results/probes.md]
+    nice python -m experiments.dev.probes [--only=NAME,...] [--out=docs/results/probes.md]
 
 Each probe writes what it needs into a fresh temporary directory (a corrupted checkpoint, a
 hostile IDX file, a stale lock, ...), runs one command (mostly `python -m experiments.main` on
@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOST = os.uname().nodename
 N_MNIST = 400  # training images of the probes' MNIST files (the smoke config holds 150 out)
 DEAD_PID = 999999
@@ -719,8 +719,8 @@ PROBES: List[Probe] = [
   ),
   Probe(
     'write_limit_figure',
-    'writes above 64 KiB fail (ulimit -f 64): the partition figure (73 KB) cannot be written',
-    ('bash', '-c', 'ulimit -f 64 && exec ' + ' '.join(shlex.quote(a) for a in _main(*BASE))),
+    'writes above 16 KiB fail (ulimit -f 16): the partition figure (24 KB) cannot be written',
+    ('bash', '-c', 'ulimit -f 16 && exec ' + ' '.join(shlex.quote(a) for a in _main(*BASE))),
     'error',
     r'partition\.png',
     raw=True,
@@ -802,7 +802,7 @@ PROBES: List[Probe] = [
   Probe(
     'fuzzed_uploads',
     '2,000 seeded hostile uploads through the server validator',
-    (sys.executable, '-m', 'experiments.probes', '--fuzz_uploads=2000'),
+    (sys.executable, '-m', 'experiments.dev.probes', '--fuzz_uploads=2000'),
     'success',
     '',
     raw=True,
@@ -930,8 +930,9 @@ def main(argv: Sequence[str]) -> int:
   if out:
     bad = [r.probe.name for r in results if not r.ok]
     head = (
-      f'Probes run {time.strftime("%Y-%m-%d", time.gmtime())} with `python -m experiments.probes` '
-      f'on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f} at the end): '
+      f'Probes run {time.strftime("%Y-%m-%d", time.gmtime())} with '
+      f'`python -m experiments.dev.probes` on {os.cpu_count()} CPU cores '
+      f'(load average {os.getloadavg()[0]:.1f} at the end): '
       f'{len(results) - len(bad)} of {len(results)} as expected'
       + (f'; not as expected: {", ".join(bad)}' if bad else '')
       + '.\n\n'

@@ -1,0 +1,1 @@
+"""Development tools: mutation testing, the probes of the command line, the GPU queue."""
