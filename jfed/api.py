@@ -322,7 +322,18 @@ class Algorithm(Generic[ConfigT, AuxT, StateT]):
     """
     raise NotImplementedError
 
-  def step_label(self, i: int, n: int) -> str:
+  def step_label(self, i: int, n: int, aux: Optional[AuxT] = None) -> str:
+    """How progress lines and errors name a step.
+
+    Args:
+      i: The step (from 0).
+      n: The run's steps.
+      aux: The run's set-up, once there is one (FedAvg adds ε under DP); None before.
+
+    Returns:
+      The label, e.g. 'round 3/10'.
+    """
+    del aux
     return f'{self.step_name} {i + 1}/{n}'
 
   def trained_model(self, ctx: RunContext, aux: AuxT, state: StateT) -> Optional[TrainedModel]:

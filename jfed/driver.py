@@ -292,7 +292,7 @@ def _run(algorithm: Algorithm, ctx: RunContext, progress: bool, keep_state: bool
     for i in range(start, n):
       t_step = time.perf_counter()
       previous = state
-      where = f'{algorithm.step_label(i, n)} of {algorithm.name}'
+      where = f'{algorithm.step_label(i, n, aux)} of {algorithm.name}'
       try:
         state, records = algorithm.step(ctx, aux, state, i)
         # A step that returns its input state's leaves and no records changed nothing: the last
@@ -327,7 +327,7 @@ def _run(algorithm: Algorithm, ctx: RunContext, progress: bool, keep_state: bool
       if not records:  # a step with nothing to report (e.g. after FedDF's early stop)
         continue
       say(
-        f'{algorithm.name} {algorithm.step_label(i, n)}: '
+        f'{algorithm.name} {algorithm.step_label(i, n, aux)}: '
         + (f'test accuracy {accuracy:.4f} ' if accuracy is not None else '')
         + f'({seconds:.1f}s)'
       )

@@ -306,7 +306,6 @@ class FedAvg(Algorithm):
 
   def _dp_setup(self, ctx: RunContext) -> Optional[DpSetup]:
     dp = ctx.run.dp
-    self._dp = None
     if not dp.enabled:
       return None
     if dp.reproducible_noise and ctx.client_transport is not None:
@@ -316,14 +315,13 @@ class FedAvg(Algorithm):
       )
     m = common.clients_per_round(ctx.num_clients, self.config.participation)
     count_std = privacy.count_noise_std(dp, m) if dp.adaptive else None
-    self._dp = DpSetup(dp, m, m / ctx.num_clients, count_std)
-    return self._dp
+    return DpSetup(dp, m, m / ctx.num_clients, count_std)
 
-  def step_label(self, i: int, n: int) -> str:
+  def step_label(self, i: int, n: int, aux: Optional[FedAvgAux] = None) -> str:
     label = super().step_label(i, n)
-    dp = getattr(self, '_dp', None)
-    if dp is None:
+    if aux is None or aux.dp is None:
       return label
+    dp = aux.dp
     return f'{label} (ε = {dp.epsilon(i + 1):.3g} at δ = {dp.config.delta:g})'
 
   def init(self, ctx: RunContext, aux: FedAvgAux) -> FedAvgState:

@@ -356,7 +356,7 @@ class FedDF(Algorithm):
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds * self.epochs_per_round()
 
-  def step_label(self, i: int, n: int) -> str:
+  def step_label(self, i: int, n: int, aux=None) -> str:
     return self._student('').step_label(i, n)
 
   def setup(self, ctx: RunContext) -> FedDFAux:
@@ -467,7 +467,7 @@ class FedDFVote(Algorithm):
   def num_steps(self, ctx: RunContext) -> int:
     return len(dict.fromkeys(common.client_model_specs(ctx))) * self._epochs()
 
-  def step_label(self, i: int, n: int) -> str:
+  def step_label(self, i: int, n: int, aux=None) -> str:
     p, e = divmod(i, self._epochs())
     return f'prototype {p + 1}/{n // self._epochs()} epoch {e + 1}/{self._epochs()}'
 

@@ -612,7 +612,7 @@ class DistillationAlgorithm(Algorithm):
   def num_steps(self, ctx: RunContext) -> int:
     return self.config.rounds * self.epochs_per_round()
 
-  def step_label(self, i: int, n: int) -> str:
+  def step_label(self, i: int, n: int, aux=None) -> str:
     epochs = self.epochs_per_round()
     return (
       f'round {i // epochs + 1}/{self.config.rounds} epoch {i % epochs + 1}/{epochs}'
