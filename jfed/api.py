@@ -46,7 +46,7 @@ from jfed.data.public import hold_out_train, holdout_size
 from jfed.data.transforms import configure, load_configured
 from jfed.engine import multihost
 from jfed.engine.aggregation import AggregationConfig
-from jfed.engine.attacks import AttackConfig
+from jfed.engine.attacks import AttackConfig, attacker_ids
 from jfed.engine.evaluation import TrainedModel
 from jfed.engine.optim import OptimizerSpec, optimizer_spec
 from jfed.engine.privacy import DpConfig
@@ -84,6 +84,43 @@ _NOT_STAGE_INPUTS = (
 _PRODUCER_FILE = 'producer.json'
 
 
+class Federation(NamedTuple):
+  """The clients' views that follow from the config alone, derived once per run (a method reads
+  them; it never parses `client_models` or draws the attackers again).
+
+  Attributes:
+    specs: per client, its model spec (`client_models` cycled over the clients, or `model`).
+    architectures: the distinct specs, in order of first appearance (the order of client
+      groups and of their models' init keys).
+    attackers: the attacking clients' global ids, sorted (empty without an attack).
+  """
+
+  specs: Tuple[str, ...]
+  architectures: Tuple[str, ...]
+  attackers: np.ndarray
+
+
+def build_federation(run: 'RunConfig', num_clients: int, attack_key: jax.Array) -> Federation:
+  """The Federation of `num_clients` clients under `run`; `attack_key` draws the attackers.
+
+  Args:
+    run: The run's typed config (`client_models`, `model`, `attack`).
+    num_clients: The number of clients.
+    attack_key: The PRNG key of the attackers' draw (Purpose.ATTACK).
+
+  Returns:
+    The Federation.
+
+  Raises:
+    ValueError: the attack settings do not fit the clients (`jfed.engine.attacks`).
+  """
+  listed = [s.strip() for s in run.client_models.split(';') if s.strip()] or [run.model.strip()]
+  specs = tuple(listed[k % len(listed)] for k in range(num_clients))
+  return Federation(
+    specs, tuple(dict.fromkeys(specs)), attacker_ids(run.attack, num_clients, attack_key)
+  )
+
+
 class RunContext:
   """Everything a method needs, built once by the driver.
 
@@ -99,6 +136,7 @@ class RunContext:
       bridge's `jfed.flower.transport.FlowerTransport`), or None.
     is_primary: whether this process writes the run's files (only process 0 of a run that
       spans several processes; see jfed.engine.multihost).
+    federation: the clients' model specs and attackers (`Federation`).
   """
 
   def __init__(
@@ -117,6 +155,9 @@ class RunContext:
     self.key, self.mesh = key, mesh
     self.workdir = None if workdir is None else pathlib.Path(workdir)
     self.is_primary = multihost.is_primary()
+    self.federation = build_federation(
+      self.run, len(self.parts), self.derive_key(Purpose.ATTACK, 0)
+    )
     self._memo: Dict[Tuple[str, int], Any] = {}
     self._data_digest: Optional[Tuple[str, str]] = None
 

@@ -439,7 +439,7 @@ def test_fedproto_clients_start_from_their_own_draws_of_their_architectures_init
   config = override(fedtsa_digits.get_config('smoke'), **{'partition.num_clients': 4})
   ctx = driver.context_of_config(config)
   aux = driver.build_algorithm('fedproto', config).setup(ctx)
-  specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+  specs = list(ctx.federation.architectures)
   assert len(aux.groups) == 2
   for g, models in zip(aux.groups, aux.init.models):
     key = ctx.derive_key(Purpose.MODEL_INIT, specs.index(g.spec))

@@ -8,6 +8,7 @@ one trainer per architecture, and trainers shared by a sweep's runs; test accura
 client's own probabilities and accuracy by global client id."""
 
 import contextlib
+import pathlib
 import sys
 import types
 from unittest import mock
@@ -82,12 +83,15 @@ def test_a_model_spec_without_a_value_is_refused_naming_it(spec):
 
 
 def test_client_model_specs_cycle_the_list_over_the_clients_and_default_to_the_model():
-  def specs(client_models, n=5, model=NARROW):
+  def federation(client_models, n=5, model=NARROW):
     config = _config(n, model=model, client_models=client_models)
-    return common.client_model_specs(_context(config, [6] * n))
+    return _context(config, [6] * n).federation
 
-  assert specs('') == [NARROW] * 5 == specs(' ; ')
-  assert specs(f' {WIDE} ;{NARROW};') == [WIDE, NARROW, WIDE, NARROW, WIDE]
+  assert federation('').specs == (NARROW,) * 5 == federation(' ; ').specs
+  cycled = federation(f' {WIDE} ;{NARROW};')
+  assert cycled.specs == (WIDE, NARROW, WIDE, NARROW, WIDE)
+  assert cycled.architectures == (WIDE, NARROW)  # first appearance: the groups' order
+  assert federation(f'{NARROW};{WIDE};{NARROW}').architectures == (NARROW, WIDE)
   ctx = _context(_config(3, client_models=f'{WIDE};{NARROW}'), [6] * 3)
   with pytest.raises(ConfigError) as refused:
     common.single_architecture(ctx)
@@ -700,13 +704,13 @@ def test_the_attackers_are_drawn_from_the_attack_key_of_the_run():
     other = np.asarray(jax.random.permutation(ctx.derive_key(Purpose.ATTACK, 1), 10))
     if seed == 0:  # the attacks' key would draw other attackers
       assert sorted(order[:4]) != sorted(other[:4])
-    drawn[seed] = common.attackers(ctx).tolist()
+    drawn[seed] = ctx.federation.attackers.tolist()
     assert drawn[seed] == sorted(order[:4].tolist())
     bits = lambda key: np.asarray(jax.random.bits(key, (4,))).tolist()
     assert bits(common.make_server(ctx).attack_key) == bits(ctx.derive_key(Purpose.ATTACK, 1))
   assert len({tuple(v) for v in drawn.values()}) == 3
   listed = _config(10, **{'attack.kind': 'noise', 'attack.clients': '7,2'})
-  assert common.attackers(_context(listed, [6] * 10)).tolist() == [2, 7]
+  assert _context(listed, [6] * 10).federation.attackers.tolist() == [2, 7]
 
 
 def test_one_shot_uploads_are_validated_per_client_and_counted_per_group():
@@ -730,3 +734,19 @@ def test_a_server_set_to_fail_stops_at_an_invalid_upload_naming_the_client():
   sizes = np.asarray(_server_round()[4])
   with pytest.raises(UploadError, match=r'client 1'):
     _server_round(np.array([sizes[0], 1, sizes[2]]), **{'server.on_invalid_upload': 'fail'})
+
+
+def test_only_the_federation_builder_derives_the_clients_specs_and_attackers():
+  """`client_models` is parsed and the attackers drawn once per run (`jfed.api.build_federation`,
+  `RunContext.federation`); a method reads the federation, never derives them again."""
+  root = pathlib.Path(common.__file__).resolve().parents[2]
+  offenders = []
+  for path in sorted((root / 'jfed').rglob('*.py')):
+    name = path.relative_to(root).as_posix()
+    text = path.read_text()
+    # api.py builds the federation; attacks.py defines attacker_ids; run_config.py checks the
+    # config's model names before there is a run
+    exempt = ('jfed/api.py', 'jfed/engine/attacks.py', 'jfed/run_config.py')
+    if name not in exempt and ('client_models.split' in text or 'attacker_ids(' in text):
+      offenders.append(name)
+  assert not offenders, offenders

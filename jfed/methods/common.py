@@ -73,17 +73,9 @@ def build_module(spec: str, dataset) -> nn.Module:
   )
 
 
-def client_model_specs(ctx: RunContext) -> List[str]:
-  """Per-client model specs: `client_models` ('a;b;c', cycled over clients) or `model`."""
-  specs = [s for s in ctx.run.client_models.split(';') if s.strip()]
-  if not specs:
-    specs = [ctx.run.model]
-  return [specs[k % len(specs)].strip() for k in range(ctx.num_clients)]
-
-
 def single_architecture(ctx: RunContext) -> str:
   """The one model spec of all clients; parameter averaging needs exactly one."""
-  specs = set(client_model_specs(ctx))
+  specs = set(ctx.federation.specs)
   if len(specs) != 1:
     raise ConfigError(f'Parameter averaging needs one architecture; clients use {sorted(specs)}')
   return specs.pop()
@@ -199,9 +191,9 @@ def client_groups(
     One ClientGroup per architecture: its spec, module, client ids and their data.
   """
   build = build or build_module
-  specs = client_model_specs(ctx)
+  specs = list(ctx.federation.specs)
   ids = list(range(ctx.num_clients)) if client_ids is None else list(client_ids)
-  flipping = attackers(ctx) if ctx.run.attack.kind == 'label_flip' else []
+  flipping = ctx.federation.attackers if ctx.run.attack.kind == 'label_flip' else []
   groups = []
   for spec in dict.fromkeys(specs[k] for k in ids):
     members = np.array([k for k in ids if specs[k] == spec])
@@ -214,11 +206,6 @@ def client_groups(
   return groups
 
 
-def attackers(ctx: RunContext) -> np.ndarray:
-  """The global ids of the run's attacking clients (none without an attack)."""
-  return attacks.attacker_ids(ctx.run.attack, ctx.num_clients, ctx.derive_key(Purpose.ATTACK, 0))
-
-
 def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[ModelState]:
   """Every client of a group starts from one initial model (DENSE/FedAvg copy the global model).
 
@@ -227,7 +214,7 @@ def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[Mo
   committed, so uncommitted first-round models would compile local training (and the ops
   around it) once more in round 2 of the multi-round one-shot methods.
   """
-  all_specs = list(dict.fromkeys(client_model_specs(ctx)))
+  all_specs = list(ctx.federation.architectures)
   models = []
   for g in groups:
     key = ctx.derive_key(Purpose.MODEL_INIT, all_specs.index(g.spec))
@@ -404,7 +391,7 @@ def client_trainers(ctx: RunContext) -> Dict[str, GroupTrainer]:
   its clients in several rounds builds these in `setup`, keeps them in its aux and passes them
   to every round, so each architecture's programs compile once per run.
   """
-  specs = dict.fromkeys(client_model_specs(ctx))
+  specs = ctx.federation.architectures
   stubs = [ClientGroup(s, build_module(s, ctx.dataset), np.zeros(0, np.int64), None) for s in specs]
   return dict(zip(specs, make_trainers(ctx, stubs)))
 
@@ -592,7 +579,7 @@ def make_server(ctx: RunContext) -> Server:
   return Server(
     make_aggregator(ctx.run.aggregation),
     ctx.run.attack,
-    attackers(ctx),
+    ctx.federation.attackers,
     ctx.derive_key(Purpose.ATTACK, 1),
     s.on_invalid_upload,
     s.max_update_norm_ratio,

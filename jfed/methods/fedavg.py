@@ -595,5 +595,5 @@ class FedAvgVote(Algorithm):
     return {
       'prototype_test_accuracy': last['prototype_test_accuracy'],
       'mean_prototype_test_accuracy': last['mean_prototype_test_accuracy'],
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
     }

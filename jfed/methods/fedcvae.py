@@ -298,7 +298,7 @@ class FedCVAEEns(Algorithm):
     plot_samples(ctx, aux.images, aux.labels, 'decoded samples')
     return {
       'server_model': self.config.server_model or ctx.run.model,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'protocol': self.config.protocol,
       'synthetic_generated': aux.generated,
       'synthetic_kept': int(len(aux.labels)),
@@ -378,7 +378,7 @@ class FedCVAEKD(Algorithm):
     require_all_generative(ctx, self.name)
     module = generative.build_cvae_spec(c.server_decoder, ctx.dataset)
     # refused before any client trains: the server decoder is fed the users' z
-    specs = set(common.client_model_specs(ctx))
+    specs = set(ctx.federation.specs)
     latents = {generative.build_cvae_spec(spec, ctx.dataset).latent for spec in specs}
     if latents != {module.latent}:
       raise ConfigError(
@@ -465,7 +465,7 @@ class FedCVAEKD(Algorithm):
     return {
       'server_model': self.config.server_model or ctx.run.model,
       'server_decoder': self.config.server_decoder,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'decoder_targets': int(aux.targets.y.shape[0]),
       'synthetic_generated': int(len(labels)),
       'decoder_upload_bytes': aux.cvaes.upload_bytes,

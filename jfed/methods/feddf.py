@@ -344,7 +344,7 @@ class FedDF(Algorithm):
     server = self.config.server_model or ctx.run.model
     if self.config.architectures == 'server':
       return (server,)
-    return tuple(dict.fromkeys([server, *common.client_model_specs(ctx)]))
+    return tuple(dict.fromkeys([server, *ctx.federation.specs]))
 
   def epochs_per_round(self) -> int:
     return self._student('').epochs_per_round()
@@ -465,14 +465,14 @@ class FedDFVote(Algorithm):
     return self._prototype('').epochs_per_round()
 
   def num_steps(self, ctx: RunContext) -> int:
-    return len(dict.fromkeys(common.client_model_specs(ctx))) * self._epochs()
+    return len(ctx.federation.architectures) * self._epochs()
 
   def step_label(self, i: int, n: int, aux=None) -> str:
     p, e = divmod(i, self._epochs())
     return f'prototype {p + 1}/{n // self._epochs()} epoch {e + 1}/{self._epochs()}'
 
   def setup(self, ctx: RunContext) -> FedDFVoteAux:
-    specs = tuple(dict.fromkeys(common.client_model_specs(ctx)))
+    specs = ctx.federation.architectures
     algorithms = tuple(self._prototype(s) for s in specs)
     trainers = common.client_trainers(ctx)  # every prototype's run reads the same uploads
     return FedDFVoteAux(specs, algorithms, tuple(a.setup(ctx, trainers) for a in algorithms))
@@ -524,7 +524,7 @@ class FedDFVote(Algorithm):
         zip(aux.prototypes, [float(s.extra.best_val) for s in state])
       ),
       'eval_samples': int(len(aux.auxes[0].eval_y)),
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
       'teacher_ensemble_test_accuracy': float(
         common.accuracy_of_logits(np.mean(client_logits, axis=0), test_y)

@@ -73,7 +73,7 @@ from jfed.distill import (
   resolve_ms_impl,
 )
 from jfed.keys import ServerRoundPurpose
-from jfed.methods import common, oneshot
+from jfed.methods import oneshot
 from jfed.methods.registry import register_method
 
 AGGREGATIONS = {'sa': 'sa', 'sa_inter': 'sa_inter', 'ae': 'mean'}
@@ -273,7 +273,7 @@ def _write_ms(ctx: RunContext, r: int, ms: Stratification, ids: np.ndarray, impl
     f'{name}_by_client': _by_client(a, ids, name in ('losses', 'u')) for name, a in arrays.items()
   }
   np.savez(path, teacher_client_ids=ids, seconds=ms.seconds, impl=impl, **arrays, **by_client)
-  specs = [s.split(':')[0] for s in common.client_model_specs(ctx)]
+  specs = [s.split(':')[0] for s in ctx.federation.specs]
   plots.plot_ms_heatmap(
     ctx.output_path(_file_name('ms_heatmap', r, 'png')),
     by_client['U_r_by_client'],

@@ -201,7 +201,7 @@ class FedMD(Algorithm):
     revisit = [trainer(g, c.revisit_batch, 'ce') for g in groups]
     digest = [trainer(g, c.digest_batch, 'digest') for g in groups]
     evaluators = [engine.Evaluator(g.module, cfg.eval_batch_size, cfg.strategy) for g in groups]
-    all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+    all_specs = list(ctx.federation.architectures)
     inits = [
       engine.commit(
         engine.init_model(
@@ -340,7 +340,7 @@ class FedMD(Algorithm):
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'public': aux.public.source,
       'client_test_accuracy': last.get('client_test_accuracy'),
       'transfer_test_accuracy': float(np.mean(aux.transfer_accuracy)),

@@ -118,7 +118,7 @@ class _FedMHOBase(Algorithm):
   def setup(self, ctx: RunContext) -> FedMHOAux:
     c = self.config
     classifier_ids, generative_ids = generative.split_clients(ctx)
-    specs = sorted({common.client_model_specs(ctx)[k] for k in classifier_ids})
+    specs = sorted({ctx.federation.specs[k] for k in classifier_ids})
     if len(specs) != 1 or not len(generative_ids):
       raise ConfigError(
         f'{self.name} needs classifier clients of one architecture and at least one CVAE '
@@ -200,7 +200,7 @@ class _FedMHOBase(Algorithm):
       'teacher': self.teacher,
       'initial_test_accuracy': aux.initial_accuracy,
       'global_model': aux.spec,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'classifier_client_test_accuracy': dict(
         zip(
           [int(k) for k in aux.local.groups[0].client_ids],

@@ -317,7 +317,7 @@ class FedProto(Algorithm):
     feature width (the MLP's last hidden layer, ResNet-18's last stage); the other layers keep
     each model's own widths."""
     ds = ctx.dataset
-    plain = {s: self._build(s, ds) for s in dict.fromkeys(common.client_model_specs(ctx))}
+    plain = {s: self._build(s, ds) for s in ctx.federation.architectures}
     dims = {s: feature_dim(m, ds.input_shape) for s, m in plain.items()}
     width = max(dims.values())
 
@@ -351,7 +351,7 @@ class FedProto(Algorithm):
         'fedproto.widest_features=True or fedproto.embed_dim > 0'
       )
     dim = dims[groups[0].spec]
-    all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+    all_specs = list(ctx.federation.architectures)
     models = tuple(
       engine.commit(
         engine.init_models(
@@ -509,7 +509,7 @@ class FedProto(Algorithm):
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'embedding_dim': aux.dim,
       'client_test_accuracy': last.get('client_test_accuracy'),
       **{

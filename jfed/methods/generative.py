@@ -51,7 +51,7 @@ def group_lr(module, s: CVAESettings) -> float:
 
 def split_clients(ctx: RunContext):
   """(classifier client ids, generative client ids), each ascending."""
-  specs = common.client_model_specs(ctx)
+  specs = list(ctx.federation.specs)
   generative = np.array([k for k, s in enumerate(specs) if cvae_clients.is_generative(s)], int)
   classifiers = np.array([k for k, s in enumerate(specs) if not cvae_clients.is_generative(s)])
   return classifiers.astype(int), generative
@@ -90,7 +90,7 @@ def init_cvaes(
   Returns:
     One ModelState per group, its leaves stacked over the group's clients.
   """
-  all_specs = list(dict.fromkeys(common.client_model_specs(ctx)))
+  all_specs = list(ctx.federation.architectures)
   shape = ctx.dataset.input_shape
   out = []
   for g in groups:

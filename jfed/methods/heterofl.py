@@ -238,7 +238,7 @@ class HeteroFL(Algorithm):
 
   def setup(self, ctx: RunContext) -> HeteroFLAux:
     c, cfg, ds = self.config, ctx.run, ctx.dataset
-    rates = client_rates(cfg.model, common.client_model_specs(ctx))
+    rates = client_rates(cfg.model, list(ctx.federation.specs))
     groups = common.client_groups(ctx)
     module = common.build_module(cfg.model, ds)
     init = engine.commit(
@@ -375,12 +375,12 @@ class HeteroFL(Algorithm):
 
   def summarize(self, ctx, aux: HeteroFLAux, state, history) -> Dict[str, Any]:
     """The run summary: client model rates and accuracies."""
-    rates = client_rates(ctx.run.model, common.client_model_specs(ctx))
+    rates = client_rates(ctx.run.model, list(ctx.federation.specs))
     last = history[-1] if history else {}
     return {
       'rounds': self.config.rounds,
-      'client_models': common.client_model_specs(ctx),
-      'client_rates': [rates[s] for s in common.client_model_specs(ctx)],
+      'client_models': list(ctx.federation.specs),
+      'client_rates': [rates[s] for s in ctx.federation.specs],
       'submodel_test_accuracy': last.get('submodel_test_accuracy'),
       'output_layer': aux.output_layer,
     }

@@ -41,7 +41,7 @@ class Local(Algorithm):
   def setup(self, ctx: RunContext) -> LocalAux:
     models = common.local_models(ctx, self.config.epochs)
     return LocalAux(
-      common.client_accuracies(ctx, models), common.client_model_specs(ctx), models.upload_bytes
+      common.client_accuracies(ctx, models), list(ctx.federation.specs), models.upload_bytes
     )
 
   def init(self, ctx: RunContext, aux: LocalAux) -> np.ndarray:

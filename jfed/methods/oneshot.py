@@ -782,7 +782,7 @@ class DistillationAlgorithm(Algorithm):
       'epochs': s.epochs,
       'local_epochs': s.local_epochs,
       'server_model': s.server_model,
-      'client_models': common.client_model_specs(ctx),
+      'client_models': list(ctx.federation.specs),
       'client_test_accuracy': common.accuracy_of_logits(client_logits, test_y).tolist(),
       # the mean-logit ensemble (DENSE's teacher), a reference for the students
       'teacher_ensemble_test_accuracy': float(
