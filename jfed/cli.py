@@ -258,7 +258,9 @@ def main(argv):
 def _peer_lost(error: BaseException, workdir: str) -> None:
   """A collective that lost its peer: one line, and out at once (a normal exit waits JAX's
   shutdown barrier out, about 80 s, and then aborts with a C++ stack all the same)."""
-  what = supervise.describe_stop([str(error)], FLAGS.process_id, FLAGS.num_processes, None)
+  what = supervise.describe_stop(
+    [str(error)], FLAGS.process_id, FLAGS.num_processes, FLAGS.coordinator
+  )
   sys.stdout.flush()
   print(supervise.error_line(what, workdir, FLAGS.num_processes), file=sys.stderr)
   sys.stderr.flush()

@@ -114,16 +114,25 @@ def describe_stop(
   """
   text = '\n'.join(runtime_lines)
   me = f'this is process {process_id} of {num_processes}' if process_id is not None else ''
+
+  def stopped(rank: Optional[int]) -> str:
+    # process 0 hosts the coordinator: however the runtime reported its death, say so
+    if rank is None:
+      return f'another process of the multi-process run stopped ({me})'
+    if rank == 0 and process_id != 0:
+      at = f' at {coordinator}' if coordinator else ''
+      return f'process 0 of the multi-process run (its coordinator{at}) stopped ({me})'
+    return f'process {rank} of the multi-process run stopped ({me})'
+
   for pattern in _TASK_DIED:
     found = pattern.search(text)
     if found:
-      return f'process {found.group(1)} of the multi-process run stopped ({me})'
+      return stopped(int(found.group(1)))
   if _COORDINATOR_GONE.search(text) and process_id != 0:
-    at = f' at {coordinator}' if coordinator else ''
-    return f'process 0 of the multi-process run (its coordinator{at}) stopped ({me})'
+    return stopped(0)
   if _PEER_CLOSED.search(text):
-    other = 'another process' if num_processes != 2 else f'process {1 - process_id}'
-    return f'{other} of the multi-process run stopped ({me})'
+    two = num_processes == 2 and process_id is not None
+    return stopped(1 - process_id if two else None)
   fatal = next((l for l in runtime_lines if _FATAL[0].match(l)), '')
   reason = fatal.split('] ', 1)[-1][:200] if fatal else 'no message'
   return f"JAX's distributed runtime stopped this process ({reason}; {me})"

@@ -86,7 +86,18 @@ def test_a_collective_that_lost_its_peer_is_recognised():
   assert supervise.describe_stop([gloo], 0, 3, None).startswith(
     'another process of the multi-process run stopped'
   )
-  assert supervise.describe_stop([gloo], 1, 2, None).startswith('process 0 of the multi-process')
+  # process 0 hosts the coordinator: named so however its death was reported (a probe under
+  # load saw the collective's error before the coordinator's)
+  assert supervise.describe_stop([gloo], 1, 2, 'h:1').startswith(
+    'process 0 of the multi-process run (its coordinator at h:1) stopped (this is process 1 of 2)'
+  )
+  heartbeat = 'E1207 coordination_service.cc:1] Task 0 heartbeat timeout'
+  assert supervise.describe_stop([heartbeat], 1, 2, None).startswith(
+    'process 0 of the multi-process run (its coordinator) stopped'
+  )
+  assert supervise.describe_stop([heartbeat.replace('Task 0', 'Task 2')], 1, 3, None).startswith(
+    'process 2 of the multi-process run stopped (this is process 1 of 3)'
+  )
 
 
 def test_the_resume_hint_names_the_newest_committed_checkpoint(tmp_path):
