@@ -148,16 +148,20 @@ class DpSetup(NamedTuple):
     )
 
 
+# The key under which the DP server's record carries the noised unclipped fraction b̃ to the
+# round (the Aggregator API returns only the model); the round takes it out of its record.
+_RELEASED_FRACTION = 'released_unclipped_fraction'
+
+
 class _DpServer(NamedTuple):
   """The run's server for one DP round: with local DP the clients' uploads are clipped and
   noised before the server receives them; otherwise the server's rule is the DP mean (attack
-  simulation and upload validation stay as they are). `released` gets the noised unclipped
-  fraction b̃ (the Aggregator API returns only the model)."""
+  simulation and upload validation stay as they are), and its record carries the noised
+  unclipped fraction b̃ (`_RELEASED_FRACTION`)."""
 
   server: common.Server
   dp: DpSetup
   noise: privacy.RoundNoise
-  released: Dict[str, Any]
   # local DP under the Flower bridge: each SuperNode clipped and noised its clients' uploads
   # before replying (`transport.NodeTrainer`), so the server never holds a clean update
   privatized_on_nodes: bool = False
@@ -180,15 +184,19 @@ class _DpServer(NamedTuple):
       )
       return self.server.receive(group, stacked, reference, template, step, weights, **kwargs)
 
+    released = []
+
     def dp_mean(rows, unused_weights, ref):  # every clipped update counts 1, not its size
-      model, self.released['unclipped_fraction'] = privacy.central_aggregate(rows, ref, self.noise)
+      model, fraction = privacy.central_aggregate(rows, ref, self.noise)
+      released.append(fraction)
       return model
 
     server = self.server._replace(aggregator=Aggregator('dp_mean', dp_mean))
     model, record = server.receive(group, stacked, reference, template, step, weights, **kwargs)
-    if 'unclipped_fraction' not in self.released:  # every upload rejected: noise all the same
-      model, self.released['unclipped_fraction'] = privacy.central_noise_only(reference, self.noise)
-    return model, record
+    if not released:  # every upload rejected: noise all the same
+      model, fraction = privacy.central_noise_only(reference, self.noise)
+      released.append(fraction)
+    return model, {**record, _RELEASED_FRACTION: released[0]}
 
 
 @register_method('fedavg')
@@ -349,12 +357,13 @@ class FedAvg(Algorithm):
       jnp.float32(dp.count_std or 0.0),
       jnp.float32(dp.clients_per_round),
     )
-    return _DpServer(aux.server, dp, noise, {}, ctx.client_transport is not None)
+    return _DpServer(aux.server, dp, noise, ctx.client_transport is not None)
 
   def _dp_round(
-    self, aux: FedAvgAux, state: FedAvgState, server: Any, i: int
+    self, aux: FedAvgAux, state: FedAvgState, server: Any, i: int, fraction: Any
   ) -> Tuple[Any, Dict[str, Any]]:
-    """The next adaptive clip norm and round i's privacy record fields."""
+    """The next adaptive clip norm and round i's privacy record fields; `fraction`: the round's
+    noised unclipped fraction (central DP)."""
     if aux.dp is None:
       return state.dp_clip_norm, {}
     dp, clip = aux.dp, server.noise.clip_norm
@@ -366,7 +375,6 @@ class FedAvg(Algorithm):
     }
     if not dp.config.adaptive:
       return None, record
-    fraction = server.released['unclipped_fraction']
     record['dp_unclipped_fraction'] = float(fraction)
     c = dp.config
     return privacy.next_clip_norm(clip, fraction, c.target_quantile, c.clip_lr), record
@@ -438,14 +446,14 @@ class FedAvg(Algorithm):
           sitting_out=padding,
         )
       elif aux.dp is not None:  # a Poisson cohort of none: the round releases the noise alone
-        aggregate, server.released['unclipped_fraction'] = privacy.central_noise_only(
-          state.model, server.noise
-        )
+        aggregate, fraction = privacy.central_noise_only(state.model, server.noise)
         record = {'clients': 0, 'upload_bytes': 0, 'download_bytes': 0}
+        record[_RELEASED_FRACTION] = fraction
       else:  # a Poisson cohort of none: nothing to aggregate
         aggregate = None
         record = {'clients': 0, 'upload_bytes': 0, 'download_bytes': 0}
-    clip, dp_record = self._dp_round(aux, state, server, i)
+    fraction = record.pop(_RELEASED_FRACTION, None)
+    clip, dp_record = self._dp_round(aux, state, server, i, fraction)
     if aggregate is None:
       # A zero pseudo-gradient would still move a server optimiser with momentum.
       model, opt_state = state.model, state.server_opt_state
