@@ -328,9 +328,8 @@ def test_the_ddpm_source_trains_on_the_held_out_images_with_the_configs_settings
   cache = '' if own_cache else str(tmp_path / 'shared' / 'ddpm.msgpack')
   algorithm, ctx, holdout = _context(tmp_path, **_DDPM, **{'fedtsa.ddpm_cache': cache})
   calls = _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', True))
-  record = {}
   start = time.perf_counter()
-  source = algorithm._image_source(ctx, holdout, record)
+  source, record = algorithm._image_source(ctx, holdout)
   elapsed = time.perf_counter() - start
   ((path, x, y, classes, cfg, key),), _ = zip(*calls)
   assert path == (str(tmp_path / 'ddpm.msgpack') if own_cache else cache)
@@ -354,8 +353,7 @@ def test_a_run_in_memory_trains_its_ddpm_without_a_cache(monkeypatch):
   algorithm, ctx, holdout = _context(None, **_DDPM)
   monkeypatch.setattr(ddpm_train, 'load_or_train', None)  # must not be called
   calls = _record_calls(monkeypatch, ddpm_train, 'train_ddpm', 'trained')
-  record = {}
-  source = algorithm._image_source(ctx, holdout, record)
+  source, record = algorithm._image_source(ctx, holdout)
   ((x, y, classes, cfg, key),), _ = zip(*calls)
   _assert_held_out(ctx, holdout, x, y)
   assert classes == 10 and cfg.steps == 3 and source.params == 'trained'
@@ -372,10 +370,10 @@ def test_held_out_labels_beyond_the_tasks_classes_are_refused(tmp_path, monkeypa
   algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
   _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
   last_class = holdout._replace(y=np.full_like(holdout.y, 9))
-  assert algorithm._image_source(ctx, last_class, {}).params == 'trained'
+  assert algorithm._image_source(ctx, last_class)[0].params == 'trained'
   beyond = PublicData(holdout.x, np.full_like(holdout.y, 10), holdout.eval_x, holdout.eval_y, 'x')
   with pytest.raises(ConfigError, match='has labels beyond the 10 classes of digits'):
-    algorithm._image_source(ctx, beyond, {})
+    algorithm._image_source(ctx, beyond)
 
 
 def test_the_pipeline_source_opens_the_configured_directory_at_the_task_shape(
@@ -391,7 +389,7 @@ def test_the_pipeline_source_opens_the_configured_directory_at_the_task_shape(
   }
   algorithm, ctx, holdout = _context(tmp_path, **overrides)
   calls = _record_calls(monkeypatch, fedtsa, 'LocalDiffusionSource', 'pipeline')
-  assert algorithm._image_source(ctx, holdout, {}) == 'pipeline'
+  assert algorithm._image_source(ctx, holdout)[0] == 'pipeline'
   assert calls == [
     (
       (str(tmp_path / 'sd'), ctx.dataset.input_shape),
@@ -472,9 +470,8 @@ def test_stage2_images_come_from_the_source_once_and_a_resumed_run_reads_them_ba
   source = _FakeSource(ctx.dataset.input_shape)
   _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
   monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: source)
-  record = {}
   start = time.perf_counter()
-  images = algorithm._images(ctx, pool, holdout, record)
+  images, record = algorithm._images(ctx, pool, holdout)
   elapsed = time.perf_counter() - start
   ((called_pool, per_prompt, key),) = source.calls
   assert called_pool is pool and per_prompt == 10 and source.closed
@@ -485,7 +482,8 @@ def test_stage2_images_come_from_the_source_once_and_a_resumed_run_reads_them_ba
   assert 0 <= record['generation_seconds'] <= elapsed
   assert record['ddpm_loaded_from_cache'] is False and record['ddpm_training_images'] == 100
   _, resumed, _ = _context(tmp_path, **_DDPM)  # a new process's context: nothing in memory
-  again = algorithm._images(resumed, pool, holdout, {})
+  again, again_record = algorithm._images(resumed, pool, holdout)
+  assert again_record == {}  # nothing was made
   assert len(source.calls) == 1  # read back from the workdir's stage
   assert again.images.dtype == np.float32 and again.labels.dtype == np.int32
   np.testing.assert_array_equal(again.images, images.images)
@@ -890,7 +888,7 @@ def test_images_of_the_wrong_shape_from_a_source_are_refused(tmp_path, monkeypat
   _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
   monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: _FakeSource((4, 4, 1)))
   with pytest.raises(ConfigError) as info:
-    algorithm._images(ctx, pool, holdout, {})
+    algorithm._images(ctx, pool, holdout)
   assert str(info.value) == (
     'the Stage-2 source gave images of shape (4, 4, 1), not the task shape (8, 8, 1)'
   )
@@ -903,11 +901,11 @@ def test_cached_stage2_images_of_another_source_are_not_reused(tmp_path, monkeyp
 
   algorithm, ctx, holdout = _context(tmp_path, **{'fedtsa.source': 'public'})
   pool, _ = algorithm._prompt_pool(ctx)
-  public = algorithm._images(ctx, pool, holdout, {})
+  public, _ = algorithm._images(ctx, pool, holdout)
   algorithm, ctx, holdout = _context(tmp_path, **_DDPM)
   source = _FakeSource(ctx.dataset.input_shape)
   _record_calls(monkeypatch, ddpm_train, 'load_or_train', ('trained', False))
   monkeypatch.setattr(ddpm_train, 'DDPMImageSource', lambda *args: source)
-  generated = algorithm._images(ctx, pool, holdout, {})
+  generated, _ = algorithm._images(ctx, pool, holdout)
   assert len(source.calls) == 1
   assert not np.array_equal(generated.images, public.images)

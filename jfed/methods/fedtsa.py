@@ -324,17 +324,21 @@ class FedTSA(Algorithm):
     nbytes = sum(len('\n'.join(u).encode()) for u in uploads)
     return build_prompt_pool(uploads, names), nbytes
 
-  def _image_source(self, ctx: RunContext, holdout: Optional[PublicData], record: Dict):
+  def _image_source(
+    self, ctx: RunContext, holdout: Optional[PublicData]
+  ) -> Tuple[Any, Dict[str, Any]]:
+    """The Stage-2 image source and its record fields (the DDPM's training, when it trains)."""
     c, ds = self.config, ctx.dataset
     if c.source == 'public':
-      return PublicImageSource(holdout.x, holdout.y)
+      return PublicImageSource(holdout.x, holdout.y), {}
     if c.source == 'pipeline':
-      return LocalDiffusionSource(
+      source = LocalDiffusionSource(
         c.pipeline_dir,
         ds.input_shape,
         num_inference_steps=c.pipeline_steps,
         guidance_scale=c.pipeline_guidance,
       )
+      return source, {}
     if np.max(holdout.y) >= ds.num_classes:
       raise ConfigError(
         f'fedtsa.holdout={c.holdout!r} has labels beyond the {ds.num_classes} classes of {ds.name}'
@@ -357,21 +361,28 @@ class FedTSA(Algorithm):
       )
     else:
       params, loaded = ddpm_train.train_ddpm(holdout.x, holdout.y, ds.num_classes, cfg, key), False
-    record['ddpm_loaded_from_cache'] = bool(loaded)
-    record['ddpm_seconds'] = time.perf_counter() - start
-    record['ddpm_training_images'] = int(len(holdout.y))
-    return ddpm_train.DDPMImageSource(params, cfg, ds.num_classes, ds.input_shape)
+    fields = {
+      'ddpm_loaded_from_cache': bool(loaded),
+      'ddpm_seconds': time.perf_counter() - start,
+      'ddpm_training_images': int(len(holdout.y)),
+    }
+    return ddpm_train.DDPMImageSource(params, cfg, ds.num_classes, ds.input_shape), fields
 
-  def _images(self, ctx: RunContext, pool: PromptPool, holdout, record) -> SyntheticImages:
+  def _images(
+    self, ctx: RunContext, pool: PromptPool, holdout
+  ) -> Tuple[SyntheticImages, Dict[str, Any]]:
+    """The Stage-2 images (a stage: cached) and the record fields of their making (none when
+    they came from the stage cache)."""
     c, ds = self.config, ctx.dataset
     n = len(pool.prompts) * c.images_per_prompt
     template = SyntheticImages(np.zeros((n, *ds.input_shape), np.float32), np.zeros((n,), np.int32))
+    fields: Dict[str, Any] = {}
 
     def generate() -> SyntheticImages:
-      source = self._image_source(ctx, holdout, record)
+      source, made = self._image_source(ctx, holdout)
       start = time.perf_counter()
       images = source.generate(pool, c.images_per_prompt, ctx.derive_key(Purpose.STAGE2_IMAGES))
-      record['generation_seconds'] = time.perf_counter() - start
+      fields.update(made, generation_seconds=time.perf_counter() - start)
       if hasattr(source, 'close'):
         source.close()
       return SyntheticImages(
@@ -386,7 +397,7 @@ class FedTSA(Algorithm):
         f'the Stage-2 source gave images of shape {images.images.shape[1:]}, '
         f'not the task shape {ds.input_shape}'
       )
-    return images
+    return images, fields
 
   def setup(self, ctx: RunContext) -> FedTSAAux:
     c, cfg, ds = self.config, ctx.run, ctx.dataset
@@ -435,7 +446,8 @@ class FedTSA(Algorithm):
       pool, prompt_bytes = self._prompt_pool(ctx)
       record['prompt_upload_bytes'] = prompt_bytes
       record['upload_bytes'] = prompt_bytes
-      images = self._images(ctx, pool, holdout, record)
+      images, fields = self._images(ctx, pool, holdout)
+      record.update(fields)
       record['stage2_images'] = int(len(images.labels))
       grid_path = ctx.output_path('stage2_images.png')
       if grid_path is not None:
