@@ -95,7 +95,7 @@ class Sweep:
   each save ({name: text}); `after_save(sweep)` draws what is not text (plots); `derived(sweep)`
   returns what results.json carries beside meta and results, recomputed from them at each save
   and never read back (e.g. per-seed tables for other tools). Its runs share their client
-  trainers' compiled programs (`jfed.methods.common.sharing_client_programs`)."""
+  trainers' compiled programs through jit's cache (`jfed.engine.training.ClientProgram`)."""
 
   out: pathlib.Path
   meta: Dict[str, Any]
@@ -103,7 +103,6 @@ class Sweep:
   render: Optional[Callable[['Sweep'], Mapping[str, str]]] = None
   after_save: Optional[Callable[['Sweep'], None]] = None
   derived: Optional[Callable[['Sweep'], Mapping[str, Any]]] = None
-  trainers: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def open(
@@ -154,12 +153,9 @@ class Sweep:
     if self.finished(cell, seed, run):
       return None
     print(f'=== {label or f"{cell} seed={seed} {run}"}', flush=True)
-    from jfed.methods.common import sharing_client_programs  # pylint: disable=g-import-not-at-top
-
     mine = self.results.setdefault(cell, {}).setdefault(str(seed), {})
     try:
-      with sharing_client_programs(self.trainers):
-        mine[run] = execute()
+      mine[run] = execute()
     except Exception as e:  # pylint: disable=broad-except  # one failure must not lose the sweep
       traceback.print_exc()
       mine[run] = error_record(e)

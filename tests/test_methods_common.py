@@ -7,7 +7,6 @@ training diverges; the server under an attack with a client sitting out and decl
 one trainer per architecture, and trainers shared by a sweep's runs; test accuracy and every
 client's own probabilities and accuracy by global client id."""
 
-import contextlib
 import pathlib
 import sys
 import types
@@ -173,10 +172,8 @@ def test_a_groups_trainer_maps_its_clients_as_the_run_says_and_over_its_devices(
   ctx = _context(_config(4, strategy='scan', shard=True), [6] * 4)
   (group,) = common.client_groups(ctx)
   assert ctx.mesh is not None  # the suite's four fake CPU devices
-  for store in (None, {}):
-    with common.sharing_client_programs(store) if store is not None else contextlib.nullcontext():
-      trainer = common.group_trainer(ctx, group.module, engine.OptimizerSpec('sgd', 0.1), 8)
-    assert (trainer.strategy, trainer.mesh) == ('scan', ctx.mesh)
+  trainer = common.group_trainer(ctx, group.module, engine.OptimizerSpec('sgd', 0.1), 8)
+  assert (trainer.strategy, trainer.mesh) == ('scan', ctx.mesh)
 
 
 def test_local_models_train_with_the_trainers_given_and_count_every_upload(monkeypatch):
@@ -488,55 +485,54 @@ def test_a_client_sitting_out_keeps_its_rows_at_size_zero():
   assert got.fed.x is fed.x and got.fed.y is fed.y and got.client_ids is group.client_ids
 
 
-def test_runs_sharing_client_programs_compile_the_client_step_once_and_equal_runs_made_alone():
-  """A sweep's runs (`sharing_client_programs`): three FedAvg runs at two learning rates and two
-  seeds compile the clients' step once and give what each gives alone; another momentum is
-  another program."""
+def test_runs_share_the_client_step_and_equal_runs_made_alone():
+  """A process's runs share their clients' compiled step through jit's cache
+  (`engine.ClientProgram`): three FedAvg runs at two learning rates and two seeds compile it once
+  and give what each gives in a fresh process (caches cleared); another momentum is another
+  program."""
   configs = [
     _config(3, **{'fedavg.rounds': 2}),
     _config(3, **{'fedavg.rounds': 2, 'optimizer.lr': 0.03}),
     _config(3, **{'fedavg.rounds': 2, 'optimizer.lr': 0.03, 'seed': 1}),
   ]
-  alone = [_run_fedavg(c, _dataset()) for c in configs]
-  store = {}
-  with common.sharing_client_programs(store), compiles.count_compilations() as compiled:
+  alone = []
+  for c in configs:
+    jax.clear_caches()
+    alone.append(_run_fedavg(c, _dataset()))
+  jax.clear_caches()
+  with compiles.count_compilations() as compiled:
     shared = [_run_fedavg(c, _dataset()) for c in configs]
   assert compiled.counts()['jit(_loop_client_step)'] == 1, compiled.summary()
-  assert len(store) == 1
   for (summary_a, records_a), (summary_s, records_s) in zip(alone, shared):
     assert records_s == records_a
     assert summary_s['final_test_accuracy'] == summary_a['final_test_accuracy']
   assert [r['train_loss'] for _, (r, _) in alone][0] != [r['train_loss'] for _, (r, _) in alone][1]
-  with common.sharing_client_programs(store):
+  with compiles.count_compilations() as compiled:
     _run_fedavg(_config(3, **{'fedavg.rounds': 1, 'optimizer.momentum': 0.5}), _dataset())
-  assert len(store) == 2
-  assert common._shared_trainers is None  # the block's end stops the sharing
+  assert compiled.counts()['jit(_loop_client_step)'] == 1, compiled.summary()
 
 
 @pytest.mark.parametrize('method', ['fedproto', 'fedmd', 'heterofl'])
-def test_a_methods_second_seed_compiles_no_client_step_when_runs_share_programs(method):
+def test_a_methods_second_seed_compiles_no_client_step(method):
   """The methods that train with their own objective (FedProto's prototype loss, FedMD's digest,
-  HeteroFL's masked CE per width) share their trainers too: inside `sharing_client_programs`
-  the second seed compiles no client step and adds no trainer, and both seeds give what they
-  give alone."""
+  HeteroFL's masked CE per width) share their programs too: the second seed compiles no client
+  step, and both seeds give what they give alone."""
   configs = [override(smoke_config(method), seed=seed) for seed in (0, 1)]
   ds = load_dataset('digits')
+  jax.clear_caches()
   alone = comparable_summary(driver.run_in_memory(method, configs[1], ds))
-  store = {}
-  with common.sharing_client_programs(store):
-    first = driver.run_in_memory(method, configs[0], ds)  # builds the trainers: as alone
-    kept = dict(store)
-    with compiles.count_compilations() as compiled:
-      second = driver.run_in_memory(method, configs[1], ds)
-  assert kept and store == kept
+  jax.clear_caches()
+  first = driver.run_in_memory(method, configs[0], ds)
+  with compiles.count_compilations() as compiled:
+    second = driver.run_in_memory(method, configs[1], ds)
   assert not [n for n in compiled.names if 'client_step' in n], compiled.summary()
   assert comparable_summary(second) == alone != comparable_summary(first)
 
 
 def test_cvae_trainers_of_another_seed_share_the_programs_and_carry_their_own_learning_rates():
-  """FedMHO's CVAE clients (CVAE-small at its own rate): another seed's trainers are copies of
-  the shared ones (the same compiled step), each with its own group's optimiser; another loss
-  is another program."""
+  """FedMHO's CVAE clients (CVAE-small at its own rate): another seed's trainers have the same
+  programs (equal `ClientProgram`s), each with its own group's optimiser; another loss is
+  another program."""
   ds = load_dataset('digits')
   config = override(
     fedmho_digits.get_config('smoke'),
@@ -545,60 +541,55 @@ def test_cvae_trainers_of_another_seed_share_the_programs_and_carry_their_own_le
   n = config.partition.num_clients
   parts = np.array_split(np.arange(10 * n), n)
   settings = generative.CVAESettings(1, 'adam', 1e-3, 16, 'bce', 1.0, small_lr=5e-2)
-  store, trainers = {}, []
-  with common.sharing_client_programs(store):
-    for seed in (0, 1):
-      ctx = make_context(override(config, seed=seed), ds, parts)
-      groups = generative.cvae_groups(ctx)
-      trainers.append(generative.cvae_trainers(ctx, groups, settings))
-    shared = len(store)
-    other = generative.cvae_trainers(ctx, groups, settings._replace(beta=2.0))
+  trainers = []
+  for seed in (0, 1):
+    ctx = make_context(override(config, seed=seed), ds, parts)
+    groups = generative.cvae_groups(ctx)
+    trainers.append(generative.cvae_trainers(ctx, groups, settings))
+  other = generative.cvae_trainers(ctx, groups, settings._replace(beta=2.0))
   first, second = trainers
-  assert len(first) == shared == 2
+  assert len(first) == 2 and first[0].program != first[1].program  # two sizes, two rates
   for a, b, c in zip(first, second, other):
-    assert a is not b and a._loop_step is b._loop_step
-    assert c._loop_step is not a._loop_step
+    assert a is not b and a.program == b.program and hash(a.program) == hash(b.program)
+    assert c.program != a.program
   lrs = [float(optim.learning_rate_of(t.tx.init({'w': np.zeros(2)}))) for t in second]
   assert lrs == pytest.approx([generative.group_lr(g.module, settings) for g in groups])
   assert {g.module.size for g in groups} == {'small', 'large'}
 
 
-def test_a_shared_trainer_is_one_per_module_optimiser_objective_batch_prox_weight_and_schedule():
-  """Whatever shapes a trainer's programs keys its sharing: runs that differ in any of them get
-  their own trainer, with their own settings; a constant learning rate does not."""
+def test_trainers_share_programs_unless_module_optimiser_objective_batch_prox_or_schedule_differ():
+  """Whatever shapes a trainer's programs makes its `ClientProgram` another; a constant
+  learning rate does not (it lives in the optimiser state), and each trainer keeps its own."""
   ctx = _context(_config(3), SIZES)
   (group,) = common.client_groups(ctx)
   spec = engine.OptimizerSpec('sgd', 0.1, momentum=0.9)
   other = common.build_module(WIDE, ctx.dataset)
-  store = {}
-  with common.sharing_client_programs(store):
-    base = common.group_trainer(ctx, group.module, spec, 8)
-    variants = {
-      'lr': common.group_trainer(ctx, group.module, spec._replace(lr=0.5), 8),
-      'module': common.group_trainer(ctx, other, spec, 8),
-      'weight decay': common.group_trainer(ctx, group.module, spec._replace(weight_decay=0.1), 8),
-      'objective': common.group_trainer(
-        ctx, group.module, spec, 8, objective=lambda *a: engine.classification_objective(*a)
-      ),
-      'batch': common.group_trainer(ctx, group.module, spec, 4),
-      'prox': common.group_trainer(ctx, group.module, spec, 8, prox_mu=0.01),
-      'schedule': common.group_trainer(
-        ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=5
-      ),
-    }
-    cosine_longer = common.group_trainer(
-      ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=6
-    )
-    cosine_faster = common.group_trainer(  # a schedule's rate is in the program
-      ctx, group.module, spec._replace(schedule='cosine', lr=0.5), 8, total_steps=5
-    )
-  assert variants['lr']._loop_step is base._loop_step  # the rate lives in the optimiser state
+  base = common.group_trainer(ctx, group.module, spec, 8)
+  variants = {
+    'lr': common.group_trainer(ctx, group.module, spec._replace(lr=0.5), 8),
+    'module': common.group_trainer(ctx, other, spec, 8),
+    'weight decay': common.group_trainer(ctx, group.module, spec._replace(weight_decay=0.1), 8),
+    'objective': common.group_trainer(
+      ctx, group.module, spec, 8, objective=lambda *a: engine.classification_objective(*a)
+    ),
+    'batch': common.group_trainer(ctx, group.module, spec, 4),
+    'prox': common.group_trainer(ctx, group.module, spec, 8, prox_mu=0.01),
+    'schedule': common.group_trainer(
+      ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=5
+    ),
+  }
+  cosine_longer = common.group_trainer(
+    ctx, group.module, spec._replace(schedule='cosine'), 8, total_steps=6
+  )
+  cosine_faster = common.group_trainer(  # a schedule's rate is in the program
+    ctx, group.module, spec._replace(schedule='cosine', lr=0.5), 8, total_steps=5
+  )
+  assert variants['lr'].program == base.program  # the rate lives in the optimiser state
   for name, trainer in variants.items():
     if name != 'lr':
-      assert trainer._loop_step is not base._loop_step, name
-  assert cosine_longer._loop_step is not variants['schedule']._loop_step  # steps shape the rate
-  assert cosine_faster._loop_step is not variants['schedule']._loop_step
-  assert len(store) == 9  # base, module, decay, objective, batch, prox, three schedules
+      assert trainer.program != base.program, name
+  assert cosine_longer.program != variants['schedule'].program  # steps shape the rate
+  assert cosine_faster.program != variants['schedule'].program
   assert variants['objective'].objective is not engine.classification_objective
   assert base.objective is engine.classification_objective
   assert (variants['batch'].batch_size, variants['prox'].prox_mu) == (4, 0.01)
@@ -607,9 +598,14 @@ def test_a_shared_trainer_is_one_per_module_optimiser_objective_batch_prox_weigh
   params = {'w': np.zeros(2, np.float32)}
   lr = lambda t: float(optim.learning_rate_of(t.tx.init(params)))
   assert (lr(base), lr(variants['lr'])) == (pytest.approx(0.1), pytest.approx(0.5))
-  assert common._shared_trainers is None
-  alone = common.group_trainer(ctx, group.module, spec, 8)  # outside the block: a new one
-  assert alone._loop_step is not base._loop_step
+
+
+def test_a_program_whose_module_cannot_be_hashed_is_equal_only_to_itself():
+  """An array among a module's fields makes it unhashable: its trainer still trains (its
+  program is equal to itself alone) instead of failing jit's static-argument hash."""
+  program = engine.ClientProgram([1, 2], engine.classification_objective, None, 8, 0.0)
+  assert program == program and hash(program) == id(program)
+  assert program != engine.ClientProgram([1, 2], engine.classification_objective, None, 8, 0.0)
 
 
 def _server_round(declared_sizes=None, weights=None, taking_part=(True, True, False), **overrides):

@@ -73,8 +73,8 @@ def op_kind(op: str, origin: str) -> str:
 
 def profile_model(name: str, steps: int, top: int) -> dict:
   """Device ms per step and the `top` costliest operations of `name`'s client step."""
+  from jfed.engine import training
   from jfed.engine.state import init_models, init_train_state
-  from jfed.engine.training import GroupTrainer
 
   case = MODELS[name]
   module = jfed_module(name)
@@ -84,9 +84,10 @@ def profile_model(name: str, steps: int, top: int) -> dict:
   n = 4 * case.batch
   x = jnp.asarray(np.random.default_rng(0).standard_normal((n, *INPUT_SHAPE), np.float32))
   y = jnp.arange(n) % NUM_CLASSES
-  trainer = GroupTrainer(module, tx, case.batch, strategy='loop')
-  args = (ts, jnp.zeros(3), x, y, jnp.arange(n), jnp.int32(n), jax.random.key(1), jnp.int32(0))
-  step = jax.jit(trainer._loop_client_step)
+  trainer = training.GroupTrainer(module, tx, case.batch, strategy='loop')
+  client = (x, y, jnp.arange(n), jnp.int32(n), jax.random.key(1))
+  args = (trainer.program, ts, jnp.zeros(3), client, jnp.int32(0))
+  step = jax.jit(training._loop_client_step, static_argnums=0)  # pylint: disable=protected-access
   compiled = step.lower(*args, None).compile()
   origins = _op_origins(compiled.as_text())
   cost = compiled.cost_analysis()

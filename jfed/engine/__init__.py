@@ -2,7 +2,13 @@
 
 from jfed.engine.aggregation import weighted_average
 from jfed.engine.evaluation import BatchNormStatistics, Evaluator, TrainedModel
-from jfed.engine.optim import OptimizerSpec, build_optimizer, make_optimizer, optimizer_spec
+from jfed.engine.optim import (
+  OptimizerSpec,
+  SpecOptimizer,
+  build_optimizer,
+  make_optimizer,
+  optimizer_spec,
+)
 from jfed.engine.sharding import client_mesh
 from jfed.engine.state import (
   ModelState,
@@ -19,6 +25,7 @@ from jfed.engine.state import (
 )
 from jfed.engine.training import (
   STRATEGIES,
+  ClientProgram,
   GroupTrainer,
   LocalObjective,
   TrainMetrics,

@@ -204,3 +204,44 @@ def set_learning_rate(opt_state: Any, lr) -> Any:
 
 def learning_rate_of(opt_state: Any) -> Any:
   return opt_state.hyperparams['learning_rate']
+
+
+class SpecOptimizer:
+  """`build_optimizer(spec, total_steps)` as an optax GradientTransformation (`init`/`update`)
+  that is equal to, and hashes as, any other whose update program is the same: the spec with a
+  constant learning rate left out (the rate lives in the optimiser state, `inject_hyperparams`,
+  so every rate runs one program) and the steps a schedule spans. A compiled program that takes
+  it as a static argument (`jfed.engine.training.ClientProgram`) thus serves every run that
+  differs from another only in a constant rate: jit's own cache shares it, no cache of ours."""
+
+  def __init__(self, spec: OptimizerSpec, total_steps: int = 0):
+    self.spec, self.total_steps = spec, int(total_steps)
+    # the optax transformation itself, equal only to itself: what a cache keyed by the
+    # optimiser's numbers (jfed.engine.state's compiled init) must be keyed by
+    self.transformation = build_optimizer(spec, self.total_steps)
+
+  def _program(self):
+    rate_in_state = self.spec.schedule == 'constant' and self.spec.transform is None
+    return (self.spec._replace(lr=0.0) if rate_in_state else self.spec, self.total_steps)
+
+  def __hash__(self) -> int:
+    return hash(self._program())
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, SpecOptimizer) and self._program() == other._program()
+
+  def init(self, params):
+    return self.transformation.init(params)
+
+  def update(self, updates, state, params=None):
+    """The optax update of the spec's optimiser.
+
+    Args:
+      updates: The gradients.
+      state: The optimiser state (its learning rate, for a constant schedule).
+      params: The current parameters (weight decay reads them).
+
+    Returns:
+      (the parameter updates, the new optimiser state).
+    """
+    return self.transformation.update(updates, state, params)

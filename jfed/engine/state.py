@@ -102,6 +102,9 @@ def init_train_state(tx: optax.GradientTransformation, models: ModelState) -> Tr
   first = jax.tree.leaves(models.params)[0]
   # The optimiser state lives where the models do (sharded over the client axis or not).
   sharding = first.sharding if isinstance(first, jax.Array) and first.committed else None
+  # A SpecOptimizer equals another of another constant rate: the compiled init, which holds
+  # the rate, is cached by its transformation instead.
+  tx = getattr(tx, 'transformation', tx)
   return TrainState(model=models, opt_state=_stacked_init(tx, sharding)(models.params))
 
 

@@ -252,11 +252,114 @@ def _squared_distance(a, b):
   return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-class GroupTrainer:
-  """Compiles a group's local training once and runs it with the chosen client-map strategy.
+class ClientProgram:
+  """What a group's compiled local-training programs depend on, passed to them as one static
+  argument: the clients' module, the local objective, the optimiser (only its `update` is
+  traced), the batch size and FedProx's weight. Two trainers, of one run or of two, whose
+  programs are equal share jit's compiled programs; an optimiser made by
+  `jfed.engine.optim.SpecOptimizer` is equal for every constant learning rate. A program whose
+  module cannot be hashed (an array among its fields) is equal only to itself."""
 
-  Build one per (architecture, optimiser, batch size) and reuse it across rounds: its jitted
-  functions are traced once per input shape.
+  def __init__(self, module, objective, tx, batch_size: int, prox_mu: float):
+    self.module, self.objective, self.tx = module, objective, tx
+    self.batch_size, self.prox_mu = int(batch_size), float(prox_mu)
+
+  def _key(self):
+    return (self.module, self.objective, self.tx, self.batch_size, self.prox_mu)
+
+  def _hashable(self) -> bool:
+    try:
+      hash(self._key())
+    except TypeError:
+      return False
+    return True
+
+  def __hash__(self) -> int:
+    return hash(self._key()) if self._hashable() else id(self)
+
+  def __eq__(self, other) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, ClientProgram) or not (self._hashable() and other._hashable()):
+      return False
+    return self._key() == other._key()
+
+  def replace(self, **changes) -> 'ClientProgram':
+    fields = dict(zip(('module', 'objective', 'tx', 'batch_size', 'prox_mu'), self._key()))
+    return ClientProgram(**{**fields, **changes})
+
+
+def _client_step(
+  program: ClientProgram, ts: TrainState, client, step, anchor, context, may_be_empty=True
+):
+  """One step of one client; client = (x, y, order, size, client_key), its data and this
+  epoch's order and key."""
+  x, y, order, size, client_key = client
+  b = program.batch_size
+  idx = lax.dynamic_slice(order, (step * b,), (b,))
+  real = step * b + jnp.arange(b) < size
+  xb, yb = x[idx], y[idx]
+  weights = real.astype(jnp.float32)
+  key = jax.random.fold_in(client_key, step)
+  extra = {} if context is None else {'context': context}
+
+  def objective(params):
+    total, aux = program.objective(
+      program.module, params, ts.model.batch_stats, xb, yb, weights, key, **extra
+    )
+    if program.prox_mu:
+      total = total + 0.5 * program.prox_mu * _squared_distance(params, anchor)
+    return total, aux
+
+  grads, (loss, correct, count, new_stats) = jax.grad(objective, has_aux=True)(ts.model.params)
+  updates, new_opt = program.tx.update(grads, ts.opt_state, ts.model.params)
+  new_ts = TrainState(ModelState(optax.apply_updates(ts.model.params, updates), new_stats), new_opt)
+  if may_be_empty:  # a step past the client's data leaves it untouched
+    new_ts = _tree_where(count > 0, new_ts, ts)
+  return new_ts, jnp.stack([loss * count, correct, count])
+
+
+def _loop_client_step(program: ClientProgram, ts, acc, client, step, anchor, context=None):
+  # The loop runs only a client's own batches, each with a real sample, so it skips the
+  # guard against empty steps (a select over the whole state, about 4 % of VGG-9's step).
+  ts, st = _client_step(program, ts, client, step, anchor, context, may_be_empty=False)
+  return ts, acc + st, step + 1
+
+
+def _vmap_client_step(program: ClientProgram, ts, client, step, anchor, context):
+  """`_client_step` of every client of the group at once (the `vmap` strategy)."""
+  one = functools.partial(_client_step, program)
+  return jax.vmap(one, in_axes=(0, 0, None, None, 0))(ts, client, step, anchor, context)
+
+
+def _client_epoch(program: ClientProgram, ts, client, num_steps: int, anchor, context):
+  """An epoch of every client of the group, `num_steps` steps scanned (the `scan` strategy)."""
+
+  def epoch(ts, client, context):
+    def body(carry, s):
+      return _client_step(program, carry, client, s, anchor, context)
+
+    ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
+    return ts, stats.sum(0)
+
+  return jax.vmap(epoch)(ts, client, context)
+
+
+# The compiled programs, pure functions of a static ClientProgram: jit's cache shares them
+# between the trainers (and runs) whose programs are equal. `loop` (the CPU strategy) is
+# dispatch-bound around each step, so it makes one call per step: the step index and the metric
+# sums ride along on the device, and the client's state and sums are donated so that XLA
+# updates them in place. Donation is safe because `_take_client` hands out fresh per-client
+# buffers: a caller's arrays are never donated.
+_loop_step = jax.jit(_loop_client_step, static_argnums=0, donate_argnums=(1, 2))
+_vmap_step = jax.jit(_vmap_client_step, static_argnums=0)
+_scan_epoch = jax.jit(_client_epoch, static_argnums=(0, 3))
+
+
+class GroupTrainer:
+  """Runs a group's local training with the chosen client-map strategy; its compiled programs
+  are module-level pure functions of its `program` (`ClientProgram`), traced once per input
+  shape and shared by every trainer with an equal program.
   """
 
   def __init__(
@@ -291,7 +394,6 @@ class GroupTrainer:
     if train_mode_epochs and objective is not classification_objective:
       raise ValueError('train_mode_epochs > 0 needs the classification objective')
     self.train_mode_epochs = int(train_mode_epochs)
-    self._eval_mode_trainer: Optional['GroupTrainer'] = None
     self.module = module
     self.objective = objective
     self.tx = tx
@@ -302,60 +404,7 @@ class GroupTrainer:
     self.loop_threads = default_loop_threads() if loop_threads is None else int(loop_threads)
     if self.loop_threads < 1:
       raise ValueError(f'loop_threads must be at least 1, got {loop_threads}')
-    step = self._client_step
-    # `loop` (the CPU strategy) is dispatch-bound around each step, so it makes one call per
-    # step: the step index and the metric sums ride along on the device, and the client's
-    # state and sums are donated so that XLA updates them in place. Donation is safe because
-    # `_loop_take` hands out fresh per-client buffers: a caller's arrays are never donated.
-    self._loop_step = jax.jit(self._loop_client_step, donate_argnums=(0, 1))
-    self._loop_take = jax.jit(_take_client)
-    self._loop_stack = jax.jit(_stack_clients)
-    self._vmap_step = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None, 0)))
-    self._scan_epoch = jax.jit(
-      jax.vmap(self._client_epoch, in_axes=(0, 0, 0, 0, 0, 0, None, None, 0)), static_argnums=(6,)
-    )
-    self._loop_take_context = jax.jit(_take_context)
-    self._orders = jax.jit(client_orders, static_argnums=(3, 4))
-    self._client_keys = jax.jit(client_step_keys)
-    self._epoch_keys_each = jax.jit(epoch_keys_each)
-    self._orders_each = jax.jit(client_orders_each, static_argnums=(3, 4))
-    self._client_keys_each = jax.jit(client_step_keys_each)
-
-  # -- the one step every strategy runs ------------------------------------------------------
-  def _client_step(
-    self, ts: TrainState, x, y, order, size, client_key, step, anchor, context, may_be_empty=True
-  ):
-    b = self.batch_size
-    idx = lax.dynamic_slice(order, (step * b,), (b,))
-    real = step * b + jnp.arange(b) < size
-    xb, yb = x[idx], y[idx]
-    weights = real.astype(jnp.float32)
-    key = jax.random.fold_in(client_key, step)
-    extra = {} if context is None else {'context': context}
-
-    def objective(params):
-      total, aux = self.objective(
-        self.module, params, ts.model.batch_stats, xb, yb, weights, key, **extra
-      )
-      if self.prox_mu:
-        total = total + 0.5 * self.prox_mu * _squared_distance(params, anchor)
-      return total, aux
-
-    grads, (loss, correct, count, new_stats) = jax.grad(objective, has_aux=True)(ts.model.params)
-    updates, new_opt = self.tx.update(grads, ts.opt_state, ts.model.params)
-    new_ts = TrainState(
-      ModelState(optax.apply_updates(ts.model.params, updates), new_stats), new_opt
-    )
-    if may_be_empty:  # a step past the client's data leaves it untouched
-      new_ts = _tree_where(count > 0, new_ts, ts)
-    return new_ts, jnp.stack([loss * count, correct, count])
-
-  def _client_epoch(self, ts, x, y, order, size, client_key, num_steps, anchor, context):
-    def body(carry, s):
-      return self._client_step(carry, x, y, order, size, client_key, s, anchor, context)
-
-    ts, stats = lax.scan(body, ts, jnp.arange(num_steps))
-    return ts, stats.sum(0)
+    self.program = ClientProgram(module, objective, tx, batch_size, prox_mu)
 
   # -- strategies ----------------------------------------------------------------------------
   def train(
@@ -433,26 +482,26 @@ class GroupTrainer:
     stats = []
     for epoch in range(first_epoch, first_epoch + epochs):
       if per_client_keys:
-        epoch_keys = self._epoch_keys_each(key, epoch)
-        orders = self._orders_each(epoch_keys, ids, sizes, n_max, padded_len)
-        keys = self._client_keys_each(epoch_keys, ids)
+        epoch_keys = _epoch_keys_each(key, epoch)
+        orders = _orders_each(epoch_keys, ids, sizes, n_max, padded_len)
+        keys = _client_keys_each(epoch_keys, ids)
       else:
         epoch_key = jax.random.fold_in(key, epoch)
-        orders = self._orders(epoch_key, ids, sizes, n_max, padded_len)
-        keys = self._client_keys(epoch_key, ids)
+        orders = _orders(epoch_key, ids, sizes, n_max, padded_len)
+        keys = _client_keys(epoch_key, ids)
       if self.strategy == 'loop':
         state, epoch_stats = self._loop_epoch(
           state, fed, n_max, orders, sizes, keys, anchor, context, owned
         )
       elif self.strategy == 'vmap':
         epoch_stats = 0.0
+        clients = (x, y, orders, sizes, keys)
         for s in range(num_steps):
-          state, st = self._vmap_step(state, x, y, orders, sizes, keys, s, anchor, context)
+          state, st = _vmap_step(self.program, state, clients, s, anchor, context)
           epoch_stats = epoch_stats + st
       else:
-        state, epoch_stats = self._scan_epoch(
-          state, x, y, orders, sizes, keys, num_steps, anchor, context
-        )
+        clients = (x, y, orders, sizes, keys)
+        state, epoch_stats = _scan_epoch(self.program, state, clients, num_steps, anchor, context)
       stats.append(multihost.to_host(epoch_stats)[:m])
       if progress is not None:
         progress(epoch - first_epoch + 1, epochs)
@@ -473,24 +522,13 @@ class GroupTrainer:
     """`train` with `train_mode_epochs` epochs in train mode, then the rest in eval mode (one
     optimiser state throughout, the epochs' data orders those of one call)."""
     k = self.train_mode_epochs
-    if self._eval_mode_trainer is None:
-      self._eval_mode_trainer = GroupTrainer(
-        self.module,
-        self.tx,
-        self.batch_size,
-        prox_mu=self.prox_mu,
-        strategy=self.strategy,
-        mesh=self.mesh,
-        objective=eval_mode_objective,
-        loop_threads=self.loop_threads,
-      )
-    later = self._eval_mode_trainer
-    later.tx = self.tx  # a shared trainer's copy may carry another run's optimiser
+    head, later = copy.copy(self), copy.copy(self)  # the same trainer, in train / eval mode
+    head.train_mode_epochs = later.train_mode_epochs = 0
+    later.objective = eval_mode_objective
+    later.program = self.program.replace(objective=eval_mode_objective)
     common = dict(anchor=anchor, client_ids=client_ids, context=context)
     first = None if progress is None else lambda done, _: progress(done, epochs)
     rest = None if progress is None else lambda done, _: progress(k + done, epochs)
-    head = copy.copy(self)
-    head.train_mode_epochs = 0
     state, m1 = head.train(state, fed, k, key, progress=first, first_epoch=first_epoch, **common)
     state, m2 = later.train(
       state, fed, epochs - k, key, progress=rest, first_epoch=first_epoch + k, **common
@@ -500,27 +538,20 @@ class GroupTrainer:
       accuracy=np.concatenate([m1.accuracy, m2.accuracy], axis=1),
     )
 
-  def _loop_client_step(self, ts, acc, x, y, order, size, client_key, step, anchor, context=None):
-    # The loop runs only a client's own batches, each with a real sample, so it skips the
-    # guard against empty steps (a select over the whole state, about 4 % of VGG-9's step).
-    ts, st = self._client_step(
-      ts, x, y, order, size, client_key, step, anchor, context, may_be_empty=False
-    )
-    return ts, acc + st, step + 1
-
   def _loop_epoch(self, state, fed, length, orders, sizes, keys, anchor, context=None, owned=None):
     sizes_np = np.asarray(fed.sizes)
     owned = range(len(sizes_np)) if owned is None else owned
 
     def train_client(k):
-      ts, order, size, ck, acc, step = self._loop_take(state, orders, sizes, keys, k)
+      ts, order, size, ck, acc, step = _loop_take(state, orders, sizes, keys, k)
       if k not in owned:  # another process trains it (see _process_block)
         return ts, acc
       xk, yk = _client_arrays(fed, k, length)
-      ctx_k = None if context is None else self._loop_take_context(context, k)
+      client = (xk, yk, order, size, ck)
+      ctx_k = None if context is None else _loop_take_context(context, k)
       # A client runs only its own batches: the steps past them would leave it untouched.
       for _ in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, acc, step = self._loop_step(ts, acc, xk, yk, order, size, ck, step, anchor, ctx_k)
+        ts, acc, step = _loop_step(self.program, ts, acc, client, step, anchor, ctx_k)
       return ts, acc
 
     clients = range(len(sizes_np))
@@ -528,7 +559,7 @@ class GroupTrainer:
       trained = list(_client_pool(self.loop_threads).map(train_client, clients))
     else:
       trained = [train_client(k) for k in clients]
-    return self._loop_stack([ts for ts, _ in trained], [acc for _, acc in trained])
+    return _loop_stack([ts for ts, _ in trained], [acc for _, acc in trained])
 
 
 @functools.lru_cache(maxsize=None)
@@ -607,3 +638,14 @@ def _take_context(context, k):
 
 def _stack_clients(states, stats):
   return jax.tree.map(lambda *a: jnp.stack(a), *states), jnp.stack(stats)
+
+
+# The small programs around the steps, shared by every trainer like the steps themselves.
+_loop_take = jax.jit(_take_client)
+_loop_stack = jax.jit(_stack_clients)
+_loop_take_context = jax.jit(_take_context)
+_orders = jax.jit(client_orders, static_argnums=(3, 4))
+_client_keys = jax.jit(client_step_keys)
+_epoch_keys_each = jax.jit(epoch_keys_each)
+_orders_each = jax.jit(client_orders_each, static_argnums=(3, 4))
+_client_keys_each = jax.jit(client_step_keys_each)

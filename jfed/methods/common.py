@@ -1,10 +1,8 @@
 """Blocks shared by methods: client groups, local training, the FedAvg round, the server side of
 model uploads (attack simulation, validation, aggregation), evaluation."""
 
-import contextlib
-import copy
 import math
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
 import flax.linen as nn
@@ -223,36 +221,6 @@ def init_group_models(ctx: RunContext, groups: Sequence[ClientGroup]) -> List[Mo
   return models
 
 
-# The trainers that runs share inside `sharing_client_programs` (None: every run builds its own).
-_shared_trainers: Optional[Dict[Any, GroupTrainer]] = None
-
-
-@contextlib.contextmanager
-def sharing_client_programs(store: Dict[Any, Any]) -> Iterator[None]:
-  """Runs inside the block take their client trainers from `store`, so their compiled programs
-  serve every later run whose trainer differs in nothing but a constant learning rate (another
-  seed, another method with the same clients, a learning-rate sweep).
-
-  A GroupTrainer's programs belong to the instance, so each run used to compile its client step
-  anew. A constant learning rate lives in the optimiser state (`optax.inject_hyperparams`), not
-  in the programs, so a shared trainer takes each run's rate from the state that run's own
-  optimiser initialises. `store` keeps the trainers as long as its owner keeps it (a sweep: for
-  its lifetime).
-
-  Args:
-    store: The trainers by what their programs depend on; starts empty.
-
-  Yields:
-    Nothing; the block's runs share `store`'s trainers.
-  """
-  global _shared_trainers
-  previous, _shared_trainers = _shared_trainers, store
-  try:
-    yield
-  finally:
-    _shared_trainers = previous
-
-
 def local_train_mode_epochs(local_bn: str, objective) -> int:
   """`GroupTrainer`'s `train_mode_epochs` for the run's `local_bn`: 1 for DENSE's
   'eval_after_first_epoch' with the classification objective, else 0 (train mode throughout;
@@ -274,12 +242,14 @@ def group_trainer(
   prox_mu: float = 0.0,
   total_steps: int = 0,
 ) -> GroupTrainer:
-  """A local trainer of `module` with the optimiser of `spec`: a new one, or inside
-  `sharing_client_programs` a copy of the shared one that carries this run's optimiser.
+  """A local trainer of `module` with the optimiser of `spec`.
 
-  Every method builds its local trainers here, so a sweep's runs share the programs of any
-  method whose objective is the same object from run to run (a module-level function, or one
-  its factory caches by its arguments).
+  Its optimiser is a `jfed.engine.optim.SpecOptimizer`, so its compiled programs are those of
+  every trainer, of this run or another in the process, that differs from it in nothing but a
+  constant learning rate (another seed, another method with the same clients, a learning-rate
+  sweep): jit's own cache shares them (`jfed.engine.training.ClientProgram`), as long as the
+  objective is the same object from run to run (a module-level function, or one its factory
+  caches by its arguments).
 
   Args:
     ctx: The run (its strategy and device mesh).
@@ -293,42 +263,16 @@ def group_trainer(
   Returns:
     The trainer.
   """
-  tx = engine.build_optimizer(spec, total_steps)
-  strategy, mesh = ctx.run.strategy, ctx.mesh
-  train_mode_epochs = local_train_mode_epochs(ctx.run.local_bn, objective)
-  fresh = lambda: GroupTrainer(
+  return GroupTrainer(
     module,
-    tx,
+    engine.SpecOptimizer(spec, total_steps),
     batch_size,
     prox_mu=prox_mu,
-    strategy=strategy,
-    mesh=mesh,
+    strategy=ctx.run.strategy,
+    mesh=ctx.mesh,
     objective=objective,
-    train_mode_epochs=train_mode_epochs,
+    train_mode_epochs=local_train_mode_epochs(ctx.run.local_bn, objective),
   )
-  if _shared_trainers is None:
-    return fresh()
-  programs_of = spec._replace(lr=0.0) if spec.schedule == 'constant' else spec
-  key = (
-    module,
-    programs_of,
-    objective,
-    int(total_steps),
-    int(batch_size),
-    float(prox_mu),
-    strategy,
-    mesh,
-    train_mode_epochs,
-  )
-  try:
-    shared = _shared_trainers.get(key)
-  except TypeError:  # an unhashable module field: nothing to share it by
-    return fresh()
-  if shared is None:
-    shared = _shared_trainers[key] = fresh()
-  trainer = copy.copy(shared)  # the shared programs, with this run's optimiser for its state
-  trainer.tx = tx
-  return trainer
 
 
 def make_trainers(
