@@ -523,15 +523,26 @@ def test_match_input_shape_resizes_and_matches_channels():
 
 def test_a_partition_figure_that_cannot_be_written_is_one_error_naming_it(tmp_path, monkeypatch):
   """A failed write (a full disk, `ulimit -f`) names the figure and leaves no temporary file."""
-  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
-
+  from jfed import workdir  # pylint: disable=g-import-not-at-top
   from jfed.data import plots  # pylint: disable=g-import-not-at-top
 
-  def savefig(self, fname, **kwargs):
-    pathlib.Path(fname).write_bytes(b'\x89PNG partial')
-    raise OSError(errno.EFBIG, 'File too large')
+  real_fdopen = os.fdopen
 
-  monkeypatch.setattr(mpl_figure.Figure, 'savefig', savefig)
+  class _FullDisk:  # writes a few bytes of the PNG, then the disk is full
+    def __init__(self, fd, mode):
+      self.file = real_fdopen(fd, mode)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *unused):
+      self.file.close()
+
+    def write(self, data):
+      self.file.write(data[:12])
+      raise OSError(errno.EFBIG, 'File too large')
+
+  monkeypatch.setattr(workdir.os, 'fdopen', _FullDisk)
   target = tmp_path / 'partition.png'
   with pytest.raises(
     WorkdirError, match=f'^cannot write {re.escape(str(target))}: File too large$'

@@ -922,6 +922,7 @@ def test_multi_round_dense_numbers_steps_by_round_and_epoch_and_resumes_at_a_rou
   resumes to the uninterrupted result. Both rounds' clients train with the trainers built in
   setup: their step compiles once in the run."""
   config = _config('smoke,rounds=2', model='mlp')
+  jax.clear_caches()  # programs are shared across runs (ClientProgram): count this run's own
   with monkeypatch.context() as m, compiles.count_compilations() as compiled:
     snapshot_every_step(m, tmp_path / 'killed')
     grids = record_sample_grids(m)

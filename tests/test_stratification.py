@@ -333,11 +333,9 @@ def test_fedhydra_saves_ms_in_global_client_order_and_names_each_client_in_the_h
   ctx = types.SimpleNamespace(
     output_path=lambda name: tmp_path / name,
     dataset=types.SimpleNamespace(name='digits'),
-    run=types.SimpleNamespace(
-      partition=types.SimpleNamespace(scheme='dir'),
-      client_models='mlp:hidden=8;cnn_mnist',
-      model='mlp',
-    ),
+    run=types.SimpleNamespace(partition=types.SimpleNamespace(scheme='dir')),
+    # client_models 'mlp:hidden=8;cnn_mnist' cycled over the three clients
+    federation=types.SimpleNamespace(specs=('mlp:hidden=8', 'cnn_mnist', 'mlp:hidden=8')),
     num_clients=m,
   )
   drawn = {}
