@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfed.engine.evaluation import Evaluator, _pad_batches
-from jfed.engine.training import GroupTrainer, _client_arrays
+from jfed.engine.training import GroupTrainer, _client_arrays, _client_step
 
 
 class LegacyLoopTrainer(GroupTrainer):
@@ -27,7 +27,7 @@ class LegacyLoopTrainer(GroupTrainer):
 
   def __init__(self, module, tx, batch_size, prox_mu=0.0):
     super().__init__(module, tx, batch_size, prox_mu=prox_mu, strategy='loop')
-    self._legacy_step = jax.jit(self._client_step)
+    self._legacy_step = jax.jit(_client_step, static_argnums=0)
 
   def _loop_epoch(self, state, fed, length, orders, sizes, keys, anchor, context=None, owned=None):
     del sizes  # the old code converted each client's size from the host copy
@@ -44,7 +44,8 @@ class LegacyLoopTrainer(GroupTrainer):
       order, size, ck = orders[k], jnp.int32(sizes_np[k]), keys[k]
       acc = jnp.zeros(3)
       for s in range(math.ceil(int(sizes_np[k]) / self.batch_size)):
-        ts, st = self._legacy_step(ts, xk, yk, order, size, ck, s, anchor, None)
+        client = (xk, yk, order, size, ck)
+        ts, st = self._legacy_step(self.program, ts, client, s, anchor, None)
         acc = acc + st
       new_states.append(ts)
       epoch_stats.append(acc)
