@@ -154,13 +154,10 @@ class _FedAvgM(driver.Algorithm):
     group, trainer, template, server = aux
     (model, velocity) = state
     avg, record = common.fedavg_round(
-      trainer,
+      common.RoundParts(trainer, self.config.local_epochs, template, server),
       group,
       model,
-      self.config.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
-      template,
-      server,
       i,
     )
     velocity = jax.tree.map(

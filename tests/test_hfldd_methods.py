@@ -354,9 +354,9 @@ def test_dynafed_distils_once_then_fine_tunes_every_round_on_the_same_set(monkey
 
   fedavg_round, finetune = common.fedavg_round, dynafed.finetune
 
-  def recording_round(*args, **kwargs):
-    rounds.append((np.asarray(args[4]), kwargs['label'], kwargs['weights']))
-    return fedavg_round(*args, **kwargs)
+  def recording_round(parts, group, model, key, step, options):
+    rounds.append((np.asarray(key), options.label, options.weights))
+    return fedavg_round(parts, group, model, key, step, options)
 
   def recording_finetune(*args):
     tunes.append(np.asarray(args[-1]))

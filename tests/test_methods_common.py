@@ -392,16 +392,12 @@ def test_a_fedavg_round_hands_the_server_its_weights_sizes_and_every_reply_and_c
   server = _ReceivingServer()
   weights, declared = np.array([1.0, 2.0, 3.0]), np.array([5, 6, 7])
   _, record = common.fedavg_round(
-    trainer,
+    common.RoundParts(trainer, 1, global_model, server),
     group,
     global_model,
-    1,
     jax.random.key(0),
-    global_model,
-    server,
     4,
-    weights=weights,
-    declared_sizes=declared,
+    common.RoundOptions(weights=weights, declared_sizes=declared),
   )
   (call,) = server.calls
   assert call['group'] is group and call['step'] == 4

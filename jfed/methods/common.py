@@ -670,47 +670,64 @@ def _finite_mean(values: np.ndarray) -> Optional[float]:
   return float(np.mean(finite)) if finite.size else None
 
 
-def fedavg_round(
-  trainer: GroupTrainer,
-  group: ClientGroup,
-  global_model: ModelState,
-  epochs: int,
-  key: jax.Array,
-  template: ModelState,
-  server: Server,
-  step: int,
-  weights: Optional[np.ndarray] = None,
-  prox_mu: float = 0.0,
-  label: str = 'local training',
-  declared_sizes: Optional[np.ndarray] = None,
-  sitting_out: Optional[np.ndarray] = None,
-) -> Tuple[ModelState, Dict[str, Any]]:
-  """One FedAvg round: replicate the global model, train the group, and let the server receive
-  the uploads (attack, validation) and aggregate them (weighted by client size unless
-  `weights` are given) by the run's rule.
+class RoundParts(NamedTuple):
+  """What a FedAvg round trains and aggregates with: the group's local trainer, the local
+  epochs, a model of the expected upload structure (for validation) and the server that receives
+  and aggregates the uploads (the run's, or its DP server for the round)."""
 
-  Args:
-    trainer: The group's local trainer.
-    group: The clients taking part in the round.
-    global_model: The global model sent to them.
-    epochs: Local epochs.
-    key: The PRNG key of the round's local training.
-    template: A model of the expected upload structure (for validation).
-    server: The server that receives and aggregates the uploads.
-    step: The round, as the server's step (attack schedule, server optimizer).
-    weights: Per-client aggregation weights; None for client sizes.
+  trainer: GroupTrainer
+  epochs: int
+  template: ModelState
+  server: 'Server'
+
+
+class RoundOptions(NamedTuple):
+  """A FedAvg round's options.
+
+  Attributes:
+    weights: per-client aggregation weights; None for client sizes.
     prox_mu: FedProx's proximal coefficient; 0 for plain FedAvg.
-    label: What the training is called in logs and errors.
-    declared_sizes: The client sizes the clients report (an attack may lie); None for the
-      true sizes.
+    label: what the training is called in logs and errors.
+    declared_sizes: the client sizes the clients report (an attack may lie); None for the true
+      sizes.
     sitting_out: [K] bool, rows that only pad the group to a compiled shape (`padded_cohort`):
       they train nothing (size 0, `sitting_out_as_size_zero`), upload nothing and are not
       counted; None for none.
+  """
+
+  weights: Optional[np.ndarray] = None
+  prox_mu: float = 0.0
+  label: str = 'local training'
+  declared_sizes: Optional[np.ndarray] = None
+  sitting_out: Optional[np.ndarray] = None
+
+
+def fedavg_round(
+  parts: RoundParts,
+  group: ClientGroup,
+  global_model: ModelState,
+  key: jax.Array,
+  step: int,
+  options: RoundOptions = RoundOptions(),
+) -> Tuple[ModelState, Dict[str, Any]]:
+  """One FedAvg round: replicate the global model, train the group, and let the server receive
+  the uploads (attack, validation) and aggregate them (weighted by client size unless
+  `options.weights` are given) by the run's rule.
+
+  Args:
+    parts: The trainer, local epochs, upload template and server of the round.
+    group: The clients taking part in the round.
+    global_model: The global model sent to them.
+    key: The PRNG key of the round's local training.
+    step: The round, as the server's step (attack schedule, server optimizer).
+    options: The round's aggregation weights, proximal term, label, declared sizes and padding.
 
   Returns:
     The round's aggregate and its record fields (train_loss, clients, upload_bytes,
     download_bytes: the new global model goes back to the same clients, rejected_uploads).
   """
+  trainer, epochs, template, server = parts
+  weights, prox_mu, label, declared_sizes, sitting_out = options
   n = len(group.client_ids)
   padding = np.zeros(n, bool) if sitting_out is None else np.asarray(sitting_out, bool)
   if padding.any():

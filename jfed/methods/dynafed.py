@@ -563,16 +563,12 @@ class DynaFed(Algorithm):
     group = common.participating_group(ctx, aux.full_group, self._participants(ctx, i))
     weights = np.ones(len(group.client_ids)) if cfg.weighting == 'uniform' else None
     model, round_record = common.fedavg_round(
-      aux.trainer,
+      common.RoundParts(aux.trainer, cfg.local_epochs, aux.init, aux.server),
       group,
       state.model,
-      cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
-      aux.init,
-      aux.server,
       i,
-      weights=weights,
-      label=f'round {i + 1}/{cfg.rounds}',
+      common.RoundOptions(weights=weights, label=f'round {i + 1}/{cfg.rounds}'),
     )
     if i >= T:
       record['test_accuracy_before_finetune'] = aux.evaluator.accuracy(model, ds.test_x, ds.test_y)

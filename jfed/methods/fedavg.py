@@ -432,18 +432,17 @@ class FedAvg(Algorithm):
       selected, padding, weights = self.cohort(ctx, aux, i)
       if len(selected):
         aggregate, record = common.fedavg_round(
-          aux.trainer,
+          common.RoundParts(aux.trainer, c.local_epochs, aux.init, server),
           common.participating_group(ctx, aux.full_group, selected),
           state.model,
-          c.local_epochs,
           ctx.derive_key(Purpose.ROUNDS, i),
-          aux.init,
-          server,
           i,
-          weights=weights,
-          prox_mu=self.prox_mu,
-          label=f'round {i + 1}/{c.rounds}',
-          sitting_out=padding,
+          common.RoundOptions(
+            weights=weights,
+            prox_mu=self.prox_mu,
+            label=f'round {i + 1}/{c.rounds}',
+            sitting_out=padding,
+          ),
         )
       elif aux.dp is not None:  # a Poisson cohort of none: the round releases the noise alone
         aggregate, fraction = privacy.central_noise_only(state.model, server.noise)

@@ -410,16 +410,12 @@ class HFLDD(Algorithm):
     """One FedAvg round over the cluster heads' hybrid datasets."""
     cfg = self.config
     model, record = common.fedavg_round(
-      aux.trainer,
+      common.RoundParts(aux.trainer, cfg.local_epochs, aux.init, aux.server),
       aux.group,
       state,
-      cfg.local_epochs,
       ctx.derive_key(Purpose.ROUNDS, i),
-      aux.init,
-      aux.server,
       i,
-      label=f'round {i + 1}/{cfg.rounds}',
-      declared_sizes=aux.group.fed.sizes,
+      common.RoundOptions(label=f'round {i + 1}/{cfg.rounds}', declared_sizes=aux.group.fed.sizes),
     )
     accuracy = aux.evaluator.accuracy(model, aux.public.eval_x, aux.public.eval_y)
     return model, [{'round': i + 1, 'test_accuracy': accuracy, **record}]
