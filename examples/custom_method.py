@@ -42,18 +42,18 @@ class FedAvgM(jfed.Algorithm):
 
   def setup(self, ctx):
     common.single_architecture(ctx)  # ConfigError unless every client has the same model
-    g = common.client_groups(ctx)[0]
-    key = ctx.derive_key(Purpose.MODEL_INIT, 0)
+    g, key = common.client_groups(ctx)[0], ctx.derive_key(Purpose.MODEL_INIT, 0)
     init = engine.init_model(g.module, ctx.dataset.input_shape, key)
-    return g, common.make_trainers(ctx, [g])[0], init, common.make_server(ctx)
+    trainer, server = common.make_trainers(ctx, [g])[0], common.make_server(ctx)
+    return g, common.RoundParts(trainer, self.config.local_epochs, init, server), init
 
   def init(self, ctx, aux):
     return aux[2], jax.tree.map(jax.numpy.zeros_like, aux[2].params)  # (model, velocity)
 
   def step(self, ctx, aux, state, i):
-    (group, trainer, init, server), (model, velocity), c = aux, state, self.config
-    key, data, m = ctx.derive_key(Purpose.ROUNDS, i), ctx.dataset, c.server_momentum
-    avg, record = common.fedavg_round(trainer, group, model, c.local_epochs, key, init, server, i)
+    (group, parts, _), (model, velocity), m = aux, state, self.config.server_momentum
+    key, data = ctx.derive_key(Purpose.ROUNDS, i), ctx.dataset
+    avg, record = common.fedavg_round(parts, group, model, key, i)
     velocity = jax.tree.map(lambda g, a, v: g - a + m * v, model.params, avg.params, velocity)
     model = avg._replace(params=jax.tree.map(lambda g, v: g - v, model.params, velocity))
     accuracy = engine.TrainedModel(group.module, model).accuracy(data.test_x, data.test_y)
