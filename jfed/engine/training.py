@@ -263,26 +263,25 @@ class ClientProgram:
   def __init__(self, module, objective, tx, batch_size: int, prox_mu: float):
     self.module, self.objective, self.tx = module, objective, tx
     self.batch_size, self.prox_mu = int(batch_size), float(prox_mu)
+    # Hashed once: jit hashes a static argument at every call, and the `loop` strategy calls
+    # once per step (a flax module's hash walks its fields).
+    try:
+      self._hash: Optional[int] = hash(self._key())
+    except TypeError:
+      self._hash = None
 
   def _key(self):
     return (self.module, self.objective, self.tx, self.batch_size, self.prox_mu)
 
-  def _hashable(self) -> bool:
-    try:
-      hash(self._key())
-    except TypeError:
-      return False
-    return True
-
   def __hash__(self) -> int:
-    return hash(self._key()) if self._hashable() else id(self)
+    return id(self) if self._hash is None else self._hash
 
   def __eq__(self, other) -> bool:
     if self is other:
       return True
-    if not isinstance(other, ClientProgram) or not (self._hashable() and other._hashable()):
+    if not isinstance(other, ClientProgram) or self._hash is None or other._hash is None:
       return False
-    return self._key() == other._key()
+    return self._hash == other._hash and self._key() == other._key()
 
   def replace(self, **changes) -> 'ClientProgram':
     fields = dict(zip(('module', 'objective', 'tx', 'batch_size', 'prox_mu'), self._key()))
@@ -394,17 +393,19 @@ class GroupTrainer:
     if train_mode_epochs and objective is not classification_objective:
       raise ValueError('train_mode_epochs > 0 needs the classification objective')
     self.train_mode_epochs = int(train_mode_epochs)
-    self.module = module
-    self.objective = objective
-    self.tx = tx
-    self.batch_size = int(batch_size)
-    self.prox_mu = float(prox_mu)
     self.strategy = resolve_strategy(strategy)
     self.mesh = mesh
     self.loop_threads = default_loop_threads() if loop_threads is None else int(loop_threads)
     if self.loop_threads < 1:
       raise ValueError(f'loop_threads must be at least 1, got {loop_threads}')
     self.program = ClientProgram(module, objective, tx, batch_size, prox_mu)
+
+  # What the trainer trains with is its program's: one record, no copy to keep in step.
+  module = property(lambda self: self.program.module)
+  objective = property(lambda self: self.program.objective)
+  tx = property(lambda self: self.program.tx)
+  batch_size = property(lambda self: self.program.batch_size)
+  prox_mu = property(lambda self: self.program.prox_mu)
 
   # -- strategies ----------------------------------------------------------------------------
   def train(
@@ -524,7 +525,6 @@ class GroupTrainer:
     k = self.train_mode_epochs
     head, later = copy.copy(self), copy.copy(self)  # the same trainer, in train / eval mode
     head.train_mode_epochs = later.train_mode_epochs = 0
-    later.objective = eval_mode_objective
     later.program = self.program.replace(objective=eval_mode_objective)
     common = dict(anchor=anchor, client_ids=client_ids, context=context)
     first = None if progress is None else lambda done, _: progress(done, epochs)
